@@ -1,0 +1,975 @@
+"""Asynchronous GRPO with tool calling, in one file.
+
+    python async_grpo.py                          # CPU, no network: tiny built-in model + arithmetic task
+    python async_grpo.py --tools                  # the same task, with a calculator the model can call
+    python async_grpo.py --model Qwen/Qwen3-0.6B --tools --vllm-gpus 1          # 1 GPU trains, 1 serves
+    torchrun --nproc-per-node 4 async_grpo.py --model Qwen/Qwen3-0.6B --tools --vllm-gpus 4,5,6,7
+    python async_grpo.py --model M --vllm-url http://host:8000   # a server started with this file's
+                                                                  # worker extension (see start_vllm)
+
+The shape of a run:
+  rank 0 starts a vLLM server and a producer thread. The producer, on its own asyncio loop, samples
+  G rollouts per prompt from the server (token ids in, token ids and log-probs out), runs tool calls,
+  scores each group with the reward functions, computes group-relative advantages, stamps every token
+  with the policy version that sampled it, and puts the group on a queue.
+  Every rank trains: rank 0 takes a batch off the queue and hands each rank its share; the loss is
+  the clipped surrogate against the sampler's log-probs. Every --sync-every steps rank 0 pauses vLLM,
+  broadcasts the weights over a process group of its own, resumes it, and the policy version grows.
+Generation never waits for training; training waits only for data; --max-staleness bounds the gap.
+"""
+
+import argparse
+import asyncio
+import contextlib
+import ctypes
+import inspect
+import json
+import math
+import os
+import queue
+import random
+import re
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import traceback
+import urllib.error
+import urllib.request
+from collections import defaultdict
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+import rewards as rewards_module
+import tools as tools_module
+
+HERE = Path(__file__).resolve().parent
+
+
+# ----------------------------------------------------------------------------------------------
+# Arguments
+# ----------------------------------------------------------------------------------------------
+
+def parse_args(argv=None, world_size=1):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    g = p.add_argument_group("model and data")
+    g.add_argument("--model", default=None,
+                   help="hub name or local path of a causal LM that transformers and vLLM load; "
+                        "default: the tiny built-in model, built once into --cache-dir")
+    g.add_argument("--dataset", default=None,
+                   help="JSONL file, one prompt per row: {\"prompt\": str or chat messages, ...}; the other "
+                        "columns reach the reward functions by name. Default: generated arithmetic")
+    g.add_argument("--eval-size", type=int, default=64, help="rows held out from the dataset for --eval-every")
+    g.add_argument("--system-prompt", default=None, help="system message put before every prompt")
+    g.add_argument("--cache-dir", default=os.path.expanduser("~/.cache/async_grpo"),
+                   help="where the built-in model is built once and reused")
+    g.add_argument("--seed", type=int, default=0, help="seed of data order, sampling and init (rank adds to it)")
+
+    g = p.add_argument_group("rollout")
+    g.add_argument("--num-generations", type=int, default=8, help="rollouts per prompt (G, the group size)")
+    g.add_argument("--prompts-per-step", type=int, default=8, help="groups per optimizer step")
+    g.add_argument("--max-tokens", type=int, default=48, help="most tokens generated per assistant turn")
+    g.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (the loss uses it too)")
+    g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling threshold")
+    g.add_argument("--max-inflight", type=int, default=64, help="most generation requests open at once")
+
+    g = p.add_argument_group("tools")
+    g.add_argument("--tools", nargs="?", const="all", default=None,
+                   help=f"offer tools to the model: 'all' (the bare flag) or a comma list of {sorted(tools_module.TOOLS)}")
+    g.add_argument("--max-tool-turns", type=int, default=3, help="most assistant turns that may call tools")
+    g.add_argument("--tool-timeout", type=float, default=10.0, help="seconds one tool call may take")
+
+    g = p.add_argument_group("reward")
+    g.add_argument("--rewards", default="correct_answer:1.0,format_reward:0.2",
+                   help=f"comma list of NAME[:WEIGHT] from rewards.py {sorted(rewards_module.REWARDS)}")
+
+    g = p.add_argument_group("loss and optimizer")
+    g.add_argument("--steps", type=int, default=60, help="optimizer steps")
+    g.add_argument("--lr", type=float, default=1e-4, help="AdamW learning rate")
+    g.add_argument("--warmup-steps", type=int, default=0, help="linear learning-rate warm-up")
+    g.add_argument("--weight-decay", type=float, default=0.0, help="AdamW weight decay")
+    g.add_argument("--epsilon", type=float, default=0.2, help="lower clip range of the ratio: 1 - epsilon")
+    g.add_argument("--epsilon-high", type=float, default=0.28, help="upper clip range of the ratio: 1 + epsilon-high")
+    g.add_argument("--max-grad-norm", type=float, default=1.0, help="gradient clipping norm")
+    g.add_argument("--micro-batch-size", type=int, default=16, help="sequences per forward/backward (gradient accumulation)")
+    g.add_argument("--gradient-checkpointing", action="store_true", help="recompute activations in backward to save memory")
+
+    g = p.add_argument_group("asynchrony and weight sync")
+    g.add_argument("--sync-every", type=int, default=1, help="optimizer steps between weight syncs to vLLM")
+    g.add_argument("--max-staleness", type=int, default=1,
+                   help="most policy versions a trained token may lag the trainer; the producer waits rather than exceed it")
+    g.add_argument("--sync-mode", choices=["keep", "wait", "abort"], default="keep",
+                   help="what happens to requests in flight during a sync: frozen and continued with the new "
+                        "weights (keep), finished first (wait), or restarted (abort)")
+    g.add_argument("--sync-bucket-mb", type=float, default=256, help="size of the packed buffers the weights travel in")
+    g.add_argument("--data-timeout", type=float, default=600, help="seconds the trainer waits for a batch before failing")
+
+    g = p.add_argument_group("vLLM server")
+    g.add_argument("--vllm-url", default=None, help="use this running server instead of starting one")
+    g.add_argument("--vllm-gpus", default=None, help="CUDA devices of the server started here, e.g. '1' or '4,5,6,7' (tensor parallel over them)")
+    g.add_argument("--vllm-port", type=int, default=0, help="port of the server started here (0: a free one)")
+    g.add_argument("--vllm-startup-timeout", type=float, default=600, help="seconds to wait for the server to be healthy")
+    g.add_argument("--vllm-args", default="", help="extra arguments for the server, e.g. \"--gpu-memory-utilization 0.5\"")
+    g.add_argument("--max-model-len", type=int, default=None, help="context length of the server (default: the model's)")
+
+    g = p.add_argument_group("logging and checkpoints")
+    g.add_argument("--output-dir", default=None, help="metrics.jsonl, checkpoints and the server log go here (default: runs/<time>)")
+    g.add_argument("--eval-every", type=int, default=0, help="greedy evaluation on the held-out rows every N steps (0: off)")
+    g.add_argument("--save-every", type=int, default=0, help="save a checkpoint every N steps (0: only at the end)")
+    g.add_argument("--wandb-project", default=None, help="also log to this wandb project (WANDB_MODE=offline works)")
+
+    args = p.parse_args(argv)
+    if args.num_generations < 2:
+        p.error("--num-generations must be at least 2: advantages are relative to the group")
+    if args.epsilon_high < args.epsilon:
+        p.error("--epsilon-high must be >= --epsilon")
+    if (args.prompts_per_step * args.num_generations) % world_size:
+        p.error(f"--prompts-per-step x --num-generations = {args.prompts_per_step * args.num_generations} samples "
+                f"per step must divide evenly over {world_size} ranks")
+    if args.max_staleness < 0 or args.sync_every < 1:
+        p.error("--max-staleness must be >= 0 and --sync-every >= 1")
+    if args.tools is not None:
+        names = list(tools_module.TOOLS) if args.tools == "all" else [n.strip() for n in args.tools.split(",")]
+        unknown = [n for n in names if n not in tools_module.TOOLS]
+        if unknown:
+            p.error(f"--tools: unknown tool(s) {unknown}; tools.py defines {sorted(tools_module.TOOLS)}")
+        args.tool_names = names
+    else:
+        args.tool_names = []
+    args.reward_weights = {}
+    for item in args.rewards.split(","):
+        name, _, weight = item.strip().partition(":")
+        if name not in rewards_module.REWARDS:
+            p.error(f"--rewards: unknown reward {name!r}; rewards.py defines {sorted(rewards_module.REWARDS)}")
+        args.reward_weights[name] = float(weight or 1.0)
+    if args.dataset and not os.path.isfile(args.dataset):
+        p.error(f"--dataset: no file {args.dataset}")
+    args.output_dir = args.output_dir or time.strftime("runs/%Y%m%d-%H%M%S")
+    args.samples_per_step = args.prompts_per_step * args.num_generations
+    return args
+
+
+# ----------------------------------------------------------------------------------------------
+# The built-in model and task: a tiny Qwen3-architecture model that runs anywhere, no network
+# ----------------------------------------------------------------------------------------------
+
+# ChatML with Qwen-style tool calls, so the same parser serves this model and Qwen models.
+TINY_CHAT_TEMPLATE = (
+    "{%- if tools %}<|im_start|>system\n"
+    "{%- if messages[0].role == 'system' %}{{ messages[0].content }}\n{% endif %}"
+    "Tools:\n{% for tool in tools %}{{ tool | tojson }}\n{% endfor %}"
+    "Call one as <tool_call>{\"name\": NAME, \"arguments\": {...}}</tool_call><|im_end|>\n"
+    "{%- elif messages[0].role == 'system' %}<|im_start|>system\n{{ messages[0].content }}<|im_end|>\n{% endif %}"
+    "{%- for m in messages %}"
+    "{%- if m.role == 'user' %}<|im_start|>user\n{{ m.content }}<|im_end|>\n"
+    "{%- elif m.role == 'assistant' %}<|im_start|>assistant\n{{ m.content or '' }}"
+    "{%- for call in m.tool_calls or [] %}{% set f = call.function if call.function is defined else call %}"
+    "<tool_call>{\"name\": \"{{ f.name }}\", \"arguments\": "
+    "{{ f.arguments if f.arguments is string else f.arguments | tojson }}}</tool_call>{% endfor %}<|im_end|>\n"
+    "{%- elif m.role == 'tool' %}"
+    "{%- if loop.first or messages[loop.index0 - 1].role != 'tool' %}<|im_start|>user{% endif %}"
+    "\n<tool_response>{{ m.content }}</tool_response>"
+    "{%- if loop.last or messages[loop.index0 + 1].role != 'tool' %}<|im_end|>\n{% endif %}"
+    "{%- endif %}{%- endfor %}"
+    "{%- if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+TINY_SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<tool_call>", "</tool_call>",
+                       "<tool_response>", "</tool_response>", "<think>", "</think>"]
+TINY_VERSION = "tiny-qwen3-v1"  # bump when the recipe below changes, so caches rebuild
+
+
+def arithmetic_rows(n, seed, max_operand=9):
+    """The built-in task: 'What is 7 + 5?' with the answer as a column for the reward."""
+    rng = random.Random(seed)
+    rows = []
+    for i in range(n):
+        a, b, op = rng.randint(0, max_operand), rng.randint(0, max_operand), rng.choice("+-")
+        rows.append({"id": i, "prompt": f"What is {a} {op} {b}?", "answer": a + b if op == "+" else a - b})
+    return rows
+
+
+def warm_start_conversations(n, seed):
+    """Supervised conversations for the built-in model: answer directly (without tools), or, with
+    tools offered (the calculator alone or all of them), call the calculator and copy its result."""
+    rng = random.Random(seed)
+    plain, with_tools = [], []
+    for row in arithmetic_rows(n, seed):
+        user, answer = {"role": "user", "content": row["prompt"]}, str(row["answer"])
+        plain.append(([user, {"role": "assistant", "content": answer}], None))
+        call = {"type": "function", "function": {"name": "calculator", "arguments": {"expression": row["prompt"][8:-1]}}}
+        with_tools.append(([user, {"role": "assistant", "content": "", "tool_calls": [call]},
+                            {"role": "tool", "name": "calculator", "content": answer},
+                            {"role": "assistant", "content": answer}],
+                           tool_schemas(rng.choice([["calculator"], list(tools_module.TOOLS)]))))
+    return plain, with_tools
+
+
+def build_tiny_model(cache_dir, warm_start_steps=400):
+    """Build (once) a ~0.5M-parameter Qwen3 model and a byte-level BPE tokenizer trained on the task.
+
+    Random weights would give every rollout the same zero reward, hence no signal. A few hundred
+    supervised steps teach the answer format and the tool-call syntax, and leave the arithmetic
+    itself mostly unlearned (~25% greedy accuracy without tools): that is what RL improves."""
+    path = Path(cache_dir) / f"{TINY_VERSION}-ws{warm_start_steps}"
+    if (path / "config.json").exists():
+        return str(path)
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
+
+    print(f"building the built-in model into {path} (once, about a minute)", flush=True)
+    torch.manual_seed(0)
+    plain, with_tools = warm_start_conversations(4000, seed=12345)
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
+                                                 pre_tokenizers.ByteLevel(add_prefix_space=False)])
+    bpe.decoder = decoders.ByteLevel()
+    corpus = [json.dumps(c) for c, _ in with_tools[:500]] + [json.dumps(tool_schemas(list(tools_module.TOOLS)))]
+    bpe.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=512, special_tokens=TINY_SPECIAL_TOKENS,
+                                                        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok = PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+                                  chat_template=TINY_CHAT_TEMPLATE)
+    config = Qwen3Config(vocab_size=len(tok), hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=64,  # vLLM's CPU attention needs 64
+                         max_position_embeddings=1024, tie_word_embeddings=True, eos_token_id=tok.eos_token_id,
+                         pad_token_id=tok.pad_token_id, bos_token_id=None)
+    model = Qwen3ForCausalLM(config)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    for step in range(warm_start_steps):
+        # Alternate plain and tool batches: padding a plain batch to tool length would waste most of it.
+        batch = random.Random(step).sample(plain if step % 2 == 0 else with_tools, 32)
+        batch = tok([tok.apply_chat_template(c, tools=t, tokenize=False) for c, t in batch],
+                    return_tensors="pt", padding=True, add_special_tokens=False)
+        loss = model(**batch, labels=batch.input_ids.masked_fill(batch.attention_mask == 0, -100)).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        if step % 100 == 0 or step == warm_start_steps - 1:
+            print(f"  warm start {step:4d}/{warm_start_steps} loss {loss.item():.3f}", flush=True)
+    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+    model.save_pretrained(tmp)
+    tok.save_pretrained(tmp)
+    os.replace(tmp, path)  # atomic: a half-built model is never picked up
+    return str(path)
+
+
+def load_rows(args):
+    """Rows of {'prompt': messages, ...columns}, split into (train, eval)."""
+    if args.dataset is None:
+        rows = arithmetic_rows(5000 + args.eval_size, args.seed)
+    else:
+        rows = []
+        with open(args.dataset) as f:
+            for line_no, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise SystemExit(f"--dataset {args.dataset}, line {line_no}: not JSON ({e})")
+                if not isinstance(row, dict) or "prompt" not in row:
+                    raise SystemExit(f"--dataset {args.dataset}, line {line_no}: each row needs a 'prompt' field")
+                row.setdefault("id", len(rows))
+                rows.append(row)
+    for row in rows:
+        messages = row["prompt"] if isinstance(row["prompt"], list) else [{"role": "user", "content": row["prompt"]}]
+        if args.system_prompt and messages[0]["role"] != "system":
+            messages = [{"role": "system", "content": args.system_prompt}] + messages
+        row["prompt"] = messages
+    if len(rows) <= args.eval_size:
+        raise SystemExit(f"--dataset has {len(rows)} rows, not more than --eval-size {args.eval_size}")
+    return rows[args.eval_size:], rows[:args.eval_size]
+
+
+# ----------------------------------------------------------------------------------------------
+# Chat template and tool-call parsing
+# ----------------------------------------------------------------------------------------------
+
+def tool_schemas(names):
+    from transformers.utils import get_json_schema
+    return [get_json_schema(tools_module.TOOLS[n]) for n in names]
+
+
+def render_prompt(tok, messages, schemas):
+    text = tok.apply_chat_template(messages, tools=schemas or None, add_generation_prompt=True, tokenize=False)
+    return tok.encode(text, add_special_tokens=False)
+
+
+TOOL_CALL = re.compile(r"<tool_call>(.*?)(?:</tool_call>|$)", re.DOTALL)
+
+
+def parse_assistant(text):
+    """Generated text -> assistant message {'content', 'tool_calls'}; a call that does not parse
+    becomes {'error': ...} so that the tool loop can tell the model instead of crashing."""
+    calls = []
+    for body in TOOL_CALL.findall(text):
+        try:
+            call = json.loads(body)
+            name, arguments = call["name"], call.get("arguments", {})
+            if not isinstance(arguments, dict):
+                raise ValueError("'arguments' must be an object")
+            calls.append({"type": "function", "function": {"name": name, "arguments": arguments}})
+        except (ValueError, KeyError, TypeError) as e:
+            calls.append({"error": f"could not parse tool call {body.strip()[:200]!r}: {e}"})
+    content = TOOL_CALL.sub("", text).strip()
+    return {"role": "assistant", "content": content, "tool_calls": calls}
+
+
+def tool_result_ids(tok, history, tool_messages, schemas, end_of_turn):
+    """Token ids of the tool-result turn plus the next assistant header.
+
+    Only this suffix is tokenised and appended to the ids the model generated: re-tokenising the
+    whole conversation would change earlier tokens and train on tokens the model never sampled."""
+    before = tok.apply_chat_template(history, tools=schemas, tokenize=False)
+    after = tok.apply_chat_template(history + tool_messages, tools=schemas, tokenize=False, add_generation_prompt=True)
+    if not after.startswith(before):
+        raise RuntimeError("the chat template rewrites earlier turns once a tool result follows; "
+                           "it cannot be used for exact-token tool loops")
+    cut = before.rfind(end_of_turn) + len(end_of_turn)  # the model's own turn ended at its stop token
+    return tok.encode(after[cut:], add_special_tokens=False)
+
+
+# ----------------------------------------------------------------------------------------------
+# The tool loop: one rollout = generate, run tool calls, append their results, generate again
+# ----------------------------------------------------------------------------------------------
+
+async def generate(session, url, ids, max_tokens, args, stop_ids, greedy=False):
+    """One completion from vLLM: token ids in; sampled ids and their log-probs out."""
+    payload = {"model": args.served_model, "prompt": ids, "max_tokens": max_tokens, "logprobs": 0,
+               "temperature": 0.0 if greedy else args.temperature, "top_p": 1.0 if greedy else args.top_p,
+               "return_token_ids": True, "stop_token_ids": stop_ids, "skip_special_tokens": False}
+    async with session.post(f"{url}/v1/completions", json=payload) as response:
+        if response.status != 200:
+            raise RuntimeError(f"vLLM answered {response.status}: {(await response.text())[:500]}")
+        choice = (await response.json())["choices"][0]
+    return choice["token_ids"], choice["logprobs"]["token_logprobs"], choice["finish_reason"]
+
+
+async def call_tool(call, timeout):
+    """Run one parsed call. Returns (result text for the model, ok); never raises."""
+    if "error" in call:
+        return f"Error: {call['error']}", False
+    name, arguments = call["function"]["name"], call["function"]["arguments"]
+    fn = tools_module.TOOLS.get(name)
+    if fn is None:
+        return f"Error: unknown tool {name!r}", False
+    try:
+        inspect.signature(fn).bind(**arguments)
+        pending = fn(**arguments) if inspect.iscoroutinefunction(fn) else asyncio.to_thread(fn, **arguments)
+        return str(await asyncio.wait_for(pending, timeout)), True
+    except asyncio.TimeoutError:
+        return f"Error: {name} timed out after {timeout} s", False
+    except Exception as e:  # a tool's bug is the model's problem to route around, not the run's
+        return f"Error: {type(e).__name__}: {e}", False
+
+
+async def rollout(session, url, tok, row, args, ctx, version_fn, greedy=False):
+    """Sample one conversation. Keeps the exact token ids: prompt, then per turn the generated ids
+    (mask 1, with their log-probs and policy version) and the tool-result ids (mask 0)."""
+    ids = list(ctx["prompt_ids"][row["id"]])
+    n_prompt = len(ids)
+    mask, logprobs, versions, messages = [], [], [], []
+    stats = {"tool_calls": 0, "tool_failures": 0, "tool_seconds": 0.0, "turns": 0, "truncated": False}
+    while True:
+        room = ctx["max_model_len"] - len(ids)
+        if room <= 0:
+            stats["truncated"] = True
+            break
+        version = version_fn()
+        new, lps, finish = await generate(session, url, ids, min(args.max_tokens, room), args, ctx["stop_ids"], greedy)
+        ids += new
+        mask += [1] * len(new)
+        logprobs += lps
+        versions += [version] * len(new)
+        stats["turns"] += 1
+        text = tok.decode(new[:-1] if finish == "stop" else new, skip_special_tokens=False)
+        message = parse_assistant(text) if ctx["schemas"] else {"role": "assistant", "content": text}
+        messages.append(message)
+        if finish != "stop":
+            stats["truncated"] = True
+            break
+        if not message.get("tool_calls"):
+            break
+        if stats["turns"] > args.max_tool_turns:
+            stats["truncated"] = True
+            break
+        start = time.perf_counter()
+        results = await asyncio.gather(*(call_tool(c, args.tool_timeout) for c in message["tool_calls"]))
+        stats["tool_seconds"] += time.perf_counter() - start
+        stats["tool_calls"] += len(results)
+        stats["tool_failures"] += sum(not ok for _, ok in results)
+        names = [c.get("function", {}).get("name", "?") for c in message["tool_calls"]]
+        tool_messages = [{"role": "tool", "name": n, "content": r} for n, (r, _) in zip(names, results)]
+        suffix = tool_result_ids(tok, row["prompt"] + messages, tool_messages, ctx["schemas"], tok.decode(new[-1:]))
+        messages += tool_messages
+        if len(ids) + len(suffix) >= ctx["max_model_len"]:
+            stats["truncated"] = True  # no room left to answer: end here rather than send vLLM a request it rejects
+            break
+        ids += suffix
+        mask += [0] * len(suffix)
+        logprobs += [0.0] * len(suffix)
+        versions += [version] * len(suffix)
+    return {"ids": ids, "n_prompt": n_prompt, "mask": mask, "logprobs": logprobs, "versions": versions,
+            "messages": messages, **stats}
+
+
+# ----------------------------------------------------------------------------------------------
+# Rewards and group-relative advantages
+# ----------------------------------------------------------------------------------------------
+
+async def score_group(samples, row, reward_weights):
+    """Weighted sum of the reward functions over one group; also returns each function's values."""
+    G = len(samples)
+    kwargs = {k: [v] * G for k, v in row.items() if k not in ("prompt", "id")}
+    kwargs.update(prompts=[row["prompt"]] * G, completions=[s["messages"] for s in samples],
+                  completion_ids=[s["ids"][s["n_prompt"]:] for s in samples],
+                  tool_calls=[s["tool_calls"] for s in samples], tool_failures=[s["tool_failures"] for s in samples],
+                  truncated=[s["truncated"] for s in samples])
+    total, parts = np.zeros(G), {}
+    for name, weight in reward_weights.items():
+        fn = rewards_module.REWARDS[name]
+        values = await fn(**kwargs) if inspect.iscoroutinefunction(fn) else await asyncio.to_thread(fn, **kwargs)
+        if len(values) != G:
+            raise ValueError(f"reward {name} returned {len(values)} values for a group of {G}")
+        parts[name] = np.asarray(values, dtype=np.float64)
+        total += weight * parts[name]
+    return total, parts
+
+
+def group_advantages(rewards, eps=1e-4):
+    """GRPO: each rollout's reward relative to its group, in units of the group's spread.
+    A group whose rewards are all equal gets all-zero advantages (it carries no signal)."""
+    rewards = np.asarray(rewards, dtype=np.float64)
+    return (rewards - rewards.mean()) / (rewards.std() + eps)
+
+
+# ----------------------------------------------------------------------------------------------
+# The producer: a thread with its own asyncio loop that keeps the queue full
+# ----------------------------------------------------------------------------------------------
+
+class Producer(threading.Thread):
+    """Streams scored groups to `self.queue`. State the trainer shares with it: `version` (written
+    by the trainer after each sync) and `consumed` (groups taken so far), both plain ints."""
+
+    def __init__(self, args, tok, rows, url, ctx):
+        super().__init__(daemon=True, name="producer")
+        self.args, self.tok, self.rows, self.url, self.ctx = args, tok, rows, url, ctx
+        self.queue = queue.Queue()
+        self.version = 0
+        self.consumed = 0
+        self.error = None
+        self.counters = defaultdict(int)
+        self.loop = None
+        self._task = None
+        self._started = threading.Event()
+
+    def run(self):
+        try:
+            self.loop = asyncio.new_event_loop()
+            self._task = self.loop.create_task(self._produce())
+            self._started.set()
+            self.loop.run_until_complete(self._task)
+        except asyncio.CancelledError:
+            pass
+        except BaseException as e:
+            self.error = "".join(traceback.format_exception(e))
+        finally:
+            self._started.set()
+
+    def stop(self, timeout=10):
+        self._started.wait()
+        if self.is_alive() and self.loop is not None:
+            self.loop.call_soon_threadsafe(self._task.cancel)
+            self.join(timeout)
+
+    def prompt_order(self):
+        """Rows in a seeded shuffle, epoch after epoch."""
+        rng = random.Random(self.args.seed)
+        while True:
+            order = list(range(len(self.rows)))
+            rng.shuffle(order)
+            for i in order:
+                yield self.rows[i]
+
+    def admissible(self, started):
+        """Admission control: the group started now is trained roughly `started // prompts_per_step`
+        steps from the start; do not start it if the policy will by then be more than
+        --max-staleness versions ahead of the one generating it."""
+        a = self.args
+        train_step = started // a.prompts_per_step
+        return train_step // a.sync_every - self.version <= a.max_staleness
+
+    async def _produce(self):
+        import aiohttp
+        a = self.args
+        connector = aiohttp.TCPConnector(limit=a.max_inflight)
+        async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=None)) as session:
+            self.session = session
+            pending, started = set(), 0
+            for row in self.prompt_order():
+                while not self.admissible(started) or len(pending) * a.num_generations >= 2 * a.max_inflight:
+                    if pending:
+                        done, pending = await asyncio.wait(pending, timeout=0.05, return_when=asyncio.FIRST_COMPLETED)
+                        for task in done:
+                            task.result()  # a group's unexpected error stops the producer, loudly
+                    else:
+                        await asyncio.sleep(0.01)
+                pending.add(asyncio.create_task(self._group(session, row)))
+                started += 1
+
+    async def _group(self, session, row):
+        a = self.args
+        samples = await asyncio.gather(*(rollout(session, self.url, self.tok, row, a, self.ctx, lambda: self.version)
+                                         for _ in range(a.num_generations)))
+        rewards, parts = await score_group(samples, row, a.reward_weights)
+        advantages = group_advantages(rewards)
+        for i, sample in enumerate(samples):
+            sample.update(reward=float(rewards[i]), advantage=float(advantages[i]), prompt_id=row["id"],
+                          reward_parts={k: float(v[i]) for k, v in parts.items()})
+        self.queue.put(samples)
+
+    def take(self, n, timeout):
+        """Block until n groups are ready; raise if the producer died or nothing came in time."""
+        groups, deadline = [], time.monotonic() + timeout
+        while len(groups) < n:
+            if self.error:
+                raise RuntimeError(f"the producer thread failed:\n{self.error}")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"no batch from the producer in {timeout} s (--data-timeout)")
+            try:
+                groups.append(self.queue.get(timeout=0.1))
+            except queue.Empty:
+                continue
+        self.consumed += n
+        return groups
+
+
+# ----------------------------------------------------------------------------------------------
+# The vLLM server: a child process in its own process group, stopped with everything it started
+# ----------------------------------------------------------------------------------------------
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def http(url, payload=None, timeout=60, method=None):
+    data = None if payload is None else json.dumps(payload).encode()
+    request = urllib.request.Request(url, data=data, method=method or ("GET" if data is None else "POST"),
+                                     headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=timeout) as response:
+        body = response.read()
+    return json.loads(body) if body else None
+
+
+def _die_with_parent():
+    # If the trainer is killed outright (SIGKILL), the server still gets SIGTERM from the kernel.
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+def log_tail(path, n=25):
+    with contextlib.suppress(OSError):
+        return "".join(Path(path).read_text(errors="replace").splitlines(keepends=True)[-n:])
+    return "(no log)"
+
+
+def start_vllm(args, model_path, out_dir):
+    """Start `vllm serve` with this file as its worker extension and wait until it is healthy."""
+    port = args.vllm_port or free_port()
+    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model_path,
+           "--host", "127.0.0.1", "--port", str(port), "--seed", str(args.seed),
+           "--served-model-name", args.served_model,
+           "--worker-extension-cls", "async_grpo.WeightSyncExtension",
+           "--logprobs-mode", "processed_logprobs"]  # log-probs after temperature/top-p: what was sampled from
+    if args.max_model_len:
+        cmd += ["--max-model-len", str(args.max_model_len)]
+    if args.vllm_gpus:
+        cmd += ["--tensor-parallel-size", str(len(args.vllm_gpus.split(",")))]
+    cmd += shlex.split(args.vllm_args)
+    env = dict(os.environ, VLLM_SERVER_DEV_MODE="1",  # the /pause, /resume, /collective_rpc routes
+               PYTHONPATH=os.pathsep.join(filter(None, [str(HERE), os.environ.get("PYTHONPATH")])))
+    if args.vllm_gpus:
+        env["CUDA_VISIBLE_DEVICES"] = args.vllm_gpus
+    if not torch.cuda.is_available():
+        env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; the default takes a large share of RAM
+    log_path = Path(out_dir) / "vllm.log"
+    with open(log_path, "ab") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
+                                start_new_session=True, preexec_fn=_die_with_parent)
+    proc.log_path, proc.url = log_path, f"http://127.0.0.1:{port}"
+    print(f"starting vLLM (pid {proc.pid}, log {log_path}): {shlex.join(cmd)}", flush=True)
+    deadline, t0 = time.monotonic() + args.vllm_startup_timeout, time.monotonic()
+    while True:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the vLLM server exited with code {proc.returncode} during start-up. "
+                               f"Last lines of {log_path}:\n{log_tail(log_path)}")
+        if time.monotonic() > deadline:
+            stop_vllm(proc)
+            raise TimeoutError(f"the vLLM server was not healthy after {args.vllm_startup_timeout} s "
+                               f"(--vllm-startup-timeout). Last lines of {log_path}:\n{log_tail(log_path)}")
+        with contextlib.suppress(OSError, urllib.error.URLError):
+            http(f"{proc.url}/health", timeout=5)
+            print(f"vLLM is up after {time.monotonic() - t0:.0f} s at {proc.url}", flush=True)
+            return proc
+        time.sleep(1)
+
+
+def stop_vllm(proc, grace=15):
+    """SIGTERM to the server's whole process group (its engine and workers too), SIGKILL if needed."""
+    if proc is None:
+        return
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(grace)
+    except subprocess.TimeoutExpired:
+        pass
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)  # workers that outlived the parent share its group
+    proc.wait()
+
+
+# ----------------------------------------------------------------------------------------------
+# Weight sync: trainer rank 0 broadcasts packed buckets to every vLLM worker over its own group
+# ----------------------------------------------------------------------------------------------
+
+class WeightSyncExtension:
+    """Mixed into every vLLM worker (--worker-extension-cls); its methods run via /collective_rpc."""
+
+    def init_weight_sync(self, host, port, world_size):
+        from vllm.distributed.utils import stateless_init_torch_distributed_process_group
+        backend = "nccl" if self.device.type == "cuda" else "gloo"
+        self.weight_sync_group = stateless_init_torch_distributed_process_group(
+            host, port, rank=1 + self.rank, world_size=world_size, backend=backend)
+
+    def receive_weights(self, buckets):
+        def tensors():  # lazily: a bucket arrives while the previous one is being loaded
+            for bucket in buckets:
+                flat = torch.empty(bucket["numel"], dtype=getattr(torch, bucket["dtype"]), device=self.device)
+                self.weight_sync_group.broadcast(flat, 0).wait()
+                offset = 0
+                for name, shape in bucket["params"]:
+                    numel = math.prod(shape)
+                    yield name, flat[offset:offset + numel].view(shape)
+                    offset += numel
+        # reload_weights wraps model.load_weights in vLLM's layer-wise reload lifecycle, which
+        # re-runs the post-load processing that plain load_weights would skip.
+        self.reload_weights(weights_iterator=tensors(), is_checkpoint_format=True)
+        # ...but only for the layer that loaded a tied weight. A module that shares it (lm_head
+        # tied to the embedding) keeps whatever was derived from the old values: on CPU, a
+        # pre-packed GEMM copy, so vLLM would go on sampling from the old output head.
+        from vllm.config import set_current_vllm_config
+        model, owners = self.model_runner.get_model(), defaultdict(list)
+        for name, param in model.named_parameters(remove_duplicate=False):
+            owners[id(param)].append(model.get_submodule(name.rpartition(".")[0]))
+        with set_current_vllm_config(self.vllm_config):
+            for module in (m for mods in owners.values() if len(mods) > 1 for m in mods):
+                if hasattr(module, "quant_method"):
+                    module.quant_method.process_weights_after_loading(module)
+
+
+def pack_buckets(model, bucket_bytes, dtype):
+    """Group the parameters into flat buffers of about bucket_bytes: one broadcast each."""
+    buckets, current, size = [], [], 0
+    for name, param in model.named_parameters():
+        if current and size + param.numel() * dtype.itemsize > bucket_bytes:
+            buckets.append(current)
+            current, size = [], 0
+        current.append((name, param))
+        size += param.numel() * dtype.itemsize
+    return buckets + [current] if current else buckets
+
+
+class WeightSync:
+    """Trainer side of the sync. The group to vLLM lives outside torch.distributed's default world,
+    which belongs to the training ranks; it is made at the first sync and kept for the run."""
+
+    def __init__(self, url, args, dtype):
+        self.url, self.args, self.dtype, self.group = url, args, dtype, None
+        self.pool = ThreadPoolExecutor(1)
+
+    def _rpc(self, method, **kwargs):
+        # Runs on the pool's thread: the server's workers block in the collective until we join it.
+        return self.pool.submit(http, f"{self.url}/collective_rpc", {"method": method, "kwargs": kwargs}, 600)
+
+    def __call__(self, model):
+        from vllm.distributed.utils import stateless_init_torch_distributed_process_group
+        t0 = time.perf_counter()
+        http(f"{self.url}/pause?mode={self.args.sync_mode}", {}, timeout=600)
+        if self.group is None:
+            world = 1 + http(f"{self.url}/get_world_size")["world_size"]
+            port = free_port()
+            joined = self._rpc("init_weight_sync", host="127.0.0.1", port=port, world_size=world)
+            self.group = stateless_init_torch_distributed_process_group(
+                "127.0.0.1", port, rank=0, world_size=world, backend="nccl" if torch.cuda.is_available() else "gloo")
+            joined.result()
+        buckets = pack_buckets(model, int(self.args.sync_bucket_mb * 2**20), self.dtype)
+        meta = [{"dtype": str(self.dtype).removeprefix("torch."), "numel": sum(p.numel() for _, p in b),
+                 "params": [(n, list(p.shape)) for n, p in b]} for b in buckets]
+        received = self._rpc("receive_weights", buckets=meta)
+        with torch.no_grad():
+            for bucket in buckets:
+                flat = torch.cat([p.detach().to(self.dtype).flatten() for _, p in bucket])
+                self.group.broadcast(flat, 0).wait()
+        received.result()
+        if self.args.sync_mode != "keep":  # cached prefixes hold keys/values of the old weights
+            http(f"{self.url}/reset_prefix_cache", {})
+        http(f"{self.url}/resume", {})
+        return time.perf_counter() - t0
+
+
+# ----------------------------------------------------------------------------------------------
+# The loss: clipped surrogate against the sampler's log-probs, normalised per token
+# ----------------------------------------------------------------------------------------------
+
+def grpo_loss(logp, old_logp, advantages, mask, epsilon, epsilon_high, num_tokens):
+    """logp, old_logp, mask: [B, T] (per target token); advantages: [B]; num_tokens: loss tokens in
+    the whole step (all micro-batches, all ranks), so every token weighs the same (DAPO)."""
+    ratio = torch.exp(logp - old_logp)                          # pi_theta / pi_behaviour
+    clipped = torch.clamp(ratio, 1 - epsilon, 1 + epsilon_high)
+    A = advantages[:, None]
+    surrogate = torch.minimum(ratio * A, clipped * A)           # pessimistic of the two
+    loss = -(surrogate * mask).sum() / num_tokens
+    with torch.no_grad():
+        n = mask.sum().clamp(min=1)
+        stats = {"train/ratio_mean": ((ratio * mask).sum() / n).item(),
+                 "train/clip_fraction": (((ratio - clipped).abs() > 0).float() * mask).sum().item() / n.item()}
+    return loss, stats
+
+
+def collate(samples, pad_id, device):
+    """Right-padded [B, T] batch; targets are shifted by one, so per-token tensors are [B, T-1]."""
+    T = max(len(s["ids"]) for s in samples)
+    ids = torch.full((len(samples), T), pad_id, dtype=torch.long)
+    attention = torch.zeros(len(samples), T, dtype=torch.long)
+    mask = torch.zeros(len(samples), T - 1)
+    old_logp = torch.zeros(len(samples), T - 1)
+    for i, s in enumerate(samples):
+        n, p = len(s["ids"]), s["n_prompt"]
+        ids[i, :n] = torch.tensor(s["ids"])
+        attention[i, :n] = 1
+        mask[i, p - 1:n - 1] = torch.tensor(s["mask"], dtype=torch.float)  # token t+1 is predicted at t
+        old_logp[i, p - 1:n - 1] = torch.tensor(s["logprobs"])
+    advantages = torch.tensor([s["advantage"] for s in samples], dtype=torch.float)
+    return [t.to(device) for t in (ids, attention, mask, old_logp, advantages)]
+
+
+def token_logprobs(model, ids, attention, temperature):
+    logits = model(input_ids=ids, attention_mask=attention).logits[:, :-1].float() / temperature
+    return torch.gather(logits.log_softmax(-1), 2, ids[:, 1:, None]).squeeze(-1)
+
+
+def train_step(model, optimizer, samples, num_tokens, args, device, world_size):
+    """Gradient accumulation over micro-batches; DDP all-reduces on the last one only."""
+    model.train()
+    totals, n_micro = defaultdict(float), math.ceil(len(samples) / args.micro_batch_size)
+    for i in range(n_micro):
+        micro = samples[i * args.micro_batch_size:(i + 1) * args.micro_batch_size]
+        ids, attention, mask, old_logp, advantages = collate(micro, args.pad_id, device)
+        sync_grads = i == n_micro - 1 or not hasattr(model, "no_sync")
+        with (contextlib.nullcontext() if sync_grads else model.no_sync()), \
+                torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
+            logp = token_logprobs(model, ids, attention, args.temperature)
+            loss, stats = grpo_loss(logp, old_logp, advantages, mask, args.epsilon, args.epsilon_high, num_tokens)
+            (loss * world_size).backward()  # DDP averages over ranks; the loss is already a global mean
+        totals["loss"] += loss.item()
+        for k, v in stats.items():
+            totals[k] += v / n_micro
+    totals["train/grad_norm"] = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm).item()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return dict(totals)
+
+
+# ----------------------------------------------------------------------------------------------
+# Evaluation and logging
+# ----------------------------------------------------------------------------------------------
+
+async def evaluate(producer, rows, args):
+    """Greedy rollouts on held-out rows through the same server and tool loop."""
+    samples = await asyncio.gather(*(rollout(producer.session, producer.url, producer.tok, row, args, producer.ctx,
+                                             lambda: producer.version, greedy=True) for row in rows))
+    metrics = defaultdict(float)
+    for row, sample in zip(rows, samples):
+        total, parts = await score_group([sample], row, args.reward_weights)
+        metrics["eval/reward"] += total[0] / len(rows)
+        for k, v in parts.items():
+            metrics[f"eval/{k}"] += v[0] / len(rows)
+    return dict(metrics)
+
+
+def mean_over_union(dicts):
+    """Mean of each key over the dicts that have it (keys differ between samples with and without tools)."""
+    sums, counts = defaultdict(float), defaultdict(int)
+    for d in dicts:
+        for k, v in d.items():
+            sums[k] += v
+            counts[k] += 1
+    return {k: sums[k] / counts[k] for k in sums}
+
+
+def rollout_metrics(groups, version):
+    samples = [s for g in groups for s in g]
+    per_sample = []
+    for s in samples:
+        generated = sum(s["mask"])
+        m = {"reward/mean": s["reward"], "rollout/completion_tokens": generated, "rollout/turns": s["turns"],
+             "rollout/truncated": float(s["truncated"]), "tools/call_frequency": float(s["tool_calls"] > 0),
+             "tools/calls_per_rollout": s["tool_calls"], "tools/seconds": s["tool_seconds"],
+             "tools/failure_frequency": s["tool_failures"] / max(s["tool_calls"], 1),
+             "staleness/mean": version - min(s["versions"]) if s["versions"] else 0}
+        m.update({f"reward/{k}": v for k, v in s["reward_parts"].items()})
+        per_sample.append(m)
+    metrics = mean_over_union(per_sample)
+    metrics["staleness/max"] = max(m["staleness/mean"] for m in per_sample)
+    metrics["reward/std"] = float(np.std([s["reward"] for s in samples]))
+    metrics["rollout/zero_variance_groups"] = sum(float(np.std([s["reward"] for s in g]) == 0) for g in groups) / len(groups)
+    return metrics
+
+
+# ----------------------------------------------------------------------------------------------
+# Main: set-up, the training loop, and a teardown that leaves nothing running
+# ----------------------------------------------------------------------------------------------
+
+def main(argv=None):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    local_rank, is_main = int(os.environ.get("LOCAL_RANK", 0)), rank == 0
+    args = parse_args(argv, world_size)
+    device = torch.device(f"cuda:{local_rank}") if torch.cuda.is_available() else torch.device("cpu")
+    if world_size > 1:
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    random.seed(args.seed + rank)
+    np.random.seed(args.seed + rank)
+    torch.manual_seed(args.seed + rank)
+    out_dir = Path(args.output_dir)
+    if is_main:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        (out_dir / "args.json").write_text(json.dumps(vars(args), indent=1))
+
+    # Model, tokenizer, data. Rank 0 builds the default model; the others wait for it.
+    if args.model is None:
+        if is_main:
+            args.model = build_tiny_model(args.cache_dir)
+        if world_size > 1:
+            box = [args.model]
+            dist.broadcast_object_list(box, 0)
+            args.model = box[0]
+    args.served_model = "policy"
+    tok = AutoTokenizer.from_pretrained(args.model)
+    args.pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+    train_rows, eval_rows = load_rows(args)
+    schemas = tool_schemas(args.tool_names) if args.tool_names else None
+    ctx = {"schemas": schemas, "stop_ids": sorted({tok.eos_token_id} | ({tok.pad_token_id} - {None}))}
+    ctx["prompt_ids"] = {row["id"]: render_prompt(tok, row["prompt"], schemas) for row in train_rows + eval_rows}
+
+    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).to(device)
+    if args.gradient_checkpointing:
+        model.gradient_checkpointing_enable()
+    policy = model  # the unwrapped module: what is synced and saved
+    if world_size > 1:
+        model = torch.nn.parallel.DistributedDataParallel(model, device_ids=[local_rank] if device.type == "cuda" else None)
+    optimizer = torch.optim.AdamW(policy.parameters(), lr=args.lr, weight_decay=args.weight_decay)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / (args.warmup_steps + 1)))
+
+    server, producer, wandb_run = None, None, None
+    previous_sigterm = signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)
+    try:
+        if is_main:
+            server = None if args.vllm_url else start_vllm(args, args.model, out_dir)
+            url = args.vllm_url or server.url
+            ctx["max_model_len"] = http(f"{url}/v1/models")["data"][0]["max_model_len"]
+            producer = Producer(args, tok, train_rows, url, ctx)
+            producer.start()
+            sync = WeightSync(url, args, dtype=torch.bfloat16)
+            if args.wandb_project:
+                import wandb
+                wandb_run = wandb.init(project=args.wandb_project, config=vars(args), dir=str(out_dir))
+            metrics_file = open(out_dir / "metrics.jsonl", "a")
+        t_start, samples_done = time.perf_counter(), 0
+        for step in range(args.steps):
+            t_step = time.perf_counter()
+            # Rank 0 takes whole groups off the queue and deals each rank an equal share.
+            if is_main:
+                groups = producer.take(args.prompts_per_step, args.data_timeout)
+                wait_seconds = time.perf_counter() - t_step
+                samples = [s for g in groups for s in g]
+                num_tokens = sum(sum(s["mask"]) for s in samples)
+                shards = [samples[r::world_size] for r in range(world_size)]
+                payload = [shards, num_tokens]
+            else:
+                payload = [None, None]
+            if world_size > 1:
+                dist.broadcast_object_list(payload, 0)
+            shards, num_tokens = payload
+            metrics = train_step(model, optimizer, shards[rank], max(num_tokens, 1), args, device, world_size)
+            scheduler.step()
+            sync_seconds = 0.0
+            if (step + 1) % args.sync_every == 0:
+                if is_main:
+                    sync_seconds = sync(policy)
+                    producer.version += 1
+                if world_size > 1:
+                    dist.barrier()
+            if not is_main:
+                continue
+            samples_done += len(samples)
+            metrics.update(rollout_metrics(groups, producer.version - (sync_seconds > 0)))
+            metrics.update({"step": step + 1, "policy_version": producer.version, "sync/seconds": sync_seconds,
+                            "perf/step_seconds": time.perf_counter() - t_step, "perf/wait_seconds": wait_seconds,
+                            "perf/samples_per_second": samples_done / (time.perf_counter() - t_start),
+                            "train/lr": scheduler.get_last_lr()[0], "train/loss_tokens": num_tokens})
+            if args.eval_every and (step + 1) % args.eval_every == 0:
+                metrics.update(asyncio.run_coroutine_threadsafe(evaluate(producer, eval_rows, args), producer.loop).result())
+            metrics_file.write(json.dumps(metrics) + "\n")
+            metrics_file.flush()
+            if wandb_run:
+                wandb_run.log(metrics, step=step + 1)
+            print(f"step {step + 1:4d}/{args.steps} | reward {metrics['reward/mean']:6.3f} | loss {metrics['loss']:+.4f} | "
+                  f"{metrics['perf/samples_per_second']:6.1f} samples/s | staleness {metrics['staleness/mean']:.2f} | "
+                  f"sync {sync_seconds:.2f}s | tools {metrics['tools/call_frequency']:.2f}"
+                  + (f" | eval {metrics['eval/reward']:.3f}" if "eval/reward" in metrics else ""), flush=True)
+            if args.save_every and (step + 1) % args.save_every == 0:
+                save(policy, tok, out_dir / "checkpoint")
+        if is_main:
+            save(policy, tok, out_dir / "checkpoint")
+            print(f"done: {args.steps} steps in {time.perf_counter() - t_start:.0f} s; model in {out_dir / 'checkpoint'}")
+    finally:
+        signal.signal(signal.SIGTERM, previous_sigterm)
+        if producer is not None:
+            producer.stop()
+        stop_vllm(server)
+        if wandb_run:
+            wandb_run.finish()
+        if world_size > 1 and dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def save(policy, tok, path):
+    tmp = path.with_name(path.name + ".tmp")
+    policy.save_pretrained(tmp)
+    tok.save_pretrained(tmp)
+    if path.exists():
+        import shutil
+        shutil.rmtree(path)
+    os.replace(tmp, path)
+
+
+def _raise_keyboard_interrupt(signum, frame):
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,46 @@
+"""Reward functions. FORK HERE: write a function and pass `--rewards NAME:WEIGHT,...`.
+
+Every reward function is called once per group with keyword arguments, each a list with one entry
+per rollout of the group, and returns one float per rollout (`async def` works too):
+    prompts         the prompt as chat messages
+    completions     the messages the rollout added: assistant turns, and tool results with --tools
+    completion_ids  the token ids after the prompt (generated and tool-result tokens)
+    tool_calls      number of tool calls the rollout made
+    tool_failures   number of those calls that failed (unknown tool, bad arguments, error, timeout)
+    truncated       True if the rollout ran out of tokens or context before it finished
+    <column>        every other column of the dataset row (e.g. `answer` for the built-in task)
+Accept **kwargs so that new arguments never break an old function.
+"""
+
+import re
+
+_NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
+
+
+def final_text(messages):
+    """Content of the last assistant turn: where the answer is."""
+    turns = [m for m in messages if m["role"] == "assistant"]
+    return (turns[-1].get("content") or "") if turns else ""
+
+
+def correct_answer(completions, answer, **kwargs):
+    """1 if the last number in the final assistant turn equals `answer` (a dataset column)."""
+    rewards = []
+    for messages, target in zip(completions, answer):
+        numbers = _NUMBER.findall(final_text(messages))
+        rewards.append(float(bool(numbers) and float(numbers[-1]) == float(target)))
+    return rewards
+
+
+def format_reward(completions, truncated, **kwargs):
+    """1 if the rollout finished by itself with a final turn that is a bare number."""
+    return [float(not cut and bool(re.fullmatch(r"\s*-?\d+(?:\.\d+)?\s*", final_text(messages))))
+            for messages, cut in zip(completions, truncated)]
+
+
+def tool_use(tool_calls, tool_failures, **kwargs):
+    """1 for at least one tool call with no failures, 0 for no call, -0.5 per failed call."""
+    return [float(calls > 0 and fails == 0) - 0.5 * fails for calls, fails in zip(tool_calls, tool_failures)]
+
+
+REWARDS = {fn.__name__: fn for fn in (correct_answer, format_reward, tool_use)}
