@@ -38,9 +38,11 @@ import threading
 import time
 import traceback
 import urllib.error
+import urllib.parse
 import urllib.request
 from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
+from datetime import timedelta
 from pathlib import Path
 
 import numpy as np
@@ -110,6 +112,7 @@ def parse_args(argv=None, world_size=1):
                    help="what happens to requests in flight during a sync: frozen and continued with the new "
                         "weights (keep), finished first (wait), or restarted (abort)")
     g.add_argument("--sync-bucket-mb", type=float, default=256, help="size of the packed buffers the weights travel in")
+    g.add_argument("--sync-timeout", type=float, default=300, help="seconds a weight sync may take before the run fails")
     g.add_argument("--data-timeout", type=float, default=600, help="seconds the trainer waits for a batch before failing")
 
     g = p.add_argument_group("vLLM server")
@@ -186,8 +189,9 @@ TINY_SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<tool_cal
 TINY_VERSION = "tiny-qwen3-v1"  # bump when the recipe below changes, so caches rebuild
 
 
-def arithmetic_rows(n, seed, max_operand=9):
-    """The built-in task: 'What is 7 + 5?' with the answer as a column for the reward."""
+def arithmetic_rows(n, seed, max_operand=4):
+    """The built-in task: 'What is 3 + 4?' with the answer as a column for the reward. Operands up
+    to 4 make 50 distinct problems: few enough for a tiny model to learn in a few dozen steps."""
     rng = random.Random(seed)
     rows = []
     for i in range(n):
@@ -201,7 +205,7 @@ def warm_start_conversations(n, seed):
     tools offered (the calculator alone or all of them), call the calculator and copy its result."""
     rng = random.Random(seed)
     plain, with_tools = [], []
-    for row in arithmetic_rows(n, seed):
+    for row in arithmetic_rows(n, seed, max_operand=9):  # a wider range than the RL task: format, not facts
         user, answer = {"role": "user", "content": row["prompt"]}, str(row["answer"])
         plain.append(([user, {"role": "assistant", "content": answer}], None))
         call = {"type": "function", "function": {"name": "calculator", "arguments": {"expression": row["prompt"][8:-1]}}}
@@ -513,16 +517,21 @@ class Producer(threading.Thread):
         async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=None)) as session:
             self.session = session
             pending, started = set(), 0
-            for row in self.prompt_order():
-                while not self.admissible(started) or len(pending) * a.num_generations >= 2 * a.max_inflight:
-                    if pending:
-                        done, pending = await asyncio.wait(pending, timeout=0.05, return_when=asyncio.FIRST_COMPLETED)
-                        for task in done:
-                            task.result()  # a group's unexpected error stops the producer, loudly
-                    else:
-                        await asyncio.sleep(0.01)
-                pending.add(asyncio.create_task(self._group(session, row)))
-                started += 1
+            try:
+                for row in self.prompt_order():
+                    while not self.admissible(started) or len(pending) * a.num_generations >= 2 * a.max_inflight:
+                        if pending:
+                            done, pending = await asyncio.wait(pending, timeout=0.05, return_when=asyncio.FIRST_COMPLETED)
+                            for task in done:
+                                task.result()  # a group's unexpected error stops the producer, loudly
+                        else:
+                            await asyncio.sleep(0.01)
+                    pending.add(asyncio.create_task(self._group(session, row)))
+                    started += 1
+            finally:  # on stop or error, no group is left running against a server that is going away
+                for task in pending:
+                    task.cancel()
+                await asyncio.gather(*pending, return_exceptions=True)
 
     async def _group(self, session, row):
         a = self.args
@@ -645,11 +654,11 @@ def stop_vllm(proc, grace=15):
 class WeightSyncExtension:
     """Mixed into every vLLM worker (--worker-extension-cls); its methods run via /collective_rpc."""
 
-    def init_weight_sync(self, host, port, world_size):
+    def init_weight_sync(self, host, port, world_size, timeout):
         from vllm.distributed.utils import stateless_init_torch_distributed_process_group
         backend = "nccl" if self.device.type == "cuda" else "gloo"
         self.weight_sync_group = stateless_init_torch_distributed_process_group(
-            host, port, rank=1 + self.rank, world_size=world_size, backend=backend)
+            host, port, rank=1 + self.rank, world_size=world_size, backend=backend, timeout=timedelta(seconds=timeout))
 
     def receive_weights(self, buckets):
         def tensors():  # lazily: a bucket arrives while the previous one is being loaded
@@ -699,19 +708,26 @@ class WeightSync:
 
     def _rpc(self, method, **kwargs):
         # Runs on the pool's thread: the server's workers block in the collective until we join it.
-        return self.pool.submit(http, f"{self.url}/collective_rpc", {"method": method, "kwargs": kwargs}, 600)
+        return self.pool.submit(http, f"{self.url}/collective_rpc", {"method": method, "kwargs": kwargs},
+                                self.args.sync_timeout)
 
     def __call__(self, model):
         from vllm.distributed.utils import stateless_init_torch_distributed_process_group
         t0 = time.perf_counter()
-        http(f"{self.url}/pause?mode={self.args.sync_mode}", {}, timeout=600)
+        http(f"{self.url}/pause?mode={self.args.sync_mode}", {}, timeout=self.args.sync_timeout)
         if self.group is None:
             world = 1 + http(f"{self.url}/get_world_size")["world_size"]
-            port = free_port()
-            joined = self._rpc("init_weight_sync", host="127.0.0.1", port=port, world_size=world)
+            # The trainer hosts the group's store on a socket bound here, so no rendezvous runs on
+            # this side: under torchrun, torch's rendezvous would join the launcher's store instead.
+            host = "127.0.0.1" if urllib.parse.urlparse(self.url).hostname in ("127.0.0.1", "localhost") \
+                else socket.gethostbyname(socket.gethostname())
+            listener = socket.create_server((host, 0))
+            joined = self._rpc("init_weight_sync", host=host, port=listener.getsockname()[1], world_size=world,
+                               timeout=self.args.sync_timeout)
             self.group = stateless_init_torch_distributed_process_group(
-                "127.0.0.1", port, rank=0, world_size=world, backend="nccl" if torch.cuda.is_available() else "gloo")
-            joined.result()
+                host, listener.getsockname()[1], rank=0, world_size=world, listen_socket=listener,
+                backend="nccl" if torch.cuda.is_available() else "gloo", timeout=timedelta(seconds=self.args.sync_timeout))
+            joined.result(self.args.sync_timeout)
         buckets = pack_buckets(model, int(self.args.sync_bucket_mb * 2**20), self.dtype)
         meta = [{"dtype": str(self.dtype).removeprefix("torch."), "numel": sum(p.numel() for _, p in b),
                  "params": [(n, list(p.shape)) for n, p in b]} for b in buckets]
@@ -719,8 +735,8 @@ class WeightSync:
         with torch.no_grad():
             for bucket in buckets:
                 flat = torch.cat([p.detach().to(self.dtype).flatten() for _, p in bucket])
-                self.group.broadcast(flat, 0).wait()
-        received.result()
+                self.group.broadcast(flat, 0).wait(timedelta(seconds=self.args.sync_timeout))
+        received.result(self.args.sync_timeout)
         if self.args.sync_mode != "keep":  # cached prefixes hold keys/values of the old weights
             http(f"{self.url}/reset_prefix_cache", {})
         http(f"{self.url}/resume", {})
@@ -891,9 +907,11 @@ def main(argv=None):
             server = None if args.vllm_url else start_vllm(args, args.model, out_dir)
             url = args.vllm_url or server.url
             ctx["max_model_len"] = http(f"{url}/v1/models")["data"][0]["max_model_len"]
+            sync = WeightSync(url, args, dtype=torch.bfloat16)
+            if args.vllm_url:  # a server we did not start may hold other weights than the policy
+                sync(policy)
             producer = Producer(args, tok, train_rows, url, ctx)
             producer.start()
-            sync = WeightSync(url, args, dtype=torch.bfloat16)
             if args.wandb_project:
                 import wandb
                 wandb_run = wandb.init(project=args.wandb_project, config=vars(args), dir=str(out_dir))
@@ -943,9 +961,19 @@ def main(argv=None):
                   + (f" | eval {metrics['eval/reward']:.3f}" if "eval/reward" in metrics else ""), flush=True)
             if args.save_every and (step + 1) % args.save_every == 0:
                 save(policy, tok, out_dir / "checkpoint")
+        # Ranks must hold identical weights; a silent divergence (a missed all-reduce) fails here.
+        checksum = [sum(p.double().sum().item() for p in policy.parameters())]
+        checksums = checksum * world_size
+        if world_size > 1:
+            dist.all_gather_object(checksums, checksum[0])
         if is_main:
             save(policy, tok, out_dir / "checkpoint")
-            print(f"done: {args.steps} steps in {time.perf_counter() - t_start:.0f} s; model in {out_dir / 'checkpoint'}")
+            wall = time.perf_counter() - t_start
+            (out_dir / "summary.json").write_text(json.dumps({"steps": args.steps, "train_seconds": wall,
+                                                              "rank_checksums": checksums}, indent=1))
+            print(f"done: {args.steps} steps in {wall:.0f} s; model in {out_dir / 'checkpoint'}")
+        if len(set(checksums)) > 1:
+            raise RuntimeError(f"ranks ended with different weights (checksums {checksums})")
     finally:
         signal.signal(signal.SIGTERM, previous_sigterm)
         if producer is not None:
