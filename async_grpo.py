@@ -95,7 +95,8 @@ def parse_args(argv=None, world_size=1):
 
     g = p.add_argument_group("loss and optimizer")
     g.add_argument("--steps", type=int, default=60, help="optimizer steps")
-    g.add_argument("--lr", type=float, default=1e-4, help="AdamW learning rate")
+    g.add_argument("--lr", type=float, default=None,
+                   help="AdamW learning rate (default: 1e-3 for the built-in tiny model, 1e-6 for --model)")
     g.add_argument("--warmup-steps", type=int, default=0, help="linear learning-rate warm-up")
     g.add_argument("--weight-decay", type=float, default=0.0, help="AdamW weight decay")
     g.add_argument("--epsilon", type=float, default=0.2, help="lower clip range of the ratio: 1 - epsilon")
@@ -156,6 +157,8 @@ def parse_args(argv=None, world_size=1):
     if args.dataset and not os.path.isfile(args.dataset):
         p.error(f"--dataset: no file {args.dataset}")
     args.output_dir = args.output_dir or time.strftime("runs/%Y%m%d-%H%M%S")
+    if args.lr is None:
+        args.lr = 1e-3 if args.model is None else 1e-6
     args.samples_per_step = args.prompts_per_step * args.num_generations
     return args
 
@@ -459,15 +462,14 @@ def group_advantages(rewards, eps=1e-4):
 # ----------------------------------------------------------------------------------------------
 
 class Producer(threading.Thread):
-    """Streams scored groups to `self.queue`. State the trainer shares with it: `version` (written
-    by the trainer after each sync) and `consumed` (groups taken so far), both plain ints."""
+    """Streams scored groups to `self.queue`. The trainer writes `version` after each sync; the
+    producer reads it when it starts a request (a plain int: reads and writes are atomic)."""
 
     def __init__(self, args, tok, rows, url, ctx):
         super().__init__(daemon=True, name="producer")
         self.args, self.tok, self.rows, self.url, self.ctx = args, tok, rows, url, ctx
         self.queue = queue.Queue()
         self.version = 0
-        self.consumed = 0
         self.error = None
         self.counters = defaultdict(int)
         self.loop = None
@@ -556,7 +558,6 @@ class Producer(threading.Thread):
                 groups.append(self.queue.get(timeout=0.1))
             except queue.Empty:
                 continue
-        self.consumed += n
         return groups
 
 
@@ -617,19 +618,22 @@ def start_vllm(args, model_path, out_dir):
     proc.log_path, proc.url = log_path, f"http://127.0.0.1:{port}"
     print(f"starting vLLM (pid {proc.pid}, log {log_path}): {shlex.join(cmd)}", flush=True)
     deadline, t0 = time.monotonic() + args.vllm_startup_timeout, time.monotonic()
-    while True:
-        if proc.poll() is not None:
-            raise RuntimeError(f"the vLLM server exited with code {proc.returncode} during start-up. "
-                               f"Last lines of {log_path}:\n{log_tail(log_path)}")
-        if time.monotonic() > deadline:
-            stop_vllm(proc)
-            raise TimeoutError(f"the vLLM server was not healthy after {args.vllm_startup_timeout} s "
-                               f"(--vllm-startup-timeout). Last lines of {log_path}:\n{log_tail(log_path)}")
-        with contextlib.suppress(OSError, urllib.error.URLError):
-            http(f"{proc.url}/health", timeout=5)
-            print(f"vLLM is up after {time.monotonic() - t0:.0f} s at {proc.url}", flush=True)
-            return proc
-        time.sleep(1)
+    try:
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"the vLLM server exited with code {proc.returncode} during start-up. "
+                                   f"Last lines of {log_path}:\n{log_tail(log_path)}")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the vLLM server was not healthy after {args.vllm_startup_timeout} s "
+                                   f"(--vllm-startup-timeout). Last lines of {log_path}:\n{log_tail(log_path)}")
+            with contextlib.suppress(OSError, urllib.error.URLError):
+                http(f"{proc.url}/health", timeout=5)
+                print(f"vLLM is up after {time.monotonic() - t0:.0f} s at {proc.url}", flush=True)
+                return proc
+            time.sleep(1)
+    except BaseException:  # Ctrl-C included: the caller never got the handle, so stop it here
+        stop_vllm(proc)
+        raise
 
 
 def stop_vllm(proc, grace=15):
@@ -934,7 +938,7 @@ def main(argv=None):
             shards, num_tokens = payload
             metrics = train_step(model, optimizer, shards[rank], max(num_tokens, 1), args, device, world_size)
             scheduler.step()
-            sync_seconds = 0.0
+            trained_version, sync_seconds = producer.version if is_main else None, 0.0
             if (step + 1) % args.sync_every == 0:
                 if is_main:
                     sync_seconds = sync(policy)
@@ -944,7 +948,7 @@ def main(argv=None):
             if not is_main:
                 continue
             samples_done += len(samples)
-            metrics.update(rollout_metrics(groups, producer.version - (sync_seconds > 0)))
+            metrics.update(rollout_metrics(groups, trained_version))
             metrics.update({"step": step + 1, "policy_version": producer.version, "sync/seconds": sync_seconds,
                             "perf/step_seconds": time.perf_counter() - t_step, "perf/wait_seconds": wait_seconds,
                             "perf/samples_per_second": samples_done / (time.perf_counter() - t_start),

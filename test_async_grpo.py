@@ -40,9 +40,9 @@ def processes_in_group(pgid):
     return found
 
 
-def run_cli(*flags, timeout=900, launcher=(sys.executable,)):
+def run_cli(*flags, timeout=900, launcher=(sys.executable,), env=None):
     """Run the real script as a user would; return (exit code, combined output)."""
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    env = dict(os.environ, PYTHONUNBUFFERED="1", **(env or {}))
     proc = subprocess.Popen([*launcher, str(HERE / "async_grpo.py"), "--cache-dir", CACHE, *flags], cwd=HERE,
                             env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
     try:
@@ -104,6 +104,12 @@ def test_calculator_is_exact_and_refuses_code():
     assert tools.calculator("1 / 3").startswith("1/3")
     with pytest.raises(ValueError):
         tools.calculator("__import__('os').system('true')")
+
+
+def test_ci_runs_the_readme_test_command():
+    readme_commands = re.search(r"```bash\n(.*?)```", (HERE / "README.md").read_text(), re.DOTALL).group(1)
+    test_command = readme_commands.strip().splitlines()[1]
+    assert "pytest" in test_command and test_command in (HERE / ".ci" / "run").read_text()
 
 
 def test_bad_flags_fail_at_start():
@@ -235,10 +241,32 @@ def test_torchrun_two_ranks_keep_equal_weights(server, tmp_path):
 
 
 def test_default_run_exits_cleanly_and_leaves_nothing_behind(tmp_path):
-    code, out = run_cli("--output-dir", str(tmp_path), "--steps", "3")
+    code, out = run_cli("--output-dir", str(tmp_path), "--steps", "3", "--wandb-project", "async-grpo-test",
+                        env={"WANDB_MODE": "offline"})
     assert code == 0, out[-3000:]
+    assert list((tmp_path / "wandb").glob("offline-run-*")), "wandb wrote no offline run"
     metrics = read_metrics(tmp_path)
     assert [m["step"] for m in metrics] == [1, 2, 3] and REQUIRED_METRICS <= set(metrics[0])
     assert (tmp_path / "vllm.log").stat().st_size > 0 and (tmp_path / "checkpoint" / "config.json").exists()
     server_pid = int(re.search(r"starting vLLM \(pid (\d+)", out).group(1))
+    assert processes_in_group(server_pid) == []
+
+
+def test_ctrl_c_during_server_start_leaves_nothing_behind(tmp_path, tiny_model):
+    proc = subprocess.Popen([sys.executable, str(HERE / "async_grpo.py"), "--cache-dir", CACHE,
+                             "--output-dir", str(tmp_path)], cwd=HERE, text=True, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    lines = []
+    for line in proc.stdout:  # wait until the server process exists, then interrupt as a user would
+        lines.append(line)
+        if line.startswith("starting vLLM"):
+            break
+    server_pid = int(re.search(r"pid (\d+)", lines[-1]).group(1))
+    time.sleep(3)
+    proc.send_signal(signal.SIGINT)
+    try:
+        proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode != 0
     assert processes_in_group(server_pid) == []
