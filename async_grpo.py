@@ -22,6 +22,7 @@ import argparse
 import asyncio
 import contextlib
 import ctypes
+import functools
 import inspect
 import json
 import math
@@ -45,6 +46,7 @@ from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 from pathlib import Path
 
+import aiohttp
 import numpy as np
 import torch
 import torch.distributed as dist
@@ -71,6 +73,7 @@ def parse_args(argv=None, world_size=1):
                         "columns reach the reward functions by name. Default: generated arithmetic")
     g.add_argument("--eval-size", type=int, default=64, help="rows held out from the dataset for --eval-every")
     g.add_argument("--system-prompt", default=None, help="system message put before every prompt")
+    g.add_argument("--chat-template", default=None, help="Jinja file that replaces the tokenizer's chat template")
     g.add_argument("--cache-dir", default=os.path.expanduser("~/.cache/async_grpo"),
                    help="where the built-in model is built once and reused")
     g.add_argument("--seed", type=int, default=0, help="seed of data order, sampling and init (rank adds to it)")
@@ -96,7 +99,7 @@ def parse_args(argv=None, world_size=1):
     g = p.add_argument_group("loss and optimizer")
     g.add_argument("--steps", type=int, default=60, help="optimizer steps")
     g.add_argument("--lr", type=float, default=None,
-                   help="AdamW learning rate (default: 1e-3 for the built-in tiny model, 1e-6 for --model)")
+                   help="AdamW learning rate (default: 3e-4 for the built-in tiny model, 1e-6 for --model)")
     g.add_argument("--warmup-steps", type=int, default=0, help="linear learning-rate warm-up")
     g.add_argument("--weight-decay", type=float, default=0.0, help="AdamW weight decay")
     g.add_argument("--epsilon", type=float, default=0.2, help="lower clip range of the ratio: 1 - epsilon")
@@ -154,11 +157,12 @@ def parse_args(argv=None, world_size=1):
         if name not in rewards_module.REWARDS:
             p.error(f"--rewards: unknown reward {name!r}; rewards.py defines {sorted(rewards_module.REWARDS)}")
         args.reward_weights[name] = float(weight or 1.0)
-    if args.dataset and not os.path.isfile(args.dataset):
-        p.error(f"--dataset: no file {args.dataset}")
+    for flag, path in [("--dataset", args.dataset), ("--chat-template", args.chat_template)]:
+        if path and not os.path.isfile(path):
+            p.error(f"{flag}: no file {path}")
     args.output_dir = args.output_dir or time.strftime("runs/%Y%m%d-%H%M%S")
     if args.lr is None:
-        args.lr = 1e-3 if args.model is None else 1e-6
+        args.lr = 3e-4 if args.model is None else 1e-6
     args.samples_per_step = args.prompts_per_step * args.num_generations
     return args
 
@@ -167,11 +171,13 @@ def parse_args(argv=None, world_size=1):
 # The built-in model and task: a tiny Qwen3-architecture model that runs anywhere, no network
 # ----------------------------------------------------------------------------------------------
 
-# ChatML with Qwen-style tool calls, so the same parser serves this model and Qwen models.
+# ChatML with Qwen-style tool calls, so the same parser serves this model and Qwen models. Tools are
+# listed as `name(arg, ...)`: full JSON schemas would make a tiny model's prompts ten times longer.
 TINY_CHAT_TEMPLATE = (
     "{%- if tools %}<|im_start|>system\n"
     "{%- if messages[0].role == 'system' %}{{ messages[0].content }}\n{% endif %}"
-    "Tools:\n{% for tool in tools %}{{ tool | tojson }}\n{% endfor %}"
+    "Tools:\n{% for tool in tools %}{% set f = tool.function if tool.function is defined else tool %}"
+    "{{ f.name }}({{ f.parameters.properties | join(', ') }})\n{% endfor %}"
     "Call one as <tool_call>{\"name\": NAME, \"arguments\": {...}}</tool_call><|im_end|>\n"
     "{%- elif messages[0].role == 'system' %}<|im_start|>system\n{{ messages[0].content }}<|im_end|>\n{% endif %}"
     "{%- for m in messages %}"
@@ -189,7 +195,7 @@ TINY_CHAT_TEMPLATE = (
 )
 TINY_SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<tool_call>", "</tool_call>",
                        "<tool_response>", "</tool_response>", "<think>", "</think>"]
-TINY_VERSION = "tiny-qwen3-v1"  # bump when the recipe below changes, so caches rebuild
+TINY_VERSION = "tiny-qwen3-v2"  # bump when the recipe below changes, so caches rebuild
 
 
 def arithmetic_rows(n, seed, max_operand=4):
@@ -300,33 +306,125 @@ def load_rows(args):
 # ----------------------------------------------------------------------------------------------
 
 def tool_schemas(names):
+    """JSON schemas derived from the tools' signatures and docstrings by transformers itself."""
     from transformers.utils import get_json_schema
     return [get_json_schema(tools_module.TOOLS[n]) for n in names]
 
 
+def render(tok, messages, schemas=None, generation_prompt=False):
+    """Conversation -> text. A tokenizer without a chat template (a base model) gets the contents
+    one per line: enough to train without tools, which is all such a model can do here."""
+    if tok.chat_template is None:
+        return "\n".join(m["content"] for m in messages) + "\n"
+    return tok.apply_chat_template(messages, tools=schemas or None, add_generation_prompt=generation_prompt,
+                                   tokenize=False)
+
+
 def render_prompt(tok, messages, schemas):
-    text = tok.apply_chat_template(messages, tools=schemas or None, add_generation_prompt=True, tokenize=False)
-    return tok.encode(text, add_special_tokens=False)
+    return tok.encode(render(tok, messages, schemas, generation_prompt=True), add_special_tokens=False)
 
 
+PROBE = [{"role": "user", "content": "What is 6 * 7?"},
+         {"role": "assistant", "content": "", "tool_calls": [
+             {"type": "function", "function": {"name": "calculator", "arguments": {"expression": "6 * 7"}}}]},
+         {"role": "tool", "name": "calculator", "content": "42"},
+         {"role": "assistant", "content": "<think>\nThe tool said 42.\n</think>\n\n42"},
+         {"role": "user", "content": "And 6 * 8?"},
+         {"role": "assistant", "content": "48"}]
+
+
+def prefix_preserving(tok, schemas):
+    """True if rendering a conversation one message longer only ever appends tokens. The tool loop
+    relies on it: it tokenises only what the template adds after the model's own tokens."""
+    previous = []
+    for n in range(1, len(PROBE) + 1):
+        ids = tok.encode(render(tok, PROBE[:n], schemas), add_special_tokens=False)
+        if ids[:len(previous)] != previous:
+            return False
+        previous = ids
+    return True
+
+
+def training_template(template):
+    """Qwen3's template drops an assistant turn's think block once another message follows it (and
+    for turns before the last user message); this variant renders every turn the same way always."""
+    patched = template.replace("{%- if loop.index0 > ns.last_query_index %}", "{%- if true %}")
+    return patched.replace("{%- if loop.last or (not loop.last and reasoning_content) %}", "{%- if true %}")
+
+
+def prepare_chat_template(tok, args, schemas):
+    """Check, before vLLM starts, that the chat template can do what the run needs; pick the
+    training template if the original is not prefix-preserving. Returns a line for the log."""
+    source = f"--chat-template {args.chat_template}" if args.chat_template else f"the template of {args.model}"
+    if args.chat_template:
+        tok.chat_template = Path(args.chat_template).read_text()
+    if not schemas:  # no tools: any template (or none) renders prompts; nothing is parsed
+        return f"chat template: {source if tok.chat_template else 'none (plain text prompts)'}"
+    fix = "pass a Jinja template that renders `tools`, assistant `tool_calls` and `tool` messages with --chat-template PATH"
+    if tok.chat_template is None:
+        raise SystemExit(f"--tools needs a chat template, and {args.model} has none: {fix}")
+    try:
+        text = render(tok, PROBE[:3], schemas)
+        ignores_tools = render(tok, PROBE[:1], schemas) == render(tok, PROBE[:1])
+    except Exception as e:
+        raise SystemExit(f"{source} cannot render tool calls ({type(e).__name__}: {e}): {fix}")
+    missing = [what for what, absent in [("the tools", ignores_tools), ("the tool call", "6 * 7" not in text),
+                                         ("the tool result", "42" not in text)] if absent]
+    if missing:
+        raise SystemExit(f"{source} does not render {', '.join(missing)}: {fix}")
+    if prefix_preserving(tok, schemas):
+        return f"chat template: {source} (prefix-preserving)"
+    original, tok.chat_template = tok.chat_template, training_template(tok.chat_template)
+    if tok.chat_template != original and prefix_preserving(tok, schemas):
+        return f"chat template: {source} is not prefix-preserving; using its training variant (think blocks kept)"
+    raise SystemExit(f"{source} rewrites earlier turns when a message is appended (not prefix-preserving), so "
+                     f"tool results cannot be appended to the generated tokens exactly: {fix}, one that renders "
+                     f"every turn the same way whatever follows it")
+
+
+# Two common tool-call formats: Qwen/Hermes `<tool_call>{json}</tool_call>` (one tag per call,
+# the closing tag may be missing at the end) and Mistral `[TOOL_CALLS][{json}, ...]`.
 TOOL_CALL = re.compile(r"<tool_call>(.*?)(?:</tool_call>|$)", re.DOTALL)
+MISTRAL_CALLS = re.compile(r"\[TOOL_CALLS\](.*)$", re.DOTALL)
+THINK = re.compile(r"^\s*(?:<think>)?(.*?)</think>", re.DOTALL)  # the prompt may have opened <think> already
 
 
-def parse_assistant(text):
-    """Generated text -> assistant message {'content', 'tool_calls'}; a call that does not parse
-    becomes {'error': ...} so that the tool loop can tell the model instead of crashing."""
-    calls = []
-    for body in TOOL_CALL.findall(text):
+def parse_call(body):
+    """One call's JSON -> {'type': 'function', 'function': {...}}, or {'error': ...}: never raises."""
+    try:
+        call = json.loads(body) if isinstance(body, str) else body
+        name, arguments = call["name"], call.get("arguments", call.get("parameters", {}))
+        if isinstance(arguments, str):
+            arguments = json.loads(arguments)
+        if not isinstance(name, str) or not isinstance(arguments, dict):
+            raise ValueError("needs a string 'name' and an object 'arguments'")
+        return {"type": "function", "function": {"name": name, "arguments": arguments}}
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        return {"error": f"could not parse tool call {str(body).strip()[:200]!r}: {e}"}
+
+
+def parse_assistant(text, tok=None, prefix_ids=()):
+    """Generated text -> {'role', 'content', 'reasoning_content', 'tool_calls'}. Uses the tokenizer's
+    own response parser where it has one (transformers' response_template), else the formats above."""
+    if tok is not None and getattr(tok, "response_template", None):
+        with contextlib.suppress(Exception):
+            message = tok.parse_response(text, prefix=tok.decode(prefix_ids))
+            message["tool_calls"] = [parse_call(c.get("function", c)) for c in message.get("tool_calls") or []]
+            return {"role": "assistant", "content": message.get("content") or "", **message}
+    message = {"role": "assistant", "tool_calls": []}
+    if think := THINK.match(text):
+        message["reasoning_content"] = think.group(1).strip()
+        text = text[think.end():]
+    if mistral := MISTRAL_CALLS.search(text):
         try:
-            call = json.loads(body)
-            name, arguments = call["name"], call.get("arguments", {})
-            if not isinstance(arguments, dict):
-                raise ValueError("'arguments' must be an object")
-            calls.append({"type": "function", "function": {"name": name, "arguments": arguments}})
-        except (ValueError, KeyError, TypeError) as e:
-            calls.append({"error": f"could not parse tool call {body.strip()[:200]!r}: {e}"})
-    content = TOOL_CALL.sub("", text).strip()
-    return {"role": "assistant", "content": content, "tool_calls": calls}
+            calls = json.loads(mistral.group(1))
+            message["tool_calls"] = [parse_call(c) for c in (calls if isinstance(calls, list) else [calls])]
+        except ValueError as e:
+            message["tool_calls"] = [{"error": f"could not parse tool calls {mistral.group(1).strip()[:200]!r}: {e}"}]
+        text = text[:mistral.start()]
+    message["tool_calls"] += [parse_call(body) for body in TOOL_CALL.findall(text)]
+    message["content"] = TOOL_CALL.sub("", text).strip()
+    return message
 
 
 def tool_result_ids(tok, history, tool_messages, schemas, end_of_turn):
@@ -334,11 +432,14 @@ def tool_result_ids(tok, history, tool_messages, schemas, end_of_turn):
 
     Only this suffix is tokenised and appended to the ids the model generated: re-tokenising the
     whole conversation would change earlier tokens and train on tokens the model never sampled."""
-    before = tok.apply_chat_template(history, tools=schemas, tokenize=False)
-    after = tok.apply_chat_template(history + tool_messages, tools=schemas, tokenize=False, add_generation_prompt=True)
-    if not after.startswith(before):
-        raise RuntimeError("the chat template rewrites earlier turns once a tool result follows; "
-                           "it cannot be used for exact-token tool loops")
+    # Calls that did not parse are the tool loop's business (it answers them with an error); the
+    # template only ever sees well-formed ones. The text of this turn is cut off below anyway.
+    history = [{**m, "tool_calls": [c for c in m["tool_calls"] if "error" not in c]} if m.get("tool_calls") else m
+               for m in history]
+    before = render(tok, history, schemas)
+    after = render(tok, history + tool_messages, schemas, generation_prompt=True)
+    # prepare_chat_template checked this template on a probe; a conversation may still find a case it missed
+    assert after.startswith(before), "the chat template rewrote an earlier turn when a tool result was appended"
     cut = before.rfind(end_of_turn) + len(end_of_turn)  # the model's own turn ended at its stop token
     return tok.encode(after[cut:], add_special_tokens=False)
 
@@ -352,29 +453,69 @@ async def generate(session, url, ids, max_tokens, args, stop_ids, greedy=False):
     payload = {"model": args.served_model, "prompt": ids, "max_tokens": max_tokens, "logprobs": 0,
                "temperature": 0.0 if greedy else args.temperature, "top_p": 1.0 if greedy else args.top_p,
                "return_token_ids": True, "stop_token_ids": stop_ids, "skip_special_tokens": False}
-    async with session.post(f"{url}/v1/completions", json=payload) as response:
-        if response.status != 200:
-            raise RuntimeError(f"vLLM answered {response.status}: {(await response.text())[:500]}")
-        choice = (await response.json())["choices"][0]
-    return choice["token_ids"], choice["logprobs"]["token_logprobs"], choice["finish_reason"]
+    for attempt in range(3):
+        try:
+            async with session.post(f"{url}/v1/completions", json=payload) as response:
+                if response.status != 200:
+                    raise RuntimeError(f"vLLM answered {response.status}: {(await response.text())[:500]}")
+                choice = (await response.json())["choices"][0]
+            return choice["token_ids"], choice["logprobs"]["token_logprobs"], choice["finish_reason"]
+        except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError):
+            # The connection dropped before an answer (a pooled keep-alive connection the server
+            # closed just then): the request carries the whole state, so sending it again is safe.
+            if attempt == 2:
+                raise
+            await asyncio.sleep(0.5 * 2 ** attempt)
 
 
-async def call_tool(call, timeout):
+JSON_TYPES = {"string": str, "integer": int, "number": (int, float), "boolean": bool, "array": list,
+              "object": dict, "null": type(None)}
+
+
+def argument_errors(schema, arguments):
+    """What is wrong with a call's arguments against the tool's JSON schema (empty: nothing)."""
+    properties, required = schema["parameters"].get("properties", {}), schema["parameters"].get("required", [])
+    errors = [f"missing argument {k!r}" for k in required if k not in arguments]
+    errors += [f"unknown argument {k!r}" for k in arguments if k not in properties]
+    for key, value in arguments.items():
+        types = properties.get(key, {}).get("type", [])
+        types = [types] if isinstance(types, str) else types
+        if types and not any(isinstance(value, JSON_TYPES.get(t, object)) and not (isinstance(value, bool) and
+                                                                                  t in ("integer", "number"))
+                             for t in types):
+            errors.append(f"argument {key!r} must be {' or '.join(types)}, got {json.dumps(value)[:50]}")
+    return errors
+
+
+TOOL_THREADS = ThreadPoolExecutor(64, thread_name_prefix="tool")  # a hung sync tool holds one thread, not the loop
+
+
+async def call_tool(call, schemas, timeout):
     """Run one parsed call. Returns (result text for the model, ok); never raises."""
     if "error" in call:
         return f"Error: {call['error']}", False
     name, arguments = call["function"]["name"], call["function"]["arguments"]
-    fn = tools_module.TOOLS.get(name)
-    if fn is None:
-        return f"Error: unknown tool {name!r}", False
+    if name not in schemas:
+        return f"Error: unknown tool {name!r}; the tools are {', '.join(schemas)}", False
+    if errors := argument_errors(schemas[name], arguments):
+        return f"Error: {name}: {'; '.join(errors)}", False
+    fn = tools_module.TOOLS[name]
     try:
-        inspect.signature(fn).bind(**arguments)
-        pending = fn(**arguments) if inspect.iscoroutinefunction(fn) else asyncio.to_thread(fn, **arguments)
+        pending = fn(**arguments) if inspect.iscoroutinefunction(fn) else \
+            asyncio.get_running_loop().run_in_executor(TOOL_THREADS, functools.partial(fn, **arguments))
         return str(await asyncio.wait_for(pending, timeout)), True
     except asyncio.TimeoutError:
         return f"Error: {name} timed out after {timeout} s", False
     except Exception as e:  # a tool's bug is the model's problem to route around, not the run's
         return f"Error: {type(e).__name__}: {e}", False
+
+
+def rollout_context(tok, schemas, rows, max_model_len=None):
+    """What every rollout needs, computed once: tools, stop tokens, each row's prompt ids, and the
+    server's context length (known once it is up)."""
+    return {"schemas": schemas, "schemas_by_name": {s["function"]["name"]: s["function"] for s in schemas or []},
+            "stop_ids": sorted({tok.eos_token_id} | ({tok.pad_token_id} - {None})), "max_model_len": max_model_len,
+            "prompt_ids": {row["id"]: render_prompt(tok, row["prompt"], schemas) for row in rows}}
 
 
 async def rollout(session, url, tok, row, args, ctx, version_fn, greedy=False):
@@ -383,7 +524,8 @@ async def rollout(session, url, tok, row, args, ctx, version_fn, greedy=False):
     ids = list(ctx["prompt_ids"][row["id"]])
     n_prompt = len(ids)
     mask, logprobs, versions, messages = [], [], [], []
-    stats = {"tool_calls": 0, "tool_failures": 0, "tool_seconds": 0.0, "turns": 0, "truncated": False}
+    stats = {"tool_calls": 0, "tool_failures": 0, "tool_seconds": 0.0, "turns": 0, "truncated": False,
+             "per_tool": {}}  # name -> [calls, failures]
     while True:
         room = ctx["max_model_len"] - len(ids)
         if room <= 0:
@@ -397,7 +539,8 @@ async def rollout(session, url, tok, row, args, ctx, version_fn, greedy=False):
         versions += [version] * len(new)
         stats["turns"] += 1
         text = tok.decode(new[:-1] if finish == "stop" else new, skip_special_tokens=False)
-        message = parse_assistant(text) if ctx["schemas"] else {"role": "assistant", "content": text}
+        # The parser runs only with tools: without them any template (or none) must train.
+        message = parse_assistant(text, tok, ids[:-len(new)]) if ctx["schemas"] else {"role": "assistant", "content": text}
         messages.append(message)
         if finish != "stop":
             stats["truncated"] = True
@@ -408,11 +551,16 @@ async def rollout(session, url, tok, row, args, ctx, version_fn, greedy=False):
             stats["truncated"] = True
             break
         start = time.perf_counter()
-        results = await asyncio.gather(*(call_tool(c, args.tool_timeout) for c in message["tool_calls"]))
+        results = await asyncio.gather(*(call_tool(c, ctx["schemas_by_name"], args.tool_timeout)
+                                         for c in message["tool_calls"]))
         stats["tool_seconds"] += time.perf_counter() - start
         stats["tool_calls"] += len(results)
         stats["tool_failures"] += sum(not ok for _, ok in results)
         names = [c.get("function", {}).get("name", "?") for c in message["tool_calls"]]
+        for name, (_, ok) in zip(names, results):
+            counts = stats["per_tool"].setdefault(name if name in ctx["schemas_by_name"] else "unknown", [0, 0])
+            counts[0] += 1
+            counts[1] += not ok
         tool_messages = [{"role": "tool", "name": n, "content": r} for n, (r, _) in zip(names, results)]
         suffix = tool_result_ids(tok, row["prompt"] + messages, tool_messages, ctx["schemas"], tok.decode(new[-1:]))
         messages += tool_messages
@@ -513,9 +661,10 @@ class Producer(threading.Thread):
         return train_step // a.sync_every - self.version <= a.max_staleness
 
     async def _produce(self):
-        import aiohttp
         a = self.args
-        connector = aiohttp.TCPConnector(limit=a.max_inflight)
+        # Idle connections are dropped before vLLM's own 5 s keep-alive ends, so that a request is
+        # rarely sent on a connection the server is closing at that moment.
+        connector = aiohttp.TCPConnector(limit=a.max_inflight, keepalive_timeout=3)
         async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=None)) as session:
             self.session = session
             pending, started = set(), 0
@@ -649,6 +798,12 @@ def stop_vllm(proc, grace=15):
     with contextlib.suppress(ProcessLookupError):
         os.killpg(proc.pid, signal.SIGKILL)  # workers that outlived the parent share its group
     proc.wait()
+    for _ in range(100):  # SIGKILL is delivered asynchronously: return once the group is really empty
+        try:
+            os.killpg(proc.pid, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.1)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -851,6 +1006,10 @@ def rollout_metrics(groups, version):
         per_sample.append(m)
     metrics = mean_over_union(per_sample)
     metrics["staleness/max"] = max(m["staleness/mean"] for m in per_sample)
+    for s in samples:  # per-tool totals over the step
+        for name, (calls, failures) in s["per_tool"].items():
+            metrics[f"tools/{name}/calls"] = metrics.get(f"tools/{name}/calls", 0) + calls
+            metrics[f"tools/{name}/failures"] = metrics.get(f"tools/{name}/failures", 0) + failures
     metrics["reward/std"] = float(np.std([s["reward"] for s in samples]))
     metrics["rollout/zero_variance_groups"] = sum(float(np.std([s["reward"] for s in g]) == 0) for g in groups) / len(groups)
     return metrics
@@ -892,8 +1051,10 @@ def main(argv=None):
     args.pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
     train_rows, eval_rows = load_rows(args)
     schemas = tool_schemas(args.tool_names) if args.tool_names else None
-    ctx = {"schemas": schemas, "stop_ids": sorted({tok.eos_token_id} | ({tok.pad_token_id} - {None}))}
-    ctx["prompt_ids"] = {row["id"]: render_prompt(tok, row["prompt"], schemas) for row in train_rows + eval_rows}
+    template_report = prepare_chat_template(tok, args, schemas)  # fails here, before vLLM starts
+    if is_main:
+        print(template_report, flush=True)
+    ctx = rollout_context(tok, schemas, train_rows + eval_rows)
 
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).to(device)
     if args.gradient_checkpointing:
@@ -929,7 +1090,8 @@ def main(argv=None):
                 wait_seconds = time.perf_counter() - t_step
                 samples = [s for g in groups for s in g]
                 num_tokens = sum(sum(s["mask"]) for s in samples)
-                shards = [samples[r::world_size] for r in range(world_size)]
+                trainable = [{k: s[k] for k in ("ids", "n_prompt", "mask", "logprobs", "advantage")} for s in samples]
+                shards = [trainable[r::world_size] for r in range(world_size)]
                 payload = [shards, num_tokens]
             else:
                 payload = [None, None]

