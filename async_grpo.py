@@ -10,8 +10,8 @@
 The shape of a run:
   rank 0 starts a vLLM server and a producer thread. The producer, on its own asyncio loop, samples
   G rollouts per prompt from the server (token ids in, token ids and log-probs out), runs tool calls,
-  scores each group with the reward functions, computes group-relative advantages, stamps every token
-  with the policy version that sampled it, and puts the group on a queue.
+  scores each group with the reward functions, computes group-relative advantages, stamps the
+  generated tokens with the policy version of the request that sampled them, and queues the group.
   Every rank trains: rank 0 takes a batch off the queue and hands each rank its share; the loss is
   the clipped surrogate against the sampler's log-probs. Every --sync-every steps rank 0 pauses vLLM,
   broadcasts the weights over a process group of its own, resumes it, and the policy version grows.
@@ -163,7 +163,6 @@ def parse_args(argv=None, world_size=1):
     args.output_dir = args.output_dir or time.strftime("runs/%Y%m%d-%H%M%S")
     if args.lr is None:
         args.lr = 3e-4 if args.model is None else 1e-6
-    args.samples_per_step = args.prompts_per_step * args.num_generations
     return args
 
 
@@ -619,7 +618,6 @@ class Producer(threading.Thread):
         self.queue = queue.Queue()
         self.version = 0
         self.error = None
-        self.counters = defaultdict(int)
         self.loop = None
         self._task = None
         self._started = threading.Event()

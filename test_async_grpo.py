@@ -90,6 +90,13 @@ def test_grpo_loss_against_hand_computed_values():
     assert torch.allclose(logp.grad, expected_grad, atol=1e-6)
 
 
+def test_metrics_merge_over_the_union_of_keys():
+    # a sample without tool calls has no tool keys; the first sample's keys must not decide
+    merged = ag.mean_over_union([{"reward/mean": 1.0}, {"reward/mean": 0.0, "tools/seconds": 0.4},
+                                 {"reward/mean": 0.5, "tools/seconds": 0.2}])
+    assert merged == pytest.approx({"reward/mean": 0.5, "tools/seconds": 0.3})
+
+
 def test_calculator_is_exact_and_refuses_code():
     assert tools.calculator("12 * (3 + 4) - 2 ** 3") == "76"
     assert tools.calculator("1 / 3").startswith("1/3")
