@@ -104,6 +104,11 @@ def parse_args(argv=None, world_size=1):
     g.add_argument("--weight-decay", type=float, default=0.0, help="AdamW weight decay")
     g.add_argument("--epsilon", type=float, default=0.2, help="lower clip range of the ratio: 1 - epsilon")
     g.add_argument("--epsilon-high", type=float, default=0.28, help="upper clip range of the ratio: 1 + epsilon-high")
+    g.add_argument("--loss-type", choices=["token", "sequence", "constant", "gspo"], default="token",
+                   help="normalisation of the surrogate: token (DAPO), sequence (GRPO), constant (Dr. GRPO), "
+                        "gspo (one clipped ratio per sequence); see grpo_loss")
+    g.add_argument("--scale-rewards", choices=["group", "none"], default="group",
+                   help="divide advantages by the group's reward std (GRPO) or not (Dr. GRPO)")
     g.add_argument("--max-grad-norm", type=float, default=1.0, help="gradient clipping norm")
     g.add_argument("--micro-batch-size", type=int, default=16, help="sequences per forward/backward (gradient accumulation)")
     g.add_argument("--gradient-checkpointing", action="store_true", help="recompute activations in backward to save memory")
@@ -597,11 +602,12 @@ async def score_group(samples, row, reward_weights):
     return total, parts
 
 
-def group_advantages(rewards, eps=1e-4):
-    """GRPO: each rollout's reward relative to its group, in units of the group's spread.
+def group_advantages(rewards, scale=True, eps=1e-4):
+    """GRPO: each rollout's reward relative to its group, in units of the group's spread (scale) or
+    raw (Dr. GRPO: dividing by the spread over-weights groups that are nearly all right or wrong).
     A group whose rewards are all equal gets all-zero advantages (it carries no signal)."""
     rewards = np.asarray(rewards, dtype=np.float64)
-    return (rewards - rewards.mean()) / (rewards.std() + eps)
+    return (rewards - rewards.mean()) / (rewards.std() + eps) if scale else rewards - rewards.mean()
 
 
 # ----------------------------------------------------------------------------------------------
@@ -687,7 +693,7 @@ class Producer(threading.Thread):
         samples = await asyncio.gather(*(rollout(session, self.url, self.tok, row, a, self.ctx, lambda: self.version)
                                          for _ in range(a.num_generations)))
         rewards, parts = await score_group(samples, row, a.reward_weights)
-        advantages = group_advantages(rewards)
+        advantages = group_advantages(rewards, scale=a.scale_rewards == "group")
         for i, sample in enumerate(samples):
             sample.update(reward=float(rewards[i]), advantage=float(advantages[i]), prompt_id=row["id"],
                           reward_parts={k: float(v[i]) for k, v in parts.items()})
@@ -904,14 +910,32 @@ class WeightSync:
 # The loss: clipped surrogate against the sampler's log-probs, normalised per token
 # ----------------------------------------------------------------------------------------------
 
-def grpo_loss(logp, old_logp, advantages, mask, epsilon, epsilon_high, num_tokens):
-    """logp, old_logp, mask: [B, T] (per target token); advantages: [B]; num_tokens: loss tokens in
-    the whole step (all micro-batches, all ranks), so every token weighs the same (DAPO)."""
-    ratio = torch.exp(logp - old_logp)                          # pi_theta / pi_behaviour
+def grpo_loss(logp, old_logp, advantages, mask, epsilon, epsilon_high, loss_type="token", num_tokens=1,
+              num_sequences=1, max_tokens=1):
+    """logp, old_logp, mask: [B, T] (per target token); advantages: [B]. num_tokens and num_sequences
+    count the whole step (all micro-batches, all ranks), so the result is a share of the step's loss.
+    loss_type: token (DAPO, default): every loss token of the step weighs the same; sequence (the
+    GRPO paper): mean over each sequence's tokens, then over sequences; constant (Dr. GRPO): token
+    sum over the constant num_sequences * max_tokens, so a sequence's length does not change the
+    weight of its tokens; gspo: one ratio per sequence (geometric mean of its token ratios), clipped
+    per sequence."""
+    log_ratio = (logp - old_logp) * mask                        # log pi_theta / pi_behaviour; tool tokens 0
+    lengths = mask.sum(1).clamp(min=1)
+    if loss_type == "gspo":
+        ratio = torch.exp(log_ratio.sum(1) / lengths)[:, None]  # [B, 1]
+    else:
+        ratio = torch.exp(log_ratio)                            # [B, T]
     clipped = torch.clamp(ratio, 1 - epsilon, 1 + epsilon_high)
     A = advantages[:, None]
     surrogate = torch.minimum(ratio * A, clipped * A)           # pessimistic of the two
-    loss = -(surrogate * mask).sum() / num_tokens
+    if loss_type == "gspo":
+        loss = -surrogate.sum() / num_sequences
+    elif loss_type == "sequence":
+        loss = -((surrogate * mask).sum(1) / lengths).sum() / num_sequences
+    elif loss_type == "constant":
+        loss = -(surrogate * mask).sum() / (num_sequences * max_tokens)
+    else:
+        loss = -(surrogate * mask).sum() / num_tokens
     with torch.no_grad():
         n = mask.sum().clamp(min=1)
         stats = {"train/ratio_mean": ((ratio * mask).sum() / n).item(),
@@ -941,7 +965,7 @@ def token_logprobs(model, ids, attention, temperature):
     return torch.gather(logits.log_softmax(-1), 2, ids[:, 1:, None]).squeeze(-1)
 
 
-def train_step(model, optimizer, samples, num_tokens, args, device, world_size):
+def train_step(model, optimizer, samples, num_tokens, num_sequences, args, device, world_size):
     """Gradient accumulation over micro-batches; DDP all-reduces on the last one only."""
     model.train()
     totals, n_micro = defaultdict(float), math.ceil(len(samples) / args.micro_batch_size)
@@ -952,7 +976,8 @@ def train_step(model, optimizer, samples, num_tokens, args, device, world_size):
         with (contextlib.nullcontext() if sync_grads else model.no_sync()), \
                 torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
             logp = token_logprobs(model, ids, attention, args.temperature)
-            loss, stats = grpo_loss(logp, old_logp, advantages, mask, args.epsilon, args.epsilon_high, num_tokens)
+            loss, stats = grpo_loss(logp, old_logp, advantages, mask, args.epsilon, args.epsilon_high, args.loss_type,
+                                    num_tokens, num_sequences, args.max_tokens)
             (loss * world_size).backward()  # DDP averages over ranks; the loss is already a global mean
         totals["loss"] += loss.item()
         for k, v in stats.items():
@@ -1096,7 +1121,8 @@ def main(argv=None):
             if world_size > 1:
                 dist.broadcast_object_list(payload, 0)
             shards, num_tokens = payload
-            metrics = train_step(model, optimizer, shards[rank], max(num_tokens, 1), args, device, world_size)
+            metrics = train_step(model, optimizer, shards[rank], max(num_tokens, 1), args.prompts_per_step *
+                                 args.num_generations, args, device, world_size)
             scheduler.step()
             trained_version, sync_seconds = producer.version if is_main else None, 0.0
             if (step + 1) % args.sync_every == 0:

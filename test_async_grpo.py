@@ -78,7 +78,8 @@ def test_grpo_loss_against_hand_computed_values():
     old_logp = torch.tensor([[-1.5, -0.5, -1.0], [-0.3, -3.0, -0.1]])
     advantages = torch.tensor([1.0, -2.0])
     mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0]])
-    loss, stats = ag.grpo_loss(logp, old_logp, advantages, mask, epsilon=0.2, epsilon_high=0.28, num_tokens=5)
+    loss, stats = ag.grpo_loss(logp, old_logp, advantages, mask, epsilon=0.2, epsilon_high=0.28, loss_type="token",
+                               num_tokens=5)
     # By hand. Sequence 0 (A = +1): ratios e^0.5 = 1.6487 -> clipped to 1.28, and 1.0 -> 1.0.
     # Sequence 1 (A = -2): ratios e^-0.7 = 0.4966 -> min(-0.9932, 0.8 * -2 = -1.6) = -1.6; 1.0 -> -2; 1.0 -> -2.
     expected = -(1.28 + 1.0 - 1.6 - 2.0 - 2.0) / 5
@@ -88,6 +89,28 @@ def test_grpo_loss_against_hand_computed_values():
     # Clipped tokens and the masked tool token get no gradient; d/dlogp of -ratio*A/5 elsewhere.
     expected_grad = torch.tensor([[0.0, -1.0 / 5, 0.0], [0.0, 2.0 / 5, 2.0 / 5]])
     assert torch.allclose(logp.grad, expected_grad, atol=1e-6)
+
+
+@pytest.mark.parametrize("loss_type, expected", [
+    # Per-token surrogates by hand (see the test above): sequence 0: 1.28, 1.0 (third token masked);
+    # sequence 1: -1.6, -2.0, -2.0. Two sequences in the step, a budget of 4 tokens each.
+    ("sequence", -((1.28 + 1.0) / 2 + (-1.6 - 2.0 - 2.0) / 3) / 2),
+    ("constant", -(1.28 + 1.0 - 1.6 - 2.0 - 2.0) / (2 * 4)),
+    # GSPO: sequence 0's ratio e^((0.5 + 0) / 2) = 1.2840 clips to 1.28 (A = +1): 1.28;
+    # sequence 1's ratio e^(-0.7 / 3) = 0.7919 clips to 0.8 (A = -2): min(-1.5838, -1.6) = -1.6.
+    ("gspo", -(1.28 - 1.6) / 2),
+])
+def test_loss_variants_against_hand_computed_values(loss_type, expected):
+    logp = torch.tensor([[-1.0, -0.5, -2.0], [-1.0, -3.0, -0.1]])
+    old_logp = torch.tensor([[-1.5, -0.5, -1.0], [-0.3, -3.0, -0.1]])
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0]])
+    loss, _ = ag.grpo_loss(logp, old_logp, torch.tensor([1.0, -2.0]), mask, epsilon=0.2, epsilon_high=0.28,
+                           loss_type=loss_type, num_tokens=5, num_sequences=2, max_tokens=4)
+    assert loss.item() == pytest.approx(expected, abs=1e-4)
+
+
+def test_unscaled_advantages_are_centred_rewards():
+    assert np.allclose(ag.group_advantages([1.0, 0.0, 0.0, 1.0], scale=False), [0.5, -0.5, -0.5, 0.5])
 
 
 def test_metrics_merge_over_the_union_of_keys():
