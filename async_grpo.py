@@ -885,10 +885,10 @@ class WeightSync:
             host = "127.0.0.1" if urllib.parse.urlparse(self.url).hostname in ("127.0.0.1", "localhost") \
                 else socket.gethostbyname(socket.gethostname())
             listener = socket.create_server((host, 0))
-            joined = self._rpc("init_weight_sync", host=host, port=listener.getsockname()[1], world_size=world,
-                               timeout=self.args.sync_timeout)
+            port = listener.getsockname()[1]
+            joined = self._rpc("init_weight_sync", host=host, port=port, world_size=world, timeout=self.args.sync_timeout)
             self.group = stateless_init_torch_distributed_process_group(
-                host, listener.getsockname()[1], rank=0, world_size=world, listen_socket=listener,
+                host, port, rank=0, world_size=world, listen_socket=listener,
                 backend="nccl" if torch.cuda.is_available() else "gloo", timeout=timedelta(seconds=self.args.sync_timeout))
             joined.result(self.args.sync_timeout)
         buckets = pack_buckets(model, int(self.args.sync_bucket_mb * 2**20), self.dtype)
@@ -907,7 +907,7 @@ class WeightSync:
 
 
 # ----------------------------------------------------------------------------------------------
-# The loss: clipped surrogate against the sampler's log-probs, normalised per token
+# The loss: clipped surrogate against the sampler's log-probs, normalised as --loss-type says
 # ----------------------------------------------------------------------------------------------
 
 def grpo_loss(logp, old_logp, advantages, mask, epsilon, epsilon_high, loss_type="token", num_tokens=1,
