@@ -9,13 +9,15 @@
 
 The shape of a run:
   rank 0 starts a vLLM server and a producer thread. The producer, on its own asyncio loop, samples
-  G rollouts per prompt from the server (token ids in, token ids and log-probs out), runs tool calls,
-  scores each group with the reward functions, computes group-relative advantages, stamps the
-  generated tokens with the policy version of the request that sampled them, and queues the group.
-  Every rank trains: rank 0 takes a batch off the queue and hands each rank its share; the loss is
-  the clipped surrogate against the sampler's log-probs. Every --sync-every steps rank 0 pauses vLLM,
+  G rollouts per prompt from the server (token ids in, token ids and log-probs out, each token
+  stamped with the policy version that sampled it), runs tool calls, scores each group with the
+  reward functions, computes group-relative advantages, and queues the group. Every rank trains:
+  rank 0 takes the groups in the order they started and hands each rank its share; the loss is the
+  clipped surrogate against the sampler's log-probs. Every --sync-every steps rank 0 pauses vLLM,
   broadcasts the weights over a process group of its own, resumes it, and the policy version grows.
-Generation never waits for training; training waits only for data; --max-staleness bounds the gap.
+Generation never waits for training and training waits only for data, within one bound: the
+producer does not start a group whose tokens would be more than --max-staleness versions old when
+trained (0: synchronous, --sync).
 """
 
 import argparse
@@ -778,29 +780,25 @@ class Producer(threading.Thread):
         none; counted and reported if it does). Raises if the producer died or nothing came in time."""
         groups, deadline = [], time.monotonic() + timeout
         while len(groups) < n:
-            if self.error:
-                raise RuntimeError(f"the producer thread failed:\n{self.error}")
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"no batch from the producer in {timeout} s (--data-timeout)")
-            while self.next_index not in self.ready:
-                try:
+            while self.next_index not in self.ready:  # groups finish out of order
+                if self.error:
+                    raise RuntimeError(f"the producer thread failed:\n{self.error}")
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"no batch from the producer in {timeout} s (--data-timeout)")
+                with contextlib.suppress(queue.Empty):
                     index, group = self.queue.get(timeout=0.1)
                     self.ready[index] = group
-                except queue.Empty:
-                    break
-            if self.next_index not in self.ready:
-                continue
             group = self.ready.pop(self.next_index)
             self.next_index += 1
-            staleness = self.policy.value - min((v for s in group for v, m in zip(s["versions"], s["mask"]) if m),
-                                                default=self.policy.value)
-            if staleness > self.args.max_staleness:
+            oldest = min((v for s in group for v, m in zip(s["versions"], s["mask"]) if m), default=self.policy.value)
+            if self.policy.value - oldest > self.args.max_staleness:
+                print(f"warning: dropped a group {self.policy.value - oldest} versions old (--max-staleness)", flush=True)
                 self.stale_samples += len(group)
-                print(f"warning: dropped a group {staleness} versions old (--max-staleness {self.args.max_staleness})")
-            elif not (self.args.skip_zero_variance and len({s["reward"] for s in group}) == 1):
+                self.skipped_groups += 1
+            elif self.args.skip_zero_variance and len({s["reward"] for s in group}) == 1:
+                self.skipped_groups += 1
+            else:
                 groups.append(group)
-                continue
-            self.skipped_groups += 1
         return groups
 
 

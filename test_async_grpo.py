@@ -163,6 +163,25 @@ def test_unscaled_advantages_are_centred_rewards():
     assert np.allclose(ag.group_advantages([1.0, 0.0, 0.0, 1.0], scale=False), [0.5, -0.5, -0.5, 0.5])
 
 
+def test_take_hands_out_groups_in_start_order_skipping_and_dropping():
+    args = ag.parse_args(["--output-dir", "unused", "--max-staleness", "1", "--skip-zero-variance"])
+    version = ag.PolicyVersion()
+    # Not started: the test fills the queue the way the producer thread does, out of order.
+    producer = ag.Producer(args, None, [], "unused", {}, version)
+
+    def group(token_version, rewards):  # the third token is a tool token: its version does not count
+        return [{"versions": [token_version, token_version, 0], "mask": [1, 1, 0], "reward": r} for r in rewards]
+    groups = [group(2, [0, 1]), group(3, [1, 1]), group(3, [1, 0]), group(1, [1, 0]), group(3, [0, 1])]
+    for index in [2, 0, 3, 1, 4]:
+        producer.queue.put((index, groups[index]))
+    version.value = 3  # the trainer's version
+    taken = producer.take(3, timeout=5)
+    # 0: one version behind, trained; 1: all rewards equal, skipped; 2: trained; 3: two versions
+    # behind with --max-staleness 1, dropped and counted; 4: trained
+    assert [groups.index(g) for g in taken] == [0, 2, 4]
+    assert producer.skipped_groups == 2 and producer.stale_samples == 2
+
+
 def test_metrics_merge_over_the_union_of_keys():
     # a sample without tool calls has no tool keys; the first sample's keys must not decide
     merged = ag.mean_over_union([{"reward/mean": 1.0}, {"reward/mean": 0.0, "tools/seconds": 0.4},
