@@ -27,6 +27,7 @@ import copy
 import ctypes
 import functools
 import inspect
+import itertools
 import json
 import math
 import os
@@ -34,6 +35,7 @@ import queue
 import random
 import re
 import shlex
+import shutil
 import signal
 import socket
 import subprocess
@@ -152,7 +154,9 @@ def parse_args(argv=None, world_size=1):
     g = p.add_argument_group("logging and checkpoints")
     g.add_argument("--output-dir", default=None, help="metrics.jsonl, checkpoints and the server log go here (default: runs/<time>)")
     g.add_argument("--eval-every", type=int, default=0, help="greedy evaluation on the held-out rows every N steps (0: off)")
-    g.add_argument("--save-every", type=int, default=0, help="save a checkpoint every N steps (0: only at the end)")
+    g.add_argument("--save-every", type=int, default=0,
+                   help="save a checkpoint every N steps (0: only at the end, on Ctrl-C/SIGTERM and on errors)")
+    g.add_argument("--resume", action="store_true", help="continue the run in --output-dir from its latest checkpoint")
     g.add_argument("--wandb-project", default=None, help="also log to this wandb project (WANDB_MODE=offline works)")
     g.add_argument("--log-rollouts", type=int, default=4, help="rollouts per step written to rollouts.jsonl (text, reward, "
                                                                "per-token policy versions)")
@@ -192,6 +196,8 @@ def parse_args(argv=None, world_size=1):
     for flag, path in [("--dataset", args.dataset), ("--chat-template", args.chat_template)]:
         if path and not os.path.isfile(path):
             p.error(f"{flag}: no file {path}")
+    if args.resume and not args.output_dir:
+        p.error("--resume needs the --output-dir of the run to continue")
     args.output_dir = args.output_dir or time.strftime("runs/%Y%m%d-%H%M%S")
     if args.audit:
         args.lr = 0.0
@@ -692,12 +698,15 @@ class Producer(threading.Thread):
     them in that order (`take`), which is what lets admission control know when a group will be
     trained. `policy` is the PolicyVersion the weight sync advances."""
 
-    def __init__(self, args, tok, rows, url, ctx, policy):
+    def __init__(self, args, tok, rows, url, ctx, policy, cursor=None):
         super().__init__(daemon=True, name="producer")
         self.args, self.tok, self.rows, self.url, self.ctx, self.policy = args, tok, rows, url, ctx, policy
         self.queue = queue.Queue()
-        self.ready, self.next_index = {}, 0  # finished groups by number; the next one to hand out
-        self.skipped_groups = self.stale_samples = 0  # groups not trained (zero variance or too stale); samples too stale
+        self.ready = {}  # finished groups by number, until their turn
+        # next_index: the next group to hand out; skipped_groups: not trained (zero variance, too stale
+        # or a failed reward); stale_samples, reward_failures: counters. A checkpoint saves them all.
+        self.cursor = {"next_index": 0, "skipped_groups": 0, "stale_samples": 0, "reward_failures": 0, **(cursor or {})}
+        self.failures_in_a_row = 0
         self.error = None
         self.loop = None
         self._task = None
@@ -736,7 +745,7 @@ class Producer(threading.Thread):
         (at the latest: more skips make it earlier). Do not start it if the trainer will by then be more
         than --max-staleness versions ahead of the weights that would generate it now."""
         a = self.args
-        train_step = (index - self.skipped_groups) // a.prompts_per_step
+        train_step = (index - self.cursor["skipped_groups"]) // a.prompts_per_step
         return train_step // a.sync_every - self.policy.value <= a.max_staleness
 
     async def _produce(self):
@@ -746,9 +755,9 @@ class Producer(threading.Thread):
         connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=3)
         async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=None)) as session:
             self.session = session
-            pending, started = set(), 0
+            pending, started = set(), self.cursor["next_index"]  # on --resume, groups not trained are redone
             try:
-                for row in self.prompt_order():
+                for row in itertools.islice(self.prompt_order(), started, None):
                     while not self.admissible(started) or len(pending) * a.num_generations >= 2 * a.max_inflight:
                         if pending:
                             done, pending = await asyncio.wait(pending, timeout=0.05, return_when=asyncio.FIRST_COMPLETED)
@@ -767,36 +776,52 @@ class Producer(threading.Thread):
         a = self.args
         samples = await asyncio.gather(*(rollout(session, self.url, self.tok, row, a, self.ctx, self.policy)
                                          for _ in range(a.num_generations)))
-        rewards, parts = await score_group(samples, row, a.reward_weights)
+        try:
+            rewards, parts = await score_group(samples, row, a.reward_weights)
+        except Exception as e:  # the group is dropped (take() reports it), the run goes on
+            self.queue.put((index, f"the rewards of prompt {row['id']} failed: {type(e).__name__}: {e}"))
+            return
         advantages = group_advantages(rewards, scale=a.scale_rewards == "group")
         for i, sample in enumerate(samples):
             sample.update(reward=float(rewards[i]), advantage=float(advantages[i]), prompt_id=row["id"],
                           reward_parts={k: float(v[i]) for k, v in parts.items()})
         self.queue.put((index, samples))
 
-    def take(self, n, timeout):
+    def take(self, n, timeout, interrupted=lambda: False):
         """The next n trainable groups in start order. Skips zero-variance groups with
-        --skip-zero-variance, and drops groups too stale to train (admission control should leave
-        none; counted and reported if it does). Raises if the producer died or nothing came in time."""
-        groups, deadline = [], time.monotonic() + timeout
+        --skip-zero-variance, and drops (with a warning and a count) groups too stale to train
+        (admission control should leave none) and groups whose rewards failed. Raises if the producer
+        died, nothing came in time, every recent reward failed, or interrupted() says so."""
+        groups, deadline, c = [], time.monotonic() + timeout, self.cursor
         while len(groups) < n:
-            while self.next_index not in self.ready:  # groups finish out of order
+            while c["next_index"] not in self.ready:  # groups finish out of order
                 if self.error:
                     raise RuntimeError(f"the producer thread failed:\n{self.error}")
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"no batch from the producer in {timeout} s (--data-timeout)")
+                if interrupted():
+                    raise KeyboardInterrupt("stopped while waiting for data")
                 with contextlib.suppress(queue.Empty):
                     index, group = self.queue.get(timeout=0.1)
                     self.ready[index] = group
-            group = self.ready.pop(self.next_index)
-            self.next_index += 1
+            group = self.ready.pop(c["next_index"])
+            c["next_index"] += 1
+            if isinstance(group, str):
+                print(f"warning: dropped a group: {group}", flush=True)
+                c["reward_failures"] += 1
+                self.failures_in_a_row += 1
+                if self.failures_in_a_row >= 4 * self.args.prompts_per_step:
+                    raise RuntimeError(f"the rewards failed for {self.failures_in_a_row} groups in a row; the last: {group}")
+                c["skipped_groups"] += 1
+                continue
+            self.failures_in_a_row = 0
             oldest = min((v for s in group for v, m in zip(s["versions"], s["mask"]) if m), default=self.policy.value)
             if self.policy.value - oldest > self.args.max_staleness:
                 print(f"warning: dropped a group {self.policy.value - oldest} versions old (--max-staleness)", flush=True)
-                self.stale_samples += len(group)
-                self.skipped_groups += 1
+                c["stale_samples"] += len(group)
+                c["skipped_groups"] += 1
             elif self.args.skip_zero_variance and len({s["reward"] for s in group}) == 1:
-                self.skipped_groups += 1
+                c["skipped_groups"] += 1
             else:
                 groups.append(group)
         return groups
@@ -1205,8 +1230,17 @@ def main(argv=None):
     torch.manual_seed(args.seed + rank)
     out_dir = Path(args.output_dir)
     if is_main:
-        out_dir.mkdir(parents=True, exist_ok=True)
-        (out_dir / "args.json").write_text(json.dumps(vars(args), indent=1))
+        try:
+            out_dir.mkdir(parents=True, exist_ok=True)
+            (out_dir / "args.json").write_text(json.dumps(vars(args), indent=1))
+        except OSError as e:
+            raise SystemExit(f"--output-dir {out_dir} is not writable ({e}); pass a directory you can write to")
+    resumed = None
+    if args.resume:  # the checkpoint holds the model and tokenizer too: both vLLM and the trainer load it
+        if not (out_dir / "checkpoint" / "trainer_state.pt").exists():
+            raise SystemExit(f"--resume: no checkpoint in {out_dir / 'checkpoint'}")
+        args.model = str((out_dir / "checkpoint").resolve())
+        resumed = torch.load(Path(args.model) / "trainer_state.pt", weights_only=False)
 
     # Model, tokenizer, data. Rank 0 builds the default model; the others wait for it.
     if args.model is None:
@@ -1217,7 +1251,11 @@ def main(argv=None):
             dist.broadcast_object_list(box, 0)
             args.model = box[0]
     args.served_model = "policy"
-    tok = AutoTokenizer.from_pretrained(args.model)
+    try:
+        tok = AutoTokenizer.from_pretrained(args.model)
+    except Exception as e:
+        raise SystemExit(f"--model {args.model}: cannot load its tokenizer ({type(e).__name__}: {str(e)[:300]}); "
+                         "pass a local directory or hub name of a causal LM")
     args.pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
     train_rows, eval_rows = load_rows(args)
     schemas = tool_schemas(args.tool_names) if args.tool_names else None
@@ -1226,18 +1264,36 @@ def main(argv=None):
         print(template_report, flush=True)
     ctx = rollout_context(tok, schemas, train_rows + eval_rows)
 
-    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).to(device)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).to(device)
+    except Exception as e:
+        raise SystemExit(f"--model {args.model}: cannot load it as a causal LM ({type(e).__name__}: {str(e)[:300]})")
     if args.gradient_checkpointing:
         model.gradient_checkpointing_enable()
+    context = args.max_model_len or getattr(model.config, "max_position_embeddings", None)
+    too_long = [(i, len(ids)) for i, ids in ctx["prompt_ids"].items() if context and len(ids) >= context]
+    if too_long:
+        raise SystemExit(f"{len(too_long)} prompts do not fit the context of {context} tokens (the first: row id "
+                         f"{too_long[0][0]}, {too_long[0][1]} tokens); shorten them in --dataset or raise --max-model-len")
     policy = model  # the unwrapped module: what is synced and saved
     reference = copy.deepcopy(policy).requires_grad_(False) if args.beta else None  # frozen, for --beta
     if world_size > 1:
         model = torch.nn.parallel.DistributedDataParallel(model, device_ids=[local_rank] if device.type == "cuda" else None)
     optimizer = torch.optim.AdamW(policy.parameters(), lr=args.lr, weight_decay=args.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / (args.warmup_steps + 1)))
+    start_step = 0
+    if resumed:
+        optimizer.load_state_dict(resumed["optimizer"])
+        scheduler.load_state_dict(resumed["scheduler"])
+        random.setstate(resumed["rng"]["python"])
+        np.random.set_state(resumed["rng"]["numpy"])
+        torch.set_rng_state(resumed["rng"]["torch"])
+        start_step = resumed["step"]
+        if is_main:
+            print(f"resuming at step {start_step} from {args.model}", flush=True)
 
-    server, producer, wandb_run = None, None, None
-    previous_sigterm = signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)
+    server, producer, wandb_run, stop, updating = None, None, None, [], False
+    previous_handlers = {sig: signal.signal(sig, _raise_keyboard_interrupt) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         if is_main:
             server = None if args.vllm_url else start_vllm(args, args.model, out_dir)
@@ -1247,20 +1303,24 @@ def main(argv=None):
             sync = WeightSync(url, args, torch.bfloat16, version)
             if args.vllm_url:  # a server we did not start may hold other weights than the policy
                 sync(policy)
-                version.value = 0  # the initial weights are version 0, wherever they came from
-            producer = Producer(args, tok, train_rows, url, ctx, version)
+            version.value = resumed["policy_version"] if resumed else 0
+            producer = Producer(args, tok, train_rows, url, ctx, version, resumed and resumed["data"])
             producer.start()
+            done_cursor = dict(producer.cursor)  # the data cursor as of the last finished step
             if args.wandb_project:
                 import wandb
                 wandb_run = wandb.init(project=args.wandb_project, config=vars(args), dir=str(out_dir))
             metrics_file = open(out_dir / "metrics.jsonl", "a")
             rollouts_file = open(out_dir / "rollouts.jsonl", "a")
-        t_start, samples_done, history = time.perf_counter(), 0, []
-        for step in range(args.steps):
+        # From here a first Ctrl-C/SIGTERM finishes the step, saves a checkpoint and stops; a second stops now.
+        for sig in previous_handlers:
+            signal.signal(sig, functools.partial(_stop_after_step, stop))
+        t_start, samples_done, history, completed = time.perf_counter(), 0, [], start_step
+        for step in range(start_step, args.steps):
             t_step = time.perf_counter()
             # Rank 0 takes whole groups off the queue and deals each rank an equal share.
             if is_main:
-                groups = producer.take(args.prompts_per_step, args.data_timeout)
+                groups = producer.take(args.prompts_per_step, args.data_timeout, interrupted=lambda: bool(stop))
                 wait_seconds = time.perf_counter() - t_step
                 samples = [s for g in groups for s in g]
                 num_tokens = sum(sum(s["mask"]) for s in samples)
@@ -1272,9 +1332,11 @@ def main(argv=None):
             if world_size > 1:
                 dist.broadcast_object_list(payload, 0)
             shards, num_tokens = payload
+            updating = True  # an error in the update may leave the weights half-updated: not saved then
             metrics = train_step(model, optimizer, shards[rank], max(num_tokens, 1), args.prompts_per_step *
                                  args.num_generations, args, device, world_size, reference)
             scheduler.step()
+            updating, completed, done_cursor = False, step + 1, is_main and dict(producer.cursor)
             trained_version, sync_seconds = version.value if is_main else None, 0.0
             if (step + 1) % args.sync_every == 0:
                 if is_main:
@@ -1286,8 +1348,9 @@ def main(argv=None):
             samples_done += len(samples)
             metrics.update(rollout_metrics(groups, trained_version))
             metrics.update({"step": step + 1, "policy_version": version.value, "sync/seconds": sync_seconds,
-                            "staleness/dropped_samples": producer.stale_samples,
-                            "rollout/skipped_groups": producer.skipped_groups,
+                            "staleness/dropped_samples": done_cursor["stale_samples"],
+                            "rollout/skipped_groups": done_cursor["skipped_groups"],
+                            "rollout/reward_failures": done_cursor["reward_failures"],
                             "perf/step_seconds": time.perf_counter() - t_step, "perf/wait_seconds": wait_seconds,
                             "perf/samples_per_second": samples_done / (time.perf_counter() - t_start),
                             "train/lr": scheduler.get_last_lr()[0], "train/loss_tokens": num_tokens})
@@ -1308,15 +1371,17 @@ def main(argv=None):
                   f"{metrics['perf/samples_per_second']:6.1f} samples/s | staleness {metrics['staleness/mean']:.2f} | "
                   f"sync {sync_seconds:.2f}s | tools {metrics['tools/call_frequency']:.2f}"
                   + (f" | eval {metrics['eval/reward']:.3f}" if "eval/reward" in metrics else ""), flush=True)
-            if args.save_every and (step + 1) % args.save_every == 0:
-                save(policy, tok, out_dir / "checkpoint")
+            if (args.save_every and (step + 1) % args.save_every == 0) or stop:
+                save_checkpoint(out_dir, policy, tok, optimizer, scheduler, step + 1, version.value, done_cursor)
+            if stop:  # torchrun's other ranks are stopped by torchrun when this one exits
+                raise SystemExit(f"stopped at step {step + 1} by signal {stop[0]}; continue with --resume --output-dir {out_dir}")
         # Ranks must hold identical weights; a silent divergence (a missed all-reduce) fails here.
         checksum = [sum(p.double().sum().item() for p in policy.parameters())]
         checksums = checksum * world_size
         if world_size > 1:
             dist.all_gather_object(checksums, checksum[0])
         if is_main:
-            save(policy, tok, out_dir / "checkpoint")
+            save_checkpoint(out_dir, policy, tok, optimizer, scheduler, args.steps, version.value, done_cursor)
             wall = time.perf_counter() - t_start
             audit = {"mismatch_kl": float(np.mean([m["is/mismatch_kl"] for m in history])),
                      "ratio_mean": float(np.mean([m["is/ratio_mean"] for m in history])),
@@ -1330,8 +1395,18 @@ def main(argv=None):
                       ", ".join(f"{k} {v:.3g}" for k, v in audit.items()))
         if len(set(checksums)) > 1:
             raise RuntimeError(f"ranks ended with different weights (checksums {checksums})")
+    except (Exception, KeyboardInterrupt) as e:
+        # Nothing is lost: the last finished step is saved, unless the error came mid-update.
+        if is_main and producer is not None and not updating and completed > start_step:
+            save_checkpoint(out_dir, policy, tok, optimizer, scheduler, completed, version.value, done_cursor)
+            print(f"saved the checkpoint of step {completed} in {out_dir / 'checkpoint'}; continue with --resume", flush=True)
+        if server is not None and server.poll() is not None:
+            raise RuntimeError(f"the vLLM server exited with code {server.returncode}. Last lines of "
+                               f"{server.log_path}:\n{log_tail(server.log_path)}") from e
+        raise
     finally:
-        signal.signal(signal.SIGTERM, previous_sigterm)
+        for sig, handler in previous_handlers.items():
+            signal.signal(sig, handler)
         if producer is not None:
             producer.stop()
         stop_vllm(server)
@@ -1341,14 +1416,36 @@ def main(argv=None):
             dist.destroy_process_group()
 
 
-def save(policy, tok, path):
-    tmp = path.with_name(path.name + ".tmp")
+def save_checkpoint(out_dir, policy, tok, optimizer, scheduler, step, version, cursor):
+    """checkpoint-<step>/ with the model (safetensors), tokenizer and trainer state, written whole
+    under a temporary name; then the `checkpoint` link is swapped to it in one rename, so a crash
+    never leaves a broken latest checkpoint. The cursor says which groups the trainer has used:
+    --resume regenerates everything after it (the groups in flight at the stop are redone)."""
+    name, link = f"checkpoint-{step:06d}", out_dir / "checkpoint"
+    if link.is_symlink() and os.readlink(link) == name:
+        return  # this step is saved already
+    tmp = out_dir / f"{name}.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
     policy.save_pretrained(tmp)
     tok.save_pretrained(tmp)
-    if path.exists():
-        import shutil
-        shutil.rmtree(path)
-    os.replace(tmp, path)
+    torch.save({"step": step, "policy_version": version, "optimizer": optimizer.state_dict(),
+                "scheduler": scheduler.state_dict(), "data": cursor,
+                "rng": {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}},
+               tmp / "trainer_state.pt")
+    os.replace(tmp, out_dir / name)
+    previous = os.readlink(link) if link.is_symlink() else None
+    (out_dir / "checkpoint.tmp").unlink(missing_ok=True)
+    os.symlink(name, out_dir / "checkpoint.tmp")
+    os.replace(out_dir / "checkpoint.tmp", link)
+    if previous:
+        shutil.rmtree(out_dir / previous, ignore_errors=True)
+
+
+def _stop_after_step(stop, signum, frame):
+    if stop:
+        raise KeyboardInterrupt(f"signal {signum}")
+    stop.append(signum)
+    print(f"signal {signum}: stopping after this step with a checkpoint (again to stop at once)", flush=True)
 
 
 def _raise_keyboard_interrupt(signum, frame):

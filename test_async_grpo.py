@@ -179,7 +179,7 @@ def test_take_hands_out_groups_in_start_order_skipping_and_dropping():
     # 0: one version behind, trained; 1: all rewards equal, skipped; 2: trained; 3: two versions
     # behind with --max-staleness 1, dropped and counted; 4: trained
     assert [groups.index(g) for g in taken] == [0, 2, 4]
-    assert producer.skipped_groups == 2 and producer.stale_samples == 2
+    assert producer.cursor["skipped_groups"] == 2 and producer.cursor["stale_samples"] == 2
 
 
 def test_metrics_merge_over_the_union_of_keys():
@@ -202,11 +202,42 @@ def test_ci_runs_the_readme_test_command():
     assert "pytest" in test_command and test_command in (HERE / ".ci" / "run").read_text()
 
 
-def test_bad_flags_fail_at_start():
-    for flags, message in [(["--tools", "nope"], "unknown tool"), (["--num-generations", "1"], "at least 2"),
-                           (["--rewards", "nope"], "unknown reward"), (["--no-such-flag"], "unrecognized")]:
-        code, out = run_cli(*flags, timeout=60)
-        assert code != 0 and message in out, (flags, out[-500:])
+def bad_inputs(tmp):
+    """(flags, expected message) for each kind of bad input; files are made in tmp."""
+    (tmp / "not_jsonl.jsonl").write_text('{"prompt": "What is 1 + 1?"}\nnot json\n')
+    (tmp / "no_prompt.jsonl").write_text('{"question": "What is 1 + 1?"}\n')
+    (tmp / "too_long.jsonl").write_text("".join(json.dumps({"prompt": "What is 1 + 1? " * (i + 1) * 100}) + "\n"
+                                                for i in range(80)))
+    (tmp / "a_file").write_text("")
+    return [(["--model", str(tmp / "no_such_model")], "--model"),
+            (["--dataset", str(tmp / "missing.jsonl")], "--dataset: no file"),
+            (["--dataset", str(tmp / "not_jsonl.jsonl")], "line 2: not JSON"),
+            (["--dataset", str(tmp / "no_prompt.jsonl")], "line 1: each row needs a 'prompt' field"),
+            (["--dataset", str(tmp / "too_long.jsonl"), "--eval-size", "1"], "do not fit the context of 1024 tokens"),
+            (["--tools", "nope"], "unknown tool"),
+            (["--num-generations", "1"], "at least 2"),
+            (["--epsilon", "0.3", "--epsilon-high", "0.2"], "--epsilon-high must be"),
+            (["--rewards", "nope"], "unknown reward"),
+            (["--no-such-flag"], "unrecognized"),
+            (["--resume"], "--resume needs the --output-dir"),
+            (["--output-dir", str(tmp / "a_file" / "run")], "is not writable")]
+
+
+def test_bad_input_fails_before_vllm_starts(tmp_path, capsys):
+    """Each bad input stops main() with a message naming the flag or file, before any server starts
+    (in-process: the same code as the command line, without a new interpreter per case)."""
+    report = []
+    for flags, message in bad_inputs(tmp_path):
+        t0 = time.monotonic()
+        with pytest.raises(SystemExit) as stopped:
+            ag.main(["--cache-dir", CACHE, *flags])
+        out = str(stopped.value.code) + capsys.readouterr().err
+        report.append(f"{time.monotonic() - t0:5.1f} s  {' '.join(flags)[-40:]:40s} -> {out.strip().splitlines()[-1][:100]}")
+        assert stopped.value.code != 0 and message in out, (flags, out[-800:])
+        assert time.monotonic() - t0 < 30
+    print("\n".join(report))
+    code, out = run_cli("--model", str(tmp_path / "no_such_model"), timeout=60)  # and once as a user runs it
+    assert code == 1 and "--model" in out and "starting vLLM" not in out
 
 
 # ------------------------------------------------------------------------------------------------
@@ -359,14 +390,15 @@ def test_audit_mode_shows_a_bf16_level_mismatch_and_changes_nothing(server, tiny
     assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
 
 
-def wait_for_running_requests(url, timeout=60):
+def wait_for_running_requests(url, condition, timeout=60):
+    """Poll vLLM's own count of the requests it is running until condition(count) holds."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         metrics = urllib.request.urlopen(f"{url}/metrics").read().decode()
-        if float(re.search(r"^vllm:num_requests_running\{.*\} (\S+)$", metrics, re.M).group(1)) > 0:
+        if condition(float(re.search(r"^vllm:num_requests_running\{.*\} (\S+)$", metrics, re.M).group(1))):
             return
         time.sleep(0.02)
-    pytest.fail("vLLM never ran a request")
+    pytest.fail("vLLM's running requests never reached the expected count")
 
 
 @pytest.mark.parametrize("mode", ["keep", "abort", "wait"])
@@ -390,9 +422,10 @@ def test_sync_modes_with_generations_spanning_a_sync(server, tiny_model, mode):
     with torch.no_grad():
         for p in models[1].parameters():
             p.add_(torch.randn_like(p) * 0.05)
+    wait_for_running_requests(server.url, lambda n: n == 0)  # requests an earlier test dropped are gone
     producer.start()
     try:
-        wait_for_running_requests(server.url)
+        wait_for_running_requests(server.url, lambda n: n == 4)  # the first two groups are generating
         time.sleep(0.2)  # a few dozen of the 300 tokens are out
         sync(models[1])
         # the first groups were cut by the sync, the later ones started after it: the run goes on
@@ -420,6 +453,58 @@ def test_sync_modes_with_generations_spanning_a_sync(server, tiny_model, mode):
         assert other.mean() > 0.5  # ...and the check can tell the two versions apart
 
 
+def test_a_reward_that_raises_drops_its_group_and_the_run_goes_on(server, tmp_path):
+    # Fault injection through the data: rows whose answer is not a number make the real
+    # correct_answer raise (float('n/a')).
+    rows = [{"prompt": r["prompt"], "answer": "n/a" if i % 5 == 0 else r["answer"]}
+            for i, r in enumerate(ag.arithmetic_rows(300, seed=7))]
+    bad = {i for i, r in enumerate(rows) if r["answer"] == "n/a"}
+    dataset = tmp_path / "some_bad_answers.jsonl"
+    dataset.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    code, out = run_cli("--vllm-url", server.url, "--output-dir", str(tmp_path), "--dataset", str(dataset),
+                        "--eval-size", "8", "--steps", "4", "--log-rollouts", "1000")
+    assert code == 0, out[-3000:]
+    before_last_step = out[:out.index("step    4/4")]
+    dropped = [int(i) for i in re.findall(r"warning: dropped a group: the rewards of prompt (\d+) failed: ValueError",
+                                          before_last_step)]
+    assert dropped and set(dropped) <= bad
+    assert read_metrics(tmp_path)[-1]["rollout/reward_failures"] == len(dropped)
+    assert not bad & {r["prompt_id"] for r in read_rollouts(tmp_path)}
+
+
+def test_a_producer_error_reaches_the_main_thread(server, tmp_path):
+    # vLLM rejects min_tokens > max_tokens with a 400: a bug in the request, reported, not retried.
+    t0 = time.monotonic()
+    code, out = run_cli("--vllm-url", server.url, "--output-dir", str(tmp_path), "--sampling-args",
+                        '{"min_tokens": 100}', "--max-tokens", "8", timeout=120)
+    assert code != 0 and "the producer thread failed" in out and "vLLM answered 400" in out, out[-3000:]
+    assert time.monotonic() - t0 < 60
+
+
+def test_ctrl_c_then_resume_trains_every_prompt_once(server, tiny_model, tmp_path):
+    from transformers import AutoModelForCausalLM
+    flags = ("--vllm-url", server.url, "--steps", "6", "--log-rollouts", "1000")
+    code, out = run_cli(*flags, "--output-dir", str(tmp_path / "whole"))
+    assert code == 0, out[-3000:]
+    proc = subprocess.Popen([sys.executable, str(HERE / "async_grpo.py"), "--cache-dir", CACHE, *flags, "--output-dir",
+                             str(tmp_path / "parts")], cwd=HERE, text=True, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    lines = []
+    for line in proc.stdout:
+        lines.append(line)
+        if line.startswith("step    2/6"):
+            proc.send_signal(signal.SIGINT)
+    proc.wait(60)
+    assert proc.returncode != 0 and "continue with --resume" in "".join(lines), "".join(lines)[-3000:]
+    code, out = run_cli(*flags, "--output-dir", str(tmp_path / "parts"), "--resume")
+    assert code == 0 and "resuming at step" in out, out[-3000:]
+    # The same prompts in the same steps as the run that was never stopped: none repeated or skipped.
+    trained = [[(r["step"], r["prompt_id"]) for r in read_rollouts(tmp_path / run)] for run in ("whole", "parts")]
+    assert trained[0] == trained[1]
+    assert [m["step"] for m in read_metrics(tmp_path / "parts")] == [1, 2, 3, 4, 5, 6]
+    AutoModelForCausalLM.from_pretrained(tmp_path / "parts" / "checkpoint")
+
+
 def test_torchrun_two_ranks_keep_equal_weights(server, tmp_path):
     code, out = run_cli("--vllm-url", server.url, "--output-dir", str(tmp_path), "--steps", "3",
                         "--prompts-per-step", "4", timeout=400, launcher=(sys.executable, "-m", "torch.distributed.run",
@@ -440,6 +525,30 @@ def test_default_run_exits_cleanly_and_leaves_nothing_behind(tmp_path):
     assert [m["step"] for m in metrics] == [1, 2, 3] and REQUIRED_METRICS <= set(metrics[0])
     assert (tmp_path / "vllm.log").stat().st_size > 0 and (tmp_path / "checkpoint" / "config.json").exists()
     server_pid = int(re.search(r"starting vLLM \(pid (\d+)", out).group(1))
+    assert processes_in_group(server_pid) == []
+
+
+def test_killing_the_server_mid_run_fails_fast_with_a_checkpoint(tmp_path, tiny_model):
+    proc = subprocess.Popen([sys.executable, str(HERE / "async_grpo.py"), "--cache-dir", CACHE, "--output-dir",
+                             str(tmp_path)], cwd=HERE, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    lines, killed = [], None
+    try:
+        for line in proc.stdout:
+            lines.append(line)
+            if line.startswith("starting vLLM"):
+                server_pid = int(re.search(r"pid (\d+)", line).group(1))
+            if line.startswith("step    2/") and killed is None:
+                os.killpg(server_pid, signal.SIGKILL)
+                killed = time.monotonic()
+        proc.wait(60)
+    finally:
+        proc.kill()
+    out = "".join(lines)
+    print(f"exited {time.monotonic() - killed:.1f} s after the kill")
+    assert proc.returncode != 0 and time.monotonic() - killed < 60
+    assert "the vLLM server exited" in out and "Last lines of" in out, out[-3000:]
+    assert (tmp_path / "checkpoint" / "trainer_state.pt").exists()
     assert processes_in_group(server_pid) == []
 
 
