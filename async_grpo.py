@@ -23,7 +23,6 @@ trained (0: synchronous, --sync).
 import argparse
 import asyncio
 import contextlib
-import copy
 import ctypes
 import functools
 import inspect
@@ -908,6 +907,7 @@ def stop_vllm(proc, grace=15):
         return
     with contextlib.suppress(ProcessLookupError):
         os.killpg(proc.pid, signal.SIGTERM)
+        os.killpg(proc.pid, signal.SIGCONT)  # a stopped server could not act on the SIGTERM
     try:
         proc.wait(grace)
     except subprocess.TimeoutExpired:
@@ -1251,6 +1251,7 @@ def main(argv=None):
             dist.broadcast_object_list(box, 0)
             args.model = box[0]
     args.served_model = "policy"
+    initial_model = resumed["initial_model"] if resumed else args.model  # the reference of --beta
     try:
         tok = AutoTokenizer.from_pretrained(args.model)
     except Exception as e:
@@ -1276,7 +1277,8 @@ def main(argv=None):
         raise SystemExit(f"{len(too_long)} prompts do not fit the context of {context} tokens (the first: row id "
                          f"{too_long[0][0]}, {too_long[0][1]} tokens); shorten them in --dataset or raise --max-model-len")
     policy = model  # the unwrapped module: what is synced and saved
-    reference = copy.deepcopy(policy).requires_grad_(False) if args.beta else None  # frozen, for --beta
+    reference = AutoModelForCausalLM.from_pretrained(initial_model, dtype=torch.float32).to(device).requires_grad_(False) \
+        if args.beta else None
     if world_size > 1:
         model = torch.nn.parallel.DistributedDataParallel(model, device_ids=[local_rank] if device.type == "cuda" else None)
     optimizer = torch.optim.AdamW(policy.parameters(), lr=args.lr, weight_decay=args.weight_decay)
@@ -1372,7 +1374,7 @@ def main(argv=None):
                   f"sync {sync_seconds:.2f}s | tools {metrics['tools/call_frequency']:.2f}"
                   + (f" | eval {metrics['eval/reward']:.3f}" if "eval/reward" in metrics else ""), flush=True)
             if (args.save_every and (step + 1) % args.save_every == 0) or stop:
-                save_checkpoint(out_dir, policy, tok, optimizer, scheduler, step + 1, version.value, done_cursor)
+                save_checkpoint(out_dir, policy, tok, optimizer, scheduler, step + 1, version.value, done_cursor, initial_model)
             if stop:  # torchrun's other ranks are stopped by torchrun when this one exits
                 raise SystemExit(f"stopped at step {step + 1} by signal {stop[0]}; continue with --resume --output-dir {out_dir}")
         # Ranks must hold identical weights; a silent divergence (a missed all-reduce) fails here.
@@ -1381,7 +1383,7 @@ def main(argv=None):
         if world_size > 1:
             dist.all_gather_object(checksums, checksum[0])
         if is_main:
-            save_checkpoint(out_dir, policy, tok, optimizer, scheduler, args.steps, version.value, done_cursor)
+            save_checkpoint(out_dir, policy, tok, optimizer, scheduler, args.steps, version.value, done_cursor, initial_model)
             wall = time.perf_counter() - t_start
             audit = {"mismatch_kl": float(np.mean([m["is/mismatch_kl"] for m in history])),
                      "ratio_mean": float(np.mean([m["is/ratio_mean"] for m in history])),
@@ -1398,11 +1400,13 @@ def main(argv=None):
     except (Exception, KeyboardInterrupt) as e:
         # Nothing is lost: the last finished step is saved, unless the error came mid-update.
         if is_main and producer is not None and not updating and completed > start_step:
-            save_checkpoint(out_dir, policy, tok, optimizer, scheduler, completed, version.value, done_cursor)
+            save_checkpoint(out_dir, policy, tok, optimizer, scheduler, completed, version.value, done_cursor, initial_model)
             print(f"saved the checkpoint of step {completed} in {out_dir / 'checkpoint'}; continue with --resume", flush=True)
         if server is not None and server.poll() is not None:
             raise RuntimeError(f"the vLLM server exited with code {server.returncode}. Last lines of "
                                f"{server.log_path}:\n{log_tail(server.log_path)}") from e
+        if server is not None:
+            print(f"the vLLM server's log: {server.log_path}", flush=True)
         raise
     finally:
         for sig, handler in previous_handlers.items():
@@ -1416,7 +1420,7 @@ def main(argv=None):
             dist.destroy_process_group()
 
 
-def save_checkpoint(out_dir, policy, tok, optimizer, scheduler, step, version, cursor):
+def save_checkpoint(out_dir, policy, tok, optimizer, scheduler, step, version, cursor, initial_model):
     """checkpoint-<step>/ with the model (safetensors), tokenizer and trainer state, written whole
     under a temporary name; then the `checkpoint` link is swapped to it in one rename, so a crash
     never leaves a broken latest checkpoint. The cursor says which groups the trainer has used:
@@ -1429,7 +1433,7 @@ def save_checkpoint(out_dir, policy, tok, optimizer, scheduler, step, version, c
     policy.save_pretrained(tmp)
     tok.save_pretrained(tmp)
     torch.save({"step": step, "policy_version": version, "optimizer": optimizer.state_dict(),
-                "scheduler": scheduler.state_dict(), "data": cursor,
+                "scheduler": scheduler.state_dict(), "data": cursor, "initial_model": initial_model,
                 "rng": {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}},
                tmp / "trainer_state.pt")
     os.replace(tmp, out_dir / name)
