@@ -1290,6 +1290,8 @@ def main(argv=None):
         random.setstate(resumed["rng"]["python"])
         np.random.set_state(resumed["rng"]["numpy"])
         torch.set_rng_state(resumed["rng"]["torch"])
+        if resumed["rng"]["cuda"]:
+            torch.cuda.set_rng_state_all(resumed["rng"]["cuda"])
         start_step = resumed["step"]
         if is_main:
             print(f"resuming at step {start_step} from {args.model}", flush=True)
@@ -1434,7 +1436,8 @@ def save_checkpoint(out_dir, policy, tok, optimizer, scheduler, step, version, c
     tok.save_pretrained(tmp)
     torch.save({"step": step, "policy_version": version, "optimizer": optimizer.state_dict(),
                 "scheduler": scheduler.state_dict(), "data": cursor, "initial_model": initial_model,
-                "rng": {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}},
+                "rng": {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
+                        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []}},
                tmp / "trainer_state.pt")
     os.replace(tmp, out_dir / name)
     previous = os.readlink(link) if link.is_symlink() else None
