@@ -1087,21 +1087,22 @@ def grpo_loss(logp, sampler_logp, advantages, mask, epsilon, epsilon_high, loss_
     else:
         loss = (per_token * mask).sum() / num_tokens
     with torch.no_grad():
-        n, tokens = mask.sum().clamp(min=1).item(), mask.bool()
-        token_w = torch.exp(log_w)
+        n, tokens, token_w = mask.sum().clamp(min=1), mask.bool(), torch.exp(log_w)
 
-        def share(x):  # fraction of the loss tokens where x holds
-            return (x * mask).sum().item() / n
+        def share(x):  # mean over the loss tokens
+            return (x * mask).sum() / n
         stats = {"train/clip_fraction": share((ratio - clipped).abs() > 0), "is/ratio_mean": share(token_w),
-                 "is/mismatch_kl": share(token_w - 1 - log_w)}  # k3 estimate of KL(pi_sampler || pi_trainer)
-        if tokens.any():
-            stats.update({"is/ratio_min": token_w[tokens].min().item(), "is/ratio_max": token_w[tokens].max().item()})
+                 "is/mismatch_kl": share(token_w - 1 - log_w),  # k3 estimate of KL(pi_sampler || pi_trainer)
+                 "is/ratio_min": torch.where(tokens, token_w, torch.inf).min(),
+                 "is/ratio_max": torch.where(tokens, token_w, -torch.inf).max()}
         if is_correction == "tis":
             stats["is/truncated_fraction"] = share(w > is_threshold)
         elif is_correction == "mis":
             stats["is/masked_fraction"] = share(weight == 0)
         if beta:
             stats["train/kl"] = share(kl)
+        # one device-to-host copy for all of them; extremes of a micro-batch without loss tokens are dropped
+        stats = {k: v for k, v in zip(stats, torch.stack(list(stats.values())).tolist()) if math.isfinite(v)}
     return loss, stats
 
 
@@ -1297,6 +1298,11 @@ def main(argv=None):
             print(f"resuming at step {start_step} from {args.model}", flush=True)
 
     server, producer, wandb_run, stop, updating = None, None, None, [], False
+
+    def checkpoint(step):  # rank 0, between steps: the data cursor is the one of the last finished step
+        save_checkpoint(out_dir, policy, tok, {"step": step, "policy_version": version.value, "data": done_cursor,
+                                               "initial_model": initial_model, "optimizer": optimizer.state_dict(),
+                                               "scheduler": scheduler.state_dict()})
     previous_handlers = {sig: signal.signal(sig, _raise_keyboard_interrupt) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         if is_main:
@@ -1340,7 +1346,7 @@ def main(argv=None):
             metrics = train_step(model, optimizer, shards[rank], max(num_tokens, 1), args.prompts_per_step *
                                  args.num_generations, args, device, world_size, reference)
             scheduler.step()
-            updating, completed, done_cursor = False, step + 1, is_main and dict(producer.cursor)
+            updating, completed, done_cursor = False, step + 1, dict(producer.cursor) if is_main else None
             trained_version, sync_seconds = version.value if is_main else None, 0.0
             if (step + 1) % args.sync_every == 0:
                 if is_main:
@@ -1376,7 +1382,7 @@ def main(argv=None):
                   f"sync {sync_seconds:.2f}s | tools {metrics['tools/call_frequency']:.2f}"
                   + (f" | eval {metrics['eval/reward']:.3f}" if "eval/reward" in metrics else ""), flush=True)
             if (args.save_every and (step + 1) % args.save_every == 0) or stop:
-                save_checkpoint(out_dir, policy, tok, optimizer, scheduler, step + 1, version.value, done_cursor, initial_model)
+                checkpoint(step + 1)
             if stop:  # torchrun's other ranks are stopped by torchrun when this one exits
                 raise SystemExit(f"stopped at step {step + 1} by signal {stop[0]}; continue with --resume --output-dir {out_dir}")
         # Ranks must hold identical weights; a silent divergence (a missed all-reduce) fails here.
@@ -1385,7 +1391,7 @@ def main(argv=None):
         if world_size > 1:
             dist.all_gather_object(checksums, checksum[0])
         if is_main:
-            save_checkpoint(out_dir, policy, tok, optimizer, scheduler, args.steps, version.value, done_cursor, initial_model)
+            checkpoint(args.steps)
             wall = time.perf_counter() - t_start
             audit = {"mismatch_kl": float(np.mean([m["is/mismatch_kl"] for m in history])),
                      "ratio_mean": float(np.mean([m["is/ratio_mean"] for m in history])),
@@ -1402,7 +1408,7 @@ def main(argv=None):
     except (Exception, KeyboardInterrupt) as e:
         # Nothing is lost: the last finished step is saved, unless the error came mid-update.
         if is_main and producer is not None and not updating and completed > start_step:
-            save_checkpoint(out_dir, policy, tok, optimizer, scheduler, completed, version.value, done_cursor, initial_model)
+            checkpoint(completed)
             print(f"saved the checkpoint of step {completed} in {out_dir / 'checkpoint'}; continue with --resume", flush=True)
         if server is not None and server.poll() is not None:
             raise RuntimeError(f"the vLLM server exited with code {server.returncode}. Last lines of "
@@ -1422,23 +1428,21 @@ def main(argv=None):
             dist.destroy_process_group()
 
 
-def save_checkpoint(out_dir, policy, tok, optimizer, scheduler, step, version, cursor, initial_model):
+def save_checkpoint(out_dir, policy, tok, state):
     """checkpoint-<step>/ with the model (safetensors), tokenizer and trainer state, written whole
     under a temporary name; then the `checkpoint` link is swapped to it in one rename, so a crash
-    never leaves a broken latest checkpoint. The cursor says which groups the trainer has used:
-    --resume regenerates everything after it (the groups in flight at the stop are redone)."""
-    name, link = f"checkpoint-{step:06d}", out_dir / "checkpoint"
+    never leaves a broken latest checkpoint. The data cursor (state['data']) says which groups the
+    trainer has used: --resume regenerates everything after it (groups in flight at the stop are redone)."""
+    name, link = f"checkpoint-{state['step']:06d}", out_dir / "checkpoint"
     if link.is_symlink() and os.readlink(link) == name:
         return  # this step is saved already
     tmp = out_dir / f"{name}.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     policy.save_pretrained(tmp)
     tok.save_pretrained(tmp)
-    torch.save({"step": step, "policy_version": version, "optimizer": optimizer.state_dict(),
-                "scheduler": scheduler.state_dict(), "data": cursor, "initial_model": initial_model,
-                "rng": {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
-                        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []}},
-               tmp / "trainer_state.pt")
+    rng = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
+           "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []}
+    torch.save({**state, "rng": rng}, tmp / "trainer_state.pt")
     os.replace(tmp, out_dir / name)
     previous = os.readlink(link) if link.is_symlink() else None
     (out_dir / "checkpoint.tmp").unlink(missing_ok=True)

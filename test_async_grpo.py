@@ -260,14 +260,24 @@ def server(tiny_model, tmp_path_factory):
     assert processes_in_group(proc.pid) == [], "vLLM processes outlived stop_vllm"
 
 
+def perturbed(model):
+    """A copy with every weight moved, so that an unsynced tensor shows up in the tokens."""
+    model = copy.deepcopy(model)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    return model
+
+
+def served_context(server):
+    return ag.http(f"{server.url}/v1/models")["data"][0]["max_model_len"]
+
+
 def test_weight_sync_is_exact(server, tiny_model):
     from transformers import AutoModelForCausalLM, AutoTokenizer
     tok = AutoTokenizer.from_pretrained(tiny_model)
-    model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
-    torch.manual_seed(0)
-    with torch.no_grad():  # move every weight, so an unsynced tensor shows up in the tokens
-        for p in model.parameters():
-            p.add_(torch.randn_like(p) * 0.05)
+    model = perturbed(AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32))
     sync = ag.WeightSync(server.url, ag.parse_args(["--output-dir", "unused"]), torch.bfloat16, ag.PolicyVersion())
     assert sync(model) > 0
     try:
@@ -303,7 +313,7 @@ def test_producer_stamps_versions_and_scores_groups(server, tiny_model):
     for row in rows:
         row["prompt"] = [{"role": "user", "content": row["prompt"]}]
     ctx = ag.rollout_context(tok, ag.tool_schemas(args.tool_names), rows,
-                             ag.http(f"{server.url}/v1/models")["data"][0]["max_model_len"])
+                             served_context(server))
     version = ag.PolicyVersion()
     producer = ag.Producer(args, tok, rows, server.url, ctx, version)
     producer.start()
@@ -412,16 +422,12 @@ def test_sync_modes_with_generations_spanning_a_sync(server, tiny_model, mode):
                           "--max-staleness", "4", "--sync-mode", mode])
     args.served_model = "policy"
     rows = [{"id": i, "prompt": [{"role": "user", "content": f"What is {i} + 1?"}], "answer": i + 1} for i in range(8)]
-    ctx = ag.rollout_context(tok, None, rows, ag.http(f"{server.url}/v1/models")["data"][0]["max_model_len"])
+    ctx = ag.rollout_context(tok, None, rows, served_context(server))
     version = ag.PolicyVersion(args.max_inflight)
     producer = ag.Producer(args, tok, rows, server.url, ctx, version)
     sync = ag.WeightSync(server.url, args, torch.bfloat16, version)
     models = [AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)]  # version 0: what the server holds
-    models.append(copy.deepcopy(models[0]))
-    torch.manual_seed(0)
-    with torch.no_grad():
-        for p in models[1].parameters():
-            p.add_(torch.randn_like(p) * 0.05)
+    models.append(perturbed(models[0]))
     wait_for_running_requests(server.url, lambda n: n == 0)  # requests an earlier test dropped are gone
     producer.start()
     try:
@@ -673,7 +679,7 @@ def rollouts(server, tok, args, n=8, max_model_len=None, schemas=None):
     schemas = schemas or ag.tool_schemas(args.tool_names)
     row = {"id": 0, "prompt": [{"role": "user", "content": "What is 3 + 4?"}], "answer": 7}
     ctx = ag.rollout_context(tok, schemas, [row],
-                             max_model_len or ag.http(f"{server.url}/v1/models")["data"][0]["max_model_len"])
+                             max_model_len or served_context(server))
 
     async def go():
         async with aiohttp.ClientSession() as session:
