@@ -400,25 +400,26 @@ def test_audit_mode_shows_a_bf16_level_mismatch_and_changes_nothing(server, tiny
     assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
 
 
-def wait_for_running_requests(url, condition, timeout=60):
-    """Poll vLLM's own count of the requests it is running until condition(count) holds."""
+def wait_for_vllm(url, metric, condition, timeout=60):
+    """Poll one of vLLM's own metrics (requests running, tokens generated) until condition(value) holds."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         metrics = urllib.request.urlopen(f"{url}/metrics").read().decode()
-        if condition(float(re.search(r"^vllm:num_requests_running\{.*\} (\S+)$", metrics, re.M).group(1))):
-            return
-        time.sleep(0.02)
-    pytest.fail("vLLM's running requests never reached the expected count")
+        value = float(re.search(rf"^vllm:{metric}\{{.*\}} (\S+)$", metrics, re.M).group(1))
+        if condition(value):
+            return value
+        time.sleep(0.01)
+    pytest.fail(f"vLLM's {metric} never reached the expected value")
 
 
 @pytest.mark.parametrize("mode", ["keep", "abort", "wait"])
 def test_sync_modes_with_generations_spanning_a_sync(server, tiny_model, mode):
-    """300-token turns, and a sync to other weights while the first ones run. Each token's version
+    """600-token turns, and a sync to other weights while the first ones run. Each token's version
     is checked against vLLM's log-prob of it: it must match the weights of that version."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
     tok = AutoTokenizer.from_pretrained(tiny_model)
     args = ag.parse_args(["--output-dir", "unused", "--num-generations", "2", "--prompts-per-step", "2",
-                          "--max-tokens", "300", "--sampling-args", '{"min_tokens": 300}', "--max-inflight", "4",
+                          "--max-tokens", "600", "--sampling-args", '{"min_tokens": 600}', "--max-inflight", "4",
                           "--max-staleness", "4", "--sync-mode", mode])
     args.served_model = "policy"
     rows = [{"id": i, "prompt": [{"role": "user", "content": f"What is {i} + 1?"}], "answer": i + 1} for i in range(8)]
@@ -428,11 +429,12 @@ def test_sync_modes_with_generations_spanning_a_sync(server, tiny_model, mode):
     sync = ag.WeightSync(server.url, args, torch.bfloat16, version)
     models = [AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)]  # version 0: what the server holds
     models.append(perturbed(models[0]))
-    wait_for_running_requests(server.url, lambda n: n == 0)  # requests an earlier test dropped are gone
+    wait_for_vllm(server.url, "num_requests_running", lambda n: n == 0)  # what an earlier test dropped is gone
     producer.start()
     try:
-        wait_for_running_requests(server.url, lambda n: n == 4)  # the first two groups are generating
-        time.sleep(0.2)  # a few dozen of the 300 tokens are out
+        wait_for_vllm(server.url, "num_requests_running", lambda n: n == 4)  # the first two groups are generating
+        generated = wait_for_vllm(server.url, "generation_tokens_total", lambda n: True)
+        wait_for_vllm(server.url, "generation_tokens_total", lambda n: n >= generated + 4 * 30)  # ~30 of 600 each
         sync(models[1])
         # the first groups were cut by the sync, the later ones started after it: the run goes on
         samples = [s for g in producer.take(4, timeout=120) for s in g]
@@ -440,7 +442,7 @@ def test_sync_modes_with_generations_spanning_a_sync(server, tiny_model, mode):
         producer.stop()
         sync(models[0])  # the other tests expect the built-in model's weights
     versions = [[v for v, m in zip(s["versions"], s["mask"]) if m] for s in samples]
-    assert all(len(v) == 300 and v == sorted(v) and set(v) <= {0, 1} for v in versions)
+    assert all(len(v) == 600 and v == sorted(v) and set(v) <= {0, 1} for v in versions)
     if mode == "keep":  # turns that were cut went on from their tokens with the new weights
         assert any(0 in v and 1 in v for v in versions)
     elif mode == "abort":  # cut turns started over with the new weights
@@ -454,7 +456,7 @@ def test_sync_modes_with_generations_spanning_a_sync(server, tiny_model, mode):
         logits[:, :, ctx["stop_ids"]] = -torch.inf  # min_tokens: vLLM sampled with the stop tokens masked
         logp = logits.log_softmax(-1).gather(2, ids[0, n:].expand(2, -1)[..., None])[..., 0]  # [version, token]
         error = (logp - torch.tensor(s["logprobs"])).abs()
-        own, other = error[v, range(300)], error[[1 - x for x in v], range(300)]
+        own, other = error[v, range(600)], error[[1 - x for x in v], range(600)]
         assert own.mean() < 0.03 and own.max() < 0.3, "a token's log-prob does not match the weights of its version"
         assert other.mean() > 0.5  # ...and the check can tell the two versions apart
 
