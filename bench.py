@@ -1,0 +1,242 @@
+"""Benchmarks of async_grpo on this machine, against the real vLLM server: one table, a JSON file
+with every figure, and a plot of reward against wall time.
+
+    python bench.py                   # the full configuration (about 15 minutes on 2 CPU cores)
+    python bench.py --tiny            # a small one that exercises every part (the test runs it)
+
+1. async vs sync: the same run (prompts, samples, steps, seed) with --sync and without, on the tool
+   task with a tool that takes --tool-latency seconds: wall time, samples/s, and the share of the
+   wall time the generator (vLLM: no request of ours) and the trainer (waiting for data) were idle.
+2. weight sync of a ~100M-parameter model: packed buckets (what the script does), one call per
+   tensor, and one raw broadcast of a buffer of the same size (the ceiling: no loading at all).
+3. trainer throughput: the training step against a bare forward+backward of the same batch.
+"""
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+import async_grpo as ag
+
+
+def serve(path, out_dir):
+    """A vLLM server as async_grpo.py starts it, with the bench's worker extension."""
+    args = ag.parse_args(["--output-dir", str(out_dir), "--vllm-args", "--worker-extension-cls bench.BenchExtension"])
+    args.served_model = "policy"
+    return ag.start_vllm(args, path, out_dir)[0]
+
+
+def run(mode, args, url, out_dir):
+    """One async_grpo.py run in a subprocess, as a user would start it; its metrics.jsonl back. Both
+    runs use the same server: each starts by syncing the initial weights into it (--vllm-url)."""
+    run_dir = out_dir / f"tools-{mode}"
+    cmd = [sys.executable, str(ag.HERE / "async_grpo.py"), "--vllm-url", url, "--tools", "--tool-latency", str(args.tool_latency),
+           "--steps", str(args.steps), "--prompts-per-step", str(args.prompts_per_step),
+           "--num-generations", str(args.num_generations), "--output-dir", str(run_dir), "--seed", "0",
+           "--cache-dir", args.cache_dir]
+    cmd += ["--sync"] if mode == "sync" else []
+    print(f"{mode}: {' '.join(cmd[1:])} (log {run_dir}.log)", flush=True)
+    with open(f"{run_dir}.log", "w") as log:
+        if subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT).returncode:
+            raise SystemExit(f"the {mode} run failed; last lines of {run_dir}.log:\n{ag.log_tail(Path(f'{run_dir}.log'))}")
+    return [json.loads(line) for line in open(run_dir / "metrics.jsonl")]
+
+
+def async_vs_sync(args, url, out_dir):
+    results = {"tool_latency": args.tool_latency}
+    for mode in ("sync", "async"):
+        metrics = run(mode, args, url, out_dir)
+        last, k = metrics[-1], max(1, len(metrics) // 4)
+        results[mode] = {"wall_seconds": last["perf/wall_seconds"], "samples_per_s": last["perf/samples_per_second"],
+                         "generator_idle": last["perf/generator_idle"], "trainer_idle": last["perf/trainer_idle"],
+                         "reward_first": statistics.mean(m["reward/mean"] for m in metrics[:k]),
+                         "reward_last": statistics.mean(m["reward/mean"] for m in metrics[-k:]),
+                         "tool_calls_per_sample": statistics.mean(m["tools/call_frequency"] for m in metrics),
+                         "curve": [[m["perf/wall_seconds"], m["reward/mean"]] for m in metrics]}
+    results["speedup"] = results["async"]["samples_per_s"] / results["sync"]["samples_per_s"]
+    return results
+
+
+def plot(results, path):
+    import matplotlib
+    matplotlib.use("Agg")  # no screen needed
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    for mode in ("sync", "async"):
+        t, r = zip(*results[mode]["curve"])
+        k = max(1, len(r) // 10)  # a running mean over a tenth of the run: one step's reward is noisy
+        smooth = [statistics.mean(r[max(0, i - k + 1):i + 1]) for i in range(len(r))]
+        ax.plot(t, smooth, label=f"{'--sync' if mode == 'sync' else 'async (default)'}: "
+                                 f"{results[mode]['samples_per_s']:.1f} samples/s")
+    ax.set(xlabel="wall time (s)", ylabel="mean reward (running mean)",
+           title=f"reward vs wall time, tool latency {results['tool_latency']} s")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+
+
+class BenchExtension(ag.WeightSyncExtension):
+    """The script's worker extension plus a receive that does nothing with the bytes: the ceiling."""
+
+    def receive_raw(self, numel, dtype):
+        flat = torch.empty(numel, dtype=getattr(torch, dtype), device=self.device)
+        self.weight_sync_group.broadcast(flat, 0).wait()
+
+
+def build_model(cache_dir, hidden, layers):
+    """A Qwen3 model of the given size with random weights and the built-in tokenizer, built once."""
+    from transformers import AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
+    path = Path(cache_dir) / f"bench-qwen3-h{hidden}-l{layers}"
+    if (path / "config.json").exists():
+        return str(path)
+    tok = AutoTokenizer.from_pretrained(ag.build_tiny_model(cache_dir))
+    config = Qwen3Config(vocab_size=len(tok), hidden_size=hidden, intermediate_size=hidden * 11 // 4,
+                         num_hidden_layers=layers, num_attention_heads=hidden // 64, num_key_value_heads=hidden // 128,
+                         head_dim=64, max_position_embeddings=1024, tie_word_embeddings=True,
+                         eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, bos_token_id=None)
+    tmp = path.with_name(path.name + ".tmp")
+    Qwen3ForCausalLM(config).save_pretrained(tmp)
+    tok.save_pretrained(tmp)
+    tmp.rename(path)
+    return str(path)
+
+
+def timed(fn, reps):
+    """Median seconds of reps calls, after one warm-up call."""
+    fn()
+    seconds = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        seconds.append(time.perf_counter() - t0)
+    return statistics.median(seconds)
+
+
+def weight_sync(args, url, path):
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    n_params = sum(p.numel() for p in model.parameters())
+    gigabytes = n_params * 2 / 1e9  # bf16 on the wire
+    run_args = ag.parse_args(["--output-dir", "unused"])
+    run_args.served_model = "policy"
+    sync = ag.WeightSync([url], run_args, torch.bfloat16, ag.PolicyVersion())
+    packed = timed(lambda: sync(model), args.reps)
+
+    def around(body):  # the same pause/resume frame as a real sync, around another transfer
+        ag.http(f"{url}/pause?mode=abort", {})
+        body()
+        ag.http(f"{url}/resume", {})
+
+    def per_tensor():  # one RPC and one broadcast per tensor, as a loop over named_parameters does
+        for name, param in model.named_parameters():
+            received, = sync._rpc("receive_weights", buckets=[{"dtype": "bfloat16", "numel": param.numel(),
+                                                               "params": [(name, list(param.shape))]}])
+            sync.group.broadcast(param.detach().to(torch.bfloat16).flatten(), 0).wait()
+            received.result()
+
+    def raw():
+        received, = sync._rpc("receive_raw", numel=n_params, dtype="bfloat16")
+        sync.group.broadcast(torch.empty(n_params, dtype=torch.bfloat16), 0).wait()
+        received.result()
+    one_per_tensor = timed(lambda: around(per_tensor), args.reps)
+    ceiling = timed(lambda: around(raw), args.reps)
+    return {"params": n_params, "tensors": len(list(model.parameters())), "gigabytes": gigabytes,
+            "packed_seconds": packed, "per_tensor_seconds": one_per_tensor, "raw_broadcast_seconds": ceiling,
+            "packed_gb_per_s": gigabytes / packed, "per_tensor_gb_per_s": gigabytes / one_per_tensor,
+            "raw_broadcast_gb_per_s": gigabytes / ceiling, "packed_speedup_over_per_tensor": one_per_tensor / packed,
+            "packed_share_of_ceiling": ceiling / packed}
+
+
+def trainer_throughput(args):
+    """The training step of the script (collate, log-probs, loss, backward, clipping, AdamW) against
+    a bare forward+backward of the same batch: what everything around the model costs."""
+    from transformers import AutoModelForCausalLM
+    path = ag.build_tiny_model(args.cache_dir)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    run_args = ag.parse_args(["--output-dir", "unused"])
+    run_args.pad_id = 0
+    g = torch.Generator().manual_seed(0)
+    samples = []
+    for _ in range(args.train_samples):
+        n_prompt, n_new = 30, int(torch.randint(2, 48, (1,), generator=g))
+        samples.append({"ids": torch.randint(3, 512, (n_prompt + n_new,), generator=g).tolist(), "n_prompt": n_prompt,
+                        "mask": [1] * n_new, "logprobs": [-1.0] * n_new, "advantage": float(torch.randn(1, generator=g))})
+    tokens = sum(len(s["ids"]) for s in samples)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.0)  # lr 0: every repetition trains the same model
+    num_tokens = sum(len(s["mask"]) for s in samples)
+    loop = timed(lambda: ag.train_step(model, optimizer, samples, num_tokens, len(samples), run_args,
+                                       torch.device("cpu"), 1), args.reps)
+
+    def bare():
+        for i in range(0, len(samples), run_args.micro_batch_size):
+            ids, attention, *_ = ag.collate(samples[i:i + run_args.micro_batch_size], 0, torch.device("cpu"))
+            model(input_ids=ids, attention_mask=attention).logits.float().mean().backward()
+        model.zero_grad(set_to_none=True)
+    forward_backward = timed(bare, args.reps)
+    return {"samples": len(samples), "tokens": tokens, "loop_tokens_per_s": tokens / loop,
+            "bare_tokens_per_s": tokens / forward_backward, "loop_overhead": loop / forward_backward - 1}
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--tiny", action="store_true", help="a small configuration that runs every part quickly")
+    p.add_argument("--output", default="bench.json", help="the JSON with every figure; the plot goes next to it (.png)")
+    p.add_argument("--cache-dir", default=str(Path("~/.cache/async_grpo").expanduser()), help="where models are built")
+    p.add_argument("--tool-latency", type=float, default=0.2, help="seconds each tool-calling turn takes")
+    p.add_argument("--steps", type=int, default=None, help="optimizer steps of each async/sync run")
+    p.add_argument("--reps", type=int, default=None, help="timed repetitions of each sync/trainer measurement (median)")
+    args = p.parse_args()
+    # the tiny configuration is the same measurements, smaller; not comparable figures
+    args.steps = args.steps or (3 if args.tiny else 40)
+    args.prompts_per_step, args.num_generations = (2, 4) if args.tiny else (4, 8)
+    args.train_samples = 16 if args.tiny else 64
+    args.reps = args.reps or (1 if args.tiny else 3)
+    output = Path(args.output).resolve()
+    out_dir = output.parent / "bench_runs"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    results = {"config": vars(args)}
+    tiny_model = ag.build_tiny_model(args.cache_dir)
+    server = serve(tiny_model, out_dir)
+    try:
+        results["async_vs_sync"] = async_vs_sync(args, server.url, out_dir)
+        if args.tiny:  # the tiny configuration syncs the built-in model: one server in all
+            results["weight_sync"] = weight_sync(args, server.url, tiny_model)
+    finally:
+        ag.stop_vllm(server)
+    if not args.tiny:
+        path = build_model(args.cache_dir, 1024, 8)  # about 100M parameters
+        server = serve(path, out_dir)
+        try:
+            results["weight_sync"] = weight_sync(args, server.url, path)
+        finally:
+            ag.stop_vllm(server)
+    results["trainer"] = trainer_throughput(args)
+    output.write_text(json.dumps(results, indent=1))
+    plot(results["async_vs_sync"], output.with_suffix(".png"))
+    a, s, t = results["async_vs_sync"], results["weight_sync"], results["trainer"]
+    print(f"\nasync vs sync: {args.steps} steps x {args.prompts_per_step * args.num_generations} samples, tools with "
+          f"{args.tool_latency} s latency ({a['async']['tool_calls_per_sample']:.2f} calls per sample)")
+    print(f"  {'':8s} {'wall s':>8s} {'samples/s':>10s} {'generator idle':>15s} {'trainer idle':>13s} {'reward':>14s}")
+    for mode in ("sync", "async"):
+        m = a[mode]
+        print(f"  {mode:8s} {m['wall_seconds']:8.1f} {m['samples_per_s']:10.2f} {100 * m['generator_idle']:14.0f}% "
+              f"{100 * m['trainer_idle']:12.0f}% {m['reward_first']:6.3f} -> {m['reward_last']:.3f}")
+    print(f"  async is {a['speedup']:.2f}x the samples/s of --sync")
+    print(f"weight sync, {s['params'] / 1e6:.0f}M parameters ({s['gigabytes']:.2f} GB in bf16, {s['tensors']} tensors)")
+    for name in ("packed", "per_tensor", "raw_broadcast"):
+        print(f"  {name:14s} {s[name + '_seconds']:8.3f} s  {s[name + '_gb_per_s']:6.2f} GB/s")
+    print(f"  packed is {s['packed_speedup_over_per_tensor']:.1f}x per-tensor and {100 * s['packed_share_of_ceiling']:.0f}% "
+          f"of the raw-broadcast ceiling")
+    print(f"trainer, {t['samples']} samples, {t['tokens']} tokens: loop {t['loop_tokens_per_s']:.0f} tokens/s, bare "
+          f"forward+backward {t['bare_tokens_per_s']:.0f} tokens/s, overhead {100 * t['loop_overhead']:.0f}%")
+    print(f"JSON: {output}\nplot: {output.with_suffix('.png')}")
+
+
+if __name__ == "__main__":
+    main()
