@@ -4,6 +4,7 @@
     python async_grpo.py --tools                  # the same task, with a calculator the model can call
     python async_grpo.py --model Qwen/Qwen3-0.6B --tools --vllm-gpus 1          # 1 GPU trains, 1 serves
     torchrun --nproc-per-node 4 async_grpo.py --model Qwen/Qwen3-0.6B --tools --vllm-gpus 4,5,6,7
+    torchrun --nproc-per-node 4 async_grpo.py --model Qwen/Qwen3-8B --fsdp --vllm-gpus 4,5  # sharded, not copied
     python async_grpo.py --model M --vllm-url http://host:8000   # a server started with this file's
                                                                   # worker extension (see start_vllm)
 
@@ -1352,6 +1353,13 @@ def main(argv=None):
             save_checkpoint(out_dir, policy, tok, weights, {
                 "step": step, "policy_version": version.value, "data": done_cursor, "initial_model": initial_model,
                 "optimizer": optim, "fsdp": args.fsdp, "scheduler": scheduler.state_dict()})
+
+    def checkpoint_if_due(step):  # rank 0 decides, as it gets the signals; under --fsdp every rank takes part
+        due = [bool(args.save_every and step % args.save_every == 0 or stop)]
+        if args.fsdp:
+            dist.broadcast_object_list(due, 0)
+        if due[0]:
+            checkpoint(step)
     previous_handlers = {sig: signal.signal(sig, _raise_keyboard_interrupt) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         if is_main:
@@ -1406,12 +1414,9 @@ def main(argv=None):
                     help_sync(policy, args, torch.bfloat16)
                 if world_size > 1:
                     dist.barrier()
-            save = [bool(args.save_every and (step + 1) % args.save_every == 0 or stop)]
-            if args.fsdp:  # saving gathers the shards from every rank: all save when rank 0 (which gets the signals) does
-                dist.broadcast_object_list(save, 0)
             if not is_main:
-                if save[0] and args.fsdp:
-                    checkpoint(step + 1)
+                if args.fsdp:
+                    checkpoint_if_due(step + 1)
                 continue
             samples_done += len(samples)
             metrics.update(rollout_metrics(groups, trained_version))
@@ -1439,8 +1444,7 @@ def main(argv=None):
                   f"{metrics['perf/samples_per_second']:6.1f} samples/s | staleness {metrics['staleness/mean']:.2f} | "
                   f"sync {sync_seconds:.2f}s | tools {metrics['tools/call_frequency']:.2f}"
                   + (f" | eval {metrics['eval/reward']:.3f}" if "eval/reward" in metrics else ""), flush=True)
-            if save[0]:
-                checkpoint(step + 1)
+            checkpoint_if_due(step + 1)
             if stop:  # torchrun's other ranks are stopped by torchrun when this one exits
                 raise SystemExit(f"stopped at step {step + 1} by signal {stop[0]}; continue with --resume --output-dir {out_dir}")
         # DDP ranks must hold identical weights; a silent divergence (a missed all-reduce) fails here. FSDP ranks
@@ -1466,7 +1470,8 @@ def main(argv=None):
         if len(set(checksums)) > 1 and not args.fsdp:
             raise RuntimeError(f"ranks ended with different weights (checksums {checksums})")
     except (Exception, KeyboardInterrupt) as e:
-        # Nothing is lost: the last finished step is saved, unless the error came mid-update.
+        # Nothing is lost: the last finished step is saved, unless the error came mid-update (or under --fsdp,
+        # where saving takes every rank, and the others may be gone or stuck).
         if is_main and producer is not None and not updating and completed > start_step and not args.fsdp:
             checkpoint(completed)
             print(f"saved the checkpoint of step {completed} in {out_dir / 'checkpoint'}; continue with --resume", flush=True)
