@@ -4,6 +4,7 @@
     python async_grpo.py --tools                  # the same task, with a calculator the model can call
     python async_grpo.py --model Qwen/Qwen3-0.6B --tools --vllm-gpus 1          # 1 GPU trains, 1 serves
     torchrun --nproc-per-node 4 async_grpo.py --model Qwen/Qwen3-0.6B --tools --vllm-gpus 4,5,6,7
+    torchrun --nproc-per-node 4 async_grpo.py --model Qwen/Qwen3-8B --fsdp --vllm-gpus 4,5  # sharded, not copied
     python async_grpo.py --model M --vllm-url http://host:8000   # a server started with this file's
                                                                   # worker extension (see start_vllm)
 
@@ -54,6 +55,10 @@ import aiohttp
 import numpy as np
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_optimizer_state_dict,
+                                                     set_optimizer_state_dict)
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
 
 import rewards as rewards_module
 import tools as tools_module
@@ -130,6 +135,11 @@ def parse_args(argv=None, world_size=1):
     g.add_argument("--max-grad-norm", type=float, default=1.0, help="gradient clipping norm")
     g.add_argument("--micro-batch-size", type=int, default=16, help="sequences per forward/backward (gradient accumulation)")
     g.add_argument("--gradient-checkpointing", action="store_true", help="recompute activations in backward to save memory")
+    g.add_argument("--fsdp", action="store_true",
+                   help="shard weights, gradients and optimizer state over the torchrun ranks (FSDP2, one unit per "
+                        "decoder layer) instead of a copy on each (DDP), for models that do not fit on one GPU. "
+                        "Checkpoints gather the full model into rank 0's CPU memory; that takes every rank, so an "
+                        "error mid-run saves none: use --save-every")
 
     g = p.add_argument_group("asynchrony and weight sync")
     g.add_argument("--sync-every", type=int, default=1, help="optimizer steps between weight syncs to vLLM")
@@ -175,6 +185,8 @@ def parse_args(argv=None, world_size=1):
     if (args.prompts_per_step * args.num_generations) % world_size:
         p.error(f"--prompts-per-step x --num-generations = {args.prompts_per_step * args.num_generations} samples "
                 f"per step must divide evenly over {world_size} ranks")
+    if args.fsdp and world_size < 2:
+        p.error("--fsdp shards the model over torchrun's ranks: launch with torchrun --nproc-per-node N, N >= 2")
     if args.max_staleness < 0 or args.sync_every < 1:
         p.error("--max-staleness must be >= 0 and --sync-every >= 1")
     if args.is_threshold <= 1:
@@ -1009,6 +1021,24 @@ def pack_buckets(model, bucket_bytes, dtype):
     return buckets + [current] if current else buckets
 
 
+def flatten(bucket, dtype):
+    """One bucket's full weights in one buffer. Under --fsdp, full_tensor() gathers a parameter from every rank's
+    shard, a collective: all ranks flatten the same buckets in the same order (help_sync), and the full weights
+    exist one bucket at a time, never whole on one device."""
+    flat, offset = torch.empty(sum(p.numel() for _, p in bucket), dtype=dtype, device=bucket[0][1].device), 0
+    for _, p in bucket:
+        p = p.detach().full_tensor() if isinstance(p, DTensor) else p.detach()
+        flat[offset:offset + p.numel()].copy_(p.flatten())  # copy_ casts in the same pass
+        offset += p.numel()
+    return flat
+
+
+def help_sync(model, args, dtype):
+    """The other ranks' part of rank 0's sync under --fsdp: gathering each bucket with it."""
+    for bucket in pack_buckets(model, int(args.sync_bucket_mb * 2**20), dtype):
+        flatten(bucket, dtype)
+
+
 class WeightSync:
     """Trainer side of the sync to every server in `urls`; advances `policy` (a PolicyVersion). One
     group holds the trainer (rank 0) and every worker of every server, so one broadcast reaches them
@@ -1066,11 +1096,8 @@ class WeightSync:
         received = self._rpc("receive_weights", buckets=meta)
         timeout, sending = timedelta(seconds=self.args.sync_timeout), None
         with torch.no_grad():
-            for bucket, m in zip(buckets, meta):  # bucket k+1 is packed while bucket k travels
-                flat, offset = torch.empty(m["numel"], dtype=self.dtype, device=bucket[0][1].device), 0
-                for _, p in bucket:  # copy_ casts in the same pass
-                    flat[offset:offset + p.numel()].copy_(p.detach().flatten())
-                    offset += p.numel()
+            for bucket in buckets:  # bucket k+1 is gathered and packed while bucket k travels
+                flat = flatten(bucket, self.dtype)
                 if sending:
                     sending[1].wait(timeout)
                 sending = flat, self.group.broadcast(flat, 0)
@@ -1178,8 +1205,18 @@ def token_logprobs(model, ids, attention, temperature):
     return torch.gather(logits.log_softmax(-1), 2, ids[:, 1:, None]).squeeze(-1)
 
 
+def shard(model):
+    """FSDP2: each decoder layer is one unit, whose weights are gathered only while it computes; the root unit holds
+    the rest (embeddings, head). Done in place: the module keeps its names, its parameters become DTensor shards."""
+    for module in model.modules():
+        if type(module).__name__ in (model._no_split_modules or ()):
+            fully_shard(module)
+    return fully_shard(model)
+
+
 def train_step(model, optimizer, samples, num_tokens, num_sequences, args, device, world_size, reference=None):
-    """Gradient accumulation over micro-batches; DDP all-reduces on the last one only."""
+    """Gradient accumulation over micro-batches; DDP all-reduces on the last one only. FSDP reduce-scatters on each:
+    skipping that (set_requires_gradient_sync) would hold the unsharded gradients of the whole model on every rank."""
     model.train()
     totals, n_micro = {"loss": 0.0}, math.ceil(len(samples) / args.micro_batch_size)
     for i in range(n_micro):
@@ -1194,7 +1231,7 @@ def train_step(model, optimizer, samples, num_tokens, num_sequences, args, devic
             loss, stats = grpo_loss(logp, sampler_logp, advantages, mask, args.epsilon, args.epsilon_high,
                                     args.loss_type, num_tokens, num_sequences, args.max_tokens, args.is_correction,
                                     args.is_threshold, args.is_level, ref_logp, args.beta)
-            (loss * world_size).backward()  # DDP averages over ranks; the loss is already a global mean
+            (loss * world_size).backward()  # DDP and FSDP average over ranks; the loss is already a global mean
         totals["loss"] += loss.item()
         for k, v in stats.items():  # means over micro-batches, extremes over all of them
             if k.endswith(("_min", "_max")):
@@ -1318,7 +1355,7 @@ def main(argv=None):
     ctx = rollout_context(tok, schemas, train_rows + eval_rows)
 
     try:
-        model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).to(device)
+        model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
     except Exception as e:
         raise SystemExit(f"--model {args.model}: cannot load it as a causal LM ({type(e).__name__}: {str(e)[:300]})")
     if args.gradient_checkpointing:
@@ -1328,16 +1365,25 @@ def main(argv=None):
     if too_long:
         raise SystemExit(f"{len(too_long)} prompts do not fit the context of {context} tokens (the first: row id "
                          f"{too_long[0][0]}, {too_long[0][1]} tokens); shorten them in --dataset or raise --max-model-len")
-    policy = model  # the unwrapped module: what is synced and saved
-    reference = AutoModelForCausalLM.from_pretrained(initial_model, dtype=torch.float32).to(device).requires_grad_(False) \
+    # --fsdp: the full model is loaded into CPU memory; fully_shard moves only each rank's shard to the device.
+    place = shard if args.fsdp else lambda m: m.to(device)
+    policy = model = place(model)  # the unwrapped module: what is synced and saved
+    reference = place(AutoModelForCausalLM.from_pretrained(initial_model, dtype=torch.float32).requires_grad_(False)) \
         if args.beta else None
-    if world_size > 1:
+    if world_size > 1 and not args.fsdp:
         model = torch.nn.parallel.DistributedDataParallel(model, device_ids=[local_rank] if device.type == "cuda" else None)
     optimizer = torch.optim.AdamW(policy.parameters(), lr=args.lr, weight_decay=args.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / (args.warmup_steps + 1)))
     start_step = 0
     if resumed:
-        optimizer.load_state_dict(resumed["optimizer"])
+        if resumed.get("fsdp", False) != args.fsdp:
+            saved = "with" if resumed.get("fsdp", False) else "without"
+            raise SystemExit(f"--resume: this checkpoint's optimizer state was saved {saved} --fsdp; resume {saved} it")
+        if args.fsdp:  # rank 0 reads the full state and sends each rank its shards
+            set_optimizer_state_dict(policy, optimizer, resumed["optimizer"],
+                                     options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+        else:
+            optimizer.load_state_dict(resumed["optimizer"])
         scheduler.load_state_dict(resumed["scheduler"])
         random.setstate(resumed["rng"]["python"])
         np.random.set_state(resumed["rng"]["numpy"])
@@ -1350,10 +1396,23 @@ def main(argv=None):
 
     servers, producer, wandb_run, stop, updating = [], None, None, [], False
 
-    def checkpoint(step):  # rank 0, between steps: the data cursor is the one of the last finished step
-        save_checkpoint(out_dir, policy, tok, {"step": step, "policy_version": version.value, "data": done_cursor,
-                                               "initial_model": initial_model, "optimizer": optimizer.state_dict(),
-                                               "scheduler": scheduler.state_dict()})
+    def checkpoint(step):  # between steps: the data cursor is the one of the last finished step
+        weights, optim = None, optimizer.state_dict()
+        if args.fsdp:  # on every rank: each sends its shards, one tensor at a time, to rank 0's CPU memory
+            options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+            weights, optim = get_model_state_dict(policy, options=options), \
+                get_optimizer_state_dict(policy, optimizer, options=options)
+        if is_main:
+            save_checkpoint(out_dir, policy, tok, weights, {
+                "step": step, "policy_version": version.value, "data": done_cursor, "initial_model": initial_model,
+                "optimizer": optim, "fsdp": args.fsdp, "scheduler": scheduler.state_dict()})
+
+    def checkpoint_if_due(step):  # rank 0 decides, as it gets the signals; under --fsdp every rank takes part
+        due = [bool(args.save_every and step % args.save_every == 0 or stop)]
+        if args.fsdp:
+            dist.broadcast_object_list(due, 0)
+        if due[0]:
+            checkpoint(step)
     previous_handlers = {sig: signal.signal(sig, _raise_keyboard_interrupt) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         if is_main:
@@ -1373,6 +1432,8 @@ def main(argv=None):
                 wandb_run = wandb.init(project=args.wandb_project, config=vars(args), dir=str(out_dir))
             metrics_file = open(out_dir / "metrics.jsonl", "a")
             rollouts_file = open(out_dir / "rollouts.jsonl", "a")
+        elif args.fsdp and args.vllm_url:  # rank 0's first sync gathers the weights from every rank's shards
+            help_sync(policy, args, torch.bfloat16)
         # From here a first Ctrl-C/SIGTERM finishes the step, saves a checkpoint and stops; a second stops now.
         for sig in previous_handlers:
             signal.signal(sig, functools.partial(_stop_after_step, stop))
@@ -1404,9 +1465,13 @@ def main(argv=None):
             if (step + 1) % args.sync_every == 0:
                 if is_main:
                     sync_seconds = sync(policy)
+                elif args.fsdp:
+                    help_sync(policy, args, torch.bfloat16)
                 if world_size > 1:
                     dist.barrier()
             if not is_main:
+                if args.fsdp:
+                    checkpoint_if_due(step + 1)
                 continue
             samples_done += len(samples)
             metrics.update(rollout_metrics(groups, trained_version))
@@ -1436,17 +1501,18 @@ def main(argv=None):
                   f"{metrics['perf/samples_per_second']:6.1f} samples/s | staleness {metrics['staleness/mean']:.2f} | "
                   f"sync {sync_seconds:.2f}s | tools {metrics['tools/call_frequency']:.2f}"
                   + (f" | eval {metrics['eval/reward']:.3f}" if "eval/reward" in metrics else ""), flush=True)
-            if (args.save_every and (step + 1) % args.save_every == 0) or stop:
-                checkpoint(step + 1)
+            checkpoint_if_due(step + 1)
             if stop:  # torchrun's other ranks are stopped by torchrun when this one exits
                 raise SystemExit(f"stopped at step {step + 1} by signal {stop[0]}; continue with --resume --output-dir {out_dir}")
-        # Ranks must hold identical weights; a silent divergence (a missed all-reduce) fails here.
-        checksum = [sum(p.double().sum().item() for p in policy.parameters())]
+        # DDP ranks must hold identical weights; a silent divergence (a missed all-reduce) fails here. FSDP ranks
+        # hold different shards by design: their checksums are recorded, not compared.
+        checksum = [sum((p.to_local() if args.fsdp else p).double().sum().item() for p in policy.parameters())]
         checksums = checksum * world_size
         if world_size > 1:
             dist.all_gather_object(checksums, checksum[0])
-        if is_main:
+        if is_main or args.fsdp:
             checkpoint(args.steps)
+        if is_main:
             wall = time.perf_counter() - t_start
             audit = {"mismatch_kl": float(np.mean([m["is/mismatch_kl"] for m in history])),
                      "ratio_mean": float(np.mean([m["is/ratio_mean"] for m in history])),
@@ -1458,11 +1524,12 @@ def main(argv=None):
             if args.audit:
                 print("audit (trainer vs vLLM log-probs of the sampled tokens): " +
                       ", ".join(f"{k} {v:.3g}" for k, v in audit.items()))
-        if len(set(checksums)) > 1:
+        if len(set(checksums)) > 1 and not args.fsdp:
             raise RuntimeError(f"ranks ended with different weights (checksums {checksums})")
     except (Exception, KeyboardInterrupt) as e:
-        # Nothing is lost: the last finished step is saved, unless the error came mid-update.
-        if is_main and producer is not None and not updating and completed > start_step:
+        # Nothing is lost: the last finished step is saved, unless the error came mid-update (or under --fsdp,
+        # where saving takes every rank, and the others may be gone or stuck).
+        if is_main and producer is not None and not updating and completed > start_step and not args.fsdp:
             checkpoint(completed)
             print(f"saved the checkpoint of step {completed} in {out_dir / 'checkpoint'}; continue with --resume", flush=True)
         for server in servers:
@@ -1485,7 +1552,7 @@ def main(argv=None):
             dist.destroy_process_group()
 
 
-def save_checkpoint(out_dir, policy, tok, state):
+def save_checkpoint(out_dir, policy, tok, weights, state):
     """checkpoint-<step>/ with the model (safetensors), tokenizer and trainer state, written whole
     under a temporary name; then the `checkpoint` link is swapped to it in one rename, so a crash
     never leaves a broken latest checkpoint. The data cursor (state['data']) says which groups the
@@ -1495,7 +1562,7 @@ def save_checkpoint(out_dir, policy, tok, state):
         return  # this step is saved already
     tmp = out_dir / f"{name}.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
-    policy.save_pretrained(tmp)
+    policy.save_pretrained(tmp, state_dict=weights)  # weights: the full state dict gathered under --fsdp, else None
     tok.save_pretrained(tmp)
     rng = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []}
