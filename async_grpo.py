@@ -1438,7 +1438,7 @@ def main(argv=None):
         for sig in previous_handlers:
             signal.signal(sig, functools.partial(_stop_after_step, stop))
         t_start, samples_done, waited, history, completed = time.perf_counter(), 0, 0.0, [], start_step
-        idle_start = version.idle()
+        idle_start = version.idle() if is_main else 0.0
         for step in range(start_step, args.steps):
             t_step = time.perf_counter()
             # Rank 0 takes whole groups off the queue and deals each rank an equal share.
