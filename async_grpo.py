@@ -1201,8 +1201,9 @@ def collate(samples, pad_id, device):
 
 
 def token_logprobs(model, ids, attention, temperature):
-    logits = model(input_ids=ids, attention_mask=attention).logits[:, :-1].float() / temperature
-    return torch.gather(logits.log_softmax(-1), 2, ids[:, 1:, None]).squeeze(-1)
+    logits = model(input_ids=ids, attention_mask=attention, use_cache=False).logits[:, :-1].float() / temperature
+    # log-softmax of the sampled tokens only: no second [batch, time, vocab] tensor
+    return logits.gather(2, ids[:, 1:, None]).squeeze(-1) - logits.logsumexp(-1)
 
 
 def shard(model):
