@@ -1263,7 +1263,7 @@ def load_policy(path, device):
 
 
 def main(argv=None):
-    from transformers import AutoTokenizer
+    from transformers import AutoProcessor, AutoTokenizer
 
     rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     local_rank, is_main = int(os.environ.get("LOCAL_RANK", 0)), rank == 0
@@ -1326,6 +1326,8 @@ def main(argv=None):
         raise SystemExit(f"{len(too_long)} prompts do not fit the context of {context} tokens (the first: row id "
                          f"{too_long[0][0]}, {too_long[0][1]} tokens); shorten them in --dataset or raise --max-model-len")
     policy = model  # the unwrapped module: what is synced and saved
+    # vLLM serves an image-text checkpoint only with its image processor: checkpoints keep it (--resume).
+    saved_with = AutoProcessor.from_pretrained(args.model) if hasattr(policy.config, "vision_config") else tok
     reference = load_policy(initial_model, device).requires_grad_(False) if args.beta else None
     if world_size > 1:
         model = torch.nn.parallel.DistributedDataParallel(model, device_ids=[local_rank] if device.type == "cuda" else None)
@@ -1347,9 +1349,10 @@ def main(argv=None):
     server, producer, wandb_run, stop, updating = None, None, None, [], False
 
     def checkpoint(step):  # rank 0, between steps: the data cursor is the one of the last finished step
-        save_checkpoint(out_dir, policy, tok, {"step": step, "policy_version": version.value, "data": done_cursor,
-                                               "initial_model": initial_model, "optimizer": optimizer.state_dict(),
-                                               "scheduler": scheduler.state_dict()})
+        save_checkpoint(out_dir, policy, saved_with, {"step": step, "policy_version": version.value,
+                                                      "data": done_cursor, "initial_model": initial_model,
+                                                      "optimizer": optimizer.state_dict(),
+                                                      "scheduler": scheduler.state_dict()})
     previous_handlers = {sig: signal.signal(sig, _raise_keyboard_interrupt) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         if is_main:

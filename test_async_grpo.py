@@ -696,6 +696,9 @@ def test_training_an_image_text_model_leaves_its_vision_tower_as_it_was(image_te
     moved = {n for n in before if not torch.equal(before[n], after[n])}
     assert moved and all(n.startswith("model.text_model.") for n in moved), sorted(moved)[:5]
     assert any(n.startswith("model.vision_model.") for n in before)
+    # What vLLM needs to serve the checkpoint (--resume): the image processor, not only the tokenizer.
+    saved = json.loads((tmp_path / "checkpoint" / "processor_config.json").read_text())
+    assert saved == json.loads((Path(server.model_path) / "processor_config.json").read_text())
 
 
 # ------------------------------------------------------------------------------------------------
