@@ -75,7 +75,8 @@ def parse_args(argv=None, world_size=1):
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     g = p.add_argument_group("model and data")
     g.add_argument("--model", default=None,
-                   help="hub name or local path of a causal LM that transformers and vLLM load; "
+                   help="hub name or local path of a causal LM, or of an image-text model (trained on text, its "
+                        "vision tower frozen), that transformers and vLLM load; "
                         "default: the tiny built-in model, built once into --cache-dir")
     g.add_argument("--dataset", default=None,
                    help="JSONL file, one prompt per row: {\"prompt\": str or chat messages, ...}; the other "
@@ -976,6 +977,26 @@ class WeightSyncExtension:
         self.weight_sync_group = stateless_init_torch_distributed_process_group(  # first_rank: this server's first
             host, port, rank=first_rank + self.rank, world_size=world_size, backend=backend, timeout=timedelta(seconds=timeout))
 
+    def unknown_weight_names(self, names):
+        """The names among `names` that this server's model has no parameter for, after vLLM's own
+        renaming (hf_to_vllm_mapper) and fusing (q/k/v_proj into qkv_proj, ...). Checked before the
+        first sync: a wrong name would otherwise fail halfway through a load, or be silently dropped."""
+        model = self.model_runner.get_model()
+        mapper = getattr(model, "hf_to_vllm_mapper", None)
+        fused = {part: whole for whole, parts in getattr(model, "packed_modules_mapping", {}).items() for part in parts}
+        known = {n for n, _ in model.named_parameters(remove_duplicate=False)}
+
+        def served(name):
+            name = mapper.map_name(name) if mapper else name
+            if name is None:  # the mapper drops it: vLLM would ignore it
+                return False
+            module, _, leaf = name.rpartition(".")
+            parent, _, last = module.rpartition(".")
+            experts = re.sub(r"\.experts\.\d+\..*", ".experts.", name)  # MoE layers hold all experts in one tensor
+            return (name in known or f"{parent}.{fused.get(last, last)}.{leaf}" in known
+                    or experts != name and any(k.startswith(experts) for k in known))
+        return [n for n in names if not served(n)]
+
     def receive_weights(self, buckets):
         def receive(bucket):
             flat = torch.empty(bucket["numel"], dtype=getattr(torch, bucket["dtype"]), device=self.device)
@@ -1013,6 +1034,8 @@ def pack_buckets(model, bucket_bytes, dtype):
     """Group the parameters into flat buffers of about bucket_bytes: one broadcast each."""
     buckets, current, size = [], [], 0
     for name, param in model.named_parameters():
+        if not param.requires_grad:  # a frozen vision tower: vLLM already holds these weights
+            continue
         if current and size + param.numel() * dtype.itemsize > bucket_bytes:
             buckets.append(current)
             current, size = [], 0
@@ -1062,6 +1085,14 @@ class WeightSync:
 
     def __call__(self, model):
         t0 = time.perf_counter()
+        if self.group is None:
+            names = [n for n, p in model.named_parameters() if p.requires_grad]
+            unknown = sorted({n for server in self._rpc("unknown_weight_names", names=names)
+                              for worker in server.result()["results"] for n in worker})
+            if unknown:
+                raise ValueError(f"the vLLM server's model has no parameter for {len(unknown)} of the {len(names)} "
+                                 f"trained weights, e.g. {unknown[:5]}: the trainer and the server do not hold the "
+                                 "same architecture (an image-text checkpoint loaded as another class?)")
         deadline = time.monotonic() + self.args.sync_timeout
         with self.policy.lock:
             self.policy.open = False  # no request is sent from here until the new weights serve
@@ -1304,8 +1335,23 @@ def rollout_metrics(groups, version):
 # Main: set-up, the training loop, and a teardown that leaves nothing running
 # ----------------------------------------------------------------------------------------------
 
+def load_policy(path):
+    """A causal LM, or an image-text checkpoint (Qwen2-VL, SmolVLM, ...) as its *ForConditionalGeneration
+    class: that one's parameter names are the checkpoint's, which vLLM's loader maps to its own (a bare
+    AutoModel drops the `model.` prefix). Text-only RL trains its language model and output head; the
+    vision tower and projector get no gradient from text, so they are frozen: not optimised, not synced."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
+    image_text = hasattr(AutoConfig.from_pretrained(path), "vision_config")
+    model = (AutoModelForImageTextToText if image_text else AutoModelForCausalLM).from_pretrained(path, dtype=torch.float32)
+    if image_text:
+        trained = {id(p) for m in (model.get_decoder(), model.get_output_embeddings()) for p in m.parameters()}
+        for p in model.parameters():
+            p.requires_grad_(id(p) in trained)
+    return model
+
+
 def main(argv=None):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoProcessor, AutoTokenizer
 
     rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     local_rank, is_main = int(os.environ.get("LOCAL_RANK", 0)), rank == 0
@@ -1356,9 +1402,10 @@ def main(argv=None):
     ctx = rollout_context(tok, schemas, train_rows + eval_rows)
 
     try:
-        model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
+        model = load_policy(args.model)
     except Exception as e:
-        raise SystemExit(f"--model {args.model}: cannot load it as a causal LM ({type(e).__name__}: {str(e)[:300]})")
+        raise SystemExit(f"--model {args.model}: cannot load it as a causal or image-text LM "
+                         f"({type(e).__name__}: {str(e)[:300]})")
     if args.gradient_checkpointing:
         model.gradient_checkpointing_enable()
     context = args.max_model_len or getattr(model.config, "max_position_embeddings", None)
@@ -1369,11 +1416,12 @@ def main(argv=None):
     # --fsdp: the full model is loaded into CPU memory; fully_shard moves only each rank's shard to the device.
     place = shard if args.fsdp else lambda m: m.to(device)
     policy = model = place(model)  # the unwrapped module: what is synced and saved
-    reference = place(AutoModelForCausalLM.from_pretrained(initial_model, dtype=torch.float32).requires_grad_(False)) \
-        if args.beta else None
+    # vLLM serves an image-text checkpoint only with its image processor: checkpoints keep it (--resume).
+    saved_with = AutoProcessor.from_pretrained(args.model) if hasattr(policy.config, "vision_config") else tok
+    reference = place(load_policy(initial_model).requires_grad_(False)) if args.beta else None
     if world_size > 1 and not args.fsdp:
         model = torch.nn.parallel.DistributedDataParallel(model, device_ids=[local_rank] if device.type == "cuda" else None)
-    optimizer = torch.optim.AdamW(policy.parameters(), lr=args.lr, weight_decay=args.weight_decay)
+    optimizer = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad], lr=args.lr, weight_decay=args.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / (args.warmup_steps + 1)))
     start_step = 0
     if resumed:
@@ -1404,7 +1452,7 @@ def main(argv=None):
             weights, optim = get_model_state_dict(policy, options=options), \
                 get_optimizer_state_dict(policy, optimizer, options=options)
         if is_main:
-            save_checkpoint(out_dir, policy, tok, weights, {
+            save_checkpoint(out_dir, policy, saved_with, weights, {
                 "step": step, "policy_version": version.value, "data": done_cursor, "initial_model": initial_model,
                 "optimizer": optim, "fsdp": args.fsdp, "scheduler": scheduler.state_dict()})
 

@@ -10,6 +10,7 @@ import copy
 import json
 import math
 import os
+import random
 import re
 import shutil
 import signal
@@ -307,9 +308,9 @@ def test_two_servers_share_the_requests_and_every_sync_reaches_both(server, tiny
         both = ag.WeightSync(urls, args, torch.bfloat16, version)
         both(perturbed(original))
         assert [ag.http(f"{url}/get_world_size")["world_size"] for url in urls] == [1, 2]
-        for url, tolerance in zip(urls, [0.05, 0.1]):  # each server now serves the new weights (tensor
+        for url, atol in zip(urls, [0.05, 0.1]):  # each server now serves the new weights (tensor
             # parallel sums in another order: its log-probs are a little further from the trainer's)
-            check_vllm_matches(argparse.Namespace(url=url), tok, perturbed(original), tolerance)
+            check_vllm_matches(argparse.Namespace(url=url), tok, perturbed(original), atol)
         two_servers = min(both(original) for _ in range(3))  # and the built-in weights again, for the other tests
         print(f"weight sync of the tiny model: {one_server:.3f} s to one server, {two_servers:.3f} s to two")
         rows = [{"id": i, "prompt": [{"role": "user", "content": f"What is {i} + 1?"}], "answer": i + 1} for i in range(8)]
@@ -333,7 +334,7 @@ def requests_served(url):
     return sum(float(v) for v in re.findall(r"^vllm:request_success_total\{.*\} (\S+)$", metrics, re.M))
 
 
-def check_vllm_matches(server, tok, model, tolerance=0.05):
+def check_vllm_matches(server, tok, model, atol=0.05):
     reference = copy.deepcopy(model).to(torch.bfloat16)
     for question in ["What is 3 + 4?", "What is 9 - 7?", "What is 0 + 8?"]:
         ids = ag.render_prompt(tok, [{"role": "user", "content": question}], None)
@@ -347,7 +348,8 @@ def check_vllm_matches(server, tok, model, tolerance=0.05):
         sampled = ag.http(f"{server.url}/v1/completions", {**request, "temperature": 1.0, "seed": 1})["choices"][0]
         trainer = ag.token_logprobs(model, torch.tensor([ids + sampled["token_ids"]]),
                                     torch.ones(1, len(ids) + 16, dtype=torch.long), 1.0)[0, len(ids) - 1:]
-        assert np.allclose(trainer.detach().numpy(), sampled["logprobs"]["token_logprobs"], atol=tolerance)
+        gap = np.abs(trainer.detach().numpy() - sampled["logprobs"]["token_logprobs"])
+        assert gap.max() < atol, gap
 
 
 def test_producer_stamps_versions_and_scores_groups(server, tiny_model):
@@ -680,6 +682,118 @@ def test_ctrl_c_during_server_start_leaves_nothing_behind(tmp_path, tiny_model):
         proc.kill()
     assert proc.returncode != 0
     assert processes_in_group(server_pid) == []
+
+
+# ------------------------------------------------------------------------------------------------
+# An image-text model trained on text: its own server
+# ------------------------------------------------------------------------------------------------
+
+def build_tiny_image_text_model(cache_dir, warm_start_steps=150):
+    """A ~0.4M-parameter Idefics3 (SmolVLM's architecture: a SigLIP vision tower, a pixel-shuffle
+    connector, a Llama language model) with the built-in tokenizer plus Idefics3's image tokens.
+
+    Why Idefics3 and not Qwen2-VL / Qwen2.5-VL / Qwen3-VL: vLLM 0.32's modules for those import
+    transformers' Qwen2-VL image processor, which needs torchvision, and torchvision has no build for
+    the CPU torch. A short warm start on the arithmetic answers makes greedy decoding decisive, so
+    that vLLM and transformers agree token for token rather than on near-ties of random weights."""
+    from transformers import AutoTokenizer, Idefics3Config, Idefics3ForConditionalGeneration, Idefics3Processor
+    from transformers.models.idefics3.image_processing_pil_idefics3 import Idefics3ImageProcessorPil
+    path = Path(cache_dir) / f"tiny-idefics3-v1-ws{warm_start_steps}"
+    if (path / "config.json").exists():
+        return str(path)
+    tok = AutoTokenizer.from_pretrained(ag.build_tiny_model(cache_dir))
+    tok.add_special_tokens({"additional_special_tokens": ["<fake_token_around_image>", "<image>", "<end_of_utterance>",
+                                                          "<global-img>"]})
+    image_size, patch_size, scale_factor = 64, 16, 2  # 64x64-pixel tiles of 4 image tokens each
+    processor = Idefics3Processor(
+        Idefics3ImageProcessorPil(size={"longest_edge": 2 * image_size}, max_image_size={"longest_edge": image_size}),
+        tok, image_seq_len=(image_size // patch_size) ** 2 // scale_factor ** 2)
+    config = Idefics3Config(
+        text_config=dict(model_type="llama", vocab_size=len(tok), hidden_size=128, intermediate_size=256,
+                         num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=64,  # vLLM CPU: 64
+                         max_position_embeddings=1024, tie_word_embeddings=True, eos_token_id=tok.eos_token_id,
+                         pad_token_id=tok.pad_token_id, bos_token_id=None),
+        vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                           image_size=image_size, patch_size=patch_size),
+        image_token_id=tok.convert_tokens_to_ids("<image>"), scale_factor=scale_factor, tie_word_embeddings=True,
+        pad_token_id=tok.pad_token_id)
+    torch.manual_seed(0)
+    model = Idefics3ForConditionalGeneration(config)
+    plain, _ = ag.warm_start_conversations(2000, seed=12345)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    for step in range(warm_start_steps):
+        batch = tok([tok.apply_chat_template(c, tokenize=False) for c, _ in random.Random(step).sample(plain, 32)],
+                    return_tensors="pt", padding=True, add_special_tokens=False)
+        model(**batch, labels=batch.input_ids.masked_fill(batch.attention_mask == 0, -100)).loss.backward()
+        opt.step()
+        opt.zero_grad()
+    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+    model.save_pretrained(tmp)
+    processor.save_pretrained(tmp)  # vLLM needs the image processor even to serve text
+    os.replace(tmp, path)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def image_text_server(tmp_path_factory):
+    model_path = build_tiny_image_text_model(CACHE)
+    out = tmp_path_factory.mktemp("image_text_server")
+    args = ag.parse_args(["--output-dir", str(out)])
+    args.served_model = "policy"
+    proc, = ag.start_vllm(args, model_path, out)
+    proc.model_path = model_path
+    yield proc
+    ag.stop_vllm(proc)
+    assert processes_in_group(proc.pid) == [], "vLLM processes outlived stop_vllm"
+
+
+def test_image_text_model_syncs_its_language_model_exactly_and_not_its_vision_tower(image_text_server):
+    from transformers import AutoTokenizer
+    server, tok = image_text_server, AutoTokenizer.from_pretrained(image_text_server.model_path)
+    policy = ag.load_policy(server.model_path)
+    trained = {n for n, p in policy.named_parameters() if p.requires_grad}
+    vision = {n for n, _ in policy.model.vision_model.named_parameters(prefix="model.vision_model")}
+    assert vision and not trained & vision  # frozen...
+    assert trained == {n for n, _ in policy.model.text_model.named_parameters(prefix="model.text_model")}  # lm_head: tied
+    sent = {n for bucket in ag.pack_buckets(policy, 2**20, torch.bfloat16) for n, _ in bucket}
+    assert sent == trained  # ...and not sent
+    model = perturbed(policy)  # the vision tower moves too: were it sent, vLLM would break the image path
+    sync = ag.WeightSync([server.url], ag.parse_args(["--output-dir", "unused"]), torch.bfloat16, ag.PolicyVersion())
+    assert sync(model) > 0
+    check_vllm_matches(server, tok, model, atol=0.1)  # seen: 0.056 on one token in 48, the rest < 0.011 (bf16)
+
+
+def test_image_text_weights_under_the_wrong_names_fail_the_first_sync_with_the_names(image_text_server):
+    from transformers import AutoModel
+    server = image_text_server
+    # vLLM knows the checkpoint's names, the frozen tower's included, after its own renaming and fusing.
+    everything = [n for n, _ in ag.load_policy(server.model_path).named_parameters()]
+    rpc = {"method": "unknown_weight_names", "kwargs": {"names": everything + ["model.text_model.layers.9.mlp.up_proj.weight"]}}
+    assert ag.http(f"{server.url}/collective_rpc", rpc)["results"] == [["model.text_model.layers.9.mlp.up_proj.weight"]]
+    # The bare model class drops the `model.` prefix: not a name vLLM loads. The sync refuses before pausing.
+    bare = AutoModel.from_pretrained(server.model_path)
+    sync = ag.WeightSync([server.url], ag.parse_args(["--output-dir", "unused"]), torch.bfloat16, ag.PolicyVersion())
+    with pytest.raises(ValueError, match=r"no parameter for 42 of the 42 trained weights"):
+        sync(bare)
+    assert ag.http(f"{server.url}/is_paused")["is_paused"] is False
+
+
+def test_training_an_image_text_model_leaves_its_vision_tower_as_it_was(image_text_server, tmp_path):
+    """The real script against the image-text server: a few steps, then the saved checkpoint."""
+    from safetensors.torch import load_file
+    server = image_text_server
+    code, out = run_cli("--model", server.model_path, "--vllm-url", server.url, "--output-dir", str(tmp_path),
+                        "--steps", "3", "--num-generations", "4", "--prompts-per-step", "2", timeout=600)
+    assert code == 0, out[-3000:]
+    before = load_file(Path(server.model_path) / "model.safetensors")
+    after = load_file(tmp_path / "checkpoint" / "model.safetensors")
+    assert before.keys() == after.keys()
+    moved = {n for n in before if not torch.equal(before[n], after[n])}
+    assert moved and all(n.startswith("model.text_model.") for n in moved), sorted(moved)[:5]
+    assert any(n.startswith("model.vision_model.") for n in before)
+    # What vLLM needs to serve the checkpoint (--resume): the image processor, not only the tokenizer.
+    saved = json.loads((tmp_path / "checkpoint" / "processor_config.json").read_text())
+    assert saved == json.loads((Path(server.model_path) / "processor_config.json").read_text())
 
 
 # ------------------------------------------------------------------------------------------------
