@@ -13,7 +13,9 @@ with every figure, and a plot of reward against wall time.
 """
 
 import argparse
+import contextlib
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -32,7 +34,7 @@ def serve(path, out_dir):
     return ag.start_vllm(args, path, out_dir)[0]
 
 
-def run(mode, args, url, out_dir):
+def run(mode, args, url, server_pid, out_dir):
     """One async_grpo.py run in a subprocess, as a user would start it; its metrics.jsonl back. Both
     runs use the same server: each starts by syncing the initial weights into it (--vllm-url)."""
     run_dir = out_dir / f"tools-{mode}"
@@ -42,23 +44,40 @@ def run(mode, args, url, out_dir):
            "--cache-dir", args.cache_dir]
     cmd += ["--sync"] if mode == "sync" else []
     print(f"{mode}: {' '.join(cmd[1:])} (log {run_dir}.log)", flush=True)
+    vllm_cpu = cpu_seconds(server_pid)  # the server idles while the run starts: its CPU time is the training's
     with open(f"{run_dir}.log", "w") as log:
         if subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT).returncode:
             raise SystemExit(f"the {mode} run failed; last lines of {run_dir}.log:\n{ag.log_tail(Path(f'{run_dir}.log'))}")
-    return [json.loads(line) for line in open(run_dir / "metrics.jsonl")]
+    metrics = [json.loads(line) for line in open(run_dir / "metrics.jsonl")]
+    return metrics, {"trainer": metrics[-1]["perf/cpu_seconds"], "vllm": cpu_seconds(server_pid) - vllm_cpu}
 
 
-def async_vs_sync(args, url, out_dir):
-    results = {"tool_latency": args.tool_latency}
+def cpu_seconds(pgid):
+    """CPU time used so far by the processes of a process group (the vLLM server and its workers)."""
+    total = 0
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError):
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            if int(fields[2]) == pgid:
+                total += int(fields[11]) + int(fields[12])
+    return total / os.sysconf("SC_CLK_TCK")
+
+
+def async_vs_sync(args, server, out_dir):
+    results = {"tool_latency": args.tool_latency, "cpu_cores": os.cpu_count()}
     for mode in ("sync", "async"):
-        metrics = run(mode, args, url, out_dir)
+        metrics, cpu = run(mode, args, server.url, server.pid, out_dir)
         last, k = metrics[-1], max(1, len(metrics) // 4)
         results[mode] = {"wall_seconds": last["perf/wall_seconds"], "samples_per_s": last["perf/samples_per_second"],
                          "generator_idle": last["perf/generator_idle"], "trainer_idle": last["perf/trainer_idle"],
                          "reward_first": statistics.mean(m["reward/mean"] for m in metrics[:k]),
                          "reward_last": statistics.mean(m["reward/mean"] for m in metrics[-k:]),
                          "tool_calls_per_sample": statistics.mean(m["tools/call_frequency"] for m in metrics),
-                         "curve": [[m["perf/wall_seconds"], m["reward/mean"]] for m in metrics]}
+                         "curve": [[m["perf/wall_seconds"], m["reward/mean"]] for m in metrics],
+                         "cpu_seconds_per_step": {k: v / len(metrics) for k, v in cpu.items()},
+                         # with every core busy, a step takes at least its CPU time / cores, however well
+                         # generation and training overlap
+                         "cpu_floor_step_seconds": sum(cpu.values()) / len(metrics) / os.cpu_count()}
     results["speedup"] = results["async"]["samples_per_s"] / results["sync"]["samples_per_s"]
     return results
 
@@ -204,7 +223,7 @@ def main():
     tiny_model = ag.build_tiny_model(args.cache_dir)
     server = serve(tiny_model, out_dir)
     try:
-        results["async_vs_sync"] = async_vs_sync(args, server.url, out_dir)
+        results["async_vs_sync"] = async_vs_sync(args, server, out_dir)
         if args.tiny:  # the tiny configuration syncs the built-in model: one server in all
             results["weight_sync"] = weight_sync(args, server.url, tiny_model)
     finally:
@@ -222,12 +241,16 @@ def main():
     a, s, t = results["async_vs_sync"], results["weight_sync"], results["trainer"]
     print(f"\nasync vs sync: {args.steps} steps x {args.prompts_per_step * args.num_generations} samples, tools with "
           f"{args.tool_latency} s latency ({a['async']['tool_calls_per_sample']:.2f} calls per sample)")
-    print(f"  {'':8s} {'wall s':>8s} {'samples/s':>10s} {'generator idle':>15s} {'trainer idle':>13s} {'reward':>14s}")
+    print(f"  {'':6s} {'wall s':>7s} {'samples/s':>10s} {'gen. idle':>10s} {'trainer idle':>13s} {'s/step':>7s} "
+          f"{'CPU s/step: trainer + vLLM':>27s} {'reward':>15s}")
     for mode in ("sync", "async"):
-        m = a[mode]
-        print(f"  {mode:8s} {m['wall_seconds']:8.1f} {m['samples_per_s']:10.2f} {100 * m['generator_idle']:14.0f}% "
-              f"{100 * m['trainer_idle']:12.0f}% {m['reward_first']:6.3f} -> {m['reward_last']:.3f}")
-    print(f"  async is {a['speedup']:.2f}x the samples/s of --sync")
+        m, cpu = a[mode], a[mode]["cpu_seconds_per_step"]
+        print(f"  {mode:6s} {m['wall_seconds']:7.1f} {m['samples_per_s']:10.2f} {100 * m['generator_idle']:9.0f}% "
+              f"{100 * m['trainer_idle']:12.0f}% {m['wall_seconds'] / args.steps:7.2f} "
+              f"{cpu['trainer']:11.2f} + {cpu['vllm']:.2f} = {cpu['trainer'] + cpu['vllm']:.2f} "
+              f"{m['reward_first']:7.3f} -> {m['reward_last']:.3f}")
+    print(f"  async is {a['speedup']:.2f}x the samples/s of --sync; on {a['cpu_cores']} cores the CPU time of an async "
+          f"step alone takes {a['async']['cpu_floor_step_seconds']:.2f} s")
     print(f"weight sync, {s['params'] / 1e6:.0f}M parameters ({s['gigabytes']:.2f} GB in bf16, {s['tensors']} tensors)")
     for name in ("packed", "per_tensor", "raw_broadcast"):
         print(f"  {name:14s} {s[name + '_seconds']:8.3f} s  {s[name + '_gb_per_s']:6.2f} GB/s")

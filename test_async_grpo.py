@@ -994,9 +994,10 @@ def test_bench_tiny_runs_every_part_and_writes_every_field(tmp_path):
     for mode in ("sync", "async"):
         m = comparison[mode]
         assert m.keys() == {"wall_seconds", "samples_per_s", "generator_idle", "trainer_idle", "reward_first",
-                            "reward_last", "tool_calls_per_sample", "curve"}
+                            "reward_last", "tool_calls_per_sample", "curve", "cpu_seconds_per_step", "cpu_floor_step_seconds"}
         assert m["wall_seconds"] > 0 and m["samples_per_s"] > 0 and m["tool_calls_per_sample"] > 0
         assert 0 <= m["generator_idle"] <= 1 and 0 <= m["trainer_idle"] <= 1
+        assert m["cpu_seconds_per_step"].keys() == {"trainer", "vllm"} and all(m["cpu_seconds_per_step"].values())
         assert len(m["curve"]) == results["config"]["steps"]
         metrics = [json.loads(line) for line in open(tmp_path / "bench_runs" / f"tools-{mode}" / "metrics.jsonl")]
         assert all(REQUIRED_METRICS <= m.keys() for m in metrics)
