@@ -151,7 +151,8 @@ def parse_args(argv=None, world_size=1):
     g.add_argument("--sync-mode", choices=["keep", "wait", "abort"], default="keep",
                    help="what happens to requests in flight at a sync: stopped and continued with the new weights "
                         "(keep), finished before the sync (wait), or restarted with the new weights (abort)")
-    g.add_argument("--sync-bucket-mb", type=float, default=256, help="size of the packed buffers the weights travel in")
+    g.add_argument("--sync-bucket-mb", type=float, default=16,
+                   help="size of the packed buffers the weights travel in; one is packed while the last travels")
     g.add_argument("--sync-timeout", type=float, default=300, help="seconds a weight sync may take before the run fails")
     g.add_argument("--data-timeout", type=float, default=600, help="seconds the trainer waits for a batch before failing")
 
