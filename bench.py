@@ -16,6 +16,7 @@ import argparse
 import contextlib
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -38,6 +39,7 @@ def run(mode, args, url, server_pid, out_dir):
     """One async_grpo.py run in a subprocess, as a user would start it; its metrics.jsonl back. Both
     runs use the same server: each starts by syncing the initial weights into it (--vllm-url)."""
     run_dir = out_dir / f"tools-{mode}"
+    shutil.rmtree(run_dir, ignore_errors=True)  # a run appends to the metrics it finds
     cmd = [sys.executable, str(ag.HERE / "async_grpo.py"), "--vllm-url", url, "--tools", "--tool-latency", str(args.tool_latency),
            "--steps", str(args.steps), "--prompts-per-step", str(args.prompts_per_step),
            "--num-generations", str(args.num_generations), "--output-dir", str(run_dir), "--seed", "0",
@@ -174,7 +176,7 @@ def weight_sync(args, url, path):
     one_per_tensor = timed(lambda: around(per_tensor), args.reps)
     ceiling = timed(lambda: around(raw), args.reps)
     meta = [{"params": [(name, list(p.shape)) for name, p in model.named_parameters()]}]
-    load = statistics.median(sync._rpc("load_only", buckets=meta)[0].result()["results"][0] for _ in range(args.reps))
+    load = statistics.median(float(sync._rpc("load_only", buckets=meta)[0].result()["results"][0]) for _ in range(args.reps))
     return {"params": n_params, "tensors": len(list(model.parameters())), "gigabytes": gigabytes,
             "packed_seconds": packed, "per_tensor_seconds": one_per_tensor, "raw_broadcast_seconds": ceiling,
             "packed_gb_per_s": gigabytes / packed, "per_tensor_gb_per_s": gigabytes / one_per_tensor,
