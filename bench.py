@@ -1,8 +1,8 @@
 """Benchmarks of async_grpo on this machine, against the real vLLM server: one table, a JSON file
 with every figure, and a plot of reward against wall time.
 
-    python bench.py                   # the full configuration (about 15 minutes on 2 CPU cores)
-    python bench.py --tiny            # a small one that exercises every part (the test runs it)
+    python bench.py                   # the full configuration (about 8 minutes on 2 CPU cores)
+    python bench.py --tiny            # every part, small (about 1.5 minutes; the test runs it)
 
 1. async vs sync: the same run (prompts, samples, steps, seed) with --sync and without, on the tool
    task with a tool that takes --tool-latency seconds: wall time, samples/s, and the share of the
