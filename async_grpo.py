@@ -916,6 +916,8 @@ def start_vllm(args, model_path, out_dir):
             if share:
                 cmd += ["--tensor-parallel-size", str(len(share))]
                 env["CUDA_VISIBLE_DEVICES"] = ",".join(share)
+            elif n > 1 and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:  # CPU servers each bind their worker
+                env["VLLM_CPU_OMP_THREADS_BIND"] = str(i % (os.cpu_count() or 1))  # to the first core: spread them
             cmd += shlex.split(args.vllm_args)
             log_path = Path(out_dir) / ("vllm.log" if n == 1 else f"vllm-{i}.log")
             with open(log_path, "ab") as log:
