@@ -1580,6 +1580,8 @@ def main(argv=None):
             if args.audit:
                 print("audit (trainer vs vLLM log-probs of the sampled tokens): " +
                       ", ".join(f"{k} {v:.3g}" for k, v in audit.items()))
+        if world_size > 1:  # ranks wait here, their GIL free, while gloo's threads release the last collective's
+            dist.barrier()  # tensors; torn down mid-release, the process group's destructor deadlocked (seen: rank 1)
         if len(set(checksums)) > 1 and not args.fsdp:
             raise RuntimeError(f"ranks ended with different weights (checksums {checksums})")
     except (Exception, KeyboardInterrupt) as e:
