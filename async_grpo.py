@@ -1580,8 +1580,6 @@ def main(argv=None):
             if args.audit:
                 print("audit (trainer vs vLLM log-probs of the sampled tokens): " +
                       ", ".join(f"{k} {v:.3g}" for k, v in audit.items()))
-        if world_size > 1:  # ranks wait here, their GIL free, while gloo's threads release the last collective's
-            dist.barrier()  # tensors; torn down mid-release, the process group's destructor deadlocked (seen: rank 1)
         if len(set(checksums)) > 1 and not args.fsdp:
             raise RuntimeError(f"ranks ended with different weights (checksums {checksums})")
     except (Exception, KeyboardInterrupt) as e:
@@ -1608,6 +1606,9 @@ def main(argv=None):
             wandb_run.finish()
         if world_size > 1 and dist.is_initialized():
             dist.destroy_process_group()
+            if sys.exc_info()[0] is None:  # a finished rank ends here: freeing DDP's reducer on return can deadlock
+                sys.stdout.flush()  # (its gloo destructor joins a thread that waits for the GIL; seen on rank 1)
+                os._exit(0)
 
 
 def save_checkpoint(out_dir, policy, tok, weights, state):
