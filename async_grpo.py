@@ -939,7 +939,8 @@ def start_vllm(args, model_path, out_dir):
                     http(f"{proc.url}/health", timeout=5)
                     print(f"vLLM is up after {time.monotonic() - t0:.0f} s at {proc.url}", flush=True)
                     starting.remove(proc)
-            time.sleep(1 if starting else 0)
+            if starting:
+                time.sleep(1)
         return procs
     except BaseException:  # Ctrl-C included: the caller never got the handles, so stop them here
         for proc in procs:
@@ -1076,26 +1077,44 @@ class WeightSync:
         self.urls, self.args, self.dtype, self.policy, self.group = urls, args, dtype, policy, None
         self.pool, self.new_group = ThreadPoolExecutor(len(urls)), stateless_init_torch_distributed_process_group
 
-    def _rpc(self, method, per_server=None, **kwargs):
-        """Call `method` on every worker of every server; the futures of the calls. They run on the
-        pool's threads: the workers block in the collective until the trainer joins it."""
-        return [self.pool.submit(http, f"{url}/collective_rpc", {"method": method, "kwargs": {
-            **kwargs, **(per_server[i] if per_server else {})}}, self.args.sync_timeout) for i, url in enumerate(self.urls)]
+    def _rpc(self, url, method, **kwargs):
+        """Call `method` on every worker of one server; a future. It runs on the pool's threads: the
+        workers block in the collective until the trainer joins it."""
+        return self.pool.submit(http, f"{url}/collective_rpc", {"method": method, "kwargs": kwargs}, self.args.sync_timeout)
 
     def _all(self, path):
         for url in self.urls:
             http(f"{url}/{path}", {}, timeout=self.args.sync_timeout)
 
+    def _connect(self, model):
+        """At the first sync: check that every server knows every name it will receive, then make the group."""
+        names = [n for n, p in model.named_parameters() if p.requires_grad]
+        unknown = sorted({n for url in self.urls for worker in self._rpc(url, "unknown_weight_names", names=names)
+                          .result()["results"] for n in worker})
+        if unknown:
+            raise ValueError(f"the vLLM server's model has no parameter for {len(unknown)} of the {len(names)} "
+                             f"trained weights, e.g. {unknown[:5]}: the trainer and the server do not hold the "
+                             "same architecture (an image-text checkpoint loaded as another class?)")
+        sizes = [http(f"{url}/get_world_size")["world_size"] for url in self.urls]  # workers per server
+        # The trainer hosts the group's store on a socket bound here, so no rendezvous runs on
+        # this side: under torchrun, torch's rendezvous would join the launcher's store instead.
+        local = all(urllib.parse.urlparse(url).hostname in ("127.0.0.1", "localhost") for url in self.urls)
+        host = "127.0.0.1" if local else socket.gethostbyname(socket.gethostname())
+        listener = socket.create_server((host, 0))
+        port = listener.getsockname()[1]
+        joined = [self._rpc(url, "init_weight_sync", host=host, port=port, world_size=1 + sum(sizes),
+                            first_rank=1 + sum(sizes[:i]), timeout=self.args.sync_timeout)
+                  for i, url in enumerate(self.urls)]
+        self.group = self.new_group(
+            host, port, rank=0, world_size=1 + sum(sizes), listen_socket=listener,
+            backend="nccl" if torch.cuda.is_available() else "gloo", timeout=timedelta(seconds=self.args.sync_timeout))
+        for future in joined:
+            future.result(self.args.sync_timeout)
+
     def __call__(self, model):
         t0 = time.perf_counter()
         if self.group is None:
-            names = [n for n, p in model.named_parameters() if p.requires_grad]
-            unknown = sorted({n for server in self._rpc("unknown_weight_names", names=names)
-                              for worker in server.result()["results"] for n in worker})
-            if unknown:
-                raise ValueError(f"the vLLM server's model has no parameter for {len(unknown)} of the {len(names)} "
-                                 f"trained weights, e.g. {unknown[:5]}: the trainer and the server do not hold the "
-                                 "same architecture (an image-text checkpoint loaded as another class?)")
+            self._connect(model)
         deadline = time.monotonic() + self.args.sync_timeout
         with self.policy.lock:
             self.policy.open = False  # no request is sent from here until the new weights serve
@@ -1109,25 +1128,10 @@ class WeightSync:
                                    f"{self.args.sync_timeout} s (--sync-timeout)")
             self._all("abort_requests")
             time.sleep(0.01)
-        if self.group is None:
-            sizes = [http(f"{url}/get_world_size")["world_size"] for url in self.urls]  # workers per server
-            # The trainer hosts the group's store on a socket bound here, so no rendezvous runs on
-            # this side: under torchrun, torch's rendezvous would join the launcher's store instead.
-            local = all(urllib.parse.urlparse(url).hostname in ("127.0.0.1", "localhost") for url in self.urls)
-            host = "127.0.0.1" if local else socket.gethostbyname(socket.gethostname())
-            listener = socket.create_server((host, 0))
-            port = listener.getsockname()[1]
-            joined = self._rpc("init_weight_sync", [{"first_rank": 1 + sum(sizes[:i])} for i in range(len(sizes))],
-                               host=host, port=port, world_size=1 + sum(sizes), timeout=self.args.sync_timeout)
-            self.group = self.new_group(
-                host, port, rank=0, world_size=1 + sum(sizes), listen_socket=listener,
-                backend="nccl" if torch.cuda.is_available() else "gloo", timeout=timedelta(seconds=self.args.sync_timeout))
-            for future in joined:
-                future.result(self.args.sync_timeout)
         buckets = pack_buckets(model, int(self.args.sync_bucket_mb * 2**20), self.dtype)
         meta = [{"dtype": str(self.dtype).removeprefix("torch."), "numel": sum(p.numel() for _, p in b),
                  "params": [(n, list(p.shape)) for n, p in b]} for b in buckets]
-        received = self._rpc("receive_weights", buckets=meta)
+        received = [self._rpc(url, "receive_weights", buckets=meta) for url in self.urls]
         timeout, sending = timedelta(seconds=self.args.sync_timeout), None
         with torch.no_grad():
             for bucket in buckets:  # bucket k+1 is gathered and packed while bucket k travels

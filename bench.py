@@ -158,25 +158,25 @@ def weight_sync(args, url, path):
     packed = timed(lambda: sync(model), args.reps)
 
     def around(body):  # the same pause/resume frame as a real sync, around another transfer
-        ag.http(f"{url}/pause?mode=abort", {})
+        sync._all("pause?mode=abort")
         body()
-        ag.http(f"{url}/resume", {})
+        sync._all("resume")
 
     def per_tensor():  # one RPC and one broadcast per tensor, as a loop over named_parameters does
         for name, param in model.named_parameters():
-            received, = sync._rpc("receive_weights", buckets=[{"dtype": "bfloat16", "numel": param.numel(),
-                                                               "params": [(name, list(param.shape))]}])
+            received = sync._rpc(url, "receive_weights", buckets=[{"dtype": "bfloat16", "numel": param.numel(),
+                                                                   "params": [(name, list(param.shape))]}])
             sync.group.broadcast(param.detach().to(torch.bfloat16).flatten(), 0).wait()
             received.result()
 
     def raw():
-        received, = sync._rpc("receive_raw", numel=n_params, dtype="bfloat16")
+        received = sync._rpc(url, "receive_raw", numel=n_params, dtype="bfloat16")
         sync.group.broadcast(torch.empty(n_params, dtype=torch.bfloat16), 0).wait()
         received.result()
     one_per_tensor = timed(lambda: around(per_tensor), args.reps)
     ceiling = timed(lambda: around(raw), args.reps)
     meta = [{"params": [(name, list(p.shape)) for name, p in model.named_parameters()]}]
-    load = statistics.median(float(sync._rpc("load_only", buckets=meta)[0].result()["results"][0]) for _ in range(args.reps))
+    load = statistics.median(float(sync._rpc(url, "load_only", buckets=meta).result()["results"][0]) for _ in range(args.reps))
     return {"params": n_params, "tensors": len(list(model.parameters())), "gigabytes": gigabytes,
             "packed_seconds": packed, "per_tensor_seconds": one_per_tensor, "raw_broadcast_seconds": ceiling,
             "packed_gb_per_s": gigabytes / packed, "per_tensor_gb_per_s": gigabytes / one_per_tensor,
