@@ -881,10 +881,12 @@ def http(url, payload=None, timeout=60, method=None):
     return json.loads(body) if body else None
 
 
-def _die_with_parent():
+def _server_preexec(cores=None):
     # If the trainer is killed outright (SIGKILL), the server still gets SIGTERM from the kernel.
     with contextlib.suppress(OSError, AttributeError):
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    if cores:
+        os.sched_setaffinity(0, cores)
 
 
 def log_tail(path, n=25):
@@ -916,13 +918,18 @@ def start_vllm(args, model_path, out_dir):
             if share:
                 cmd += ["--tensor-parallel-size", str(len(share))]
                 env["CUDA_VISIBLE_DEVICES"] = ",".join(share)
-            elif n > 1 and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:  # CPU servers each bind their worker
-                env["VLLM_CPU_OMP_THREADS_BIND"] = str(i % (os.cpu_count() or 1))  # to the first core: spread them
+            # A CPU server takes one core, whole: its worker (which busy-polls for a second after each engine step)
+            # and its HTTP and engine front end, which would otherwise preempt the trainer on the other cores
+            # (measured on 2 cores: async 1.14x -> 1.55x the samples/s of --sync; --sync itself unchanged).
+            cores = None
+            if not share and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
+                cores = {i % (os.cpu_count() or 1)}
+                env["VLLM_CPU_OMP_THREADS_BIND"] = str(*cores)
             cmd += shlex.split(args.vllm_args)
             log_path = Path(out_dir) / ("vllm.log" if n == 1 else f"vllm-{i}.log")
             with open(log_path, "ab") as log:
                 proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
-                                        start_new_session=True, preexec_fn=_die_with_parent)
+                                        start_new_session=True, preexec_fn=functools.partial(_server_preexec, cores))
             proc.log_path, proc.url = log_path, f"http://127.0.0.1:{port}"
             procs.append(proc)
             print(f"starting vLLM (pid {proc.pid}, log {log_path}): {shlex.join(cmd)}", flush=True)
