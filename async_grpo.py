@@ -920,7 +920,7 @@ def start_vllm(args, model_path, out_dir):
                 env["CUDA_VISIBLE_DEVICES"] = ",".join(share)
             # A CPU server takes one core, whole: its worker (which busy-polls for a second after each engine step)
             # and its HTTP and engine front end, which would otherwise preempt the trainer on the other cores
-            # (measured on 2 cores: async 1.14x -> 1.55x the samples/s of --sync; --sync itself unchanged).
+            # (measured on 2 cores: async 1.15x -> 1.62x the samples/s of --sync on average; --sync itself unchanged).
             cores = None
             if not share and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
                 cores = {i % (os.cpu_count() or 1)}
