@@ -226,9 +226,7 @@ def main():
     p.add_argument("--steps", type=int, default=None, help="optimizer steps of each async/sync run")
     p.add_argument("--reps", type=int, default=None, help="timed repetitions of each sync/trainer measurement (median)")
     args = p.parse_args()
-    # The trainer's side of every measurement here runs as in async_grpo.py on CPU: one core fewer than the
-    # machine has, the server's (a thread on it would hold up every parallel op: the sync took 0.58 s, not 0.26)
-    torch.set_num_threads(max(1, (os.cpu_count() or 2) - 1))
+    torch.set_num_threads(ag.cpu_threads())  # the trainer's side of every measurement here runs as in async_grpo.py
     # the tiny configuration is the same measurements, smaller; not comparable figures
     args.steps = args.steps or (3 if args.tiny else 40)
     args.prompts_per_step, args.num_generations = (2, 4) if args.tiny else (4, 8)

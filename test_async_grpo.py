@@ -252,15 +252,20 @@ def tiny_model():
     return ag.build_tiny_model(CACHE)
 
 
-@pytest.fixture(scope="session")
-def server(tiny_model, tmp_path_factory):
-    out = tmp_path_factory.mktemp("server")
+def serve(model_path, out):
+    """A server as the script starts it, for a fixture to yield; stopped and checked gone afterwards."""
     args = ag.parse_args(["--output-dir", str(out)])
     args.served_model = "policy"
-    proc, = ag.start_vllm(args, tiny_model, out)
+    proc, = ag.start_vllm(args, model_path, out)
+    proc.model_path = model_path
     yield proc
     ag.stop_vllm(proc)
     assert processes_in_group(proc.pid) == [], "vLLM processes outlived stop_vllm"
+
+
+@pytest.fixture(scope="session")
+def server(tiny_model, tmp_path_factory):
+    yield from serve(tiny_model, tmp_path_factory.mktemp("server"))
 
 
 def perturbed(model):
@@ -736,15 +741,7 @@ def build_tiny_image_text_model(cache_dir, warm_start_steps=150):
 
 @pytest.fixture(scope="module")
 def image_text_server(tmp_path_factory):
-    model_path = build_tiny_image_text_model(CACHE)
-    out = tmp_path_factory.mktemp("image_text_server")
-    args = ag.parse_args(["--output-dir", str(out)])
-    args.served_model = "policy"
-    proc, = ag.start_vllm(args, model_path, out)
-    proc.model_path = model_path
-    yield proc
-    ag.stop_vllm(proc)
-    assert processes_in_group(proc.pid) == [], "vLLM processes outlived stop_vllm"
+    yield from serve(build_tiny_image_text_model(CACHE), tmp_path_factory.mktemp("image_text_server"))
 
 
 def test_image_text_model_syncs_its_language_model_exactly_and_not_its_vision_tower(image_text_server):
