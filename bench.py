@@ -1,12 +1,13 @@
 """Benchmarks of async_grpo on this machine, against the real vLLM server: one table, a JSON file
 with every figure, and a plot of reward against wall time.
 
-    python bench.py                   # the full configuration (about 8 minutes on 2 CPU cores)
+    python bench.py                   # the full configuration (about 9 minutes on 2 CPU cores)
     python bench.py --tiny            # every part, small (about 1.5 minutes; the test runs it)
 
-1. async vs sync: the same run (prompts, samples, steps, seed) with --sync and without, on the tool
-   task with a tool that takes --tool-latency seconds: wall time, samples/s, and the share of the
-   wall time the generator (vLLM: no request of ours) and the trainer (waiting for data) were idle.
+1. async vs sync: the same run (prompts, samples, steps, seed) with --sync, without (async), and async with
+   --max-staleness 2, on the tool task with a tool that takes --tool-latency seconds: wall time, samples/s,
+   and the share of the wall time the generator (vLLM: no request of ours) and the trainer (waiting for
+   data) were idle.
 2. weight sync of a ~100M-parameter model: packed buckets (what the script does), one call per
    tensor, and one raw broadcast of a buffer of the same size (the ceiling: no loading at all).
 3. trainer throughput: the training step against a bare forward+backward of the same batch.
@@ -35,6 +36,12 @@ def serve(path, out_dir):
     return ag.start_vllm(args, path, out_dir)[0]
 
 
+# The async pipeline with its default bound, and with one more step of lag: with --max-staleness 1 the producer starts a
+# step's groups only when the trainer starts the step before, so that step's tool waits are not hidden behind another's.
+MODES = {"sync": ["--sync"], "async": [], "async_staleness_2": ["--max-staleness", "2"]}
+LABELS = {"sync": "--sync", "async": "async", "async_staleness_2": "async --max-staleness 2"}
+
+
 def run(mode, args, url, server_pid, out_dir):
     """One async_grpo.py run in a subprocess, as a user would start it; its metrics.jsonl back. Both
     runs use the same server: each starts by syncing the initial weights into it (--vllm-url)."""
@@ -44,7 +51,7 @@ def run(mode, args, url, server_pid, out_dir):
            "--steps", str(args.steps), "--prompts-per-step", str(args.prompts_per_step),
            "--num-generations", str(args.num_generations), "--output-dir", str(run_dir), "--seed", "0",
            "--cache-dir", args.cache_dir]
-    cmd += ["--sync"] if mode == "sync" else []
+    cmd += MODES[mode]
     print(f"{mode}: {' '.join(cmd[1:])} (log {run_dir}.log)", flush=True)
     vllm_cpu = cpu_seconds(server_pid)  # the server idles while the run starts: its CPU time is the training's
     with open(f"{run_dir}.log", "w") as log:
@@ -67,7 +74,7 @@ def cpu_seconds(pgid):
 
 def async_vs_sync(args, server, out_dir):
     results = {"tool_latency": args.tool_latency, "cpu_cores": os.cpu_count()}
-    for mode in ("sync", "async"):
+    for mode in MODES:
         metrics, cpu = run(mode, args, server.url, server.pid, out_dir)
         last, k = metrics[-1], max(1, len(metrics) // 4)
         results[mode] = {"wall_seconds": last["perf/wall_seconds"], "samples_per_s": last["perf/samples_per_second"],
@@ -81,6 +88,7 @@ def async_vs_sync(args, server, out_dir):
                          # generation and training overlap
                          "cpu_floor_step_seconds": sum(cpu.values()) / len(metrics) / os.cpu_count()}
     results["speedup"] = results["async"]["samples_per_s"] / results["sync"]["samples_per_s"]
+    results["speedup_staleness_2"] = results["async_staleness_2"]["samples_per_s"] / results["sync"]["samples_per_s"]
     return results
 
 
@@ -89,11 +97,11 @@ def plot(results, path):
     matplotlib.use("Agg")  # no screen needed
     import matplotlib.pyplot as plt
     fig, ax = plt.subplots(figsize=(6, 3.5))
-    for mode in ("sync", "async"):
+    for mode in MODES:
         t, r = zip(*results[mode]["curve"])
         k = max(1, len(r) // 10)  # a running mean over a tenth of the run: one step's reward is noisy
         smooth = [statistics.mean(r[max(0, i - k + 1):i + 1]) for i in range(len(r))]
-        ax.plot(t, smooth, label=f"{'--sync' if mode == 'sync' else 'async (default)'}: "
+        ax.plot(t, smooth, label=f"{LABELS[mode]}: "
                                  f"{results[mode]['samples_per_s']:.1f} samples/s")
     ax.set(xlabel="wall time (s)", ylabel="mean reward (running mean)",
            title=f"reward vs wall time, tool latency {results['tool_latency']} s")
@@ -208,8 +216,8 @@ def trainer_throughput(args):
                                        torch.device("cpu"), 1), args.reps)
 
     def bare():
-        for i in range(0, len(samples), run_args.micro_batch_size):
-            ids, attention, *_ = ag.collate(samples[i:i + run_args.micro_batch_size], 0, torch.device("cpu"))
+        for micro in ag.micro_batches(samples, run_args.micro_batch_size):  # the loop's micro-batches
+            ids, attention, *_ = ag.collate(micro, 0, torch.device("cpu"))
             model(input_ids=ids, attention_mask=attention, use_cache=False).logits.float().mean().backward()
         model.zero_grad(set_to_none=True)
     forward_backward = timed(bare, args.reps)
@@ -231,7 +239,7 @@ def main():
     args.steps = args.steps or (3 if args.tiny else 40)
     args.prompts_per_step, args.num_generations = (2, 4) if args.tiny else (4, 8)
     args.train_samples = 16 if args.tiny else 64
-    args.reps = args.reps or (1 if args.tiny else 3)
+    args.reps = args.reps or (1 if args.tiny else 5)
     output = Path(args.output).resolve()
     out_dir = output.parent / "bench_runs"
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -257,15 +265,15 @@ def main():
     a, s, t = results["async_vs_sync"], results["weight_sync"], results["trainer"]
     print(f"\nasync vs sync: {args.steps} steps x {args.prompts_per_step * args.num_generations} samples, tools with "
           f"{args.tool_latency} s latency ({a['async']['tool_calls_per_sample']:.2f} calls per sample)")
-    print(f"  {'':6s} {'wall s':>7s} {'samples/s':>10s} {'gen. idle':>10s} {'trainer idle':>13s} {'s/step':>7s} "
+    print(f"  {'':23s} {'wall s':>7s} {'samples/s':>10s} {'gen. idle':>10s} {'trainer idle':>13s} {'s/step':>7s} "
           f"{'CPU s/step: trainer + vLLM':>27s} {'reward':>15s}")
-    for mode in ("sync", "async"):
+    for mode in MODES:
         m, cpu = a[mode], a[mode]["cpu_seconds_per_step"]
-        print(f"  {mode:6s} {m['wall_seconds']:7.1f} {m['samples_per_s']:10.2f} {100 * m['generator_idle']:9.0f}% "
+        print(f"  {LABELS[mode]:23s} {m['wall_seconds']:7.1f} {m['samples_per_s']:10.2f} {100 * m['generator_idle']:9.0f}% "
               f"{100 * m['trainer_idle']:12.0f}% {m['wall_seconds'] / args.steps:7.2f} "
               f"{cpu['trainer']:11.2f} + {cpu['vllm']:.2f} = {cpu['trainer'] + cpu['vllm']:.2f} "
               f"{m['reward_first']:7.3f} -> {m['reward_last']:.3f}")
-    print(f"  async is {a['speedup']:.2f}x the samples/s of --sync; on {a['cpu_cores']} cores the CPU time of an async "
+    print(f"  async is {a['speedup']:.2f}x the samples/s of --sync ({a['speedup_staleness_2']:.2f}x with --max-staleness 2); on {a['cpu_cores']} cores the CPU time of an async "
           f"step alone takes {a['async']['cpu_floor_step_seconds']:.2f} s")
     print(f"weight sync, {s['params'] / 1e6:.0f}M parameters ({s['gigabytes']:.2f} GB in bf16, {s['tensors']} tensors)")
     for name in ("packed", "per_tensor", "raw_broadcast"):
