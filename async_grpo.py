@@ -1394,6 +1394,8 @@ def main(argv=None):
     np.random.seed(args.seed + rank)
     torch.manual_seed(args.seed + rank)
     out_dir = Path(args.output_dir)
+    if not args.resume and (out_dir / "metrics.jsonl").exists():  # its checkpoints would collide with this run's at the end
+        raise SystemExit(f"--output-dir {out_dir} holds a run already: continue it with --resume, or pass another --output-dir")
     if is_main:
         try:
             out_dir.mkdir(parents=True, exist_ok=True)

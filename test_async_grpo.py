@@ -244,6 +244,8 @@ def bad_inputs(tmp):
     (tmp / "too_long.jsonl").write_text("".join(json.dumps({"prompt": "What is 1 + 1? " * (i + 1) * 100}) + "\n"
                                                 for i in range(80)))
     (tmp / "a_file").write_text("")
+    (tmp / "finished_run").mkdir()
+    (tmp / "finished_run" / "metrics.jsonl").write_text('{"step": 1}\n')
     return [(["--model", str(tmp / "no_such_model")], "--model"),
             (["--dataset", str(tmp / "missing.jsonl")], "--dataset: no file"),
             (["--dataset", str(tmp / "not_jsonl.jsonl")], "line 2: not JSON"),
@@ -256,7 +258,8 @@ def bad_inputs(tmp):
             (["--no-such-flag"], "unrecognized"),
             (["--resume"], "--resume needs the --output-dir"),
             (["--fsdp"], "launch with torchrun --nproc-per-node N"),
-            (["--output-dir", str(tmp / "a_file" / "run")], "is not writable")]
+            (["--output-dir", str(tmp / "a_file" / "run")], "is not writable"),
+            (["--output-dir", str(tmp / "finished_run")], "holds a run already: continue it with --resume")]
 
 
 def test_bad_input_fails_before_vllm_starts(tmp_path, capsys):
