@@ -43,7 +43,7 @@ LABELS = {"sync": "--sync", "async": "async", "async_staleness_2": "async --max-
 
 
 def run(mode, args, url, server_pid, out_dir):
-    """One async_grpo.py run in a subprocess, as a user would start it; its metrics.jsonl back. Both
+    """One async_grpo.py run in a subprocess, as a user would start it; its metrics.jsonl back. All
     runs use the same server: each starts by syncing the initial weights into it (--vllm-url)."""
     run_dir = out_dir / f"tools-{mode}"
     shutil.rmtree(run_dir, ignore_errors=True)  # a run appends to the metrics it finds
@@ -273,8 +273,8 @@ def main():
               f"{100 * m['trainer_idle']:12.0f}% {m['wall_seconds'] / args.steps:7.2f} "
               f"{cpu['trainer']:11.2f} + {cpu['vllm']:.2f} = {cpu['trainer'] + cpu['vllm']:.2f} "
               f"{m['reward_first']:7.3f} -> {m['reward_last']:.3f}")
-    print(f"  async is {a['speedup']:.2f}x the samples/s of --sync ({a['speedup_staleness_2']:.2f}x with --max-staleness 2); on {a['cpu_cores']} cores the CPU time of an async "
-          f"step alone takes {a['async']['cpu_floor_step_seconds']:.2f} s")
+    print(f"  async is {a['speedup']:.2f}x the samples/s of --sync ({a['speedup_staleness_2']:.2f}x with --max-staleness 2); "
+          f"on {a['cpu_cores']} cores the CPU time of an async step alone takes {a['async']['cpu_floor_step_seconds']:.2f} s")
     print(f"weight sync, {s['params'] / 1e6:.0f}M parameters ({s['gigabytes']:.2f} GB in bf16, {s['tensors']} tensors)")
     for name in ("packed", "per_tensor", "raw_broadcast"):
         print(f"  {name:14s} {s[name + '_seconds']:8.3f} s  {s[name + '_gb_per_s']:6.2f} GB/s")
