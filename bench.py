@@ -99,13 +99,13 @@ def plot(results, path):
     fig, ax = plt.subplots(figsize=(6, 3.5))
     for mode in MODES:
         t, r = zip(*results[mode]["curve"])
-        k = max(1, len(r) // 10)  # a running mean over a tenth of the run: one step's reward is noisy
+        k = max(1, len(r) // 5)  # a running mean over a fifth of the run: one step's reward is noisy
         smooth = [statistics.mean(r[max(0, i - k + 1):i + 1]) for i in range(len(r))]
         ax.plot(t, smooth, label=f"{LABELS[mode]}: "
                                  f"{results[mode]['samples_per_s']:.1f} samples/s")
     ax.set(xlabel="wall time (s)", ylabel="mean reward (running mean)",
            title=f"reward vs wall time, tool latency {results['tool_latency']} s")
-    ax.legend()
+    ax.legend(fontsize=8, framealpha=0.8)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
 
