@@ -411,9 +411,86 @@ def training_template(template):
     return patched.replace("{%- if loop.last or (not loop.last and reasoning_content) %}", "{%- if true %}")
 
 
-def prepare_chat_template(tok, args, schemas):
-    """Check, before vLLM starts, that the chat template can do what the run needs; pick the
-    training template if the original is not prefix-preserving. Returns a line for the log."""
+# A tool with every JSON type, and calls to it (one per turn and three per turn) that the start-up
+# check renders with the run's template and parses back: what comes back must be what went in.
+ROUND_TRIP_TOOL = {"type": "function", "function": {
+    "name": "round_trip_probe", "description": "Stands in for the run's tools in the start-up check.",
+    "parameters": {"type": "object", "required": ["text"], "properties": {
+        "text": {"type": "string"}, "count": {"type": "integer"}, "ratio": {"type": "number"},
+        "flag": {"type": "boolean"}, "items": {"type": "array"}, "options": {"type": "object"}}}}}
+
+
+def _call(name, **arguments):
+    return {"type": "function", "function": {"name": name, "arguments": arguments}}
+
+
+ROUND_TRIP = [("", [_call("round_trip_probe", text="6 * 7")]),
+              ("Three at once.", [_call("round_trip_probe", text='say "hi"\nthen <b>stop</b> {}', count=3, ratio=-2.5, flag=True),
+                                  _call("round_trip_probe", text="x", items=[1, "two", [3.5]], options={"k": {"deep": [False, None]}}),
+                                  _call("round_trip_probe", text="")])]
+
+
+def stop_token_ids(tok, model_path=None):
+    """Every token that ends a generation: the tokenizer's eos and pad, and the checkpoint's generation config's eos
+    list (Llama 3: <|eot_id|> and <|eom_id|>; Qwen3: <|im_end|> and <|endoftext|>)."""
+    ids = {tok.eos_token_id, tok.pad_token_id}
+    if model_path:
+        from transformers import GenerationConfig
+        with contextlib.suppress(Exception):  # a checkpoint without generation_config.json
+            eos = GenerationConfig.from_pretrained(model_path).eos_token_id
+            ids |= set(eos if isinstance(eos, list) else [eos])
+    return sorted(ids - {None})
+
+
+def chat_format(tok, schemas, stop_ids):
+    """What the tool loop needs to know of a template, read off renders of probe turns:
+      format     how it writes tool calls: 'tagged' (<tool_call> JSON or XML body), 'mistral' ([TOOL_CALLS]),
+                 'json' (Llama: bare JSON at the start of the turn), or 'transformers' (the tokenizer's own parser)
+      turn_ends  what it writes after an assistant turn, from its last stop token on ('<|im_end|>\\n'), with the
+                 length of that stop token: a generated stop token, whichever it is, stands for it
+      max_calls  1 if it refuses to render several calls in one turn (Llama 3's templates), else None
+    and the round trip: the probe turns' calls, cut out of the render as the model would have generated them and
+    parsed back, must come back equal, with their types. Raises ValueError saying what went wrong."""
+    schemas = (schemas or []) + [ROUND_TRIP_TOOL]
+    user, stops = [{"role": "user", "content": "Use the tools."}], [tok.decode([i]) for i in stop_ids]
+    prompt = render(tok, user, schemas, generation_prompt=True)
+    try:
+        render(tok, user + [{"role": "assistant", "content": "", "tool_calls": ROUND_TRIP[1][1]}], schemas)
+        max_calls = None
+    except Exception:
+        max_calls = 1
+    turns, turn_ends = [], set()
+    for content, calls in [("4wq8z", [])] + ROUND_TRIP[:max_calls]:  # and a text-only turn: most end alike
+        text = render(tok, user + [{"role": "assistant", "content": content, "tool_calls": calls}], schemas)
+        stop, at = max(((s, text.rfind(s)) for s in stops if s), key=lambda x: x[1], default=("", -1))
+        last = "round_trip_probe" if calls else content  # the stop token must come after the turn's last call
+        if at < 0 or at < text.rfind(last) + len(last):
+            raise ValueError(f"it does not end an assistant turn with a stop token ({stops}): {text[-200:]!r}")
+        if not text.startswith(prompt):
+            raise ValueError(f"its generation prompt {prompt[-60:]!r} does not begin the assistant turn {text[-200:]!r}")
+        turn_ends.add((text[at:], len(stop)))
+        turns.append((text[len(prompt):at], content, calls))  # the text the model would have generated
+    fmt = "transformers" if getattr(tok, "response_template", None) else "tagged" if "<tool_call>" in turns[1][0] \
+        else "mistral" if "[TOOL_CALLS]" in turns[1][0] else \
+        "json" if re.match(r"\s*(<\|python_tag\|>|\{)", remove_think(turns[1][0], False)[1]) else None
+    if fmt is None:
+        raise ValueError(f"it writes tool calls in a format this parser does not read: {turns[1][0]!r}")
+    problems, by_name = [], {s["function"]["name"]: s["function"] for s in schemas}
+    for generated, content, calls in turns[1:]:
+        message = parse_assistant(generated, tok, tok.encode(prompt, add_special_tokens=False), by_name, fmt, max_calls)
+        if message["tool_calls"] != calls or message["tool_call_errors"] or message["content"] not in ("", content):
+            errors = message["tool_call_errors"]
+            problems.append(f"the turn {generated[:600]!r} parses back as calls {json.dumps(message['tool_calls'])}"
+                            + (f", {len(errors)} error(s), the first: {errors[0]}" if errors else "")
+                            + f", content {message['content'][:100]!r}; expected the calls {json.dumps(calls)}")
+    if problems:
+        raise ValueError("tool calls do not survive a round trip through it and the parser:\n  " + "\n  ".join(problems))
+    return {"format": fmt, "turn_ends": sorted(turn_ends), "max_calls": max_calls}
+
+
+def prepare_chat_template(tok, args, schemas, stop_ids):
+    """Check, before vLLM starts, that the chat template can do what the run needs; pick the training template if
+    the original is not prefix-preserving. Returns a line for the log."""
     source = f"--chat-template {args.chat_template}" if args.chat_template else f"the template of {args.model}"
     if args.chat_template:
         tok.chat_template = Path(args.chat_template).read_text()
@@ -431,76 +508,272 @@ def prepare_chat_template(tok, args, schemas):
                                          ("the tool result", "42" not in text)] if absent]
     if missing:
         raise SystemExit(f"{source} does not render {', '.join(missing)}: {fix}")
-    if prefix_preserving(tok, schemas):
-        return f"chat template: {source} (prefix-preserving)"
-    original, tok.chat_template = tok.chat_template, training_template(tok.chat_template)
-    if tok.chat_template != original and prefix_preserving(tok, schemas):
-        return f"chat template: {source} is not prefix-preserving; using its training variant (think blocks kept)"
-    raise SystemExit(f"{source} rewrites earlier turns when a message is appended (not prefix-preserving), so "
-                     f"tool results cannot be appended to the generated tokens exactly: {fix}, one that renders "
-                     f"every turn the same way whatever follows it")
-
-
-# Two common tool-call formats: Qwen/Hermes `<tool_call>{json}</tool_call>` (one tag per call,
-# the closing tag may be missing at the end) and Mistral `[TOOL_CALLS][{json}, ...]`.
-TOOL_CALL = re.compile(r"<tool_call>(.*?)(?:</tool_call>|$)", re.DOTALL)
-MISTRAL_CALLS = re.compile(r"\[TOOL_CALLS\](.*)$", re.DOTALL)
-THINK = re.compile(r"^\s*(?:<think>)?(.*?)</think>", re.DOTALL)  # the prompt may have opened <think> already
-
-
-def parse_call(body):
-    """One call's JSON -> {'type': 'function', 'function': {...}}, or {'error': ...}: never raises."""
+    report = f"chat template: {source} (prefix-preserving)"
+    if not prefix_preserving(tok, schemas):
+        original, tok.chat_template = tok.chat_template, training_template(tok.chat_template)
+        if tok.chat_template == original or not prefix_preserving(tok, schemas):
+            raise SystemExit(f"{source} rewrites earlier turns when a message is appended (not prefix-preserving), "
+                             f"so tool results cannot be appended to the generated tokens exactly: {fix}, one that "
+                             f"renders every turn the same way whatever follows it")
+        report = f"chat template: {source} is not prefix-preserving; using its training variant (think blocks kept)"
     try:
-        call = json.loads(body) if isinstance(body, str) else body
-        name, arguments = call["name"], call.get("arguments", call.get("parameters", {}))
-        if isinstance(arguments, str):
-            arguments = json.loads(arguments)
-        if not isinstance(name, str) or not isinstance(arguments, dict):
-            raise ValueError("needs a string 'name' and an object 'arguments'")
-        return {"type": "function", "function": {"name": name, "arguments": arguments}}
-    except (ValueError, KeyError, TypeError, AttributeError) as e:
-        return {"error": f"could not parse tool call {str(body).strip()[:200]!r}: {e}"}
+        chat = chat_format(tok, schemas, stop_ids)
+    except ValueError as e:
+        raise SystemExit(f"{source}: {e}\n{fix}, in a format listed in the README (Tools and chat templates)")
+    return f"{report}; tool calls: {chat['format']}{', one per turn' if chat['max_calls'] else ''}, round trip exact"
 
 
-def parse_assistant(text, tok=None, prefix_ids=()):
-    """Generated text -> {'role', 'content', 'reasoning_content', 'tool_calls'}. Uses the tokenizer's
-    own response parser where it has one (transformers' response_template), else the formats above."""
-    if tok is not None and getattr(tok, "response_template", None):
-        with contextlib.suppress(Exception):
-            message = tok.parse_response(text, prefix=tok.decode(prefix_ids))
-            message["tool_calls"] = [parse_call(c.get("function", c)) for c in message.get("tool_calls") or []]
-            return {"role": "assistant", "content": message.get("content") or "", **message}
-    message = {"role": "assistant", "tool_calls": []}
-    if think := THINK.match(text):
-        message["reasoning_content"] = think.group(1).strip()
-        text = text[think.end():]
-    if mistral := MISTRAL_CALLS.search(text):
+# Parsing is input validation: a model under RL writes anything. Nothing here raises; every call
+# that does not parse becomes an error message the model sees, and everything else is content.
+MAX_ARGUMENT_DEPTH = 16  # deeper arguments are refused: rendering or printing them could exhaust the stack
+
+
+def _no_constant(name):
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def _finite(text):
+    if not math.isfinite(value := float(text)):
+        raise ValueError(f"{text[:20]} is out of range")
+    return value
+
+
+def _no_duplicates(pairs):
+    if len(obj := dict(pairs)) < len(pairs):
+        raise ValueError(f"duplicate key in {str(pairs)[:100]}")
+    return obj
+
+
+JSON_TYPES = {"string": str, "integer": int, "number": (int, float), "boolean": bool, "array": list,
+              "object": dict, "null": type(None)}
+
+JSON = json.JSONDecoder(parse_constant=_no_constant, parse_float=_finite, object_pairs_hook=_no_duplicates)
+
+
+def decode_json(text, start=0):
+    """Strict JSON value at text[start:] (whitespace skipped) -> (value, end). Raises ValueError."""
+    start = len(text) - len(text[start:].lstrip())
+    try:
+        return JSON.raw_decode(text, start)
+    except RecursionError:
+        raise ValueError(f"JSON nested too deeply at {text[start:start + 40]!r}...")
+    except ValueError as e:
+        raise ValueError(f"not JSON ({e})")
+
+
+def parse_call(call):
+    """A decoded call {'name', 'arguments' or 'parameters'} -> the OpenAI shape. Raises ValueError."""
+    if not isinstance(call, dict) or not isinstance(call.get("name"), str) or not call["name"]:
+        raise ValueError("a call needs a string 'name'")
+    arguments = call.get("arguments", call.get("parameters", {}))
+    if isinstance(arguments, str):  # the OpenAI wire format: arguments as a JSON string
+        text = arguments
+        arguments, end = decode_json(text)
+        if text[end:].strip():
+            raise ValueError(f"unexpected {text[end:end + 40]!r} after the arguments")
+    if not isinstance(arguments, dict):
+        raise ValueError("'arguments' must be an object")
+    stack = [(call["name"], 0), (arguments, 1)]  # walked without recursion: the point is to refuse what is too deep
+    while stack:
+        item, depth = stack.pop()
+        if depth > MAX_ARGUMENT_DEPTH:
+            raise ValueError(f"arguments nested deeper than {MAX_ARGUMENT_DEPTH} levels")
+        if isinstance(item, str):
+            item.encode()  # a lone surrogate ("\\ud800") is JSON but not text: a tokenizer would refuse the result
+        elif isinstance(item, (dict, list)):
+            stack += [(x, depth + 1) for x in (list(item) + list(item.values()) if isinstance(item, dict) else item)]
+    return _call(call["name"], **arguments)
+
+
+def typed(value, schema):
+    """An XML parameter's text as the type its JSON schema asks for; the text itself if it is not one (the
+    argument check then tells the model)."""
+    types = schema.get("type", []) if isinstance(schema, dict) else []
+    for kind in [types] if isinstance(types, str) else types:
+        if kind == "string":
+            return value
+        with contextlib.suppress(ValueError):
+            parsed, end = decode_json(value)
+            if end == len(value.rstrip()) and isinstance(parsed, JSON_TYPES.get(kind, ())) and \
+                    not (isinstance(parsed, bool) and kind in ("integer", "number")):
+                return parsed
+    return value
+
+
+XML_FUNCTION, XML_PARAMETER, XML_END = (re.compile(r"\s*<function=([^>\n]+)>"), re.compile(r"\s*<parameter=([^>\n]+)>"),
+                                        re.compile(r"\s*</function>"))
+
+
+def parse_xml_call(text, start, schemas):
+    """<function=NAME> <parameter=KEY>VALUE</parameter>... </function> at text[start:] (Qwen3.5, Qwen3-Coder) ->
+    (call, end). Raises ValueError."""
+    head = XML_FUNCTION.match(text, start)
+    if not head:
+        raise ValueError("expected <function=NAME>")
+    name, arguments, pos = head.group(1).strip(), {}, head.end()
+    properties = schemas.get(name, {}).get("parameters", {}).get("properties", {})
+    while param := XML_PARAMETER.match(text, pos):
+        key, close = param.group(1).strip(), text.find("</parameter>", param.end())
+        if close < 0:
+            raise ValueError(f"<parameter={key}> is not closed")
+        if key in arguments:
+            raise ValueError(f"parameter {key!r} given twice")
+        value = text[param.end():close]
+        value = value[1:] if value.startswith("\n") else value  # the format puts the value on lines of its own
+        value = value[:-1] if value.endswith("\n") else value
+        arguments[key] = typed(value, properties.get(key))
+        pos = close + len("</parameter>")
+    close = XML_END.match(text, pos)
+    if not close:
+        raise ValueError(f"expected <parameter=KEY> or </function>, got {text[pos:pos + 40].strip()!r}")
+    return parse_call({"name": name, "arguments": arguments}), close.end()
+
+
+def parse_tagged(text, schemas):
+    """<tool_call>BODY</tool_call>, any number, BODY JSON (Qwen/Hermes) or XML. JSON is decoded from the opening
+    tag, so a '</tool_call>' inside a string does not end the call, and a call that does not parse ends at its
+    closing tag or at the next opening one, never swallowing it. -> (content, calls, errors)"""
+    content, calls, errors, pos = [], [], [], 0
+    while (start := text.find("<tool_call>", pos)) >= 0:
+        content.append(text[pos:start])
+        body = start + len("<tool_call>")
         try:
-            calls = json.loads(mistral.group(1))
-            message["tool_calls"] = [parse_call(c) for c in (calls if isinstance(calls, list) else [calls])]
+            if text[body:].lstrip().startswith("<function="):
+                call, end = parse_xml_call(text, body, schemas)
+            else:
+                value, end = decode_json(text, body)
+                call = parse_call(value)
+            rest = text[end:].lstrip()
+            if rest.startswith("</tool_call>"):
+                pos = len(text) - len(rest) + len("</tool_call>")
+            elif not rest:
+                pos = len(text)  # the closing tag missing at the end of the turn: the call is whole
+            else:
+                raise ValueError(f"unexpected {rest[:40]!r} after the call")
+            calls.append(call)
         except ValueError as e:
-            message["tool_calls"] = [{"error": f"could not parse tool calls {mistral.group(1).strip()[:200]!r}: {e}"}]
-        text = text[:mistral.start()]
-    message["tool_calls"] += [parse_call(body) for body in TOOL_CALL.findall(text)]
-    message["content"] = TOOL_CALL.sub("", text).strip()
+            closing, opening = text.find("</tool_call>", body), text.find("<tool_call>", body)
+            pos = (closing + len("</tool_call>") if 0 <= closing and (opening < 0 or closing < opening) else
+                   opening if opening >= 0 else len(text))
+            errors.append(f"could not parse the tool call {text[start:pos][:200]!r}: {e}")
+    content.append(text[pos:])
+    return "".join(content), calls, errors
+
+
+MISTRAL_NAME = re.compile(r"\s*([^\[\]\s]+)(?:\[CALL_ID\][^\[]*)?\[ARGS\]")
+
+
+def parse_mistral(text):
+    """Content, then [TOOL_CALLS] followed by a JSON list of calls (Mistral v3) or by name[ARGS]{json} (v11; an
+    optional [CALL_ID]id), repeated. -> (content, calls, errors)"""
+    start = text.find("[TOOL_CALLS]")
+    if start < 0:
+        return text, [], []
+    calls, errors, pos = [], [], start
+    while pos < len(text):
+        if not text.startswith("[TOOL_CALLS]", pos):
+            errors.append(f"could not parse the text after the tool calls, {text[pos:pos + 200]!r}: not a call")
+            break
+        at, pos = pos, pos + len("[TOOL_CALLS]")
+        try:
+            if text[pos:].lstrip()[:1] in ("[", "{"):
+                value, pos = decode_json(text, pos)
+                calls += [parse_call(c) for c in (value if isinstance(value, list) else [value])]
+            else:
+                head = MISTRAL_NAME.match(text, pos)
+                if not head:
+                    raise ValueError("expected NAME[ARGS]{...}")
+                arguments, pos = decode_json(text, head.end())
+                calls.append(parse_call({"name": head.group(1), "arguments": arguments}))
+        except ValueError as e:
+            following = text.find("[TOOL_CALLS]", at + 1)
+            pos = following if following >= 0 else len(text)
+            errors.append(f"could not parse the tool call {text[at:pos][:200]!r}: {e}")
+        pos += len(text[pos:]) - len(text[pos:].lstrip())
+    return text[:start], calls, errors
+
+
+def parse_bare_json(text):
+    """Llama 3: the turn is the call, JSON {"name", "parameters"} (after <|python_tag|>), several separated by ';'.
+    A turn that starts any other way is content. -> (content, calls, errors)"""
+    body = text.lstrip()
+    tagged = body.startswith("<|python_tag|>")
+    body = body.removeprefix("<|python_tag|>").lstrip()
+    if not tagged and not re.match(r"\{\s*\"", body):
+        return text, [], []
+    calls, pos = [], 0
+    try:
+        while pos < len(body):
+            value, pos = decode_json(body, pos)
+            calls.append(parse_call(value))
+            rest = body[pos:].lstrip()
+            pos = len(body) - len(rest) + rest.startswith(";")
+            if rest and not rest.startswith((";", "{")):
+                raise ValueError(f"unexpected {rest[:40]!r} after the call")
+            pos += len(body[pos:]) - len(body[pos:].lstrip())
+    except ValueError as e:
+        return "", calls, [f"could not parse the tool call {body[:200]!r}: {e}"]
+    return "", calls, []
+
+
+def remove_think(text, opened):
+    """(reasoning or None, the rest). A think block is one the prompt opened (`opened`) or one the turn opens at its
+    start; a '</think>' anywhere else is text."""
+    if not opened:
+        if not text.lstrip().startswith("<think>"):
+            return None, text
+        text = text.lstrip()[len("<think>"):]
+    reasoning, closed, rest = text.partition("</think>")
+    return reasoning.strip(), rest if closed else ""
+
+
+def parse_assistant(text, tok=None, prompt_ids=(), schemas=None, fmt="tagged", max_calls=None):
+    """Generated text -> {'role', 'content', 'reasoning_content' (if any), 'tool_calls', 'tool_call_errors'}:
+    well-formed calls in the OpenAI shape, and one message per call that did not parse (or that exceeds max_calls,
+    which the template could not render). Never raises."""
+    schemas = schemas or {}
+    message = {"role": "assistant", "content": "", "tool_calls": [], "tool_call_errors": []}
+    try:
+        if fmt == "transformers":  # the tokenizer's own parser; the schemas type the arguments
+            parsed = tok.parse_response(text, prefix=tok.decode(prompt_ids),
+                                        tools=[{"type": "function", "function": s} for s in schemas.values()])
+            calls, errors = [], []
+            for call in parsed.get("tool_calls") or []:
+                try:
+                    calls.append(parse_call(call.get("function", call) if isinstance(call, dict) else call))
+                except ValueError as e:
+                    errors.append(f"could not parse the tool call {str(call)[:200]!r}: {e}")
+            content, reasoning = parsed.get("content") or "", parsed.get("reasoning_content")
+        else:
+            opened = bool(prompt_ids) and tok.decode(list(prompt_ids[-16:])).rstrip().endswith("<think>")
+            reasoning, text = remove_think(text, opened)
+            content, calls, errors = (parse_tagged(text, schemas) if fmt == "tagged" else parse_mistral(text)
+                                      if fmt == "mistral" else parse_bare_json(text))
+        errors += [f"not run: call one tool per turn ({json.dumps(c)[:200]})" for c in calls[max_calls or len(calls):]]
+        message.update(content=content.strip(), tool_calls=calls[:max_calls or len(calls)], tool_call_errors=errors)
+        if reasoning is not None:
+            message["reasoning_content"] = reasoning
+    except Exception as e:  # a parser bug must not end the run either: the model sees it as an error
+        message.update(content=text.strip(), tool_calls=[],
+                       tool_call_errors=[f"could not parse the turn ({type(e).__name__}: {str(e)[:200]})"])
     return message
 
 
-def tool_result_ids(tok, history, tool_messages, schemas, end_of_turn):
+def tool_result_ids(tok, history, tool_messages, schemas, turn_ends, stopped=True):
     """Token ids of the tool-result turn plus the next assistant header.
 
-    Only this suffix is tokenised and appended to the ids the model generated: re-tokenising the
-    whole conversation would change earlier tokens and train on tokens the model never sampled."""
-    # Calls that did not parse are the tool loop's business (it answers them with an error); the
-    # template only ever sees well-formed ones. The text of this turn is cut off below anyway.
-    history = [{**m, "tool_calls": [c for c in m["tool_calls"] if "error" not in c]} if m.get("tool_calls") else m
-               for m in history]
+    Only this suffix is tokenised and appended to the ids the model generated: re-tokenising the whole conversation
+    would change earlier tokens and train on tokens the model never sampled. It starts where the template ends an
+    assistant turn: after its end-of-turn token, which the model's stop token stands for (Qwen3 may stop on
+    <|endoftext|> or <|im_end|>; the template writes <|im_end|>\\n), or before it if the model stopped otherwise."""
     before = render(tok, history, schemas)
     after = render(tok, history + tool_messages, schemas, generation_prompt=True)
-    # prepare_chat_template checked this template on a probe; a conversation may still find a case it missed
-    assert after.startswith(before), "the chat template rewrote an earlier turn when a tool result was appended"
-    cut = before.rfind(end_of_turn) + len(end_of_turn)  # the model's own turn ended at its stop token
-    return tok.encode(after[cut:], add_special_tokens=False)
+    end = next(((end, n) for end, n in sorted(turn_ends, key=lambda e: -len(e[0])) if before.endswith(end)), None)
+    if end is None or not after.startswith(before):
+        raise RuntimeError("the chat template rendered a conversation in a way its start-up check did not show "
+                           f"(an assistant turn that ends {before[-120:]!r}, or an earlier turn rewritten when a "
+                           "tool result follows): the tool results cannot be appended exactly; pass --chat-template")
+    return tok.encode(end[0][end[1] if stopped else 0:] + after[len(before):], add_special_tokens=False)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -566,9 +839,6 @@ async def generate(session, url, ids, max_tokens, args, stop_ids, greedy=False, 
             await asyncio.sleep(0.5 * 2 ** attempt)
 
 
-JSON_TYPES = {"string": str, "integer": int, "number": (int, float), "boolean": bool, "array": list,
-              "object": dict, "null": type(None)}
-
 
 def argument_errors(schema, arguments):
     """What is wrong with a call's arguments against the tool's JSON schema (empty: nothing)."""
@@ -589,9 +859,7 @@ TOOL_THREADS = ThreadPoolExecutor(64, thread_name_prefix="tool")  # a hung sync 
 
 
 async def call_tool(call, schemas, timeout):
-    """Run one parsed call. Returns (result text for the model, ok); never raises."""
-    if "error" in call:
-        return f"Error: {call['error']}", False
+    """Run one well-formed call. Returns (result text for the model, ok); never raises."""
     name, arguments = call["function"]["name"], call["function"]["arguments"]
     if name not in schemas:
         return f"Error: unknown tool {name!r}; the tools are {', '.join(schemas)}", False
@@ -608,11 +876,12 @@ async def call_tool(call, schemas, timeout):
         return f"Error: {type(e).__name__}: {e}", False
 
 
-def rollout_context(tok, schemas, rows, max_model_len=None):
-    """What every rollout needs, computed once: tools, stop tokens, each row's prompt ids, and the
-    server's context length (known once it is up)."""
+def rollout_context(tok, schemas, rows, max_model_len=None, stop_ids=None):
+    """What every rollout needs, computed once: tools, stop tokens, how the template writes tool calls and ends a
+    turn (with tools), each row's prompt ids, and the server's context length (known once it is up)."""
+    stop_ids = stop_ids or stop_token_ids(tok)
     return {"schemas": schemas, "schemas_by_name": {s["function"]["name"]: s["function"] for s in schemas or []},
-            "stop_ids": sorted({tok.eos_token_id} | ({tok.pad_token_id} - {None})), "max_model_len": max_model_len,
+            "stop_ids": stop_ids, "max_model_len": max_model_len, **(chat_format(tok, schemas, stop_ids) if schemas else {}),
             "prompt_ids": {row["id"]: render_prompt(tok, row["prompt"], schemas) for row in rows}}
 
 
@@ -649,14 +918,16 @@ async def rollout(session, url, tok, row, args, ctx, policy, greedy=False):
         logprobs += lps
         versions += new_versions
         stats["turns"] += 1
-        text = tok.decode(new[:-1] if finish == "stop" else new, skip_special_tokens=False)
+        stopped = finish == "stop" and bool(new) and new[-1] in ctx["stop_ids"]  # not on a stop string of --sampling-args
+        text = tok.decode(new[:-1] if stopped else new, skip_special_tokens=False)
         # The parser runs only with tools: without them any template (or none) must train.
-        message = parse_assistant(text, tok, ids[:-len(new)]) if ctx["schemas"] else {"role": "assistant", "content": text}
+        message = parse_assistant(text, tok, ids[:-len(new)], ctx["schemas_by_name"], ctx["format"], ctx["max_calls"]) \
+            if ctx["schemas"] else {"role": "assistant", "content": text, "tool_calls": [], "tool_call_errors": []}
         messages.append(message)
         if finish != "stop":
             stats["truncated"] = True
             break
-        if not message.get("tool_calls"):
+        if not message.get("tool_calls") and not message.get("tool_call_errors"):
             break
         if stats["turns"] > args.max_tool_turns:
             stats["truncated"] = True
@@ -665,16 +936,22 @@ async def rollout(session, url, tok, row, args, ctx, policy, greedy=False):
         results, _ = await asyncio.gather(asyncio.gather(*(call_tool(c, ctx["schemas_by_name"], args.tool_timeout)
                                                            for c in message["tool_calls"])),
                                           asyncio.sleep(args.tool_latency))
+        results += [(f"Error: {error}", False) for error in message["tool_call_errors"]]  # the model sees each one
         stats["tool_seconds"] += time.perf_counter() - start
         stats["tool_calls"] += len(results)
         stats["tool_failures"] += sum(not ok for _, ok in results)
-        names = [c.get("function", {}).get("name", "?") for c in message["tool_calls"]]
-        for name, (_, ok) in zip(names, results):
-            counts = stats["per_tool"].setdefault(name if name in ctx["schemas_by_name"] else "unknown", [0, 0])
+        names = [c["function"]["name"] for c in message["tool_calls"]]
+        keys = [n if n in ctx["schemas_by_name"] else "unknown" for n in names] + ["malformed"] * len(message["tool_call_errors"])
+        names += ["malformed"] * len(message["tool_call_errors"])
+        for key, (_, ok) in zip(keys, results):
+            counts = stats["per_tool"].setdefault(key, [0, 0])
             counts[0] += 1
             counts[1] += not ok
-        tool_messages = [{"role": "tool", "name": n, "content": r} for n, (r, _) in zip(names, results)]
-        suffix = tool_result_ids(tok, row["prompt"] + messages, tool_messages, ctx["schemas"], tok.decode(new[-1:]))
+        # A tool's text may hold a lone surrogate (from its input, or bytes decoded with surrogateescape): the
+        # tokenizer would refuse it
+        tool_messages = [{"role": "tool", "name": n, "content": r.encode(errors="replace").decode()}
+                         for n, (r, _) in zip(names, results)]
+        suffix = tool_result_ids(tok, row["prompt"] + messages, tool_messages, ctx["schemas"], ctx["turn_ends"], stopped)
         messages += tool_messages
         if len(ids) + len(suffix) >= ctx["max_model_len"]:
             stats["truncated"] = True  # no room left to answer: end here rather than send vLLM a request it rejects
@@ -1427,10 +1704,11 @@ def main(argv=None):
     args.pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
     train_rows, eval_rows = load_rows(args)
     schemas = tool_schemas(args.tool_names) if args.tool_names else None
-    template_report = prepare_chat_template(tok, args, schemas)  # fails here, before vLLM starts
+    stop_ids = stop_token_ids(tok, args.model)
+    template_report = prepare_chat_template(tok, args, schemas, stop_ids)  # fails here, before vLLM starts
     if is_main:
         print(template_report, flush=True)
-    ctx = rollout_context(tok, schemas, train_rows + eval_rows)
+    ctx = rollout_context(tok, schemas, train_rows + eval_rows, stop_ids=stop_ids)
 
     try:
         model = load_policy(args.model)

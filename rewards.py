@@ -3,10 +3,16 @@
 Every reward function is called once per group with keyword arguments, each a list with one entry
 per rollout of the group, and returns one float per rollout (`async def` works too):
     prompts         the prompt as chat messages
-    completions     the messages the rollout added: assistant turns, and tool results with --tools
+    completions     the messages the rollout added: assistant turns, and tool results with --tools.
+                    An assistant turn is {"role": "assistant", "content": str, "tool_calls": [...],
+                    "tool_call_errors": [...]} (and "reasoning_content": str if it had a think block):
+                    tool_calls holds only the well-formed calls, each {"type": "function", "function":
+                    {"name": str, "arguments": dict}}; tool_call_errors one message (str) per call that
+                    did not parse. A tool result is {"role": "tool", "name": str, "content": str}.
     completion_ids  the token ids after the prompt (generated and tool-result tokens)
-    tool_calls      number of tool calls the rollout made
-    tool_failures   number of those calls that failed (unknown tool, bad arguments, error, timeout)
+    tool_calls      number of tool calls the rollout made, malformed ones included
+    tool_failures   number of those calls that failed (malformed, unknown tool, bad arguments, error,
+                    timeout)
     truncated       True if the rollout ran out of tokens or context before it finished
     <column>        every other column of the dataset row (e.g. `answer` for the built-in task)
 Accept **kwargs so that new arguments never break an old function.

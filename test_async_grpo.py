@@ -850,7 +850,7 @@ def test_qwen3_template_gets_a_prefix_preserving_training_variant():
     assert not ag.prefix_preserving(tok, schemas)  # the think block vanishes once a message follows
     args = ag.parse_args(["--output-dir", "unused", "--tools", "calculator"])
     args.model = "Qwen3"
-    report = ag.prepare_chat_template(tok, args, schemas)
+    report = ag.prepare_chat_template(tok, args, schemas, ag.stop_token_ids(tok))
     assert "training variant" in report and tok.chat_template != original
     assert ag.prefix_preserving(tok, schemas)
     for template in (original, tok.chat_template):
@@ -860,8 +860,195 @@ def test_qwen3_template_gets_a_prefix_preserving_training_variant():
         assert "<tool_response>\n42\n</tool_response>" in text
 
 
+# Chat templates in the other tool-call formats, written for these tests in the style of the families
+# that use them: XML calls (Qwen3.5, Qwen3-Coder), Mistral's [TOOL_CALLS]name[ARGS]{...} (with its
+# own end-of-turn token, </s>), and Llama 3's bare JSON (one call per turn; the template refuses more).
+XML_TEMPLATE = """\
+{%- macro value(v) %}{% if v is string %}{{ v }}{% else %}{{ v | tojson }}{% endif %}{% endmacro %}
+{%- if tools %}<|im_start|>system
+{% if messages[0].role == 'system' %}{{ messages[0].content }}
+
+{% endif %}Functions you may call:
+{% for tool in tools %}{{ (tool.function if tool.function is defined else tool) | tojson }}
+{% endfor %}Call one as <tool_call>
+<function=NAME>
+<parameter=NAME>
+VALUE
+</parameter>
+</function>
+</tool_call><|im_end|>
+{% elif messages[0].role == 'system' %}<|im_start|>system
+{{ messages[0].content }}<|im_end|>
+{% endif %}
+{%- for m in messages %}
+{%- if m.role == 'user' %}<|im_start|>user
+{{ m.content }}<|im_end|>
+{% elif m.role == 'assistant' %}<|im_start|>assistant
+{{ m.content or '' }}
+{%- for call in m.tool_calls or [] %}{% set f = call.function if call.function is defined else call %}
+{%- if m.content or not loop.first %}{{ '\\n' }}{% endif %}<tool_call>
+<function={{ f.name }}>
+{% for k, v in f.arguments.items() %}<parameter={{ k }}>
+{{ value(v) }}
+</parameter>
+{% endfor %}</function>
+</tool_call>
+{%- endfor %}<|im_end|>
+{% elif m.role == 'tool' %}
+{%- if loop.first or messages[loop.index0 - 1].role != 'tool' %}<|im_start|>user{% endif %}
+{{- '\\n' }}<tool_response>
+{{ m.content }}
+</tool_response>
+{%- if loop.last or messages[loop.index0 + 1].role != 'tool' %}<|im_end|>
+{% endif %}
+{%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}<|im_start|>assistant
+{% endif %}"""
+
+MISTRAL_TEMPLATE = """\
+{{- bos_token }}{% if tools %}[AVAILABLE_TOOLS]{{ tools | tojson }}[/AVAILABLE_TOOLS]{% endif %}
+{%- for m in messages %}
+{%- if m.role == 'system' %}[SYSTEM_PROMPT]{{ m.content }}[/SYSTEM_PROMPT]
+{%- elif m.role == 'user' %}[INST]{{ m.content }}[/INST]
+{%- elif m.role == 'assistant' %}{{ m.content or '' }}
+{%- for call in m.tool_calls or [] %}{% set f = call.function if call.function is defined else call %}
+{{- '[TOOL_CALLS]' + f.name + '[ARGS]' }}{{ f.arguments | tojson }}{% endfor %}</s>
+{%- elif m.role == 'tool' %}[TOOL_RESULTS]{{ m.content }}[/TOOL_RESULTS]
+{%- endif %}
+{%- endfor %}"""
+
+LLAMA_TEMPLATE = """\
+{{- bos_token }}
+{%- for m in messages %}
+{%- if loop.first and tools %}<|start_header_id|>system<|end_header_id|>
+
+You may call one of these functions by answering with JSON {"name": NAME, "parameters": {...}} and nothing else.
+{% for tool in tools %}{{ tool | tojson }}
+{% endfor %}<|eot_id|>
+{%- endif %}
+{%- if m.role in ('system', 'user') %}<|start_header_id|>{{ m.role }}<|end_header_id|>
+
+{{ m.content }}<|eot_id|>
+{%- elif m.role == 'assistant' %}<|start_header_id|>assistant<|end_header_id|>
+
+{% if m.tool_calls %}{% if m.tool_calls | length > 1 %}{{ raise_exception('one tool call per turn') }}{% endif %}
+{%- set f = m.tool_calls[0].function if m.tool_calls[0].function is defined else m.tool_calls[0] %}
+{{- '{"name": "' + f.name + '", "parameters": ' + f.arguments | tojson + '}' }}
+{%- else %}{{ m.content }}{% endif %}<|eot_id|>
+{%- elif m.role == 'tool' %}<|start_header_id|>ipython<|end_header_id|>
+
+{{ m.content }}<|eot_id|>
+{%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>
+
+{% endif %}"""
+
+# transformers' own response parser (a tokenizer's `response_template`) for the XML format
+XML_RESPONSE_TEMPLATE = {
+    "start_anchor": "<|im_start|>assistant\n",
+    "fields": {"reasoning_content": {"open": "<think>", "close": "</think>"},
+               "tool_calls": {"open_pattern": r"<tool_call>\s*<function=(?P<name>[^>\n]+)>",
+                              "close_pattern": r"</function>\s*</tool_call>", "content": "xml-inline",
+                              "content_args": {"tag_pattern": r"<parameter=(?P<key>[^>\n]+)>\n(?P<value>.*?)\n</parameter>"},
+                              "repeats": True, "transform": {"type": "function", "function": {"name": "{name}",
+                                                                                              "arguments": "{content}"}}},
+               "content": {}}}
+
+
+def chat_tokenizer(fmt):
+    """The real Qwen3 tokenizer with the chat template of a call format ('tagged': Qwen3's own; 'thinking': Qwen3's
+    with a generation prompt that opens <think>, as Qwen3's thinking checkpoints do), and that family's special
+    tokens and end-of-turn token added where the Qwen3 vocabulary lacks them."""
+    tok = qwen3_tokenizer()
+    if fmt == "thinking":
+        head, _, tail = tok.chat_template.rpartition("{{- '<|im_start|>assistant\\n' }}")
+        tok.chat_template = head + "{{- '<|im_start|>assistant\\n<think>\\n' }}" + tail
+    elif fmt in ("xml", "transformers"):
+        tok.chat_template = XML_TEMPLATE
+        tok.response_template = XML_RESPONSE_TEMPLATE if fmt == "transformers" else None
+    elif fmt == "mistral":
+        tok.add_special_tokens({"additional_special_tokens": ["</s>", "<s>", "[INST]", "[/INST]", "[TOOL_CALLS]", "[ARGS]",
+                                                              "[CALL_ID]", "[TOOL_RESULTS]", "[/TOOL_RESULTS]"]})
+        tok.eos_token, tok.chat_template = "</s>", MISTRAL_TEMPLATE
+    elif fmt == "json":
+        tok.add_special_tokens({"additional_special_tokens": ["<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>",
+                                                              "<|python_tag|>"]})
+        tok.eos_token, tok.chat_template = "<|eot_id|>", LLAMA_TEMPLATE
+    return tok
+
+
+def prepared(fmt, tools_=("calculator", "convert_units", "lookup")):
+    """(tokenizer, schemas, the start-up report) as a run with --tools prepares them."""
+    tok, schemas = chat_tokenizer(fmt), ag.tool_schemas(list(tools_))
+    args = ag.parse_args(["--output-dir", "unused", "--tools"])
+    args.model = fmt
+    return tok, schemas, ag.prepare_chat_template(tok, args, schemas, ag.stop_token_ids(tok))
+
+
 EVERY_JSON_TYPE = {"text": "a \"quoted\" word", "count": 3, "ratio": -2.5, "flag": True, "nothing": None,
                    "items": [1, "two", [3]], "nested": {"k": {"deeper": [False]}}}
+
+
+@pytest.mark.parametrize("fmt", ["tagged", "thinking", "xml", "mistral", "json", "transformers"])
+def test_start_up_round_trip_passes_every_supported_format_with_typed_arguments(fmt):
+    tok, schemas, report = prepared(fmt)
+    assert "round trip exact" in report and ("one per turn" in report) == (fmt == "json")
+    ctx = ag.rollout_context(tok, schemas, [], 4096)
+    assert ctx["format"] == {"thinking": "tagged", "xml": "tagged"}.get(fmt, fmt)
+    # what a model of this family writes for one call is read back with its arguments typed by the tool's schema
+    call = {"type": "function", "function": {"name": "convert_units", "arguments": {"value": 3.5, "from_unit": "km",
+                                                                                  "to_unit": "m"}}}
+    user = [{"role": "user", "content": "How many metres is 3.5 km?"}]
+    prompt = ag.render(tok, user, schemas, generation_prompt=True)
+    turn = ag.render(tok, user + [{"role": "assistant", "content": "", "tool_calls": [call]}], schemas)
+    end = next(end for end, _ in ctx["turn_ends"] if turn.endswith(end))
+    generated = turn[len(prompt):len(turn) - len(end)]
+    message = ag.parse_assistant(generated, tok, tok.encode(prompt), ctx["schemas_by_name"], ctx["format"])
+    assert message["tool_calls"] == [call] and message["tool_call_errors"] == []
+    if fmt in ("xml", "transformers"):
+        assert "<parameter=value>\n3.5\n</parameter>" in generated  # text in the turn, a number for the tool
+
+
+def template_file(tmp_path, text):
+    path = tmp_path / "template.jinja"
+    path.write_text(text)
+    return str(path)
+
+
+def edited(template, old, new):
+    assert old in template
+    return template.replace(old, new)
+
+
+# Templates that render tool calls in a way that does not come back as the same calls
+TINY_CALL = "{{ f.arguments if f.arguments is string else f.arguments | tojson }}}</tool_call>{% endfor %}<|im_end|>"
+PYTHON_REPR = edited(ag.TINY_CHAT_TEMPLATE, "f.arguments | tojson", "f.arguments")  # Python's repr: 'quotes', True
+FIRST_CALL_ONLY = edited(XML_TEMPLATE, "m.tool_calls or []", "(m.tool_calls or [])[:1]")
+UNTYPED_XML = edited(XML_TEMPLATE, "{{ value(v) }}", "{{ v | string }}")  # True, None, single-quoted lists
+NO_STOP_TOKEN = edited(ag.TINY_CHAT_TEMPLATE, TINY_CALL, TINY_CALL.replace("<|im_end|>", "\n"))
+OTHER_FORMAT = edited(edited(ag.TINY_CHAT_TEMPLATE, '<tool_call>{"name": "{{ f.name }}", "arguments": ', "CALL {{ f.name }} "),
+                      TINY_CALL, TINY_CALL.replace("}</tool_call>", " END"))
+
+
+@pytest.mark.parametrize("template, message", [
+    (PYTHON_REPR, "do not survive a round trip"), (FIRST_CALL_ONLY, "do not survive a round trip"),
+    (UNTYPED_XML, "do not survive a round trip"), (NO_STOP_TOKEN, "does not end an assistant turn with a stop token"),
+    (OTHER_FORMAT, "format this parser does not read")], ids=["python-repr", "first-call-only", "untyped-xml",
+                                                              "no-stop-token", "other-format"])
+def test_a_template_whose_calls_do_not_come_back_stops_the_run_before_vllm_starts(tmp_path, template, message):
+    path = template_file(tmp_path, template)
+    with pytest.raises(SystemExit, match=message) as stopped:  # the check alone, then the real CLI below
+        tok = chat_tokenizer("xml")
+        args = ag.parse_args(["--output-dir", "unused", "--tools", "--chat-template", path])
+        ag.prepare_chat_template(tok, args, ag.tool_schemas(["calculator"]), ag.stop_token_ids(tok))
+    assert path in str(stopped.value) and "--chat-template PATH" in str(stopped.value)
+    if template is PYTHON_REPR:  # and as a user meets it: the tiny model's run with this template
+        code, out = run_cli("--tools", "--chat-template", path, "--output-dir", str(tmp_path / "run"), timeout=300)
+        assert code != 0 and "do not survive a round trip" in out and "--chat-template PATH" in out
+        assert "{\\'text\\': \\'6 * 7\\'}" in out  # what was rendered is shown
+        assert "starting vLLM" not in out
 
 
 @pytest.mark.parametrize("n_calls", [1, 3])
@@ -877,23 +1064,201 @@ def test_rendered_tool_calls_parse_back_to_the_same_calls(tiny_model, n_calls):
         message = ag.parse_assistant(generated)
         assert message["tool_calls"] == calls and message["content"] == "Let me see."
     mistral = "[TOOL_CALLS]" + json.dumps([c["function"] for c in calls])
-    assert ag.parse_assistant(mistral)["tool_calls"] == calls
+    assert ag.parse_assistant(mistral, fmt="mistral")["tool_calls"] == calls
 
 
-def test_malformed_tool_calls_become_error_entries():
-    cases = ['<tool_call>{"name": "calculator", "arguments": {"expression": "1+1"}}',  # closing tag missing: fine
-             '<tool_call>{"name": "calculator", "arguments": {"expr</tool_call>',
-             '<tool_call>{"arguments": {}}</tool_call>',
-             '<tool_call>{"name": "calculator", "arguments": [1, 2]}</tool_call>',
-             '<tool_call></tool_call>', "[TOOL_CALLS] not json", "<think>half a thought"]
-    parsed = [ag.parse_assistant(text)["tool_calls"] for text in cases]
-    assert parsed[0] == [{"type": "function", "function": {"name": "calculator", "arguments": {"expression": "1+1"}}}]
-    for calls in parsed[1:6]:
-        assert len(calls) == 1 and "error" in calls[0]
-    assert parsed[6] == []
-    assert ag.argument_errors(ag.tool_schemas(["convert_units"])[0]["function"], {"value": "3", "to": "m"}) == [
-        "missing argument 'from_unit'", "missing argument 'to_unit'", "unknown argument 'to'",
-        "argument 'value' must be number, got \"3\""]
+def call(name, **arguments):
+    return {"type": "function", "function": {"name": name, "arguments": arguments}}
+
+
+ADD = '{"name": "calculator", "arguments": {"expression": "1+1"}}'
+CALC = call("calculator", expression="1+1")
+KM = call("convert_units", value=3.5, from_unit="km", to_unit="m")
+
+
+def xml(name, **params):
+    return (f"<tool_call>\n<function={name}>\n" + "".join(f"<parameter={k}>\n{v}\n</parameter>\n" for k, v in params.items())
+            + "</function>\n</tool_call>")
+
+
+# Generations a model under RL writes, and what each must give: (format, text, the calls, how many errors the model
+# is sent back). Every class of issue #13 and more. 'tagged+think' runs with a prompt that opened <think>.
+MALFORMED = [
+    # 1. nothing a model writes raises
+    ("tagged", '<tool_call>{"name": "calculator", "arguments": {"expression": ' + "[" * 1000 + "]" * 1000 + "}}</tool_call>", [], 1),
+    ("tagged", '<tool_call>{"name": "calculator", "arguments": {"expression": ' + "[" * 40 + "]" * 40 + "}}</tool_call>", [], 1),
+    ("tagged", '<tool_call>{"name": "calculator", "arguments": {"expression": "' + "(" * 5000 + '"}}</tool_call>',
+     [call("calculator", expression="(" * 5000)], 0),  # long, not deep: the tool refuses it, the parser does not
+    ("mistral", "[TOOL_CALLS][" + "[" * 1000 + "]" * 1000 + "]", [], 1),
+    ("mistral", "[TOOL_CALLS]calculator[ARGS]" + '{"a":' * 1000 + "1" + "}" * 1000, [], 1),
+    ("json", '{"name": "calculator", "parameters": ' + '{"a":' * 1000 + "1" + "}" * 1001, [], 1),
+    ("xml", xml("calculator", expression="[" * 1000), [call("calculator", expression="[" * 1000)], 0),
+    ("tagged", '<tool_call>{"name": "lookup", "arguments": {"topic": "\\ud800"}}</tool_call>', [], 1),  # not text
+    ("tagged", '<tool_call>{"name": "calculator", "arguments": {"expression": ' + "9" * 5000 + "}}</tool_call>", [], 1),
+    # 2. a think block is one the prompt or the turn opened; a stray </think> is text
+    ("tagged", f"<tool_call>{ADD}</tool_call> Done.</think>", [CALC], 0),
+    ("tagged", '<tool_call>{"name": "lookup", "arguments": {"topic": "</think> pi"}}</tool_call>', [call("lookup", topic="</think> pi")], 0),
+    ("tagged", f"<think>\nAdd them.\n</think>\n\n<tool_call>{ADD}</tool_call>", [CALC], 0),
+    ("tagged", f"So: </think>\n<tool_call>{ADD}</tool_call>", [CALC], 0),
+    ("tagged+think", f"Add them.\n</think>\n\n<tool_call>{ADD}</tool_call>", [CALC], 0),
+    ("tagged+think", f"Still thinking <tool_call>{ADD}</tool_call>", [], 0),  # the block never closed: all thought
+    ("tagged", f"<think>unfinished <tool_call>{ADD}</tool_call>", [], 0),
+    # 3. only the start of a turn may switch format; prose is never executed
+    ("tagged", f"Mistral writes [TOOL_CALLS] first. <tool_call>{ADD}</tool_call>", [CALC], 0),
+    ("tagged", f"[TOOL_CALLS]calculator[ARGS]{{\"expression\": \"1+1\"}}", [], 0),
+    ("tagged", f"Call {ADD} yourself.", [], 0),
+    ("tagged", "The answer is 2</tool_call>", [], 0),
+    ("tagged", "I could use <tool_call> here but will not.", [], 1),
+    ("json", "The answer is {1, 2}.", [], 0),
+    ("json", "2", [], 0),
+    # 4. a call that does not parse ends at its closing tag or the next opening one, never swallowing it
+    ("tagged", '<tool_call>{"name": "calculator", "arguments": {"expression": "2+2"}\n' f"<tool_call>{ADD}</tool_call>", [CALC], 1),
+    ("tagged", f"<tool_call>{ADD}\n<tool_call>{ADD}</tool_call>", [CALC], 1),
+    ("tagged", '<tool_call>{"name": "lookup", "arguments": {"topic": "a </tool_call> tag"}}</tool_call>',
+     [call("lookup", topic="a </tool_call> tag")], 0),
+    ("tagged", f"<tool_call>{ADD}", [CALC], 0),  # closing tag missing at the very end: whole
+    ("tagged", f"<tool_call>{ADD}}}</tool_call>", [], 1),  # one brace too many
+    ("tagged", f"<tool_call>{ADD}</tool_call><tool_call>{{'name': 'calculator'}}</tool_call><tool_call>{ADD}</tool_call>",
+     [CALC, CALC], 1),
+    ("tagged", "<tool_call></tool_call>", [], 1),
+    ("tagged", "<tool_call>\n\n", [], 1),
+    # 5. strict JSON: no NaN or Infinity, no out-of-range numbers, no duplicate keys; the call's shape is checked
+    ("tagged", '<tool_call>{"name": "convert_units", "arguments": {"value": NaN, "from_unit": "m", "to_unit": "km"}}</tool_call>', [], 1),
+    ("tagged", '<tool_call>{"name": "convert_units", "arguments": {"value": Infinity, "from_unit": "m", "to_unit": "km"}}</tool_call>', [], 1),
+    ("tagged", '<tool_call>{"name": "convert_units", "arguments": {"value": -Infinity, "from_unit": "m", "to_unit": "km"}}</tool_call>', [], 1),
+    ("tagged", '<tool_call>{"name": "convert_units", "arguments": {"value": 1e999, "from_unit": "m", "to_unit": "km"}}</tool_call>', [], 1),
+    ("tagged", '<tool_call>{"name": "convert_units", "arguments": {"value": 1e300, "from_unit": "m", "to_unit": "km"}}</tool_call>',
+     [call("convert_units", value=1e300, from_unit="m", to_unit="km")], 0),
+    ("tagged", '<tool_call>{"name": "calculator", "arguments": {"expression": "1", "expression": "2"}}</tool_call>', [], 1),
+    ("tagged", '<tool_call>{"arguments": {"expression": "1+1"}}</tool_call>', [], 1),
+    ("tagged", '<tool_call>{"name": 7, "arguments": {}}</tool_call>', [], 1),
+    ("tagged", '<tool_call>{"name": "calculator", "arguments": [1, 2]}</tool_call>', [], 1),
+    ("tagged", '<tool_call>["calculator", "1+1"]</tool_call>', [], 1),
+    ("tagged", '<tool_call>{"name": "calculator", "arguments": "{\\"expression\\": \\"1+1\\"}"}</tool_call>', [CALC], 0),
+    ("tagged", '<tool_call>{"name": "calculator", "arguments": "{expression: 1+1}"}</tool_call>', [], 1),
+    ("tagged", '<tool_call>{"name": "calculator", "parameters": {"expression": "1+1"}}</tool_call>', [CALC], 0),
+    ("tagged", '<tool_call>{"name": "no_such_tool", "arguments": {}}</tool_call>', [call("no_such_tool")], 0),  # the tool loop refuses it
+    # 6. XML calls, typed by the schema; what does not fit stays text, and the argument check tells the model
+    ("xml", xml("convert_units", value="3.5", from_unit="km", to_unit="m"), [KM], 0),
+    ("xml", xml("convert_units", value="three", from_unit="km", to_unit="m"),
+     [call("convert_units", value="three", from_unit="km", to_unit="m")], 0),
+    ("xml", "<tool_call>\n<function=calculator>\n<parameter=expression>\n1+1\n</function>\n</tool_call>", [], 1),
+    ("xml", "<tool_call>\n<function=calculator>\n<parameter=expression>\n1+1\n</parameter>\n</tool_call>", [], 1),
+    ("xml", "<tool_call>\n<function=calculator>\n<parameter=expression>\n1\n</parameter>\n<parameter=expression>\n2\n"
+            "</parameter>\n</function>\n</tool_call>", [], 1),
+    ("xml", f"{xml('calculator', expression='1+1')}\n{xml('convert_units', value='3.5', from_unit='km', to_unit='m')}",
+     [CALC, KM], 0),
+    ("xml", f"<tool_call>\n<function=calculator>\n{xml('calculator', expression='1+1')}", [CALC], 1),
+    # 7. Mistral, old and new forms, content before the calls
+    ("mistral", '[TOOL_CALLS]calculator[ARGS]{"expression": "1+1"}', [CALC], 0),
+    ("mistral", 'Let me add.[TOOL_CALLS]calculator[ARGS]{"expression": "1+1"}[TOOL_CALLS]lookup[ARGS]{"topic": "pi"}',
+     [CALC, call("lookup", topic="pi")], 0),
+    ("mistral", '[TOOL_CALLS]calculator[CALL_ID]a1b2c3d4e[ARGS]{"expression": "1+1"}', [CALC], 0),
+    ("mistral", f"[TOOL_CALLS][{ADD}, {ADD}]", [CALC, CALC], 0),
+    ("mistral", '[TOOL_CALLS]calculator[ARGS]{"expression": ', [], 1),
+    ("mistral", '[TOOL_CALLS]calculator{"expression": "1+1"}', [], 1),
+    ("mistral", '[TOOL_CALLS]calculator[ARGS]{"expression": "1+1"} and more', [CALC], 1),
+    ("mistral", '[TOOL_CALLS]calculator[ARGS]{"expression": NaN}[TOOL_CALLS]calculator[ARGS]{"expression": "1+1"}', [CALC], 1),
+    # 8. Llama's bare JSON at the start of the turn, one call per turn
+    ("json", '{"name": "calculator", "parameters": {"expression": "1+1"}}', [CALC], 0),
+    ("json", '<|python_tag|>{"name": "calculator", "parameters": {"expression": "1+1"}}', [CALC], 0),
+    ("json", '{"name": "calculator", "parameters": {"expression": "1+1"}}; {"name": "calculator", "parameters": {}}', [CALC], 1),
+    ("json", '{"name": "calculator", "parameters": {"expression": ', [], 1),
+    ("json", '{"name": "calculator", "parameters": {"expression": "1+1"}} is what I would send', [CALC], 1),
+    # 9. transformers' own parser
+    ("transformers", xml("convert_units", value="3.5", from_unit="km", to_unit="m"), [KM], 0),
+    ("transformers", f"<think>Convert.</think>{xml('calculator', expression='1+1')}", [CALC], 0),
+]
+MALFORMED += [
+    ("tagged", f"<tool_call><tool_call>{ADD}</tool_call></tool_call>", [CALC], 1),
+    ("tagged", '<tool_call>{"name": "lookup", "arguments": {"topic": "π ∑ 日本"}}</tool_call>', [call("lookup", topic="π ∑ 日本")], 0),
+    ("tagged", "<tool_call>" + "x" * 20000, [], 1),
+]
+FORMAT_TOKENIZER = {"tagged": "tagged", "tagged+think": "thinking", "xml": "xml", "mistral": "mistral", "json": "json",
+                    "transformers": "transformers"}
+
+
+@pytest.fixture(scope="module")
+def formats():
+    return {fmt: prepared(fmt) for fmt in set(FORMAT_TOKENIZER.values())}
+
+
+def fixed_generations(monkeypatch, *texts, tok, stop_id=None):
+    """Fault injection: ag.generate answers with these texts' tokens (one turn each, ending on stop_id, the
+    tokenizer's eos by default) instead of asking vLLM, to produce a specific generation a model could write.
+    Everything after the generation (parsing, tools, the template's tool-result tokens) is the real code."""
+    turns = iter(texts)
+
+    async def generate(session, url, ids, max_tokens, args, stop_ids, greedy=False, generated=0):
+        new = tok.encode(next(turns), add_special_tokens=False) + [tok.eos_token_id if stop_id is None else stop_id]
+        return new, [-1.0] * len(new), "stop"
+    monkeypatch.setattr(ag, "generate", generate)
+
+
+def fixed_rollout(tok, schemas, prompt="What is 1 + 1?"):
+    args = ag.parse_args(["--output-dir", "unused", "--tools", "--tool-timeout", "5"])
+    row = {"id": 0, "prompt": [{"role": "user", "content": prompt}]}
+    ctx = ag.rollout_context(tok, schemas, [row], 100_000)
+    return asyncio.run(ag.rollout(None, "unused", tok, row, args, ctx, ag.PolicyVersion())), ctx
+
+
+def test_malformed_generations_never_raise_and_every_bad_call_reaches_the_model(monkeypatch, formats):
+    assert len(MALFORMED) >= 30
+    for fmt, text, expected, n_errors in MALFORMED:
+        tok, schemas, _ = formats[FORMAT_TOKENIZER[fmt]]
+        fixed_generations(monkeypatch, text, "2", tok=tok)
+        s, ctx = fixed_rollout(tok, schemas)
+        turn = s["messages"][0]
+        case = f"{fmt}: {text[:120]!r}"
+        assert turn["tool_calls"] == expected and len(turn["tool_call_errors"]) == n_errors, (case, turn)
+        results = s["messages"][1:1 + len(expected) + n_errors]
+        if not expected and not n_errors:  # prose: nothing ran, nothing was appended
+            assert len(s["messages"]) == 1 and 0 not in s["mask"], case
+            continue
+        assert [m["role"] for m in results] == ["tool"] * len(results) and s["tool_calls"] == len(results), case
+        errors = results[len(expected):]
+        assert all(m["content"].startswith("Error: could not parse") or "not run" in m["content"] for m in errors), case
+        assert s["tool_failures"] >= n_errors, case
+        # every result, error or not, is in the tokens appended for the model, and the rollout went on to a second turn
+        appended = tok.decode([i for i, m in zip(s["ids"][s["n_prompt"]:], s["mask"]) if not m])
+        assert all(m["content"] in appended for m in results), case
+        assert s["turns"] == 2 and s["messages"][-1]["role"] == "assistant", case
+
+
+def test_a_turn_ending_on_any_stop_token_appends_the_templates_own_tool_result_tokens(monkeypatch):
+    """The real Qwen3 tokenizer and template (its training variant) through rollout(), the generations fixed (the
+    tests' server serves the tiny model, whose vocabulary is not Qwen3's). Qwen3 stops on <|im_end|> or
+    <|endoftext|>; its template ends an assistant turn with <|im_end|>\\n. Whichever token stopped the turn, the
+    conversation's ids are the template's own rendering of it, token for token, but for that stop token."""
+    tok, schemas, _ = prepared("tagged")
+    stop_ids = ag.stop_token_ids(tok)
+    assert len(stop_ids) == 2
+    first = '<think>\nAdd them.\n</think>\n\n<tool_call>\n{"name": "calculator", "arguments": {"expression": "6 * 7"}}\n</tool_call>'
+    second = "<think>\nThe tool said 42.\n</think>\n\n42"
+    for stop_id in stop_ids:
+        fixed_generations(monkeypatch, first, second, tok=tok, stop_id=stop_id)
+        s, ctx = fixed_rollout(tok, schemas, "What is 6 * 7?")
+        assert s["messages"][1] == {"role": "tool", "name": "calculator", "content": "42"} and s["tool_failures"] == 0
+        conversation = [{"role": "user", "content": "What is 6 * 7?"}] + s["messages"]
+        rendered = tok.encode(ag.render(tok, conversation, schemas), add_special_tokens=False)[:len(s["ids"])]
+        im_end = tok.convert_tokens_to_ids("<|im_end|>")
+        ends = [s["n_prompt"] + i for i, (t, m) in enumerate(zip(s["ids"][s["n_prompt"]:], s["mask"])) if m and t == stop_id]
+        assert len(ends) == 2 and [rendered[i] for i in ends] == [im_end, im_end]
+        assert s["ids"] == [stop_id if i in ends else t for i, t in enumerate(rendered)]
+        # the appended tokens are the tool-result turn and the next assistant header, nothing of the conversation before
+        suffix = tok.decode([t for t, m in zip(s["ids"][s["n_prompt"]:], s["mask"]) if not m])
+        assert suffix == "\n<|im_start|>user\n<tool_response>\n42\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
+
+
+def test_rewards_see_well_formed_calls_and_failures_apart(monkeypatch, formats):
+    tok, schemas, _ = formats["tagged"]
+    fixed_generations(monkeypatch, f"<tool_call>{ADD}</tool_call><tool_call>{{bad</tool_call>", "2", tok=tok)
+    s, _ = fixed_rollout(tok, schemas)
+    turn = s["messages"][0]
+    assert turn["tool_calls"] == [CALC] and len(turn["tool_call_errors"]) == 1
+    ag.render(tok, [{"role": "user", "content": "hi"}] + s["messages"], schemas)  # what a reward that renders does
+    assert all(set(c) == {"type", "function"} and isinstance(c["function"]["arguments"], dict)
+               for m in s["messages"] if m["role"] == "assistant" for c in m["tool_calls"])
 
 
 def test_tools_with_a_template_that_cannot_render_them_fail_before_vllm_starts(tmp_path):
@@ -937,8 +1302,8 @@ def rollouts(server, tok, args, n=8, max_model_len=None, schemas=None):
 
 def well_formed_calls(samples):
     """Rollouts whose first turn made exactly one parseable calculator call (sampling can make others)."""
-    return [s for s in samples if s["tool_calls"] == 1 and s["messages"][0]["tool_calls"][0].get("function", {})
-            .get("name") == "calculator" and list(s["messages"][0]["tool_calls"][0]["function"]["arguments"]) == ["expression"]]
+    return [s for s in samples if s["tool_calls"] == 1 and [c["function"]["name"] for c in s["messages"][0]["tool_calls"]]
+            == ["calculator"] and list(s["messages"][0]["tool_calls"][0]["function"]["arguments"]) == ["expression"]]
 
 
 @pytest.fixture
@@ -962,7 +1327,7 @@ def test_tool_loop_appends_exact_tool_tokens(server, tool_args):
         completion, mask = s["ids"][s["n_prompt"]:], s["mask"]
         first_end = mask.index(0)
         suffix = ag.tool_result_ids(tok, row["prompt"] + s["messages"][:1], s["messages"][1:2], ctx["schemas"],
-                                    "<|im_end|>")
+                                    ctx["turn_ends"])
         assert completion[first_end - 1] == tok.eos_token_id
         assert completion[first_end:first_end + len(suffix)] == suffix
         assert mask == [1] * first_end + [0] * len(suffix) + [1] * (len(mask) - first_end - len(suffix))
