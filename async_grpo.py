@@ -70,6 +70,11 @@ HERE = Path(__file__).resolve().parent
 # Arguments
 # ----------------------------------------------------------------------------------------------
 
+# What --sampling-args may hold: parameters that end or seed a generation but leave its distribution as the trainer
+# computes it (min_tokens does change it: the trainer holds the stop tokens back in the same places).
+SAMPLING_ARGS = {"min_tokens", "stop", "seed", "ignore_eos"}
+
+
 def parse_args(argv=None, world_size=1):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -92,11 +97,16 @@ def parse_args(argv=None, world_size=1):
     g.add_argument("--num-generations", type=int, default=8, help="rollouts per prompt (G, the group size)")
     g.add_argument("--prompts-per-step", type=int, default=8, help="groups per optimizer step")
     g.add_argument("--max-tokens", type=int, default=48, help="most tokens generated per assistant turn")
-    g.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (the loss uses it too)")
-    g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling threshold")
+    g.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (the trainer's log-probs use it too)")
+    g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling: keep the most likely tokens up to this mass "
+                                                             "(the trainer's log-probs are taken over the same tokens)")
+    g.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0: all; as --top-p for the trainer)")
+    g.add_argument("--min-p", type=float, default=0.0,
+                   help="keep tokens with at least this share of the top token's probability (0: all; as --top-p)")
     g.add_argument("--max-inflight", type=int, default=64, help="most generation requests open at once")
     g.add_argument("--sampling-args", type=json.loads, default={},
-                   help="more vLLM sampling parameters as JSON, e.g. '{\"top_k\": 20, \"min_tokens\": 4}'")
+                   help=f"more vLLM sampling parameters as JSON, of {sorted(SAMPLING_ARGS)}, e.g. '{{\"min_tokens\": 4}}'; "
+                        "penalties, logit bias and the like change the distribution in ways the trainer does not reproduce")
 
     g = p.add_argument_group("tools")
     g.add_argument("--tools", nargs="?", const="all", default=None,
@@ -193,8 +203,14 @@ def parse_args(argv=None, world_size=1):
         p.error("--max-staleness must be >= 0 and --sync-every >= 1")
     if args.is_threshold <= 1:
         p.error("--is-threshold must be > 1")
+    if args.temperature <= 0 or not 0 < args.top_p <= 1 or args.top_k < 0 or not 0 <= args.min_p < 1:
+        p.error("--temperature must be > 0, --top-p in (0, 1], --top-k >= 0 and --min-p in [0, 1)")
     if not isinstance(args.sampling_args, dict):
         p.error("--sampling-args must be a JSON object")
+    if unsupported := sorted(set(args.sampling_args) - SAMPLING_ARGS):
+        p.error(f"--sampling-args: {unsupported} not supported: the trainer's log-probs would not be those of the "
+                f"distribution vLLM samples from. Supported: {sorted(SAMPLING_ARGS)}; temperature, top_p, top_k and "
+                f"min_p have flags of their own (--temperature, --top-p, --top-k, --min-p)")
     if args.sync:
         args.max_staleness = 0
     if args.vllm_servers < 1 or (args.vllm_gpus and len(args.vllm_gpus.split(",")) % args.vllm_servers):
@@ -818,10 +834,13 @@ async def generate(session, url, ids, max_tokens, args, stop_ids, greedy=False, 
     """One completion from vLLM: token ids in; sampled ids, their log-probs and why it ended out
     ('abort': a weight sync stopped it; the ids so far are kept). `generated`: tokens of this turn
     that a stopped request already produced (this one continues it)."""
+    # Every parameter that shapes the distribution is sent: vLLM fills the missing ones from the checkpoint's
+    # generation_config.json (Qwen3's says top_k 20), and the trainer would not know.
     payload = {"model": args.served_model, "prompt": ids, "max_tokens": max_tokens, "logprobs": 0,
                "temperature": 0.0 if greedy else args.temperature, "top_p": 1.0 if greedy else args.top_p,
-               "return_token_ids": True, "stop_token_ids": stop_ids, "skip_special_tokens": False,
-               **args.sampling_args}
+               "top_k": 0 if greedy else args.top_k, "min_p": 0.0 if greedy else args.min_p, "repetition_penalty": 1.0,
+               "presence_penalty": 0.0, "frequency_penalty": 0.0, "return_token_ids": True, "stop_token_ids": stop_ids,
+               "skip_special_tokens": False, **args.sampling_args}
     if "min_tokens" in payload:
         payload["min_tokens"] = max(0, payload["min_tokens"] - generated)
     for attempt in range(3):
@@ -1505,27 +1524,87 @@ def grpo_loss(logp, sampler_logp, advantages, mask, epsilon, epsilon_high, loss_
     return loss, stats
 
 
-def collate(samples, pad_id, device):
-    """Right-padded [B, T] batch; targets are shifted by one, so per-token tensors are [B, T-1]."""
+def collate(samples, pad_id, device, min_tokens=0):
+    """Right-padded [B, T] batch; targets are shifted by one, so per-token tensors are [B, T-1]. stop_masked: where
+    vLLM held the stop tokens back, the first min_tokens generated tokens of each turn."""
     T = max(len(s["ids"]) for s in samples)
     ids = torch.full((len(samples), T), pad_id, dtype=torch.long)
     attention = torch.zeros(len(samples), T, dtype=torch.long)
     mask = torch.zeros(len(samples), T - 1)
     old_logp = torch.zeros(len(samples), T - 1)
+    stop_masked = torch.zeros(len(samples), T - 1, dtype=torch.bool)
     for i, s in enumerate(samples):
         n, p = len(s["ids"]), s["n_prompt"]
         ids[i, :n] = torch.tensor(s["ids"])
         attention[i, :n] = 1
         mask[i, p - 1:n - 1] = torch.tensor(s["mask"], dtype=torch.float)  # token t+1 is predicted at t
         old_logp[i, p - 1:n - 1] = torch.tensor(s["logprobs"])
+        in_turn = 0
+        for j, m in enumerate(s["mask"] if min_tokens else ()):  # a turn: a run of generated tokens
+            in_turn = in_turn + 1 if m else 0
+            stop_masked[i, p - 1 + j] = 0 < in_turn <= min_tokens
     advantages = torch.tensor([s["advantage"] for s in samples], dtype=torch.float)
-    return [t.to(device) for t in (ids, attention, mask, old_logp, advantages)]
+    return [t.to(device) for t in (ids, attention, mask, old_logp, advantages, stop_masked)]
 
 
-def token_logprobs(model, ids, attention, temperature):
-    logits = model(input_ids=ids, attention_mask=attention, use_cache=False).logits[:, :-1].float() / temperature
-    # log-softmax of the sampled tokens only: no second [batch, time, vocab] tensor
-    return logits.gather(2, ids[:, 1:, None]).squeeze(-1) - logits.logsumexp(-1)
+def kept_threshold(x, top_k=0, top_p=1.0, min_p=0.0):
+    """x: [N, V] logits after temperature. The smallest logit each row keeps under vLLM's truncations, in its order:
+    min-p (tokens with at least min_p times the top token's probability), top-k (the k largest, ties kept), top-p (the
+    most likely tokens whose probability mass before them is below top_p) -> [N, 1]."""
+    threshold = torch.full_like(x[:, :1], -torch.inf)
+    if min_p > 0:
+        threshold = x.max(-1, keepdim=True).values + math.log(min_p)
+    if 0 < top_k < x.shape[-1]:
+        threshold = torch.maximum(threshold, x.topk(top_k, -1).values[:, -1:])
+    if top_p < 1:
+        x = x.masked_fill(x < threshold, -torch.inf)
+        log_total = x.logsumexp(-1, keepdim=True)
+        for k in (min(1024, x.shape[-1]), x.shape[-1]):  # the nucleus is usually small: a full sort only if it is not
+            top = x.topk(k, -1).values  # [N, k], descending
+            probs = (top - log_total).exp()
+            kept = ((probs.cumsum(-1) - probs) < top_p).sum(-1, keepdim=True)
+            if (kept < k).all() or k == x.shape[-1]:
+                break
+        threshold = torch.maximum(threshold, top.gather(-1, kept - 1))
+    return threshold
+
+
+def token_logprobs(model, ids, attention, temperature=1.0, **truncation):
+    """The log-probs of the target tokens ids[:, 1:] as vLLM sampled them (sampler_logprobs)."""
+    logits = model(input_ids=ids, attention_mask=attention, use_cache=False).logits[:, :-1]
+    return sampler_logprobs(logits.float(), ids[:, 1:], temperature, **truncation)
+
+
+def sampler_logprobs(logits, targets, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, stop_masked=None, stop_ids=()):
+    """log pi(target) under the distribution vLLM sampled it from, its processed log-probs: logits [B, T, V] with the
+    stop_ids masked where min_tokens held them back (stop_masked, [B, T]), / temperature, then min-p, top-k and top-p,
+    renormalised over the tokens kept. The kept set is chosen on the logits rounded to bf16, vLLM's precision: tokens
+    that tie there tie for vLLM, and top-k keeps every tie (at a top-p boundary vLLM keeps an arbitrary part of a
+    tied group, the trainer all of it). The target is always kept: where the trainer would cut it (a token at the
+    boundary, the two sides' logits differing in the last bits, or a stale one), its log-prob is taken over the kept
+    set and itself: finite, and close to vLLM's at the boundary. Returns [B, T] log-probs (with gradient) and [B, T]
+    the probability mass the truncation removed."""
+    targets = targets[..., None]
+    if stop_masked is not None and stop_masked.any():
+        is_stop = torch.zeros(logits.shape[-1], dtype=torch.bool, device=logits.device)
+        is_stop[list(stop_ids)] = True
+        logits = logits.masked_fill(stop_masked[..., None] & is_stop & ~is_stop[targets], -torch.inf)
+    scaled = logits / temperature
+    if top_k > 0 or top_p < 1 or min_p > 0:
+        with torch.no_grad():  # which tokens are kept is a choice, not differentiated; in chunks of rows, so that a
+            flat, cut = logits.detach().flatten(0, 1), []  # sort over a large vocabulary never holds all of them
+            for chunk in flat.split(max(1, 2**22 // flat.shape[-1])):
+                rounded = chunk.to(torch.bfloat16).float() / temperature
+                cut.append(rounded < kept_threshold(rounded, top_k, top_p, min_p))
+            cut = torch.cat(cut).view_as(logits).scatter_(-1, targets, False)
+        log_total = scaled.detach().logsumexp(-1)
+        scaled = scaled.masked_fill(cut, -torch.inf)  # the one more [B, T, V] tensor this takes
+        log_kept = scaled.logsumexp(-1)
+        removed = 1 - (log_kept.detach() - log_total).exp()
+    else:  # nothing truncated: the log-softmax of the sampled tokens only
+        log_kept = scaled.logsumexp(-1)
+        removed = torch.zeros_like(log_kept)
+    return scaled.gather(-1, targets).squeeze(-1) - log_kept, removed
 
 
 def shard(model):
@@ -1544,23 +1623,28 @@ def micro_batches(samples, size):
     return [samples[i:i + size] for i in range(0, len(samples), size)]
 
 
-def train_step(model, optimizer, samples, num_tokens, num_sequences, args, device, world_size, reference=None):
+def train_step(model, optimizer, samples, num_tokens, num_sequences, args, device, world_size, reference=None, stop_ids=()):
     """Gradient accumulation over micro-batches; DDP all-reduces on the last one only. FSDP reduce-scatters on each:
     skipping that (set_requires_gradient_sync) would hold the unsharded gradients of the whole model on every rank."""
     model.train()
     totals, micros = {"loss": 0.0}, micro_batches(samples, args.micro_batch_size)
     n_micro = len(micros)
     for i, micro in enumerate(micros):
-        ids, attention, mask, sampler_logp, advantages = collate(micro, args.pad_id, device)
+        ids, attention, mask, sampler_logp, advantages, stop_masked = collate(
+            micro, args.pad_id, device, args.sampling_args.get("min_tokens", 0))
         sync_grads = i == n_micro - 1 or not hasattr(model, "no_sync")
+        # the distribution vLLM sampled from: the ratio against its log-probs measures the policy, not the truncation
+        sampling = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
+                        stop_masked=stop_masked, stop_ids=stop_ids)
         with (contextlib.nullcontext() if sync_grads else model.no_sync()), \
                 torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
-            logp = token_logprobs(model, ids, attention, args.temperature)
+            logp, removed = token_logprobs(model, ids, attention, **sampling)
             with torch.no_grad():
-                ref_logp = token_logprobs(reference, ids, attention, args.temperature) if reference else None
+                ref_logp = token_logprobs(reference, ids, attention, **sampling)[0] if reference else None
             loss, stats = grpo_loss(logp, sampler_logp, advantages, mask, args.epsilon, args.epsilon_high,
                                     args.loss_type, num_tokens, num_sequences, args.max_tokens, args.is_correction,
                                     args.is_threshold, args.is_level, ref_logp, args.beta)
+            stats["is/truncated_mass"] = ((removed * mask).sum() / mask.sum().clamp(min=1)).item()
             (loss * world_size).backward()  # DDP and FSDP average over ranks; the loss is already a global mean
         totals["loss"] += loss.item()
         for k, v in stats.items():  # means over micro-batches, extremes over all of them
@@ -1816,7 +1900,7 @@ def main(argv=None):
             shards, num_tokens = payload
             updating = True  # an error in the update may leave the weights half-updated: not saved then
             metrics = train_step(model, optimizer, shards[rank], max(num_tokens, 1), args.prompts_per_step *
-                                 args.num_generations, args, device, world_size, reference)
+                                 args.num_generations, args, device, world_size, reference, stop_ids)
             scheduler.step()
             updating, completed, done_cursor = False, step + 1, dict(producer.cursor) if is_main else None
             trained_version, sync_seconds = version.value if is_main else None, 0.0

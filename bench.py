@@ -11,6 +11,8 @@ with every figure, and a plot of reward against wall time.
 2. weight sync of a ~100M-parameter model: packed buckets (what the script does), one call per
    tensor, and one raw broadcast of a buffer of the same size (the ceiling: no loading at all).
 3. trainer throughput: the training step against a bare forward+backward of the same batch.
+4. what sampler-matched log-probs cost: the training step at --top-p 0.9 against 1.0 (seconds, and peak memory above
+   the step's start), for the built-in model and for one with Qwen3's 151,669-token vocabulary.
 """
 
 import argparse
@@ -126,14 +128,15 @@ class BenchExtension(ag.WeightSyncExtension):
         return time.perf_counter() - t0
 
 
-def build_model(cache_dir, hidden, layers):
-    """A Qwen3 model of the given size with random weights and the built-in tokenizer, built once."""
+def build_model(cache_dir, hidden, layers, vocab_size=None):
+    """A Qwen3 model of the given size with random weights and the built-in tokenizer, built once. vocab_size: a
+    larger output layer than the tokenizer needs (for timing what a real vocabulary costs)."""
     from transformers import AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
-    path = Path(cache_dir) / f"bench-qwen3-h{hidden}-l{layers}"
+    path = Path(cache_dir) / (f"bench-qwen3-h{hidden}-l{layers}" + (f"-v{vocab_size}" if vocab_size else ""))
     if (path / "config.json").exists():
         return str(path)
     tok = AutoTokenizer.from_pretrained(ag.build_tiny_model(cache_dir))
-    config = Qwen3Config(vocab_size=len(tok), hidden_size=hidden, intermediate_size=hidden * 11 // 4,
+    config = Qwen3Config(vocab_size=vocab_size or len(tok), hidden_size=hidden, intermediate_size=hidden * 11 // 4,
                          num_hidden_layers=layers, num_attention_heads=hidden // 64, num_key_value_heads=hidden // 128,
                          head_dim=64, max_position_embeddings=1024, tie_word_embeddings=True,
                          eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, bos_token_id=None)
@@ -195,6 +198,16 @@ def weight_sync(args, url, path):
             "vllm_load_only_seconds": load}
 
 
+def random_samples(n, vocab_size):
+    """n rollouts of random tokens: 30 prompt tokens, 2-47 generated ones."""
+    g, samples = torch.Generator().manual_seed(0), []
+    for _ in range(n):
+        n_prompt, n_new = 30, int(torch.randint(2, 48, (1,), generator=g))
+        samples.append({"ids": torch.randint(3, vocab_size, (n_prompt + n_new,), generator=g).tolist(), "n_prompt": n_prompt,
+                        "mask": [1] * n_new, "logprobs": [-1.0] * n_new, "advantage": float(torch.randn(1, generator=g))})
+    return samples
+
+
 def trainer_throughput(args):
     """The training step of the script (collate, log-probs, loss, backward, clipping, AdamW) against
     a bare forward+backward of the same batch: what everything around the model costs."""
@@ -203,12 +216,7 @@ def trainer_throughput(args):
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     run_args = ag.parse_args(["--output-dir", "unused"])
     run_args.pad_id = 0
-    g = torch.Generator().manual_seed(0)
-    samples = []
-    for _ in range(args.train_samples):
-        n_prompt, n_new = 30, int(torch.randint(2, 48, (1,), generator=g))
-        samples.append({"ids": torch.randint(3, 512, (n_prompt + n_new,), generator=g).tolist(), "n_prompt": n_prompt,
-                        "mask": [1] * n_new, "logprobs": [-1.0] * n_new, "advantage": float(torch.randn(1, generator=g))})
+    samples = random_samples(args.train_samples, 512)
     tokens = sum(len(s["ids"]) for s in samples)
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.0)  # lr 0: every repetition trains the same model
     num_tokens = sum(len(s["mask"]) for s in samples)
@@ -225,6 +233,41 @@ def trainer_throughput(args):
             "bare_tokens_per_s": tokens / forward_backward, "loop_overhead": loop / forward_backward - 1}
 
 
+def memory_mb(field):
+    """This process's resident memory (VmRSS) or its high-water mark (VmHWM), in MB."""
+    return next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith(field)) / 1024
+
+
+def truncation_cost(args):
+    """The training step at --top-p 0.9 against 1.0: median seconds, and the peak resident memory above the step's
+    start (Linux: the high-water mark is reset through /proc/self/clear_refs before each step; tensors this large
+    are mapped and unmapped whole, so the mark follows them). Random weights: their nearly flat distributions keep
+    most of the vocabulary in the nucleus, the worst case for the sort."""
+    from transformers import AutoModelForCausalLM
+    results = {}
+    for name, path in [("builtin", ag.build_tiny_model(args.cache_dir)),
+                       ("vocab_151669", build_model(args.cache_dir, 128, 2, vocab_size=151669))]:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        vocab = model.config.vocab_size
+        samples = random_samples(args.truncation_samples, vocab)
+        results[name] = {"vocab": vocab, "samples": len(samples), "tokens": sum(len(s["ids"]) for s in samples)}
+        for top_p in (1.0, 0.9):
+            run_args = ag.parse_args(["--output-dir", "unused", "--top-p", str(top_p)])
+            run_args.pad_id = 0
+            optimizer = torch.optim.AdamW(model.parameters(), lr=0.0)
+            num_tokens = sum(len(s["mask"]) for s in samples)
+            peaks = []
+
+            def step():
+                Path("/proc/self/clear_refs").write_text("5")
+                start = memory_mb("VmRSS")
+                ag.train_step(model, optimizer, samples, num_tokens, len(samples), run_args, torch.device("cpu"), 1)
+                peaks.append(memory_mb("VmHWM") - start)
+            seconds = timed(step, args.reps)
+            results[name][f"top_p_{top_p}"] = {"seconds": seconds, "peak_mb": statistics.median(peaks[1:])}
+    return results
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--tiny", action="store_true", help="a small configuration that runs every part quickly")
@@ -239,6 +282,7 @@ def main():
     args.steps = args.steps or (3 if args.tiny else 40)
     args.prompts_per_step, args.num_generations = (2, 4) if args.tiny else (4, 8)
     args.train_samples = 16 if args.tiny else 64
+    args.truncation_samples = 4 if args.tiny else 32
     args.reps = args.reps or (1 if args.tiny else 5)
     output = Path(args.output).resolve()
     out_dir = output.parent / "bench_runs"
@@ -260,6 +304,7 @@ def main():
         finally:
             ag.stop_vllm(server)
     results["trainer"] = trainer_throughput(args)
+    results["truncation"] = truncation_cost(args)
     output.write_text(json.dumps(results, indent=1))
     plot(results["async_vs_sync"], output.with_suffix(".png"))
     a, s, t = results["async_vs_sync"], results["weight_sync"], results["trainer"]
@@ -283,6 +328,12 @@ def main():
           f"{s['vllm_load_only_seconds']:.3f} s")
     print(f"trainer, {t['samples']} samples, {t['tokens']} tokens: loop {t['loop_tokens_per_s']:.0f} tokens/s, bare "
           f"forward+backward {t['bare_tokens_per_s']:.0f} tokens/s, overhead {100 * t['loop_overhead']:.0f}%")
+    print(f"training step at --top-p 0.9 against 1.0 (the same batch; peak memory above the step's start):")
+    for name, r in results["truncation"].items():
+        one, nine = r["top_p_1.0"], r["top_p_0.9"]
+        print(f"  vocabulary {r['vocab']:6d}, {r['samples']} samples, {r['tokens']} tokens: {one['seconds']:.3f} -> "
+              f"{nine['seconds']:.3f} s ({nine['seconds'] / one['seconds']:.2f}x), {one['peak_mb']:.0f} -> "
+              f"{nine['peak_mb']:.0f} MB")
     print(f"JSON: {output}\nplot: {output.with_suffix('.png')}")
 
 

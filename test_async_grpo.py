@@ -165,6 +165,76 @@ def test_unscaled_advantages_are_centred_rewards():
     assert np.allclose(ag.group_advantages([1.0, 0.0, 0.0, 1.0], scale=False), [0.5, -0.5, -0.5, 0.5])
 
 
+def vllm_kept(x, top_k=0, top_p=1.0, min_p=0.0):
+    """The tokens vLLM's sampler keeps, from its definitions, with Python floats: on logits x after temperature,
+    min-p, then top-k (ties kept), then top-p (in ascending order, the tokens whose cumulative mass is at most
+    1 - top_p are cut, never the last)."""
+    keep = {i for i in range(len(x)) if math.exp(x[i] - max(x)) >= min_p}
+    if top_k:
+        kth = sorted((x[i] for i in keep), reverse=True)[:top_k][-1]
+        keep = {i for i in keep if x[i] >= kth}
+    if top_p < 1:
+        total, cumulative = sum(math.exp(x[i]) for i in keep), 0.0
+        for i in sorted(keep, key=lambda i: x[i])[:-1]:
+            cumulative += math.exp(x[i]) / total
+            if cumulative > 1 - top_p:
+                break
+            keep.discard(i)
+    return keep
+
+
+def vllm_processed_logprob(logits, target, temperature, **truncation):
+    """The log-prob over what vLLM keeps, chosen on logits in its precision (bf16), renormalised; the target kept in
+    any case (the trainer's rule)."""
+    x, rounded = [v / temperature for v in logits], (torch.tensor(logits).bfloat16().float() / temperature).tolist()
+    return x[target] - math.log(sum(math.exp(x[i]) for i in trainer_kept(rounded, target, **truncation)))
+
+
+def trainer_kept(rounded, target, **truncation):
+    """What the trainer keeps: vLLM's kept set, every token tied in bf16 with one of it, and the target."""
+    smallest = min(rounded[i] for i in vllm_kept(rounded, **truncation))
+    return {i for i, v in enumerate(rounded) if v >= smallest} | {target}
+
+
+@pytest.mark.parametrize("temperature", [0.7, 1.0])
+def test_sampler_logprobs_against_hand_computed_values(temperature):
+    # By hand, at temperature 1: logits 2, 1, 0, -1 have probabilities .644, .237, .087, .032.
+    logits, e = torch.tensor([[[2.0, 1.0, 0.0, -1.0]] * 3]), math.exp
+    cases = [(dict(top_k=2), 0, 2 - math.log(e(2) + e(1))),  # keeps tokens 0 and 1
+             (dict(top_p=0.5), 0, 0.0),  # ascending sums .032, .119, .356 are <= 0.5: token 0 alone
+             (dict(top_p=0.5), 1, 1 - math.log(e(2) + e(1))),  # sampled outside the nucleus: kept with it
+             (dict(min_p=0.2), 0, 2 - math.log(e(2) + e(1))),  # .087 < 0.2 * .644
+             (dict(top_k=3, top_p=0.8), 2, 0 - math.log(e(2) + e(1) + e(0))),  # .032 cut by top-k; .119 > 0.2
+             (dict(), 3, -1 - math.log(e(2) + e(1) + e(0) + e(-1)))]
+    for truncation, target, expected in cases:
+        got, removed = ag.sampler_logprobs(logits, torch.tensor([[target] * 3]), 1.0, **truncation)
+        assert got[0, 0].item() == pytest.approx(expected, abs=1e-6), truncation
+    # Every combination on random logits, against the definitions; the gradient is that of the renormalised log-prob
+    for trial in range(40):
+        g = torch.Generator().manual_seed(trial)
+        logits = (torch.randn(2, 5, 30, generator=g) * [0.5, 2.0, 5.0][trial % 3]).requires_grad_()
+        targets = torch.randint(0, 30, (2, 5), generator=g)
+        truncation = dict(top_k=[0, 1, 4, 12][trial % 4], top_p=[1.0, 0.95, 0.6, 0.2][trial // 4 % 4],
+                          min_p=[0.0, 0.1][trial // 16 % 2])
+        got, removed = ag.sampler_logprobs(logits, targets, temperature, **truncation)
+        expected = [[vllm_processed_logprob(logits[b, t].tolist(), int(targets[b, t]), temperature, **truncation)
+                     for t in range(5)] for b in range(2)]
+        assert torch.allclose(got, torch.tensor(expected), atol=1e-4), (truncation, got, expected)
+        got[1, 2].backward()
+        x = logits[1, 2].detach() / temperature
+        kept = trainer_kept((logits[1, 2].detach().bfloat16().float() / temperature).tolist(), int(targets[1, 2]),
+                            **truncation)
+        p = torch.where(torch.tensor([i in kept for i in range(30)]), x, -torch.inf).softmax(-1)
+        assert torch.allclose(logits.grad[1, 2], (torch.nn.functional.one_hot(targets[1, 2], 30) - p) / temperature,
+                              atol=1e-5), truncation
+        assert 0 <= removed.min() and removed.max() < 1
+    # min_tokens: where vLLM held the stop tokens back, they are out of the distribution
+    logits, stop_masked = torch.tensor([[[2.0, 1.0, 0.0, -1.0]] * 2]), torch.tensor([[True, False]])
+    got, removed = ag.sampler_logprobs(logits, torch.tensor([[1, 1]]), 1.0, stop_masked=stop_masked, stop_ids=[0])
+    assert got.tolist()[0] == pytest.approx([1 - math.log(e(1) + e(0) + e(-1)), 1 - math.log(e(2) + e(1) + e(0) + e(-1))])
+    assert removed.tolist() == [[0, 0]]  # the mass top-k, top-p and min-p remove: none here
+
+
 @pytest.mark.parametrize("loss_type", ["token", "sequence"])
 def test_micro_batching_and_padding_do_not_change_the_gradient(tiny_model, loss_type):
     from transformers import AutoModelForCausalLM
@@ -255,6 +325,10 @@ def bad_inputs(tmp):
             (["--num-generations", "1"], "at least 2"),
             (["--epsilon", "0.3", "--epsilon-high", "0.2"], "--epsilon-high must be"),
             (["--rewards", "nope"], "unknown reward"),
+            (["--sampling-args", '{"repetition_penalty": 1.1}'], "['repetition_penalty'] not supported"),
+            (["--sampling-args", '{"top_k": 20}'], "have flags of their own (--temperature, --top-p, --top-k"),
+            (["--top-p", "0"], "--top-p in (0, 1]"),
+            (["--temperature", "0"], "--temperature must be > 0"),
             (["--no-such-flag"], "unrecognized"),
             (["--resume"], "--resume needs the --output-dir"),
             (["--fsdp"], "launch with torchrun --nproc-per-node N"),
@@ -388,9 +462,45 @@ def check_vllm_matches(server, tok, model, atol=0.05):
         # Sampled tokens: vLLM's log-probs equal the trainer's within bf16 precision.
         sampled = ag.http(f"{server.url}/v1/completions", {**request, "temperature": 1.0, "seed": 1})["choices"][0]
         trainer = ag.token_logprobs(model, torch.tensor([ids + sampled["token_ids"]]),
-                                    torch.ones(1, len(ids) + 16, dtype=torch.long), 1.0)[0, len(ids) - 1:]
+                                    torch.ones(1, len(ids) + 16, dtype=torch.long))[0][0, len(ids) - 1:]
         gap = np.abs(trainer.detach().numpy() - sampled["logprobs"]["token_logprobs"])
         assert gap.max() < atol, gap
+
+
+def logprob_gaps(server, tok, model, **truncation):
+    """|trainer - vLLM| log-probs of 4 x 32 tokens vLLM sampled with this truncation on the weights the model has, the
+    trainer's taken with the same truncation, and without it."""
+    gaps, untruncated_gaps = [], []
+    for question in ["What is 3 + 4?", "What is 9 - 7?", "What is 0 + 8?", "What is 5 - 5?"]:
+        ids = ag.render_prompt(tok, [{"role": "user", "content": question}], None)
+        sampled = ag.http(f"{server.url}/v1/completions", {
+            "model": "policy", "prompt": ids, "max_tokens": 32, "logprobs": 0, "return_token_ids": True, "ignore_eos": True,
+            "temperature": 1.0, "seed": 1, **truncation})["choices"][0]
+        full, vllm = torch.tensor([ids + sampled["token_ids"]]), np.array(sampled["logprobs"]["token_logprobs"])
+        with torch.no_grad():
+            for out, kwargs in [(gaps, truncation), (untruncated_gaps, {})]:
+                out += list(np.abs(ag.token_logprobs(model, full, torch.ones_like(full), **kwargs)[0][0, len(ids) - 1:].numpy() - vllm))
+    return np.array(gaps), np.array(untruncated_gaps)
+
+
+@pytest.mark.parametrize("truncation", [{"top_p": 0.8}, {"top_k": 5}, {"min_p": 0.1}, {"top_p": 0.9, "top_k": 20}],
+                         ids=["top_p_0.8", "top_k_5", "min_p_0.1", "top_p_0.9+top_k_20"])
+def test_trainer_logprobs_are_vllms_processed_logprobs_under_truncation(server, tiny_model, truncation):
+    """The server holds the built-in model's weights (bf16); the trainer computes the log-probs of the tokens vLLM
+    sampled on the same weights (fp32) over the tokens the same truncation keeps. They differ by bf16 rounding as much
+    as without truncation: the bulk of the gaps is that of top-p 1. The few largest are larger: a kept set of a few
+    tokens averages the rounding of fewer logits, and where two tokens at the boundary of the kept set are within
+    rounding of each other (4 of 128 tokens at top-p 0.8 here) the two sides keep different ones. Without the
+    truncation the trainer's log-probs are far off: the test tells the two apart."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    tok, model = AutoTokenizer.from_pretrained(tiny_model), AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
+    baseline, _ = logprob_gaps(server, tok, model)
+    gaps, untruncated = logprob_gaps(server, tok, model, **truncation)
+    print(f"{truncation}: gaps mean {gaps.mean():.4f}, 95th percentile {np.percentile(gaps, 95):.4f}, largest "
+          f"{gaps.max():.4f}; at top-p 1 {baseline.mean():.4f}, {np.percentile(baseline, 95):.4f}, {baseline.max():.4f}; "
+          f"without the truncation {untruncated.mean():.4f}")
+    assert gaps.mean() < 1.5 * baseline.mean() and np.percentile(gaps, 95) < 0.05 and gaps.max() < 0.25
+    assert untruncated.mean() > 3 * baseline.mean()
 
 
 def test_producer_stamps_versions_and_scores_groups(server, tiny_model):
@@ -430,7 +540,7 @@ def test_producer_stamps_versions_and_scores_groups(server, tiny_model):
     assert any(s["tool_calls"] > 0 and 0 in s["mask"] for g in first + second for s in g)
 
 
-@pytest.mark.parametrize("mode", [[], ["--sync"]], ids=["async", "sync"])
+@pytest.mark.parametrize("mode", [[], ["--sync"], ["--top-p", "0.9"]], ids=["async", "sync", "top_p_0.9"])
 def test_learning_through_the_whole_loop(server, tmp_path, mode):
     """A target the model can learn in a few steps (always answer 7, given as a dataset column):
     generation, rewards, advantages, loss, optimizer and weight sync all have to work for the
@@ -477,15 +587,21 @@ def test_no_trained_token_is_staler_than_max_staleness(server, tmp_path, max_sta
         assert all(len(set(g)) > 1 for g in groups)
 
 
-def test_audit_mode_shows_a_bf16_level_mismatch_and_changes_nothing(server, tiny_model, tmp_path):
+@pytest.mark.parametrize("sampling", [[], ["--top-p", "0.8"], ["--top-k", "5"]], ids=["top_p_1", "top_p_0.8", "top_k_5"])
+def test_audit_mode_shows_a_bf16_level_mismatch_and_changes_nothing(server, tiny_model, tmp_path, sampling):
+    """Truncated sampling too: the ratio is taken over what vLLM kept, so it measures bf16 rounding, not the truncation
+    (whose mass is reported apart)."""
     from safetensors.torch import load_file
-    code, out = run_cli("--vllm-url", server.url, "--output-dir", str(tmp_path), "--steps", "3", "--audit")
+    code, out = run_cli("--vllm-url", server.url, "--output-dir", str(tmp_path), "--steps", "3", "--audit", *sampling)
     assert code == 0, out[-3000:]
     print(out.splitlines()[-1])
-    # right after the initial sync vLLM holds the trainer's weights in bf16: only rounding differs
+    # right after the initial sync vLLM holds the trainer's weights in bf16: only rounding differs. With truncation a
+    # few tokens at the boundary of the kept set (rounding decides whether they are in) weigh on a step of ~130 tokens.
     for m in read_metrics(tmp_path):
-        assert 0 < m["is/mismatch_kl"] < 1e-3 and m["is/ratio_mean"] == pytest.approx(1, abs=0.01)
+        assert 0 < m["is/mismatch_kl"] < (3e-3 if sampling else 1e-3) and m["is/ratio_mean"] == pytest.approx(1, abs=0.01)
         assert m["is/ratio_min"] < 1 < m["is/ratio_max"]  # the tails: rare tokens, where bf16 rounding weighs most
+        assert (m["is/truncated_mass"] > 0.01) == bool(sampling)
+    assert json.loads((tmp_path / "summary.json").read_text())["trainer_vs_vllm"]["mismatch_kl"] < 1e-3
     before, after = load_file(f"{tiny_model}/model.safetensors"), load_file(tmp_path / "checkpoint" / "model.safetensors")
     assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
 
@@ -1413,7 +1529,11 @@ def test_bench_tiny_runs_every_part_and_writes_every_field(tmp_path):
             "packed_share_of_ceiling", "bucket_mb", "vllm_load_only_seconds"} == sync.keys()
     assert all(v > 0 and math.isfinite(v) for v in sync.values())
     assert results["trainer"].keys() == {"samples", "tokens", "loop_tokens_per_s", "bare_tokens_per_s", "loop_overhead"}
+    assert [r["vocab"] for r in results["truncation"].values()] == [512, 151669]
+    for r in results["truncation"].values():
+        assert all(r[f"top_p_{p}"]["seconds"] > 0 and r[f"top_p_{p}"]["peak_mb"] >= 0 for p in (1.0, 0.9))
     assert output.with_suffix(".png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "async is" in proc.stdout and "of the raw-broadcast ceiling" in proc.stdout  # the table was printed
+    assert "training step at --top-p 0.9 against 1.0" in proc.stdout
     server_pid = int(re.search(r"starting vLLM \(pid (\d+)", proc.stdout).group(1))
     assert processes_in_group(server_pid) == []
