@@ -81,16 +81,21 @@ def parse_args(argv=None, world_size=1):
     g = p.add_argument_group("model and data")
     g.add_argument("--model", default=None,
                    help="hub name or local path of a causal LM, or of an image-text model (trained on text, its "
-                        "vision tower frozen), that transformers and vLLM load; "
-                        "default: the tiny built-in model, built once into --cache-dir")
+                        "vision tower frozen), that transformers and vLLM load, or a .gguf file (dequantised once into "
+                        "--cache-dir); default: the tiny built-in model, built once into --cache-dir")
     g.add_argument("--dataset", default=None,
                    help="JSONL file, one prompt per row: {\"prompt\": str or chat messages, ...}; the other "
-                        "columns reach the reward functions by name. Default: generated arithmetic")
+                        "columns reach the reward functions by name. Default: the built-in --task")
+    g.add_argument("--task", choices=["arithmetic", "countdown"], default="arithmetic",
+                   help="built-in task without --dataset: 'What is 3 + 4?', or reach a target from given numbers")
+    g.add_argument("--max-operand", type=int, default=4, help="built-in task: the largest operand")
+    g.add_argument("--terms", type=int, default=2, help="built-in task: operands per problem")
+    g.add_argument("--operations", default="+-", help="built-in task: the operators to draw from, of '+-*/'")
     g.add_argument("--eval-size", type=int, default=64, help="rows held out from the dataset for --eval-every")
     g.add_argument("--system-prompt", default=None, help="system message put before every prompt")
     g.add_argument("--chat-template", default=None, help="Jinja file that replaces the tokenizer's chat template")
     g.add_argument("--cache-dir", default=os.path.expanduser("~/.cache/async_grpo"),
-                   help="where the built-in model is built once and reused")
+                   help="where the built-in model and dequantised GGUF models are built once and reused")
     g.add_argument("--seed", type=int, default=0, help="seed of data order, sampling and init (rank adds to it)")
 
     g = p.add_argument_group("rollout")
@@ -117,8 +122,9 @@ def parse_args(argv=None, world_size=1):
                    help="seconds every tool-calling turn takes at least: stands in for a remote tool (bench.py)")
 
     g = p.add_argument_group("reward")
-    g.add_argument("--rewards", default="correct_answer:1.0,format_reward:0.2",
-                   help=f"comma list of NAME[:WEIGHT] from rewards.py {sorted(rewards_module.REWARDS)}")
+    g.add_argument("--rewards", default=None,
+                   help=f"comma list of NAME[:WEIGHT] from rewards.py {sorted(rewards_module.REWARDS)}; default: "
+                        "correct_answer:1.0,format_reward:0.2, or countdown:1.0 for --task countdown")
     g.add_argument("--skip-zero-variance", action="store_true",
                    help="skip groups whose rewards are all equal (zero advantage, no signal) and train on the next ones")
 
@@ -223,13 +229,17 @@ def parse_args(argv=None, world_size=1):
         args.tool_names = names
     else:
         args.tool_names = []
+    if args.max_operand < 1 or args.terms < 2 or not args.operations or set(args.operations) - set("+-*/"):
+        p.error("--max-operand must be >= 1, --terms >= 2, and --operations a non-empty string of '+-*/'")
+    args.rewards = args.rewards or ("countdown:1.0" if args.task == "countdown" else "correct_answer:1.0,format_reward:0.2")
     args.reward_weights = {}
     for item in args.rewards.split(","):
         name, _, weight = item.strip().partition(":")
         if name not in rewards_module.REWARDS:
             p.error(f"--rewards: unknown reward {name!r}; rewards.py defines {sorted(rewards_module.REWARDS)}")
         args.reward_weights[name] = float(weight or 1.0)
-    for flag, path in [("--dataset", args.dataset), ("--chat-template", args.chat_template)]:
+    gguf = args.model if args.model and args.model.endswith(".gguf") else None
+    for flag, path in [("--dataset", args.dataset), ("--chat-template", args.chat_template), ("--model", gguf)]:
         if path and not os.path.isfile(path):
             p.error(f"{flag}: no file {path}")
     if args.resume and not args.output_dir:
@@ -273,15 +283,32 @@ TINY_SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<tool_cal
 TINY_VERSION = "tiny-qwen3-v2"  # bump when the recipe below changes, so caches rebuild
 
 
-def arithmetic_rows(n, seed, max_operand=4):
-    """The built-in task: 'What is 3 + 4?' with the answer as a column for the reward. Operands up
-    to 4 make 50 distinct problems: few enough for a tiny model to learn in a few dozen steps."""
-    rng = random.Random(seed)
-    rows = []
-    for i in range(n):
-        a, b, op = rng.randint(0, max_operand), rng.randint(0, max_operand), rng.choice("+-")
-        rows.append({"id": i, "prompt": f"What is {a} {op} {b}?", "answer": a + b if op == "+" else a - b})
-    return rows
+def task_rows(n, seed, task="arithmetic", max_operand=4, terms=2, operations="+-"):
+    """The built-in tasks, as dataset rows with the columns their rewards read. arithmetic: 'What is 3 + 4?', the
+    answer a column (reward correct_answer); with the defaults, 50 distinct problems, few enough for the tiny model to
+    learn in a few dozen steps. countdown: reach a target from given numbers, each used once (reward countdown): a
+    search, not a recall. `terms` operands up to max_operand, operators drawn from `operations`."""
+    rng, rows = random.Random(seed), []
+    for attempt in itertools.count():
+        if len(rows) == n:
+            return rows
+        if attempt == 1000 * n:
+            raise SystemExit(f"--task {task} --max-operand {max_operand} --terms {terms} --operations {operations}: "
+                             f"too few problems have a whole{' positive' * (task == 'countdown')} answer; widen them")
+        numbers = [rng.randint(0 if task == "arithmetic" else 1, max_operand) for _ in range(terms)]
+        expression = str(numbers[0])
+        for x in numbers[1:]:  # countdown nests at random: its target is not simply read left to right
+            expression = f"{expression} {rng.choice(operations)} {x}"
+            expression = f"({expression})" if task == "countdown" and rng.random() < 0.5 else expression
+        with contextlib.suppress(ZeroDivisionError, ValueError):  # ValueError: longer than the calculator takes
+            value = tools_module.calculator(expression)
+            if task == "arithmetic" and re.fullmatch(r"-?\d+", value):
+                rows.append({"id": len(rows), "prompt": f"What is {expression}?", "answer": int(value)})
+            elif task == "countdown" and value.isdigit() and value != "0":  # a positive whole target
+                rng.shuffle(numbers)
+                rows.append({"id": len(rows), "numbers": numbers, "target": int(value), "prompt":
+                             f"Using the numbers {', '.join(map(str, numbers))}, each exactly once, and the operations "
+                             f"{' '.join(operations)}, write an expression equal to {value}."})
 
 
 def warm_start_conversations(n, seed):
@@ -289,7 +316,7 @@ def warm_start_conversations(n, seed):
     tools offered (the calculator alone or all of them), call the calculator and copy its result."""
     rng = random.Random(seed)
     plain, with_tools = [], []
-    for row in arithmetic_rows(n, seed, max_operand=9):  # a wider range than the RL task: format, not facts
+    for row in task_rows(n, seed, max_operand=9):  # a wider range than the RL task: format, not facts
         user, answer = {"role": "user", "content": row["prompt"]}, str(row["answer"])
         plain.append(([user, {"role": "assistant", "content": answer}], None))
         call = {"type": "function", "function": {"name": "calculator", "arguments": {"expression": row["prompt"][8:-1]}}}
@@ -348,10 +375,36 @@ def build_tiny_model(cache_dir, warm_start_steps=400):
     return str(path)
 
 
+def dequantise_gguf(path, cache_dir):
+    """A GGUF file as a plain checkpoint, built once into cache_dir: vLLM and the trainer load that, and a sync sends
+    plain weights. transformers reads GGUF (with the gguf and accelerate packages) but marks the model quantised and
+    will not save it: a fresh model of its config takes the dequantised weights, saved in bf16 (what vLLM serves)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    path = Path(path).resolve()
+    out = Path(cache_dir) / f"{path.stem}-{path.stat().st_size}"
+    if (out / "config.json").exists():
+        return str(out)
+    print(f"dequantising {path} into {out} (once)", flush=True)
+    try:
+        tok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+        quantised = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+    except Exception as e:
+        raise SystemExit(f"--model {path}: cannot read it as a GGUF causal LM ({type(e).__name__}: {str(e)[:300]}); "
+                         "reading GGUF needs `pip install gguf accelerate` (requirements-test.txt)")
+    del quantised.config.quantization_config
+    model = type(quantised)(quantised.config)
+    model.load_state_dict(quantised.state_dict())
+    tmp = out.with_name(f"{out.name}.tmp{os.getpid()}")
+    model.to(torch.bfloat16).save_pretrained(tmp)
+    tok.save_pretrained(tmp)
+    os.replace(tmp, out)
+    return str(out)
+
+
 def load_rows(args):
     """Rows of {'prompt': messages, ...columns}, split into (train, eval)."""
     if args.dataset is None:
-        rows = arithmetic_rows(5000 + args.eval_size, args.seed)
+        rows = task_rows(5000 + args.eval_size, args.seed, args.task, args.max_operand, args.terms, args.operations)
     else:
         rows = []
         with open(args.dataset) as f:
@@ -1692,7 +1745,8 @@ def rollout_metrics(groups, version):
     per_sample = []
     for s in samples:
         generated = sum(s["mask"])
-        m = {"reward/mean": s["reward"], "rollout/completion_tokens": generated, "rollout/turns": s["turns"],
+        m = {"reward/mean": s["reward"], "rollout/completion_tokens": generated, "rollout/sequence_tokens": len(s["ids"]),
+             "rollout/turns": s["turns"],
              "rollout/truncated": float(s["truncated"]), "rollout/interrupted": s["interrupted"],
              "tools/call_frequency": float(s["tool_calls"] > 0),
              "tools/calls_per_rollout": s["tool_calls"], "tools/seconds": s["tool_seconds"],
@@ -1770,10 +1824,10 @@ def main(argv=None):
         args.model = str((out_dir / "checkpoint").resolve())
         resumed = torch.load(Path(args.model) / "trainer_state.pt", weights_only=False)
 
-    # Model, tokenizer, data. Rank 0 builds the default model; the others wait for it.
-    if args.model is None:
+    # Model, tokenizer, data. Rank 0 builds the default model (or dequantises a GGUF file); the others wait for it.
+    if args.model is None or args.model.endswith(".gguf"):
         if is_main:
-            args.model = build_tiny_model(args.cache_dir)
+            args.model = build_tiny_model(args.cache_dir) if args.model is None else dequantise_gguf(args.model, args.cache_dir)
         if world_size > 1:
             box = [args.model]
             dist.broadcast_object_list(box, 0)

@@ -13,6 +13,8 @@ with every figure, and a plot of reward against wall time.
 3. trainer throughput: the training step against a bare forward+backward of the same batch.
 4. what sampler-matched log-probs cost: the training step at --top-p 0.9 against 1.0 (seconds, and peak memory above
    the step's start), for the built-in model and for one with Qwen3's 151,669-token vocabulary.
+5. a model whose training costs something (25M parameters, 128-token rollouts): async and --sync against the
+   training-only bound, the bare training step on batches of the same shape with every core.
 """
 
 import argparse
@@ -35,7 +37,9 @@ def serve(path, out_dir):
     """A vLLM server as async_grpo.py starts it, with the bench's worker extension."""
     args = ag.parse_args(["--output-dir", str(out_dir), "--vllm-args", "--worker-extension-cls bench.BenchExtension"])
     args.served_model = "policy"
-    return ag.start_vllm(args, path, out_dir)[0]
+    server = ag.start_vllm(args, path, out_dir)[0]
+    server.model_path = path
+    return server
 
 
 # The async pipeline with its default bound, and with one more step of lag: with --max-staleness 1 the producer starts a
@@ -44,21 +48,19 @@ MODES = {"sync": ["--sync"], "async": [], "async_staleness_2": ["--max-staleness
 LABELS = {"sync": "--sync", "async": "async", "async_staleness_2": "async --max-staleness 2"}
 
 
-def run(mode, args, url, server_pid, out_dir):
-    """One async_grpo.py run in a subprocess, as a user would start it; its metrics.jsonl back. All
-    runs use the same server: each starts by syncing the initial weights into it (--vllm-url)."""
-    run_dir = out_dir / f"tools-{mode}"
+def run(name, flags, args, url, server_pid, out_dir):
+    """One async_grpo.py run in a subprocess, as a user would start it; its metrics.jsonl back, and the CPU seconds
+    the trainer and vLLM used. The runs of a comparison use the same server: each starts by syncing the initial
+    weights into it (--vllm-url)."""
+    run_dir = out_dir / name
     shutil.rmtree(run_dir, ignore_errors=True)  # a run appends to the metrics it finds
-    cmd = [sys.executable, str(ag.HERE / "async_grpo.py"), "--vllm-url", url, "--tools", "--tool-latency", str(args.tool_latency),
-           "--steps", str(args.steps), "--prompts-per-step", str(args.prompts_per_step),
-           "--num-generations", str(args.num_generations), "--output-dir", str(run_dir), "--seed", "0",
-           "--cache-dir", args.cache_dir]
-    cmd += MODES[mode]
-    print(f"{mode}: {' '.join(cmd[1:])} (log {run_dir}.log)", flush=True)
+    cmd = [sys.executable, str(ag.HERE / "async_grpo.py"), "--vllm-url", url, "--output-dir", str(run_dir), "--seed", "0",
+           "--cache-dir", args.cache_dir, *flags]
+    print(f"{name}: {' '.join(cmd[1:])} (log {run_dir}.log)", flush=True)
     vllm_cpu = cpu_seconds(server_pid)  # the server idles while the run starts: its CPU time is the training's
     with open(f"{run_dir}.log", "w") as log:
         if subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT).returncode:
-            raise SystemExit(f"the {mode} run failed; last lines of {run_dir}.log:\n{ag.log_tail(Path(f'{run_dir}.log'))}")
+            raise SystemExit(f"the {name} run failed; last lines of {run_dir}.log:\n{ag.log_tail(Path(f'{run_dir}.log'))}")
     metrics = [json.loads(line) for line in open(run_dir / "metrics.jsonl")]
     return metrics, {"trainer": metrics[-1]["perf/cpu_seconds"], "vllm": cpu_seconds(server_pid) - vllm_cpu}
 
@@ -77,7 +79,12 @@ def cpu_seconds(pgid):
 def async_vs_sync(args, server, out_dir):
     results = {"tool_latency": args.tool_latency, "cpu_cores": os.cpu_count()}
     for mode in MODES:
-        metrics, cpu = run(mode, args, server.url, server.pid, out_dir)
+        flags = ["--tools", "--tool-latency", str(args.tool_latency), "--steps", str(args.steps), "--prompts-per-step",
+                 str(args.prompts_per_step), "--num-generations", str(args.num_generations), *MODES[mode]]
+        metrics, cpu = run(f"tools-{mode}", flags, args, server.url, server.pid, out_dir)
+        if mode == "async":
+            results["bound_samples_per_s"] = training_bound(server.model_path, metrics, args.prompts_per_step *
+                                                            args.num_generations, args.reps)
         last, k = metrics[-1], max(1, len(metrics) // 4)
         results[mode] = {"wall_seconds": last["perf/wall_seconds"], "samples_per_s": last["perf/samples_per_second"],
                          "generator_idle": last["perf/generator_idle"], "trainer_idle": last["perf/trainer_idle"],
@@ -91,6 +98,7 @@ def async_vs_sync(args, server, out_dir):
                          "cpu_floor_step_seconds": sum(cpu.values()) / len(metrics) / os.cpu_count()}
     results["speedup"] = results["async"]["samples_per_s"] / results["sync"]["samples_per_s"]
     results["speedup_staleness_2"] = results["async_staleness_2"]["samples_per_s"] / results["sync"]["samples_per_s"]
+    results["ratio"] = results["async"]["samples_per_s"] / results["bound_samples_per_s"]
     return results
 
 
@@ -128,15 +136,16 @@ class BenchExtension(ag.WeightSyncExtension):
         return time.perf_counter() - t0
 
 
-def build_model(cache_dir, hidden, layers, vocab_size=None):
+def build_model(cache_dir, hidden, layers, vocab_size=None, intermediate=None):
     """A Qwen3 model of the given size with random weights and the built-in tokenizer, built once. vocab_size: a
     larger output layer than the tokenizer needs (for timing what a real vocabulary costs)."""
     from transformers import AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
-    path = Path(cache_dir) / (f"bench-qwen3-h{hidden}-l{layers}" + (f"-v{vocab_size}" if vocab_size else ""))
+    intermediate = intermediate or hidden * 11 // 4
+    path = Path(cache_dir) / (f"bench-qwen3-h{hidden}-l{layers}-i{intermediate}" + (f"-v{vocab_size}" if vocab_size else ""))
     if (path / "config.json").exists():
         return str(path)
     tok = AutoTokenizer.from_pretrained(ag.build_tiny_model(cache_dir))
-    config = Qwen3Config(vocab_size=vocab_size or len(tok), hidden_size=hidden, intermediate_size=hidden * 11 // 4,
+    config = Qwen3Config(vocab_size=vocab_size or len(tok), hidden_size=hidden, intermediate_size=intermediate,
                          num_hidden_layers=layers, num_attention_heads=hidden // 64, num_key_value_heads=hidden // 128,
                          head_dim=64, max_position_embeddings=1024, tie_word_embeddings=True,
                          eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, bos_token_id=None)
@@ -198,11 +207,11 @@ def weight_sync(args, url, path):
             "vllm_load_only_seconds": load}
 
 
-def random_samples(n, vocab_size):
-    """n rollouts of random tokens: 30 prompt tokens, 2-47 generated ones."""
+def random_samples(n, vocab_size, n_prompt=30, new=(2, 48)):
+    """n rollouts of random tokens: n_prompt prompt tokens, new[0] to new[1] - 1 generated ones."""
     g, samples = torch.Generator().manual_seed(0), []
     for _ in range(n):
-        n_prompt, n_new = 30, int(torch.randint(2, 48, (1,), generator=g))
+        n_new = int(torch.randint(*new, (1,), generator=g))
         samples.append({"ids": torch.randint(3, vocab_size, (n_prompt + n_new,), generator=g).tolist(), "n_prompt": n_prompt,
                         "mask": [1] * n_new, "logprobs": [-1.0] * n_new, "advantage": float(torch.randn(1, generator=g))})
     return samples
@@ -231,6 +240,48 @@ def trainer_throughput(args):
     forward_backward = timed(bare, args.reps)
     return {"samples": len(samples), "tokens": tokens, "loop_tokens_per_s": tokens / loop,
             "bare_tokens_per_s": tokens / forward_backward, "loop_overhead": loop / forward_backward - 1}
+
+
+def training_bound(path, metrics, samples_per_step, reps):
+    """Samples/s of the bare training step on batches of a run's shape (its mean prompt and sequence lengths, random
+    tokens) with every core: what a trainer alone on this machine would do, the ceiling of an async run's samples/s."""
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    length = round(statistics.mean(m["rollout/sequence_tokens"] for m in metrics))
+    new = round(statistics.mean(m["rollout/completion_tokens"] for m in metrics))
+    samples = random_samples(samples_per_step, model.config.vocab_size, n_prompt=length - new, new=(new, new + 1))
+    run_args = ag.parse_args(["--output-dir", "unused"])
+    run_args.pad_id = 0
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.0)  # lr 0: every repetition trains the same model
+    torch.set_num_threads(os.cpu_count())
+    try:
+        seconds = timed(lambda: ag.train_step(model, optimizer, samples, new * len(samples), len(samples), run_args,
+                                              torch.device("cpu"), 1), reps)
+    finally:
+        torch.set_num_threads(ag.cpu_threads())
+    return len(samples) / seconds
+
+
+def mid_model(args, path, url, server_pid, out_dir):
+    """A model whose training costs something (25M parameters in the full configuration, no tools, every rollout
+    --max-tokens long): async and --sync end to end, against the training-only bound."""
+    from transformers import AutoModelForCausalLM
+    flags = ["--model", path, "--steps", str(args.mid_steps), "--prompts-per-step", str(args.prompts_per_step),
+             "--num-generations", str(args.num_generations), "--max-tokens", str(args.mid_max_tokens)]
+    results = {"params": sum(p.numel() for p in AutoModelForCausalLM.from_pretrained(path).parameters())}
+    for mode, extra in [("async", []), ("sync", ["--sync"])]:
+        metrics, cpu = run(f"mid-{mode}", flags + extra, args, url, server_pid, out_dir)
+        last = metrics[-1]
+        results[mode] = {"samples_per_s": last["perf/samples_per_second"], "generator_idle": last["perf/generator_idle"],
+                         "trainer_idle": last["perf/trainer_idle"], "completion_tokens": statistics.mean(
+                             m["rollout/completion_tokens"] for m in metrics), "cpu_seconds_per_step":
+                             {k: v / len(metrics) for k, v in cpu.items()}}
+        if mode == "async":
+            results["bound_samples_per_s"] = training_bound(path, metrics, args.prompts_per_step * args.num_generations,
+                                                            args.reps)
+    results["ratio"] = results["async"]["samples_per_s"] / results["bound_samples_per_s"]
+    results["speedup"] = results["async"]["samples_per_s"] / results["sync"]["samples_per_s"]
+    return results
 
 
 def memory_mb(field):
@@ -282,6 +333,7 @@ def main():
     args.steps = args.steps or (3 if args.tiny else 40)
     args.prompts_per_step, args.num_generations = (2, 4) if args.tiny else (4, 8)
     args.train_samples = 16 if args.tiny else 64
+    args.mid_steps, args.mid_max_tokens = (2, 16) if args.tiny else (8, 128)
     args.truncation_samples = 4 if args.tiny else 32
     args.reps = args.reps or (1 if args.tiny else 5)
     output = Path(args.output).resolve()
@@ -292,8 +344,9 @@ def main():
     server = serve(tiny_model, out_dir)
     try:
         results["async_vs_sync"] = async_vs_sync(args, server, out_dir)
-        if args.tiny:  # the tiny configuration syncs the built-in model: one server in all
+        if args.tiny:  # the tiny configuration syncs and runs the built-in model: one server in all
             results["weight_sync"] = weight_sync(args, server.url, tiny_model)
+            results["mid_model"] = mid_model(args, tiny_model, server.url, server.pid, out_dir)
     finally:
         ag.stop_vllm(server)
     if not args.tiny:
@@ -301,6 +354,12 @@ def main():
         server = serve(path, out_dir)
         try:
             results["weight_sync"] = weight_sync(args, server.url, path)
+        finally:
+            ag.stop_vllm(server)
+        path = build_model(args.cache_dir, 512, 8, intermediate=1536)  # about 25M parameters
+        server = serve(path, out_dir)
+        try:
+            results["mid_model"] = mid_model(args, path, server.url, server.pid, out_dir)
         finally:
             ag.stop_vllm(server)
     results["trainer"] = trainer_throughput(args)
@@ -320,6 +379,8 @@ def main():
               f"{m['reward_first']:7.3f} -> {m['reward_last']:.3f}")
     print(f"  async is {a['speedup']:.2f}x the samples/s of --sync ({a['speedup_staleness_2']:.2f}x with --max-staleness 2); "
           f"on {a['cpu_cores']} cores the CPU time of an async step alone takes {a['async']['cpu_floor_step_seconds']:.2f} s")
+    print(f"  training-only bound (the bare step on batches of this shape, every core) {a['bound_samples_per_s']:.2f} "
+          f"samples/s: async is {a['ratio']:.2f} of it")
     print(f"weight sync, {s['params'] / 1e6:.0f}M parameters ({s['gigabytes']:.2f} GB in bf16, {s['tensors']} tensors)")
     for name in ("packed", "per_tensor", "raw_broadcast"):
         print(f"  {name:14s} {s[name + '_seconds']:8.3f} s  {s[name + '_gb_per_s']:6.2f} GB/s")
@@ -328,6 +389,15 @@ def main():
           f"{s['vllm_load_only_seconds']:.3f} s")
     print(f"trainer, {t['samples']} samples, {t['tokens']} tokens: loop {t['loop_tokens_per_s']:.0f} tokens/s, bare "
           f"forward+backward {t['bare_tokens_per_s']:.0f} tokens/s, overhead {100 * t['loop_overhead']:.0f}%")
+    m = results["mid_model"]
+    print(f"a {m['params'] / 1e6:.0f}M-parameter model, {args.mid_steps} steps x "
+          f"{args.prompts_per_step * args.num_generations} samples of {m['async']['completion_tokens']:.0f} tokens, no tools:")
+    for mode in ("async", "sync"):
+        r = m[mode]
+        print(f"  {'--sync' if mode == 'sync' else 'async':7s} {r['samples_per_s']:6.2f} samples/s, generator idle "
+              f"{100 * r['generator_idle']:.0f}%, trainer idle {100 * r['trainer_idle']:.0f}%")
+    print(f"  training-only bound (the bare step, every core) {m['bound_samples_per_s']:.2f} samples/s: async is "
+          f"{m['ratio']:.2f} of it, {m['speedup']:.2f}x --sync")
     print(f"training step at --top-p 0.9 against 1.0 (the same batch; peak memory above the step's start):")
     for name, r in results["truncation"].items():
         one, nine = r["top_p_1.0"], r["top_p_0.9"]

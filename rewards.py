@@ -20,7 +20,10 @@ Accept **kwargs so that new arguments never break an old function.
 
 import re
 
+from tools import calculator
+
 _NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
+_EXPRESSION = re.compile(r"[\d\s+\-*/()]+")
 
 
 def final_text(messages):
@@ -44,9 +47,24 @@ def format_reward(completions, truncated, **kwargs):
             for messages, cut in zip(completions, truncated)]
 
 
+def countdown(completions, numbers, target, **kwargs):
+    """1 if the final assistant turn's last expression uses each of `numbers` exactly once and equals `target` (the
+    columns of the built-in countdown task), evaluated exactly by the calculator tool's arithmetic."""
+    rewards = []
+    for messages, given, goal in zip(completions, numbers, target):
+        expressions = [e.strip() for e in _EXPRESSION.findall(final_text(messages)) if re.search(r"\d\s*[-+*/]", e)]
+        try:
+            ok = sorted(map(int, re.findall(r"\d+", expressions[-1]))) == sorted(given) and \
+                calculator(expressions[-1]) == str(goal)
+        except Exception:  # no expression, or one that is not arithmetic (unbalanced, division by zero, ...)
+            ok = False
+        rewards.append(float(ok))
+    return rewards
+
+
 def tool_use(tool_calls, tool_failures, **kwargs):
     """1 for at least one tool call with no failures, 0 for no call, -0.5 per failed call."""
     return [float(calls > 0 and fails == 0) - 0.5 * fails for calls, fails in zip(tool_calls, tool_failures)]
 
 
-REWARDS = {fn.__name__: fn for fn in (correct_answer, format_reward, tool_use)}
+REWARDS = {fn.__name__: fn for fn in (correct_answer, format_reward, countdown, tool_use)}

