@@ -518,8 +518,10 @@ def check_vllm_matches(server, tok, model, atol=0.1):
         # sequences fails on a model that has one. A tensor the sync missed moves the logits by far more.
         with torch.no_grad():
             logits = reference(torch.tensor([ids + greedy])).logits[0, len(ids) - 1:-1].float()
-        behind = logits.max(-1).values - logits.gather(-1, torch.tensor(greedy)[:, None])[:, 0]
-        assert behind.max() <= atol, (question, greedy, behind)
+        top = logits.max(-1).values
+        behind = top - logits.gather(-1, torch.tensor(greedy)[:, None])[:, 0]
+        steps = 2 * top.abs() * 2 ** -8  # two bf16 steps at the logit's size (SmolLM2: 0.125 and 0.25 seen)
+        assert (behind <= torch.maximum(steps, torch.tensor(atol))).all(), (question, greedy, behind)
         # Sampled tokens: vLLM's log-probs equal the trainer's within bf16 precision.
         sampled = ag.http(f"{server.url}/v1/completions", {**request, "temperature": 1.0, "seed": 1})["choices"][0]
         trainer = ag.token_logprobs(model, torch.tensor([ids + sampled["token_ids"]]),
@@ -1051,13 +1053,14 @@ def test_a_real_pretrained_checkpoint_trains_and_syncs_exactly(smollm2_server, t
                                                                "kwargs": {"names": trained_names}})["results"]
     assert unknown == [[]] and "model.layers.29.self_attn.q_proj.weight" in trained_names  # Llama's names map
     code, out = run_cli("--model", model_path, "--vllm-url", smollm2_server.url, "--output-dir", str(tmp_path),
-                        "--steps", "3", "--prompts-per-step", "2", "--num-generations", "4", "--temperature", "0.7",
-                        "--lr", "1e-5", "--skip-zero-variance")  # every step has a gradient
+                        "--steps", "2", "--prompts-per-step", "2", "--num-generations", "4", "--max-tokens", "24",
+                        "--temperature", "0.7", "--lr", "1e-5", "--skip-zero-variance")  # every step has a gradient
     assert code == 0, out[-3000:]
     metrics = read_metrics(tmp_path)
-    assert len(metrics) == 3 and metrics[-1]["policy_version"] == 3 and all(m["train/grad_norm"] > 0 for m in metrics)
+    assert len(metrics) == 2 and metrics[-1]["policy_version"] == 2 and all(m["train/grad_norm"] > 0 for m in metrics)
+    # the trainer holds fp32 weights (saved so): a step of lr 1e-5 is below bf16's resolution on many of them
     before, after = load_file(f"{model_path}/model.safetensors"), load_file(tmp_path / "checkpoint" / "model.safetensors")
-    changed = [k for k in before if not torch.equal(before[k], after[k].to(before[k].dtype))]
+    changed = [k for k in before if not torch.equal(before[k].float(), after[k])]
     assert len(changed) == len(before), f"{len(before) - len(changed)} tensors unchanged"
     tok = AutoTokenizer.from_pretrained(tmp_path / "checkpoint")
     check_vllm_matches(smollm2_server, tok, AutoModelForCausalLM.from_pretrained(tmp_path / "checkpoint", dtype=torch.float32))
