@@ -390,7 +390,7 @@ def dequantise_gguf(path, cache_dir):
         quantised = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
     except Exception as e:
         raise SystemExit(f"--model {path}: cannot read it as a GGUF causal LM ({type(e).__name__}: {str(e)[:300]}); "
-                         "reading GGUF needs `pip install gguf accelerate` (requirements-test.txt)")
+                         "reading GGUF needs the gguf and accelerate packages (requirements.txt)")
     del quantised.config.quantization_config
     model = type(quantised)(quantised.config)
     model.load_state_dict(quantised.state_dict())
@@ -1746,8 +1746,7 @@ def rollout_metrics(groups, version):
     for s in samples:
         generated = sum(s["mask"])
         m = {"reward/mean": s["reward"], "rollout/completion_tokens": generated, "rollout/sequence_tokens": len(s["ids"]),
-             "rollout/turns": s["turns"],
-             "rollout/truncated": float(s["truncated"]), "rollout/interrupted": s["interrupted"],
+             "rollout/turns": s["turns"], "rollout/truncated": float(s["truncated"]), "rollout/interrupted": s["interrupted"],
              "tools/call_frequency": float(s["tool_calls"] > 0),
              "tools/calls_per_rollout": s["tool_calls"], "tools/seconds": s["tool_seconds"],
              "tools/failure_frequency": s["tool_failures"] / max(s["tool_calls"], 1)}

@@ -513,7 +513,7 @@ def check_vllm_matches(server, tok, model, atol=0.1, logprob_atol=None):
         request = {"model": "policy", "prompt": ids, "max_tokens": 16, "logprobs": 0, "return_token_ids": True,
                    "ignore_eos": True}
         greedy = ag.http(f"{server.url}/v1/completions", {**request, "temperature": 0})["choices"][0]["token_ids"]
-        # Each greedy token, fed back, is the reference's most likely one, or within atol of it: two implementations
+        # Each greedy token, fed back, is the reference's most likely one, or about as likely: two implementations
         # in bf16 may break a near-tie either way (seen: 0.031 apart, one bf16 step), so comparing whole generated
         # sequences fails on a model that has one. A tensor the sync missed moves the logits by far more.
         with torch.no_grad():
