@@ -47,6 +47,7 @@ import urllib.error
 import urllib.parse
 import urllib.request
 from collections import defaultdict
+from dataclasses import dataclass, field
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 from pathlib import Path
@@ -253,36 +254,39 @@ def parse_args(argv=None, world_size=1):
 
 
 # ----------------------------------------------------------------------------------------------
-# The built-in model and task: a tiny Qwen3-architecture model that runs anywhere, no network
+# Data and models: the dataset or a built-in task; a GGUF file or the built-in tiny model
 # ----------------------------------------------------------------------------------------------
 
-# ChatML with Qwen-style tool calls, so the same parser serves this model and Qwen models. Tools are
-# listed as `name(arg, ...)`: full JSON schemas would make a tiny model's prompts ten times longer.
-TINY_CHAT_TEMPLATE = (
-    "{%- if tools %}<|im_start|>system\n"
-    "{%- if messages[0].role == 'system' %}{{ messages[0].content }}\n{% endif %}"
-    "Tools:\n{% for tool in tools %}{% set f = tool.function if tool.function is defined else tool %}"
-    "{{ f.name }}({{ f.parameters.properties | join(', ') }})\n{% endfor %}"
-    "Call one as <tool_call>{\"name\": NAME, \"arguments\": {...}}</tool_call><|im_end|>\n"
-    "{%- elif messages[0].role == 'system' %}<|im_start|>system\n{{ messages[0].content }}<|im_end|>\n{% endif %}"
-    "{%- for m in messages %}"
-    "{%- if m.role == 'user' %}<|im_start|>user\n{{ m.content }}<|im_end|>\n"
-    "{%- elif m.role == 'assistant' %}<|im_start|>assistant\n{{ m.content or '' }}"
-    "{%- for call in m.tool_calls or [] %}{% set f = call.function if call.function is defined else call %}"
-    "<tool_call>{\"name\": \"{{ f.name }}\", \"arguments\": "
-    "{{ f.arguments if f.arguments is string else f.arguments | tojson }}}</tool_call>{% endfor %}<|im_end|>\n"
-    "{%- elif m.role == 'tool' %}"
-    "{%- if loop.first or messages[loop.index0 - 1].role != 'tool' %}<|im_start|>user{% endif %}"
-    "\n<tool_response>{{ m.content }}</tool_response>"
-    "{%- if loop.last or messages[loop.index0 + 1].role != 'tool' %}<|im_end|>\n{% endif %}"
-    "{%- endif %}{%- endfor %}"
-    "{%- if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
-TINY_SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<tool_call>", "</tool_call>",
-                       "<tool_response>", "</tool_response>", "<think>", "</think>"]
-TINY_VERSION = "tiny-qwen3-v2"  # bump when the recipe below changes, so caches rebuild
+# FORK: load your data (or pass --dataset FILE.jsonl)
+def load_rows(args):
+    """Rows of {'prompt': messages, ...columns}, split into (train, eval)."""
+    if args.dataset is None:
+        rows = task_rows(5000 + args.eval_size, args.seed, args.task, args.max_operand, args.terms, args.operations)
+    else:
+        rows = []
+        with open(args.dataset) as f:
+            for line_no, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise SystemExit(f"--dataset {args.dataset}, line {line_no}: not JSON ({e})")
+                if not isinstance(row, dict) or "prompt" not in row:
+                    raise SystemExit(f"--dataset {args.dataset}, line {line_no}: each row needs a 'prompt' field")
+                row.setdefault("id", len(rows))
+                rows.append(row)
+    for row in rows:
+        messages = row["prompt"] if isinstance(row["prompt"], list) else [{"role": "user", "content": row["prompt"]}]
+        if args.system_prompt and messages[0]["role"] != "system":
+            messages = [{"role": "system", "content": args.system_prompt}] + messages
+        row["prompt"] = messages
+    if len(rows) <= args.eval_size:
+        raise SystemExit(f"--dataset has {len(rows)} rows, not more than --eval-size {args.eval_size}")
+    return rows[args.eval_size:], rows[:args.eval_size]
 
 
+# FORK: add a task (its rows here, its reward in rewards.py)
 def task_rows(n, seed, task="arithmetic", max_operand=4, terms=2, operations="+-"):
     """The built-in tasks, as dataset rows with the columns their rewards read. arithmetic: 'What is 3 + 4?', the
     answer a column (reward correct_answer); with the defaults, 50 distinct problems, few enough for the tiny model to
@@ -309,6 +313,61 @@ def task_rows(n, seed, task="arithmetic", max_operand=4, terms=2, operations="+-
                 rows.append({"id": len(rows), "numbers": numbers, "target": int(value), "prompt":
                              f"Using the numbers {', '.join(map(str, numbers))}, each exactly once, and the operations "
                              f"{' '.join(operations)}, write an expression equal to {value}."})
+
+
+def dequantise_gguf(path, cache_dir):
+    """A GGUF file as a plain checkpoint, built once into cache_dir: vLLM and the trainer load that, and a sync sends
+    plain weights. transformers reads GGUF (with the gguf and accelerate packages) but marks the model quantised and
+    will not save it: a fresh model of its config takes the dequantised weights, saved in bf16 (half the size of fp32;
+    vLLM and the trainer load the same values)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    path = Path(path).resolve()
+    out = Path(cache_dir) / f"{path.stem}-{path.stat().st_size}"
+    if (out / "config.json").exists():
+        return str(out)
+    print(f"dequantising {path} into {out} (once)", flush=True)
+    try:
+        tok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+        quantised = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+    except Exception as e:
+        raise SystemExit(f"--model {path}: cannot read it as a GGUF causal LM ({type(e).__name__}: {str(e)[:300]}); "
+                         "reading GGUF needs the gguf and accelerate packages (requirements.txt)")
+    del quantised.config.quantization_config
+    model = type(quantised)(quantised.config)
+    model.load_state_dict(quantised.state_dict())
+    tmp = out.with_name(f"{out.name}.tmp{os.getpid()}")
+    model.to(torch.bfloat16).save_pretrained(tmp)
+    tok.save_pretrained(tmp)
+    os.replace(tmp, out)
+    return str(out)
+
+
+# The built-in model, for the default run and the tests: a ~0.5M-parameter Qwen3 that runs anywhere, no network.
+# Its template: ChatML with Qwen-style tool calls, so the same parser serves this model and Qwen models. Tools are
+# listed as `name(arg, ...)`: full JSON schemas would make a tiny model's prompts ten times longer.
+TINY_CHAT_TEMPLATE = (
+    "{%- if tools %}<|im_start|>system\n"
+    "{%- if messages[0].role == 'system' %}{{ messages[0].content }}\n{% endif %}"
+    "Tools:\n{% for tool in tools %}{% set f = tool.function if tool.function is defined else tool %}"
+    "{{ f.name }}({{ f.parameters.properties | join(', ') }})\n{% endfor %}"
+    "Call one as <tool_call>{\"name\": NAME, \"arguments\": {...}}</tool_call><|im_end|>\n"
+    "{%- elif messages[0].role == 'system' %}<|im_start|>system\n{{ messages[0].content }}<|im_end|>\n{% endif %}"
+    "{%- for m in messages %}"
+    "{%- if m.role == 'user' %}<|im_start|>user\n{{ m.content }}<|im_end|>\n"
+    "{%- elif m.role == 'assistant' %}<|im_start|>assistant\n{{ m.content or '' }}"
+    "{%- for call in m.tool_calls or [] %}{% set f = call.function if call.function is defined else call %}"
+    "<tool_call>{\"name\": \"{{ f.name }}\", \"arguments\": "
+    "{{ f.arguments if f.arguments is string else f.arguments | tojson }}}</tool_call>{% endfor %}<|im_end|>\n"
+    "{%- elif m.role == 'tool' %}"
+    "{%- if loop.first or messages[loop.index0 - 1].role != 'tool' %}<|im_start|>user{% endif %}"
+    "\n<tool_response>{{ m.content }}</tool_response>"
+    "{%- if loop.last or messages[loop.index0 + 1].role != 'tool' %}<|im_end|>\n{% endif %}"
+    "{%- endif %}{%- endfor %}"
+    "{%- if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+TINY_SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<tool_call>", "</tool_call>",
+                       "<tool_response>", "</tool_response>", "<think>", "</think>"]
+TINY_VERSION = "tiny-qwen3-v2"  # bump when the recipe below changes, so caches rebuild
 
 
 def warm_start_conversations(n, seed):
@@ -373,60 +432,6 @@ def build_tiny_model(cache_dir, warm_start_steps=400):
     tok.save_pretrained(tmp)
     os.replace(tmp, path)  # atomic: a half-built model is never picked up
     return str(path)
-
-
-def dequantise_gguf(path, cache_dir):
-    """A GGUF file as a plain checkpoint, built once into cache_dir: vLLM and the trainer load that, and a sync sends
-    plain weights. transformers reads GGUF (with the gguf and accelerate packages) but marks the model quantised and
-    will not save it: a fresh model of its config takes the dequantised weights, saved in bf16 (what vLLM serves)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-    path = Path(path).resolve()
-    out = Path(cache_dir) / f"{path.stem}-{path.stat().st_size}"
-    if (out / "config.json").exists():
-        return str(out)
-    print(f"dequantising {path} into {out} (once)", flush=True)
-    try:
-        tok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
-        quantised = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
-    except Exception as e:
-        raise SystemExit(f"--model {path}: cannot read it as a GGUF causal LM ({type(e).__name__}: {str(e)[:300]}); "
-                         "reading GGUF needs the gguf and accelerate packages (requirements.txt)")
-    del quantised.config.quantization_config
-    model = type(quantised)(quantised.config)
-    model.load_state_dict(quantised.state_dict())
-    tmp = out.with_name(f"{out.name}.tmp{os.getpid()}")
-    model.to(torch.bfloat16).save_pretrained(tmp)
-    tok.save_pretrained(tmp)
-    os.replace(tmp, out)
-    return str(out)
-
-
-def load_rows(args):
-    """Rows of {'prompt': messages, ...columns}, split into (train, eval)."""
-    if args.dataset is None:
-        rows = task_rows(5000 + args.eval_size, args.seed, args.task, args.max_operand, args.terms, args.operations)
-    else:
-        rows = []
-        with open(args.dataset) as f:
-            for line_no, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                try:
-                    row = json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise SystemExit(f"--dataset {args.dataset}, line {line_no}: not JSON ({e})")
-                if not isinstance(row, dict) or "prompt" not in row:
-                    raise SystemExit(f"--dataset {args.dataset}, line {line_no}: each row needs a 'prompt' field")
-                row.setdefault("id", len(rows))
-                rows.append(row)
-    for row in rows:
-        messages = row["prompt"] if isinstance(row["prompt"], list) else [{"role": "user", "content": row["prompt"]}]
-        if args.system_prompt and messages[0]["role"] != "system":
-            messages = [{"role": "system", "content": args.system_prompt}] + messages
-        row["prompt"] = messages
-    if len(rows) <= args.eval_size:
-        raise SystemExit(f"--dataset has {len(rows)} rows, not more than --eval-size {args.eval_size}")
-    return rows[args.eval_size:], rows[:args.eval_size]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -557,17 +562,18 @@ def chat_format(tok, schemas, stop_ids):
     return {"format": fmt, "turn_ends": sorted(turn_ends), "max_calls": max_calls}
 
 
-def prepare_chat_template(tok, args, schemas, stop_ids):
+def prepare_chat_template(tok, args, schemas, stop_ids, model=None):
     """Check, before vLLM starts, that the chat template can do what the run needs; pick the training template if
-    the original is not prefix-preserving. Returns a line for the log."""
-    source = f"--chat-template {args.chat_template}" if args.chat_template else f"the template of {args.model}"
+    the original is not prefix-preserving. Returns a line for the log. model: the checkpoint's path (default --model)."""
+    model = model or args.model
+    source = f"--chat-template {args.chat_template}" if args.chat_template else f"the template of {model}"
     if args.chat_template:
         tok.chat_template = Path(args.chat_template).read_text()
     if not schemas:  # no tools: any template (or none) renders prompts; nothing is parsed
         return f"chat template: {source if tok.chat_template else 'none (plain text prompts)'}"
     fix = "pass a Jinja template that renders `tools`, assistant `tool_calls` and `tool` messages with --chat-template PATH"
     if tok.chat_template is None:
-        raise SystemExit(f"--tools needs a chat template, and {args.model} has none: {fix}")
+        raise SystemExit(f"--tools needs a chat template, and {model} has none: {fix}")
     try:
         text = render(tok, PROBE[:3], schemas)
         ignores_tools = render(tok, PROBE[:1], schemas) == render(tok, PROBE[:1])
@@ -883,13 +889,16 @@ class PolicyVersion:
                     self.idle_since = time.perf_counter()
 
 
+SERVED_MODEL = "policy"  # the name the servers started here serve the weights under, whatever the checkpoint
+
+
 async def generate(session, url, ids, max_tokens, args, stop_ids, greedy=False, generated=0):
     """One completion from vLLM: token ids in; sampled ids, their log-probs and why it ended out
     ('abort': a weight sync stopped it; the ids so far are kept). `generated`: tokens of this turn
     that a stopped request already produced (this one continues it)."""
     # Every parameter that shapes the distribution is sent: vLLM fills the missing ones from the checkpoint's
     # generation_config.json (Qwen3's says top_k 20), and the trainer would not know.
-    payload = {"model": args.served_model, "prompt": ids, "max_tokens": max_tokens, "logprobs": 0,
+    payload = {"model": SERVED_MODEL, "prompt": ids, "max_tokens": max_tokens, "logprobs": 0,
                "temperature": 0.0 if greedy else args.temperature, "top_p": 1.0 if greedy else args.top_p,
                "top_k": 0 if greedy else args.top_k, "min_p": 0.0 if greedy else args.min_p, "repetition_penalty": 1.0,
                "presence_penalty": 0.0, "frequency_penalty": 0.0, "return_token_ids": True, "stop_token_ids": stop_ids,
@@ -1258,11 +1267,15 @@ def start_vllm(args, model_path, out_dir):
             port = args.vllm_port + i if args.vllm_port else free_port()
             cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model_path,
                    "--host", "127.0.0.1", "--port", str(port), "--seed", str(args.seed),
-                   "--served-model-name", args.served_model,
+                   "--served-model-name", SERVED_MODEL,
                    "--worker-extension-cls", "async_grpo.WeightSyncExtension",
                    "--logprobs-mode", "processed_logprobs"]  # log-probs after temperature/top-p: what was sampled from
             if args.max_model_len:
                 cmd += ["--max-model-len", str(args.max_model_len)]
+            if not torch.cuda.is_available() and "--dtype" not in args.vllm_args:
+                # fp32 on CPU: bf16 arithmetic without AVX-512 is slow (a 25M-parameter model here generated 150 tokens/s
+                # in bf16, 680-780 in fp32), and an fp32 server holds exactly the trainer's weights
+                cmd += ["--dtype", "float32"]
             share = gpus[i * len(gpus) // n:(i + 1) * len(gpus) // n]
             if share:
                 cmd += ["--tensor-parallel-size", str(len(share))]
@@ -1336,6 +1349,10 @@ class WeightSyncExtension:
         backend = "nccl" if self.device.type == "cuda" else "gloo"
         self.weight_sync_group = stateless_init_torch_distributed_process_group(  # first_rank: this server's first
             host, port, rank=first_rank + self.rank, world_size=world_size, backend=backend, timeout=timedelta(seconds=timeout))
+
+    def served_dtype(self):
+        """What this server computes in: the weights are sent in it, and the trainer rounds logits to it."""
+        return str(self.vllm_config.model_config.dtype).removeprefix("torch.")
 
     def unknown_weight_names(self, names):
         """The names among `names` that this server's model has no parameter for, after vLLM's own
@@ -1508,6 +1525,7 @@ class WeightSync:
 # The loss: clipped surrogate against the sampler's log-probs, normalised as --loss-type says
 # ----------------------------------------------------------------------------------------------
 
+# FORK: change the loss (the terms are named as in the papers; train_step calls this)
 def grpo_loss(logp, sampler_logp, advantages, mask, epsilon, epsilon_high, loss_type="token", num_tokens=1,
               num_sequences=1, max_tokens=1, is_correction="none", is_threshold=2.0, is_level="token",
               ref_logp=None, beta=0.0):
@@ -1628,11 +1646,12 @@ def token_logprobs(model, ids, attention, temperature=1.0, **truncation):
     return sampler_logprobs(logits.float(), ids[:, 1:], temperature, **truncation)
 
 
-def sampler_logprobs(logits, targets, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, stop_masked=None, stop_ids=()):
+def sampler_logprobs(logits, targets, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, stop_masked=None, stop_ids=(),
+                     served=torch.bfloat16):
     """log pi(target) under the distribution vLLM sampled it from, its processed log-probs: logits [B, T, V] with the
     stop_ids masked where min_tokens held them back (stop_masked, [B, T]), / temperature, then min-p, top-k and top-p,
-    renormalised over the tokens kept. The kept set is chosen on the logits rounded to bf16, vLLM's precision: tokens
-    that tie there tie for vLLM, and top-k keeps every tie (at a top-p boundary vLLM keeps an arbitrary part of a
+    renormalised over the tokens kept. The kept set is chosen on the logits rounded to `served`, the server's dtype:
+    tokens that tie there tie for vLLM, and top-k keeps every tie (at a top-p boundary vLLM keeps an arbitrary part of a
     tied group, the trainer all of it). The target is always kept: where the trainer would cut it (a token at the
     boundary, the two sides' logits differing in the last bits, or a stale one), its log-prob is taken over the kept
     set and itself: finite, and close to vLLM's at the boundary. Returns [B, T] log-probs (with gradient) and [B, T]
@@ -1647,7 +1666,7 @@ def sampler_logprobs(logits, targets, temperature=1.0, top_k=0, top_p=1.0, min_p
         with torch.no_grad():  # which tokens are kept is a choice, not differentiated; in chunks of rows, so that a
             flat, cut = logits.detach().flatten(0, 1), []  # sort over a large vocabulary never holds all of them
             for chunk in flat.split(max(1, 2**22 // flat.shape[-1])):
-                rounded = chunk.to(torch.bfloat16).float() / temperature
+                rounded = chunk.to(served).float() / temperature
                 cut.append(rounded < kept_threshold(rounded, top_k, top_p, min_p))
             cut = torch.cat(cut).view_as(logits).scatter_(-1, targets, False)
         log_total = scaled.detach().logsumexp(-1)
@@ -1676,7 +1695,8 @@ def micro_batches(samples, size):
     return [samples[i:i + size] for i in range(0, len(samples), size)]
 
 
-def train_step(model, optimizer, samples, num_tokens, num_sequences, args, device, world_size, reference=None, stop_ids=()):
+def train_step(model, optimizer, samples, num_tokens, num_sequences, args, device, world_size, reference=None, stop_ids=(),
+               pad_id=0, served=torch.bfloat16):
     """Gradient accumulation over micro-batches; DDP all-reduces on the last one only. FSDP reduce-scatters on each:
     skipping that (set_requires_gradient_sync) would hold the unsharded gradients of the whole model on every rank."""
     model.train()
@@ -1684,11 +1704,11 @@ def train_step(model, optimizer, samples, num_tokens, num_sequences, args, devic
     n_micro = len(micros)
     for i, micro in enumerate(micros):
         ids, attention, mask, sampler_logp, advantages, stop_masked = collate(
-            micro, args.pad_id, device, args.sampling_args.get("min_tokens", 0))
+            micro, pad_id, device, args.sampling_args.get("min_tokens", 0))
         sync_grads = i == n_micro - 1 or not hasattr(model, "no_sync")
         # the distribution vLLM sampled from: the ratio against its log-probs measures the policy, not the truncation
         sampling = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
-                        stop_masked=stop_masked, stop_ids=stop_ids)
+                        stop_masked=stop_masked, stop_ids=stop_ids, served=served)
         with (contextlib.nullcontext() if sync_grads else model.no_sync()), \
                 torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
             logp, removed = token_logprobs(model, ids, attention, **sampling)
@@ -1767,7 +1787,7 @@ def rollout_metrics(groups, version):
 
 
 # ----------------------------------------------------------------------------------------------
-# Main: set-up, the training loop, and a teardown that leaves nothing running
+# Main: the run's phases in the order they run, and a teardown that leaves nothing running
 # ----------------------------------------------------------------------------------------------
 
 def cpu_threads(world_size=1):
@@ -1791,12 +1811,53 @@ def load_policy(path):
     return model
 
 
-def main(argv=None):
-    from transformers import AutoProcessor, AutoTokenizer
+@dataclass
+class Run:
+    """What lives through a run, in one place: main's phases fill it in the order they run. Rank 0 alone holds the
+    servers, the producer and the logs."""
+    args: argparse.Namespace
+    rank: int
+    world_size: int
+    device: torch.device
+    out_dir: Path
+    model_path: str = None       # what vLLM serves and the trainer loads: --model, the built-in model, or the checkpoint
+    initial_model: str = None    # the reference policy of --beta
+    resumed: dict = None         # the trainer state --resume continues from
+    tok: object = None
+    pad_id: int = 0
+    stop_ids: list = None
+    ctx: dict = None             # what every rollout needs (rollout_context)
+    train_rows: list = None
+    eval_rows: list = None
+    policy: object = None        # the bare module: what is synced and saved
+    model: object = None         # what is trained: the policy, or DDP around it
+    reference: object = None
+    saved_with: object = None    # the tokenizer, or an image-text model's processor, saved next to the weights
+    optimizer: object = None
+    scheduler: object = None
+    start_step: int = 0
+    servers: list = field(default_factory=list)
+    served: object = None        # the dtype the servers compute in
+    version: object = None       # the PolicyVersion the weight sync advances
+    sync: object = None
+    producer: object = None
+    logs: dict = field(default_factory=dict)  # metrics.jsonl, rollouts.jsonl, the wandb run
+    stop: list = field(default_factory=list)  # a signal asked to stop after this step
+    updating: bool = False       # mid-update: the weights may be half-changed, so they are not saved
+    completed: int = 0           # steps finished
+    done_cursor: dict = None     # the producer's data cursor as of the last finished step: what a checkpoint saves
+    history: list = field(default_factory=list)
+    clock: dict = field(default_factory=dict)
 
+    @property
+    def is_main(self):
+        return self.rank == 0
+
+
+def set_up(argv):
     rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
-    local_rank, is_main = int(os.environ.get("LOCAL_RANK", 0)), rank == 0
     args = parse_args(argv, world_size)
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
     device = torch.device(f"cuda:{local_rank}") if torch.cuda.is_available() else torch.device("cpu")
     if device.type == "cpu":
         torch.set_num_threads(cpu_threads(world_size))
@@ -1807,248 +1868,292 @@ def main(argv=None):
     random.seed(args.seed + rank)
     np.random.seed(args.seed + rank)
     torch.manual_seed(args.seed + rank)
-    out_dir = Path(args.output_dir)
-    if not args.resume and (out_dir / "metrics.jsonl").exists():  # its checkpoints would collide with this run's at the end
-        raise SystemExit(f"--output-dir {out_dir} holds a run already: continue it with --resume, or pass another --output-dir")
-    if is_main:
+    run = Run(args, rank, world_size, device, Path(args.output_dir))
+    if not args.resume and (run.out_dir / "metrics.jsonl").exists():  # its checkpoints would collide with this run's
+        raise SystemExit(f"--output-dir {run.out_dir} holds a run already: continue it with --resume, or pass another "
+                         "--output-dir")
+    if run.is_main:
         try:
-            out_dir.mkdir(parents=True, exist_ok=True)
-            (out_dir / "args.json").write_text(json.dumps(vars(args), indent=1))
+            run.out_dir.mkdir(parents=True, exist_ok=True)
+            (run.out_dir / "args.json").write_text(json.dumps(vars(args), indent=1))
         except OSError as e:
-            raise SystemExit(f"--output-dir {out_dir} is not writable ({e}); pass a directory you can write to")
-    resumed = None
+            raise SystemExit(f"--output-dir {run.out_dir} is not writable ({e}); pass a directory you can write to")
     if args.resume:  # the checkpoint holds the model and tokenizer too: both vLLM and the trainer load it
-        if not (out_dir / "checkpoint" / "trainer_state.pt").exists():
-            raise SystemExit(f"--resume: no checkpoint in {out_dir / 'checkpoint'}")
-        args.model = str((out_dir / "checkpoint").resolve())
-        resumed = torch.load(Path(args.model) / "trainer_state.pt", weights_only=False)
+        if not (run.out_dir / "checkpoint" / "trainer_state.pt").exists():
+            raise SystemExit(f"--resume: no checkpoint in {run.out_dir / 'checkpoint'}")
+        run.model_path = str((run.out_dir / "checkpoint").resolve())
+        run.resumed = torch.load(Path(run.model_path) / "trainer_state.pt", weights_only=False)
+    return run
 
-    # Model, tokenizer, data. Rank 0 builds the default model (or dequantises a GGUF file); the others wait for it.
-    if args.model is None or args.model.endswith(".gguf"):
-        if is_main:
-            args.model = build_tiny_model(args.cache_dir) if args.model is None else dequantise_gguf(args.model, args.cache_dir)
-        if world_size > 1:
-            box = [args.model]
+
+def load_data(run):
+    from transformers import AutoTokenizer
+    args = run.args
+    if not args.resume:
+        run.model_path = args.model
+    if run.model_path is None or run.model_path.endswith(".gguf"):  # rank 0 builds it; the others wait for its path
+        box = [build_tiny_model(args.cache_dir) if args.model is None else dequantise_gguf(args.model, args.cache_dir)
+               ] if run.is_main else [None]
+        if run.world_size > 1:
             dist.broadcast_object_list(box, 0)
-            args.model = box[0]
-    args.served_model = "policy"
-    initial_model = resumed["initial_model"] if resumed else args.model  # the reference of --beta
+        run.model_path = box[0]
+    run.initial_model = run.resumed["initial_model"] if run.resumed else run.model_path
     try:
-        tok = AutoTokenizer.from_pretrained(args.model)
+        run.tok = tok = AutoTokenizer.from_pretrained(run.model_path)
     except Exception as e:
-        raise SystemExit(f"--model {args.model}: cannot load its tokenizer ({type(e).__name__}: {str(e)[:300]}); "
+        raise SystemExit(f"--model {run.model_path}: cannot load its tokenizer ({type(e).__name__}: {str(e)[:300]}); "
                          "pass a local directory or hub name of a causal LM")
-    args.pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
-    train_rows, eval_rows = load_rows(args)
+    run.pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+    run.train_rows, run.eval_rows = load_rows(args)
     schemas = tool_schemas(args.tool_names) if args.tool_names else None
-    stop_ids = stop_token_ids(tok, args.model)
-    template_report = prepare_chat_template(tok, args, schemas, stop_ids)  # fails here, before vLLM starts
-    if is_main:
-        print(template_report, flush=True)
-    ctx = rollout_context(tok, schemas, train_rows + eval_rows, stop_ids=stop_ids)
+    run.stop_ids = stop_token_ids(tok, run.model_path)
+    report = prepare_chat_template(tok, args, schemas, run.stop_ids, run.model_path)  # fails here, before vLLM starts
+    if run.is_main:
+        print(report, flush=True)
+    run.ctx = rollout_context(tok, schemas, run.train_rows + run.eval_rows, stop_ids=run.stop_ids)
 
+
+def load_policy_and_optimizer(run):
+    from transformers import AutoProcessor
+    args, resumed = run.args, run.resumed
     try:
-        model = load_policy(args.model)
+        model = load_policy(run.model_path)
     except Exception as e:
-        raise SystemExit(f"--model {args.model}: cannot load it as a causal or image-text LM "
+        raise SystemExit(f"--model {run.model_path}: cannot load it as a causal or image-text LM "
                          f"({type(e).__name__}: {str(e)[:300]})")
     if args.gradient_checkpointing:
         model.gradient_checkpointing_enable()
     context = args.max_model_len or getattr(model.config, "max_position_embeddings", None)
-    too_long = [(i, len(ids)) for i, ids in ctx["prompt_ids"].items() if context and len(ids) >= context]
+    too_long = [(i, len(ids)) for i, ids in run.ctx["prompt_ids"].items() if context and len(ids) >= context]
     if too_long:
         raise SystemExit(f"{len(too_long)} prompts do not fit the context of {context} tokens (the first: row id "
                          f"{too_long[0][0]}, {too_long[0][1]} tokens); shorten them in --dataset or raise --max-model-len")
     # --fsdp: the full model is loaded into CPU memory; fully_shard moves only each rank's shard to the device.
-    place = shard if args.fsdp else lambda m: m.to(device)
-    policy = model = place(model)  # the unwrapped module: what is synced and saved
+    place = shard if args.fsdp else lambda m: m.to(run.device)
+    run.policy = run.model = place(model)
     # vLLM serves an image-text checkpoint only with its image processor: checkpoints keep it (--resume).
-    saved_with = AutoProcessor.from_pretrained(args.model) if hasattr(policy.config, "vision_config") else tok
-    reference = place(load_policy(initial_model).requires_grad_(False)) if args.beta else None
-    if world_size > 1 and not args.fsdp:
-        model = torch.nn.parallel.DistributedDataParallel(model, device_ids=[local_rank] if device.type == "cuda" else None)
-    optimizer = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad], lr=args.lr, weight_decay=args.weight_decay)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / (args.warmup_steps + 1)))
-    start_step = 0
+    run.saved_with = AutoProcessor.from_pretrained(run.model_path) if hasattr(model.config, "vision_config") else run.tok
+    run.reference = place(load_policy(run.initial_model).requires_grad_(False)) if args.beta else None
+    if run.world_size > 1 and not args.fsdp:
+        run.model = torch.nn.parallel.DistributedDataParallel(
+            run.policy, device_ids=[run.device.index] if run.device.type == "cuda" else None)
+    run.optimizer = torch.optim.AdamW([p for p in run.policy.parameters() if p.requires_grad], lr=args.lr,
+                                      weight_decay=args.weight_decay)
+    run.scheduler = torch.optim.lr_scheduler.LambdaLR(run.optimizer, lambda s: min(1.0, (s + 1) / (args.warmup_steps + 1)))
     if resumed:
         if resumed.get("fsdp", False) != args.fsdp:
             saved = "with" if resumed.get("fsdp", False) else "without"
             raise SystemExit(f"--resume: this checkpoint's optimizer state was saved {saved} --fsdp; resume {saved} it")
         if args.fsdp:  # rank 0 reads the full state and sends each rank its shards
-            set_optimizer_state_dict(policy, optimizer, resumed["optimizer"],
+            set_optimizer_state_dict(run.policy, run.optimizer, resumed["optimizer"],
                                      options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
         else:
-            optimizer.load_state_dict(resumed["optimizer"])
-        scheduler.load_state_dict(resumed["scheduler"])
+            run.optimizer.load_state_dict(resumed["optimizer"])
+        run.scheduler.load_state_dict(resumed["scheduler"])
         random.setstate(resumed["rng"]["python"])
         np.random.set_state(resumed["rng"]["numpy"])
         torch.set_rng_state(resumed["rng"]["torch"])
         if resumed["rng"]["cuda"]:
             torch.cuda.set_rng_state_all(resumed["rng"]["cuda"])
-        start_step = resumed["step"]
-        if is_main:
-            print(f"resuming at step {start_step} from {args.model}", flush=True)
+        run.start_step = resumed["step"]
+        if run.is_main:
+            print(f"resuming at step {run.start_step} from {run.model_path}", flush=True)
+    run.completed = run.start_step
 
-    servers, producer, wandb_run, stop, updating = [], None, None, [], False
 
-    def checkpoint(step):  # between steps: the data cursor is the one of the last finished step
-        weights, optim = None, optimizer.state_dict()
-        if args.fsdp:  # on every rank: each sends its shards, one tensor at a time, to rank 0's CPU memory
-            options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-            weights, optim = get_model_state_dict(policy, options=options), \
-                get_optimizer_state_dict(policy, optimizer, options=options)
-        if is_main:
-            save_checkpoint(out_dir, policy, saved_with, weights, {
-                "step": step, "policy_version": version.value, "data": done_cursor, "initial_model": initial_model,
-                "optimizer": optim, "fsdp": args.fsdp, "scheduler": scheduler.state_dict()})
+def start_generation(run):
+    args = run.args
+    if run.is_main:
+        run.servers = [] if args.vllm_url else start_vllm(args, run.model_path, run.out_dir)
+        urls = args.vllm_url.split(",") if args.vllm_url else [server.url for server in run.servers]
+        run.ctx["max_model_len"] = min(http(f"{url}/v1/models")["data"][0]["max_model_len"] for url in urls)
+        served = [http(f"{urls[0]}/collective_rpc", {"method": "served_dtype"})["results"][0]]
+    else:
+        served = [None]
+    if run.world_size > 1:  # every rank packs the weights and rounds the logits as the servers compute
+        dist.broadcast_object_list(served, 0)
+    run.served = getattr(torch, served[0])
+    if run.is_main:
+        run.version = PolicyVersion(args.max_inflight)
+        run.sync = WeightSync(urls, args, run.served, run.version)
+        if args.vllm_url:  # a server we did not start may hold other weights than the policy
+            run.sync(run.policy)
+        run.version.value = run.resumed["policy_version"] if run.resumed else 0
+        run.producer = Producer(args, run.tok, run.train_rows, urls, run.ctx, run.version, run.resumed and run.resumed["data"])
+        run.producer.start()
+        run.done_cursor = dict(run.producer.cursor)
+        if args.wandb_project:
+            import wandb
+            run.logs["wandb"] = wandb.init(project=args.wandb_project, config=vars(args), dir=str(run.out_dir))
+        run.logs["metrics"] = open(run.out_dir / "metrics.jsonl", "a")
+        run.logs["rollouts"] = open(run.out_dir / "rollouts.jsonl", "a")
+    elif args.fsdp and args.vllm_url:  # rank 0's first sync gathers the weights from every rank's shards
+        help_sync(run.policy, args, run.served)
+    run.clock = {"start": time.perf_counter(), "samples": 0, "waited": 0.0, "cpu_start": time.process_time(),
+                 "idle_start": run.version.idle() if run.is_main else 0.0}
 
-    def checkpoint_if_due(step):  # rank 0 decides, as it gets the signals; under --fsdp every rank takes part
-        due = [bool(args.save_every and step % args.save_every == 0 or stop)]
-        if args.fsdp:
-            dist.broadcast_object_list(due, 0)
-        if due[0]:
-            checkpoint(step)
-    previous_handlers = {sig: signal.signal(sig, _raise_keyboard_interrupt) for sig in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        if is_main:
-            servers = [] if args.vllm_url else start_vllm(args, args.model, out_dir)
-            urls = args.vllm_url.split(",") if args.vllm_url else [server.url for server in servers]
-            ctx["max_model_len"] = min(http(f"{url}/v1/models")["data"][0]["max_model_len"] for url in urls)
-            version = PolicyVersion(args.max_inflight)
-            sync = WeightSync(urls, args, torch.bfloat16, version)
-            if args.vllm_url:  # a server we did not start may hold other weights than the policy
-                sync(policy)
-            version.value = resumed["policy_version"] if resumed else 0
-            producer = Producer(args, tok, train_rows, urls, ctx, version, resumed and resumed["data"])
-            producer.start()
-            done_cursor = dict(producer.cursor)  # the data cursor as of the last finished step
-            if args.wandb_project:
-                import wandb
-                wandb_run = wandb.init(project=args.wandb_project, config=vars(args), dir=str(out_dir))
-            metrics_file = open(out_dir / "metrics.jsonl", "a")
-            rollouts_file = open(out_dir / "rollouts.jsonl", "a")
-        elif args.fsdp and args.vllm_url:  # rank 0's first sync gathers the weights from every rank's shards
-            help_sync(policy, args, torch.bfloat16)
-        # From here a first Ctrl-C/SIGTERM finishes the step, saves a checkpoint and stops; a second stops now.
-        for sig in previous_handlers:
-            signal.signal(sig, functools.partial(_stop_after_step, stop))
-        t_start, samples_done, waited, history, completed = time.perf_counter(), 0, 0.0, [], start_step
-        idle_start, cpu_start = version.idle() if is_main else 0.0, time.process_time()
-        for step in range(start_step, args.steps):
-            t_step = time.perf_counter()
-            # Rank 0 takes whole groups off the queue and deals each rank an equal share.
-            if is_main:
-                groups = producer.take(args.prompts_per_step, args.data_timeout, interrupted=lambda: bool(stop))
-                wait_seconds = time.perf_counter() - t_step
-                waited += wait_seconds
-                samples = [s for g in groups for s in g]
-                num_tokens = sum(sum(s["mask"]) for s in samples)
-                trainable = [{k: s[k] for k in ("ids", "n_prompt", "mask", "logprobs", "advantage")} for s in samples]
-                shards = [trainable[r::world_size] for r in range(world_size)]
-                payload = [shards, num_tokens]
-            else:
-                payload = [None, None]
-            if world_size > 1:
-                dist.broadcast_object_list(payload, 0)
-            shards, num_tokens = payload
-            updating = True  # an error in the update may leave the weights half-updated: not saved then
-            metrics = train_step(model, optimizer, shards[rank], max(num_tokens, 1), args.prompts_per_step *
-                                 args.num_generations, args, device, world_size, reference, stop_ids)
-            scheduler.step()
-            updating, completed, done_cursor = False, step + 1, dict(producer.cursor) if is_main else None
-            trained_version, sync_seconds = version.value if is_main else None, 0.0
-            if (step + 1) % args.sync_every == 0:
-                if is_main:
-                    sync_seconds = sync(policy)
-                elif args.fsdp:
-                    help_sync(policy, args, torch.bfloat16)
-                if world_size > 1:
-                    dist.barrier()
-            if not is_main:
-                if args.fsdp:
-                    checkpoint_if_due(step + 1)
-                continue
-            samples_done += len(samples)
-            metrics.update(rollout_metrics(groups, trained_version))
-            metrics.update({"step": step + 1, "policy_version": version.value, "sync/seconds": sync_seconds,
-                            "staleness/dropped_samples": done_cursor["stale_samples"],
-                            "rollout/skipped_groups": done_cursor["skipped_groups"],
-                            "rollout/reward_failures": done_cursor["reward_failures"],
-                            "perf/step_seconds": time.perf_counter() - t_step, "perf/wait_seconds": wait_seconds,
-                            "perf/samples_per_second": samples_done / (wall := time.perf_counter() - t_start),
-                            "perf/wall_seconds": wall, "perf/trainer_idle": waited / wall,  # shares of the wall time
-                            "perf/generator_idle": (version.idle() - idle_start) / wall,
-                            "perf/cpu_seconds": time.process_time() - cpu_start,  # this process's, producer included
-                            "train/lr": scheduler.get_last_lr()[0], "train/loss_tokens": num_tokens})
-            for s in samples[:args.log_rollouts]:
-                rollouts_file.write(json.dumps({
-                    "step": step + 1, "trained_version": trained_version, "prompt_id": s["prompt_id"],
-                    "reward": s["reward"], "advantage": s["advantage"], "completion": tok.decode(s["ids"][s["n_prompt"]:]),
-                    "versions": [v for v, m in zip(s["versions"], s["mask"]) if m]}) + "\n")
-            rollouts_file.flush()
-            if args.eval_every and (step + 1) % args.eval_every == 0:
-                metrics.update(asyncio.run_coroutine_threadsafe(evaluate(producer, eval_rows, args), producer.loop).result())
-            metrics_file.write(json.dumps(metrics) + "\n")
-            metrics_file.flush()
-            history.append(metrics)
-            if wandb_run:
-                wandb_run.log(metrics, step=step + 1)
-            print(f"step {step + 1:4d}/{args.steps} | reward {metrics['reward/mean']:6.3f} | loss {metrics['loss']:+.4f} | "
-                  f"{metrics['perf/samples_per_second']:6.1f} samples/s | staleness {metrics['staleness/mean']:.2f} | "
-                  f"sync {sync_seconds:.2f}s | tools {metrics['tools/call_frequency']:.2f}"
-                  + (f" | eval {metrics['eval/reward']:.3f}" if "eval/reward" in metrics else ""), flush=True)
-            checkpoint_if_due(step + 1)
-            if stop:  # torchrun's other ranks are stopped by torchrun when this one exits
-                raise SystemExit(f"stopped at step {step + 1} by signal {stop[0]}; continue with --resume --output-dir {out_dir}")
-        # DDP ranks must hold identical weights; a silent divergence (a missed all-reduce) fails here. FSDP ranks
-        # hold different shards by design: their checksums are recorded, not compared.
-        checksum = [sum((p.to_local() if args.fsdp else p).double().sum().item() for p in policy.parameters())]
-        checksums = checksum * world_size
-        if world_size > 1:
-            dist.all_gather_object(checksums, checksum[0])
-        if is_main or args.fsdp:
-            checkpoint(args.steps)
-        if is_main:
-            wall = time.perf_counter() - t_start
-            audit = {"mismatch_kl": float(np.mean([m["is/mismatch_kl"] for m in history])),
-                     "ratio_mean": float(np.mean([m["is/ratio_mean"] for m in history])),
-                     "ratio_min": min(m.get("is/ratio_min", 1.0) for m in history),
-                     "ratio_max": max(m.get("is/ratio_max", 1.0) for m in history)} if history else {}
-            (out_dir / "summary.json").write_text(json.dumps({"steps": args.steps, "train_seconds": wall,
+
+def take_batch(run):
+    """Rank 0 takes whole groups off the producer's queue and deals each rank an equal share of their samples."""
+    args, groups, payload = run.args, None, [None, None]
+    if run.is_main:
+        groups = run.producer.take(args.prompts_per_step, args.data_timeout, interrupted=lambda: bool(run.stop))
+        samples = [s for g in groups for s in g]
+        trainable = [{k: s[k] for k in ("ids", "n_prompt", "mask", "logprobs", "advantage")} for s in samples]
+        payload = [[trainable[r::run.world_size] for r in range(run.world_size)], sum(sum(s["mask"]) for s in samples)]
+    if run.world_size > 1:
+        dist.broadcast_object_list(payload, 0)
+    return groups, payload[0][run.rank], payload[1]
+
+
+def train_one_step(run, step):
+    args, t_step = run.args, time.perf_counter()
+    groups, samples, num_tokens = take_batch(run)
+    wait_seconds = time.perf_counter() - t_step
+    run.updating = True  # an error in the update may leave the weights half-updated: not saved then
+    metrics = train_step(run.model, run.optimizer, samples, max(num_tokens, 1), args.prompts_per_step *
+                         args.num_generations, args, run.device, run.world_size, run.reference, run.stop_ids, run.pad_id,
+                         run.served)
+    run.scheduler.step()
+    run.updating, run.completed = False, step + 1
+    trained_version, sync_seconds = run.version.value if run.is_main else None, 0.0
+    if run.is_main:
+        run.done_cursor = dict(run.producer.cursor)
+    if (step + 1) % args.sync_every == 0:
+        if run.is_main:
+            sync_seconds = run.sync(run.policy)
+        elif args.fsdp:
+            help_sync(run.policy, args, run.served)
+        if run.world_size > 1:
+            dist.barrier()
+    if run.is_main:
+        metrics.update({"train/loss_tokens": num_tokens, "perf/wait_seconds": wait_seconds, "sync/seconds": sync_seconds,
+                        "perf/step_seconds": time.perf_counter() - t_step})
+        log_step(run, step + 1, groups, metrics, trained_version)
+    if run.is_main or args.fsdp:
+        checkpoint_if_due(run, step + 1)
+    if run.is_main and run.stop:  # torchrun's other ranks are stopped by torchrun when this one exits
+        raise SystemExit(f"stopped at step {step + 1} by signal {run.stop[0]}; continue with --resume --output-dir "
+                         f"{run.out_dir}")
+
+
+def log_step(run, step, groups, metrics, trained_version):
+    """metrics.jsonl (and wandb), a few rollouts in rollouts.jsonl, the evaluation when due, and one line printed."""
+    args, clock, cursor = run.args, run.clock, run.done_cursor
+    samples = [s for g in groups for s in g]
+    clock["samples"] += len(samples)
+    clock["waited"] += metrics["perf/wait_seconds"]
+    wall = time.perf_counter() - clock["start"]
+    metrics.update(rollout_metrics(groups, trained_version))
+    metrics.update({"step": step, "policy_version": run.version.value, "staleness/dropped_samples": cursor["stale_samples"],
+                    "rollout/skipped_groups": cursor["skipped_groups"], "rollout/reward_failures": cursor["reward_failures"],
+                    "perf/samples_per_second": clock["samples"] / wall, "perf/wall_seconds": wall,
+                    "perf/trainer_idle": clock["waited"] / wall,  # shares of the wall time
+                    "perf/generator_idle": (run.version.idle() - clock["idle_start"]) / wall,
+                    "perf/cpu_seconds": time.process_time() - clock["cpu_start"],  # this process's, producer included
+                    "train/lr": run.scheduler.get_last_lr()[0]})
+    for s in samples[:args.log_rollouts]:
+        run.logs["rollouts"].write(json.dumps({
+            "step": step, "trained_version": trained_version, "prompt_id": s["prompt_id"], "reward": s["reward"],
+            "advantage": s["advantage"], "completion": run.tok.decode(s["ids"][s["n_prompt"]:]),
+            "versions": [v for v, m in zip(s["versions"], s["mask"]) if m]}) + "\n")
+    run.logs["rollouts"].flush()
+    if args.eval_every and step % args.eval_every == 0:
+        metrics.update(asyncio.run_coroutine_threadsafe(evaluate(run.producer, run.eval_rows, args), run.producer.loop).result())
+    run.logs["metrics"].write(json.dumps(metrics) + "\n")
+    run.logs["metrics"].flush()
+    run.history.append(metrics)
+    if "wandb" in run.logs:
+        run.logs["wandb"].log(metrics, step=step)
+    print(f"step {step:4d}/{args.steps} | reward {metrics['reward/mean']:6.3f} | loss {metrics['loss']:+.4f} | "
+          f"{metrics['perf/samples_per_second']:6.1f} samples/s | staleness {metrics['staleness/mean']:.2f} | "
+          f"sync {metrics['sync/seconds']:.2f}s | tools {metrics['tools/call_frequency']:.2f}"
+          + (f" | eval {metrics['eval/reward']:.3f}" if "eval/reward" in metrics else ""), flush=True)
+
+
+def finish(run):
+    args = run.args
+    # DDP ranks must hold identical weights; a silent divergence (a missed all-reduce) fails here. FSDP ranks hold
+    # different shards by design: their checksums are recorded, not compared.
+    checksum = [sum((p.to_local() if args.fsdp else p).double().sum().item() for p in run.policy.parameters())]
+    checksums = checksum * run.world_size
+    if run.world_size > 1:
+        dist.all_gather_object(checksums, checksum[0])
+    if run.is_main or args.fsdp:
+        checkpoint(run, args.steps)
+    if run.is_main:
+        wall, history = time.perf_counter() - run.clock["start"], run.history
+        audit = {"mismatch_kl": float(np.mean([m["is/mismatch_kl"] for m in history])),
+                 "ratio_mean": float(np.mean([m["is/ratio_mean"] for m in history])),
+                 "ratio_min": min(m.get("is/ratio_min", 1.0) for m in history),
+                 "ratio_max": max(m.get("is/ratio_max", 1.0) for m in history)} if history else {}
+        (run.out_dir / "summary.json").write_text(json.dumps({"steps": args.steps, "train_seconds": wall,
                                                               "rank_checksums": checksums, "trainer_vs_vllm": audit}, indent=1))
-            print(f"done: {args.steps} steps in {wall:.0f} s; model in {out_dir / 'checkpoint'}")
-            if args.audit:
-                print("audit (trainer vs vLLM log-probs of the sampled tokens): " +
-                      ", ".join(f"{k} {v:.3g}" for k, v in audit.items()))
-        if len(set(checksums)) > 1 and not args.fsdp:
-            raise RuntimeError(f"ranks ended with different weights (checksums {checksums})")
-    except (Exception, KeyboardInterrupt) as e:
-        # Nothing is lost: the last finished step is saved, unless the error came mid-update (or under --fsdp,
-        # where saving takes every rank, and the others may be gone or stuck).
-        if is_main and producer is not None and not updating and completed > start_step and not args.fsdp:
-            checkpoint(completed)
-            print(f"saved the checkpoint of step {completed} in {out_dir / 'checkpoint'}; continue with --resume", flush=True)
-        for server in servers:
-            if server.poll() is not None:
-                raise RuntimeError(f"the vLLM server {server.url} exited with code {server.returncode}. Last lines "
-                                   f"of {server.log_path}:\n{log_tail(server.log_path)}") from e
-        if servers:
-            print(f"the vLLM server logs: {', '.join(str(server.log_path) for server in servers)}", flush=True)
-        raise
-    finally:
-        for sig, handler in previous_handlers.items():
-            signal.signal(sig, handler)
-        if producer is not None:
-            producer.stop()
-        for server in servers:
-            stop_vllm(server)
-        if wandb_run:
-            wandb_run.finish()
-        if world_size > 1 and dist.is_initialized():
-            dist.destroy_process_group()
-            if sys.exc_info()[0] is None:  # a finished rank ends here: freeing DDP's reducer on return can deadlock
-                sys.stdout.flush()  # (its gloo destructor joins a thread that waits for the GIL; seen on rank 1)
-                os._exit(0)
+        print(f"done: {args.steps} steps in {wall:.0f} s; model in {run.out_dir / 'checkpoint'}")
+        if args.audit:
+            print("audit (trainer vs vLLM log-probs of the sampled tokens): " +
+                  ", ".join(f"{k} {v:.3g}" for k, v in audit.items()))
+    if len(set(checksums)) > 1 and not args.fsdp:
+        raise RuntimeError(f"ranks ended with different weights (checksums {checksums})")
+
+
+def save_after_error(run, error):
+    """Nothing is lost: the last finished step is saved, unless the error came mid-update (or under --fsdp, where
+    saving takes every rank, and the others may be gone or stuck). A dead server's log is shown."""
+    if run.is_main and run.producer is not None and not run.updating and run.completed > run.start_step \
+            and not run.args.fsdp:
+        checkpoint(run, run.completed)
+        print(f"saved the checkpoint of step {run.completed} in {run.out_dir / 'checkpoint'}; continue with --resume",
+              flush=True)
+    for server in run.servers:
+        if server.poll() is not None:
+            raise RuntimeError(f"the vLLM server {server.url} exited with code {server.returncode}. Last lines "
+                               f"of {server.log_path}:\n{log_tail(server.log_path)}") from error
+    if run.servers:
+        print(f"the vLLM server logs: {', '.join(str(server.log_path) for server in run.servers)}", flush=True)
+
+
+def tear_down(run, handlers):
+    for sig, handler in handlers.items():
+        signal.signal(sig, handler)
+    if run.producer is not None:
+        run.producer.stop()
+    for server in run.servers:
+        stop_vllm(server)
+    if "wandb" in run.logs:
+        run.logs["wandb"].finish()
+    if run.world_size > 1 and dist.is_initialized():
+        dist.destroy_process_group()
+        if sys.exc_info()[0] is None:  # a finished rank ends here: freeing DDP's reducer on return can deadlock
+            sys.stdout.flush()  # (its gloo destructor joins a thread that waits for the GIL; seen on rank 1)
+            os._exit(0)
+
+
+# ----------------------------------------------------------------------------------------------
+# Checkpoints and signals
+# ----------------------------------------------------------------------------------------------
+
+def checkpoint(run, step):
+    """Between steps: the data cursor is the one of the last finished step. Under --fsdp every rank takes part: each
+    sends its shards, one tensor at a time, to rank 0's CPU memory."""
+    weights, optim = None, run.optimizer.state_dict()
+    if run.args.fsdp:
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        weights = get_model_state_dict(run.policy, options=options)
+        optim = get_optimizer_state_dict(run.policy, run.optimizer, options=options)
+    if run.is_main:
+        save_checkpoint(run.out_dir, run.policy, run.saved_with, weights, {
+            "step": step, "policy_version": run.version.value, "data": run.done_cursor, "initial_model": run.initial_model,
+            "optimizer": optim, "fsdp": run.args.fsdp, "scheduler": run.scheduler.state_dict()})
+
+
+def checkpoint_if_due(run, step):
+    """Every --save-every steps, or after a stop signal: rank 0 decides, as it gets the signals."""
+    due = [bool(run.args.save_every and step % run.args.save_every == 0 or run.stop)]
+    if run.args.fsdp:
+        dist.broadcast_object_list(due, 0)
+    if due[0]:
+        checkpoint(run, step)
 
 
 def save_checkpoint(out_dir, policy, tok, weights, state):
@@ -2084,6 +2189,25 @@ def _stop_after_step(stop, signum, frame):
 
 def _raise_keyboard_interrupt(signum, frame):
     raise KeyboardInterrupt(f"signal {signum}")
+
+
+def main(argv=None):
+    run = set_up(argv)                 # ranks, device, seeds, the output directory
+    load_data(run)                     # the model's files, tokenizer, rows; the chat template checked before vLLM starts
+    load_policy_and_optimizer(run)     # on its device, sharded or replicated; --resume's state
+    handlers = {sig: signal.signal(sig, _raise_keyboard_interrupt) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        start_generation(run)          # rank 0: the vLLM servers, the weight sync, the producer thread
+        for sig in handlers:  # from here a first Ctrl-C/SIGTERM finishes the step, saves a checkpoint and stops
+            signal.signal(sig, functools.partial(_stop_after_step, run.stop))
+        for step in range(run.start_step, run.args.steps):
+            train_one_step(run, step)  # take a batch, update, sync the weights, log, checkpoint
+        finish(run)                    # the ranks' weights compared, the last checkpoint, summary.json
+    except (Exception, KeyboardInterrupt) as e:
+        save_after_error(run, e)
+        raise
+    finally:
+        tear_down(run, handlers)
 
 
 if __name__ == "__main__":

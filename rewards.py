@@ -1,4 +1,4 @@
-"""Reward functions. FORK HERE: write a function and pass `--rewards NAME:WEIGHT,...`.
+"""Reward functions: write one, register it in REWARDS below, and pass `--rewards NAME:WEIGHT,...`.
 
 Every reward function is called once per group with keyword arguments, each a list with one entry
 per rollout of the group, and returns one float per rollout (`async def` works too):
@@ -67,4 +67,5 @@ def tool_use(tool_calls, tool_failures, **kwargs):
     return [float(calls > 0 and fails == 0) - 0.5 * fails for calls, fails in zip(tool_calls, tool_failures)]
 
 
+# FORK: add a reward (a function above, its name here; --rewards NAME:WEIGHT picks it)
 REWARDS = {fn.__name__: fn for fn in (correct_answer, format_reward, countdown, tool_use)}

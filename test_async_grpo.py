@@ -417,8 +417,10 @@ def tiny_model():
 
 
 def serve(model_path, out, vllm_args=""):
-    """A server as the script starts it, for a fixture to yield; stopped and checked gone afterwards."""
-    args = ag.parse_args(["--output-dir", str(out), f"--vllm-args={vllm_args}"])
+    """A server as the script starts it, for a fixture to yield; stopped and checked gone afterwards. In bf16, as GPUs
+    serve: the comparisons with the trainer below are made at that precision (a CPU run serves fp32, checked apart by
+    test_a_cpu_server_holds_the_trainers_weights_exactly)."""
+    args = ag.parse_args(["--output-dir", str(out), f"--vllm-args=--dtype bfloat16 {vllm_args}"])
     args.served_model = "policy"
     proc, = ag.start_vllm(args, model_path, out)
     proc.model_path = model_path
@@ -676,6 +678,15 @@ def test_audit_mode_shows_a_bf16_level_mismatch_and_changes_nothing(server, tiny
     assert json.loads((tmp_path / "summary.json").read_text())["trainer_vs_vllm"]["mismatch_kl"] < 1e-3
     before, after = load_file(f"{tiny_model}/model.safetensors"), load_file(tmp_path / "checkpoint" / "model.safetensors")
     assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
+
+
+def test_a_cpu_server_holds_the_trainers_weights_exactly(tmp_path):
+    """The server a CPU run starts computes in fp32 and receives the weights in fp32: the trainer's log-probs of what it
+    sampled, under top-p, are vLLM's to fp32 precision, not bf16's (the audit above: a mismatch KL of 1e-5 to 1e-3)."""
+    code, out = run_cli("--output-dir", str(tmp_path), "--steps", "3", "--audit", "--top-p", "0.8")
+    assert code == 0 and "--dtype float32" in out, out[-3000:]
+    for m in read_metrics(tmp_path):
+        assert m["is/mismatch_kl"] < 1e-6 and m["is/ratio_min"] > 0.99 and m["is/ratio_max"] < 1.01
 
 
 def wait_for_vllm(url, metric, condition, timeout=60):

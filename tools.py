@@ -1,5 +1,5 @@
-"""Example tools. FORK HERE: add a function with type hints and a Google-style docstring, and
-`--tools NAME` offers it to the model. Its JSON schema is derived from the signature and docstring
+"""Example tools: add a function with type hints and a Google-style docstring, register it in TOOLS
+below, and `--tools NAME` offers it to the model. Its JSON schema is derived from the signature and docstring
 by transformers' `get_json_schema`, so the description the model sees is the one written here.
 
 Sync tools run in a thread pool, `async def` tools are awaited; both get `--tool-timeout`. A tool
@@ -84,4 +84,5 @@ async def lookup(topic: str) -> str:
     return _FACTS[key]
 
 
+# FORK: add a tool (a function above, its name here; --tools NAME offers it)
 TOOLS = {fn.__name__: fn for fn in (calculator, convert_units, lookup)}
