@@ -1868,7 +1868,7 @@ def set_up(argv):
     random.seed(args.seed + rank)
     np.random.seed(args.seed + rank)
     torch.manual_seed(args.seed + rank)
-    run = Run(args, rank, world_size, device, Path(args.output_dir))
+    run = Run(args, rank, world_size, device, Path(args.output_dir), model_path=args.model)
     if not args.resume and (run.out_dir / "metrics.jsonl").exists():  # its checkpoints would collide with this run's
         raise SystemExit(f"--output-dir {run.out_dir} holds a run already: continue it with --resume, or pass another "
                          "--output-dir")
@@ -1889,8 +1889,6 @@ def set_up(argv):
 def load_data(run):
     from transformers import AutoTokenizer
     args = run.args
-    if not args.resume:
-        run.model_path = args.model
     if run.model_path is None or run.model_path.endswith(".gguf"):  # rank 0 builds it; the others wait for its path
         box = [build_tiny_model(args.cache_dir) if args.model is None else dequantise_gguf(args.model, args.cache_dir)
                ] if run.is_main else [None]
@@ -1979,7 +1977,8 @@ def start_generation(run):
         if args.vllm_url:  # a server we did not start may hold other weights than the policy
             run.sync(run.policy)
         run.version.value = run.resumed["policy_version"] if run.resumed else 0
-        run.producer = Producer(args, run.tok, run.train_rows, urls, run.ctx, run.version, run.resumed and run.resumed["data"])
+        run.producer = Producer(args, run.tok, run.train_rows, urls, run.ctx, run.version,
+                                run.resumed and run.resumed["data"])
         run.producer.start()
         run.done_cursor = dict(run.producer.cursor)
         if args.wandb_project:
@@ -2045,8 +2044,9 @@ def log_step(run, step, groups, metrics, trained_version):
     clock["waited"] += metrics["perf/wait_seconds"]
     wall = time.perf_counter() - clock["start"]
     metrics.update(rollout_metrics(groups, trained_version))
-    metrics.update({"step": step, "policy_version": run.version.value, "staleness/dropped_samples": cursor["stale_samples"],
-                    "rollout/skipped_groups": cursor["skipped_groups"], "rollout/reward_failures": cursor["reward_failures"],
+    metrics.update({"step": step, "policy_version": run.version.value,
+                    "staleness/dropped_samples": cursor["stale_samples"], "rollout/skipped_groups": cursor["skipped_groups"],
+                    "rollout/reward_failures": cursor["reward_failures"],
                     "perf/samples_per_second": clock["samples"] / wall, "perf/wall_seconds": wall,
                     "perf/trainer_idle": clock["waited"] / wall,  # shares of the wall time
                     "perf/generator_idle": (run.version.idle() - clock["idle_start"]) / wall,
@@ -2059,7 +2059,8 @@ def log_step(run, step, groups, metrics, trained_version):
             "versions": [v for v, m in zip(s["versions"], s["mask"]) if m]}) + "\n")
     run.logs["rollouts"].flush()
     if args.eval_every and step % args.eval_every == 0:
-        metrics.update(asyncio.run_coroutine_threadsafe(evaluate(run.producer, run.eval_rows, args), run.producer.loop).result())
+        evaluation = evaluate(run.producer, run.eval_rows, args)
+        metrics.update(asyncio.run_coroutine_threadsafe(evaluation, run.producer.loop).result())
     run.logs["metrics"].write(json.dumps(metrics) + "\n")
     run.logs["metrics"].flush()
     run.history.append(metrics)
@@ -2087,8 +2088,8 @@ def finish(run):
                  "ratio_mean": float(np.mean([m["is/ratio_mean"] for m in history])),
                  "ratio_min": min(m.get("is/ratio_min", 1.0) for m in history),
                  "ratio_max": max(m.get("is/ratio_max", 1.0) for m in history)} if history else {}
-        (run.out_dir / "summary.json").write_text(json.dumps({"steps": args.steps, "train_seconds": wall,
-                                                              "rank_checksums": checksums, "trainer_vs_vllm": audit}, indent=1))
+        summary = {"steps": args.steps, "train_seconds": wall, "rank_checksums": checksums, "trainer_vs_vllm": audit}
+        (run.out_dir / "summary.json").write_text(json.dumps(summary, indent=1))
         print(f"done: {args.steps} steps in {wall:.0f} s; model in {run.out_dir / 'checkpoint'}")
         if args.audit:
             print("audit (trainer vs vLLM log-probs of the sampled tokens): " +
