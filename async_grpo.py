@@ -1796,6 +1796,32 @@ def cpu_threads(world_size=1):
     return max(1, ((os.cpu_count() or 2) - 1) // world_size)
 
 
+@contextlib.contextmanager
+def share_idle_core(model, version, idle_after=1.0):
+    """CPU, one trainer: around a training step, the trainer takes the server's core too whenever vLLM has had no request
+    of ours for idle_after seconds (its worker busy-polls for a second after its last step), and gives it back as soon
+    as one is in flight; decided before each decoder layer's forward and backward. Generation is hidden behind training
+    and then waits for the sync, so the server's core is often idle for much of a step."""
+    busy = torch.get_num_threads()
+
+    def decide(*_):
+        idle = not version.in_flight and time.perf_counter() - version.idle_since > idle_after
+        torch.set_num_threads(busy + 1 if idle else busy)
+
+    def before_backward(module, inputs, output):  # the hook on a layer's output runs just before the layer's backward
+        hidden = output[0] if isinstance(output, tuple) else output
+        if hidden.requires_grad:
+            hidden.register_hook(lambda grad: decide())
+    layers = [m for m in model.modules() if type(m).__name__ in (model._no_split_modules or ())]
+    hooks = [h for m in layers for h in (m.register_forward_pre_hook(decide), m.register_forward_hook(before_backward))]
+    try:
+        yield
+    finally:
+        for hook in hooks:
+            hook.remove()
+        torch.set_num_threads(busy)
+
+
 def load_policy(path):
     """A causal LM, or an image-text checkpoint (Qwen2-VL, SmolVLM, ...) as its *ForConditionalGeneration
     class: that one's parameter names are the checkpoint's, which vLLM's loader maps to its own (a bare
@@ -1841,6 +1867,7 @@ class Run:
     version: object = None       # the PolicyVersion the weight sync advances
     sync: object = None
     producer: object = None
+    share_core: object = contextlib.nullcontext  # around a training step: share_idle_core on CPU
     logs: dict = field(default_factory=dict)  # metrics.jsonl, rollouts.jsonl, the wandb run
     stop: list = field(default_factory=list)  # a signal asked to stop after this step
     updating: bool = False       # mid-update: the weights may be half-changed, so they are not saved
@@ -1980,6 +2007,8 @@ def start_generation(run):
         run.producer = Producer(args, run.tok, run.train_rows, urls, run.ctx, run.version,
                                 run.resumed and run.resumed["data"])
         run.producer.start()
+        if run.device.type == "cpu" and run.world_size == 1:
+            run.share_core = functools.partial(share_idle_core, run.policy, run.version)
         run.done_cursor = dict(run.producer.cursor)
         if args.wandb_project:
             import wandb
@@ -2010,9 +2039,10 @@ def train_one_step(run, step):
     groups, samples, num_tokens = take_batch(run)
     wait_seconds = time.perf_counter() - t_step
     run.updating = True  # an error in the update may leave the weights half-updated: not saved then
-    metrics = train_step(run.model, run.optimizer, samples, max(num_tokens, 1), args.prompts_per_step *
-                         args.num_generations, args, run.device, run.world_size, run.reference, run.stop_ids, run.pad_id,
-                         run.served)
+    with run.share_core():
+        metrics = train_step(run.model, run.optimizer, samples, max(num_tokens, 1), args.prompts_per_step *
+                             args.num_generations, args, run.device, run.world_size, run.reference, run.stop_ids,
+                             run.pad_id, run.served)
     run.scheduler.step()
     run.updating, run.completed = False, step + 1
     trained_version, sync_seconds = run.version.value if run.is_main else None, 0.0

@@ -1,8 +1,8 @@
 """Benchmarks of async_grpo on this machine, against the real vLLM server: one table, a JSON file
 with every figure, and a plot of reward against wall time.
 
-    python bench.py                   # the full configuration (about 9 minutes on 2 CPU cores)
-    python bench.py --tiny            # every part, small (about 1.5 minutes; the test runs it)
+    python bench.py                   # the full configuration (about 25 minutes on 2 CPU cores)
+    python bench.py --tiny            # every part, small (about 2.5 minutes; the test runs it)
 
 1. async vs sync: the same run (prompts, samples, steps, seed) with --sync, without (async), and async with
    --max-staleness 2, on the tool task with a tool that takes --tool-latency seconds: wall time, samples/s,
@@ -36,7 +36,6 @@ import async_grpo as ag
 def serve(path, out_dir):
     """A vLLM server as async_grpo.py starts it, with the bench's worker extension."""
     args = ag.parse_args(["--output-dir", str(out_dir), "--vllm-args", "--worker-extension-cls bench.BenchExtension"])
-    args.served_model = "policy"
     server = ag.start_vllm(args, path, out_dir)[0]
     server.model_path = path
     return server
@@ -173,7 +172,6 @@ def weight_sync(args, url, path):
     n_params = sum(p.numel() for p in model.parameters())
     gigabytes = n_params * 2 / 1e9  # bf16 on the wire
     run_args = ag.parse_args(["--output-dir", "unused"])
-    run_args.served_model = "policy"
     sync = ag.WeightSync([url], run_args, torch.bfloat16, ag.PolicyVersion())
     packed = timed(lambda: sync(model), args.reps)
 
@@ -224,7 +222,6 @@ def trainer_throughput(args):
     path = ag.build_tiny_model(args.cache_dir)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     run_args = ag.parse_args(["--output-dir", "unused"])
-    run_args.pad_id = 0
     samples = random_samples(args.train_samples, 512)
     tokens = sum(len(s["ids"]) for s in samples)
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.0)  # lr 0: every repetition trains the same model
@@ -251,7 +248,6 @@ def training_bound(path, metrics, samples_per_step, reps):
     new = round(statistics.mean(m["rollout/completion_tokens"] for m in metrics))
     samples = random_samples(samples_per_step, model.config.vocab_size, n_prompt=length - new, new=(new, new + 1))
     run_args = ag.parse_args(["--output-dir", "unused"])
-    run_args.pad_id = 0
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.0)  # lr 0: every repetition trains the same model
     torch.set_num_threads(os.cpu_count())
     try:
@@ -304,7 +300,6 @@ def truncation_cost(args):
         results[name] = {"vocab": vocab, "samples": len(samples), "tokens": sum(len(s["ids"]) for s in samples)}
         for top_p in (1.0, 0.9):
             run_args = ag.parse_args(["--output-dir", "unused", "--top-p", str(top_p)])
-            run_args.pad_id = 0
             optimizer = torch.optim.AdamW(model.parameters(), lr=0.0)
             num_tokens = sum(len(s["mask"]) for s in samples)
             peaks = []
@@ -398,7 +393,7 @@ def main():
               f"{100 * r['generator_idle']:.0f}%, trainer idle {100 * r['trainer_idle']:.0f}%")
     print(f"  training-only bound (the bare step, every core) {m['bound_samples_per_s']:.2f} samples/s: async is "
           f"{m['ratio']:.2f} of it, {m['speedup']:.2f}x --sync")
-    print(f"training step at --top-p 0.9 against 1.0 (the same batch; peak memory above the step's start):")
+    print("training step at --top-p 0.9 against 1.0 (the same batch; peak memory above the step's start):")
     for name, r in results["truncation"].items():
         one, nine = r["top_p_1.0"], r["top_p_0.9"]
         print(f"  vocabulary {r['vocab']:6d}, {r['samples']} samples, {r['tokens']} tokens: {one['seconds']:.3f} -> "

@@ -239,7 +239,6 @@ def test_sampler_logprobs_against_hand_computed_values(temperature):
 def test_micro_batching_and_padding_do_not_change_the_gradient(tiny_model, loss_type):
     from transformers import AutoModelForCausalLM
     args = ag.parse_args(["--output-dir", "unused", "--loss-type", loss_type, "--max-grad-norm", "1e9"])
-    args.pad_id = 0
     g = torch.Generator().manual_seed(0)
     samples = []
     for _ in range(11):  # lengths 12-60, tool tokens (mask 0) in the middle of some completions
@@ -266,6 +265,44 @@ def test_micro_batching_and_padding_do_not_change_the_gradient(tiny_model, loss_
         split, split_stats = gradient(size, list(order))
         torch.testing.assert_close(split, whole, atol=1e-6, rtol=1e-4)
         assert split_stats["loss"] == pytest.approx(stats["loss"], rel=1e-4, abs=1e-7)
+
+
+def test_the_trainer_takes_the_servers_core_only_while_vllm_is_idle(tiny_model):
+    """share_idle_core: in every decoder layer's forward and backward, one more torch thread once vLLM has had no
+    request for a second; none while a request is in flight (from the moment one starts) or in the busy-poll second;
+    the threads as they were after the step."""
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
+    layers = [m for m in model.modules() if type(m).__name__ in model._no_split_modules]
+    assert len(layers) == 2
+    seen, version, before = [], ag.PolicyVersion(), torch.get_num_threads()
+    for layer in layers:  # a forward hook runs after the layer's pre-hook; a weight's hook in the layer's backward
+        layer.register_forward_hook(lambda *_: seen.append(("forward", torch.get_num_threads())))
+        layer.mlp.down_proj.weight.register_hook(lambda grad: seen.append(("backward", torch.get_num_threads())))
+    ids = torch.randint(3, 400, (2, 12))
+
+    def step(request_starts_in_layer=None):
+        seen.clear()
+        with ag.share_idle_core(model, version):
+            if request_starts_in_layer is not None:
+                handle = layers[request_starts_in_layer].register_forward_hook(lambda *_: setattr(version, "in_flight", 1))
+            model(input_ids=ids).logits.sum().backward()
+        if request_starts_in_layer is not None:
+            handle.remove()
+        assert torch.get_num_threads() == 1
+        return [n for _, n in seen]
+    try:
+        torch.set_num_threads(1)
+        version.idle_since = time.perf_counter() - 5
+        assert step() == [2] * 4
+        version.in_flight = 1
+        assert step() == [1] * 4
+        version.in_flight, version.idle_since = 0, time.perf_counter()  # vLLM's worker still busy-polls
+        assert step() == [1] * 4
+        version.idle_since = time.perf_counter() - 5
+        assert step(request_starts_in_layer=0) == [2, 1, 1, 1]  # forward 0 (hook after it), forward 1, backward 1, 0
+    finally:
+        torch.set_num_threads(before)
 
 
 def test_take_hands_out_groups_in_start_order_skipping_and_dropping():
@@ -421,7 +458,6 @@ def serve(model_path, out, vllm_args=""):
     serve: the comparisons with the trainer below are made at that precision (a CPU run serves fp32, checked apart by
     test_a_cpu_server_holds_the_trainers_weights_exactly)."""
     args = ag.parse_args(["--output-dir", str(out), f"--vllm-args=--dtype bfloat16 {vllm_args}"])
-    args.served_model = "policy"
     proc, = ag.start_vllm(args, model_path, out)
     proc.model_path = model_path
     yield proc
@@ -467,7 +503,6 @@ def test_two_servers_share_the_requests_and_every_sync_reaches_both(server, tiny
     trainer, the first server's worker and both of the second's, each joining with its own rank."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
     args = ag.parse_args(["--output-dir", str(tmp_path), "--max-staleness", "4", "--vllm-args", "--tensor-parallel-size 2"])
-    args.served_model = "policy"
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")  # vLLM's CPU backend binds each worker to a core
     second, = ag.start_vllm(args, tiny_model, tmp_path)
     urls = [server.url, second.url]
@@ -573,7 +608,6 @@ def test_producer_stamps_versions_and_scores_groups(server, tiny_model):
     tok = AutoTokenizer.from_pretrained(tiny_model)
     args = ag.parse_args(["--output-dir", "unused", "--num-generations", "4", "--prompts-per-step", "2",
                           "--max-staleness", "0", "--tools"])
-    args.served_model = "policy"
     rows = ag.task_rows(50, seed=3)
     for row in rows:
         row["prompt"] = [{"role": "user", "content": row["prompt"]}]
@@ -710,7 +744,6 @@ def test_sync_modes_with_generations_spanning_a_sync(server, tiny_model, mode):
     args = ag.parse_args(["--output-dir", "unused", "--num-generations", "2", "--prompts-per-step", "2",
                           "--max-tokens", "600", "--sampling-args", '{"min_tokens": 600}', "--max-inflight", "4",
                           "--max-staleness", "4", "--sync-mode", mode])
-    args.served_model = "policy"
     rows = [{"id": i, "prompt": [{"role": "user", "content": f"What is {i} + 1?"}], "answer": i + 1} for i in range(8)]
     ctx = ag.rollout_context(tok, None, rows, served_context(server))
     version = ag.PolicyVersion(args.max_inflight)
@@ -1360,7 +1393,7 @@ MALFORMED = [
     ("tagged", f"<think>unfinished <tool_call>{ADD}</tool_call>", [], 0),
     # 3. only the start of a turn may switch format; prose is never executed
     ("tagged", f"Mistral writes [TOOL_CALLS] first. <tool_call>{ADD}</tool_call>", [CALC], 0),
-    ("tagged", f"[TOOL_CALLS]calculator[ARGS]{{\"expression\": \"1+1\"}}", [], 0),
+    ("tagged", "[TOOL_CALLS]calculator[ARGS]{\"expression\": \"1+1\"}", [], 0),
     ("tagged", f"Call {ADD} yourself.", [], 0),
     ("tagged", "The answer is 2</tool_call>", [], 0),
     ("tagged", "I could use <tool_call> here but will not.", [], 1),
@@ -1566,7 +1599,6 @@ def tool_args(tiny_model):
     from transformers import AutoTokenizer
     args = ag.parse_args(["--output-dir", "unused", "--tools", "calculator", "--tool-timeout", "0.5",
                           "--temperature", "0.7"])
-    args.served_model = "policy"
     return args, AutoTokenizer.from_pretrained(tiny_model)
 
 
