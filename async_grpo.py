@@ -38,6 +38,7 @@ import shlex
 import shutil
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import threading
@@ -151,7 +152,8 @@ def parse_args(argv=None, world_size=1):
                    help="importance weight per token, or per sequence (geometric mean of its tokens'; always with gspo)")
     g.add_argument("--beta", type=float, default=0.0, help="weight of a KL penalty to the frozen initial policy (0: off)")
     g.add_argument("--max-grad-norm", type=float, default=1.0, help="gradient clipping norm")
-    g.add_argument("--micro-batch-size", type=int, default=16, help="sequences per forward/backward (gradient accumulation)")
+    g.add_argument("--micro-batch-size", type=int, default=16,
+                   help="most sequences per forward/backward (gradient accumulation); fewer where lengths vary, see micro_batches")
     g.add_argument("--gradient-checkpointing", action="store_true", help="recompute activations in backward to save memory")
     g.add_argument("--fsdp", action="store_true",
                    help="shard weights, gradients and optimizer state over the torchrun ranks (FSDP2, one unit per "
@@ -1682,17 +1684,29 @@ def sampler_logprobs(logits, targets, temperature=1.0, top_k=0, top_p=1.0, min_p
 def shard(model):
     """FSDP2: each decoder layer is one unit, whose weights are gathered only while it computes; the root unit holds
     the rest (embeddings, head). Done in place: the module keeps its names, its parameters become DTensor shards."""
-    for module in model.modules():
-        if type(module).__name__ in (model._no_split_modules or ()):
-            fully_shard(module)
+    for layer in decoder_layers(model):
+        fully_shard(layer)
     return fully_shard(model)
 
 
+def decoder_layers(model):
+    """The model's repeated blocks (transformers names their classes in _no_split_modules)."""
+    return [m for m in model.modules() if type(m).__name__ in (model._no_split_modules or ())]
+
+
 def micro_batches(samples, size):
-    """The step's samples in micro-batches of `size`, shortest first: similar lengths pad less (10% faster steps on the
-    tool task here), and the order is free, since the loss is normalised over the whole step."""
+    """The step's samples, shortest first, in micro-batches of at most `size` sequences and at most `size` x 1.25 x the
+    step's median length in tokens, padding included (a sequence longer than that goes alone). A micro-batch pads to
+    its longest sequence, and a tool loop's long tail (a few rollouts 5x the median) made padding most of a step's
+    tokens: on the tool task here, 2.5x slower steps. The order is free: the loss is normalised over the whole step."""
     samples = sorted(samples, key=lambda s: len(s["ids"]))
-    return [samples[i:i + size] for i in range(0, len(samples), size)]
+    budget = size * 1.25 * statistics.median(len(s["ids"]) for s in samples)
+    batches = [[]]
+    for s in samples:
+        if batches[-1] and (len(batches[-1]) == size or (len(batches[-1]) + 1) * len(s["ids"]) > budget):
+            batches.append([])
+        batches[-1].append(s)
+    return batches
 
 
 def train_step(model, optimizer, samples, num_tokens, num_sequences, args, device, world_size, reference=None, stop_ids=(),
@@ -1802,18 +1816,17 @@ def share_idle_core(model, version, idle_after=1.0):
     of ours for idle_after seconds (its worker busy-polls for a second after its last step), and gives it back as soon
     as one is in flight; decided before each decoder layer's forward and backward. Generation is hidden behind training
     and then waits for the sync, so the server's core is often idle for much of a step."""
-    busy = torch.get_num_threads()
+    busy, every = torch.get_num_threads(), os.cpu_count() or 1
 
     def decide(*_):
         idle = not version.in_flight and time.perf_counter() - version.idle_since > idle_after
-        torch.set_num_threads(busy + 1 if idle else busy)
+        torch.set_num_threads(max(every, busy) if idle else busy)
 
     def before_backward(module, inputs, output):  # the hook on a layer's output runs just before the layer's backward
         hidden = output[0] if isinstance(output, tuple) else output
         if hidden.requires_grad:
             hidden.register_hook(lambda grad: decide())
-    layers = [m for m in model.modules() if type(m).__name__ in (model._no_split_modules or ())]
-    hooks = [h for m in layers for h in (m.register_forward_pre_hook(decide), m.register_forward_hook(before_backward))]
+    hooks = [h for m in decoder_layers(model) for h in (m.register_forward_pre_hook(decide), m.register_forward_hook(before_backward))]
     try:
         yield
     finally:

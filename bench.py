@@ -329,7 +329,7 @@ def main():
     args.prompts_per_step, args.num_generations = (2, 4) if args.tiny else (4, 8)
     args.train_samples = 16 if args.tiny else 64
     args.mid_steps, args.mid_max_tokens = (2, 16) if args.tiny else (8, 128)
-    args.truncation_samples = 4 if args.tiny else 32
+    args.truncation_samples = 1 if args.tiny else 32
     args.reps = args.reps or (1 if args.tiny else 5)
     output = Path(args.output).resolve()
     out_dir = output.parent / "bench_runs"

@@ -267,15 +267,39 @@ def test_micro_batching_and_padding_do_not_change_the_gradient(tiny_model, loss_
         assert split_stats["loss"] == pytest.approx(stats["loss"], rel=1e-4, abs=1e-7)
 
 
+@pytest.mark.parametrize("shape", ["equal", "near_equal", "long_tail", "uniform", "one_huge"])
+def test_micro_batches_bound_the_padded_tokens_and_keep_every_sample_once(shape):
+    """Shortest first, at most `size` sequences, and at most size x 1.25 x the median length in padded tokens unless a
+    sequence is alone; lengths that barely vary split as plain chunks of `size` would; a long tail pads far less."""
+    rng, size = random.Random(shape), 16
+    lengths = {"equal": [140] * 32, "near_equal": [rng.randint(150, 170) for _ in range(32)],
+               "long_tail": [rng.randint(100, 160) for _ in range(28)] + [500, 700, 900, 1000],
+               "uniform": [rng.randint(10, 1000) for _ in range(50)], "one_huge": [50] * 20 + [5000]}[shape]
+    samples = [{"ids": [0] * n, "i": i} for i, n in enumerate(lengths)]
+    micros = ag.micro_batches(random.Random(0).sample(samples, len(samples)), size)
+    flat = [s for m in micros for s in m]
+    assert sorted(s["i"] for s in flat) == list(range(len(samples)))
+    assert [len(s["ids"]) for s in flat] == sorted(lengths)
+    budget = size * 1.25 * np.median(lengths)
+    for m in micros:
+        assert 1 <= len(m) <= size and (len(m) == 1 or len(m) * len(m[-1]["ids"]) <= budget)
+    padded = sum(len(m) * len(m[-1]["ids"]) for m in micros)
+    chunks = [sorted(lengths)[i:i + size] for i in range(0, len(lengths), size)]
+    if shape in ("equal", "near_equal"):
+        assert [len(m) for m in micros] == [len(c) for c in chunks]
+    if shape in ("long_tail", "one_huge"):
+        assert padded < 0.6 * sum(len(c) * c[-1] for c in chunks)
+
+
 def test_the_trainer_takes_the_servers_core_only_while_vllm_is_idle(tiny_model):
-    """share_idle_core: in every decoder layer's forward and backward, one more torch thread once vLLM has had no
+    """share_idle_core: in every decoder layer's forward and backward, a torch thread per core once vLLM has had no
     request for a second; none while a request is in flight (from the moment one starts) or in the busy-poll second;
     the threads as they were after the step."""
     from transformers import AutoModelForCausalLM
     model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
-    layers = [m for m in model.modules() if type(m).__name__ in model._no_split_modules]
+    layers = ag.decoder_layers(model)
     assert len(layers) == 2
-    seen, version, before = [], ag.PolicyVersion(), torch.get_num_threads()
+    seen, version, before, every = [], ag.PolicyVersion(), torch.get_num_threads(), os.cpu_count()
     for layer in layers:  # a forward hook runs after the layer's pre-hook; a weight's hook in the layer's backward
         layer.register_forward_hook(lambda *_: seen.append(("forward", torch.get_num_threads())))
         layer.mlp.down_proj.weight.register_hook(lambda grad: seen.append(("backward", torch.get_num_threads())))
@@ -294,13 +318,13 @@ def test_the_trainer_takes_the_servers_core_only_while_vllm_is_idle(tiny_model):
     try:
         torch.set_num_threads(1)
         version.idle_since = time.perf_counter() - 5
-        assert step() == [2] * 4
+        assert step() == [every] * 4
         version.in_flight = 1
         assert step() == [1] * 4
         version.in_flight, version.idle_since = 0, time.perf_counter()  # vLLM's worker still busy-polls
         assert step() == [1] * 4
         version.idle_since = time.perf_counter() - 5
-        assert step(request_starts_in_layer=0) == [2, 1, 1, 1]  # forward 0 (hook after it), forward 1, backward 1, 0
+        assert step(request_starts_in_layer=0) == [every, 1, 1, 1]  # forward 0 (hook after it), forward 1, backward 1, 0
     finally:
         torch.set_num_threads(before)
 
@@ -456,7 +480,7 @@ def tiny_model():
 def serve(model_path, out, vllm_args=""):
     """A server as the script starts it, for a fixture to yield; stopped and checked gone afterwards. In bf16, as GPUs
     serve: the comparisons with the trainer below are made at that precision (a CPU run serves fp32, checked apart by
-    test_a_cpu_server_holds_the_trainers_weights_exactly)."""
+    test_a_run_with_its_own_server_serves_fp32_exactly_calls_tools_and_leaves_nothing_behind)."""
     args = ag.parse_args(["--output-dir", str(out), f"--vllm-args=--dtype bfloat16 {vllm_args}"])
     proc, = ag.start_vllm(args, model_path, out)
     proc.model_path = model_path
@@ -502,7 +526,8 @@ def test_two_servers_share_the_requests_and_every_sync_reaches_both(server, tiny
     """The second server runs tensor parallel over two CPU workers: the sync group then holds the
     trainer, the first server's worker and both of the second's, each joining with its own rank."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
-    args = ag.parse_args(["--output-dir", str(tmp_path), "--max-staleness", "4", "--vllm-args", "--tensor-parallel-size 2"])
+    args = ag.parse_args(["--output-dir", str(tmp_path), "--max-staleness", "4", "--vllm-args",
+                         "--tensor-parallel-size 2 --enforce-eager"])  # eager: compiling took 36 s more here
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")  # vLLM's CPU backend binds each worker to a core
     second, = ag.start_vllm(args, tiny_model, tmp_path)
     urls = [server.url, second.url]
@@ -714,15 +739,6 @@ def test_audit_mode_shows_a_bf16_level_mismatch_and_changes_nothing(server, tiny
     assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
 
 
-def test_a_cpu_server_holds_the_trainers_weights_exactly(tmp_path):
-    """The server a CPU run starts computes in fp32 and receives the weights in fp32: the trainer's log-probs of what it
-    sampled, under top-p, are vLLM's to fp32 precision, not bf16's (the audit above: a mismatch KL of 1e-5 to 1e-3)."""
-    code, out = run_cli("--output-dir", str(tmp_path), "--steps", "3", "--audit", "--top-p", "0.8")
-    assert code == 0 and "--dtype float32" in out, out[-3000:]
-    for m in read_metrics(tmp_path):
-        assert m["is/mismatch_kl"] < 1e-6 and m["is/ratio_min"] > 0.99 and m["is/ratio_max"] < 1.01
-
-
 def wait_for_vllm(url, metric, condition, timeout=60):
     """Poll one of vLLM's own metrics (requests running, tokens generated) until condition(value) holds."""
     deadline = time.monotonic() + timeout
@@ -893,13 +909,19 @@ def test_fsdp_two_ranks_sync_the_gathered_weights_and_resume(server, tiny_model,
         sync(AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32))
 
 
-def test_default_run_exits_cleanly_and_leaves_nothing_behind(tmp_path):
-    code, out = run_cli("--output-dir", str(tmp_path), "--steps", "3", "--wandb-project", "async-grpo-test",
-                        env={"WANDB_MODE": "offline"})
-    assert code == 0, out[-3000:]
+def test_a_run_with_its_own_server_serves_fp32_exactly_calls_tools_and_leaves_nothing_behind(tmp_path):
+    """The script starting its own server, as a user runs it. That server computes in fp32 and receives the weights in
+    fp32: with --sync every trained token was sampled by the weights the trainer holds, so its log-probs under top-p
+    are vLLM's to fp32 precision after every update, not bf16's (the audit above: a mismatch KL of 1e-5 to 1e-3)."""
+    code, out = run_cli("--output-dir", str(tmp_path), "--steps", "3", "--tools", "--sync", "--top-p", "0.8",
+                        "--wandb-project", "async-grpo-test", env={"WANDB_MODE": "offline"})
+    assert code == 0 and "--dtype float32" in out, out[-3000:]
     assert list((tmp_path / "wandb").glob("offline-run-*")), "wandb wrote no offline run"
     metrics = read_metrics(tmp_path)
     assert [m["step"] for m in metrics] == [1, 2, 3] and REQUIRED_METRICS <= set(metrics[0])
+    for m in metrics:
+        assert m["tools/calculator/calls"] >= 1 and m["tools/call_frequency"] > 0 and m["train/grad_norm"] > 0
+        assert m["is/mismatch_kl"] < 1e-6 and m["is/ratio_min"] > 0.99 and m["is/ratio_max"] < 1.01
     assert (tmp_path / "vllm.log").stat().st_size > 0 and (tmp_path / "checkpoint" / "config.json").exists()
     server_pid = int(re.search(r"starting vLLM \(pid (\d+)", out).group(1))
     assert processes_in_group(server_pid) == []
@@ -1661,13 +1683,6 @@ def test_tool_loop_ends_cleanly_at_the_context_limit(server, tool_args):
     for s in samples:
         assert len(s["ids"]) <= ctx["max_model_len"]
         assert s["truncated"] or s["ids"][-1] == tok.eos_token_id
-
-
-def test_default_run_with_tools_calls_them(server, tmp_path):
-    code, out = run_cli("--tools", "--vllm-url", server.url, "--output-dir", str(tmp_path), "--steps", "3")
-    assert code == 0, out[-3000:]
-    for m in read_metrics(tmp_path):
-        assert m["tools/calculator/calls"] >= 1 and m["tools/call_frequency"] > 0
 
 
 def test_bench_tiny_runs_every_part_and_writes_every_field(tmp_path):
