@@ -1694,11 +1694,12 @@ def decoder_layers(model):
     return [m for m in model.modules() if type(m).__name__ in (model._no_split_modules or ())]
 
 
-def micro_batches(samples, size):
+def micro_batches(samples, size, count=1):
     """The step's samples, shortest first, in micro-batches of at most `size` sequences and at most `size` x 1.25 x the
     step's median length in tokens, padding included (a sequence longer than that goes alone). A micro-batch pads to
     its longest sequence, and a tool loop's long tail (a few rollouts 5x the median) made padding most of a step's
-    tokens: on the tool task here, 2.5x slower steps. The order is free: the loss is normalised over the whole step."""
+    tokens: on the tool task here, 2.5x slower steps. The order is free: the loss is normalised over the whole step.
+    At least `count` micro-batches (the largest halved until then): every rank must run as many."""
     samples = sorted(samples, key=lambda s: len(s["ids"]))
     budget = size * 1.25 * statistics.median(len(s["ids"]) for s in samples)
     batches = [[]]
@@ -1706,6 +1707,9 @@ def micro_batches(samples, size):
         if batches[-1] and (len(batches[-1]) == size or (len(batches[-1]) + 1) * len(s["ids"]) > budget):
             batches.append([])
         batches[-1].append(s)
+    while len(batches) < count:
+        i = max((i for i, b in enumerate(batches) if len(b) > 1), key=lambda i: len(batches[i]) * len(batches[i][-1]["ids"]))
+        batches[i:i + 1] = [batches[i][:len(batches[i]) // 2], batches[i][len(batches[i]) // 2:]]
     return batches
 
 
@@ -1715,6 +1719,10 @@ def train_step(model, optimizer, samples, num_tokens, num_sequences, args, devic
     skipping that (set_requires_gradient_sync) would hold the unsharded gradients of the whole model on every rank."""
     model.train()
     totals, micros = {"loss": 0.0}, micro_batches(samples, args.micro_batch_size)
+    if world_size > 1:  # every rank runs as many forwards and backwards, whatever its lengths: DDP and FSDP communicate in them
+        count = torch.tensor(len(micros), device=device)
+        dist.all_reduce(count, op=dist.ReduceOp.MAX)
+        micros = micro_batches(samples, args.micro_batch_size, int(count))
     n_micro = len(micros)
     for i, micro in enumerate(micros):
         ids, attention, mask, sampler_logp, advantages, stop_masked = collate(

@@ -270,13 +270,15 @@ def test_micro_batching_and_padding_do_not_change_the_gradient(tiny_model, loss_
 @pytest.mark.parametrize("shape", ["equal", "near_equal", "long_tail", "uniform", "one_huge"])
 def test_micro_batches_bound_the_padded_tokens_and_keep_every_sample_once(shape):
     """Shortest first, at most `size` sequences, and at most size x 1.25 x the median length in padded tokens unless a
-    sequence is alone; lengths that barely vary split as plain chunks of `size` would; a long tail pads far less."""
+    sequence is alone; lengths that barely vary split as plain chunks of `size` would; a long tail pads far less; and
+    as many micro-batches as another rank needs, when asked."""
     rng, size = random.Random(shape), 16
     lengths = {"equal": [140] * 32, "near_equal": [rng.randint(150, 170) for _ in range(32)],
                "long_tail": [rng.randint(100, 160) for _ in range(28)] + [500, 700, 900, 1000],
                "uniform": [rng.randint(10, 1000) for _ in range(50)], "one_huge": [50] * 20 + [5000]}[shape]
     samples = [{"ids": [0] * n, "i": i} for i, n in enumerate(lengths)]
-    micros = ag.micro_batches(random.Random(0).sample(samples, len(samples)), size)
+    shuffled = random.Random(0).sample(samples, len(samples))
+    micros = ag.micro_batches(shuffled, size)
     flat = [s for m in micros for s in m]
     assert sorted(s["i"] for s in flat) == list(range(len(samples)))
     assert [len(s["ids"]) for s in flat] == sorted(lengths)
@@ -289,6 +291,9 @@ def test_micro_batches_bound_the_padded_tokens_and_keep_every_sample_once(shape)
         assert [len(m) for m in micros] == [len(c) for c in chunks]
     if shape in ("long_tail", "one_huge"):
         assert padded < 0.6 * sum(len(c) * c[-1] for c in chunks)
+    more = ag.micro_batches(shuffled, size, count=len(micros) + 3)  # another rank's count: the largest are halved
+    assert len(more) == len(micros) + 3 and all(more)
+    assert [s["i"] for m in more for s in m] == [s["i"] for s in flat]
 
 
 def test_the_trainer_takes_the_servers_core_only_while_vllm_is_idle(tiny_model):
