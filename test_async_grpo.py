@@ -870,6 +870,51 @@ def test_torchrun_two_ranks_keep_equal_weights(server, tmp_path):
     assert len(metrics) == 3 and metrics[0]["train/kl"] == 0 < metrics[-1]["train/kl"]  # 0 until the policy moves
 
 
+RANKS_OF_UNEQUAL_LENGTHS = """
+import sys, torch, torch.distributed as dist
+import async_grpo as ag
+from transformers import AutoModelForCausalLM
+wrap, path = sys.argv[1:]
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+args = ag.parse_args(["--output-dir", "unused"] + (["--fsdp"] if wrap == "fsdp" else []), 2)
+model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+model = ag.shard(model) if wrap == "fsdp" else torch.nn.parallel.DistributedDataParallel(model)
+optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+lengths = [40] * 16 if rank == 0 else [30] * 12 + [200, 300, 400, 500]  # alone: 1 micro-batch and 4
+samples = [{"ids": [3 + (7 * i + n) % 390 for i in range(n)], "n_prompt": 5, "mask": [1] * (n - 5),
+            "logprobs": [-2.0] * (n - 5), "advantage": 1.0 - 2 * (j % 2)} for j, n in enumerate(lengths)]
+for step in range(2):
+    ag.train_step(model, optimizer, samples, 2000, 32, args, torch.device("cpu"), 2)
+local = [p.to_local() if wrap == "fsdp" else p for p in model.parameters()]
+checksums = [None, None]
+dist.all_gather_object(checksums, sum(p.double().sum().item() for p in local))
+print("micro-batches", len(ag.micro_batches(samples, 16)), "checksums", checksums, flush=True)
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.parametrize("wrap", ["ddp", "fsdp"])
+def test_ranks_whose_lengths_split_differently_run_as_many_micro_batches(tiny_model, tmp_path, wrap):
+    """One rank's lengths make 1 micro-batch, the other's 4: every rank runs 4, or FSDP's per-micro-batch collectives
+    would wait forever (measured: a hang without it; DDP happened to finish)."""
+    script = tmp_path / "ranks.py"
+    script.write_text(RANKS_OF_UNEQUAL_LENGTHS)
+    proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", str(script), wrap,
+                             tiny_model], cwd=HERE, env=dict(os.environ, PYTHONPATH=str(HERE)), text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=180)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        pytest.fail(f"the ranks hung:\n{proc.communicate()[0][-3000:]}")
+    assert proc.returncode == 0, out[-3000:]
+    found = [line.split(" ", 3) for line in out.splitlines() if line.startswith("micro-batches")]  # one per rank
+    assert sorted(f[1] for f in found) == ["1", "4"]
+    checksums = json.loads(found[0][3])
+    assert wrap == "fsdp" or checksums[0] == checksums[1]  # DDP: the same weights on both ranks
+
+
 def served_outputs(server, tok):
     """vLLM's greedy tokens, and sampled tokens with their log-probs, for a few prompts, from an empty prefix cache."""
     ag.http(f"{server.url}/reset_prefix_cache", {})
