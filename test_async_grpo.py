@@ -871,7 +871,7 @@ def test_torchrun_two_ranks_keep_equal_weights(server, tmp_path):
 
 
 RANKS_OF_UNEQUAL_LENGTHS = """
-import sys, torch, torch.distributed as dist
+import json, sys, torch, torch.distributed as dist
 import async_grpo as ag
 from transformers import AutoModelForCausalLM
 wrap, path = sys.argv[1:]
@@ -889,7 +889,8 @@ for step in range(2):
 local = [p.to_local() if wrap == "fsdp" else p for p in model.parameters()]
 checksums = [None, None]
 dist.all_gather_object(checksums, sum(p.double().sum().item() for p in local))
-print("micro-batches", len(ag.micro_batches(samples, 16)), "checksums", checksums, flush=True)
+with open(f"{sys.argv[0]}.rank{rank}.json", "w") as f:  # a file each: two ranks' prints can interleave
+    json.dump({"micro_batches": len(ag.micro_batches(samples, 16)), "checksums": checksums}, f)
 dist.destroy_process_group()
 """
 
@@ -909,10 +910,9 @@ def test_ranks_whose_lengths_split_differently_run_as_many_micro_batches(tiny_mo
         os.killpg(proc.pid, signal.SIGKILL)
         pytest.fail(f"the ranks hung:\n{proc.communicate()[0][-3000:]}")
     assert proc.returncode == 0, out[-3000:]
-    found = [line.split(" ", 3) for line in out.splitlines() if line.startswith("micro-batches")]  # one per rank
-    assert sorted(f[1] for f in found) == ["1", "4"]
-    checksums = json.loads(found[0][3])
-    assert wrap == "fsdp" or checksums[0] == checksums[1]  # DDP: the same weights on both ranks
+    ranks = [json.loads(Path(f"{script}.rank{r}.json").read_text()) for r in range(2)]
+    assert [r["micro_batches"] for r in ranks] == [1, 4]
+    assert wrap == "fsdp" or ranks[0]["checksums"][0] == ranks[0]["checksums"][1]  # DDP: the same weights on both ranks
 
 
 def served_outputs(server, tok):
