@@ -21,32 +21,8 @@ producer does not start a group whose tokens would be more than --max-staleness 
 trained (0: synchronous, --sync).
 """
 
-import argparse
-import asyncio
-import contextlib
-import ctypes
-import functools
-import inspect
-import itertools
-import json
-import math
-import os
-import queue
-import random
-import re
-import shlex
-import shutil
-import signal
-import socket
-import statistics
-import subprocess
-import sys
-import threading
-import time
-import traceback
-import urllib.error
-import urllib.parse
-import urllib.request
+import argparse, asyncio, contextlib, ctypes, functools, inspect, itertools, json, math, os, queue, random, re
+import shlex, shutil, signal, socket, subprocess, sys, threading, time, traceback, urllib.error, urllib.parse, urllib.request
 from collections import defaultdict
 from dataclasses import dataclass, field
 from concurrent.futures import ThreadPoolExecutor
@@ -82,12 +58,10 @@ def parse_args(argv=None, world_size=1):
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     g = p.add_argument_group("model and data")
     g.add_argument("--model", default=None,
-                   help="hub name or local path of a causal LM, or of an image-text model (trained on text, its "
-                        "vision tower frozen), that transformers and vLLM load, or a .gguf file (dequantised once into "
-                        "--cache-dir); default: the tiny built-in model, built once into --cache-dir")
-    g.add_argument("--dataset", default=None,
-                   help="JSONL file, one prompt per row: {\"prompt\": str or chat messages, ...}; the other "
-                        "columns reach the reward functions by name. Default: the built-in --task")
+                   help="hub name or local path of a causal LM or an image-text model (its vision tower frozen), or a "
+                        ".gguf file (dequantised once into --cache-dir); default: the tiny built-in model")
+    g.add_argument("--dataset", default=None, help="JSONL file, one row {\"prompt\": str or chat messages, ...} per line; "
+                                                   "the other columns reach the rewards by name. Default: --task")
     g.add_argument("--task", choices=["arithmetic", "countdown"], default="arithmetic",
                    help="built-in task without --dataset: 'What is 3 + 4?', or reach a target from given numbers")
     g.add_argument("--max-operand", type=int, default=4, help="built-in task: the largest operand")
@@ -100,20 +74,17 @@ def parse_args(argv=None, world_size=1):
                    help="where the built-in model and dequantised GGUF models are built once and reused")
     g.add_argument("--seed", type=int, default=0, help="seed of data order, sampling and init (rank adds to it)")
 
-    g = p.add_argument_group("rollout")
+    g = p.add_argument_group("rollout (the trainer's log-probs use the same temperature and truncation)")
     g.add_argument("--num-generations", type=int, default=8, help="rollouts per prompt (G, the group size)")
     g.add_argument("--prompts-per-step", type=int, default=8, help="groups per optimizer step")
     g.add_argument("--max-tokens", type=int, default=48, help="most tokens generated per assistant turn")
-    g.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (the trainer's log-probs use it too)")
-    g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling: keep the most likely tokens up to this mass "
-                                                             "(the trainer's log-probs are taken over the same tokens)")
-    g.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0: all; as --top-p for the trainer)")
-    g.add_argument("--min-p", type=float, default=0.0,
-                   help="keep tokens with at least this share of the top token's probability (0: all; as --top-p)")
+    g.add_argument("--temperature", type=float, default=1.0, help="sampling temperature")
+    g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling: the most likely tokens up to this mass")
+    g.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0: all)")
+    g.add_argument("--min-p", type=float, default=0.0, help="keep tokens with this share of the top one's probability")
     g.add_argument("--max-inflight", type=int, default=64, help="most generation requests open at once")
     g.add_argument("--sampling-args", type=json.loads, default={},
-                   help=f"more vLLM sampling parameters as JSON, of {sorted(SAMPLING_ARGS)}, e.g. '{{\"min_tokens\": 4}}'; "
-                        "penalties, logit bias and the like change the distribution in ways the trainer does not reproduce")
+                   help=f"more vLLM sampling parameters as JSON, of {sorted(SAMPLING_ARGS)}, e.g. '{{\"min_tokens\": 4}}'")
 
     g = p.add_argument_group("tools")
     g.add_argument("--tools", nargs="?", const="all", default=None,
@@ -124,42 +95,35 @@ def parse_args(argv=None, world_size=1):
                    help="seconds every tool-calling turn takes at least: stands in for a remote tool (bench.py)")
 
     g = p.add_argument_group("reward")
-    g.add_argument("--rewards", default=None,
-                   help=f"comma list of NAME[:WEIGHT] from rewards.py {sorted(rewards_module.REWARDS)}; default: "
-                        "correct_answer:1.0,format_reward:0.2, or countdown:1.0 for --task countdown")
+    g.add_argument("--rewards", default=None, help=f"comma list of NAME[:WEIGHT] of {sorted(rewards_module.REWARDS)}; "
+                   "default: correct_answer:1.0,format_reward:0.2, or countdown:1.0 for --task countdown")
     g.add_argument("--skip-zero-variance", action="store_true",
                    help="skip groups whose rewards are all equal (zero advantage, no signal) and train on the next ones")
 
-    g = p.add_argument_group("loss and optimizer")
+    g = p.add_argument_group("loss and optimizer (see grpo_loss)")
     g.add_argument("--steps", type=int, default=60, help="optimizer steps")
-    g.add_argument("--lr", type=float, default=None,
-                   help="AdamW learning rate (default: 3e-4 for the built-in tiny model, 1e-6 for --model)")
+    g.add_argument("--lr", type=float, default=None, help="AdamW learning rate; default: 3e-4 built-in model, 1e-6 --model")
     g.add_argument("--warmup-steps", type=int, default=0, help="linear learning-rate warm-up")
     g.add_argument("--weight-decay", type=float, default=0.0, help="AdamW weight decay")
     g.add_argument("--epsilon", type=float, default=0.2, help="lower clip range of the ratio: 1 - epsilon")
     g.add_argument("--epsilon-high", type=float, default=0.28, help="upper clip range of the ratio: 1 + epsilon-high")
     g.add_argument("--loss-type", choices=["token", "sequence", "constant", "gspo"], default="token",
-                   help="normalisation of the surrogate: token (DAPO), sequence (GRPO), constant (Dr. GRPO), "
-                        "gspo (one clipped ratio per sequence); see grpo_loss")
+                   help="token (DAPO), sequence (GRPO), constant (Dr. GRPO), gspo (one clipped ratio per sequence)")
     g.add_argument("--scale-rewards", choices=["group", "none"], default="group",
                    help="divide advantages by the group's reward std (GRPO) or not (Dr. GRPO)")
     g.add_argument("--is-correction", choices=["none", "tis", "mis"], default="none",
-                   help="importance weights pi_trainer / pi_vLLM on top of the clipped surrogate: none (the ratio is "
-                        "taken against vLLM's log-probs), truncated at --is-threshold (tis), or masked outside "
-                        "[1/threshold, threshold] (mis); see grpo_loss")
+                   help="importance weights pi_trainer / pi_vLLM: none (the ratio is against vLLM's log-probs), "
+                        "truncated at --is-threshold (tis), or masked outside [1/threshold, threshold] (mis)")
     g.add_argument("--is-threshold", type=float, default=2.0, help="truncation / masking bound of the importance weights")
     g.add_argument("--is-level", choices=["token", "sequence"], default="token",
                    help="importance weight per token, or per sequence (geometric mean of its tokens'; always with gspo)")
     g.add_argument("--beta", type=float, default=0.0, help="weight of a KL penalty to the frozen initial policy (0: off)")
     g.add_argument("--max-grad-norm", type=float, default=1.0, help="gradient clipping norm")
     g.add_argument("--micro-batch-size", type=int, default=16,
-                   help="most sequences per forward/backward (gradient accumulation); fewer where lengths vary, see micro_batches")
+                   help="most sequences per forward/backward (gradient accumulation); fewer where lengths vary")
     g.add_argument("--gradient-checkpointing", action="store_true", help="recompute activations in backward to save memory")
-    g.add_argument("--fsdp", action="store_true",
-                   help="shard weights, gradients and optimizer state over the torchrun ranks (FSDP2, one unit per "
-                        "decoder layer) instead of a copy on each (DDP), for models that do not fit on one GPU. "
-                        "Checkpoints gather the full model into rank 0's CPU memory; that takes every rank, so an "
-                        "error mid-run saves none: use --save-every")
+    g.add_argument("--fsdp", action="store_true", help="shard weights, gradients and optimizer state over the torchrun "
+                   "ranks (FSDP2, a unit per decoder layer) instead of a copy on each (DDP)")
 
     g = p.add_argument_group("asynchrony and weight sync")
     g.add_argument("--sync-every", type=int, default=1, help="optimizer steps between weight syncs to vLLM")
@@ -168,16 +132,14 @@ def parse_args(argv=None, world_size=1):
     g.add_argument("--sync", action="store_true",
                    help="synchronous baseline: generate a batch, train on it, sync, repeat (= --max-staleness 0)")
     g.add_argument("--sync-mode", choices=["keep", "wait", "abort"], default="keep",
-                   help="what happens to requests in flight at a sync: stopped and continued with the new weights "
-                        "(keep), finished before the sync (wait), or restarted with the new weights (abort)")
-    g.add_argument("--sync-bucket-mb", type=float, default=16,
-                   help="size of the packed buffers the weights travel in; one is packed while the last travels")
+                   help="requests in flight at a sync: stopped and continued with the new weights (keep), finished "
+                        "before the sync (wait), or restarted with the new weights (abort)")
+    g.add_argument("--sync-bucket-mb", type=float, default=16, help="MiB per packed buffer the weights travel in")
     g.add_argument("--sync-timeout", type=float, default=300, help="seconds a weight sync may take before the run fails")
     g.add_argument("--data-timeout", type=float, default=600, help="seconds the trainer waits for a batch before failing")
 
     g = p.add_argument_group("vLLM server")
-    g.add_argument("--vllm-url", default=None,
-                   help="use these running servers (a comma list of URLs) instead of starting any")
+    g.add_argument("--vllm-url", default=None, help="use these running servers (a comma list of URLs) instead of starting any")
     g.add_argument("--vllm-servers", type=int, default=1,
                    help="servers to start; each takes an equal share of --vllm-gpus (tensor parallel over its share)")
     g.add_argument("--vllm-gpus", default=None, help="CUDA devices of the servers started here, e.g. '1' or '4,5,6,7'")
@@ -187,71 +149,61 @@ def parse_args(argv=None, world_size=1):
     g.add_argument("--max-model-len", type=int, default=None, help="context length of the server (default: the model's)")
 
     g = p.add_argument_group("logging and checkpoints")
-    g.add_argument("--output-dir", default=None, help="metrics.jsonl, checkpoints and the server log go here (default: runs/<time>)")
+    g.add_argument("--output-dir", default=None, help="metrics.jsonl, checkpoints and the server log (default: runs/<time>)")
     g.add_argument("--eval-every", type=int, default=0, help="greedy evaluation on the held-out rows every N steps (0: off)")
     g.add_argument("--save-every", type=int, default=0,
                    help="save a checkpoint every N steps (0: only at the end, on Ctrl-C/SIGTERM and on errors)")
     g.add_argument("--resume", action="store_true", help="continue the run in --output-dir from its latest checkpoint")
     g.add_argument("--wandb-project", default=None, help="also log to this wandb project (WANDB_MODE=offline works)")
-    g.add_argument("--log-rollouts", type=int, default=4, help="rollouts per step written to rollouts.jsonl (text, reward, "
-                                                               "per-token policy versions)")
+    g.add_argument("--log-rollouts", type=int, default=4, help="rollouts per step written to rollouts.jsonl")
     g.add_argument("--audit", action="store_true",
                    help="keep the weights fixed (--lr 0) and report how far the trainer's log-probs are from vLLM's")
 
     args = p.parse_args(argv)
-    if args.num_generations < 2:
-        p.error("--num-generations must be at least 2: advantages are relative to the group")
-    if args.epsilon_high < args.epsilon:
-        p.error("--epsilon-high must be >= --epsilon")
-    if (args.prompts_per_step * args.num_generations) % world_size:
-        p.error(f"--prompts-per-step x --num-generations = {args.prompts_per_step * args.num_generations} samples "
-                f"per step must divide evenly over {world_size} ranks")
-    if args.fsdp and world_size < 2:
-        p.error("--fsdp shards the model over torchrun's ranks: launch with torchrun --nproc-per-node N, N >= 2")
-    if args.max_staleness < 0 or args.sync_every < 1:
-        p.error("--max-staleness must be >= 0 and --sync-every >= 1")
-    if args.is_threshold <= 1:
-        p.error("--is-threshold must be > 1")
-    if args.temperature <= 0 or not 0 < args.top_p <= 1 or args.top_k < 0 or not 0 <= args.min_p < 1:
-        p.error("--temperature must be > 0, --top-p in (0, 1], --top-k >= 0 and --min-p in [0, 1)")
-    if not isinstance(args.sampling_args, dict):
-        p.error("--sampling-args must be a JSON object")
-    if unsupported := sorted(set(args.sampling_args) - SAMPLING_ARGS):
-        p.error(f"--sampling-args: {unsupported} not supported: the trainer's log-probs would not be those of the "
-                f"distribution vLLM samples from. Supported: {sorted(SAMPLING_ARGS)}; temperature, top_p, top_k and "
-                f"min_p have flags of their own (--temperature, --top-p, --top-k, --min-p)")
-    if args.sync:
-        args.max_staleness = 0
-    if args.vllm_servers < 1 or (args.vllm_gpus and len(args.vllm_gpus.split(",")) % args.vllm_servers):
-        p.error(f"--vllm-servers {args.vllm_servers} must be >= 1 and divide the --vllm-gpus {args.vllm_gpus} evenly")
-    if args.tools is not None:
-        names = list(tools_module.TOOLS) if args.tools == "all" else [n.strip() for n in args.tools.split(",")]
-        unknown = [n for n in names if n not in tools_module.TOOLS]
-        if unknown:
-            p.error(f"--tools: unknown tool(s) {unknown}; tools.py defines {sorted(tools_module.TOOLS)}")
-        args.tool_names = names
-    else:
-        args.tool_names = []
-    if args.max_operand < 1 or args.terms < 2 or not args.operations or set(args.operations) - set("+-*/"):
-        p.error("--max-operand must be >= 1, --terms >= 2, and --operations a non-empty string of '+-*/'")
+    unsupported = sorted(set(args.sampling_args) - SAMPLING_ARGS) if isinstance(args.sampling_args, dict) else []
+    checks = [
+        (args.num_generations < 2, "--num-generations must be at least 2: advantages are relative to the group"),
+        (args.epsilon_high < args.epsilon, "--epsilon-high must be >= --epsilon"),
+        ((args.prompts_per_step * args.num_generations) % world_size, f"--prompts-per-step x --num-generations = "
+         f"{args.prompts_per_step * args.num_generations} samples per step must divide evenly over {world_size} ranks"),
+        (args.fsdp and world_size < 2, "--fsdp shards the model over torchrun's ranks: launch with torchrun "
+                                       "--nproc-per-node N, N >= 2"),
+        (args.max_staleness < 0 or args.sync_every < 1, "--max-staleness must be >= 0 and --sync-every >= 1"),
+        (args.is_threshold <= 1, "--is-threshold must be > 1"),
+        (args.temperature <= 0 or not 0 < args.top_p <= 1 or args.top_k < 0 or not 0 <= args.min_p < 1,
+         "--temperature must be > 0, --top-p in (0, 1], --top-k >= 0 and --min-p in [0, 1)"),
+        (not isinstance(args.sampling_args, dict), "--sampling-args must be a JSON object"),
+        (unsupported, f"--sampling-args: {unsupported} not supported: the trainer's log-probs would not be those of "
+         f"the distribution vLLM samples from. Supported: "
+         f"{sorted(SAMPLING_ARGS)}; temperature, top_p, top_k and min_p have flags of their own (--temperature, "
+         "--top-p, --top-k, --min-p)"),
+        (args.vllm_servers < 1 or args.vllm_gpus and len(args.vllm_gpus.split(",")) % args.vllm_servers,
+         f"--vllm-servers {args.vllm_servers} must be >= 1 and divide the --vllm-gpus {args.vllm_gpus} evenly"),
+        (args.max_operand < 1 or args.terms < 2 or not args.operations or set(args.operations) - set("+-*/"),
+         "--max-operand must be >= 1, --terms >= 2, and --operations a non-empty string of '+-*/'"),
+        (args.resume and not args.output_dir, "--resume needs the --output-dir of the run to continue")]
+    args.tool_names = [] if args.tools is None else list(tools_module.TOOLS) if args.tools == "all" else \
+        [n.strip() for n in args.tools.split(",")]
+    checks.append((set(args.tool_names) - set(tools_module.TOOLS), f"--tools: unknown tool(s) "
+                   f"{sorted(set(args.tool_names) - set(tools_module.TOOLS))}; tools.py defines {sorted(tools_module.TOOLS)}"))
     args.rewards = args.rewards or ("countdown:1.0" if args.task == "countdown" else "correct_answer:1.0,format_reward:0.2")
-    args.reward_weights = {}
-    for item in args.rewards.split(","):
-        name, _, weight = item.strip().partition(":")
-        if name not in rewards_module.REWARDS:
-            p.error(f"--rewards: unknown reward {name!r}; rewards.py defines {sorted(rewards_module.REWARDS)}")
-        args.reward_weights[name] = float(weight or 1.0)
+    try:
+        args.reward_weights = {name.strip(): float(weight or 1.0) for name, _, weight in
+                               (item.partition(":") for item in args.rewards.split(","))}
+    except ValueError:
+        p.error(f"--rewards {args.rewards}: a WEIGHT is not a number")
+    checks.append((set(args.reward_weights) - set(rewards_module.REWARDS), f"--rewards: unknown reward(s) "
+                   f"{sorted(set(args.reward_weights) - set(rewards_module.REWARDS))}; rewards.py defines "
+                   f"{sorted(rewards_module.REWARDS)}"))
     gguf = args.model if args.model and args.model.endswith(".gguf") else None
-    for flag, path in [("--dataset", args.dataset), ("--chat-template", args.chat_template), ("--model", gguf)]:
-        if path and not os.path.isfile(path):
-            p.error(f"{flag}: no file {path}")
-    if args.resume and not args.output_dir:
-        p.error("--resume needs the --output-dir of the run to continue")
+    checks += [(path and not os.path.isfile(path), f"{flag}: no file {path}")
+               for flag, path in [("--dataset", args.dataset), ("--chat-template", args.chat_template), ("--model", gguf)]]
+    for failed, message in checks:
+        if failed:
+            p.error(message)
+    args.max_staleness = 0 if args.sync else args.max_staleness
     args.output_dir = args.output_dir or time.strftime("runs/%Y%m%d-%H%M%S")
-    if args.audit:
-        args.lr = 0.0
-    elif args.lr is None:
-        args.lr = 3e-4 if args.model is None else 1e-6
+    args.lr = 0.0 if args.audit else args.lr if args.lr is not None else 3e-4 if args.model is None else 1e-6
     return args
 
 
@@ -265,19 +217,27 @@ def load_rows(args):
     if args.dataset is None:
         rows = task_rows(5000 + args.eval_size, args.seed, args.task, args.max_operand, args.terms, args.operations)
     else:
-        rows = []
-        with open(args.dataset) as f:
-            for line_no, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                try:
-                    row = json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise SystemExit(f"--dataset {args.dataset}, line {line_no}: not JSON ({e})")
-                if not isinstance(row, dict) or "prompt" not in row:
-                    raise SystemExit(f"--dataset {args.dataset}, line {line_no}: each row needs a 'prompt' field")
-                row.setdefault("id", len(rows))
-                rows.append(row)
+        rows, lines = [], {}  # lines: id -> line; rollouts find their prompt by its row's id
+        for line_no, line in enumerate(Path(args.dataset).read_text().splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise SystemExit(f"--dataset {args.dataset}, line {line_no}: not JSON ({e})")
+            prompt = row.get("prompt") if isinstance(row, dict) else None
+            if not isinstance(prompt, str) and not (isinstance(prompt, list) and prompt and all(
+                    isinstance(m, dict) and isinstance(m.get("role"), str) for m in prompt)):
+                raise SystemExit(f"--dataset {args.dataset}, line {line_no}: each row needs a 'prompt' field, a string "
+                                 "or a non-empty list of chat messages {\"role\": ..., \"content\": ...}")
+            row = {"id": len(rows), **row}
+            taken = isinstance(row["id"], (str, int)) and lines.get(row["id"])
+            if taken or not isinstance(row["id"], (str, int)):
+                raise SystemExit(f"--dataset {args.dataset}, line {line_no}: the id {row['id']!r} is "
+                                 + (f"line {taken}'s too" if taken else "not a string or integer")
+                                 + "; ids must be unique (or leave the column out)")
+            lines[row["id"]] = line_no
+            rows.append(row)
     for row in rows:
         messages = row["prompt"] if isinstance(row["prompt"], list) else [{"role": "user", "content": row["prompt"]}]
         if args.system_prompt and messages[0]["role"] != "system":
@@ -337,11 +297,16 @@ def dequantise_gguf(path, cache_dir):
     del quantised.config.quantization_config
     model = type(quantised)(quantised.config)
     model.load_state_dict(quantised.state_dict())
-    tmp = out.with_name(f"{out.name}.tmp{os.getpid()}")
-    model.to(torch.bfloat16).save_pretrained(tmp)
-    tok.save_pretrained(tmp)
-    os.replace(tmp, out)
-    return str(out)
+    return save_whole(out, model.to(torch.bfloat16), tok)
+
+
+def save_whole(path, *parts):
+    """Save under a temporary name, then rename: a half-built model is never picked up."""
+    tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
+    for part in parts:
+        part.save_pretrained(tmp)
+    os.replace(tmp, path)
+    return str(path)
 
 
 # The built-in model, for the default run and the tests: a ~0.5M-parameter Qwen3 that runs anywhere, no network.
@@ -429,11 +394,7 @@ def build_tiny_model(cache_dir, warm_start_steps=400):
         opt.zero_grad()
         if step % 100 == 0 or step == warm_start_steps - 1:
             print(f"  warm start {step:4d}/{warm_start_steps} loss {loss.item():.3f}", flush=True)
-    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-    model.save_pretrained(tmp)
-    tok.save_pretrained(tmp)
-    os.replace(tmp, path)  # atomic: a half-built model is never picked up
-    return str(path)
+    return save_whole(path, model, tok)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -858,11 +819,10 @@ def tool_result_ids(tok, history, tool_messages, schemas, turn_ends, stopped=Tru
 # ----------------------------------------------------------------------------------------------
 
 class PolicyVersion:
-    """Which weights vLLM serves: a count the weight sync advances, a gate it closes meanwhile, and
-    the requests in flight (at most max_inflight). The sync closes the gate, pauses vLLM, and waits
-    until every request in flight has answered (finished or stopped) before it changes the weights;
-    so each request runs on the weights of the version it was stamped with, and a token's version is
-    exact."""
+    """Which weights vLLM serves: a count the weight sync advances, a gate it closes meanwhile, and the requests in
+    flight (at most max_inflight). The sync closes the gate, pauses vLLM, and waits until every request in flight has
+    answered (finished or stopped) before it changes the weights; so each request runs on the weights of the version it
+    was stamped with, and a token's version is exact."""
 
     def __init__(self, max_inflight=64):
         self.value, self.open, self.in_flight, self.lock = 0, True, 0, threading.Lock()
@@ -1339,6 +1299,25 @@ def stop_vllm(proc, grace=15):
         time.sleep(0.1)
 
 
+def served_config(url):
+    """(context length, dtype) of a server, checked to be one that start_vllm would start (--vllm-url may be anything)."""
+    how = (f"start it with --served-model-name {SERVED_MODEL} --worker-extension-cls async_grpo.WeightSyncExtension "
+           "--logprobs-mode processed_logprobs and VLLM_SERVER_DEV_MODE=1, as README.md shows")
+    try:
+        models = {m["id"]: m for m in http(f"{url}/v1/models", timeout=30)["data"]}
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise SystemExit(f"--vllm-url {url}: no vLLM server answers there ({type(e).__name__}: {str(e)[:200]})")
+    if SERVED_MODEL not in models:
+        raise SystemExit(f"--vllm-url {url} serves {sorted(models)}, not {SERVED_MODEL!r}: {how}")
+    try:
+        dtype, logprobs_mode = http(f"{url}/collective_rpc", {"method": "served_config"}, timeout=30)["results"][0]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise SystemExit(f"--vllm-url {url}: its workers cannot take weights ({type(e).__name__}: {str(e)[:200]}): {how}")
+    if logprobs_mode != "processed_logprobs":  # raw log-probs ignore temperature and truncation: the ratios would be off
+        raise SystemExit(f"--vllm-url {url} returns {logprobs_mode}: {how}")
+    return models[SERVED_MODEL]["max_model_len"], dtype
+
+
 # ----------------------------------------------------------------------------------------------
 # Weight sync: trainer rank 0 broadcasts packed buckets to every vLLM worker over its own group
 # ----------------------------------------------------------------------------------------------
@@ -1352,9 +1331,11 @@ class WeightSyncExtension:
         self.weight_sync_group = stateless_init_torch_distributed_process_group(  # first_rank: this server's first
             host, port, rank=first_rank + self.rank, world_size=world_size, backend=backend, timeout=timedelta(seconds=timeout))
 
-    def served_dtype(self):
-        """What this server computes in: the weights are sent in it, and the trainer rounds logits to it."""
-        return str(self.vllm_config.model_config.dtype).removeprefix("torch.")
+    def served_config(self):
+        """What this server computes in (the weights are sent in it, the trainer rounds logits to it), and which
+        log-probs it returns."""
+        config = self.vllm_config.model_config
+        return str(config.dtype).removeprefix("torch."), config.logprobs_mode
 
     def unknown_weight_names(self, names):
         """The names among `names` that this server's model has no parameter for, after vLLM's own
@@ -1701,7 +1682,7 @@ def micro_batches(samples, size, count=1):
     tokens: on the tool task here, 2.5x slower steps. The order is free: the loss is normalised over the whole step.
     At least `count` micro-batches (the largest halved until then): every rank must run as many."""
     samples = sorted(samples, key=lambda s: len(s["ids"]))
-    budget = size * 1.25 * statistics.median(len(s["ids"]) for s in samples)
+    budget = size * 1.25 * np.median([len(s["ids"]) for s in samples])
     batches = [[]]
     for s in samples:
         if batches[-1] and (len(batches[-1]) == size or (len(batches[-1]) + 1) * len(s["ids"]) > budget):
@@ -2012,8 +1993,9 @@ def start_generation(run):
     if run.is_main:
         run.servers = [] if args.vllm_url else start_vllm(args, run.model_path, run.out_dir)
         urls = args.vllm_url.split(",") if args.vllm_url else [server.url for server in run.servers]
-        run.ctx["max_model_len"] = min(http(f"{url}/v1/models")["data"][0]["max_model_len"] for url in urls)
-        served = [http(f"{urls[0]}/collective_rpc", {"method": "served_dtype"})["results"][0]]
+        configs = [served_config(url) for url in urls]
+        run.ctx["max_model_len"] = min(length for length, _ in configs)
+        served = [configs[0][1]]
     else:
         served = [None]
     if run.world_size > 1:  # every rank packs the weights and rounds the logits as the servers compute

