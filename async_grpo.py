@@ -1023,9 +1023,9 @@ async def score_group(samples, row, reward_weights):
     for name, weight in reward_weights.items():
         fn = rewards_module.REWARDS[name]
         values = await fn(**kwargs) if inspect.iscoroutinefunction(fn) else await asyncio.to_thread(fn, **kwargs)
-        if len(values) != G:
-            raise ValueError(f"reward {name} returned {len(values)} values for a group of {G}")
-        parts[name] = np.asarray(values, dtype=np.float64)
+        parts[name] = np.asarray(values, dtype=np.float64)  # None becomes NaN, which would poison the whole update
+        if parts[name].shape != (G,) or not np.isfinite(parts[name]).all():
+            raise ValueError(f"reward {name} returned {str(values)[:200]} for a group of {G}: one finite number each")
         total += weight * parts[name]
     return total, parts
 
@@ -1729,7 +1729,10 @@ def train_step(model, optimizer, samples, num_tokens, num_sequences, args, devic
             else:
                 totals[k] = totals.get(k, 0.0) + v / n_micro
     totals["train/grad_norm"] = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm).item()
-    optimizer.step()
+    if math.isfinite(totals["train/grad_norm"]):
+        optimizer.step()
+    else:  # one NaN or inf would make every weight NaN, then synced and saved: the update is skipped instead
+        print(f"warning: skipped an update whose gradient norm is {totals['train/grad_norm']}", flush=True)
     optimizer.zero_grad(set_to_none=True)
     return dict(totals)
 

@@ -163,6 +163,19 @@ def test_kl_penalty_to_the_reference_against_hand_computed_values():
     assert stats["train/kl"] == pytest.approx(kl / 5)
 
 
+@pytest.mark.parametrize("values", [[1.0, float("nan")], [1.0, None], [float("inf"), 0.0], [1.0], [[1.0], [0.0]]],
+                         ids=["nan", "none", "inf", "too_few", "nested"])
+def test_a_reward_that_is_not_one_finite_number_per_rollout_fails_its_group(monkeypatch, values):
+    """A fork's reward (here one that returns `values`) must not reach the advantages with NaN in it: one NaN makes
+    every weight NaN after the update, silently. The producer drops a group whose scoring raises (and counts it)."""
+    samples = [{"messages": [], "ids": [1, 2], "n_prompt": 1, "tool_calls": 0, "tool_failures": 0, "truncated": False}] * 2
+    monkeypatch.setitem(ag.rewards_module.REWARDS, "forked", lambda **kwargs: [1.0, 0.0])
+    assert asyncio.run(ag.score_group(samples, {"id": 0, "prompt": []}, {"forked": 2.0}))[0].tolist() == [2.0, 0.0]
+    monkeypatch.setitem(ag.rewards_module.REWARDS, "forked", lambda **kwargs: values)
+    with pytest.raises(ValueError, match="reward forked returned .* one finite number each"):
+        asyncio.run(ag.score_group(samples, {"id": 0, "prompt": []}, {"forked": 2.0}))
+
+
 def test_unscaled_advantages_are_centred_rewards():
     assert np.allclose(ag.group_advantages([1.0, 0.0, 0.0, 1.0], scale=False), [0.5, -0.5, -0.5, 0.5])
 
@@ -267,6 +280,20 @@ def test_micro_batching_and_padding_do_not_change_the_gradient(tiny_model, loss_
         split, split_stats = gradient(size, list(order))
         torch.testing.assert_close(split, whole, atol=1e-6, rtol=1e-4)
         assert split_stats["loss"] == pytest.approx(stats["loss"], rel=1e-4, abs=1e-7)
+
+
+def test_an_update_whose_gradient_is_not_finite_is_skipped(tiny_model):
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    args = ag.parse_args(["--output-dir", "unused"])
+    before = [p.detach().clone() for p in model.parameters()]
+    for advantage, moves in [(float("nan"), False), (float("inf"), False), (1.0, True)]:
+        sample = {"ids": list(range(3, 19)), "n_prompt": 4, "mask": [1] * 12, "logprobs": [-1.0] * 12, "advantage": advantage}
+        stats = ag.train_step(model, optimizer, [sample], 12, 1, args, torch.device("cpu"), 1)
+        assert math.isfinite(stats["train/grad_norm"]) == moves
+        assert any(not torch.equal(b, p) for b, p in zip(before, model.parameters())) == moves
+        assert all(p.isfinite().all() for p in model.parameters())
 
 
 @pytest.mark.parametrize("shape", ["equal", "near_equal", "long_tail", "uniform", "one_huge"])
