@@ -161,14 +161,19 @@ def parse_args(argv=None, world_size=1):
 
     args = p.parse_args(argv)
     unsupported = sorted(set(args.sampling_args) - SAMPLING_ARGS) if isinstance(args.sampling_args, dict) else []
-    checks = [
+    at_least = {"prompts_per_step": 1, "max_tokens": 1, "max_inflight": 1, "micro_batch_size": 1, "sync_every": 1,
+                "steps": 0, "eval_size": 0, "warmup_steps": 0, "max_tool_turns": 0, "max_staleness": 0, "eval_every": 0,
+                "save_every": 0, "log_rollouts": 0, "tool_latency": 0, "vllm_port": 0}
+    checks = [(getattr(args, k) < low, f"--{k.replace('_', '-')} must be >= {low}") for k, low in at_least.items()]
+    checks += [(getattr(args, k) <= 0, f"--{k.replace('_', '-')} must be > 0") for k in
+               ("tool_timeout", "sync_timeout", "data_timeout", "vllm_startup_timeout", "sync_bucket_mb")]
+    checks += [
         (args.num_generations < 2, "--num-generations must be at least 2: advantages are relative to the group"),
         (args.epsilon_high < args.epsilon, "--epsilon-high must be >= --epsilon"),
         ((args.prompts_per_step * args.num_generations) % world_size, f"--prompts-per-step x --num-generations = "
          f"{args.prompts_per_step * args.num_generations} samples per step must divide evenly over {world_size} ranks"),
         (args.fsdp and world_size < 2, "--fsdp shards the model over torchrun's ranks: launch with torchrun "
                                        "--nproc-per-node N, N >= 2"),
-        (args.max_staleness < 0 or args.sync_every < 1, "--max-staleness must be >= 0 and --sync-every >= 1"),
         (args.is_threshold <= 1, "--is-threshold must be > 1"),
         (args.temperature <= 0 or not 0 < args.top_p <= 1 or args.top_k < 0 or not 0 <= args.min_p < 1,
          "--temperature must be > 0, --top-p in (0, 1], --top-k >= 0 and --min-p in [0, 1)"),
@@ -1933,7 +1938,7 @@ def load_data(run):
     except Exception as e:
         raise SystemExit(f"--model {run.model_path}: cannot load its tokenizer ({type(e).__name__}: {str(e)[:300]}); "
                          "pass a local directory or hub name of a causal LM")
-    run.pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+    run.pad_id = next((i for i in (tok.pad_token_id, tok.eos_token_id) if i is not None), 0)  # masked: any id does
     run.train_rows, run.eval_rows = load_rows(args)
     schemas = tool_schemas(args.tool_names) if args.tool_names else None
     run.stop_ids = stop_token_ids(tok, run.model_path)
@@ -2171,17 +2176,34 @@ def tear_down(run, handlers):
 # ----------------------------------------------------------------------------------------------
 
 def checkpoint(run, step):
-    """Between steps: the data cursor is the one of the last finished step. Under --fsdp every rank takes part: each
-    sends its shards, one tensor at a time, to rank 0's CPU memory."""
+    """checkpoint-<step>/: the model (safetensors), tokenizer and trainer state, written whole under a temporary name;
+    then the `checkpoint` link is swapped to it in one rename, so a crash never leaves a broken latest checkpoint. Taken
+    between steps: the data cursor is the last finished step's, and --resume regenerates every group after it (those
+    in flight now are redone). Under --fsdp every rank sends its shards, a tensor at a time, to rank 0's CPU memory."""
     weights, optim = None, run.optimizer.state_dict()
     if run.args.fsdp:
         options = StateDictOptions(full_state_dict=True, cpu_offload=True)
         weights = get_model_state_dict(run.policy, options=options)
         optim = get_optimizer_state_dict(run.policy, run.optimizer, options=options)
-    if run.is_main:
-        save_checkpoint(run.out_dir, run.policy, run.saved_with, weights, {
-            "step": step, "policy_version": run.version.value, "data": run.done_cursor, "initial_model": run.initial_model,
-            "optimizer": optim, "fsdp": run.args.fsdp, "scheduler": run.scheduler.state_dict()})
+    name, link = f"checkpoint-{step:06d}", run.out_dir / "checkpoint"
+    if not run.is_main or link.is_symlink() and os.readlink(link) == name:  # the other ranks' part ends here
+        return
+    tmp = run.out_dir / f"{name}.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    run.policy.save_pretrained(tmp, state_dict=weights)  # weights: the full state dict gathered under --fsdp, else None
+    run.saved_with.save_pretrained(tmp)
+    rng = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
+           "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []}
+    torch.save({"step": step, "policy_version": run.version.value, "data": run.done_cursor, "rng": rng,
+                "initial_model": run.initial_model, "optimizer": optim, "fsdp": run.args.fsdp,
+                "scheduler": run.scheduler.state_dict()}, tmp / "trainer_state.pt")
+    os.replace(tmp, run.out_dir / name)
+    previous = os.readlink(link) if link.is_symlink() else None
+    (run.out_dir / "checkpoint.tmp").unlink(missing_ok=True)
+    os.symlink(name, run.out_dir / "checkpoint.tmp")
+    os.replace(run.out_dir / "checkpoint.tmp", link)
+    if previous:
+        shutil.rmtree(run.out_dir / previous, ignore_errors=True)
 
 
 def checkpoint_if_due(run, step):
@@ -2191,30 +2213,6 @@ def checkpoint_if_due(run, step):
         dist.broadcast_object_list(due, 0)
     if due[0]:
         checkpoint(run, step)
-
-
-def save_checkpoint(out_dir, policy, tok, weights, state):
-    """checkpoint-<step>/ with the model (safetensors), tokenizer and trainer state, written whole
-    under a temporary name; then the `checkpoint` link is swapped to it in one rename, so a crash
-    never leaves a broken latest checkpoint. The data cursor (state['data']) says which groups the
-    trainer has used: --resume regenerates everything after it (groups in flight at the stop are redone)."""
-    name, link = f"checkpoint-{state['step']:06d}", out_dir / "checkpoint"
-    if link.is_symlink() and os.readlink(link) == name:
-        return  # this step is saved already
-    tmp = out_dir / f"{name}.tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
-    policy.save_pretrained(tmp, state_dict=weights)  # weights: the full state dict gathered under --fsdp, else None
-    tok.save_pretrained(tmp)
-    rng = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
-           "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []}
-    torch.save({**state, "rng": rng}, tmp / "trainer_state.pt")
-    os.replace(tmp, out_dir / name)
-    previous = os.readlink(link) if link.is_symlink() else None
-    (out_dir / "checkpoint.tmp").unlink(missing_ok=True)
-    os.symlink(name, out_dir / "checkpoint.tmp")
-    os.replace(out_dir / "checkpoint.tmp", link)
-    if previous:
-        shutil.rmtree(out_dir / previous, ignore_errors=True)
 
 
 def _stop_after_step(stop, signum, frame):

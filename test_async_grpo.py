@@ -476,6 +476,10 @@ def bad_inputs(tmp):
              "no vLLM server answers there"),
             (["--tools", "nope"], "unknown tool"),
             (["--num-generations", "1"], "at least 2"),
+            (["--max-inflight", "0"], "--max-inflight must be >= 1"),  # it hung until --data-timeout
+            (["--eval-size", "-1"], "--eval-size must be >= 0"),  # it swapped the train and eval rows
+            (["--warmup-steps", "-1"], "--warmup-steps must be >= 0"),  # it divided by zero
+            (["--data-timeout", "0"], "--data-timeout must be > 0"),
             (["--epsilon", "0.3", "--epsilon-high", "0.2"], "--epsilon-high must be"),
             (["--rewards", "nope"], "unknown reward"),
             (["--sampling-args", '{"repetition_penalty": 1.1}'], "['repetition_penalty'] not supported"),
