@@ -235,6 +235,9 @@ def load_rows(args):
                     isinstance(m, dict) and isinstance(m.get("role"), str) for m in prompt)):
                 raise SystemExit(f"--dataset {args.dataset}, line {line_no}: each row needs a 'prompt' field, a string "
                                  "or a non-empty list of chat messages {\"role\": ..., \"content\": ...}")
+            if taken := ROLLOUT_FIELDS & set(row):
+                raise SystemExit(f"--dataset {args.dataset}, line {line_no}: the rewards get {sorted(taken)} from the "
+                                 "rollouts; rename the column")
             row = {"id": len(rows), **row}
             taken = isinstance(row["id"], (str, int)) and lines.get(row["id"])
             if taken or not isinstance(row["id"], (str, int)):
@@ -1016,11 +1019,14 @@ async def rollout(session, url, tok, row, args, ctx, policy, greedy=False):
 # Rewards and group-relative advantages
 # ----------------------------------------------------------------------------------------------
 
+ROLLOUT_FIELDS = {"prompts", "completions", "completion_ids", "tool_calls", "tool_failures", "truncated"}
+
+
 async def score_group(samples, row, reward_weights):
     """Weighted sum of the reward functions over one group; also returns each function's values."""
     G = len(samples)
     kwargs = {k: [v] * G for k, v in row.items() if k not in ("prompt", "id")}
-    kwargs.update(prompts=[row["prompt"]] * G, completions=[s["messages"] for s in samples],
+    kwargs.update(prompts=[row["prompt"]] * G, completions=[s["messages"] for s in samples],  # the ROLLOUT_FIELDS
                   completion_ids=[s["ids"][s["n_prompt"]:] for s in samples],
                   tool_calls=[s["tool_calls"] for s in samples], tool_failures=[s["tool_failures"] for s in samples],
                   truncated=[s["truncated"] for s in samples])

@@ -462,6 +462,7 @@ def bad_inputs(tmp):
     (tmp / "bad_prompt.jsonl").write_text('{"prompt": "What is 1 + 1?"}\n{"prompt": [{"content": "no role"}]}\n')
     (tmp / "same_ids.jsonl").write_text('{"prompt": "a", "id": 7}\n{"prompt": "b", "id": 7}\n')
     (tmp / "list_id.jsonl").write_text('{"prompt": "a", "id": [7]}\n')
+    (tmp / "shadowing.jsonl").write_text('{"prompt": "a", "completions": "the reference solution"}\n')
     (tmp / "finished_run").mkdir()
     (tmp / "finished_run" / "metrics.jsonl").write_text('{"step": 1}\n')
     return [(["--model", str(tmp / "no_such_model")], "--model"),
@@ -471,6 +472,7 @@ def bad_inputs(tmp):
             (["--dataset", str(tmp / "too_long.jsonl"), "--eval-size", "1"], "do not fit the context of 1024 tokens"),
             (["--dataset", str(tmp / "bad_prompt.jsonl")], "line 2: each row needs a 'prompt' field"),
             (["--dataset", str(tmp / "same_ids.jsonl")], "line 2: the id 7 is line 1's too"),
+            (["--dataset", str(tmp / "shadowing.jsonl")], "line 1: the rewards get ['completions'] from the rollouts"),
             (["--dataset", str(tmp / "list_id.jsonl")], "line 1: the id [7] is not a string or integer"),
             (["--vllm-url", f"http://127.0.0.1:{ag.free_port()}", "--output-dir", str(tmp / "closed_port")],
              "no vLLM server answers there"),
