@@ -207,6 +207,7 @@ def parse_args(argv=None, world_size=1):
         if failed:
             p.error(message)
     args.max_staleness = 0 if args.sync else args.max_staleness
+    args.sync_bucket_bytes = int(args.sync_bucket_mb * 2**20)
     args.output_dir = args.output_dir or time.strftime("runs/%Y%m%d-%H%M%S")
     args.lr = 0.0 if args.audit else args.lr if args.lr is not None else 3e-4 if args.model is None else 1e-6
     return args
@@ -1429,7 +1430,7 @@ def flatten(bucket, dtype):
 
 def help_sync(model, args, dtype):
     """The other ranks' part of rank 0's sync under --fsdp: gathering each bucket with it."""
-    for bucket in pack_buckets(model, int(args.sync_bucket_mb * 2**20), dtype):
+    for bucket in pack_buckets(model, args.sync_bucket_bytes, dtype):
         flatten(bucket, dtype)
 
 
@@ -1495,7 +1496,7 @@ class WeightSync:
                                    f"{self.args.sync_timeout} s (--sync-timeout)")
             self._all("abort_requests")
             time.sleep(0.01)
-        buckets = pack_buckets(model, int(self.args.sync_bucket_mb * 2**20), self.dtype)
+        buckets = pack_buckets(model, self.args.sync_bucket_bytes, self.dtype)
         meta = [{"dtype": str(self.dtype).removeprefix("torch."), "numel": sum(p.numel() for _, p in b),
                  "params": [(n, list(p.shape)) for n, p in b]} for b in buckets]
         received = [self._rpc(url, "receive_weights", buckets=meta) for url in self.urls]
