@@ -5,20 +5,16 @@
     python async_grpo.py --model Qwen/Qwen3-0.6B --tools --vllm-gpus 1          # 1 GPU trains, 1 serves
     torchrun --nproc-per-node 4 async_grpo.py --model Qwen/Qwen3-0.6B --tools --vllm-gpus 4,5,6,7
     torchrun --nproc-per-node 4 async_grpo.py --model Qwen/Qwen3-8B --fsdp --vllm-gpus 4,5  # sharded, not copied
-    python async_grpo.py --model M --vllm-url http://host:8000   # a server started with this file's
-                                                                  # worker extension (see start_vllm)
+    python async_grpo.py --model M --vllm-url http://host:8000   # servers started as README.md shows
 
-The shape of a run:
-  rank 0 starts a vLLM server and a producer thread. The producer, on its own asyncio loop, samples
-  G rollouts per prompt from the server (token ids in, token ids and log-probs out, each token
-  stamped with the policy version that sampled it), runs tool calls, scores each group with the
-  reward functions, computes group-relative advantages, and queues the group. Every rank trains:
-  rank 0 takes the groups in the order they started and hands each rank its share; the loss is the
-  clipped surrogate against the sampler's log-probs. Every --sync-every steps rank 0 pauses vLLM,
-  broadcasts the weights over a process group of its own, resumes it, and the policy version grows.
-Generation never waits for training and training waits only for data, within one bound: the
-producer does not start a group whose tokens would be more than --max-staleness versions old when
-trained (0: synchronous, --sync).
+The shape of a run: rank 0 starts a vLLM server and a producer thread. The producer, on its own asyncio loop, samples G
+rollouts per prompt from the server (token ids in, token ids and log-probs out, each token stamped with the policy
+version that sampled it), runs tool calls, scores each group with the reward functions, computes group-relative
+advantages, and queues the group. Every rank trains: rank 0 takes the groups in the order they started and hands each
+rank its share; the loss is the clipped surrogate against the sampler's log-probs. Every --sync-every steps rank 0
+pauses vLLM, broadcasts the weights over a process group of its own, resumes it, and the policy version grows.
+Generation never waits for training and training waits only for data, within one bound: the producer does not start a
+group whose tokens would be more than --max-staleness versions old when trained (0: synchronous, --sync).
 """
 
 import argparse, asyncio, contextlib, ctypes, functools, inspect, itertools, json, math, os, queue, random, re
@@ -223,30 +219,15 @@ def load_rows(args):
     if args.dataset is None:
         rows = task_rows(5000 + args.eval_size, args.seed, args.task, args.max_operand, args.terms, args.operations)
     else:
-        rows, lines = [], {}  # lines: id -> line; rollouts find their prompt by its row's id
+        rows, seen = [], {}  # seen: id -> line; a rollout finds its prompt by its row's id
         for line_no, line in enumerate(Path(args.dataset).read_text().splitlines(), 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise SystemExit(f"--dataset {args.dataset}, line {line_no}: not JSON ({e})")
-            prompt = row.get("prompt") if isinstance(row, dict) else None
-            if not isinstance(prompt, str) and not (isinstance(prompt, list) and prompt and all(
-                    isinstance(m, dict) and isinstance(m.get("role"), str) for m in prompt)):
-                raise SystemExit(f"--dataset {args.dataset}, line {line_no}: each row needs a 'prompt' field, a string "
-                                 "or a non-empty list of chat messages {\"role\": ..., \"content\": ...}")
-            if taken := ROLLOUT_FIELDS & set(row):
-                raise SystemExit(f"--dataset {args.dataset}, line {line_no}: the rewards get {sorted(taken)} from the "
-                                 "rollouts; rename the column")
-            row = {"id": len(rows), **row}
-            taken = isinstance(row["id"], (str, int)) and lines.get(row["id"])
-            if taken or not isinstance(row["id"], (str, int)):
-                raise SystemExit(f"--dataset {args.dataset}, line {line_no}: the id {row['id']!r} is "
-                                 + (f"line {taken}'s too" if taken else "not a string or integer")
-                                 + "; ids must be unique (or leave the column out)")
-            lines[row["id"]] = line_no
-            rows.append(row)
+            if line.strip():
+                row = dataset_row(line, len(rows), where := f"--dataset {args.dataset}, line {line_no}")
+                if row["id"] in seen:
+                    raise SystemExit(f"{where}: the id {row['id']!r} is line {seen[row['id']]}'s too; ids must be "
+                                     "unique (or leave the column out)")
+                seen[row["id"]] = line_no
+                rows.append(row)
     for row in rows:
         messages = row["prompt"] if isinstance(row["prompt"], list) else [{"role": "user", "content": row["prompt"]}]
         if args.system_prompt and messages[0]["role"] != "system":
@@ -255,6 +236,24 @@ def load_rows(args):
     if len(rows) <= args.eval_size:
         raise SystemExit(f"--dataset has {len(rows)} rows, not more than --eval-size {args.eval_size}")
     return rows[args.eval_size:], rows[:args.eval_size]
+
+
+def dataset_row(line, index, where):
+    """One line of --dataset as a row, its id `index` unless it has one; or a SystemExit that says what is wrong."""
+    try:
+        row = json.loads(line)
+    except json.JSONDecodeError as e:
+        raise SystemExit(f"{where}: not JSON ({e})")
+    prompt = row.get("prompt") if isinstance(row, dict) else None
+    if not isinstance(prompt, str) and not (isinstance(prompt, list) and prompt and all(
+            isinstance(m, dict) and isinstance(m.get("role"), str) for m in prompt)):
+        raise SystemExit(f"{where}: each row needs a 'prompt' field, a string or a non-empty list of chat messages "
+                         "{\"role\": ..., \"content\": ...}")
+    if shadowed := ROLLOUT_FIELDS & set(row):
+        raise SystemExit(f"{where}: the rewards get {sorted(shadowed)} from the rollouts; rename the column")
+    if not isinstance(row.setdefault("id", index), (str, int)):
+        raise SystemExit(f"{where}: the id {row['id']!r} is not a string or integer")
+    return row
 
 
 # FORK: add a task (its rows here, its reward in rewards.py)
@@ -347,10 +346,9 @@ TINY_VERSION = "tiny-qwen3-v2"  # bump when the recipe below changes, so caches 
 
 
 def warm_start_conversations(n, seed):
-    """Supervised conversations for the built-in model: answer directly (without tools), or, with
-    tools offered (the calculator alone or all of them), call the calculator and copy its result."""
-    rng = random.Random(seed)
-    plain, with_tools = [], []
+    """Supervised conversations for the built-in model: answer directly (without tools), or, with tools offered (the
+    calculator alone or all of them), call the calculator and copy its result."""
+    rng, plain, with_tools = random.Random(seed), [], []
     for row in task_rows(n, seed, max_operand=9):  # a wider range than the RL task: format, not facts
         user, answer = {"role": "user", "content": row["prompt"]}, str(row["answer"])
         plain.append(([user, {"role": "assistant", "content": answer}], None))
@@ -363,11 +361,9 @@ def warm_start_conversations(n, seed):
 
 
 def build_tiny_model(cache_dir, warm_start_steps=400):
-    """Build (once) a ~0.5M-parameter Qwen3 model and a byte-level BPE tokenizer trained on the task.
-
-    Random weights would give every rollout the same zero reward, hence no signal. A few hundred
-    supervised steps teach the answer format and the tool-call syntax, and leave the arithmetic
-    itself mostly unlearned (~25% greedy accuracy without tools): that is what RL improves."""
+    """Build (once) a ~0.5M-parameter Qwen3 model and a byte-level BPE tokenizer trained on the task. Random weights
+    would give every rollout the same zero reward, hence no signal. A few hundred supervised steps teach the answer
+    format and the tool-call syntax, and leave the arithmetic mostly unlearned (~25% greedy accuracy without tools)."""
     path = Path(cache_dir) / f"{TINY_VERSION}-ws{warm_start_steps}"
     if (path / "config.json").exists():
         return str(path)
@@ -420,7 +416,7 @@ def render(tok, messages, schemas=None, generation_prompt=False):
     """Conversation -> text. A tokenizer without a chat template (a base model) gets the contents
     one per line: enough to train without tools, which is all such a model can do here."""
     if tok.chat_template is None:
-        return "\n".join(m["content"] for m in messages) + "\n"
+        return "\n".join(str(m.get("content") or "") for m in messages) + "\n"
     return tok.apply_chat_template(messages, tools=schemas or None, add_generation_prompt=generation_prompt,
                                    tokenize=False)
 
@@ -429,9 +425,12 @@ def render_prompt(tok, messages, schemas):
     return tok.encode(render(tok, messages, schemas, generation_prompt=True), add_special_tokens=False)
 
 
+def _call(name, **arguments):
+    return {"type": "function", "function": {"name": name, "arguments": arguments}}
+
+
 PROBE = [{"role": "user", "content": "What is 6 * 7?"},
-         {"role": "assistant", "content": "", "tool_calls": [
-             {"type": "function", "function": {"name": "calculator", "arguments": {"expression": "6 * 7"}}}]},
+         {"role": "assistant", "content": "", "tool_calls": [_call("calculator", expression="6 * 7")]},
          {"role": "tool", "name": "calculator", "content": "42"},
          {"role": "assistant", "content": "<think>\nThe tool said 42.\n</think>\n\n42"},
          {"role": "user", "content": "And 6 * 8?"},
@@ -464,12 +463,6 @@ ROUND_TRIP_TOOL = {"type": "function", "function": {
     "parameters": {"type": "object", "required": ["text"], "properties": {
         "text": {"type": "string"}, "count": {"type": "integer"}, "ratio": {"type": "number"},
         "flag": {"type": "boolean"}, "items": {"type": "array"}, "options": {"type": "object"}}}}}
-
-
-def _call(name, **arguments):
-    return {"type": "function", "function": {"name": name, "arguments": arguments}}
-
-
 ROUND_TRIP = [("", [_call("round_trip_probe", text="6 * 7")]),
               ("Three at once.", [_call("round_trip_probe", text='say "hi"\nthen <b>stop</b> {}', count=3, ratio=-2.5, flag=True),
                                   _call("round_trip_probe", text="x", items=[1, "two", [3.5]], options={"k": {"deep": [False, None]}}),
@@ -594,6 +587,13 @@ def _no_duplicates(pairs):
 JSON_TYPES = {"string": str, "integer": int, "number": (int, float), "boolean": bool, "array": list,
               "object": dict, "null": type(None)}
 
+def is_json_type(value, kind, unknown=True):
+    """JSON schema's type check (a bool is not a number); `unknown` for a type it does not name."""
+    if kind not in JSON_TYPES:
+        return unknown
+    return isinstance(value, JSON_TYPES[kind]) and not (isinstance(value, bool) and kind in ("integer", "number"))
+
+
 JSON = json.JSONDecoder(parse_constant=_no_constant, parse_float=_finite, object_pairs_hook=_no_duplicates)
 
 
@@ -641,8 +641,7 @@ def typed(value, schema):
             return value
         with contextlib.suppress(ValueError):
             parsed, end = decode_json(value)
-            if end == len(value.rstrip()) and isinstance(parsed, JSON_TYPES.get(kind, ())) and \
-                    not (isinstance(parsed, bool) and kind in ("integer", "number")):
+            if end == len(value.rstrip()) and is_json_type(parsed, kind, unknown=False):
                 return parsed
     return value
 
@@ -900,9 +899,7 @@ def argument_errors(schema, arguments):
     for key, value in arguments.items():
         types = properties.get(key, {}).get("type", [])
         types = [types] if isinstance(types, str) else types
-        if types and not any(isinstance(value, JSON_TYPES.get(t, object)) and not (isinstance(value, bool) and
-                                                                                  t in ("integer", "number"))
-                             for t in types):
+        if types and not any(is_json_type(value, t) for t in types):
             errors.append(f"argument {key!r} must be {' or '.join(types)}, got {json.dumps(value)[:50]}")
     return errors
 
