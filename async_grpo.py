@@ -49,9 +49,15 @@ HERE = Path(__file__).resolve().parent
 SAMPLING_ARGS = {"min_tokens", "stop", "seed", "ignore_eos"}
 
 
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    def _get_help_string(self, action):  # "(default: X)", unless the help says it or there is none to say
+        if action.default is None or action.default is False or action.default == "" or "default" in action.help:
+            return action.help
+        return super()._get_help_string(action)
+
+
 def parse_args(argv=None, world_size=1):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=HelpFormatter)
     g = p.add_argument_group("model and data")
     g.add_argument("--model", default=None,
                    help="hub name or local path of a causal LM or an image-text model (its vision tower frozen), or a "
@@ -175,9 +181,8 @@ def parse_args(argv=None, world_size=1):
          "--temperature must be > 0, --top-p in (0, 1], --top-k >= 0 and --min-p in [0, 1)"),
         (not isinstance(args.sampling_args, dict), "--sampling-args must be a JSON object"),
         (unsupported, f"--sampling-args: {unsupported} not supported: the trainer's log-probs would not be those of "
-         f"the distribution vLLM samples from. Supported: "
-         f"{sorted(SAMPLING_ARGS)}; temperature, top_p, top_k and min_p have flags of their own (--temperature, "
-         "--top-p, --top-k, --min-p)"),
+         f"the distribution vLLM samples from. Supported: {sorted(SAMPLING_ARGS)}; temperature, top_p, top_k and "
+         "min_p have flags of their own (--temperature, --top-p, --top-k, --min-p)"),
         (args.vllm_servers < 1 or args.vllm_gpus and len(args.vllm_gpus.split(",")) % args.vllm_servers,
          f"--vllm-servers {args.vllm_servers} must be >= 1 and divide the --vllm-gpus {args.vllm_gpus} evenly"),
         (args.max_operand < 1 or args.terms < 2 or not args.operations or set(args.operations) - set("+-*/"),
@@ -185,17 +190,16 @@ def parse_args(argv=None, world_size=1):
         (args.resume and not args.output_dir, "--resume needs the --output-dir of the run to continue")]
     args.tool_names = [] if args.tools is None else list(tools_module.TOOLS) if args.tools == "all" else \
         [n.strip() for n in args.tools.split(",")]
-    checks.append((set(args.tool_names) - set(tools_module.TOOLS), f"--tools: unknown tool(s) "
-                   f"{sorted(set(args.tool_names) - set(tools_module.TOOLS))}; tools.py defines {sorted(tools_module.TOOLS)}"))
+    unknown = sorted(set(args.tool_names) - set(tools_module.TOOLS))
+    checks.append((unknown, f"--tools: unknown tool(s) {unknown}; tools.py defines {sorted(tools_module.TOOLS)}"))
     args.rewards = args.rewards or ("countdown:1.0" if args.task == "countdown" else "correct_answer:1.0,format_reward:0.2")
     try:
         args.reward_weights = {name.strip(): float(weight or 1.0) for name, _, weight in
                                (item.partition(":") for item in args.rewards.split(","))}
     except ValueError:
         p.error(f"--rewards {args.rewards}: a WEIGHT is not a number")
-    checks.append((set(args.reward_weights) - set(rewards_module.REWARDS), f"--rewards: unknown reward(s) "
-                   f"{sorted(set(args.reward_weights) - set(rewards_module.REWARDS))}; rewards.py defines "
-                   f"{sorted(rewards_module.REWARDS)}"))
+    unknown = sorted(set(args.reward_weights) - set(rewards_module.REWARDS))
+    checks.append((unknown, f"--rewards: unknown reward(s) {unknown}; rewards.py defines {sorted(rewards_module.REWARDS)}"))
     gguf = args.model if args.model and args.model.endswith(".gguf") else None
     checks += [(path and not os.path.isfile(path), f"{flag}: no file {path}")
                for flag, path in [("--dataset", args.dataset), ("--chat-template", args.chat_template), ("--model", gguf)]]
@@ -205,7 +209,9 @@ def parse_args(argv=None, world_size=1):
     args.max_staleness = 0 if args.sync else args.max_staleness
     args.sync_bucket_bytes = int(args.sync_bucket_mb * 2**20)
     args.output_dir = args.output_dir or time.strftime("runs/%Y%m%d-%H%M%S")
-    args.lr = 0.0 if args.audit else args.lr if args.lr is not None else 3e-4 if args.model is None else 1e-6
+    if args.lr is None:
+        args.lr = 3e-4 if args.model is None else 1e-6  # the built-in model is tiny and far from converged
+    args.lr = 0.0 if args.audit else args.lr
     return args
 
 
@@ -1066,7 +1072,7 @@ class Producer(threading.Thread):
         # next_index: the next group to hand out; skipped_groups: not trained (zero variance, too stale
         # or a failed reward); stale_samples, reward_failures: counters. A checkpoint saves them all.
         self.cursor = {"next_index": 0, "skipped_groups": 0, "stale_samples": 0, "reward_failures": 0, **(cursor or {})}
-        self.failures_in_a_row = 0
+        self.failures_in_a_row, self.scoring = 0, 0  # scoring: groups whose rewards are being computed
         self.error = None
         self.loop = None
         self._task = None
@@ -1141,10 +1147,13 @@ class Producer(threading.Thread):
         finally:
             self.running[url] -= 1
         try:
+            self.scoring += 1
             rewards, parts = await score_group(samples, row, a.reward_weights)
         except Exception as e:  # the group is dropped (take() reports it), the run goes on
             self.queue.put((index, f"the rewards of prompt {row['id']} failed: {type(e).__name__}: {e}"))
             return
+        finally:
+            self.scoring -= 1
         advantages = group_advantages(rewards, scale=a.scale_rewards == "group")
         for i, sample in enumerate(samples):
             sample.update(reward=float(rewards[i]), advantage=float(advantages[i]), prompt_id=row["id"],
@@ -1162,7 +1171,9 @@ class Producer(threading.Thread):
                 if self.error:
                     raise RuntimeError(f"the producer thread failed:\n{self.error}")
                 if time.monotonic() > deadline:
-                    raise TimeoutError(f"no batch from the producer in {timeout} s (--data-timeout)")
+                    raise TimeoutError(f"no batch from the producer in {timeout} s (--data-timeout); now "
+                                       f"{sum(self.running.values())} groups generate ({self.policy.in_flight} "
+                                       f"requests in vLLM) and {self.scoring} are being scored")
                 if interrupted():
                     raise KeyboardInterrupt("stopped while waiting for data")
                 with contextlib.suppress(queue.Empty):

@@ -716,6 +716,30 @@ def test_producer_stamps_versions_and_scores_groups(server, tiny_model):
     assert any(s["tool_calls"] > 0 and 0 in s["mask"] for g in first + second for s in g)
 
 
+def test_a_data_timeout_says_where_the_groups_wait(server, tiny_model, monkeypatch):
+    """A reward that never returns (a judge model that hangs): the trainer's wait ends at --data-timeout, and the error
+    says that the groups are being scored, not generated."""
+    from transformers import AutoTokenizer
+
+    async def never(**kwargs):
+        await asyncio.sleep(3600)
+    monkeypatch.setitem(ag.rewards_module.REWARDS, "never", never)
+    tok = AutoTokenizer.from_pretrained(tiny_model)
+    args = ag.parse_args(["--output-dir", "unused", "--num-generations", "2", "--prompts-per-step", "1", "--rewards",
+                          "never", "--max-tokens", "8"])
+    rows = [{**row, "prompt": [{"role": "user", "content": row["prompt"]}]} for row in ag.task_rows(8, seed=3)]
+    producer = ag.Producer(args, tok, rows, [server.url], ag.rollout_context(tok, None, rows, served_context(server)),
+                           ag.PolicyVersion())
+    producer.start()
+    try:
+        with pytest.raises(TimeoutError, match=r"--data-timeout\); now 0 groups generate \(0 requests in vLLM\) and "
+                                               r"[1-9]\d* are being scored"):
+            producer.take(1, timeout=15)
+    finally:
+        producer.stop()
+    assert not producer.is_alive() and producer.error is None
+
+
 @pytest.mark.parametrize("mode", [[], ["--sync"], ["--top-p", "0.9"]], ids=["async", "sync", "top_p_0.9"])
 def test_learning_through_the_whole_loop(server, tmp_path, mode):
     """A target the model can learn in a few steps (always answer 7, given as a dataset column):
