@@ -427,8 +427,12 @@ def render(tok, messages, schemas=None, generation_prompt=False):
                                    tokenize=False)
 
 
-def render_prompt(tok, messages, schemas):
-    return tok.encode(render(tok, messages, schemas, generation_prompt=True), add_special_tokens=False)
+def render_prompt(tok, messages, schemas, row_id=None):
+    try:
+        return tok.encode(render(tok, messages, schemas, generation_prompt=True), add_special_tokens=False)
+    except Exception as e:  # a template that refuses a role, say; the run has not started yet
+        raise SystemExit(f"the chat template cannot render the prompt of row {row_id!r} ({type(e).__name__}: {e}); "
+                         "change the row, --system-prompt or --chat-template")
 
 
 def _call(name, **arguments):
@@ -937,7 +941,7 @@ def rollout_context(tok, schemas, rows, max_model_len=None, stop_ids=None):
     stop_ids = stop_ids or stop_token_ids(tok)
     return {"schemas": schemas, "schemas_by_name": {s["function"]["name"]: s["function"] for s in schemas or []},
             "stop_ids": stop_ids, "max_model_len": max_model_len, **(chat_format(tok, schemas, stop_ids) if schemas else {}),
-            "prompt_ids": {row["id"]: render_prompt(tok, row["prompt"], schemas) for row in rows}}
+            "prompt_ids": {row["id"]: render_prompt(tok, row["prompt"], schemas, row["id"]) for row in rows}}
 
 
 async def rollout(session, url, tok, row, args, ctx, policy, greedy=False):

@@ -463,6 +463,8 @@ def bad_inputs(tmp):
     (tmp / "same_ids.jsonl").write_text('{"prompt": "a", "id": 7}\n{"prompt": "b", "id": 7}\n')
     (tmp / "list_id.jsonl").write_text('{"prompt": "a", "id": [7]}\n')
     (tmp / "shadowing.jsonl").write_text('{"prompt": "a", "completions": "the reference solution"}\n')
+    (tmp / "no_system.jinja").write_text("{% if messages[0].role == 'system' %}{{ raise_exception('System role not "
+                                         "supported') }}{% endif %}{% for m in messages %}{{ m.content }}{% endfor %}")
     (tmp / "finished_run").mkdir()
     (tmp / "finished_run" / "metrics.jsonl").write_text('{"step": 1}\n')
     return [(["--model", str(tmp / "no_such_model")], "--model"),
@@ -477,6 +479,8 @@ def bad_inputs(tmp):
             (["--vllm-url", f"http://127.0.0.1:{ag.free_port()}", "--output-dir", str(tmp / "closed_port")],
              "no vLLM server answers there"),
             (["--tools", "nope"], "unknown tool"),
+            (["--chat-template", str(tmp / "no_system.jinja"), "--system-prompt", "Be brief."],
+             "the chat template cannot render the prompt of row 64 (TemplateError: System role not supported)"),
             (["--num-generations", "1"], "at least 2"),
             (["--max-inflight", "0"], "--max-inflight must be >= 1"),  # it hung until --data-timeout
             (["--eval-size", "-1"], "--eval-size must be >= 0"),  # it swapped the train and eval rows
