@@ -1281,7 +1281,7 @@ def start_vllm(args, model_path, out_dir):
             proc.log_path, proc.url = log_path, f"http://127.0.0.1:{port}"
             procs.append(proc)
             print(f"starting vLLM (pid {proc.pid}, log {log_path}): {shlex.join(cmd)}", flush=True)
-        deadline, starting = time.monotonic() + args.vllm_startup_timeout, list(procs)
+        deadline, starting, report = time.monotonic() + args.vllm_startup_timeout, list(procs), t0 + 30
         while starting:
             for proc in list(starting):
                 if proc.poll() is not None:
@@ -1296,6 +1296,9 @@ def start_vllm(args, model_path, out_dir):
                     starting.remove(proc)
             if starting:
                 time.sleep(1)
+                if time.monotonic() > report:  # a real model on CPU takes minutes: say that it is still coming
+                    print(f"waiting for vLLM ({time.monotonic() - t0:.0f} s; its log: {starting[0].log_path})", flush=True)
+                    report += 30
         return procs
     except BaseException:  # Ctrl-C included: the caller never got the handles, so stop them here
         for proc in procs:
