@@ -597,6 +597,7 @@ def _no_duplicates(pairs):
 JSON_TYPES = {"string": str, "integer": int, "number": (int, float), "boolean": bool, "array": list,
               "object": dict, "null": type(None)}
 
+
 def is_json_type(value, kind, unknown=True):
     """JSON schema's type check (a bool is not a number); `unknown` for a type it does not name."""
     if kind not in JSON_TYPES:
