@@ -580,13 +580,18 @@ def test_weight_sync_is_exact(server, tiny_model):
 
 def test_two_servers_share_the_requests_and_every_sync_reaches_both(server, tiny_model, tmp_path, monkeypatch):
     """The second server runs tensor parallel over two CPU workers: the sync group then holds the
-    trainer, the first server's worker and both of the second's, each joining with its own rank."""
+    trainer, the first server's worker and both of the second's, each joining with its own rank.
+    It also returns raw log-probs, which a run refuses (served_config); at temperature 1 without truncation, all
+    that is sampled here, they are the processed ones."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
     args = ag.parse_args(["--output-dir", str(tmp_path), "--max-staleness", "4", "--vllm-args",
-                         "--tensor-parallel-size 2 --enforce-eager"])  # eager: compiling took 36 s more here
+                         "--tensor-parallel-size 2 --enforce-eager --logprobs-mode raw_logprobs"])  # eager: 36 s less
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")  # vLLM's CPU backend binds each worker to a core
     second, = ag.start_vllm(args, tiny_model, tmp_path)
     urls = [server.url, second.url]
+    assert ag.served_config(server.url)[1] == "bfloat16"
+    with pytest.raises(SystemExit, match=f"--vllm-url {second.url} returns raw_logprobs: start it with"):
+        ag.served_config(second.url)
     tok = AutoTokenizer.from_pretrained(tiny_model)
     original = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
     try:
