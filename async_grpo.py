@@ -1731,7 +1731,8 @@ def train_step(model, optimizer, samples, num_tokens, num_sequences, args, devic
     if world_size > 1:  # every rank runs as many forwards and backwards, whatever its lengths: DDP and FSDP communicate in them
         count = torch.tensor(len(micros), device=device)
         dist.all_reduce(count, op=dist.ReduceOp.MAX)
-        micros = micro_batches(samples, args.micro_batch_size, int(count))
+        if count > len(micros):  # this rank splits its largest micro-batches until it has as many
+            micros = micro_batches(samples, args.micro_batch_size, int(count))
     n_micro = len(micros)
     for i, micro in enumerate(micros):
         ids, attention, mask, sampler_logp, advantages, stop_masked = collate(
