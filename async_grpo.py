@@ -17,8 +17,9 @@ Generation never waits for training and training waits only for data, within one
 group whose tokens would be more than --max-staleness versions old when trained (0: synchronous, --sync).
 """
 
-import argparse, asyncio, contextlib, ctypes, functools, inspect, itertools, json, math, os, queue, random, re
-import shlex, shutil, signal, socket, subprocess, sys, threading, time, traceback, urllib.error, urllib.parse, urllib.request
+import argparse, asyncio, contextlib, ctypes, functools, http.client as http_client, inspect, itertools, json, math, os
+import queue, random, re, shlex, shutil, signal, socket, subprocess, sys, threading, time, traceback
+import urllib.error, urllib.parse, urllib.request
 from collections import defaultdict
 from dataclasses import dataclass, field
 from concurrent.futures import ThreadPoolExecutor
@@ -890,16 +891,19 @@ async def generate(session, url, ids, max_tokens, args, stop_ids, greedy=False, 
         try:
             async with session.post(f"{url}/v1/completions", json=payload) as response:
                 if response.status != 200:
-                    raise RuntimeError(f"vLLM answered {response.status}: {(await response.text())[:500]}")
+                    raise ConnectionError(f"the vLLM server {url} answered a generation request with "
+                                          f"{response.status}: {(await response.text())[:500]}")
                 choice = (await response.json())["choices"][0]
             return choice["token_ids"], choice["logprobs"]["token_logprobs"], choice["finish_reason"]
-        except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError):
+        except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as e:
             # The connection dropped before an answer (a pooled keep-alive connection the server
             # closed just then): the request carries the whole state, so sending it again is safe.
             if attempt == 2:
-                raise
+                raise ConnectionError(f"the vLLM server {url} dropped a generation request 3 times ({e})") from None
             await asyncio.sleep(0.5 * 2 ** attempt)
-
+        except asyncio.TimeoutError:  # the session's bound
+            raise ConnectionError(f"the vLLM server {url} did not answer a generation request in {args.data_timeout} s "
+                                  "(--data-timeout)") from None
 
 
 def argument_errors(schema, arguments):
@@ -1092,7 +1096,7 @@ class Producer(threading.Thread):
         except asyncio.CancelledError:
             pass
         except BaseException as e:
-            self.error = "".join(traceback.format_exception(e))
+            self.error = e
         finally:
             self._started.set()
 
@@ -1124,7 +1128,8 @@ class Producer(threading.Thread):
         # Idle connections are dropped before vLLM's own 5 s keep-alive ends, so that a request is
         # rarely sent on a connection the server is closing at that moment.
         connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=3)
-        async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=None)) as session:
+        timeout = aiohttp.ClientTimeout(total=a.data_timeout)  # one request longer than the trainer waits for data
+        async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
             self.session = session
             pending, started = set(), self.cursor["next_index"]  # on --resume, groups not trained are redone
             try:
@@ -1132,8 +1137,8 @@ class Producer(threading.Thread):
                     while not self.admissible(started) or len(pending) * a.num_generations >= 2 * a.max_inflight:
                         if pending:
                             done, pending = await asyncio.wait(pending, timeout=0.05, return_when=asyncio.FIRST_COMPLETED)
-                            for task in done:
-                                task.result()  # a group's unexpected error stops the producer, loudly
+                            if errors := [e for task in done if not task.cancelled() and (e := task.exception())]:
+                                raise errors[0]  # stops the producer, loudly (each one retrieved: asyncio warns else)
                         else:
                             await asyncio.sleep(0.01)
                     pending.add(asyncio.create_task(self._group(session, row, started)))
@@ -1173,10 +1178,13 @@ class Producer(threading.Thread):
         groups, deadline, c = [], time.monotonic() + timeout, self.cursor
         while len(groups) < n:
             while c["next_index"] not in self.ready:  # groups finish out of order
+                if isinstance(self.error, ConnectionError):  # a server's fault, which the message names
+                    raise self.error
                 if self.error:
-                    raise RuntimeError(f"the producer thread failed:\n{self.error}")
+                    raise RuntimeError(f"the producer thread failed:\n{''.join(traceback.format_exception(self.error))}")
                 if time.monotonic() > deadline:
-                    raise TimeoutError(f"no batch from the producer in {timeout} s (--data-timeout); now "
+                    raise TimeoutError(f"no batch from the producer in {timeout} s (--data-timeout) from the vLLM "
+                                       f"server(s) {', '.join(self.urls)}; now "
                                        f"{sum(self.running.values())} groups generate ({self.policy.in_flight} "
                                        f"requests in vLLM) and {self.scoring} are being scored")
                 if interrupted():
@@ -1217,12 +1225,21 @@ def free_port():
         return s.getsockname()[1]
 
 
-def http(url, payload=None, timeout=60, method=None):
+def http(url, payload=None, timeout=60, bound="its bound"):
+    """One request to a server, bounded by `timeout` seconds (`bound`: the flag that sets them). A failure is a
+    ConnectionError that names the server, what it was asked and what went wrong: a socket traceback says none of it."""
     data = None if payload is None else json.dumps(payload).encode()
-    request = urllib.request.Request(url, data=data, method=method or ("GET" if data is None else "POST"),
-                                     headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(request, timeout=timeout) as response:
-        body = response.read()
+    request = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+    t0 = time.monotonic()
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as response:
+            body = response.read()
+    except urllib.error.HTTPError as e:
+        raise ConnectionError(f"{request.get_method()} {url} answered {e.code}: "
+                              f"{e.read()[:300].decode(errors='replace')}") from None
+    except (OSError, http_client.HTTPException) as e:  # refused, reset, or no answer in time
+        raise ConnectionError(f"{request.get_method()} {url} failed after {time.monotonic() - t0:.0f} s ({bound}: "
+                              f"{timeout:.0f} s): {getattr(e, 'reason', None) or e or type(e).__name__}") from None
     return json.loads(body) if body else None
 
 
@@ -1234,9 +1251,15 @@ def _server_preexec(cores=None):
         os.sched_setaffinity(0, cores)
 
 
-def log_tail(path, n=25):
-    with contextlib.suppress(OSError):
-        return "".join(Path(path).read_text(errors="replace").splitlines(keepends=True)[-n:])
+def log_tail(proc, n=25):
+    """What a server's log says of why it failed: the n lines from just before the first error this run's server logged
+    (the cause: the engine's own traceback, or that it exited; then come the errors of every request it failed), or
+    else its last n lines."""
+    with contextlib.suppress(OSError), open(proc.log_path, "rb") as log:
+        log.seek(proc.log_start)
+        lines = log.read().decode(errors="replace").splitlines(keepends=True)
+        first = next((i for i, line in enumerate(lines) if re.search(r" ERROR |Traceback|unexpectedly", line)), None)
+        return "".join(lines[-n:] if first is None else lines[max(0, first - 3):first + n - 3])
     return "(no log)"
 
 
@@ -1277,9 +1300,10 @@ def start_vllm(args, model_path, out_dir):
             cmd += shlex.split(args.vllm_args)
             log_path = Path(out_dir) / ("vllm.log" if n == 1 else f"vllm-{i}.log")
             with open(log_path, "ab") as log:
+                log_start = log.tell()  # --resume appends to the log: what this server says begins here
                 proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
                                         start_new_session=True, preexec_fn=functools.partial(_server_preexec, cores))
-            proc.log_path, proc.url = log_path, f"http://127.0.0.1:{port}"
+            proc.log_path, proc.log_start, proc.url = log_path, log_start, f"http://127.0.0.1:{port}"
             procs.append(proc)
             print(f"starting vLLM (pid {proc.pid}, log {log_path}): {shlex.join(cmd)}", flush=True)
         deadline, starting, report = time.monotonic() + args.vllm_startup_timeout, list(procs), t0 + 30
@@ -1287,11 +1311,11 @@ def start_vllm(args, model_path, out_dir):
             for proc in list(starting):
                 if proc.poll() is not None:
                     raise RuntimeError(f"the vLLM server {proc.url} exited with code {proc.returncode} during "
-                                       f"start-up. Last lines of {proc.log_path}:\n{log_tail(proc.log_path)}")
+                                       f"start-up. Its log, {proc.log_path}:\n{log_tail(proc)}")
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"the vLLM server {proc.url} was not healthy after {args.vllm_startup_timeout} s "
-                                       f"(--vllm-startup-timeout). Last lines of {proc.log_path}:\n{log_tail(proc.log_path)}")
-                with contextlib.suppress(OSError, urllib.error.URLError):
+                                       f"(--vllm-startup-timeout). Its log, {proc.log_path}:\n{log_tail(proc)}")
+                with contextlib.suppress(OSError):
                     http(f"{proc.url}/health", timeout=5)
                     print(f"vLLM is up after {time.monotonic() - t0:.0f} s at {proc.url}", flush=True)
                     starting.remove(proc)
@@ -1325,6 +1349,41 @@ def stop_vllm(proc, grace=15):
         except ProcessLookupError:
             return
         time.sleep(0.1)
+
+
+def server_failure(urls, servers):
+    """Why a server is gone, or None: its process exited (servers: those started here), or its engine died. vLLM's API
+    server outlives a dead engine (a GPU out-of-memory, say), answering /health with 503 and waiting for the open
+    connections to close; a server that merely does not answer in time is left to the bound of whatever waits on it."""
+    procs = {server.url: server for server in servers}
+    for url in urls:
+        proc, cause = procs.get(url), None
+        try:
+            urllib.request.urlopen(f"{url}/health", timeout=10).close()
+        except urllib.error.HTTPError as e:
+            cause = f"answers /health with {e.code}"
+        except (OSError, http_client.HTTPException) as e:
+            cause = "refuses connections" if isinstance(getattr(e, "reason", None), ConnectionRefusedError) else None
+        if proc is not None and proc.poll() is not None:
+            cause = f"exited with code {proc.returncode}"
+        log = log_tail(proc) if proc and cause else ""
+        if cause and (cause.endswith("503") or re.search("EngineDeadError|engine core exited unexpectedly", log)):
+            cause += ": its engine died"
+        if cause:
+            return f"the vLLM server {url} {cause}." + (f" Its log, {proc.log_path}:\n{log}" if proc else "")
+
+
+def watch_servers(run, every=1.0):
+    """Rank 0's watchdog thread: a server that fails is noticed within seconds wherever the run is (generating, waiting
+    for data, syncing, evaluating). One started here is then killed, which fails at once every request that waits on
+    it; the error handler (save_after_error) reports run.server_failure as the cause."""
+    while not run.server_failure and run.urls:
+        time.sleep(every)
+        if failure := server_failure(run.urls, run.servers):
+            run.server_failure = failure
+            for server in run.servers:  # SIGKILL: a graceful stop would wait for the requests that wait on it
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(server.pid, signal.SIGKILL)
 
 
 def served_config(url):
@@ -1464,11 +1523,12 @@ class WeightSync:
     def _rpc(self, url, method, **kwargs):
         """Call `method` on every worker of one server; a future. It runs on the pool's threads: the
         workers block in the collective until the trainer joins it."""
-        return self.pool.submit(http, f"{url}/collective_rpc", {"method": method, "kwargs": kwargs}, self.args.sync_timeout)
+        return self.pool.submit(http, f"{url}/collective_rpc", {"method": method, "kwargs": kwargs},
+                                self.args.sync_timeout, "--sync-timeout")
 
     def _all(self, path):
         for url in self.urls:
-            http(f"{url}/{path}", {}, timeout=self.args.sync_timeout)
+            http(f"{url}/{path}", {}, self.args.sync_timeout, "--sync-timeout")
 
     def _connect(self, model):
         """At the first sync: check that every server knows every name it will receive, then make the group."""
@@ -1896,7 +1956,9 @@ class Run:
     optimizer: object = None
     scheduler: object = None
     start_step: int = 0
-    servers: list = field(default_factory=list)
+    servers: list = field(default_factory=list)  # the vLLM servers started here
+    urls: list = field(default_factory=list)     # every server's, started here or --vllm-url; watched
+    server_failure: str = None   # why a server failed, from watch_servers
     served: object = None        # the dtype the servers compute in
     version: object = None       # the PolicyVersion the weight sync advances
     sync: object = None
@@ -2024,7 +2086,8 @@ def start_generation(run):
     args = run.args
     if run.is_main:
         run.servers = [] if args.vllm_url else start_vllm(args, run.model_path, run.out_dir)
-        urls = args.vllm_url.split(",") if args.vllm_url else [server.url for server in run.servers]
+        run.urls = urls = args.vllm_url.split(",") if args.vllm_url else [server.url for server in run.servers]
+        threading.Thread(target=watch_servers, args=(run,), daemon=True, name="watch_servers").start()
         configs = [served_config(url) for url in urls]
         run.ctx["max_model_len"] = min(length for length, _ in configs)
         served = [configs[0][1]]
@@ -2165,23 +2228,26 @@ def finish(run):
 
 def save_after_error(run, error):
     """Nothing is lost: the last finished step is saved, unless the error came mid-update (or under --fsdp, where
-    saving takes every rank, and the others may be gone or stuck). A dead server's log is shown."""
+    saving takes every rank, and the others may be gone or stuck). A failed server is named as the cause, with its log:
+    the error itself is then only what it did to a request (a reset connection, a timeout)."""
+    failure = run.server_failure or server_failure(run.urls, run.servers)
     if run.is_main and run.producer is not None and not run.updating and run.completed > run.start_step \
             and not run.args.fsdp:
         checkpoint(run, run.completed)
         print(f"saved the checkpoint of step {run.completed} in {run.out_dir / 'checkpoint'}; continue with --resume",
               flush=True)
-    for server in run.servers:
-        if server.poll() is not None:
-            raise RuntimeError(f"the vLLM server {server.url} exited with code {server.returncode}. Last lines "
-                               f"of {server.log_path}:\n{log_tail(server.log_path)}") from error
-    if run.servers:
-        print(f"the vLLM server logs: {', '.join(str(server.log_path) for server in run.servers)}", flush=True)
+    logs = f"the vLLM server logs: {', '.join(str(server.log_path) for server in run.servers)}" if run.servers else ""
+    if failure or isinstance(error, (ConnectionError, TimeoutError)):  # a server failed, or did not answer in time
+        seen = f" after {type(error).__name__}: {(str(error) or '-').splitlines()[0][:300]}" if failure else ""
+        raise SystemExit(f"error: {failure or error}\nThe run stopped at step {run.completed}{seen}. {logs}")
+    if logs:
+        print(logs, flush=True)
 
 
 def tear_down(run, handlers):
     for sig, handler in handlers.items():
         signal.signal(sig, handler)
+    run.urls = []  # ends watch_servers: the servers are stopped next, which is not a failure
     if run.producer is not None:
         run.producer.stop()
     for server in run.servers:
@@ -2212,17 +2278,26 @@ def checkpoint(run, step):
     name, link = f"checkpoint-{step:06d}", run.out_dir / "checkpoint"
     if not run.is_main or link.is_symlink() and os.readlink(link) == name:  # the other ranks' part ends here
         return
-    tmp = run.out_dir / f"{name}.tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
-    run.policy.save_pretrained(tmp, state_dict=weights)  # weights: the full state dict gathered under --fsdp, else None
-    run.saved_with.save_pretrained(tmp)
-    rng = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
-           "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []}
-    torch.save({"step": step, "policy_version": run.version.value, "data": run.done_cursor, "rng": rng,
-                "initial_model": run.initial_model, "optimizer": optim, "fsdp": run.args.fsdp,
-                "scheduler": run.scheduler.state_dict()}, tmp / "trainer_state.pt")
+    tmp, previous = run.out_dir / f"{name}.tmp", os.readlink(link) if link.is_symlink() else None
+    try:
+        shutil.rmtree(tmp, ignore_errors=True)
+        run.policy.save_pretrained(tmp, state_dict=weights)  # weights: the full state dict gathered under --fsdp
+        run.saved_with.save_pretrained(tmp)
+        rng = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
+               "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []}
+        torch.save({"step": step, "policy_version": run.version.value, "data": run.done_cursor, "rng": rng,
+                    "initial_model": run.initial_model, "optimizer": optim, "fsdp": run.args.fsdp,
+                    "scheduler": run.scheduler.state_dict()}, tmp / "trainer_state.pt")
+    except (OSError, RuntimeError) as e:  # a full disk: OSError from safetensors, RuntimeError from torch.save
+        shutil.rmtree(tmp, ignore_errors=True)
+        needed = 3 * sum(p.numel() * p.element_size() for p in run.policy.parameters()) / 2**20  # + AdamW's moments
+        # SystemExit: the error handler does not catch it, so it does not write the same checkpoint again
+        raise SystemExit(f"error: could not write the checkpoint of step {step} in {run.out_dir} "
+                         f"({str(e).splitlines()[0][:200]}): it needs about {needed:.0f} MiB and "
+                         f"{shutil.disk_usage(run.out_dir).free / 2**20:.0f} MiB are free. The partial one is removed; "
+                         f"the last complete checkpoint: {run.out_dir / previous if previous else 'none'} (--resume "
+                         "continues from it)")
     os.replace(tmp, run.out_dir / name)
-    previous = os.readlink(link) if link.is_symlink() else None
     (run.out_dir / "checkpoint.tmp").unlink(missing_ok=True)
     os.symlink(name, run.out_dir / "checkpoint.tmp")
     os.replace(run.out_dir / "checkpoint.tmp", link)

@@ -59,7 +59,8 @@ def run(name, flags, args, url, server_pid, out_dir):
     vllm_cpu = cpu_seconds(server_pid)  # the server idles while the run starts: its CPU time is the training's
     with open(f"{run_dir}.log", "w") as log:
         if subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT).returncode:
-            raise SystemExit(f"the {name} run failed; last lines of {run_dir}.log:\n{ag.log_tail(Path(f'{run_dir}.log'))}")
+            tail = "".join(Path(f"{run_dir}.log").read_text(errors="replace").splitlines(keepends=True)[-25:])
+            raise SystemExit(f"the {name} run failed; last lines of {run_dir}.log:\n{tail}")
     metrics = [json.loads(line) for line in open(run_dir / "metrics.jsonl")]
     return metrics, {"trainer": metrics[-1]["perf/cpu_seconds"], "vllm": cpu_seconds(server_pid) - vllm_cpu}
 

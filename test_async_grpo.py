@@ -1057,36 +1057,80 @@ def test_a_run_with_its_own_server_serves_fp32_exactly_calls_tools_and_leaves_no
     assert processes_in_group(server_pid) == []
 
 
-@pytest.mark.parametrize("fault, servers, message", [
-    (signal.SIGKILL, 2, "the vLLM server {url} exited"),                   # one of two servers dies
-    (signal.SIGSTOP, 1, "(no batch from the producer in 10.0 s|timed out)"),  # it stops answering: waiting
-], ids=["dies", "hangs"])                                                     # for data or in a sync
-def test_a_server_that_dies_or_hangs_mid_run_fails_fast_with_a_checkpoint(tmp_path, tiny_model, fault, servers, message):
+def run_with_fault(out_dir, *flags, at="step", fault=None, victim="trainer"):
+    """Run the real script; at the first printed line that starts with `at`, send `fault` to the victim: 'trainer',
+    'api' (the last server's API process), 'engine' (its engine process, found in the server's process group).
+    -> (exit code, output, seconds from the fault to the exit, the servers' pids)."""
     proc = subprocess.Popen([sys.executable, str(HERE / "async_grpo.py"), "--cache-dir", CACHE, "--output-dir",
-                             str(tmp_path), "--data-timeout", "10", "--sync-timeout", "10", "--vllm-servers", str(servers)],
+                             str(out_dir), "--save-every", "1", "--data-timeout", "15", "--sync-timeout", "15", *flags],
                             cwd=HERE, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             env=dict(os.environ, PYTHONUNBUFFERED="1"))
-    lines, killed, pids = [], None, []
+    lines, sent, pids = [], None, []
     try:
         for line in proc.stdout:
             lines.append(line)
             if line.startswith("starting vLLM"):
                 pids.append(int(re.search(r"pid (\d+)", line).group(1)))
-                url = "http://127.0.0.1:" + re.search(r"--port (\d+)", line).group(1)
-            if line.startswith("step    2/") and killed is None:
-                os.killpg(pids[-1], fault)
-                killed = time.monotonic()
-        proc.wait(60)
+            if line.startswith(at) and fault and sent is None:
+                engine = [p for p in processes_in_group(pids[-1]) if "EngineCor" in Path(f"/proc/{p}/comm").read_text()]
+                os.kill({"trainer": proc.pid, "api": pids[-1], "engine": engine[0]}[victim], fault)
+                sent = time.monotonic()
+        proc.wait(120)
     finally:
         proc.kill()
-    out = "".join(lines)
-    print(f"exited {time.monotonic() - killed:.1f} s after {signal.Signals(fault).name}")
-    assert proc.returncode != 0 and time.monotonic() - killed < 60
-    assert re.search(message.format(url=re.escape(url)), out) and "log" in out, out[-3000:]
-    assert (tmp_path / "checkpoint" / "trainer_state.pt").exists()
-    assert len(pids) == servers and all(processes_in_group(pid) == [] for pid in pids)
-    if servers > 1:  # the producer used every server
-        assert all("POST /v1/completions" in (tmp_path / f"vllm-{i}.log").read_text() for i in range(servers))
+    return proc.returncode, "".join(lines), time.monotonic() - (sent or time.monotonic()), pids
+
+
+def test_faults_end_in_seconds_with_one_message_and_resume_continues(tmp_path, tiny_model):
+    """Real faults, one after another in one output directory, each run resuming from what the last one saved: the
+    engine process killed (what a GPU out-of-memory does: vLLM's API server stays up), the engine stopped (SIGSTOP: it
+    answers nothing), one of two servers' API process killed, a disk too small for a checkpoint (a tmpfs, where the
+    test may mount one), a scheduler's SIGTERM. Each run ends within its bound with one message naming the cause,
+    leaves no process behind, and the next run continues at the step after the last complete checkpoint."""
+    out, bound = tmp_path / "run", {"engine": 20, "stop": 15 + 30, "api": 20, "disk": 60, "term": 30}
+    out.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64m", "tmpfs", str(out)], capture_output=True)
+    steps, saved = [], [0]  # the steps each run trained, and the last complete checkpoint's step after it
+
+    def resumed_and_saved(out_text):
+        step = int(m.group(1)) if (m := re.search(r"resuming at step (\d+)", out_text)) else 0
+        assert step == saved[-1], out_text[-3000:]  # the run continues after the last complete checkpoint
+        steps.append([int(s) for s in re.findall(r"^step +(\d+)/", out_text, re.M)])
+        assert steps[-1] and steps[-1][0] == step + 1, out_text[-3000:]
+        saved.append(int(os.readlink(out / "checkpoint").rsplit("-", 1)[1]))
+    try:
+        for name, flags, fault, victim, message in [
+                ("engine", (), signal.SIGKILL, "engine", "(answers /health with 503|refuses connections): its engine died.*Its log"),
+                ("stop", ("--resume",), signal.SIGSTOP, "engine", "failed after 1[5-9] s \\(--sync-timeout: 15 s\\): "
+                 "timed out|no batch from the producer in 15.0 s \\(--data-timeout\\) from the vLLM server|"
+                 "{url} did not answer a generation request in 15.0 s \\(--data-timeout\\)"),
+                ("api", ("--resume", "--vllm-servers", "2"), signal.SIGKILL, "api", "{url} exited with code -9.*Its log"),
+                ("disk", ("--resume",), None, None, "could not write the checkpoint of step (\\d+) in .*: it needs about "
+                 "\\d+ MiB and \\d+ MiB are free. The partial one is removed; the last complete checkpoint: .*"
+                 "checkpoint-0*(\\d+) "),
+                ("term", ("--resume",), signal.SIGTERM, "trainer", "stopped at step \\d+ by signal 15; continue with --resume")]:
+            if name == "disk" and mounted.returncode:
+                print(f"disk: not run, the test cannot mount a tmpfs ({mounted.stderr.strip()})")
+                continue
+            if name == "disk":  # leave less room than one checkpoint
+                ballast = out / "ballast"
+                ballast.write_bytes(b"x" * (shutil.disk_usage(out).free - 3 * 2**20))
+            code, text, seconds, pids = run_with_fault(out, *flags, at="step ", fault=fault, victim=victim)
+            print(f"{name}: exit {code} {seconds:.1f} s after the fault")
+            url = re.findall(r"--port (\d+)", text)[-1]
+            assert code != 0 and seconds < bound[name], text[-3000:]
+            found = re.search(message.format(url=f"http://127.0.0.1:{url}"), text, re.S)
+            assert found and not re.search("^Traceback", text, re.M), text[-3000:]  # the message, not a traceback
+            assert all(processes_in_group(pid) == [] for pid in pids)
+            if name == "disk":
+                ballast.unlink()
+                assert found.group(2) == str(saved[-1]) and not list(out.glob("*.tmp"))
+            resumed_and_saved(text)
+            if name == "api":  # both servers took requests before one died
+                assert all("POST /v1/completions" in (out / f"vllm-{i}.log").read_text() for i in range(2))
+    finally:
+        subprocess.run(["umount", "-l", str(out)], capture_output=True) if not mounted.returncode else None
+    print("steps trained by each run:", steps)
 
 
 def test_ctrl_c_during_server_start_leaves_nothing_behind(tmp_path, tiny_model):
