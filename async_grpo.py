@@ -1085,23 +1085,23 @@ class Producer(threading.Thread):
         self.error = None
         self.loop = None
         self._task = None
-        self._started = threading.Event()
+        self.loop_ready = threading.Event()
 
     def run(self):
         try:
             self.loop = asyncio.new_event_loop()
             self._task = self.loop.create_task(self._produce())
-            self._started.set()
+            self.loop_ready.set()
             self.loop.run_until_complete(self._task)
         except asyncio.CancelledError:
             pass
         except BaseException as e:
             self.error = e
         finally:
-            self._started.set()
+            self.loop_ready.set()
 
     def stop(self, timeout=10):
-        self._started.wait()
+        self.loop_ready.wait()
         if self.is_alive() and self.loop is not None:
             self.loop.call_soon_threadsafe(self._task.cancel)
             self.join(timeout)
@@ -1130,7 +1130,6 @@ class Producer(threading.Thread):
         connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=3)
         timeout = aiohttp.ClientTimeout(total=a.data_timeout)  # one request longer than the trainer waits for data
         async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
-            self.session = session
             pending, started = set(), self.cursor["next_index"]  # on --resume, groups not trained are redone
             try:
                 for row in itertools.islice(self.prompt_order(), started, None):
@@ -1830,16 +1829,18 @@ def train_step(model, optimizer, samples, num_tokens, num_sequences, args, devic
 # Evaluation and logging
 # ----------------------------------------------------------------------------------------------
 
-async def evaluate(producer, rows, args):
-    """Greedy rollouts on held-out rows through the same servers and tool loop."""
-    urls = producer.urls
-    samples = await asyncio.gather(*(rollout(producer.session, urls[i % len(urls)], producer.tok, row, args, producer.ctx,
-                                             producer.policy, greedy=True) for i, row in enumerate(rows)))
-    metrics = defaultdict(float)
-    for row, sample in zip(rows, samples):
-        total, parts = await score_group([sample], row, args.reward_weights)
-        metrics["eval/reward"] += total[0] / len(rows)
-        for k, v in parts.items():
+def evaluate(run):
+    """Greedy rollouts on the held-out rows through the same servers and tool loop, on the producer's event loop."""
+    p, rows, args = run.producer, run.eval_rows, run.args
+
+    async def scored():
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=args.data_timeout)) as session:
+            samples = await asyncio.gather(*(rollout(session, p.urls[i % len(p.urls)], p.tok, row, args, p.ctx,
+                                                     p.policy, greedy=True) for i, row in enumerate(rows)))
+        return [await score_group([sample], row, args.reward_weights) for row, sample in zip(rows, samples)]
+    metrics, _ = defaultdict(float), p.loop_ready.wait()  # the producer's loop exists
+    for total, parts in asyncio.run_coroutine_threadsafe(scored(), p.loop).result():
+        for k, v in {"reward": total, **parts}.items():
             metrics[f"eval/{k}"] += v[0] / len(rows)
     return dict(metrics)
 
@@ -2113,6 +2114,9 @@ def start_generation(run):
             run.logs["wandb"] = wandb.init(project=args.wandb_project, config=vars(args), dir=str(run.out_dir))
         run.logs["metrics"] = open(run.out_dir / "metrics.jsonl", "a")
         run.logs["rollouts"] = open(run.out_dir / "rollouts.jsonl", "a")
+        if args.eval_every and not run.start_step:  # every curve starts at the model as loaded: step 0
+            write_metrics(run, metrics := {"step": 0, "policy_version": 0, **evaluate(run)})
+            print(f"step    0/{args.steps} | eval {metrics['eval/reward']:.3f}", flush=True)
     elif args.fsdp and args.vllm_url:  # rank 0's first sync gathers the weights from every rank's shards
         help_sync(run.policy, args, run.served)
     run.clock = {"start": time.perf_counter(), "samples": 0, "waited": 0.0, "cpu_start": time.process_time(),
@@ -2187,17 +2191,20 @@ def log_step(run, step, groups, metrics, trained_version):
             "versions": [v for v, m in zip(s["versions"], s["mask"]) if m]}) + "\n")
     run.logs["rollouts"].flush()
     if args.eval_every and step % args.eval_every == 0:
-        evaluation = evaluate(run.producer, run.eval_rows, args)
-        metrics.update(asyncio.run_coroutine_threadsafe(evaluation, run.producer.loop).result())
-    run.logs["metrics"].write(json.dumps(metrics) + "\n")
-    run.logs["metrics"].flush()
+        metrics.update(evaluate(run))
+    write_metrics(run, metrics)
     run.history.append(metrics)
-    if "wandb" in run.logs:
-        run.logs["wandb"].log(metrics, step=step)
     print(f"step {step:4d}/{args.steps} | reward {metrics['reward/mean']:6.3f} | loss {metrics['loss']:+.4f} | "
           f"{metrics['perf/samples_per_second']:6.1f} samples/s | staleness {metrics['staleness/mean']:.2f} | "
           f"sync {metrics['sync/seconds']:.2f}s | tools {metrics['tools/call_frequency']:.2f}"
           + (f" | eval {metrics['eval/reward']:.3f}" if "eval/reward" in metrics else ""), flush=True)
+
+
+def write_metrics(run, metrics):
+    run.logs["metrics"].write(json.dumps(metrics) + "\n")
+    run.logs["metrics"].flush()
+    if "wandb" in run.logs:
+        run.logs["wandb"].log(metrics, step=metrics["step"])
 
 
 def finish(run):

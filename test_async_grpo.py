@@ -762,13 +762,14 @@ def test_learning_through_the_whole_loop(server, tmp_path, mode):
     code, out = run_cli("--vllm-url", server.url, "--output-dir", str(tmp_path), "--dataset", str(dataset),
                         "--steps", "16", "--lr", "1e-3", "--eval-every", "16", "--eval-size", "32", *mode)
     assert code == 0, out[-3000:]
-    metrics = read_metrics(tmp_path)
-    assert len(metrics) == 16 and REQUIRED_METRICS <= set(metrics[-1])
+    before, *metrics = read_metrics(tmp_path)  # step 0: the evaluation before the first update
+    assert before["step"] == 0 and len(metrics) == 16 and REQUIRED_METRICS <= set(metrics[-1])
     first = np.mean([m["reward/mean"] for m in metrics[:4]])
     last = np.mean([m["reward/mean"] for m in metrics[-4:]])
-    print(f"reward first 4 steps {first:.3f}, last 4 steps {last:.3f}, eval {metrics[-1]['eval/reward']:.3f}")
-    assert last > first + 0.3
-    assert metrics[-1]["policy_version"] == 16 and "eval/correct_answer" in metrics[-1]
+    print(f"reward first 4 steps {first:.3f}, last 4 steps {last:.3f}, "
+          f"eval {before['eval/correct_answer']:.3f} -> {metrics[-1]['eval/correct_answer']:.3f}")
+    assert last > first + 0.3 and metrics[-1]["eval/correct_answer"] > before["eval/correct_answer"]
+    assert metrics[-1]["policy_version"] == 16
 
 
 def read_rollouts(out_dir):
