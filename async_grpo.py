@@ -607,27 +607,25 @@ def is_json_type(value, kind, unknown=True):
 
 
 def schema_types(schema):
-    """The JSON types a schema allows, through type lists and anyOf/oneOf (Pydantic writes Optional[int] so)."""
-    if not isinstance(schema, dict):
-        return []
-    kind = schema.get("type", [])
-    return ([kind] if isinstance(kind, str) else list(kind)) + [
-        t for part in schema.get("anyOf", []) + schema.get("oneOf", []) for t in schema_types(part)]
+    """The JSON types a schema allows (none: any), through type lists, anyOf/oneOf and nullable (Optional[int])."""
+    schema = schema if isinstance(schema, dict) else {}
+    kinds = [schema["type"]] if isinstance(schema.get("type"), str) else list(schema.get("type", []))
+    kinds += [t for part in schema.get("anyOf", []) + schema.get("oneOf", []) for t in schema_types(part)]
+    return kinds + ["null"] * bool(kinds and schema.get("nullable"))
 
 
 JSON = json.JSONDecoder(parse_constant=_no_constant, parse_float=_finite, object_pairs_hook=_no_duplicates)
 
 
 def decode_json(text, start=0):
-    """Strict JSON value at text[start:] (whitespace skipped) -> (value, end). Raises ValueError(message, how far the
-    decoder read: a tag before there was inside a string)."""
+    """Strict JSON value at text[start:] (whitespace skipped) -> (value, end). Raises ValueError."""
     start = len(text) - len(text[start:].lstrip())
     try:
         return JSON.raw_decode(text, start)
     except RecursionError:
-        raise ValueError(f"JSON nested too deeply at {text[start:start + 40]!r}...", start)
+        raise ValueError(f"JSON nested too deeply at {text[start:start + 40]!r}...")
     except ValueError as e:
-        raise ValueError(f"not JSON ({e})", getattr(e, "pos", start))
+        raise ValueError(f"not JSON ({e})")
 
 
 def parse_call(call):
@@ -662,14 +660,15 @@ def typed(value, schema):
     return value
 
 
-# An XML value may hold the format's own tags (a file with tool calls in it, a template). A real </parameter> is followed
-# by <parameter=KEY>, or by </function> then </tool_call> (or the turn's end) and no closing tag before the next
-# <tool_call> (CLEAN: a stray one means those tags were text of a value).
+# An XML value may hold the format's own tags (a file with tool calls in it). A real </parameter> is followed by <parameter=
+# or by </function></tool_call> (or the turn's end) and no closing tag before the next <tool_call> (CLEAN; else it is text).
 CLEAN = r"(?=(?:(?!</?tool_call>|</function>|</parameter>)[\s\S])*(?:<tool_call>|\Z))"
 XML_FUNCTION, XML_PARAMETER, XML_END = (re.compile(r"\s*<function=([^>\n]+)>"), re.compile(r"\s*<parameter=([^>\n]+)>"),
                                         re.compile(r"\s*</function>\s*(?:</tool_call>|\Z)" + CLEAN))
 XML_CLOSE = re.compile(r"</parameter>(?=\s*<parameter=[^>\n]+>|" + XML_END.pattern + ")")
-XML_TAGS, XML_LAST = re.compile(r"<parameter=([^>\n]+)>|</parameter>|</tool_call>" + CLEAN), re.compile("</tool_call>" + CLEAN)
+XML_TAGS = re.compile(r"<parameter=([^>\n]+)>|</parameter>|</tool_call>" + CLEAN)
+STRING = r'"(?:[^"\\]|\\[\s\S])*"?|'  # a JSON string (one cut off runs to the end): a tag inside it is text
+TAGGED_END, MISTRAL_END = re.compile(STRING + r"</?tool_call>"), re.compile(STRING + r"\[TOOL_CALLS\]")
 
 
 def xml_value_end(text, pos):
@@ -678,47 +677,40 @@ def xml_value_end(text, pos):
     else the first real one (None if none)."""
     depth, first = 0, None
     for tag in XML_TAGS.finditer(text, pos):
-        if tag.group(1):
-            depth += 1
-        elif tag.group() == "</parameter>":
-            if XML_CLOSE.match(text, tag.start()):
-                if depth == 0:
-                    return tag, True
-                first = first or tag
-            depth = max(depth - 1, 0)
+        if tag.group() == "</parameter>" and XML_CLOSE.match(text, tag.start()):
+            if depth == 0:
+                return tag, True
+            first = first or tag
+        depth = max(0, depth + 1 if tag.group(1) else depth - (tag.group() == "</parameter>"))  # a </tool_call>: 0
     return first, False
 
 
 def parse_xml_call(text, start, schemas):
     """<function=NAME> <parameter=KEY>VALUE</parameter>... </function> at text[start:] (Qwen3.5, Qwen3-Coder) ->
-    ({'name', 'arguments'}, end). Raises ValueError(message, how far the call's text reaches), also where the text
-    reads as two calls: a value holding a </tool_call> that could end the call, or <parameter=KEY> of a parameter not
-    yet given, lacks its </parameter> or quotes a tag; the model is told rather than given either call."""
+    ({'name', 'arguments'}, end). Raises ValueError(message, how far the call's text reaches), also where a value holds
+    <parameter=KEY> not yet given, or unbalanced a </tool_call> that could end the call: a missing </parameter>, or text?"""
     if not (head := XML_FUNCTION.match(text, start)):
         raise ValueError("expected <function=NAME>", start)
     name, arguments, error, pos = head.group(1), {}, None, head.end()
     keys = schemas[name].get("parameters", {}).get("properties", {}) if name in schemas else None
     while not XML_END.match(text, pos):
-        close, balanced = xml_value_end(text, param.end()) if (param := XML_PARAMETER.match(text, pos)) else (None, 0)
-        if not close:
-            # the call's text reaches the next <tool_call> if no value begins before it, else the first </tool_call> a
-            # call may end with: a call inside a value whose end is unknown must not run
-            opening, value, last = text.find("<tool_call>", pos), text.find("<parameter=", pos), XML_LAST.search(text, pos)
-            raise ValueError(f"<parameter={param.group(1)}> is not closed by a </parameter> that a parameter or the "
-                             "call's end follows" if param else f"expected <parameter=KEY> or </function>, got "
-                             f"{text[pos:pos + 40].strip()!r}", pos if 0 <= opening and not 0 <= value < opening else
-                             last.start() if last else len(text))
-        key = param.group(1)
-        for tag in XML_TAGS.finditer(text, param.end()):  # tags in the value that could be the call's own
-            if tag.start() >= close.start():
-                break
+        if not (param := XML_PARAMETER.match(text, pos)):
+            error = error or f"expected <parameter=KEY> or </function>, got {text[pos:pos + 40].strip()!r}"
+            value, opening = XML_PARAMETER.search(text, pos), text.find("<tool_call>", pos)
+            if not value or 0 <= opening < value.start():  # no value begins before the next call: this one ends here
+                raise ValueError(error, pos)
+            pos = value.start()  # read on from the next value: a call inside it is text, not a call to run
+            continue
+        key, (close, balanced) = param.group(1), xml_value_end(text, param.end())
+        if not close:  # a value never closed runs to the end of the turn
+            raise ValueError(f"<parameter={key}> has no </parameter> that a parameter or the call's end follows", len(text))
+        for tag in itertools.takewhile(lambda t: t.start() < close.start(), XML_TAGS.finditer(text, param.end())):
             if tag.group(1) not in (None, key, *arguments) and (keys is None or tag.group(1) in keys) or \
                     tag.group() == "</tool_call>" and not balanced:
                 error = error or f"the value of {key!r} holds {tag.group()!r}: a </parameter> missing before it, or text?"
         error = error or (key in arguments and f"parameter {key!r} given twice")
-        value = text[param.end():close.start()]
-        value = value[1:] if value.startswith("\n") else value  # the format puts the value on lines of its own
-        arguments[key], pos = typed(value[:-1] if value.endswith("\n") else value, (keys or {}).get(key)), close.end()
+        value = re.sub(r"\A\n|\n\Z", "", text[param.end():close.start()])  # the format puts it on lines of its own
+        arguments[key], pos = typed(value, (keys or {}).get(key)), close.end()
     end = text.index("</function>", pos) + len("</function>")
     if error:
         raise ValueError(error, end)
@@ -728,15 +720,15 @@ def parse_xml_call(text, start, schemas):
 def parse_tagged(text, schemas):
     """<tool_call>BODY</tool_call>, any number, BODY JSON (Qwen/Hermes) or XML. JSON is decoded from the opening
     tag, so a '</tool_call>' inside a string does not end the call, and a call that does not parse ends at its
-    closing tag or at the next opening one, never swallowing it, nor inside what was read of it.
-    -> (content, decoded calls with their text, errors)"""
+    closing tag or at the next opening one (not one inside its JSON strings or read in its XML values), never
+    swallowing it. -> (content, decoded calls with their text, errors)"""
     content, found, errors, pos = [], [], [], 0
     while (start := text.find("<tool_call>", pos)) >= 0:
         content.append(text[pos:start])
         body = start + len("<tool_call>")
+        xml = text[body:].lstrip().startswith("<function=")
         try:
-            value, end = (parse_xml_call(text, body, schemas) if text[body:].lstrip().startswith("<function=") else
-                          decode_json(text, body))
+            value, end = parse_xml_call(text, body, schemas) if xml else decode_json(text, body)
             rest = text[end:].lstrip()
             if rest.startswith("</tool_call>"):
                 pos = len(text) - len(rest) + len("</tool_call>")
@@ -747,9 +739,8 @@ def parse_tagged(text, schemas):
             found.append((value, text[start:pos]))
         except Exception as e:  # this call's error; the turn's other calls stand
             message, read = e.args if len(e.args) == 2 else (str(e), body)
-            closing, opening = text.find("</tool_call>", read), text.find("<tool_call>", read)
-            pos = (closing + len("</tool_call>") if 0 <= closing and (opening < 0 or closing < opening) else
-                   opening if opening >= 0 else len(text))
+            tag = next((t for t in TAGGED_END.finditer(text, read if xml else body) if t.group()[0] == "<"), None)
+            pos = len(text) if not tag else tag.end() if tag.group() == "</tool_call>" else tag.start()
             errors.append(f"could not parse the tool call {text[start:pos][:200]!r}: {message}")
     content.append(text[pos:])
     return "".join(content), found, errors
@@ -766,23 +757,22 @@ def parse_mistral(text):
         return text, [], []
     found, errors, pos = [], [], start
     while pos < len(text):
-        if not text.startswith("[TOOL_CALLS]", pos):
-            errors.append(f"ignored the text after the tool calls, {text[pos:pos + 200]!r}: only calls may follow one")
-            break
-        at, pos = pos, pos + len("[TOOL_CALLS]")
+        at = pos
         try:
+            if not text.startswith("[TOOL_CALLS]", pos):
+                raise ValueError("ignored: only calls may follow a call")
+            pos += len("[TOOL_CALLS]")
             if text[pos:].lstrip()[:1] in ("[", "{"):
                 value, pos = decode_json(text, pos)
             else:
                 if not (head := MISTRAL_NAME.match(text, pos)):
-                    raise ValueError("expected NAME[ARGS]{...}", pos)
+                    raise ValueError("expected NAME[ARGS]{...}")
                 arguments, pos = decode_json(text, head.end())
                 value = {"name": head.group(1), "arguments": arguments}
             found += [(v, text[at:pos]) for v in (value if isinstance(value, list) else [value])]
-        except ValueError as e:  # on at the next [TOOL_CALLS] after what was read: one inside a string is text
-            following = text.find("[TOOL_CALLS]", max(at + 1, e.args[1]))
-            pos = following if following >= 0 else len(text)
-            errors.append(f"could not parse the tool call {text[at:pos][:200]!r}: {e.args[0]}")
+        except ValueError as e:  # on at the next [TOOL_CALLS], not one inside a JSON string of this call
+            pos = next((t.start() for t in MISTRAL_END.finditer(text, pos + 1) if t.group()[0] == "["), len(text))
+            errors.append(f"could not parse the tool call {text[at:pos][:200]!r}: {e}")
         pos += len(text[pos:]) - len(text[pos:].lstrip())
     return text[:start], found, errors
 
@@ -805,7 +795,7 @@ def parse_bare_json(text):
         found.append((value, body[pos:end]))
         rest = body[end:].lstrip()
         if rest and not re.match(r';|\{\s*"', rest):  # prose, not another call: `I used {searchTool}`
-            return "", found, [f"ignored the text after the tool calls, {rest[:200]!r}: only calls may follow one"]
+            return "", found, [f"ignored the text after a tool call, {rest[:200]!r}: only calls may follow one"]
         pos = len(body) - len(rest.removeprefix(";").lstrip())
     return "", found, []
 
