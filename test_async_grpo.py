@@ -1922,6 +1922,27 @@ def test_a_call_written_inside_a_value_never_comes_back_as_a_call():
     assert n > 10_000
 
 
+def test_tools_whose_arguments_are_called_name_self_or_fn_run(monkeypatch):
+    """Arguments reach a tool as data all the way: sync tools through the thread pool, async ones awaited."""
+    def label(name: str, self: str, fn: str) -> str:
+        """Labels.
+
+        Args:
+            name: a
+            self: b
+            fn: c
+        """
+        return f"{name} {self} {fn}"
+
+    async def alabel(name: str, self: str, fn: str) -> str:
+        return label(name, self, fn)
+    alabel.__doc__ = label.__doc__
+    monkeypatch.setitem(tools.TOOLS, "label", label)
+    monkeypatch.setitem(tools.TOOLS, "alabel", alabel)
+    schemas = {s["function"]["name"]: s["function"] for s in ag.tool_schemas(["label", "alabel"])}
+    for tool in schemas:
+        assert asyncio.run(ag.call_tool(ag._call(tool, {"name": "a", "self": "b", "fn": "c"}), schemas, 5)) == ("a b c", True)
+
 def test_union_types_type_xml_values_and_check_arguments():
     """Optional[int] as transformers' get_json_schema writes it (nullable, what tool_schemas gives), as Pydantic does
     (anyOf), and a type list: XML text is typed through them, and the argument check (every format) reads them."""
