@@ -436,12 +436,12 @@ def render_prompt(tok, messages, schemas, row_id=None):
                          "change the row, --system-prompt or --chat-template")
 
 
-def _call(name, **arguments):
+def _call(name, arguments):  # arguments are data, never Python keywords: a tool may have one called `name`
     return {"type": "function", "function": {"name": name, "arguments": arguments}}
 
 
 PROBE = [{"role": "user", "content": "What is 6 * 7?"},
-         {"role": "assistant", "content": "", "tool_calls": [_call("calculator", expression="6 * 7")]},
+         {"role": "assistant", "content": "", "tool_calls": [_call("calculator", {"expression": "6 * 7"})]},
          {"role": "tool", "name": "calculator", "content": "42"},
          {"role": "assistant", "content": "<think>\nThe tool said 42.\n</think>\n\n42"},
          {"role": "user", "content": "And 6 * 8?"},
@@ -467,17 +467,18 @@ def training_template(template):
     return patched.replace("{%- if loop.last or (not loop.last and reasoning_content) %}", "{%- if true %}")
 
 
-# A tool with every JSON type, and calls to it (one per turn and three per turn) that the start-up
-# check renders with the run's template and parses back: what comes back must be what went in.
+# A tool with every JSON type (a union too; an argument called `name`), and calls to it (one per turn and three per
+# turn) that the start-up check renders with the run's template and parses back: what comes back must be what went in.
 ROUND_TRIP_TOOL = {"type": "function", "function": {
     "name": "round_trip_probe", "description": "Stands in for the run's tools in the start-up check.",
     "parameters": {"type": "object", "required": ["text"], "properties": {
-        "text": {"type": "string"}, "count": {"type": "integer"}, "ratio": {"type": "number"},
-        "flag": {"type": "boolean"}, "items": {"type": "array"}, "options": {"type": "object"}}}}}
-ROUND_TRIP = [("", [_call("round_trip_probe", text="6 * 7")]),
-              ("Three at once.", [_call("round_trip_probe", text='say "hi"\nthen <b>stop</b> {}', count=3, ratio=-2.5, flag=True),
-                                  _call("round_trip_probe", text="x", items=[1, "two", [3.5]], options={"k": {"deep": [False, None]}}),
-                                  _call("round_trip_probe", text="")])]
+        "text": {"type": "string"}, "count": {"type": "integer"}, "ratio": {"type": "number"}, "flag": {"type": "boolean"},
+        "items": {"type": "array"}, "options": {"type": "object"}, "name": {"type": ["string", "null"]}}}}}
+ROUND_TRIP = [("", [_call("round_trip_probe", {"text": "6 * 7"})]),
+              ("Three at once.", [
+                  _call("round_trip_probe", {"text": 'say "hi"\nthen <b>stop</b> {}', "count": 3, "ratio": -2.5, "flag": True}),
+                  _call("round_trip_probe", {"text": "x", "items": [1, "two", [3.5]], "options": {"k": {"deep": [False, None]}}}),
+                  _call("round_trip_probe", {"name": None, "text": ""})])]
 
 
 def stop_token_ids(tok, model_path=None):
@@ -606,6 +607,14 @@ def is_json_type(value, kind, unknown=True):
     return isinstance(value, JSON_TYPES[kind]) and not (isinstance(value, bool) and kind in ("integer", "number"))
 
 
+def schema_types(schema):
+    """The JSON types a schema allows (none: any), through type lists, anyOf/oneOf and nullable (Optional[int])."""
+    schema = schema if isinstance(schema, dict) else {}
+    kinds = [schema["type"]] if isinstance(schema.get("type"), str) else list(schema.get("type", []))
+    kinds += [t for part in schema.get("anyOf", []) + schema.get("oneOf", []) for t in schema_types(part)]
+    return kinds + ["null"] * bool(kinds and schema.get("nullable"))
+
+
 JSON = json.JSONDecoder(parse_constant=_no_constant, parse_float=_finite, object_pairs_hook=_no_duplicates)
 
 
@@ -621,15 +630,12 @@ def decode_json(text, start=0):
 
 
 def parse_call(call):
-    """A decoded call {'name', 'arguments' or 'parameters'} -> the OpenAI shape. Raises ValueError."""
+    """A decoded call {'name', 'arguments' or 'parameters'} -> the OpenAI shape. Raises (ValueError mostly)."""
     if not isinstance(call, dict) or not isinstance(call.get("name"), str) or not call["name"]:
         raise ValueError("a call needs a string 'name'")
     arguments = call.get("arguments", call.get("parameters", {}))
     if isinstance(arguments, str):  # the OpenAI wire format: arguments as a JSON string
-        text = arguments
-        arguments, end = decode_json(text)
-        if text[end:].strip():
-            raise ValueError(f"unexpected {text[end:end + 40]!r} after the arguments")
+        arguments = JSON.decode(arguments)
     if not isinstance(arguments, dict):
         raise ValueError("'arguments' must be an object")
     stack = [(call["name"], 0), (arguments, 1)]  # walked without recursion: the point is to refuse what is too deep
@@ -641,81 +647,104 @@ def parse_call(call):
             item.encode()  # a lone surrogate ("\\ud800") is JSON but not text: a tokenizer would refuse the result
         elif isinstance(item, (dict, list)):
             stack += [(x, depth + 1) for x in (list(item) + list(item.values()) if isinstance(item, dict) else item)]
-    return _call(call["name"], **arguments)
+    return _call(call["name"], arguments)
 
 
 def typed(value, schema):
-    """An XML parameter's text as the type its JSON schema asks for; the text itself if it is not one (the
-    argument check then tells the model)."""
-    types = schema.get("type", []) if isinstance(schema, dict) else []
-    for kind in [types] if isinstance(types, str) else types:
-        if kind == "string":
-            return value
-        with contextlib.suppress(ValueError):
-            parsed, end = decode_json(value)
-            if end == len(value.rstrip()) and is_json_type(parsed, kind, unknown=False):
-                return parsed
+    """An XML parameter's text as a non-string type its JSON schema allows (`5` is 5 where an integer may go, `null`
+    None where null may); else the text itself (the argument check tells the model if a string may not go there)."""
+    with contextlib.suppress(ValueError):
+        parsed, end = decode_json(value)
+        if end == len(value.rstrip()) and any(is_json_type(parsed, kind, unknown=False) for kind in schema_types(schema)
+                                              if kind != "string"):
+            return parsed
     return value
 
 
+# An XML value may hold the format's own tags (a file with tool calls in it). A real </parameter> is followed by <parameter=
+# or by </function></tool_call> (or the turn's end) and no closing tag before the next <tool_call> (CLEAN; else it is text).
+CLEAN = r"(?=(?:(?!</?tool_call>|</function>|</parameter>)[\s\S])*(?:<tool_call>|\Z))"
 XML_FUNCTION, XML_PARAMETER, XML_END = (re.compile(r"\s*<function=([^>\n]+)>"), re.compile(r"\s*<parameter=([^>\n]+)>"),
-                                        re.compile(r"\s*</function>"))
+                                        re.compile(r"\s*</function>\s*(?:</tool_call>|\Z)" + CLEAN))
+XML_CLOSE = re.compile(r"</parameter>(?=\s*<parameter=[^>\n]+>|" + XML_END.pattern + ")")
+XML_TAGS = re.compile(r"<parameter=([^>\n]+)>|</parameter>|</tool_call>" + CLEAN)
+STRING = r'"(?:[^"\\]|\\[\s\S])*"?|'  # a JSON string (one cut off runs to the end): a tag inside it is text
+TAGGED_END, MISTRAL_END = re.compile(STRING + r"</?tool_call>"), re.compile(STRING + r"\[TOOL_CALLS\]")
+
+
+def xml_value_end(text, pos):
+    """(the </parameter> that ends the value at text[pos:], whether the value's parameter tags balance): the first real
+    one (XML_CLOSE) that closes no <parameter=...> the value opened, so that calls quoted whole in a value stay in it;
+    else the first real one (None if none)."""
+    depth, first = 0, None
+    for tag in XML_TAGS.finditer(text, pos):
+        if tag.group() == "</parameter>" and XML_CLOSE.match(text, tag.start()):
+            if depth == 0:
+                return tag, True
+            first = first or tag
+        depth = max(0, depth + 1 if tag.group(1) else depth - (tag.group() == "</parameter>"))  # a </tool_call>: 0
+    return first, False
 
 
 def parse_xml_call(text, start, schemas):
     """<function=NAME> <parameter=KEY>VALUE</parameter>... </function> at text[start:] (Qwen3.5, Qwen3-Coder) ->
-    (call, end). Raises ValueError."""
-    head = XML_FUNCTION.match(text, start)
-    if not head:
-        raise ValueError("expected <function=NAME>")
-    name, arguments, pos = head.group(1).strip(), {}, head.end()
-    properties = schemas.get(name, {}).get("parameters", {}).get("properties", {})
-    while param := XML_PARAMETER.match(text, pos):
-        key, close = param.group(1).strip(), text.find("</parameter>", param.end())
-        if close < 0:
-            raise ValueError(f"<parameter={key}> is not closed")
-        if key in arguments:
-            raise ValueError(f"parameter {key!r} given twice")
-        value = text[param.end():close]
-        value = value[1:] if value.startswith("\n") else value  # the format puts the value on lines of its own
-        value = value[:-1] if value.endswith("\n") else value
-        arguments[key] = typed(value, properties.get(key))
-        pos = close + len("</parameter>")
-    close = XML_END.match(text, pos)
-    if not close:
-        raise ValueError(f"expected <parameter=KEY> or </function>, got {text[pos:pos + 40].strip()!r}")
-    return parse_call({"name": name, "arguments": arguments}), close.end()
+    ({'name', 'arguments'}, end). Raises ValueError(message, how far the call's text reaches), also where a value holds
+    <parameter=KEY> not yet given, or unbalanced a </tool_call> that could end the call: a missing </parameter>, or text?"""
+    if not (head := XML_FUNCTION.match(text, start)):
+        raise ValueError("expected <function=NAME>", start)
+    name, arguments, error, pos = head.group(1), {}, None, head.end()
+    keys = schemas[name].get("parameters", {}).get("properties", {}) if name in schemas else None
+    while not XML_END.match(text, pos):
+        if not (param := XML_PARAMETER.match(text, pos)):
+            error = error or f"expected <parameter=KEY> or </function>, got {text[pos:pos + 40].strip()!r}"
+            value, opening = XML_PARAMETER.search(text, pos), text.find("<tool_call>", pos)
+            if not value or 0 <= opening < value.start():  # no value begins before the next call: this one ends here
+                raise ValueError(error, pos)
+            pos = value.start()  # read on from the next value: a call inside it is text, not a call to run
+            continue
+        key, (close, balanced) = param.group(1), xml_value_end(text, param.end())
+        if not close:  # a value never closed runs to the end of the turn
+            raise ValueError(f"<parameter={key}> has no </parameter> that a parameter or the call's end follows", len(text))
+        for tag in itertools.takewhile(lambda t: t.start() < close.start(), XML_TAGS.finditer(text, param.end())):
+            if tag.group(1) not in (None, key, *arguments) and (keys is None or tag.group(1) in keys) or \
+                    tag.group() == "</tool_call>" and not balanced:
+                error = error or f"the value of {key!r} holds {tag.group()!r}: a </parameter> missing before it, or text?"
+        error = error or (key in arguments and f"parameter {key!r} given twice")
+        value = re.sub(r"\A\n|\n\Z", "", text[param.end():close.start()])  # the format puts it on lines of its own
+        arguments[key], pos = typed(value, (keys or {}).get(key)), close.end()
+    end = text.index("</function>", pos) + len("</function>")
+    if error:
+        raise ValueError(error, end)
+    return {"name": name, "arguments": arguments}, end
 
 
 def parse_tagged(text, schemas):
     """<tool_call>BODY</tool_call>, any number, BODY JSON (Qwen/Hermes) or XML. JSON is decoded from the opening
     tag, so a '</tool_call>' inside a string does not end the call, and a call that does not parse ends at its
-    closing tag or at the next opening one, never swallowing it. -> (content, calls, errors)"""
-    content, calls, errors, pos = [], [], [], 0
+    closing tag or at the next opening one (not one inside its JSON strings or read in its XML values), never
+    swallowing it. -> (content, decoded calls with their text, errors)"""
+    content, found, errors, pos = [], [], [], 0
     while (start := text.find("<tool_call>", pos)) >= 0:
         content.append(text[pos:start])
         body = start + len("<tool_call>")
+        xml = text[body:].lstrip().startswith("<function=")
         try:
-            if text[body:].lstrip().startswith("<function="):
-                call, end = parse_xml_call(text, body, schemas)
-            else:
-                value, end = decode_json(text, body)
-                call = parse_call(value)
+            value, end = parse_xml_call(text, body, schemas) if xml else decode_json(text, body)
             rest = text[end:].lstrip()
             if rest.startswith("</tool_call>"):
                 pos = len(text) - len(rest) + len("</tool_call>")
             elif not rest:
                 pos = len(text)  # the closing tag missing at the end of the turn: the call is whole
             else:
-                raise ValueError(f"unexpected {rest[:40]!r} after the call")
-            calls.append(call)
-        except ValueError as e:
-            closing, opening = text.find("</tool_call>", body), text.find("<tool_call>", body)
-            pos = (closing + len("</tool_call>") if 0 <= closing and (opening < 0 or closing < opening) else
-                   opening if opening >= 0 else len(text))
-            errors.append(f"could not parse the tool call {text[start:pos][:200]!r}: {e}")
+                raise ValueError(f"unexpected {rest[:40]!r} after the call", end)
+            found.append((value, text[start:pos]))
+        except Exception as e:  # this call's error; the turn's other calls stand
+            message, read = e.args if len(e.args) == 2 else (str(e), body)
+            tag = next((t for t in TAGGED_END.finditer(text, read if xml else body) if t.group()[0] == "<"), None)
+            pos = len(text) if not tag else tag.end() if tag.group() == "</tool_call>" else tag.start()
+            errors.append(f"could not parse the tool call {text[start:pos][:200]!r}: {message}")
     content.append(text[pos:])
-    return "".join(content), calls, errors
+    return "".join(content), found, errors
 
 
 MISTRAL_NAME = re.compile(r"\s*([^\[\]\s]+)(?:\[CALL_ID\][^\[]*)?\[ARGS\]")
@@ -723,55 +752,53 @@ MISTRAL_NAME = re.compile(r"\s*([^\[\]\s]+)(?:\[CALL_ID\][^\[]*)?\[ARGS\]")
 
 def parse_mistral(text):
     """Content, then [TOOL_CALLS] followed by a JSON list of calls (Mistral v3) or by name[ARGS]{json} (v11; an
-    optional [CALL_ID]id), repeated. -> (content, calls, errors)"""
+    optional [CALL_ID]id), repeated. -> (content, decoded calls with their text, errors)"""
     start = text.find("[TOOL_CALLS]")
     if start < 0:
         return text, [], []
-    calls, errors, pos = [], [], start
+    found, errors, pos = [], [], start
     while pos < len(text):
-        if not text.startswith("[TOOL_CALLS]", pos):
-            errors.append(f"could not parse the text after the tool calls, {text[pos:pos + 200]!r}: not a call")
-            break
-        at, pos = pos, pos + len("[TOOL_CALLS]")
+        at = pos
         try:
+            if not text.startswith("[TOOL_CALLS]", pos):
+                raise ValueError("ignored: only calls may follow a call")
+            pos += len("[TOOL_CALLS]")
             if text[pos:].lstrip()[:1] in ("[", "{"):
                 value, pos = decode_json(text, pos)
-                calls += [parse_call(c) for c in (value if isinstance(value, list) else [value])]
             else:
-                head = MISTRAL_NAME.match(text, pos)
-                if not head:
+                if not (head := MISTRAL_NAME.match(text, pos)):
                     raise ValueError("expected NAME[ARGS]{...}")
                 arguments, pos = decode_json(text, head.end())
-                calls.append(parse_call({"name": head.group(1), "arguments": arguments}))
-        except ValueError as e:
-            following = text.find("[TOOL_CALLS]", at + 1)
-            pos = following if following >= 0 else len(text)
+                value = {"name": head.group(1), "arguments": arguments}
+            found += [(v, text[at:pos]) for v in (value if isinstance(value, list) else [value])]
+        except ValueError as e:  # on at the next [TOOL_CALLS], not one inside a JSON string of this call
+            pos = next((t.start() for t in MISTRAL_END.finditer(text, pos + 1) if t.group()[0] == "["), len(text))
             errors.append(f"could not parse the tool call {text[at:pos][:200]!r}: {e}")
         pos += len(text[pos:]) - len(text[pos:].lstrip())
-    return text[:start], calls, errors
+    return text[:start], found, errors
 
 
 def parse_bare_json(text):
     """Llama 3: the turn is the call, JSON {"name", "parameters"} (after <|python_tag|>), several separated by ';'.
-    A turn that starts any other way is content. -> (content, calls, errors)"""
+    A turn that starts any other way is content; text after the calls is ignored, and the model told so.
+    -> (content, decoded calls with their text, errors)"""
     body = text.lstrip()
     tagged = body.startswith("<|python_tag|>")
     body = body.removeprefix("<|python_tag|>").lstrip()
     if not tagged and not re.match(r"\{\s*\"", body):
         return text, [], []
-    calls, pos = [], 0
-    try:
-        while pos < len(body):
-            value, pos = decode_json(body, pos)
-            calls.append(parse_call(value))
-            rest = body[pos:].lstrip()
-            pos = len(body) - len(rest) + rest.startswith(";")
-            if rest and not rest.startswith((";", "{")):
-                raise ValueError(f"unexpected {rest[:40]!r} after the call")
-            pos += len(body[pos:]) - len(body[pos:].lstrip())
-    except ValueError as e:
-        return "", calls, [f"could not parse the tool call {body[:200]!r}: {e}"]
-    return "", calls, []
+    found, pos = [], 0
+    while pos < len(body):
+        try:
+            value, end = decode_json(body, pos)
+        except ValueError as e:
+            return "", found, [f"could not parse the tool call {body[pos:pos + 200]!r}: {e.args[0]}"]
+        found.append((value, body[pos:end]))
+        rest = body[end:].lstrip()
+        if rest and not re.match(r';|\{\s*"', rest):  # prose, not another call: `I used {searchTool}`
+            return "", found, [f"ignored the text after a tool call, {rest[:200]!r}: only calls may follow one"]
+        pos = len(body) - len(rest.removeprefix(";").lstrip())
+    return "", found, []
 
 
 def remove_think(text, opened):
@@ -795,18 +822,19 @@ def parse_assistant(text, tok=None, prompt_ids=(), schemas=None, fmt="tagged", m
         if fmt == "transformers":  # the tokenizer's own parser; the schemas type the arguments
             parsed = tok.parse_response(text, prefix=tok.decode(prompt_ids),
                                         tools=[{"type": "function", "function": s} for s in schemas.values()])
-            calls, errors = [], []
-            for call in parsed.get("tool_calls") or []:
-                try:
-                    calls.append(parse_call(call.get("function", call) if isinstance(call, dict) else call))
-                except ValueError as e:
-                    errors.append(f"could not parse the tool call {str(call)[:200]!r}: {e}")
-            content, reasoning = parsed.get("content") or "", parsed.get("reasoning_content")
+            found = [(c.get("function", c) if isinstance(c, dict) else c, str(c)) for c in parsed.get("tool_calls") or []]
+            content, reasoning, errors = parsed.get("content") or "", parsed.get("reasoning_content"), []
         else:
             opened = bool(prompt_ids) and tok.decode(list(prompt_ids[-16:])).rstrip().endswith("<think>")
             reasoning, text = remove_think(text, opened)
-            content, calls, errors = (parse_tagged(text, schemas) if fmt == "tagged" else parse_mistral(text)
+            content, found, errors = (parse_tagged(text, schemas) if fmt == "tagged" else parse_mistral(text)
                                       if fmt == "mistral" else parse_bare_json(text))
+        calls = []
+        for value, quote in found:  # each call stands or fails alone: one bad call never costs the turn's others
+            try:
+                calls.append(parse_call(value))
+            except Exception as e:
+                errors.append(f"could not parse the tool call {quote[:200]!r}: {e}")
         errors += [f"not run: call one tool per turn ({json.dumps(c)[:200]})" for c in calls[max_calls or len(calls):]]
         message.update(content=content.strip(), tool_calls=calls[:max_calls or len(calls)], tool_call_errors=errors)
         if reasoning is not None:
@@ -912,9 +940,7 @@ def argument_errors(schema, arguments):
     errors = [f"missing argument {k!r}" for k in required if k not in arguments]
     errors += [f"unknown argument {k!r}" for k in arguments if k not in properties]
     for key, value in arguments.items():
-        types = properties.get(key, {}).get("type", [])
-        types = [types] if isinstance(types, str) else types
-        if types and not any(is_json_type(value, t) for t in types):
+        if (types := schema_types(properties.get(key))) and not any(is_json_type(value, t) for t in types):
             errors.append(f"argument {key!r} must be {' or '.join(types)}, got {json.dumps(value)[:50]}")
     return errors
 

