@@ -2,7 +2,8 @@
 
     python async_grpo.py                          # CPU, no network: tiny built-in model + arithmetic task
     python async_grpo.py --tools                  # the same task, with a calculator the model can call
-    python async_grpo.py --model Qwen/Qwen3-0.6B --tools --vllm-gpus 1          # 1 GPU trains, 1 serves
+    python async_grpo.py --model Qwen/Qwen3-0.6B --tools                        # 1 GPU: vLLM shares it
+    python async_grpo.py --model Qwen/Qwen3-0.6B --tools --vllm-gpus 1          # 2 GPUs: 1 trains, 1 serves
     torchrun --nproc-per-node 4 async_grpo.py --model Qwen/Qwen3-0.6B --tools --vllm-gpus 4,5,6,7
     torchrun --nproc-per-node 4 async_grpo.py --model Qwen/Qwen3-8B --fsdp --vllm-gpus 4,5  # sharded, not copied
     python async_grpo.py --model M --vllm-url http://host:8000   # servers started as README.md shows
@@ -56,7 +57,7 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         return super()._get_help_string(action)
 
 
-def parse_args(argv=None, world_size=1):
+def parse_args(argv=None, world_size=1, cuda_count=None, local_ranks=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=HelpFormatter)
     g = p.add_argument_group("model and data")
     g.add_argument("--model", default=None,
@@ -144,10 +145,14 @@ def parse_args(argv=None, world_size=1):
     g.add_argument("--vllm-url", default=None, help="use these running servers (a comma list of URLs) instead of starting any")
     g.add_argument("--vllm-servers", type=int, default=1,
                    help="servers to start; each takes an equal share of --vllm-gpus (tensor parallel over its share)")
-    g.add_argument("--vllm-gpus", default=None, help="CUDA devices of the servers started here, e.g. '1' or '4,5,6,7'")
+    g.add_argument("--vllm-gpus", default=None, help="CUDA devices of the servers started here, e.g. '1' or '4,5,6,7'; "
+                   "default: those the trainer ranks leave free, or, none free, trainer rank 0's GPU, shared")
+    g.add_argument("--vllm-gpu-memory", type=float, default=None,
+                   help="share of its GPU's memory a server started here may use (vLLM's --gpu-memory-utilization); "
+                        "default: 0.3 on a GPU shared with the trainer, else vLLM's own (0.92)")
     g.add_argument("--vllm-port", type=int, default=0, help="port of the first server started here (0: free ones)")
     g.add_argument("--vllm-startup-timeout", type=float, default=600, help="seconds to wait for the server to be healthy")
-    g.add_argument("--vllm-args", default="", help="extra arguments for the server, e.g. \"--gpu-memory-utilization 0.5\"")
+    g.add_argument("--vllm-args", default="", help="extra arguments for the server, e.g. \"--enforce-eager\"")
     g.add_argument("--max-model-len", type=int, default=None, help="context length of the server (default: the model's)")
 
     g = p.add_argument_group("logging and checkpoints")
@@ -187,7 +192,8 @@ def parse_args(argv=None, world_size=1):
          f"--vllm-servers {args.vllm_servers} must be >= 1 and divide the --vllm-gpus {args.vllm_gpus} evenly"),
         (args.max_operand < 1 or args.terms < 2 or not args.operations or set(args.operations) - set("+-*/"),
          "--max-operand must be >= 1, --terms >= 2, and --operations a non-empty string of '+-*/'"),
-        (args.resume and not args.output_dir, "--resume needs the --output-dir of the run to continue")]
+        (args.resume and not args.output_dir, "--resume needs the --output-dir of the run to continue"),
+        (vllm_flag(args, "--gpu-memory-utilization"), "--vllm-args: pass the servers' memory share as --vllm-gpu-memory")]
     args.tool_names = [] if args.tools is None else list(tools_module.TOOLS) if args.tools == "all" else \
         [n.strip() for n in args.tools.split(",")]
     unknown = sorted(set(args.tool_names) - set(tools_module.TOOLS))
@@ -206,6 +212,11 @@ def parse_args(argv=None, world_size=1):
     for failed, message in checks:
         if failed:
             p.error(message)
+    try:  # local_ranks: the trainer ranks on this node
+        args.plan = plan_devices(args, torch.cuda.device_count() if cuda_count is None else cuda_count,
+                                 int(os.environ.get("LOCAL_WORLD_SIZE", world_size)) if local_ranks is None else local_ranks)
+    except ValueError as e:
+        p.error(str(e))
     args.max_staleness = 0 if args.sync else args.max_staleness
     args.sync_bucket_bytes = int(args.sync_bucket_mb * 2**20)
     args.output_dir = args.output_dir or time.strftime("runs/%Y%m%d-%H%M%S")
@@ -213,6 +224,46 @@ def parse_args(argv=None, world_size=1):
         args.lr = 3e-4 if args.model is None else 1e-6  # the built-in model is tiny and far from converged
     args.lr = 0.0 if args.audit else args.lr
     return args
+
+
+def vllm_flag(args, *names):
+    """The value that --vllm-args gives one of these vLLM flags ('' for a bare one), or None."""
+    words = [w for word in shlex.split(args.vllm_args) for w in word.split("=", 1)] + [""]
+    return next((words[i + 1] for i, w in enumerate(words[:-1]) if w.replace("_", "-") in names), None)
+
+
+def plan_devices(args, cuda_count, local_ranks):
+    """Where everything runs, decided once from the flags and this machine, before anything loads: the trainer ranks on
+    cuda:0..local_ranks-1 (or the CPU), each server started here on its share of --vllm-gpus or the CPU, and the sync
+    backend: NCCL between devices; gloo (CUDA tensors through pinned host copies) without GPUs, or where a server shares
+    trainer rank 0's GPU, since NCCL refuses two ranks on one device. A ValueError names the flags to change."""
+    n, url, free = args.vllm_servers, args.vllm_url, [str(d) for d in range(local_ranks, cuda_count)]
+    gpus = args.vllm_gpus.split(",") if args.vllm_gpus else [] if url else free[:len(free) // n * n]
+    shared = bool(cuda_count and not url and not gpus)  # no device free: one server shares trainer rank 0's GPU
+    instead = f"pass --vllm-gpus among {','.join(free)}" if free else "launch fewer ranks (torchrun --nproc-per-node)"
+    for failed, message in [
+            (url and args.vllm_gpus, "--vllm-gpus places the servers started here, and --vllm-url starts none: drop one"),
+            (cuda_count and local_ranks > cuda_count, f"{local_ranks} trainer ranks on this node, {cuda_count} CUDA "
+                                                      f"devices: launch torchrun with --nproc-per-node {cuda_count} or fewer"),
+            (not all(g.isdigit() and int(g) < cuda_count for g in gpus) or len(set(gpus)) < len(gpus),
+             f"--vllm-gpus {args.vllm_gpus}: not distinct devices of the {cuda_count} CUDA devices here"),
+            (set(gpus) & set(map(str, range(local_ranks))), f"--vllm-gpus {args.vllm_gpus} overlaps the devices of the "
+             f"{local_ranks} trainer ranks, and NCCL refuses two ranks on one device: {instead}, or leave --vllm-gpus "
+             "out where none is free, to share trainer rank 0's GPU with one server"),
+            (shared and n > 1, f"--vllm-servers {n}: no device is free beside the trainer ranks, and trainer rank 0's GPU "
+                               f"holds one server: pass --vllm-servers 1, or {instead}"),
+            (args.vllm_gpu_memory is not None and not (0 < args.vllm_gpu_memory < 1 and (gpus or shared)),
+             "--vllm-gpu-memory is a share in (0, 1) of the memory of servers started here on GPUs")]:
+        if failed:
+            raise ValueError(message)
+    physical = (os.environ.get("CUDA_VISIBLE_DEVICES") or ",".join(map(str, range(cuda_count)))).split(",")
+    shares = [gpus[i * len(gpus) // n:(i + 1) * len(gpus) // n] for i in range(n)] if gpus else [["0"] * shared] * n
+    return {"trainer": "cuda" if cuda_count else "cpu", "shared": shared,  # shares: --vllm-gpus as this process counts
+            "servers": [] if url else [",".join(physical[int(g)] for g in share) for share in shares],
+            "sync_backend": "nccl" if cuda_count and not shared else "gloo",
+            "gpu_memory": args.vllm_gpu_memory or (0.3 if shared else None),  # why 0.3: README.md, "On GPUs"
+            "cpu_server": not cuda_count and all(urllib.parse.urlparse(u).hostname in ("127.0.0.1", "localhost")
+                                                 for u in (url or "http://127.0.0.1").split(","))}  # tuned in start_vllm
 
 
 # ----------------------------------------------------------------------------------------------
@@ -1241,16 +1292,16 @@ def log_tail(path, n=25):
 
 
 def start_vllm(args, model_path, out_dir):
-    """Start --vllm-servers `vllm serve` processes with this file as their worker extension, each on
-    its share of --vllm-gpus, and wait until all are healthy. Returns the processes (.url, .log_path)."""
-    n, gpus = args.vllm_servers, args.vllm_gpus.split(",") if args.vllm_gpus else []
+    """Start the `vllm serve` processes of the device plan (args.plan) with this file as their worker extension, each on
+    its share of --vllm-gpus or on the CPU, and wait until all are healthy. Returns the processes (.url, .log_path)."""
+    plan, n = args.plan, len(args.plan["servers"])
     env = dict(os.environ, VLLM_SERVER_DEV_MODE="1",  # the /pause, /resume, /collective_rpc routes
                PYTHONPATH=os.pathsep.join(filter(None, [str(HERE), os.environ.get("PYTHONPATH")])))
-    if not torch.cuda.is_available():
+    if plan["cpu_server"]:
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; the default takes a large share of RAM
     procs, t0 = [], time.monotonic()
     try:
-        for i in range(n):
+        for i, share in enumerate(plan["servers"]):
             port = args.vllm_port + i if args.vllm_port else free_port()
             cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model_path,
                    "--host", "127.0.0.1", "--port", str(port), "--seed", str(args.seed),
@@ -1259,19 +1310,20 @@ def start_vllm(args, model_path, out_dir):
                    "--logprobs-mode", "processed_logprobs"]  # log-probs after temperature/top-p: what was sampled from
             if args.max_model_len:
                 cmd += ["--max-model-len", str(args.max_model_len)]
-            if not torch.cuda.is_available() and "--dtype" not in args.vllm_args:
+            if plan["cpu_server"] and vllm_flag(args, "--dtype") is None:
                 # fp32 on CPU: bf16 arithmetic without AVX-512 is slow (a 25M-parameter model here generated 150 tokens/s
                 # in bf16, 680-780 in fp32), and an fp32 server holds exactly the trainer's weights
                 cmd += ["--dtype", "float32"]
-            share = gpus[i * len(gpus) // n:(i + 1) * len(gpus) // n]
             if share:
-                cmd += ["--tensor-parallel-size", str(len(share))]
-                env["CUDA_VISIBLE_DEVICES"] = ",".join(share)
+                cmd += ["--tensor-parallel-size", str(len(share.split(",")))]
+                env["CUDA_VISIBLE_DEVICES"] = share
+            if plan["gpu_memory"]:
+                cmd += ["--gpu-memory-utilization", str(plan["gpu_memory"])]
             # A CPU server takes one core, whole: its worker (which busy-polls for a second after each engine step)
             # and its HTTP and engine front end, which would otherwise preempt the trainer on the other cores
             # (measured on 2 cores: async 1.15x -> 1.62x the samples/s of --sync on average; --sync itself unchanged).
             cores = None
-            if not share and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
+            if plan["cpu_server"] and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
                 cores = {i % (os.cpu_count() or 1)}
                 env["VLLM_CPU_OMP_THREADS_BIND"] = str(*cores)
             cmd += shlex.split(args.vllm_args)
@@ -1491,7 +1543,7 @@ class WeightSync:
                   for i, url in enumerate(self.urls)]
         self.group = self.new_group(
             host, port, rank=0, world_size=1 + sum(sizes), listen_socket=listener,
-            backend="nccl" if torch.cuda.is_available() else "gloo", timeout=timedelta(seconds=self.args.sync_timeout))
+            backend=self.args.plan["sync_backend"], timeout=timedelta(seconds=self.args.sync_timeout))
         for future in joined:
             future.result(self.args.sync_timeout)
 
@@ -1825,10 +1877,11 @@ def rollout_metrics(groups, version):
 # Main: the run's phases in the order they run, and a teardown that leaves nothing running
 # ----------------------------------------------------------------------------------------------
 
-def cpu_threads(world_size=1):
-    """Torch threads per rank on CPU: every core but the one start_vllm gives the server, whose worker polls it busy;
-    a trainer thread there holds up every parallel op (measured on 2 cores: 2.7x slower steps, 2.2x slower syncs)."""
-    return max(1, ((os.cpu_count() or 2) - 1) // world_size)
+def cpu_threads(world_size=1, reserve=1):
+    """Torch threads per rank on CPU: every core but the one start_vllm gives a server on this CPU (reserve), whose worker
+    polls it busy; a trainer thread there holds up every parallel op (measured on 2 cores: 2.7x slower steps, 2.2x
+    slower syncs)."""
+    return max(1, ((os.cpu_count() or 2) - reserve) // world_size)
 
 
 @contextlib.contextmanager
@@ -1917,15 +1970,14 @@ class Run:
 
 def set_up(argv):
     rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
-    args = parse_args(argv, world_size)
-    local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    device = torch.device(f"cuda:{local_rank}") if torch.cuda.is_available() else torch.device("cpu")
-    if device.type == "cpu":
-        torch.set_num_threads(cpu_threads(world_size))
-    if world_size > 1:
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    args = parse_args(argv, world_size)  # and the device plan, checked before anything loads
+    device = torch.device(f"cuda:{os.environ.get('LOCAL_RANK', 0)}" if args.plan["trainer"] == "cuda" else "cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
+    else:
+        torch.set_num_threads(cpu_threads(world_size, reserve=int(args.plan["cpu_server"])))
+    if world_size > 1:
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
     random.seed(args.seed + rank)
     np.random.seed(args.seed + rank)
     torch.manual_seed(args.seed + rank)
@@ -2042,7 +2094,7 @@ def start_generation(run):
         run.producer = Producer(args, run.tok, run.train_rows, urls, run.ctx, run.version,
                                 run.resumed and run.resumed["data"])
         run.producer.start()
-        if run.device.type == "cpu" and run.world_size == 1:
+        if args.plan["cpu_server"] and run.world_size == 1:
             run.share_core = functools.partial(share_idle_core, run.policy, run.version)
         run.done_cursor = dict(run.producer.cursor)
         if args.wandb_project:

@@ -13,6 +13,7 @@ import math
 import os
 import random
 import re
+import shlex
 import shutil
 import signal
 import subprocess
@@ -522,6 +523,107 @@ def test_bad_input_fails_before_vllm_starts(tmp_path, capsys):
     print("\n".join(report))
     code, out = run_cli("--model", str(tmp_path / "no_such_model"), timeout=60)  # and once as a user runs it
     assert code == 1 and "--model" in out and "starting vLLM" not in out
+
+
+def plan_or_error(capsys, flags, cuda_count, local_ranks=1, nodes=1):
+    """The device plan parse_args makes for these flags on a node with cuda_count devices and local_ranks trainer ranks,
+    or its error message."""
+    try:
+        return ag.parse_args(["--output-dir", "unused", *flags], local_ranks * nodes, cuda_count, local_ranks).plan
+    except SystemExit:
+        return "error: " + capsys.readouterr().err.strip().splitlines()[-1].partition("error: ")[2]
+
+
+CPU_SERVER = {"trainer": "cpu", "servers": [""], "shared": False, "sync_backend": "gloo", "gpu_memory": None,
+              "cpu_server": True}
+ONE_GPU = {"trainer": "cuda", "servers": ["0"], "shared": True, "sync_backend": "gloo", "gpu_memory": 0.3,
+           "cpu_server": False}
+OWN_GPUS = {"trainer": "cuda", "shared": False, "sync_backend": "nccl", "gpu_memory": None, "cpu_server": False}
+PLANS = [  # (flags, CUDA devices, trainer ranks on the node, the plan or the error it gives)
+    ([], 0, 1, CPU_SERVER),
+    (["--vllm-servers", "2"], 0, 2, {**CPU_SERVER, "servers": ["", ""]}),
+    ([], 1, 1, ONE_GPU),
+    (["--vllm-gpu-memory", "0.45", "--sync"], 1, 1, {**ONE_GPU, "gpu_memory": 0.45}),
+    ([], 2, 2, ONE_GPU),  # two ranks, no device free: the server shares rank 0's
+    ([], 2, 1, {**OWN_GPUS, "servers": ["1"]}),  # a free device is used without --vllm-gpus
+    ([], 8, 4, {**OWN_GPUS, "servers": ["4,5,6,7"]}),
+    (["--vllm-servers", "2"], 8, 4, {**OWN_GPUS, "servers": ["4,5", "6,7"]}),
+    (["--vllm-servers", "3"], 8, 4, {**OWN_GPUS, "servers": ["4", "5", "6"]}),
+    (["--vllm-gpus", "6,7", "--vllm-gpu-memory", "0.8"], 8, 4, {**OWN_GPUS, "servers": ["6,7"], "gpu_memory": 0.8}),
+    (["--vllm-url", "http://10.0.0.2:8000"], 0, 1, {**CPU_SERVER, "servers": [], "cpu_server": False}),
+    (["--vllm-url", "http://127.0.0.1:8000"], 0, 1, {**CPU_SERVER, "servers": []}),  # its CPU is this one
+    (["--vllm-url", "http://a:8000,http://b:8000"], 8, 8, {**OWN_GPUS, "servers": []}),
+    (["--vllm-gpus", "4,5,6,7"], 8, 8, "error: --vllm-gpus 4,5,6,7 overlaps the devices of the 8 trainer ranks, and "
+     "NCCL refuses two ranks on one device: launch fewer ranks (torchrun --nproc-per-node), or leave --vllm-gpus out "
+     "where none is free, to share trainer rank 0's GPU with one server"),
+    (["--vllm-gpus", "0"], 2, 1, "error: --vllm-gpus 0 overlaps the devices of the 1 trainer ranks, and NCCL refuses "
+     "two ranks on one device: pass --vllm-gpus among 1, or leave --vllm-gpus out"),
+    (["--vllm-gpus", "1"], 0, 1, "error: --vllm-gpus 1: not distinct devices of the 0 CUDA devices here"),
+    ([], 2, 4, "error: 4 trainer ranks on this node, 2 CUDA devices: launch torchrun with --nproc-per-node 2 or fewer"),
+    (["--vllm-gpus", "1,1"], 4, 1, "error: --vllm-gpus 1,1: not distinct devices of the 4 CUDA devices here"),
+    (["--vllm-gpus", "4"], 4, 1, "error: --vllm-gpus 4: not distinct devices of the 4 CUDA devices here"),
+    (["--vllm-gpus", "a"], 4, 1, "error: --vllm-gpus a: not distinct devices of the 4 CUDA devices here"),
+    (["--vllm-gpus", "1,2,3", "--vllm-servers", "2"], 4, 1, "error: --vllm-servers 2 must be >= 1 and divide"),
+    (["--vllm-servers", "2"], 1, 1, "error: --vllm-servers 2: no device is free beside the trainer ranks, and trainer "
+     "rank 0's GPU holds one server: pass --vllm-servers 1, or launch fewer ranks"),
+    (["--vllm-url", "http://a:8000", "--vllm-gpus", "1"], 2, 1, "error: --vllm-gpus places the servers started here, "
+     "and --vllm-url starts none: drop one"),
+    (["--vllm-gpu-memory", "0.5"], 0, 1, "error: --vllm-gpu-memory is a share in (0, 1) of the memory of servers "
+     "started here on GPUs"),
+    (["--vllm-gpu-memory", "1.5"], 1, 1, "error: --vllm-gpu-memory is a share in (0, 1)"),
+    (["--vllm-gpu-memory", "0.5", "--vllm-url", "http://a:8000"], 1, 1, "error: --vllm-gpu-memory is a share in"),
+    (["--vllm-args=--gpu-memory-utilization 0.5"], 1, 1, "error: --vllm-args: pass the servers' memory share as "
+     "--vllm-gpu-memory"),
+]
+
+
+@pytest.mark.parametrize("flags, cuda_count, local_ranks, expected", PLANS)
+def test_devices_are_planned_once_and_impossible_plans_refused(flags, cuda_count, local_ranks, expected, capsys):
+    """plan_devices, through parse_args as a run calls it: device counts and flags in, the plan or the error out."""
+    got = plan_or_error(capsys, flags, cuda_count, local_ranks)
+    if isinstance(expected, str):
+        assert isinstance(got, str) and got.startswith(expected), got
+    else:
+        assert isinstance(got, dict) and got == {**got, **expected}, got
+
+
+def test_server_devices_count_from_the_trainers_cuda_visible_devices(monkeypatch):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,3,6,7")  # what this process sees as cuda:1 is device 3
+    assert ag.parse_args(["--output-dir", "unused", "--vllm-gpus", "1,3"], 1, 4, 1).plan["servers"] == ["3,7"]
+
+
+def launch_commands():
+    """(flags, ranks per node, nodes) of every command that starts async_grpo.py in its docstring and README.md."""
+    text = (ag.__doc__ + (HERE / "README.md").read_text()).replace("\\\n", " ")
+    for line in text.splitlines():
+        command = line.partition("  #")[0].split("&&")[-1]
+        if re.match(r"\s*((\.venv/bin/)?python3?|torchrun)\s(.*\s)?async_grpo\.py", command):
+            words = shlex.split(command)
+            option = lambda name, default: int(words[words.index(name) + 1]) if name in words else default
+            yield words[words.index("async_grpo.py") + 1:], option("--nproc-per-node", 1), option("--nnodes", 1)
+
+
+def test_every_launch_command_of_the_docs_plans_its_devices(capsys):
+    """Each command on the smallest machine it is written for: as many devices as its ranks and --vllm-gpus need (a
+    GPU command), or none. The one-GPU command shares the GPU and syncs over gloo; the others sync over NCCL."""
+    commands = list(launch_commands())
+    assert len(commands) >= 8, commands
+    for flags, ranks, nodes in commands:
+        if any(f.endswith(".gguf") for f in flags):  # the CPU run of a GGUF file in the test-only package
+            continue
+        gpus = [int(g) for g in flags[flags.index("--vllm-gpus") + 1].split(",")] if "--vllm-gpus" in flags else []
+        on_gpus = any(f.startswith(("Qwen/", "M")) for f in flags)
+        cuda_count = max([ranks, *[g + 1 for g in gpus]]) if on_gpus else 0
+        plan = plan_or_error(capsys, flags, cuda_count, ranks, nodes)
+        assert isinstance(plan, dict), (flags, plan)
+        if not on_gpus:
+            assert plan == CPU_SERVER, (flags, plan)
+        elif "--vllm-url" in flags:
+            assert plan["servers"] == [] and plan["sync_backend"] == "nccl", (flags, plan)
+        elif gpus:
+            assert plan["sync_backend"] == "nccl" and ",".join(plan["servers"]) == ",".join(map(str, gpus)), (flags, plan)
+        else:
+            assert plan == ONE_GPU, (flags, plan)
 
 
 # ------------------------------------------------------------------------------------------------
