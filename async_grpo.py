@@ -1402,14 +1402,32 @@ def served_config(url):
 # Weight sync: trainer rank 0 broadcasts packed buckets to every vLLM worker over its own group
 # ----------------------------------------------------------------------------------------------
 
+def sync_group(host, port, rank, world_size, backend, timeout, listener=None):
+    """The weight-sync group: the trainer (rank 0) and every worker of every server, outside torch.distributed's default
+    world, which belongs to the training ranks. Rank 0 hosts its store on `listener`, a socket it bound: torch's
+    rendezvous would join torchrun's store instead. gloo takes CUDA tensors too (ProcessGroupGloo copies them through
+    pinned host memory): the path where a server shares the trainer's GPU, since NCCL refuses two ranks on one device."""
+    timeout, gloo = timedelta(seconds=timeout), backend == "gloo"
+    store = dist.TCPStore(host, port, world_size, listener is not None, timeout, master_listen_fd=listener and listener.detach())
+    options = dist.ProcessGroupGloo._Options() if gloo else dist.ProcessGroupNCCL.Options()
+    options._timeout = timeout
+    if gloo:
+        options._devices = [dist.ProcessGroupGloo.create_default_device()]
+    kind = dist.ProcessGroup.BackendType.GLOO if gloo else dist.ProcessGroup.BackendType.NCCL
+    backend = (dist.ProcessGroupGloo if gloo else dist.ProcessGroupNCCL)(store, rank, world_size, options)
+    backend._set_sequence_number_for_group()
+    group = dist.ProcessGroup(store, rank, world_size)
+    group._set_default_backend(kind)
+    for device in ("cpu", "cuda") if gloo else ("cuda",):  # the devices whose tensors this group's broadcasts take
+        group._register_backend(torch.device(device), kind, backend)
+    return group
+
+
 class WeightSyncExtension:
     """Mixed into every vLLM worker (--worker-extension-cls); its methods run via /collective_rpc."""
 
-    def init_weight_sync(self, host, port, world_size, timeout, first_rank=1):
-        from vllm.distributed.utils import stateless_init_torch_distributed_process_group
-        backend = "nccl" if self.device.type == "cuda" else "gloo"
-        self.weight_sync_group = stateless_init_torch_distributed_process_group(  # first_rank: this server's first
-            host, port, rank=first_rank + self.rank, world_size=world_size, backend=backend, timeout=timedelta(seconds=timeout))
+    def init_weight_sync(self, host, port, world_size, timeout, backend, first_rank=1):  # first_rank: this server's first
+        self.weight_sync_group = sync_group(host, port, first_rank + self.rank, world_size, backend, timeout)
 
     def served_config(self):
         """What this server computes in (the weights are sent in it, the trainer rounds logits to it), and which
@@ -1496,6 +1514,18 @@ def flatten(bucket, dtype):
     return flat
 
 
+def send_weights(group, buckets, dtype, timeout):
+    """Rank 0's broadcast of the buckets, one flat buffer each: bucket k+1 is gathered and packed while bucket k travels."""
+    timeout, sending = timedelta(seconds=timeout), None
+    with torch.no_grad():
+        for bucket in buckets:
+            flat = flatten(bucket, dtype)
+            if sending:
+                sending[1].wait(timeout)
+            sending = flat, group.broadcast(flat, 0)
+        sending[1].wait(timeout)
+
+
 def help_sync(model, args, dtype):
     """The other ranks' part of rank 0's sync under --fsdp: gathering each bucket with it."""
     for bucket in pack_buckets(model, args.sync_bucket_bytes, dtype):
@@ -1503,15 +1533,13 @@ def help_sync(model, args, dtype):
 
 
 class WeightSync:
-    """Trainer side of the sync to every server in `urls`; advances `policy` (a PolicyVersion). One
-    group holds the trainer (rank 0) and every worker of every server, so one broadcast reaches them
-    all. It lives outside torch.distributed's default world, which belongs to the training ranks; it
-    is made at the first sync and kept for the run."""
+    """Trainer side of the sync to every server in `urls`; advances `policy` (a PolicyVersion). One group (sync_group)
+    holds the trainer (rank 0) and every worker of every server, so one broadcast reaches them all. It is made at the
+    first sync and kept for the run."""
 
     def __init__(self, urls, args, dtype, policy):
-        from vllm.distributed.utils import stateless_init_torch_distributed_process_group  # seconds: not in the first sync
         self.urls, self.args, self.dtype, self.policy, self.group = urls, args, dtype, policy, None
-        self.pool, self.new_group = ThreadPoolExecutor(len(urls)), stateless_init_torch_distributed_process_group
+        self.pool = ThreadPoolExecutor(len(urls))
 
     def _rpc(self, url, method, **kwargs):
         """Call `method` on every worker of one server; a future. It runs on the pool's threads: the
@@ -1532,18 +1560,13 @@ class WeightSync:
                              f"trained weights, e.g. {unknown[:5]}: the trainer and the server do not hold the "
                              "same architecture (an image-text checkpoint loaded as another class?)")
         sizes = [http(f"{url}/get_world_size")["world_size"] for url in self.urls]  # workers per server
-        # The trainer hosts the group's store on a socket bound here, so no rendezvous runs on
-        # this side: under torchrun, torch's rendezvous would join the launcher's store instead.
         local = all(urllib.parse.urlparse(url).hostname in ("127.0.0.1", "localhost") for url in self.urls)
         host = "127.0.0.1" if local else socket.gethostbyname(socket.gethostname())
         listener = socket.create_server((host, 0))
-        port = listener.getsockname()[1]
-        joined = [self._rpc(url, "init_weight_sync", host=host, port=port, world_size=1 + sum(sizes),
-                            first_rank=1 + sum(sizes[:i]), timeout=self.args.sync_timeout)
-                  for i, url in enumerate(self.urls)]
-        self.group = self.new_group(
-            host, port, rank=0, world_size=1 + sum(sizes), listen_socket=listener,
-            backend=self.args.plan["sync_backend"], timeout=timedelta(seconds=self.args.sync_timeout))
+        port, backend, world_size = listener.getsockname()[1], self.args.plan["sync_backend"], 1 + sum(sizes)
+        joined = [self._rpc(url, "init_weight_sync", host=host, port=port, world_size=world_size, backend=backend,
+                            first_rank=1 + sum(sizes[:i]), timeout=self.args.sync_timeout) for i, url in enumerate(self.urls)]
+        self.group = sync_group(host, port, 0, world_size, backend, self.args.sync_timeout, listener)
         for future in joined:
             future.result(self.args.sync_timeout)
 
@@ -1568,14 +1591,7 @@ class WeightSync:
         meta = [{"dtype": str(self.dtype).removeprefix("torch."), "numel": sum(p.numel() for _, p in b),
                  "params": [(n, list(p.shape)) for n, p in b]} for b in buckets]
         received = [self._rpc(url, "receive_weights", buckets=meta) for url in self.urls]
-        timeout, sending = timedelta(seconds=self.args.sync_timeout), None
-        with torch.no_grad():
-            for bucket in buckets:  # bucket k+1 is gathered and packed while bucket k travels
-                flat = flatten(bucket, self.dtype)
-                if sending:
-                    sending[1].wait(timeout)
-                sending = flat, self.group.broadcast(flat, 0)
-            sending[1].wait(timeout)
+        send_weights(self.group, buckets, self.dtype, self.args.sync_timeout)
         for future in received:
             future.result(self.args.sync_timeout)
         self.policy.value += 1

@@ -16,6 +16,7 @@ import re
 import shlex
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -678,6 +679,52 @@ def test_weight_sync_is_exact(server, tiny_model):
         check_vllm_matches(server, tok, model)
     finally:  # the other tests expect the server to hold the built-in model's weights
         sync(AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32))
+
+
+SYNC_RECEIVER = """
+import json, sys, torch
+import async_grpo as ag
+host, port, device, numels, out = sys.argv[1], int(sys.argv[2]), sys.argv[3], json.loads(sys.argv[4]), sys.argv[5]
+group = ag.sync_group(host, port, 1, 2, "gloo", 60)
+received = []
+for numel in numels:  # as WeightSyncExtension.receive_weights receives: into an empty buffer on the worker's device
+    flat = torch.empty(numel, dtype=torch.bfloat16, device=device)
+    group.broadcast(flat, 0).wait()
+    received.append(flat.cpu())
+torch.save(received, out)
+"""
+
+
+def sync_to_a_second_process(tmp_path, host, listener, device, buckets):
+    """Send the buckets as WeightSync does (send_weights) to a receiver process, torch alone (no vLLM), that joins the
+    sync group at host as rank 1, and return what it received."""
+    (tmp_path / "receiver.py").write_text(SYNC_RECEIVER)
+    receiver = subprocess.Popen([sys.executable, str(tmp_path / "receiver.py"), host, str(listener.getsockname()[1]),
+                                 device, json.dumps([sum(p.numel() for _, p in b) for b in buckets]),
+                                 str(tmp_path / "received.pt")], env=dict(os.environ, PYTHONPATH=str(HERE)))
+    try:
+        group = ag.sync_group(host, listener.getsockname()[1], 0, 2, "gloo", 60, listener)
+        ag.send_weights(group, buckets, torch.bfloat16, 60)
+        assert receiver.wait(60) == 0
+    finally:
+        receiver.kill()
+    return torch.load(tmp_path / "received.pt")
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA device"))])
+def test_the_one_gpu_sync_sends_every_bucket_to_a_receiver_on_the_same_device_over_gloo(tiny_model, tmp_path, device):
+    """The sync where the server shares the trainer's GPU: the trainer's sender (send_weights, as WeightSync runs it)
+    and a receiver in a second process on the same device, in a sync_group over gloo (NCCL refuses two ranks on one
+    GPU; gloo copies CUDA tensors through pinned host memory). Several buckets, two in flight at a time: each arrives
+    bit for bit."""
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).to(device)
+    buckets = ag.pack_buckets(model, 2**16, torch.bfloat16)
+    received = sync_to_a_second_process(tmp_path, "127.0.0.1", socket.create_server(("127.0.0.1", 0)), device, buckets)
+    assert len(received) == len(buckets) > 2 and all(p.device.type == device for p in model.parameters())
+    for flat, bucket in zip(received, buckets):
+        assert torch.equal(flat, ag.flatten(bucket, torch.bfloat16).cpu())
 
 
 def test_two_servers_share_the_requests_and_every_sync_reaches_both(server, tiny_model, tmp_path, monkeypatch):
