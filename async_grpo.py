@@ -219,6 +219,9 @@ def parse_args(argv=None, world_size=1, cuda_count=None, local_ranks=None):
         p.error(str(e))
     args.max_staleness = 0 if args.sync else args.max_staleness
     args.sync_bucket_bytes = int(args.sync_bucket_mb * 2**20)
+    # The other ranks wait in a collective while rank 0 alone starts vLLM, waits for data or syncs: their bound is twice
+    # the sum of rank 0's (building the model, evaluation and checkpoints have none), not torch's (NCCL 10 min, gloo 30).
+    args.collective_timeout = 2 * (args.vllm_startup_timeout + args.data_timeout + args.sync_timeout)
     args.output_dir = args.output_dir or time.strftime("runs/%Y%m%d-%H%M%S")
     if args.lr is None:
         args.lr = 3e-4 if args.model is None else 1e-6  # the built-in model is tiny and far from converged
@@ -1993,7 +1996,7 @@ def set_up(argv):
     else:
         torch.set_num_threads(cpu_threads(world_size, reserve=int(args.plan["cpu_server"])))
     if world_size > 1:
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=timedelta(seconds=args.collective_timeout))
     random.seed(args.seed + rank)
     np.random.seed(args.seed + rank)
     torch.manual_seed(args.seed + rank)

@@ -1144,6 +1144,39 @@ def test_ranks_whose_lengths_split_differently_run_as_many_micro_batches(tiny_mo
     assert wrap == "fsdp" or ranks[0]["checksums"][0] == ranks[0]["checksums"][1]  # DDP: the same weights on both ranks
 
 
+RANK_ZERO_WAITS = """
+import sys, time
+from datetime import timedelta
+import torch.distributed as dist, torch.distributed.distributed_c10d as c10d
+import async_grpo as ag
+c10d.default_pg_timeout = timedelta(seconds=1)  # torch's default (gloo 30 min, NCCL 10), scaled down as the flags are
+run = ag.set_up(sys.argv[2:])
+if run.is_main:
+    time.sleep(float(sys.argv[1]))  # rank 0 alone, as while it starts vLLM or waits for data
+box = [f"rank {run.rank} got rank 0's object"] if run.is_main else [None]
+dist.broadcast_object_list(box, 0)
+print(box[0].replace("rank 0 got", f"rank {run.rank} got"), flush=True)
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.parametrize("delay, survives", [(3, True), (9, False)])
+def test_a_rank_0_wait_past_torchs_default_timeout_does_not_kill_the_other_ranks(tmp_path, delay, survives):
+    """Rank 0 alone waits (as while it starts vLLM or waits for data) while rank 1 waits in a collective. With torch's
+    default timeout, here scaled down to 1 s as the flags are scaled down, a 3 s wait would kill rank 1; the training
+    group's timeout derived from the flags, 2 x (1 + 1 + 1) s, lets it live, and still bounds a longer wait."""
+    (tmp_path / "ranks.py").write_text(RANK_ZERO_WAITS)
+    flags = ["--output-dir", str(tmp_path / "run"), "--vllm-startup-timeout", "1", "--data-timeout", "1", "--sync-timeout", "1"]
+    assert ag.parse_args(flags).collective_timeout == 6
+    t0 = time.monotonic()
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", str(tmp_path / "ranks.py"),
+                           str(delay), *flags], cwd=HERE, env=dict(os.environ, PYTHONPATH=str(HERE)), text=True,
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=120)
+    print(f"rank 0 waited {delay} s; the ranks exited with {proc.returncode} after {time.monotonic() - t0:.0f} s")
+    assert (proc.returncode == 0 and "rank 1 got rank 0's object" in proc.stdout) == survives, proc.stdout[-3000:]
+    assert survives or re.search(r"[Tt]imed out", proc.stdout), proc.stdout[-3000:]
+
+
 def served_outputs(server, tok):
     """vLLM's greedy tokens, and sampled tokens with their log-probs, for a few prompts, from an empty prefix cache."""
     ag.http(f"{server.url}/reset_prefix_cache", {})
