@@ -2014,7 +2014,8 @@ def set_up(argv):
         if not (run.out_dir / "checkpoint" / "trainer_state.pt").exists():
             raise SystemExit(f"--resume: no checkpoint in {run.out_dir / 'checkpoint'}")
         run.model_path = str((run.out_dir / "checkpoint").resolve())
-        run.resumed = torch.load(Path(run.model_path) / "trainer_state.pt", weights_only=False)
+        # to CPU, whatever device wrote it; mapped, so that each rank reads only the tensors it uses
+        run.resumed = torch.load(Path(run.model_path) / "trainer_state.pt", "cpu", mmap=True, weights_only=False)
     return run
 
 
@@ -2041,6 +2042,17 @@ def load_data(run):
     if run.is_main:
         print(report, flush=True)
     run.ctx = rollout_context(tok, schemas, run.train_rows + run.eval_rows, stop_ids=run.stop_ids)
+
+
+def restore_rng(rng, warn=True):
+    random.setstate(rng["python"])
+    np.random.set_state(rng["numpy"])
+    torch.set_rng_state(rng["torch"])
+    if len(rng["cuda"]) == torch.cuda.device_count():  # one state per device
+        torch.cuda.set_rng_state_all(rng["cuda"])
+    elif warn:
+        print(f"warning: the checkpoint holds the CUDA random states of {len(rng['cuda'])} devices, and this machine has "
+              f"{torch.cuda.device_count()}: CUDA's random numbers start from the seed instead", flush=True)
 
 
 def load_policy_and_optimizer(run):
@@ -2075,16 +2087,13 @@ def load_policy_and_optimizer(run):
             saved = "with" if resumed.get("fsdp", False) else "without"
             raise SystemExit(f"--resume: this checkpoint's optimizer state was saved {saved} --fsdp; resume {saved} it")
         if args.fsdp:  # rank 0 reads the full state and sends each rank its shards
-            set_optimizer_state_dict(run.policy, run.optimizer, resumed["optimizer"],
+            set_optimizer_state_dict(run.policy, run.optimizer, resumed["optimizer"] if run.is_main else {},
                                      options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
-        else:
+        else:  # each tensor to its parameter's device
             run.optimizer.load_state_dict(resumed["optimizer"])
+        del resumed["optimizer"]  # applied: not held for the run
         run.scheduler.load_state_dict(resumed["scheduler"])
-        random.setstate(resumed["rng"]["python"])
-        np.random.set_state(resumed["rng"]["numpy"])
-        torch.set_rng_state(resumed["rng"]["torch"])
-        if resumed["rng"]["cuda"]:
-            torch.cuda.set_rng_state_all(resumed["rng"]["cuda"])
+        restore_rng(resumed["rng"], run.is_main)
         run.start_step = resumed["step"]
         if run.is_main:
             print(f"resuming at step {run.start_step} from {run.model_path}", flush=True)

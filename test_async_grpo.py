@@ -1062,6 +1062,18 @@ def test_a_producer_error_reaches_the_main_thread(server, tmp_path):
     assert time.monotonic() - t0 < 60
 
 
+def test_resuming_with_another_number_of_gpus_restores_the_rest_and_warns(capsys):
+    """A checkpoint holds one CUDA random state per device of the machine that wrote it; on another count (here one more
+    than this machine has) they are skipped with a warning, not an IndexError, and the CPU's states are restored."""
+    random.seed(3), np.random.seed(3), torch.manual_seed(3)
+    rng = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
+           "cuda": [torch.zeros(16, dtype=torch.uint8)] * (torch.cuda.device_count() + 1)}
+    expected = [random.random(), np.random.rand(), torch.rand(1).item()]
+    ag.restore_rng(rng)
+    assert [random.random(), np.random.rand(), torch.rand(1).item()] == expected
+    assert "warning: the checkpoint holds the CUDA random states of" in capsys.readouterr().out
+
+
 def test_ctrl_c_then_resume_trains_every_prompt_once(server, tiny_model, tmp_path):
     from transformers import AutoModelForCausalLM
     flags = ("--vllm-url", server.url, "--steps", "6", "--log-rollouts", "1000")
