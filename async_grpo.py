@@ -140,6 +140,9 @@ def parse_args(argv=None, world_size=1, cuda_count=None, local_ranks=None):
     g.add_argument("--sync-bucket-mb", type=float, default=16, help="MiB per packed buffer the weights travel in")
     g.add_argument("--sync-timeout", type=float, default=300, help="seconds a weight sync may take before the run fails")
     g.add_argument("--data-timeout", type=float, default=600, help="seconds the trainer waits for a batch before failing")
+    g.add_argument("--sync-host", default=os.environ.get("ASYNC_GRPO_SYNC_HOST"),
+                   help="address at which the servers reach this trainer's sync group (or env ASYNC_GRPO_SYNC_HOST); "
+                        "default: this machine's address on its route to the first server")
 
     g = p.add_argument_group("vLLM server")
     g.add_argument("--vllm-url", default=None, help="use these running servers (a comma list of URLs) instead of starting any")
@@ -1405,6 +1408,21 @@ def served_config(url):
 # Weight sync: trainer rank 0 broadcasts packed buckets to every vLLM worker over its own group
 # ----------------------------------------------------------------------------------------------
 
+def local_address(host):
+    """This machine's address on its route to `host` (connecting a UDP socket sends nothing: it only picks the route)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.connect((host, 9))
+        return s.getsockname()[0]
+
+
+def sync_endpoint(urls, host=None):
+    """Where the servers meet the trainer's sync group: --sync-host, or this machine's address on its route to the first
+    server (the hostname's lookup is often 127.0.1.1, which no other machine reaches); and a socket for its store,
+    listening on every interface unless that address is the loopback one."""
+    host = host or local_address(urllib.parse.urlparse(urls[0]).hostname)
+    return host, socket.create_server(("127.0.0.1" if host == "127.0.0.1" else "0.0.0.0", 0))
+
+
 def sync_group(host, port, rank, world_size, backend, timeout, listener=None):
     """The weight-sync group: the trainer (rank 0) and every worker of every server, outside torch.distributed's default
     world, which belongs to the training ranks. Rank 0 hosts its store on `listener`, a socket it bound: torch's
@@ -1415,7 +1433,7 @@ def sync_group(host, port, rank, world_size, backend, timeout, listener=None):
     options = dist.ProcessGroupGloo._Options() if gloo else dist.ProcessGroupNCCL.Options()
     options._timeout = timeout
     if gloo:
-        options._devices = [dist.ProcessGroupGloo.create_default_device()]
+        options._devices = [dist.ProcessGroupGloo.create_device(hostname=local_address(host))]  # not the hostname's
     kind = dist.ProcessGroup.BackendType.GLOO if gloo else dist.ProcessGroup.BackendType.NCCL
     backend = (dist.ProcessGroupGloo if gloo else dist.ProcessGroupNCCL)(store, rank, world_size, options)
     backend._set_sequence_number_for_group()
@@ -1563,9 +1581,7 @@ class WeightSync:
                              f"trained weights, e.g. {unknown[:5]}: the trainer and the server do not hold the "
                              "same architecture (an image-text checkpoint loaded as another class?)")
         sizes = [http(f"{url}/get_world_size")["world_size"] for url in self.urls]  # workers per server
-        local = all(urllib.parse.urlparse(url).hostname in ("127.0.0.1", "localhost") for url in self.urls)
-        host = "127.0.0.1" if local else socket.gethostbyname(socket.gethostname())
-        listener = socket.create_server((host, 0))
+        host, listener = sync_endpoint(self.urls, self.args.sync_host)
         port, backend, world_size = listener.getsockname()[1], self.args.plan["sync_backend"], 1 + sum(sizes)
         joined = [self._rpc(url, "init_weight_sync", host=host, port=port, world_size=world_size, backend=backend,
                             first_rank=1 + sum(sizes[:i]), timeout=self.args.sync_timeout) for i, url in enumerate(self.urls)]

@@ -727,6 +727,28 @@ def test_the_one_gpu_sync_sends_every_bucket_to_a_receiver_on_the_same_device_ov
         assert torch.equal(flat, ag.flatten(bucket, torch.bfloat16).cpu())
 
 
+def test_the_sync_group_meets_at_an_address_a_remote_server_reaches(tmp_path, monkeypatch):
+    """With a server at another address, the sync group's store is at this machine's address on its route there, not
+    at the hostname's lookup (127.0.1.1 on Debian/Ubuntu, often), and listens on every interface: a receiver that is
+    given only that address joins, and the weights arrive over it. --sync-host (or its variable) overrides it."""
+    try:
+        address = ag.local_address("198.51.100.1")  # TEST-NET-2: the default route's address; connecting sends nothing
+    except OSError:
+        pytest.skip("this machine has no route off itself")
+    if address.startswith("127."):
+        pytest.skip("this machine has no address but the loopback one")
+    print(f"this machine: {address}; its hostname's lookup: {socket.gethostbyname(socket.gethostname())}")
+    host, listener = ag.sync_endpoint([f"http://{address}:8000", "http://127.0.0.1:8001"])
+    assert host == address and listener.getsockname()[0] == "0.0.0.0"
+    bucket = [("w", torch.arange(1000, dtype=torch.float32))]
+    received, = sync_to_a_second_process(tmp_path, address, listener, "cpu", [bucket])
+    assert torch.equal(received, bucket[0][1].to(torch.bfloat16))
+    assert ag.sync_endpoint(["http://127.0.0.1:8000"])[0] == "127.0.0.1"
+    assert ag.sync_endpoint([f"http://{address}:8000"], "127.0.0.1")[0] == "127.0.0.1"
+    monkeypatch.setenv("ASYNC_GRPO_SYNC_HOST", "10.1.2.3")
+    assert ag.parse_args(["--output-dir", "unused"]).sync_host == "10.1.2.3"
+
+
 def test_two_servers_share_the_requests_and_every_sync_reaches_both(server, tiny_model, tmp_path, monkeypatch):
     """The second server runs tensor parallel over two CPU workers: the sync group then holds the
     trainer, the first server's worker and both of the second's, each joining with its own rank.
