@@ -196,7 +196,9 @@ def parse_args(argv=None, world_size=1, cuda_count=None, local_ranks=None):
         (args.max_operand < 1 or args.terms < 2 or not args.operations or set(args.operations) - set("+-*/"),
          "--max-operand must be >= 1, --terms >= 2, and --operations a non-empty string of '+-*/'"),
         (args.resume and not args.output_dir, "--resume needs the --output-dir of the run to continue"),
-        (vllm_flag(args, "--gpu-memory-utilization"), "--vllm-args: pass the servers' memory share as --vllm-gpu-memory")]
+        (vllm_flag(args, "--gpu-memory-utilization"), "--vllm-args: pass the servers' memory share as --vllm-gpu-memory"),
+        (vllm_flag(args, "--data-parallel-size", "-dp") not in (None, "1"), "--vllm-args: the engines of a data-parallel "
+         "server would join the weight sync under the same ranks; start several servers instead, --vllm-servers N")]
     args.tool_names = [] if args.tools is None else list(tools_module.TOOLS) if args.tools == "all" else \
         [n.strip() for n in args.tools.split(",")]
     unknown = sorted(set(args.tool_names) - set(tools_module.TOOLS))

@@ -575,6 +575,11 @@ PLANS = [  # (flags, CUDA devices, trainer ranks on the node, the plan or the er
     (["--vllm-gpu-memory", "0.5", "--vllm-url", "http://a:8000"], 1, 1, "error: --vllm-gpu-memory is a share in"),
     (["--vllm-args=--gpu-memory-utilization 0.5"], 1, 1, "error: --vllm-args: pass the servers' memory share as "
      "--vllm-gpu-memory"),
+    (["--vllm-args=--enforce-eager --data-parallel-size 2"], 2, 1, "error: --vllm-args: the engines of a data-parallel "
+     "server would join the weight sync under the same ranks; start several servers instead, --vllm-servers N"),
+    (["--vllm-args=-dp=4", "--vllm-url", "http://a:8000"], 0, 1, "error: --vllm-args: the engines of a data-parallel"),
+    (["--vllm-args=--data_parallel_size 2"], 0, 1, "error: --vllm-args: the engines of a data-parallel"),
+    (["--vllm-args=--data-parallel-size 1 --dtype float16"], 0, 1, CPU_SERVER),
 ]
 
 
