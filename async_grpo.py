@@ -31,7 +31,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_optimizer_state_dict,
-                                                     set_optimizer_state_dict)
+                                                     set_model_state_dict, set_optimizer_state_dict)
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
@@ -1946,18 +1946,35 @@ def share_idle_core(model, version, idle_after=1.0):
         torch.set_num_threads(busy)
 
 
-def load_policy(path):
+def load_policy(path, empty=False):
     """A causal LM, or an image-text checkpoint (Qwen2-VL, SmolVLM, ...) as its *ForConditionalGeneration
     class: that one's parameter names are the checkpoint's, which vLLM's loader maps to its own (a bare
     AutoModel drops the `model.` prefix). Text-only RL trains its language model and output head; the
-    vision tower and projector get no gradient from text, so they are frozen: not optimised, not synced."""
+    vision tower and projector get no gradient from text, so they are frozen: not optimised, not synced.
+    empty: the model's shapes on the meta device, no weights read and no memory taken."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
-    image_text = hasattr(AutoConfig.from_pretrained(path), "vision_config")
-    model = (AutoModelForImageTextToText if image_text else AutoModelForCausalLM).from_pretrained(path, dtype=torch.float32)
-    if image_text:
+    config = AutoConfig.from_pretrained(path)
+    kind = AutoModelForImageTextToText if hasattr(config, "vision_config") else AutoModelForCausalLM
+    with torch.device("meta") if empty else contextlib.nullcontext():
+        model = kind.from_config(config, dtype=torch.float32) if empty else kind.from_pretrained(path, dtype=torch.float32)
+    if kind is AutoModelForImageTextToText:
         trained = {id(p) for m in (model.get_decoder(), model.get_output_embeddings()) for p in m.parameters()}
         for p in model.parameters():
             p.requires_grad_(id(p) in trained)
+    return model
+
+
+def load_sharded(path, device):
+    """--fsdp: rank 0 alone reads the checkpoint (the whole model, fp32, in its host memory); every rank builds it on the
+    meta device, shards it and receives its shards, a tensor at a time, and the buffers outside the state dict whole."""
+    full = load_policy(path) if dist.get_rank() == 0 else None
+    model = shard(load_policy(path, empty=True)).to_empty(device=device)
+    set_model_state_dict(model, full.state_dict() if full else {},
+                         options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    for name, buffer in model.named_buffers():
+        if full:
+            buffer.copy_(full.get_buffer(name))
+        dist.broadcast(buffer, 0)
     return model
 
 
@@ -2076,8 +2093,9 @@ def restore_rng(rng, warn=True):
 def load_policy_and_optimizer(run):
     from transformers import AutoProcessor
     args, resumed = run.args, run.resumed
+    place = functools.partial(load_sharded, device=run.device) if args.fsdp else lambda p: load_policy(p).to(run.device)
     try:
-        model = load_policy(run.model_path)
+        model = place(run.model_path)
     except Exception as e:
         raise SystemExit(f"--model {run.model_path}: cannot load it as a causal or image-text LM "
                          f"({type(e).__name__}: {str(e)[:300]})")
@@ -2088,12 +2106,10 @@ def load_policy_and_optimizer(run):
     if too_long:
         raise SystemExit(f"{len(too_long)} prompts do not fit the context of {context} tokens (the first: row id "
                          f"{too_long[0][0]}, {too_long[0][1]} tokens); shorten them in --dataset or raise --max-model-len")
-    # --fsdp: the full model is loaded into CPU memory; fully_shard moves only each rank's shard to the device.
-    place = shard if args.fsdp else lambda m: m.to(run.device)
-    run.policy = run.model = place(model)
+    run.policy = run.model = model
     # vLLM serves an image-text checkpoint only with its image processor: checkpoints keep it (--resume).
     run.saved_with = AutoProcessor.from_pretrained(run.model_path) if hasattr(model.config, "vision_config") else run.tok
-    run.reference = place(load_policy(run.initial_model).requires_grad_(False)) if args.beta else None
+    run.reference = place(run.initial_model).requires_grad_(False) if args.beta else None
     if run.world_size > 1 and not args.fsdp:
         run.model = torch.nn.parallel.DistributedDataParallel(
             run.policy, device_ids=[run.device.index] if run.device.type == "cuda" else None)

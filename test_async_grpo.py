@@ -1216,6 +1216,42 @@ def test_a_rank_0_wait_past_torchs_default_timeout_does_not_kill_the_other_ranks
     assert survives or re.search(r"[Tt]imed out", proc.stdout), proc.stdout[-3000:]
 
 
+LOAD_ONCE = """
+import json, sys, torch, torch.distributed as dist
+import async_grpo as ag
+path, out = sys.argv[1:]
+dist.init_process_group("gloo")
+rank, read = dist.get_rank(), ag.load_policy
+if rank == 1:  # only rank 0 may read the weights
+    ag.load_policy = lambda path, empty=False: read(path, empty) if empty else sys.exit("rank 1 read the checkpoint")
+model = ag.load_sharded(path, torch.device("cpu"))
+whole = read(path)  # for the comparison only
+ids = torch.arange(3, 40).view(1, -1)
+json.dump({"weights": all(torch.equal(p.full_tensor(), whole.get_parameter(n)) for n, p in model.named_parameters()),
+           "sharded": all(p.to_local().shape[0] < p.shape[0] for p in model.parameters()),
+           "buffers": sorted(n for n, b in model.named_buffers() if torch.equal(b, whole.get_buffer(n))),
+           "tied": model.lm_head.weight is model.model.embed_tokens.weight,
+           "logits": (model(input_ids=ids).logits - whole(input_ids=ids).logits).abs().max().item()},
+          open(f"{out}.rank{rank}.json", "w"))
+dist.destroy_process_group()
+"""
+
+
+def test_fsdp_reads_the_checkpoint_on_rank_0_alone_and_every_rank_gets_its_shards(tiny_model, tmp_path):
+    """load_sharded: rank 1 builds the model on the meta device and never reads the weights; after the broadcast each
+    rank holds half of every weight, the full weights are the checkpoint's to the bit, the buffers outside the state
+    dict (rotary inv_freq) too, the output head stays tied to the embedding, and the logits are the unsharded model's."""
+    (tmp_path / "load.py").write_text(LOAD_ONCE)
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", str(tmp_path / "load.py"),
+                           tiny_model, str(tmp_path / "out")], cwd=HERE, env=dict(os.environ, PYTHONPATH=str(HERE)),
+                          text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=180)
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    for rank in range(2):
+        got = json.loads((tmp_path / f"out.rank{rank}.json").read_text())
+        assert got["weights"] and got["sharded"] and got["tied"] and got["logits"] < 1e-5, got
+        assert "model.rotary_emb.inv_freq" in got["buffers"], got
+
+
 def served_outputs(server, tok):
     """vLLM's greedy tokens, and sampled tokens with their log-probs, for a few prompts, from an empty prefix cache."""
     ag.http(f"{server.url}/reset_prefix_cache", {})
