@@ -140,9 +140,8 @@ def parse_args(argv=None, world_size=1, cuda_count=None, local_ranks=None):
     g.add_argument("--sync-bucket-mb", type=float, default=16, help="MiB per packed buffer the weights travel in")
     g.add_argument("--sync-timeout", type=float, default=300, help="seconds a weight sync may take before the run fails")
     g.add_argument("--data-timeout", type=float, default=600, help="seconds the trainer waits for a batch before failing")
-    g.add_argument("--sync-host", default=os.environ.get("ASYNC_GRPO_SYNC_HOST"),
-                   help="address at which the servers reach this trainer's sync group (or env ASYNC_GRPO_SYNC_HOST); "
-                        "default: this machine's address on its route to the first server")
+    g.add_argument("--sync-host", default=os.environ.get("ASYNC_GRPO_SYNC_HOST"), help="address the servers reach the "
+                   "sync group at (or env ASYNC_GRPO_SYNC_HOST); default: this machine's on its route to the first one")
 
     g = p.add_argument_group("vLLM server")
     g.add_argument("--vllm-url", default=None, help="use these running servers (a comma list of URLs) instead of starting any")
@@ -150,9 +149,8 @@ def parse_args(argv=None, world_size=1, cuda_count=None, local_ranks=None):
                    help="servers to start; each takes an equal share of --vllm-gpus (tensor parallel over its share)")
     g.add_argument("--vllm-gpus", default=None, help="CUDA devices of the servers started here, e.g. '1' or '4,5,6,7'; "
                    "default: those the trainer ranks leave free, or, none free, trainer rank 0's GPU, shared")
-    g.add_argument("--vllm-gpu-memory", type=float, default=None,
-                   help="share of its GPU's memory a server started here may use (vLLM's --gpu-memory-utilization); "
-                        "default: 0.3 on a GPU shared with the trainer, else vLLM's own (0.92)")
+    g.add_argument("--vllm-gpu-memory", type=float, help="share of its GPUs' memory a server started here may use (its "
+                   "--gpu-memory-utilization); default: 0.3 on a GPU shared with the trainer, else vLLM's (0.92)")
     g.add_argument("--vllm-port", type=int, default=0, help="port of the first server started here (0: free ones)")
     g.add_argument("--vllm-startup-timeout", type=float, default=600, help="seconds to wait for the server to be healthy")
     g.add_argument("--vllm-args", default="", help="extra arguments for the server, e.g. \"--enforce-eager\"")
@@ -173,7 +171,7 @@ def parse_args(argv=None, world_size=1, cuda_count=None, local_ranks=None):
     unsupported = sorted(set(args.sampling_args) - SAMPLING_ARGS) if isinstance(args.sampling_args, dict) else []
     at_least = {"prompts_per_step": 1, "max_tokens": 1, "max_inflight": 1, "micro_batch_size": 1, "sync_every": 1,
                 "steps": 0, "eval_size": 0, "warmup_steps": 0, "max_tool_turns": 0, "max_staleness": 0, "eval_every": 0,
-                "save_every": 0, "log_rollouts": 0, "tool_latency": 0, "vllm_port": 0}
+                "save_every": 0, "log_rollouts": 0, "tool_latency": 0, "vllm_port": 0, "vllm_servers": 1}
     checks = [(getattr(args, k) < low, f"--{k.replace('_', '-')} must be >= {low}") for k, low in at_least.items()]
     checks += [(getattr(args, k) <= 0, f"--{k.replace('_', '-')} must be > 0") for k in
                ("tool_timeout", "sync_timeout", "data_timeout", "vllm_startup_timeout", "sync_bucket_mb")]
@@ -191,8 +189,6 @@ def parse_args(argv=None, world_size=1, cuda_count=None, local_ranks=None):
         (unsupported, f"--sampling-args: {unsupported} not supported: the trainer's log-probs would not be those of "
          f"the distribution vLLM samples from. Supported: {sorted(SAMPLING_ARGS)}; temperature, top_p, top_k and "
          "min_p have flags of their own (--temperature, --top-p, --top-k, --min-p)"),
-        (args.vllm_servers < 1 or args.vllm_gpus and len(args.vllm_gpus.split(",")) % args.vllm_servers,
-         f"--vllm-servers {args.vllm_servers} must be >= 1 and divide the --vllm-gpus {args.vllm_gpus} evenly"),
         (args.max_operand < 1 or args.terms < 2 or not args.operations or set(args.operations) - set("+-*/"),
          "--max-operand must be >= 1, --terms >= 2, and --operations a non-empty string of '+-*/'"),
         (args.resume and not args.output_dir, "--resume needs the --output-dir of the run to continue"),
@@ -217,15 +213,12 @@ def parse_args(argv=None, world_size=1, cuda_count=None, local_ranks=None):
     for failed, message in checks:
         if failed:
             p.error(message)
-    try:  # local_ranks: the trainer ranks on this node
-        args.plan = plan_devices(args, torch.cuda.device_count() if cuda_count is None else cuda_count,
-                                 int(os.environ.get("LOCAL_WORLD_SIZE", world_size)) if local_ranks is None else local_ranks)
-    except ValueError as e:
-        p.error(str(e))
+    args.plan = plan_devices(args, torch.cuda.device_count() if cuda_count is None else cuda_count,  # local_ranks: on
+                             local_ranks or int(os.environ.get("LOCAL_WORLD_SIZE", world_size)), p.error)  # this node
     args.max_staleness = 0 if args.sync else args.max_staleness
     args.sync_bucket_bytes = int(args.sync_bucket_mb * 2**20)
-    # The other ranks wait in a collective while rank 0 alone starts vLLM, waits for data or syncs: their bound is twice
-    # the sum of rank 0's (building the model, evaluation and checkpoints have none), not torch's (NCCL 10 min, gloo 30).
+    # The other ranks' bound in a collective while rank 0 alone starts vLLM, waits for data or syncs: not torch's (NCCL 10
+    # min, gloo 30) but twice the sum of rank 0's bounds (building the model, evaluation and checkpoints have none)
     args.collective_timeout = 2 * (args.vllm_startup_timeout + args.data_timeout + args.sync_timeout)
     args.output_dir = args.output_dir or time.strftime("runs/%Y%m%d-%H%M%S")
     if args.lr is None:
@@ -240,35 +233,33 @@ def vllm_flag(args, *names):
     return next((words[i + 1] for i, w in enumerate(words[:-1]) if w.replace("_", "-") in names), None)
 
 
-def plan_devices(args, cuda_count, local_ranks):
-    """Where everything runs, decided once from the flags and this machine, before anything loads: the trainer ranks on
-    cuda:0..local_ranks-1 (or the CPU), each server started here on its share of --vllm-gpus or the CPU, and the sync
-    backend: NCCL between devices; gloo (CUDA tensors through pinned host copies) without GPUs, or where a server shares
-    trainer rank 0's GPU, since NCCL refuses two ranks on one device. A ValueError names the flags to change."""
+def plan_devices(args, cuda_count, local_ranks, fail):
+    """Where everything runs, decided before anything loads: the trainer ranks on cuda:0..local_ranks-1 or the CPU, each
+    server started here on its share of --vllm-gpus or the CPU, and the sync backend: NCCL between devices, else gloo
+    (which takes CUDA tensors: NCCL refuses two ranks on one device). fail(message) for a plan that cannot work."""
     n, url, free = args.vllm_servers, args.vllm_url, [str(d) for d in range(local_ranks, cuda_count)]
     gpus = args.vllm_gpus.split(",") if args.vllm_gpus else [] if url else free[:len(free) // n * n]
     shared = bool(cuda_count and not url and not gpus)  # no device free: one server shares trainer rank 0's GPU
     instead = f"pass --vllm-gpus among {','.join(free)}" if free else "launch fewer ranks (torchrun --nproc-per-node)"
     for failed, message in [
-            (url and args.vllm_gpus, "--vllm-gpus places the servers started here, and --vllm-url starts none: drop one"),
-            (cuda_count and local_ranks > cuda_count, f"{local_ranks} trainer ranks on this node, {cuda_count} CUDA "
-                                                      f"devices: launch torchrun with --nproc-per-node {cuda_count} or fewer"),
-            (not all(g.isdigit() and int(g) < cuda_count for g in gpus) or len(set(gpus)) < len(gpus),
-             f"--vllm-gpus {args.vllm_gpus}: not distinct devices of the {cuda_count} CUDA devices here"),
-            (set(gpus) & set(map(str, range(local_ranks))), f"--vllm-gpus {args.vllm_gpus} overlaps the devices of the "
-             f"{local_ranks} trainer ranks, and NCCL refuses two ranks on one device: {instead}, or leave --vllm-gpus "
-             "out where none is free, to share trainer rank 0's GPU with one server"),
+            (url and args.vllm_gpus, "--vllm-gpus places servers started here, and --vllm-url starts none: drop one"),
+            (len(gpus) % n, f"--vllm-servers {n} must divide the --vllm-gpus {args.vllm_gpus} evenly"),
+            (cuda_count and local_ranks > cuda_count, f"{local_ranks} trainer ranks on this node, {cuda_count} CUDA devices: "
+                                                      f"launch torchrun with --nproc-per-node {cuda_count} or fewer"),
+            (not all(g.isdigit() and local_ranks <= int(g) < cuda_count for g in gpus) or len(set(gpus)) < len(gpus),
+             f"--vllm-gpus {args.vllm_gpus}: not distinct CUDA devices of the {cuda_count} here that the {local_ranks} "
+             f"trainer ranks leave free (NCCL refuses two ranks on one device): {instead}, or leave --vllm-gpus out where "
+             "none is free, to share trainer rank 0's GPU with one server"),
             (shared and n > 1, f"--vllm-servers {n}: no device is free beside the trainer ranks, and trainer rank 0's GPU "
                                f"holds one server: pass --vllm-servers 1, or {instead}"),
             (args.vllm_gpu_memory is not None and not (0 < args.vllm_gpu_memory < 1 and (gpus or shared)),
              "--vllm-gpu-memory is a share in (0, 1) of the memory of servers started here on GPUs")]:
         if failed:
-            raise ValueError(message)
+            fail(message)
     physical = (os.environ.get("CUDA_VISIBLE_DEVICES") or ",".join(map(str, range(cuda_count)))).split(",")
     shares = [gpus[i * len(gpus) // n:(i + 1) * len(gpus) // n] for i in range(n)] if gpus else [["0"] * shared] * n
-    return {"trainer": "cuda" if cuda_count else "cpu", "shared": shared,  # shares: --vllm-gpus as this process counts
-            "servers": [] if url else [",".join(physical[int(g)] for g in share) for share in shares],
-            "sync_backend": "nccl" if cuda_count and not shared else "gloo",
+    return {"trainer": "cuda" if cuda_count else "cpu", "sync_backend": "nccl" if cuda_count and not shared else "gloo",
+            "servers": [] if url else [",".join(physical[int(g)] for g in share) for share in shares],  # as devices
             "gpu_memory": args.vllm_gpu_memory or (0.3 if shared else None),  # why 0.3: README.md, "On GPUs"
             "cpu_server": not cuda_count and all(urllib.parse.urlparse(u).hostname in ("127.0.0.1", "localhost")
                                                  for u in (url or "http://127.0.0.1").split(","))}  # tuned in start_vllm
@@ -1410,26 +1401,24 @@ def served_config(url):
 # Weight sync: trainer rank 0 broadcasts packed buckets to every vLLM worker over its own group
 # ----------------------------------------------------------------------------------------------
 
-def local_address(host):
-    """This machine's address on its route to `host` (connecting a UDP socket sends nothing: it only picks the route)."""
+def local_address(host):  # connecting a UDP socket sends nothing: it picks the route, hence the address
+    """This machine's address on its route to `host`."""
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
         s.connect((host, 9))
         return s.getsockname()[0]
 
 
 def sync_endpoint(urls, host=None):
-    """Where the servers meet the trainer's sync group: --sync-host, or this machine's address on its route to the first
-    server (the hostname's lookup is often 127.0.1.1, which no other machine reaches); and a socket for its store,
-    listening on every interface unless that address is the loopback one."""
+    """Where the servers meet the sync group: --sync-host, or this machine's address on its route to the first server (the
+    hostname's lookup is often 127.0.1.1); and a socket for its store, on every interface unless on the loopback one."""
     host = host or local_address(urllib.parse.urlparse(urls[0]).hostname)
     return host, socket.create_server(("127.0.0.1" if host == "127.0.0.1" else "0.0.0.0", 0))
 
 
 def sync_group(host, port, rank, world_size, backend, timeout, listener=None):
-    """The weight-sync group: the trainer (rank 0) and every worker of every server, outside torch.distributed's default
-    world, which belongs to the training ranks. Rank 0 hosts its store on `listener`, a socket it bound: torch's
-    rendezvous would join torchrun's store instead. gloo takes CUDA tensors too (ProcessGroupGloo copies them through
-    pinned host memory): the path where a server shares the trainer's GPU, since NCCL refuses two ranks on one device."""
+    """The weight-sync group: the trainer (rank 0) and every worker of every server, outside the training ranks' default
+    world. Rank 0 hosts its store on `listener`, a socket it bound (torch's rendezvous would join torchrun's store). gloo
+    takes CUDA tensors too, through pinned host memory: the path where a server shares the trainer's GPU."""
     timeout, gloo = timedelta(seconds=timeout), backend == "gloo"
     store = dist.TCPStore(host, port, world_size, listener is not None, timeout, master_listen_fd=listener and listener.detach())
     options = dist.ProcessGroupGloo._Options() if gloo else dist.ProcessGroupNCCL.Options()
@@ -1915,9 +1904,8 @@ def rollout_metrics(groups, version):
 # ----------------------------------------------------------------------------------------------
 
 def cpu_threads(world_size=1, reserve=1):
-    """Torch threads per rank on CPU: every core but the one start_vllm gives a server on this CPU (reserve), whose worker
-    polls it busy; a trainer thread there holds up every parallel op (measured on 2 cores: 2.7x slower steps, 2.2x
-    slower syncs)."""
+    """Torch threads per rank on CPU: every core but one a server here polls busy (reserve); a trainer thread there
+    holds up every parallel op (measured on 2 cores: 2.7x slower steps, 2.2x slower syncs)."""
     return max(1, ((os.cpu_count() or 2) - reserve) // world_size)
 
 
@@ -2079,17 +2067,6 @@ def load_data(run):
     run.ctx = rollout_context(tok, schemas, run.train_rows + run.eval_rows, stop_ids=run.stop_ids)
 
 
-def restore_rng(rng, warn=True):
-    random.setstate(rng["python"])
-    np.random.set_state(rng["numpy"])
-    torch.set_rng_state(rng["torch"])
-    if len(rng["cuda"]) == torch.cuda.device_count():  # one state per device
-        torch.cuda.set_rng_state_all(rng["cuda"])
-    elif warn:
-        print(f"warning: the checkpoint holds the CUDA random states of {len(rng['cuda'])} devices, and this machine has "
-              f"{torch.cuda.device_count()}: CUDA's random numbers start from the seed instead", flush=True)
-
-
 def load_policy_and_optimizer(run):
     from transformers import AutoProcessor
     args, resumed = run.args, run.resumed
@@ -2127,7 +2104,14 @@ def load_policy_and_optimizer(run):
             run.optimizer.load_state_dict(resumed["optimizer"])
         del resumed["optimizer"]  # applied: not held for the run
         run.scheduler.load_state_dict(resumed["scheduler"])
-        restore_rng(resumed["rng"], run.is_main)
+        random.setstate(resumed["rng"]["python"])
+        np.random.set_state(resumed["rng"]["numpy"])
+        torch.set_rng_state(resumed["rng"]["torch"])
+        if len(resumed["rng"]["cuda"]) == torch.cuda.device_count():  # one state per device
+            torch.cuda.set_rng_state_all(resumed["rng"]["cuda"])
+        elif run.is_main:  # resumed on another machine
+            print(f"warning: CUDA random states of {len(resumed['rng']['cuda'])} devices, {torch.cuda.device_count()} "
+                  "here: not restored", flush=True)
         run.start_step = resumed["step"]
         if run.is_main:
             print(f"resuming at step {run.start_step} from {run.model_path}", flush=True)

@@ -535,11 +535,9 @@ def plan_or_error(capsys, flags, cuda_count, local_ranks=1, nodes=1):
         return "error: " + capsys.readouterr().err.strip().splitlines()[-1].partition("error: ")[2]
 
 
-CPU_SERVER = {"trainer": "cpu", "servers": [""], "shared": False, "sync_backend": "gloo", "gpu_memory": None,
-              "cpu_server": True}
-ONE_GPU = {"trainer": "cuda", "servers": ["0"], "shared": True, "sync_backend": "gloo", "gpu_memory": 0.3,
-           "cpu_server": False}
-OWN_GPUS = {"trainer": "cuda", "shared": False, "sync_backend": "nccl", "gpu_memory": None, "cpu_server": False}
+CPU_SERVER = {"trainer": "cpu", "servers": [""], "sync_backend": "gloo", "gpu_memory": None, "cpu_server": True}
+ONE_GPU = {"trainer": "cuda", "servers": ["0"], "sync_backend": "gloo", "gpu_memory": 0.3, "cpu_server": False}
+OWN_GPUS = {"trainer": "cuda", "sync_backend": "nccl", "gpu_memory": None, "cpu_server": False}
 PLANS = [  # (flags, CUDA devices, trainer ranks on the node, the plan or the error it gives)
     ([], 0, 1, CPU_SERVER),
     (["--vllm-servers", "2"], 0, 2, {**CPU_SERVER, "servers": ["", ""]}),
@@ -554,21 +552,21 @@ PLANS = [  # (flags, CUDA devices, trainer ranks on the node, the plan or the er
     (["--vllm-url", "http://10.0.0.2:8000"], 0, 1, {**CPU_SERVER, "servers": [], "cpu_server": False}),
     (["--vllm-url", "http://127.0.0.1:8000"], 0, 1, {**CPU_SERVER, "servers": []}),  # its CPU is this one
     (["--vllm-url", "http://a:8000,http://b:8000"], 8, 8, {**OWN_GPUS, "servers": []}),
-    (["--vllm-gpus", "4,5,6,7"], 8, 8, "error: --vllm-gpus 4,5,6,7 overlaps the devices of the 8 trainer ranks, and "
-     "NCCL refuses two ranks on one device: launch fewer ranks (torchrun --nproc-per-node), or leave --vllm-gpus out "
-     "where none is free, to share trainer rank 0's GPU with one server"),
-    (["--vllm-gpus", "0"], 2, 1, "error: --vllm-gpus 0 overlaps the devices of the 1 trainer ranks, and NCCL refuses "
-     "two ranks on one device: pass --vllm-gpus among 1, or leave --vllm-gpus out"),
-    (["--vllm-gpus", "1"], 0, 1, "error: --vllm-gpus 1: not distinct devices of the 0 CUDA devices here"),
+    (["--vllm-gpus", "4,5,6,7"], 8, 8, "error: --vllm-gpus 4,5,6,7: not distinct CUDA devices of the 8 here that the 8 "
+     "trainer ranks leave free (NCCL refuses two ranks on one device): launch fewer ranks (torchrun --nproc-per-node), "
+     "or leave --vllm-gpus out where none is free, to share trainer rank 0's GPU with one server"),
+    (["--vllm-gpus", "0"], 2, 1, "error: --vllm-gpus 0: not distinct CUDA devices of the 2 here that the 1 trainer ranks "
+     "leave free (NCCL refuses two ranks on one device): pass --vllm-gpus among 1, or leave --vllm-gpus out"),
+    (["--vllm-gpus", "1"], 0, 1, "error: --vllm-gpus 1: not distinct CUDA devices of the 0 here"),
     ([], 2, 4, "error: 4 trainer ranks on this node, 2 CUDA devices: launch torchrun with --nproc-per-node 2 or fewer"),
-    (["--vllm-gpus", "1,1"], 4, 1, "error: --vllm-gpus 1,1: not distinct devices of the 4 CUDA devices here"),
-    (["--vllm-gpus", "4"], 4, 1, "error: --vllm-gpus 4: not distinct devices of the 4 CUDA devices here"),
-    (["--vllm-gpus", "a"], 4, 1, "error: --vllm-gpus a: not distinct devices of the 4 CUDA devices here"),
-    (["--vllm-gpus", "1,2,3", "--vllm-servers", "2"], 4, 1, "error: --vllm-servers 2 must be >= 1 and divide"),
+    (["--vllm-gpus", "1,1"], 4, 1, "error: --vllm-gpus 1,1: not distinct CUDA devices of the 4 here"),
+    (["--vllm-gpus", "4"], 4, 1, "error: --vllm-gpus 4: not distinct CUDA devices of the 4 here"),
+    (["--vllm-gpus", "a"], 4, 1, "error: --vllm-gpus a: not distinct CUDA devices of the 4 here"),
+    (["--vllm-gpus", "1,2,3", "--vllm-servers", "2"], 4, 1, "error: --vllm-servers 2 must divide the --vllm-gpus 1,2,3"),
     (["--vllm-servers", "2"], 1, 1, "error: --vllm-servers 2: no device is free beside the trainer ranks, and trainer "
      "rank 0's GPU holds one server: pass --vllm-servers 1, or launch fewer ranks"),
-    (["--vllm-url", "http://a:8000", "--vllm-gpus", "1"], 2, 1, "error: --vllm-gpus places the servers started here, "
-     "and --vllm-url starts none: drop one"),
+    (["--vllm-url", "http://a:8000", "--vllm-gpus", "1"], 2, 1, "error: --vllm-gpus places servers started here, and "
+     "--vllm-url starts none: drop one"),
     (["--vllm-gpu-memory", "0.5"], 0, 1, "error: --vllm-gpu-memory is a share in (0, 1) of the memory of servers "
      "started here on GPUs"),
     (["--vllm-gpu-memory", "1.5"], 1, 1, "error: --vllm-gpu-memory is a share in (0, 1)"),
@@ -1089,16 +1087,34 @@ def test_a_producer_error_reaches_the_main_thread(server, tmp_path):
     assert time.monotonic() - t0 < 60
 
 
-def test_resuming_with_another_number_of_gpus_restores_the_rest_and_warns(capsys):
-    """A checkpoint holds one CUDA random state per device of the machine that wrote it; on another count (here one more
-    than this machine has) they are skipped with a warning, not an IndexError, and the CPU's states are restored."""
+def test_resume_loads_to_cpu_drops_the_optimizer_state_once_applied_and_copes_with_another_gpu_count(tiny_model, tmp_path,
+                                                                                                   capsys):
+    """The trainer state as --resume reads it (to CPU, mapped) and load_policy_and_optimizer applies it: the optimizer's
+    state is restored and then dropped from run.resumed; the checkpoint's CUDA random states, one per device of the
+    machine that wrote it (here one more than this machine has), are skipped with a warning, not an IndexError."""
+    from transformers import AutoTokenizer
+    model = ag.load_policy(tiny_model)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model(input_ids=torch.arange(3, 20).view(1, -1)).logits.sum().backward()
+    optimizer.step()
     random.seed(3), np.random.seed(3), torch.manual_seed(3)
     rng = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
            "cuda": [torch.zeros(16, dtype=torch.uint8)] * (torch.cuda.device_count() + 1)}
     expected = [random.random(), np.random.rand(), torch.rand(1).item()]
-    ag.restore_rng(rng)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
+    torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "rng": rng, "step": 1,
+                "fsdp": False}, tmp_path / "trainer_state.pt")
+    args = ag.parse_args(["--output-dir", str(tmp_path), "--resume"])
+    run = ag.Run(args, 0, 1, torch.device("cpu"), tmp_path, model_path=tiny_model, initial_model=tiny_model,
+                 resumed=torch.load(tmp_path / "trainer_state.pt", "cpu", mmap=True, weights_only=False),
+                 ctx={"prompt_ids": {}}, tok=AutoTokenizer.from_pretrained(tiny_model))
+    ag.load_policy_and_optimizer(run)
     assert [random.random(), np.random.rand(), torch.rand(1).item()] == expected
-    assert "warning: the checkpoint holds the CUDA random states of" in capsys.readouterr().out
+    assert f"devices, {torch.cuda.device_count()} here: not restored" in capsys.readouterr().out
+    assert "optimizer" not in run.resumed and run.start_step == 1
+    saved = optimizer.state_dict()["state"]
+    for i, state in run.optimizer.state_dict()["state"].items():
+        assert torch.equal(state["exp_avg"], saved[i]["exp_avg"]) and state["step"] == saved[i]["step"] == 1
 
 
 def test_ctrl_c_then_resume_trains_every_prompt_once(server, tiny_model, tmp_path):
