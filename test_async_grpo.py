@@ -284,6 +284,48 @@ def test_micro_batching_and_padding_do_not_change_the_gradient(tiny_model, loss_
         assert split_stats["loss"] == pytest.approx(stats["loss"], rel=1e-4, abs=1e-7)
 
 
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+@needs_cuda
+def test_a_training_step_on_cuda_in_bf16_follows_the_same_step_on_cpu(tiny_model):
+    """train_step on cuda:0, its forward and backward under bf16 autocast as a GPU run trains, against the same step in
+    fp32 on CPU: the same loss and the same update, to bf16's precision."""
+    args = ag.parse_args(["--output-dir", "unused", "--max-grad-norm", "1e9"])
+    g = torch.Generator().manual_seed(0)
+    samples = [{"ids": torch.randint(3, 400, (8 + n,), generator=g).tolist(), "n_prompt": 8, "mask": [1] * n,
+                "logprobs": (-torch.rand(n, generator=g) * 3).tolist(), "advantage": 1.0 - 2 * (n % 2)}
+               for n in range(10, 30, 3)]
+    num_tokens, dtypes = sum(sum(s["mask"]) for s in samples), []
+
+    def update(device):
+        model = ag.load_policy(tiny_model).to(device)
+        model.model.layers[0].mlp.register_forward_hook(lambda module, inputs, output: dtypes.append(output.dtype))
+        optimizer = torch.optim.SGD(model.parameters(), lr=1.0)  # the step moves each weight by minus its gradient
+        before = [p.detach().clone() for p in model.parameters()]
+        stats = ag.train_step(model, optimizer, samples, num_tokens, len(samples), args, torch.device(device), 1)
+        return torch.cat([(b - p.detach()).flatten().cpu() for b, p in zip(before, model.parameters())]), stats
+    on_cpu, cpu_stats = update("cpu")
+    on_cuda, cuda_stats = update("cuda")
+    assert dtypes == [torch.float32, torch.bfloat16]
+    assert on_cuda.isfinite().all() and on_cuda.abs().max() > 0
+    assert torch.nn.functional.cosine_similarity(on_cuda, on_cpu, dim=0) > 0.98
+    assert cuda_stats["loss"] == pytest.approx(cpu_stats["loss"], rel=0.05, abs=1e-3)
+
+
+@needs_cuda
+def test_the_device_plan_on_this_machines_gpus(capsys):
+    """plan_devices on the real device count, one trainer rank (python async_grpo.py): one GPU is shared with vLLM over
+    gloo; with more, vLLM gets the others over NCCL. The trainer's device is usable, and --vllm-gpus 0 is refused."""
+    count = torch.cuda.device_count()
+    physical = (os.environ.get("CUDA_VISIBLE_DEVICES") or ",".join(map(str, range(count)))).split(",")
+    plan = ag.parse_args(["--output-dir", "unused"], 1, local_ranks=1).plan
+    expected = {**ONE_GPU, "servers": physical[:1]} if count == 1 else {**OWN_GPUS, "servers": [",".join(physical[1:count])]}
+    assert plan == expected, plan
+    assert torch.ones(1, device="cuda:0").item() == 1
+    assert plan_or_error(capsys, ["--vllm-gpus", "0"], count).startswith("error: --vllm-gpus 0: not distinct")
+
+
 def test_an_update_whose_gradient_is_not_finite_is_skipped(tiny_model):
     from transformers import AutoModelForCausalLM
     model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
