@@ -1401,8 +1401,7 @@ def served_config(url):
 # Weight sync: trainer rank 0 broadcasts packed buckets to every vLLM worker over its own group
 # ----------------------------------------------------------------------------------------------
 
-def local_address(host):  # connecting a UDP socket sends nothing: it picks the route, hence the address
-    """This machine's address on its route to `host`."""
+def local_address(host):  # this machine's address on its route to host: a UDP connect sends nothing, it picks the route
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
         s.connect((host, 9))
         return s.getsockname()[0]
@@ -1529,13 +1528,12 @@ def flatten(bucket, dtype):
 def send_weights(group, buckets, dtype, timeout):
     """Rank 0's broadcast of the buckets, one flat buffer each: bucket k+1 is gathered and packed while bucket k travels."""
     timeout, sending = timedelta(seconds=timeout), None
-    with torch.no_grad():
-        for bucket in buckets:
-            flat = flatten(bucket, dtype)
-            if sending:
-                sending[1].wait(timeout)
-            sending = flat, group.broadcast(flat, 0)
-        sending[1].wait(timeout)
+    for bucket in buckets:
+        flat = flatten(bucket, dtype)  # of detached weights: no autograd
+        if sending:
+            sending[1].wait(timeout)
+        sending = flat, group.broadcast(flat, 0)
+    sending[1].wait(timeout)
 
 
 def help_sync(model, args, dtype):
