@@ -2,7 +2,8 @@
 
     python async_grpo.py                          # CPU, no network: tiny built-in model + arithmetic task
     python async_grpo.py --tools                  # the same task, with a calculator the model can call
-    python async_grpo.py --model Qwen/Qwen3-0.6B --tools --vllm-gpus 1          # 1 GPU trains, 1 serves
+    python async_grpo.py --model Qwen/Qwen3-0.6B --tools                        # 1 GPU: vLLM shares it
+    python async_grpo.py --model Qwen/Qwen3-0.6B --tools --vllm-gpus 1          # 2 GPUs: 1 trains, 1 serves
     torchrun --nproc-per-node 4 async_grpo.py --model Qwen/Qwen3-0.6B --tools --vllm-gpus 4,5,6,7
     torchrun --nproc-per-node 4 async_grpo.py --model Qwen/Qwen3-8B --fsdp --vllm-gpus 4,5  # sharded, not copied
     python async_grpo.py --model M --vllm-url http://host:8000   # servers started as README.md shows
@@ -31,7 +32,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_optimizer_state_dict,
-                                                     set_optimizer_state_dict)
+                                                     set_model_state_dict, set_optimizer_state_dict)
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
@@ -57,7 +58,7 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         return super()._get_help_string(action)
 
 
-def parse_args(argv=None, world_size=1):
+def parse_args(argv=None, world_size=1, cuda_count=None, local_ranks=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=HelpFormatter)
     g = p.add_argument_group("model and data")
     g.add_argument("--model", default=None,
@@ -140,15 +141,20 @@ def parse_args(argv=None, world_size=1):
     g.add_argument("--sync-bucket-mb", type=float, default=16, help="MiB per packed buffer the weights travel in")
     g.add_argument("--sync-timeout", type=float, default=300, help="seconds a weight sync may take before the run fails")
     g.add_argument("--data-timeout", type=float, default=600, help="seconds the trainer waits for a batch before failing")
+    g.add_argument("--sync-host", default=os.environ.get("ASYNC_GRPO_SYNC_HOST"), help="address the servers reach the "
+                   "sync group at (or env ASYNC_GRPO_SYNC_HOST); default: this machine's on its route to the first one")
 
     g = p.add_argument_group("vLLM server")
     g.add_argument("--vllm-url", default=None, help="use these running servers (a comma list of URLs) instead of starting any")
     g.add_argument("--vllm-servers", type=int, default=1,
                    help="servers to start; each takes an equal share of --vllm-gpus (tensor parallel over its share)")
-    g.add_argument("--vllm-gpus", default=None, help="CUDA devices of the servers started here, e.g. '1' or '4,5,6,7'")
+    g.add_argument("--vllm-gpus", default=None, help="CUDA devices of the servers started here, e.g. '1' or '4,5,6,7'; "
+                   "default: those the trainer ranks leave free, or, none free, trainer rank 0's GPU, shared")
+    g.add_argument("--vllm-gpu-memory", type=float, help="share of its GPUs' memory a server started here may use (its "
+                   "--gpu-memory-utilization); default: 0.3 on a GPU shared with the trainer, else vLLM's (0.92)")
     g.add_argument("--vllm-port", type=int, default=0, help="port of the first server started here (0: free ones)")
     g.add_argument("--vllm-startup-timeout", type=float, default=600, help="seconds to wait for the server to be healthy")
-    g.add_argument("--vllm-args", default="", help="extra arguments for the server, e.g. \"--gpu-memory-utilization 0.5\"")
+    g.add_argument("--vllm-args", default="", help="extra arguments for the server, e.g. \"--enforce-eager\"")
     g.add_argument("--max-model-len", type=int, default=None, help="context length of the server (default: the model's)")
 
     g = p.add_argument_group("logging and checkpoints")
@@ -166,7 +172,7 @@ def parse_args(argv=None, world_size=1):
     unsupported = sorted(set(args.sampling_args) - SAMPLING_ARGS) if isinstance(args.sampling_args, dict) else []
     at_least = {"prompts_per_step": 1, "max_tokens": 1, "max_inflight": 1, "micro_batch_size": 1, "sync_every": 1,
                 "steps": 0, "eval_size": 0, "warmup_steps": 0, "max_tool_turns": 0, "max_staleness": 0, "eval_every": 0,
-                "save_every": 0, "log_rollouts": 0, "tool_latency": 0, "vllm_port": 0}
+                "save_every": 0, "log_rollouts": 0, "tool_latency": 0, "vllm_port": 0, "vllm_servers": 1}
     checks = [(getattr(args, k) < low, f"--{k.replace('_', '-')} must be >= {low}") for k, low in at_least.items()]
     checks += [(getattr(args, k) <= 0, f"--{k.replace('_', '-')} must be > 0") for k in
                ("tool_timeout", "sync_timeout", "data_timeout", "vllm_startup_timeout", "sync_bucket_mb")]
@@ -184,11 +190,12 @@ def parse_args(argv=None, world_size=1):
         (unsupported, f"--sampling-args: {unsupported} not supported: the trainer's log-probs would not be those of "
          f"the distribution vLLM samples from. Supported: {sorted(SAMPLING_ARGS)}; temperature, top_p, top_k and "
          "min_p have flags of their own (--temperature, --top-p, --top-k, --min-p)"),
-        (args.vllm_servers < 1 or args.vllm_gpus and len(args.vllm_gpus.split(",")) % args.vllm_servers,
-         f"--vllm-servers {args.vllm_servers} must be >= 1 and divide the --vllm-gpus {args.vllm_gpus} evenly"),
         (args.max_operand < 1 or args.terms < 2 or not args.operations or set(args.operations) - set("+-*/"),
          "--max-operand must be >= 1, --terms >= 2, and --operations a non-empty string of '+-*/'"),
-        (args.resume and not args.output_dir, "--resume needs the --output-dir of the run to continue")]
+        (args.resume and not args.output_dir, "--resume needs the --output-dir of the run to continue"),
+        (vllm_flag(args, "--gpu-memory-utilization"), "--vllm-args: pass the servers' memory share as --vllm-gpu-memory"),
+        (vllm_flag(args, "--data-parallel-size", "-dp") not in (None, "1"), "--vllm-args: the engines of a data-parallel "
+         "server would join the weight sync under the same ranks; start several servers instead, --vllm-servers N")]
     args.tool_names = [] if args.tools is None else list(tools_module.TOOLS) if args.tools == "all" else \
         [n.strip() for n in args.tools.split(",")]
     unknown = sorted(set(args.tool_names) - set(tools_module.TOOLS))
@@ -207,13 +214,56 @@ def parse_args(argv=None, world_size=1):
     for failed, message in checks:
         if failed:
             p.error(message)
+    args.plan = plan_devices(args, torch.cuda.device_count() if cuda_count is None else cuda_count,  # local_ranks: on
+                             local_ranks or int(os.environ.get("LOCAL_WORLD_SIZE", world_size)), p.error)  # this node
     args.max_staleness = 0 if args.sync else args.max_staleness
     args.sync_bucket_bytes = int(args.sync_bucket_mb * 2**20)
+    # The other ranks' bound in a collective while rank 0 alone starts vLLM, waits for data or syncs: not torch's (NCCL 10
+    # min, gloo 30) but twice the sum of rank 0's bounds (building the model, evaluation and checkpoints have none)
+    args.collective_timeout = 2 * (args.vllm_startup_timeout + args.data_timeout + args.sync_timeout)
     args.output_dir = args.output_dir or time.strftime("runs/%Y%m%d-%H%M%S")
     if args.lr is None:
         args.lr = 3e-4 if args.model is None else 1e-6  # the built-in model is tiny and far from converged
     args.lr = 0.0 if args.audit else args.lr
     return args
+
+
+def vllm_flag(args, *names):
+    """The value that --vllm-args gives one of these vLLM flags ('' for a bare one), or None."""
+    words = [w for word in shlex.split(args.vllm_args) for w in word.split("=", 1)] + [""]
+    return next((words[i + 1] for i, w in enumerate(words[:-1]) if w.replace("_", "-") in names), None)
+
+
+def plan_devices(args, cuda_count, local_ranks, fail):
+    """Where everything runs, decided before anything loads: the trainer ranks on cuda:0..local_ranks-1 or the CPU, each
+    server started here on its share of --vllm-gpus or the CPU, and the sync backend: NCCL between devices, else gloo
+    (which takes CUDA tensors: NCCL refuses two ranks on one device). fail(message) for a plan that cannot work."""
+    n, url, free = args.vllm_servers, args.vllm_url, [str(d) for d in range(local_ranks, cuda_count)]
+    gpus = args.vllm_gpus.split(",") if args.vllm_gpus else [] if url else free[:len(free) // n * n]
+    shared = bool(cuda_count and not url and not gpus)  # no device free: one server shares trainer rank 0's GPU
+    instead = f"pass --vllm-gpus among {','.join(free)}" if free else "launch fewer ranks (torchrun --nproc-per-node)"
+    for failed, message in [
+            (url and args.vllm_gpus, "--vllm-gpus places servers started here, and --vllm-url starts none: drop one"),
+            (len(gpus) % n, f"--vllm-servers {n} must divide the --vllm-gpus {args.vllm_gpus} evenly"),
+            (cuda_count and local_ranks > cuda_count, f"{local_ranks} trainer ranks on this node, {cuda_count} CUDA devices: "
+                                                      f"launch torchrun with --nproc-per-node {cuda_count} or fewer"),
+            (not all(g.isdigit() and local_ranks <= int(g) < cuda_count for g in gpus) or len(set(gpus)) < len(gpus),
+             f"--vllm-gpus {args.vllm_gpus}: not distinct CUDA devices of the {cuda_count} here that the {local_ranks} "
+             f"trainer ranks leave free (NCCL refuses two ranks on one device): {instead}, or leave --vllm-gpus out where "
+             "none is free, to share trainer rank 0's GPU with one server"),
+            (shared and n > 1, f"--vllm-servers {n}: no device is free beside the trainer ranks, and trainer rank 0's GPU "
+                               f"holds one server: pass --vllm-servers 1, or {instead}"),
+            (args.vllm_gpu_memory is not None and not (0 < args.vllm_gpu_memory < 1 and (gpus or shared)),
+             "--vllm-gpu-memory is a share in (0, 1) of the memory of servers started here on GPUs")]:
+        if failed:
+            fail(message)
+    physical = (os.environ.get("CUDA_VISIBLE_DEVICES") or ",".join(map(str, range(cuda_count)))).split(",")
+    shares = [gpus[i * len(gpus) // n:(i + 1) * len(gpus) // n] for i in range(n)] if gpus else [["0"] * shared] * n
+    return {"trainer": "cuda" if cuda_count else "cpu", "sync_backend": "nccl" if cuda_count and not shared else "gloo",
+            "servers": [] if url else [",".join(physical[int(g)] for g in share) for share in shares],  # as devices
+            "gpu_memory": args.vllm_gpu_memory or (0.3 if shared else None),  # why 0.3: README.md, "On GPUs"
+            "cpu_server": not cuda_count and all(urllib.parse.urlparse(u).hostname in ("127.0.0.1", "localhost")
+                                                 for u in (url or "http://127.0.0.1").split(","))}  # tuned in start_vllm
 
 
 # ----------------------------------------------------------------------------------------------
@@ -1289,16 +1339,16 @@ def log_tail(proc, n=25):
 
 
 def start_vllm(args, model_path, out_dir):
-    """Start --vllm-servers `vllm serve` processes with this file as their worker extension, each on
-    its share of --vllm-gpus, and wait until all are healthy. Returns the processes (.url, .log_path)."""
-    n, gpus = args.vllm_servers, args.vllm_gpus.split(",") if args.vllm_gpus else []
+    """Start the `vllm serve` processes of the device plan (args.plan) with this file as their worker extension, each on
+    its share of --vllm-gpus or on the CPU, and wait until all are healthy. Returns the processes (.url, .log_path)."""
+    plan, n = args.plan, len(args.plan["servers"])
     env = dict(os.environ, VLLM_SERVER_DEV_MODE="1",  # the /pause, /resume, /collective_rpc routes
                PYTHONPATH=os.pathsep.join(filter(None, [str(HERE), os.environ.get("PYTHONPATH")])))
-    if not torch.cuda.is_available():
+    if plan["cpu_server"]:
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; the default takes a large share of RAM
     procs, t0 = [], time.monotonic()
     try:
-        for i in range(n):
+        for i, share in enumerate(plan["servers"]):
             port = args.vllm_port + i if args.vllm_port else free_port()
             cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model_path,
                    "--host", "127.0.0.1", "--port", str(port), "--seed", str(args.seed),
@@ -1307,19 +1357,20 @@ def start_vllm(args, model_path, out_dir):
                    "--logprobs-mode", "processed_logprobs"]  # log-probs after temperature/top-p: what was sampled from
             if args.max_model_len:
                 cmd += ["--max-model-len", str(args.max_model_len)]
-            if not torch.cuda.is_available() and "--dtype" not in args.vllm_args:
+            if plan["cpu_server"] and vllm_flag(args, "--dtype") is None:
                 # fp32 on CPU: bf16 arithmetic without AVX-512 is slow (a 25M-parameter model here generated 150 tokens/s
                 # in bf16, 680-780 in fp32), and an fp32 server holds exactly the trainer's weights
                 cmd += ["--dtype", "float32"]
-            share = gpus[i * len(gpus) // n:(i + 1) * len(gpus) // n]
             if share:
-                cmd += ["--tensor-parallel-size", str(len(share))]
-                env["CUDA_VISIBLE_DEVICES"] = ",".join(share)
+                cmd += ["--tensor-parallel-size", str(len(share.split(",")))]
+                env["CUDA_VISIBLE_DEVICES"] = share
+            if plan["gpu_memory"]:
+                cmd += ["--gpu-memory-utilization", str(plan["gpu_memory"])]
             # A CPU server takes one core, whole: its worker (which busy-polls for a second after each engine step)
             # and its HTTP and engine front end, which would otherwise preempt the trainer on the other cores
             # (measured on 2 cores: async 1.15x -> 1.62x the samples/s of --sync on average; --sync itself unchanged).
             cores = None
-            if not share and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
+            if plan["cpu_server"] and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
                 cores = {i % (os.cpu_count() or 1)}
                 env["VLLM_CPU_OMP_THREADS_BIND"] = str(*cores)
             cmd += shlex.split(args.vllm_args)
@@ -1434,14 +1485,44 @@ def served_config(url):
 # Weight sync: trainer rank 0 broadcasts packed buckets to every vLLM worker over its own group
 # ----------------------------------------------------------------------------------------------
 
+def local_address(host):  # this machine's address on its route to host: a UDP connect sends nothing, it picks the route
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.connect((host, 9))
+        return s.getsockname()[0]
+
+
+def sync_endpoint(urls, host=None):
+    """Where the servers meet the sync group: --sync-host, or this machine's address on its route to the first server (the
+    hostname's lookup is often 127.0.1.1); and a socket for its store, on every interface unless on the loopback one."""
+    host = host or local_address(urllib.parse.urlparse(urls[0]).hostname)
+    return host, socket.create_server(("127.0.0.1" if host == "127.0.0.1" else "0.0.0.0", 0))
+
+
+def sync_group(host, port, rank, world_size, backend, timeout, listener=None):
+    """The weight-sync group: the trainer (rank 0) and every worker of every server, outside the training ranks' default
+    world. Rank 0 hosts its store on `listener`, a socket it bound (torch's rendezvous would join torchrun's store). gloo
+    takes CUDA tensors too, through pinned host memory: the path where a server shares the trainer's GPU."""
+    timeout, gloo = timedelta(seconds=timeout), backend == "gloo"
+    store = dist.TCPStore(host, port, world_size, listener is not None, timeout, master_listen_fd=listener and listener.detach())
+    options = dist.ProcessGroupGloo._Options() if gloo else dist.ProcessGroupNCCL.Options()
+    options._timeout = timeout
+    if gloo:
+        options._devices = [dist.ProcessGroupGloo.create_device(hostname=local_address(host))]  # not the hostname's
+    kind = dist.ProcessGroup.BackendType.GLOO if gloo else dist.ProcessGroup.BackendType.NCCL
+    backend = (dist.ProcessGroupGloo if gloo else dist.ProcessGroupNCCL)(store, rank, world_size, options)
+    backend._set_sequence_number_for_group()
+    group = dist.ProcessGroup(store, rank, world_size)
+    group._set_default_backend(kind)
+    for device in ("cpu", "cuda") if gloo else ("cuda",):  # the devices whose tensors this group's broadcasts take
+        group._register_backend(torch.device(device), kind, backend)
+    return group
+
+
 class WeightSyncExtension:
     """Mixed into every vLLM worker (--worker-extension-cls); its methods run via /collective_rpc."""
 
-    def init_weight_sync(self, host, port, world_size, timeout, first_rank=1):
-        from vllm.distributed.utils import stateless_init_torch_distributed_process_group
-        backend = "nccl" if self.device.type == "cuda" else "gloo"
-        self.weight_sync_group = stateless_init_torch_distributed_process_group(  # first_rank: this server's first
-            host, port, rank=first_rank + self.rank, world_size=world_size, backend=backend, timeout=timedelta(seconds=timeout))
+    def init_weight_sync(self, host, port, world_size, timeout, backend, first_rank=1):  # first_rank: this server's first
+        self.weight_sync_group = sync_group(host, port, first_rank + self.rank, world_size, backend, timeout)
 
     def served_config(self):
         """What this server computes in (the weights are sent in it, the trainer rounds logits to it), and which
@@ -1528,6 +1609,17 @@ def flatten(bucket, dtype):
     return flat
 
 
+def send_weights(group, buckets, dtype, timeout):
+    """Rank 0's broadcast of the buckets, one flat buffer each: bucket k+1 is gathered and packed while bucket k travels."""
+    timeout, sending = timedelta(seconds=timeout), None
+    for bucket in buckets:
+        flat = flatten(bucket, dtype)  # of detached weights: no autograd
+        if sending:
+            sending[1].wait(timeout)
+        sending = flat, group.broadcast(flat, 0)
+    sending[1].wait(timeout)
+
+
 def help_sync(model, args, dtype):
     """The other ranks' part of rank 0's sync under --fsdp: gathering each bucket with it."""
     for bucket in pack_buckets(model, args.sync_bucket_bytes, dtype):
@@ -1535,15 +1627,13 @@ def help_sync(model, args, dtype):
 
 
 class WeightSync:
-    """Trainer side of the sync to every server in `urls`; advances `policy` (a PolicyVersion). One
-    group holds the trainer (rank 0) and every worker of every server, so one broadcast reaches them
-    all. It lives outside torch.distributed's default world, which belongs to the training ranks; it
-    is made at the first sync and kept for the run."""
+    """Trainer side of the sync to every server in `urls`; advances `policy` (a PolicyVersion). One group (sync_group)
+    holds the trainer (rank 0) and every worker of every server, so one broadcast reaches them all. It is made at the
+    first sync and kept for the run."""
 
     def __init__(self, urls, args, dtype, policy):
-        from vllm.distributed.utils import stateless_init_torch_distributed_process_group  # seconds: not in the first sync
         self.urls, self.args, self.dtype, self.policy, self.group = urls, args, dtype, policy, None
-        self.pool, self.new_group = ThreadPoolExecutor(len(urls)), stateless_init_torch_distributed_process_group
+        self.pool = ThreadPoolExecutor(len(urls))
 
     def _rpc(self, url, method, **kwargs):
         """Call `method` on every worker of one server; a future. It runs on the pool's threads: the
@@ -1565,18 +1655,11 @@ class WeightSync:
                              f"trained weights, e.g. {unknown[:5]}: the trainer and the server do not hold the "
                              "same architecture (an image-text checkpoint loaded as another class?)")
         sizes = [http(f"{url}/get_world_size")["world_size"] for url in self.urls]  # workers per server
-        # The trainer hosts the group's store on a socket bound here, so no rendezvous runs on
-        # this side: under torchrun, torch's rendezvous would join the launcher's store instead.
-        local = all(urllib.parse.urlparse(url).hostname in ("127.0.0.1", "localhost") for url in self.urls)
-        host = "127.0.0.1" if local else socket.gethostbyname(socket.gethostname())
-        listener = socket.create_server((host, 0))
-        port = listener.getsockname()[1]
-        joined = [self._rpc(url, "init_weight_sync", host=host, port=port, world_size=1 + sum(sizes),
-                            first_rank=1 + sum(sizes[:i]), timeout=self.args.sync_timeout)
-                  for i, url in enumerate(self.urls)]
-        self.group = self.new_group(
-            host, port, rank=0, world_size=1 + sum(sizes), listen_socket=listener,
-            backend="nccl" if torch.cuda.is_available() else "gloo", timeout=timedelta(seconds=self.args.sync_timeout))
+        host, listener = sync_endpoint(self.urls, self.args.sync_host)
+        port, backend, world_size = listener.getsockname()[1], self.args.plan["sync_backend"], 1 + sum(sizes)
+        joined = [self._rpc(url, "init_weight_sync", host=host, port=port, world_size=world_size, backend=backend,
+                            first_rank=1 + sum(sizes[:i]), timeout=self.args.sync_timeout) for i, url in enumerate(self.urls)]
+        self.group = sync_group(host, port, 0, world_size, backend, self.args.sync_timeout, listener)
         for future in joined:
             future.result(self.args.sync_timeout)
 
@@ -1601,14 +1684,7 @@ class WeightSync:
         meta = [{"dtype": str(self.dtype).removeprefix("torch."), "numel": sum(p.numel() for _, p in b),
                  "params": [(n, list(p.shape)) for n, p in b]} for b in buckets]
         received = [self._rpc(url, "receive_weights", buckets=meta) for url in self.urls]
-        timeout, sending = timedelta(seconds=self.args.sync_timeout), None
-        with torch.no_grad():
-            for bucket in buckets:  # bucket k+1 is gathered and packed while bucket k travels
-                flat = flatten(bucket, self.dtype)
-                if sending:
-                    sending[1].wait(timeout)
-                sending = flat, self.group.broadcast(flat, 0)
-            sending[1].wait(timeout)
+        send_weights(self.group, buckets, self.dtype, self.args.sync_timeout)
         for future in received:
             future.result(self.args.sync_timeout)
         self.policy.value += 1
@@ -1912,10 +1988,10 @@ def rollout_metrics(groups, version):
 # Main: the run's phases in the order they run, and a teardown that leaves nothing running
 # ----------------------------------------------------------------------------------------------
 
-def cpu_threads(world_size=1):
-    """Torch threads per rank on CPU: every core but the one start_vllm gives the server, whose worker polls it busy;
-    a trainer thread there holds up every parallel op (measured on 2 cores: 2.7x slower steps, 2.2x slower syncs)."""
-    return max(1, ((os.cpu_count() or 2) - 1) // world_size)
+def cpu_threads(world_size=1, reserve=1):
+    """Torch threads per rank on CPU: every core but one a server here polls busy (reserve); a trainer thread there
+    holds up every parallel op (measured on 2 cores: 2.7x slower steps, 2.2x slower syncs)."""
+    return max(1, ((os.cpu_count() or 2) - reserve) // world_size)
 
 
 @contextlib.contextmanager
@@ -1943,18 +2019,35 @@ def share_idle_core(model, version, idle_after=1.0):
         torch.set_num_threads(busy)
 
 
-def load_policy(path):
+def load_policy(path, empty=False):
     """A causal LM, or an image-text checkpoint (Qwen2-VL, SmolVLM, ...) as its *ForConditionalGeneration
     class: that one's parameter names are the checkpoint's, which vLLM's loader maps to its own (a bare
     AutoModel drops the `model.` prefix). Text-only RL trains its language model and output head; the
-    vision tower and projector get no gradient from text, so they are frozen: not optimised, not synced."""
+    vision tower and projector get no gradient from text, so they are frozen: not optimised, not synced.
+    empty: the model's shapes on the meta device, no weights read and no memory taken."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
-    image_text = hasattr(AutoConfig.from_pretrained(path), "vision_config")
-    model = (AutoModelForImageTextToText if image_text else AutoModelForCausalLM).from_pretrained(path, dtype=torch.float32)
-    if image_text:
+    config = AutoConfig.from_pretrained(path)
+    kind = AutoModelForImageTextToText if hasattr(config, "vision_config") else AutoModelForCausalLM
+    with torch.device("meta") if empty else contextlib.nullcontext():
+        model = kind.from_config(config, dtype=torch.float32) if empty else kind.from_pretrained(path, dtype=torch.float32)
+    if kind is AutoModelForImageTextToText:
         trained = {id(p) for m in (model.get_decoder(), model.get_output_embeddings()) for p in m.parameters()}
         for p in model.parameters():
             p.requires_grad_(id(p) in trained)
+    return model
+
+
+def load_sharded(path, device):
+    """--fsdp: rank 0 alone reads the checkpoint (the whole model, fp32, in its host memory); every rank builds it on the
+    meta device, shards it and receives its shards, a tensor at a time, and the buffers outside the state dict whole."""
+    full = load_policy(path) if dist.get_rank() == 0 else None
+    model = shard(load_policy(path, empty=True)).to_empty(device=device)
+    set_model_state_dict(model, full.state_dict() if full else {},
+                         options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    for name, buffer in model.named_buffers():
+        if full:
+            buffer.copy_(full.get_buffer(name))
+        dist.broadcast(buffer, 0)
     return model
 
 
@@ -2006,15 +2099,14 @@ class Run:
 
 def set_up(argv):
     rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
-    args = parse_args(argv, world_size)
-    local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    device = torch.device(f"cuda:{local_rank}") if torch.cuda.is_available() else torch.device("cpu")
-    if device.type == "cpu":
-        torch.set_num_threads(cpu_threads(world_size))
-    if world_size > 1:
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    args = parse_args(argv, world_size)  # and the device plan, checked before anything loads
+    device = torch.device(f"cuda:{os.environ.get('LOCAL_RANK', 0)}" if args.plan["trainer"] == "cuda" else "cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
+    else:
+        torch.set_num_threads(cpu_threads(world_size, reserve=int(args.plan["cpu_server"])))
+    if world_size > 1:
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=timedelta(seconds=args.collective_timeout))
     random.seed(args.seed + rank)
     np.random.seed(args.seed + rank)
     torch.manual_seed(args.seed + rank)
@@ -2032,7 +2124,8 @@ def set_up(argv):
         if not (run.out_dir / "checkpoint" / "trainer_state.pt").exists():
             raise SystemExit(f"--resume: no checkpoint in {run.out_dir / 'checkpoint'}")
         run.model_path = str((run.out_dir / "checkpoint").resolve())
-        run.resumed = torch.load(Path(run.model_path) / "trainer_state.pt", weights_only=False)
+        # to CPU, whatever device wrote it; mapped, so that each rank reads only the tensors it uses
+        run.resumed = torch.load(Path(run.model_path) / "trainer_state.pt", "cpu", mmap=True, weights_only=False)
     return run
 
 
@@ -2064,8 +2157,9 @@ def load_data(run):
 def load_policy_and_optimizer(run):
     from transformers import AutoProcessor
     args, resumed = run.args, run.resumed
+    place = functools.partial(load_sharded, device=run.device) if args.fsdp else lambda p: load_policy(p).to(run.device)
     try:
-        model = load_policy(run.model_path)
+        model = place(run.model_path)
     except Exception as e:
         raise SystemExit(f"--model {run.model_path}: cannot load it as a causal or image-text LM "
                          f"({type(e).__name__}: {str(e)[:300]})")
@@ -2076,12 +2170,10 @@ def load_policy_and_optimizer(run):
     if too_long:
         raise SystemExit(f"{len(too_long)} prompts do not fit the context of {context} tokens (the first: row id "
                          f"{too_long[0][0]}, {too_long[0][1]} tokens); shorten them in --dataset or raise --max-model-len")
-    # --fsdp: the full model is loaded into CPU memory; fully_shard moves only each rank's shard to the device.
-    place = shard if args.fsdp else lambda m: m.to(run.device)
-    run.policy = run.model = place(model)
+    run.policy = run.model = model
     # vLLM serves an image-text checkpoint only with its image processor: checkpoints keep it (--resume).
     run.saved_with = AutoProcessor.from_pretrained(run.model_path) if hasattr(model.config, "vision_config") else run.tok
-    run.reference = place(load_policy(run.initial_model).requires_grad_(False)) if args.beta else None
+    run.reference = place(run.initial_model).requires_grad_(False) if args.beta else None
     if run.world_size > 1 and not args.fsdp:
         run.model = torch.nn.parallel.DistributedDataParallel(
             run.policy, device_ids=[run.device.index] if run.device.type == "cuda" else None)
@@ -2093,16 +2185,20 @@ def load_policy_and_optimizer(run):
             saved = "with" if resumed.get("fsdp", False) else "without"
             raise SystemExit(f"--resume: this checkpoint's optimizer state was saved {saved} --fsdp; resume {saved} it")
         if args.fsdp:  # rank 0 reads the full state and sends each rank its shards
-            set_optimizer_state_dict(run.policy, run.optimizer, resumed["optimizer"],
+            set_optimizer_state_dict(run.policy, run.optimizer, resumed["optimizer"] if run.is_main else {},
                                      options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
-        else:
+        else:  # each tensor to its parameter's device
             run.optimizer.load_state_dict(resumed["optimizer"])
+        del resumed["optimizer"]  # applied: not held for the run
         run.scheduler.load_state_dict(resumed["scheduler"])
         random.setstate(resumed["rng"]["python"])
         np.random.set_state(resumed["rng"]["numpy"])
         torch.set_rng_state(resumed["rng"]["torch"])
-        if resumed["rng"]["cuda"]:
+        if len(resumed["rng"]["cuda"]) == torch.cuda.device_count():  # one state per device
             torch.cuda.set_rng_state_all(resumed["rng"]["cuda"])
+        elif run.is_main:  # resumed on another machine
+            print(f"warning: CUDA random states of {len(resumed['rng']['cuda'])} devices, {torch.cuda.device_count()} "
+                  "here: not restored", flush=True)
         run.start_step = resumed["step"]
         if run.is_main:
             print(f"resuming at step {run.start_step} from {run.model_path}", flush=True)
@@ -2132,7 +2228,7 @@ def start_generation(run):
         run.producer = Producer(args, run.tok, run.train_rows, urls, run.ctx, run.version,
                                 run.resumed and run.resumed["data"])
         run.producer.start()
-        if run.device.type == "cpu" and run.world_size == 1:
+        if args.plan["cpu_server"] and run.world_size == 1:
             run.share_core = functools.partial(share_idle_core, run.policy, run.version)
         run.done_cursor = dict(run.producer.cursor)
         if args.wandb_project:

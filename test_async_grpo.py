@@ -14,8 +14,10 @@ import math
 import os
 import random
 import re
+import shlex
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -283,6 +285,48 @@ def test_micro_batching_and_padding_do_not_change_the_gradient(tiny_model, loss_
         assert split_stats["loss"] == pytest.approx(stats["loss"], rel=1e-4, abs=1e-7)
 
 
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+@needs_cuda
+def test_a_training_step_on_cuda_in_bf16_follows_the_same_step_on_cpu(tiny_model):
+    """train_step on cuda:0, its forward and backward under bf16 autocast as a GPU run trains, against the same step in
+    fp32 on CPU: the same loss and the same update, to bf16's precision."""
+    args = ag.parse_args(["--output-dir", "unused", "--max-grad-norm", "1e9"])
+    g = torch.Generator().manual_seed(0)
+    samples = [{"ids": torch.randint(3, 400, (8 + n,), generator=g).tolist(), "n_prompt": 8, "mask": [1] * n,
+                "logprobs": (-torch.rand(n, generator=g) * 3).tolist(), "advantage": 1.0 - 2 * (n % 2)}
+               for n in range(10, 30, 3)]
+    num_tokens, dtypes = sum(sum(s["mask"]) for s in samples), []
+
+    def update(device):
+        model = ag.load_policy(tiny_model).to(device)
+        model.model.layers[0].mlp.register_forward_hook(lambda module, inputs, output: dtypes.append(output.dtype))
+        optimizer = torch.optim.SGD(model.parameters(), lr=1.0)  # the step moves each weight by minus its gradient
+        before = [p.detach().clone() for p in model.parameters()]
+        stats = ag.train_step(model, optimizer, samples, num_tokens, len(samples), args, torch.device(device), 1)
+        return torch.cat([(b - p.detach()).flatten().cpu() for b, p in zip(before, model.parameters())]), stats
+    on_cpu, cpu_stats = update("cpu")
+    on_cuda, cuda_stats = update("cuda")
+    assert dtypes == [torch.float32, torch.bfloat16]
+    assert on_cuda.isfinite().all() and on_cuda.abs().max() > 0
+    assert torch.nn.functional.cosine_similarity(on_cuda, on_cpu, dim=0) > 0.98
+    assert cuda_stats["loss"] == pytest.approx(cpu_stats["loss"], rel=0.05, abs=1e-3)
+
+
+@needs_cuda
+def test_the_device_plan_on_this_machines_gpus(capsys):
+    """plan_devices on the real device count, one trainer rank (python async_grpo.py): one GPU is shared with vLLM over
+    gloo; with more, vLLM gets the others over NCCL. The trainer's device is usable, and --vllm-gpus 0 is refused."""
+    count = torch.cuda.device_count()
+    physical = (os.environ.get("CUDA_VISIBLE_DEVICES") or ",".join(map(str, range(count)))).split(",")
+    plan = ag.parse_args(["--output-dir", "unused"], 1, local_ranks=1).plan
+    expected = {**ONE_GPU, "servers": physical[:1]} if count == 1 else {**OWN_GPUS, "servers": [",".join(physical[1:count])]}
+    assert plan == expected, plan
+    assert torch.ones(1, device="cuda:0").item() == 1
+    assert plan_or_error(capsys, ["--vllm-gpus", "0"], count).startswith("error: --vllm-gpus 0: not distinct")
+
+
 def test_an_update_whose_gradient_is_not_finite_is_skipped(tiny_model):
     from transformers import AutoModelForCausalLM
     model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
@@ -525,6 +569,110 @@ def test_bad_input_fails_before_vllm_starts(tmp_path, capsys):
     assert code == 1 and "--model" in out and "starting vLLM" not in out
 
 
+def plan_or_error(capsys, flags, cuda_count, local_ranks=1, nodes=1):
+    """The device plan parse_args makes for these flags on a node with cuda_count devices and local_ranks trainer ranks,
+    or its error message."""
+    try:
+        return ag.parse_args(["--output-dir", "unused", *flags], local_ranks * nodes, cuda_count, local_ranks).plan
+    except SystemExit:
+        return "error: " + capsys.readouterr().err.strip().splitlines()[-1].partition("error: ")[2]
+
+
+CPU_SERVER = {"trainer": "cpu", "servers": [""], "sync_backend": "gloo", "gpu_memory": None, "cpu_server": True}
+ONE_GPU = {"trainer": "cuda", "servers": ["0"], "sync_backend": "gloo", "gpu_memory": 0.3, "cpu_server": False}
+OWN_GPUS = {"trainer": "cuda", "sync_backend": "nccl", "gpu_memory": None, "cpu_server": False}
+PLANS = [  # (flags, CUDA devices, trainer ranks on the node, the plan or the error it gives)
+    ([], 0, 1, CPU_SERVER),
+    (["--vllm-servers", "2"], 0, 2, {**CPU_SERVER, "servers": ["", ""]}),
+    ([], 1, 1, ONE_GPU),
+    (["--vllm-gpu-memory", "0.45", "--sync"], 1, 1, {**ONE_GPU, "gpu_memory": 0.45}),
+    ([], 2, 2, ONE_GPU),  # two ranks, no device free: the server shares rank 0's
+    ([], 2, 1, {**OWN_GPUS, "servers": ["1"]}),  # a free device is used without --vllm-gpus
+    ([], 8, 4, {**OWN_GPUS, "servers": ["4,5,6,7"]}),
+    (["--vllm-servers", "2"], 8, 4, {**OWN_GPUS, "servers": ["4,5", "6,7"]}),
+    (["--vllm-servers", "3"], 8, 4, {**OWN_GPUS, "servers": ["4", "5", "6"]}),
+    (["--vllm-gpus", "6,7", "--vllm-gpu-memory", "0.8"], 8, 4, {**OWN_GPUS, "servers": ["6,7"], "gpu_memory": 0.8}),
+    (["--vllm-url", "http://10.0.0.2:8000"], 0, 1, {**CPU_SERVER, "servers": [], "cpu_server": False}),
+    (["--vllm-url", "http://127.0.0.1:8000"], 0, 1, {**CPU_SERVER, "servers": []}),  # its CPU is this one
+    (["--vllm-url", "http://a:8000,http://b:8000"], 8, 8, {**OWN_GPUS, "servers": []}),
+    (["--vllm-gpus", "4,5,6,7"], 8, 8, "error: --vllm-gpus 4,5,6,7: not distinct CUDA devices of the 8 here that the 8 "
+     "trainer ranks leave free (NCCL refuses two ranks on one device): launch fewer ranks (torchrun --nproc-per-node), "
+     "or leave --vllm-gpus out where none is free, to share trainer rank 0's GPU with one server"),
+    (["--vllm-gpus", "0"], 2, 1, "error: --vllm-gpus 0: not distinct CUDA devices of the 2 here that the 1 trainer ranks "
+     "leave free (NCCL refuses two ranks on one device): pass --vllm-gpus among 1, or leave --vllm-gpus out"),
+    (["--vllm-gpus", "1"], 0, 1, "error: --vllm-gpus 1: not distinct CUDA devices of the 0 here"),
+    ([], 2, 4, "error: 4 trainer ranks on this node, 2 CUDA devices: launch torchrun with --nproc-per-node 2 or fewer"),
+    (["--vllm-gpus", "1,1"], 4, 1, "error: --vllm-gpus 1,1: not distinct CUDA devices of the 4 here"),
+    (["--vllm-gpus", "4"], 4, 1, "error: --vllm-gpus 4: not distinct CUDA devices of the 4 here"),
+    (["--vllm-gpus", "a"], 4, 1, "error: --vllm-gpus a: not distinct CUDA devices of the 4 here"),
+    (["--vllm-gpus", "1,2,3", "--vllm-servers", "2"], 4, 1, "error: --vllm-servers 2 must divide the --vllm-gpus 1,2,3"),
+    (["--vllm-servers", "2"], 1, 1, "error: --vllm-servers 2: no device is free beside the trainer ranks, and trainer "
+     "rank 0's GPU holds one server: pass --vllm-servers 1, or launch fewer ranks"),
+    (["--vllm-url", "http://a:8000", "--vllm-gpus", "1"], 2, 1, "error: --vllm-gpus places servers started here, and "
+     "--vllm-url starts none: drop one"),
+    (["--vllm-gpu-memory", "0.5"], 0, 1, "error: --vllm-gpu-memory is a share in (0, 1) of the memory of servers "
+     "started here on GPUs"),
+    (["--vllm-gpu-memory", "1.5"], 1, 1, "error: --vllm-gpu-memory is a share in (0, 1)"),
+    (["--vllm-gpu-memory", "0.5", "--vllm-url", "http://a:8000"], 1, 1, "error: --vllm-gpu-memory is a share in"),
+    (["--vllm-args=--gpu-memory-utilization 0.5"], 1, 1, "error: --vllm-args: pass the servers' memory share as "
+     "--vllm-gpu-memory"),
+    (["--vllm-args=--enforce-eager --data-parallel-size 2"], 2, 1, "error: --vllm-args: the engines of a data-parallel "
+     "server would join the weight sync under the same ranks; start several servers instead, --vllm-servers N"),
+    (["--vllm-args=-dp=4", "--vllm-url", "http://a:8000"], 0, 1, "error: --vllm-args: the engines of a data-parallel"),
+    (["--vllm-args=--data_parallel_size 2"], 0, 1, "error: --vllm-args: the engines of a data-parallel"),
+    (["--vllm-args=--data-parallel-size 1 --dtype float16"], 0, 1, CPU_SERVER),
+]
+
+
+@pytest.mark.parametrize("flags, cuda_count, local_ranks, expected", PLANS)
+def test_devices_are_planned_once_and_impossible_plans_refused(flags, cuda_count, local_ranks, expected, capsys):
+    """plan_devices, through parse_args as a run calls it: device counts and flags in, the plan or the error out."""
+    got = plan_or_error(capsys, flags, cuda_count, local_ranks)
+    if isinstance(expected, str):
+        assert isinstance(got, str) and got.startswith(expected), got
+    else:
+        assert isinstance(got, dict) and got == {**got, **expected}, got
+
+
+def test_server_devices_count_from_the_trainers_cuda_visible_devices(monkeypatch):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,3,6,7")  # what this process sees as cuda:1 is device 3
+    assert ag.parse_args(["--output-dir", "unused", "--vllm-gpus", "1,3"], 1, 4, 1).plan["servers"] == ["3,7"]
+
+
+def launch_commands():
+    """(flags, ranks per node, nodes) of every command that starts async_grpo.py in its docstring and README.md."""
+    text = (ag.__doc__ + (HERE / "README.md").read_text()).replace("\\\n", " ")
+    for line in text.splitlines():
+        command = line.partition("  #")[0].split("&&")[-1]
+        if re.match(r"\s*((\.venv/bin/)?python3?|torchrun)\s(.*\s)?async_grpo\.py", command):
+            words = shlex.split(command)
+            option = lambda name, default: int(words[words.index(name) + 1]) if name in words else default
+            yield words[words.index("async_grpo.py") + 1:], option("--nproc-per-node", 1), option("--nnodes", 1)
+
+
+def test_every_launch_command_of_the_docs_plans_its_devices(capsys):
+    """Each command on the smallest machine it is written for: as many devices as its ranks and --vllm-gpus need (a
+    GPU command), or none. The one-GPU command shares the GPU and syncs over gloo; the others sync over NCCL."""
+    commands = list(launch_commands())
+    assert len(commands) >= 8, commands
+    for flags, ranks, nodes in commands:
+        if any(f.endswith(".gguf") for f in flags):  # the CPU run of a GGUF file in the test-only package
+            continue
+        gpus = [int(g) for g in flags[flags.index("--vllm-gpus") + 1].split(",")] if "--vllm-gpus" in flags else []
+        on_gpus = any(f.startswith(("Qwen/", "M")) for f in flags)
+        cuda_count = max([ranks, *[g + 1 for g in gpus]]) if on_gpus else 0
+        plan = plan_or_error(capsys, flags, cuda_count, ranks, nodes)
+        assert isinstance(plan, dict), (flags, plan)
+        if not on_gpus:
+            assert plan == CPU_SERVER, (flags, plan)
+        elif "--vllm-url" in flags:
+            assert plan["servers"] == [] and plan["sync_backend"] == "nccl", (flags, plan)
+        elif gpus:
+            assert plan["sync_backend"] == "nccl" and ",".join(plan["servers"]) == ",".join(map(str, gpus)), (flags, plan)
+        else:
+            assert plan == ONE_GPU, (flags, plan)
+
+
 # ------------------------------------------------------------------------------------------------
 # Against a real vLLM server (one, shared by the tests below)
 # ------------------------------------------------------------------------------------------------
@@ -577,6 +725,74 @@ def test_weight_sync_is_exact(server, tiny_model):
         check_vllm_matches(server, tok, model)
     finally:  # the other tests expect the server to hold the built-in model's weights
         sync(AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32))
+
+
+SYNC_RECEIVER = """
+import json, sys, torch
+import async_grpo as ag
+host, port, device, numels, out = sys.argv[1], int(sys.argv[2]), sys.argv[3], json.loads(sys.argv[4]), sys.argv[5]
+group = ag.sync_group(host, port, 1, 2, "gloo", 60)
+received = []
+for numel in numels:  # as WeightSyncExtension.receive_weights receives: into an empty buffer on the worker's device
+    flat = torch.empty(numel, dtype=torch.bfloat16, device=device)
+    group.broadcast(flat, 0).wait()
+    received.append(flat.cpu())
+torch.save(received, out)
+"""
+
+
+def sync_to_a_second_process(tmp_path, host, listener, device, buckets):
+    """Send the buckets as WeightSync does (send_weights) to a receiver process, torch alone (no vLLM), that joins the
+    sync group at host as rank 1, and return what it received."""
+    (tmp_path / "receiver.py").write_text(SYNC_RECEIVER)
+    receiver = subprocess.Popen([sys.executable, str(tmp_path / "receiver.py"), host, str(listener.getsockname()[1]),
+                                 device, json.dumps([sum(p.numel() for _, p in b) for b in buckets]),
+                                 str(tmp_path / "received.pt")], env=dict(os.environ, PYTHONPATH=str(HERE)))
+    try:
+        group = ag.sync_group(host, listener.getsockname()[1], 0, 2, "gloo", 60, listener)
+        ag.send_weights(group, buckets, torch.bfloat16, 60)
+        assert receiver.wait(60) == 0
+    finally:
+        receiver.kill()
+    return torch.load(tmp_path / "received.pt")
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA device"))])
+def test_the_one_gpu_sync_sends_every_bucket_to_a_receiver_on_the_same_device_over_gloo(tiny_model, tmp_path, device):
+    """The sync where the server shares the trainer's GPU: the trainer's sender (send_weights, as WeightSync runs it)
+    and a receiver in a second process on the same device, in a sync_group over gloo (NCCL refuses two ranks on one
+    GPU; gloo copies CUDA tensors through pinned host memory). Several buckets, two in flight at a time: each arrives
+    bit for bit."""
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).to(device)
+    buckets = ag.pack_buckets(model, 2**16, torch.bfloat16)
+    received = sync_to_a_second_process(tmp_path, "127.0.0.1", socket.create_server(("127.0.0.1", 0)), device, buckets)
+    assert len(received) == len(buckets) > 2 and all(p.device.type == device for p in model.parameters())
+    for flat, bucket in zip(received, buckets):
+        assert torch.equal(flat, ag.flatten(bucket, torch.bfloat16).cpu())
+
+
+def test_the_sync_group_meets_at_an_address_a_remote_server_reaches(tmp_path, monkeypatch):
+    """With a server at another address, the sync group's store is at this machine's address on its route there, not
+    at the hostname's lookup (127.0.1.1 on Debian/Ubuntu, often), and listens on every interface: a receiver that is
+    given only that address joins, and the weights arrive over it. --sync-host (or its variable) overrides it."""
+    try:
+        address = ag.local_address("198.51.100.1")  # TEST-NET-2: the default route's address; connecting sends nothing
+    except OSError:
+        pytest.skip("this machine has no route off itself")
+    if address.startswith("127."):
+        pytest.skip("this machine has no address but the loopback one")
+    print(f"this machine: {address}; its hostname's lookup: {socket.gethostbyname(socket.gethostname())}")
+    host, listener = ag.sync_endpoint([f"http://{address}:8000", "http://127.0.0.1:8001"])
+    assert host == address and listener.getsockname()[0] == "0.0.0.0"
+    bucket = [("w", torch.arange(1000, dtype=torch.float32))]
+    received, = sync_to_a_second_process(tmp_path, address, listener, "cpu", [bucket])
+    assert torch.equal(received, bucket[0][1].to(torch.bfloat16))
+    assert ag.sync_endpoint(["http://127.0.0.1:8000"])[0] == "127.0.0.1"
+    assert ag.sync_endpoint([f"http://{address}:8000"], "127.0.0.1")[0] == "127.0.0.1"
+    monkeypatch.setenv("ASYNC_GRPO_SYNC_HOST", "10.1.2.3")
+    assert ag.parse_args(["--output-dir", "unused"]).sync_host == "10.1.2.3"
 
 
 def test_two_servers_share_the_requests_and_every_sync_reaches_both(server, tiny_model, tmp_path, monkeypatch):
@@ -916,6 +1132,36 @@ def test_a_producer_error_reaches_the_main_thread(server, tmp_path):
     assert time.monotonic() - t0 < 60
 
 
+def test_resume_loads_to_cpu_drops_the_optimizer_state_once_applied_and_copes_with_another_gpu_count(tiny_model, tmp_path,
+                                                                                                   capsys):
+    """The trainer state as --resume reads it (to CPU, mapped) and load_policy_and_optimizer applies it: the optimizer's
+    state is restored and then dropped from run.resumed; the checkpoint's CUDA random states, one per device of the
+    machine that wrote it (here one more than this machine has), are skipped with a warning, not an IndexError."""
+    from transformers import AutoTokenizer
+    model = ag.load_policy(tiny_model)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model(input_ids=torch.arange(3, 20).view(1, -1)).logits.sum().backward()
+    optimizer.step()
+    random.seed(3), np.random.seed(3), torch.manual_seed(3)
+    rng = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
+           "cuda": [torch.zeros(16, dtype=torch.uint8)] * (torch.cuda.device_count() + 1)}
+    expected = [random.random(), np.random.rand(), torch.rand(1).item()]
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
+    torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "rng": rng, "step": 1,
+                "fsdp": False}, tmp_path / "trainer_state.pt")
+    args = ag.parse_args(["--output-dir", str(tmp_path), "--resume"])
+    run = ag.Run(args, 0, 1, torch.device("cpu"), tmp_path, model_path=tiny_model, initial_model=tiny_model,
+                 resumed=torch.load(tmp_path / "trainer_state.pt", "cpu", mmap=True, weights_only=False),
+                 ctx={"prompt_ids": {}}, tok=AutoTokenizer.from_pretrained(tiny_model))
+    ag.load_policy_and_optimizer(run)
+    assert [random.random(), np.random.rand(), torch.rand(1).item()] == expected
+    assert f"devices, {torch.cuda.device_count()} here: not restored" in capsys.readouterr().out
+    assert "optimizer" not in run.resumed and run.start_step == 1
+    saved = optimizer.state_dict()["state"]
+    for i, state in run.optimizer.state_dict()["state"].items():
+        assert torch.equal(state["exp_avg"], saved[i]["exp_avg"]) and state["step"] == saved[i]["step"] == 1
+
+
 def test_ctrl_c_then_resume_trains_every_prompt_once(server, tiny_model, tmp_path):
     from transformers import AutoModelForCausalLM
     flags = ("--vllm-url", server.url, "--steps", "6", "--log-rollouts", "1000")
@@ -996,6 +1242,75 @@ def test_ranks_whose_lengths_split_differently_run_as_many_micro_batches(tiny_mo
     ranks = [json.loads(Path(f"{script}.rank{r}.json").read_text()) for r in range(2)]
     assert [r["micro_batches"] for r in ranks] == [1, 4]
     assert wrap == "fsdp" or ranks[0]["checksums"][0] == ranks[0]["checksums"][1]  # DDP: the same weights on both ranks
+
+
+RANK_ZERO_WAITS = """
+import sys, time
+from datetime import timedelta
+import torch.distributed as dist, torch.distributed.distributed_c10d as c10d
+import async_grpo as ag
+c10d.default_pg_timeout = timedelta(seconds=1)  # torch's default (gloo 30 min, NCCL 10), scaled down as the flags are
+run = ag.set_up(sys.argv[2:])
+if run.is_main:
+    time.sleep(float(sys.argv[1]))  # rank 0 alone, as while it starts vLLM or waits for data
+box = [f"rank {run.rank} got rank 0's object"] if run.is_main else [None]
+dist.broadcast_object_list(box, 0)
+print(box[0].replace("rank 0 got", f"rank {run.rank} got"), flush=True)
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.parametrize("delay, survives", [(3, True), (9, False)])
+def test_a_rank_0_wait_past_torchs_default_timeout_does_not_kill_the_other_ranks(tmp_path, delay, survives):
+    """Rank 0 alone waits (as while it starts vLLM or waits for data) while rank 1 waits in a collective. With torch's
+    default timeout, here scaled down to 1 s as the flags are scaled down, a 3 s wait would kill rank 1; the training
+    group's timeout derived from the flags, 2 x (1 + 1 + 1) s, lets it live, and still bounds a longer wait."""
+    (tmp_path / "ranks.py").write_text(RANK_ZERO_WAITS)
+    flags = ["--output-dir", str(tmp_path / "run"), "--vllm-startup-timeout", "1", "--data-timeout", "1", "--sync-timeout", "1"]
+    assert ag.parse_args(flags).collective_timeout == 6
+    t0 = time.monotonic()
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", str(tmp_path / "ranks.py"),
+                           str(delay), *flags], cwd=HERE, env=dict(os.environ, PYTHONPATH=str(HERE)), text=True,
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=120)
+    print(f"rank 0 waited {delay} s; the ranks exited with {proc.returncode} after {time.monotonic() - t0:.0f} s")
+    assert (proc.returncode == 0 and "rank 1 got rank 0's object" in proc.stdout) == survives, proc.stdout[-3000:]
+    assert survives or re.search(r"[Tt]imed out", proc.stdout), proc.stdout[-3000:]
+
+
+LOAD_ONCE = """
+import json, sys, torch, torch.distributed as dist
+import async_grpo as ag
+path, out = sys.argv[1:]
+dist.init_process_group("gloo")
+rank, read = dist.get_rank(), ag.load_policy
+if rank == 1:  # only rank 0 may read the weights
+    ag.load_policy = lambda path, empty=False: read(path, empty) if empty else sys.exit("rank 1 read the checkpoint")
+model = ag.load_sharded(path, torch.device("cpu"))
+whole = read(path)  # for the comparison only
+ids = torch.arange(3, 40).view(1, -1)
+json.dump({"weights": all(torch.equal(p.full_tensor(), whole.get_parameter(n)) for n, p in model.named_parameters()),
+           "sharded": all(p.to_local().shape[0] < p.shape[0] for p in model.parameters()),
+           "buffers": sorted(n for n, b in model.named_buffers() if torch.equal(b, whole.get_buffer(n))),
+           "tied": model.lm_head.weight is model.model.embed_tokens.weight,
+           "logits": (model(input_ids=ids).logits - whole(input_ids=ids).logits).abs().max().item()},
+          open(f"{out}.rank{rank}.json", "w"))
+dist.destroy_process_group()
+"""
+
+
+def test_fsdp_reads_the_checkpoint_on_rank_0_alone_and_every_rank_gets_its_shards(tiny_model, tmp_path):
+    """load_sharded: rank 1 builds the model on the meta device and never reads the weights; after the broadcast each
+    rank holds half of every weight, the full weights are the checkpoint's to the bit, the buffers outside the state
+    dict (rotary inv_freq) too, the output head stays tied to the embedding, and the logits are the unsharded model's."""
+    (tmp_path / "load.py").write_text(LOAD_ONCE)
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", str(tmp_path / "load.py"),
+                           tiny_model, str(tmp_path / "out")], cwd=HERE, env=dict(os.environ, PYTHONPATH=str(HERE)),
+                          text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=180)
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    for rank in range(2):
+        got = json.loads((tmp_path / f"out.rank{rank}.json").read_text())
+        assert got["weights"] and got["sharded"] and got["tied"] and got["logits"] < 1e-5, got
+        assert "model.rotary_emb.inv_freq" in got["buffers"], got
 
 
 def served_outputs(server, tok):
