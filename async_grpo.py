@@ -1031,13 +1031,9 @@ async def rollout(session, url, tok, row, args, ctx, policy, greedy=False):
     ids = list(ctx["prompt_ids"][row["id"]])
     n_prompt = len(ids)
     mask, logprobs, versions, messages = [], [], [], []
-    stats = {"tool_calls": 0, "tool_failures": 0, "tool_seconds": 0.0, "turns": 0, "truncated": False,
+    stats = {"tool_calls": 0, "tool_failures": 0, "tool_seconds": 0.0, "turns": 0, "truncated": True,  # until it answers
              "interrupted": 0, "per_tool": {}}  # per_tool: name -> [calls, failures]
-    while True:
-        budget = min(args.max_tokens, ctx["max_model_len"] - len(ids))
-        if budget <= 0:
-            stats["truncated"] = True
-            break
+    while (budget := min(args.max_tokens, ctx["max_model_len"] - len(ids))) > 0:
         new, lps, new_versions, finish = [], [], [], "abort"
         while finish == "abort" and len(new) < budget:  # a weight sync can stop a turn, more than once
             async with policy.request() as version:
@@ -1064,13 +1060,10 @@ async def rollout(session, url, tok, row, args, ctx, policy, greedy=False):
         message = parse_assistant(text, tok, ids[:-len(new)], ctx["schemas_by_name"], ctx["format"], ctx["max_calls"]) \
             if ctx["schemas"] else {"role": "assistant", "content": text, "tool_calls": [], "tool_call_errors": []}
         messages.append(message)
-        if finish != "stop":
-            stats["truncated"] = True
+        if finish == "stop" and not message["tool_calls"] and not message["tool_call_errors"]:
+            stats["truncated"] = False  # the model answered: the one end that does not cut the conversation short
             break
-        if not message.get("tool_calls") and not message.get("tool_call_errors"):
-            break
-        if stats["turns"] > args.max_tool_turns:
-            stats["truncated"] = True
+        if finish != "stop" or stats["turns"] > args.max_tool_turns:  # out of tokens, or of tool turns
             break
         start = time.perf_counter()
         results, _ = await asyncio.gather(asyncio.gather(*(call_tool(c, ctx["schemas_by_name"], args.tool_timeout)
@@ -1094,8 +1087,7 @@ async def rollout(session, url, tok, row, args, ctx, policy, greedy=False):
         suffix = tool_result_ids(tok, row["prompt"] + messages, tool_messages, ctx["schemas"], ctx["turn_ends"], stopped)
         messages += tool_messages
         if len(ids) + len(suffix) >= ctx["max_model_len"]:
-            stats["truncated"] = True  # no room left to answer: end here rather than send vLLM a request it rejects
-            break
+            break  # no room left to answer: end here rather than send vLLM a request it rejects
         ids += suffix
         mask += [0] * len(suffix)
         logprobs += [0.0] * len(suffix)
