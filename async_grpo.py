@@ -1150,28 +1150,19 @@ class Producer(threading.Thread):
         # or a failed reward); stale_samples, reward_failures: counters. A checkpoint saves them all.
         self.cursor = {"next_index": 0, "skipped_groups": 0, "stale_samples": 0, "reward_failures": 0, **(cursor or {})}
         self.failures_in_a_row, self.scoring = 0, 0  # scoring: groups whose rewards are being computed
-        self.error = None
-        self.loop = None
-        self._task = None
-        self.loop_ready = threading.Event()
+        self.error, self.loop = None, asyncio.new_event_loop()  # made here: stop() and evaluate() may use it before run()
 
     def run(self):
         try:
-            self.loop = asyncio.new_event_loop()
-            self._task = self.loop.create_task(self._produce())
-            self.loop_ready.set()
-            self.loop.run_until_complete(self._task)
-        except asyncio.CancelledError:
+            self.loop.run_until_complete(self._produce())
+        except asyncio.CancelledError:  # stop()
             pass
         except BaseException as e:
             self.error = e
-        finally:
-            self.loop_ready.set()
 
     def stop(self, timeout=10):
-        self.loop_ready.wait()
-        if self.is_alive() and self.loop is not None:
-            self.loop.call_soon_threadsafe(self._task.cancel)
+        if self.is_alive():  # a callback queued before run() starts the loop runs once _produce's task exists
+            self.loop.call_soon_threadsafe(lambda: [task.cancel() for task in asyncio.all_tasks(self.loop)])
             self.join(timeout)
 
     def prompt_order(self):
@@ -1932,7 +1923,7 @@ def evaluate(run):
             samples = await asyncio.gather(*(rollout(session, p.urls[i % len(p.urls)], p.tok, row, args, p.ctx,
                                                      p.policy, greedy=True) for i, row in enumerate(rows)))
         return [await score_group([sample], row, args.reward_weights) for row, sample in zip(rows, samples)]
-    metrics, _ = defaultdict(float), p.loop_ready.wait()  # the producer's loop exists
+    metrics = defaultdict(float)
     for total, parts in asyncio.run_coroutine_threadsafe(scored(), p.loop).result():
         for k, v in {"reward": total, **parts}.items():
             metrics[f"eval/{k}"] += v[0] / len(rows)
