@@ -2266,8 +2266,11 @@ def train_one_step(run, step):
         metrics.update({"train/loss_tokens": num_tokens, "perf/wait_seconds": wait_seconds, "sync/seconds": sync_seconds,
                         "perf/step_seconds": time.perf_counter() - t_step})
         log_step(run, step + 1, groups, metrics, trained_version)
-    if run.is_main or args.fsdp:
-        checkpoint_if_due(run, step + 1)
+    due = [bool(args.save_every and (step + 1) % args.save_every == 0 or run.stop)]  # rank 0 decides: it gets the signals
+    if args.fsdp:
+        dist.broadcast_object_list(due, 0)
+    if due[0] and (run.is_main or args.fsdp):
+        checkpoint(run, step + 1)
     if run.is_main and run.stop:  # torchrun's other ranks are stopped by torchrun when this one exits
         raise SystemExit(f"stopped at step {step + 1} by signal {run.stop[0]}; continue with --resume --output-dir "
                          f"{run.out_dir}")
@@ -2415,15 +2418,6 @@ def checkpoint(run, step):
     os.replace(run.out_dir / "checkpoint.tmp", link)
     if previous:
         shutil.rmtree(run.out_dir / previous, ignore_errors=True)
-
-
-def checkpoint_if_due(run, step):
-    """Every --save-every steps, or after a stop signal: rank 0 decides, as it gets the signals."""
-    due = [bool(run.args.save_every and step % run.args.save_every == 0 or run.stop)]
-    if run.args.fsdp:
-        dist.broadcast_object_list(due, 0)
-    if due[0]:
-        checkpoint(run, step)
 
 
 def _stop_after_step(stop, signum, frame):
