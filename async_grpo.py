@@ -2048,7 +2048,6 @@ class Run:
     resumed: dict = None         # the trainer state --resume continues from
     tok: object = None
     pad_id: int = 0
-    stop_ids: list = None
     ctx: dict = None             # what every rollout needs (rollout_context)
     train_rows: list = None
     eval_rows: list = None
@@ -2130,11 +2129,11 @@ def load_data(run):
     run.pad_id = next((i for i in (tok.pad_token_id, tok.eos_token_id) if i is not None), 0)  # masked: any id does
     run.train_rows, run.eval_rows = load_rows(args)
     schemas = tool_schemas(args.tool_names) if args.tool_names else None
-    run.stop_ids = stop_token_ids(tok, run.model_path)
-    report = prepare_chat_template(tok, args, schemas, run.stop_ids, run.model_path)  # fails here, before vLLM starts
+    stop_ids = stop_token_ids(tok, run.model_path)
+    report = prepare_chat_template(tok, args, schemas, stop_ids, run.model_path)  # fails here, before vLLM starts
     if run.is_main:
         print(report, flush=True)
-    run.ctx = rollout_context(tok, schemas, run.train_rows + run.eval_rows, stop_ids=run.stop_ids)
+    run.ctx = rollout_context(tok, schemas, run.train_rows + run.eval_rows, stop_ids=stop_ids)
 
 
 def load_policy_and_optimizer(run):
@@ -2248,7 +2247,7 @@ def train_one_step(run, step):
     run.updating = True  # an error in the update may leave the weights half-updated: not saved then
     with run.share_core():
         metrics = train_step(run.model, run.optimizer, samples, max(num_tokens, 1), args.prompts_per_step *
-                             args.num_generations, args, run.device, run.world_size, run.reference, run.stop_ids,
+                             args.num_generations, args, run.device, run.world_size, run.reference, run.ctx["stop_ids"],
                              run.pad_id, run.served)
     run.scheduler.step()
     run.updating, run.completed = False, step + 1
