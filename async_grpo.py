@@ -1252,24 +1252,20 @@ class Producer(threading.Thread):
                     self.ready[index] = group
             group = self.ready.pop(c["next_index"])
             c["next_index"] += 1
+            self.failures_in_a_row = self.failures_in_a_row + 1 if isinstance(group, str) else 0
             if isinstance(group, str):
                 print(f"warning: dropped a group: {group}", flush=True)
                 c["reward_failures"] += 1
-                self.failures_in_a_row += 1
                 if self.failures_in_a_row >= 4 * self.args.prompts_per_step:
                     raise RuntimeError(f"the rewards failed for {self.failures_in_a_row} groups in a row; the last: {group}")
-                c["skipped_groups"] += 1
-                continue
-            self.failures_in_a_row = 0
-            oldest = min((v for s in group for v, m in zip(s["versions"], s["mask"]) if m), default=self.policy.value)
-            if self.policy.value - oldest > self.args.max_staleness:
-                print(f"warning: dropped a group {self.policy.value - oldest} versions old (--max-staleness)", flush=True)
+            elif (lag := self.policy.value - min((v for s in group for v, m in zip(s["versions"], s["mask"]) if m),
+                                                 default=self.policy.value)) > self.args.max_staleness:
+                print(f"warning: dropped a group {lag} versions old (--max-staleness)", flush=True)
                 c["stale_samples"] += len(group)
-                c["skipped_groups"] += 1
-            elif self.args.skip_zero_variance and len({s["reward"] for s in group}) == 1:
-                c["skipped_groups"] += 1
-            else:
+            elif not self.args.skip_zero_variance or len({s["reward"] for s in group}) > 1:
                 groups.append(group)
+                continue
+            c["skipped_groups"] += 1  # every group not trained: admissible() counts them
         return groups
 
 
