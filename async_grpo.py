@@ -222,9 +222,8 @@ def parse_args(argv=None, world_size=1, cuda_count=None, local_ranks=None):
     # min, gloo 30) but twice the sum of rank 0's bounds (building the model, evaluation and checkpoints have none)
     args.collective_timeout = 2 * (args.vllm_startup_timeout + args.data_timeout + args.sync_timeout)
     args.output_dir = args.output_dir or time.strftime("runs/%Y%m%d-%H%M%S")
-    if args.lr is None:
-        args.lr = 3e-4 if args.model is None else 1e-6  # the built-in model is tiny and far from converged
-    args.lr = 0.0 if args.audit else args.lr
+    default_lr = 3e-4 if args.model is None else 1e-6  # the built-in model is tiny and far from converged
+    args.lr = 0.0 if args.audit else default_lr if args.lr is None else args.lr
     return args
 
 
@@ -1391,10 +1390,8 @@ def stop_vllm(proc, grace=15):
     with contextlib.suppress(ProcessLookupError):
         os.killpg(proc.pid, signal.SIGTERM)
         os.killpg(proc.pid, signal.SIGCONT)  # a stopped server could not act on the SIGTERM
-    try:
+    with contextlib.suppress(subprocess.TimeoutExpired):
         proc.wait(grace)
-    except subprocess.TimeoutExpired:
-        pass
     with contextlib.suppress(ProcessLookupError):
         os.killpg(proc.pid, signal.SIGKILL)  # workers that outlived the parent share its group
     proc.wait()
@@ -1939,17 +1936,12 @@ def mean_over_union(dicts):
 def rollout_metrics(groups, version):
     """The step's rollouts; staleness is per trained token: the trainer's version minus the token's."""
     samples = [s for g in groups for s in g]
-    per_sample = []
-    for s in samples:
-        generated = sum(s["mask"])
-        m = {"reward/mean": s["reward"], "rollout/completion_tokens": generated, "rollout/sequence_tokens": len(s["ids"]),
-             "rollout/turns": s["turns"], "rollout/truncated": float(s["truncated"]), "rollout/interrupted": s["interrupted"],
-             "tools/call_frequency": float(s["tool_calls"] > 0),
-             "tools/calls_per_rollout": s["tool_calls"], "tools/seconds": s["tool_seconds"],
-             "tools/failure_frequency": s["tool_failures"] / max(s["tool_calls"], 1)}
-        m.update({f"reward/{k}": v for k, v in s["reward_parts"].items()})
-        per_sample.append(m)
-    metrics = mean_over_union(per_sample)
+    metrics = mean_over_union([{
+        "reward/mean": s["reward"], "rollout/completion_tokens": sum(s["mask"]), "rollout/sequence_tokens": len(s["ids"]),
+        "rollout/turns": s["turns"], "rollout/truncated": float(s["truncated"]), "rollout/interrupted": s["interrupted"],
+        "tools/call_frequency": float(s["tool_calls"] > 0), "tools/calls_per_rollout": s["tool_calls"],
+        "tools/seconds": s["tool_seconds"], "tools/failure_frequency": s["tool_failures"] / max(s["tool_calls"], 1),
+        **{f"reward/{k}": v for k, v in s["reward_parts"].items()}} for s in samples])
     staleness = [version - v for s in samples for v, m in zip(s["versions"], s["mask"]) if m] or [0]
     values, counts = np.unique(staleness, return_counts=True)
     metrics.update({"staleness/mean": float(np.mean(staleness)), "staleness/max": int(max(staleness)),
@@ -2184,7 +2176,7 @@ def load_policy_and_optimizer(run):
 
 
 def start_generation(run):
-    args = run.args
+    args, served = run.args, [None]
     if run.is_main:
         run.servers = [] if args.vllm_url else start_vllm(args, run.model_path, run.out_dir)
         run.urls = urls = args.vllm_url.split(",") if args.vllm_url else [server.url for server in run.servers]
@@ -2192,8 +2184,6 @@ def start_generation(run):
         configs = [served_config(url) for url in urls]
         run.ctx["max_model_len"] = min(length for length, _ in configs)
         served = [configs[0][1]]
-    else:
-        served = [None]
     if run.world_size > 1:  # every rank packs the weights and rounds the logits as the servers compute
         dist.broadcast_object_list(served, 0)
     run.served = getattr(torch, served[0])
