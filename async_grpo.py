@@ -1916,11 +1916,8 @@ def evaluate(run):
             samples = await asyncio.gather(*(rollout(session, p.urls[i % len(p.urls)], p.tok, row, args, p.ctx,
                                                      p.policy, greedy=True) for i, row in enumerate(rows)))
         return [await score_group([sample], row, args.reward_weights) for row, sample in zip(rows, samples)]
-    metrics = defaultdict(float)
-    for total, parts in asyncio.run_coroutine_threadsafe(scored(), p.loop).result():
-        for k, v in {"reward": total, **parts}.items():
-            metrics[f"eval/{k}"] += v[0] / len(rows)
-    return dict(metrics)
+    results = asyncio.run_coroutine_threadsafe(scored(), p.loop).result()
+    return mean_over_union([{f"eval/{k}": v[0] for k, v in {"reward": total, **parts}.items()} for total, parts in results])
 
 
 def mean_over_union(dicts):
