@@ -1538,11 +1538,8 @@ class WeightSyncExtension:
                 work.wait()
                 if k + 1 < len(buckets):
                     arriving = receive(buckets[k + 1])
-                offset = 0
-                for name, shape in bucket["params"]:
-                    numel = math.prod(shape)
-                    yield name, flat[offset:offset + numel].view(shape)
-                    offset += numel
+                parts = flat.split([math.prod(shape) for _, shape in bucket["params"]])
+                yield from ((name, part.view(shape)) for (name, shape), part in zip(bucket["params"], parts))
         # reload_weights wraps model.load_weights in vLLM's layer-wise reload lifecycle, which
         # re-runs the post-load processing that plain load_weights would skip.
         self.reload_weights(weights_iterator=tensors(), is_checkpoint_format=True)
@@ -1577,11 +1574,9 @@ def flatten(bucket, dtype):
     """One bucket's full weights in one buffer. Under --fsdp, full_tensor() gathers a parameter from every rank's
     shard, a collective: all ranks flatten the same buckets in the same order (help_sync), and the full weights
     exist one bucket at a time, never whole on one device."""
-    flat, offset = torch.empty(sum(p.numel() for _, p in bucket), dtype=dtype, device=bucket[0][1].device), 0
-    for _, p in bucket:
-        p = p.detach().full_tensor() if isinstance(p, DTensor) else p.detach()
-        flat[offset:offset + p.numel()].copy_(p.flatten())  # copy_ casts in the same pass
-        offset += p.numel()
+    flat = torch.empty(sum(p.numel() for _, p in bucket), dtype=dtype, device=bucket[0][1].device)
+    for (_, p), part in zip(bucket, flat.split([p.numel() for _, p in bucket])):
+        part.copy_((p.detach().full_tensor() if isinstance(p, DTensor) else p.detach()).flatten())  # casts in the same pass
     return flat
 
 
