@@ -719,6 +719,7 @@ XML_CLOSE = re.compile(r"</parameter>(?=\s*<parameter=[^>\n]+>|" + XML_END.patte
 XML_TAGS = re.compile(r"<parameter=([^>\n]+)>|</parameter>|</tool_call>" + CLEAN)
 STRING = r'"(?:[^"\\]|\\[\s\S])*"?|'  # a JSON string (one cut off runs to the end): a tag inside it is text
 TAGGED_END, MISTRAL_END = re.compile(STRING + r"</?tool_call>"), re.compile(STRING + r"\[TOOL_CALLS\]")
+TAGGED_CLOSE = re.compile(r"\s*(?:</tool_call>|\Z)")  # at the end of the turn, a call is whole without its closing tag
 
 
 def xml_value_end(text, pos):
@@ -779,13 +780,9 @@ def parse_tagged(text, schemas):
         xml = text[body:].lstrip().startswith("<function=")
         try:
             value, end = parse_xml_call(text, body, schemas) if xml else decode_json(text, body)
-            rest = text[end:].lstrip()
-            if rest.startswith("</tool_call>"):
-                pos = len(text) - len(rest) + len("</tool_call>")
-            elif not rest:
-                pos = len(text)  # the closing tag missing at the end of the turn: the call is whole
-            else:
-                raise ValueError(f"unexpected {rest[:40]!r} after the call", end)
+            if not (close := TAGGED_CLOSE.match(text, end)):
+                raise ValueError(f"unexpected {text[end:].lstrip()[:40]!r} after the call", end)
+            pos = close.end()
             found.append((value, text[start:pos]))
         except Exception as e:  # this call's error; the turn's other calls stand
             message, read = e.args if len(e.args) == 2 else (str(e), body)
