@@ -1325,9 +1325,8 @@ def start_vllm(args, model_path, out_dir):
     try:
         for i, share in enumerate(plan["servers"]):
             port = args.vllm_port + i if args.vllm_port else free_port()
-            cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model_path,
-                   "--host", "127.0.0.1", "--port", str(port), "--seed", str(args.seed),
-                   "--served-model-name", SERVED_MODEL,
+            cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model_path, "--host", "127.0.0.1",
+                   "--port", str(port), "--seed", str(args.seed), "--served-model-name", SERVED_MODEL,
                    "--worker-extension-cls", "async_grpo.WeightSyncExtension",
                    "--logprobs-mode", "processed_logprobs"]  # log-probs after temperature/top-p: what was sampled from
             if args.max_model_len:
