@@ -279,10 +279,9 @@ def load_rows(args):
         for line_no, line in enumerate(Path(args.dataset).read_text().splitlines(), 1):
             if line.strip():
                 row = dataset_row(line, len(rows), where := f"--dataset {args.dataset}, line {line_no}")
-                if row["id"] in seen:
+                if seen.setdefault(row["id"], line_no) != line_no:
                     raise SystemExit(f"{where}: the id {row['id']!r} is line {seen[row['id']]}'s too; ids must be "
                                      "unique (or leave the column out)")
-                seen[row["id"]] = line_no
                 rows.append(row)
     for row in rows:
         messages = row["prompt"] if isinstance(row["prompt"], list) else [{"role": "user", "content": row["prompt"]}]
@@ -892,12 +891,11 @@ def parse_assistant(text, tok=None, prompt_ids=(), schemas=None, fmt="tagged", m
 
 
 def tool_result_ids(tok, history, tool_messages, schemas, turn_ends, stopped=True):
-    """Token ids of the tool-result turn plus the next assistant header.
-
-    Only this suffix is tokenised and appended to the ids the model generated: re-tokenising the whole conversation
-    would change earlier tokens and train on tokens the model never sampled. It starts where the template ends an
-    assistant turn: after its end-of-turn token, which the model's stop token stands for (Qwen3 may stop on
-    <|endoftext|> or <|im_end|>; the template writes <|im_end|>\\n), or before it if the model stopped otherwise."""
+    """Token ids of the tool-result turn plus the next assistant header. Only this suffix is tokenised and appended to
+    the ids the model generated: re-tokenising the whole conversation would change earlier tokens and train on tokens
+    the model never sampled. It starts where the template ends an assistant turn: after its end-of-turn token, which the
+    model's stop token stands for (Qwen3 may stop on <|endoftext|> or <|im_end|>; the template writes <|im_end|>\\n), or
+    before it if the model stopped otherwise."""
     before = render(tok, history, schemas)
     after = render(tok, history + tool_messages, schemas, generation_prompt=True)
     end = next(((end, n) for end, n in sorted(turn_ends, key=lambda e: -len(e[0])) if before.endswith(end)), None)
@@ -1105,8 +1103,7 @@ async def score_group(samples, row, reward_weights):
     kwargs = {k: [v] * G for k, v in row.items() if k not in ("prompt", "id")}
     kwargs.update(prompts=[row["prompt"]] * G, completions=[s["messages"] for s in samples],  # the ROLLOUT_FIELDS
                   completion_ids=[s["ids"][s["n_prompt"]:] for s in samples],
-                  tool_calls=[s["tool_calls"] for s in samples], tool_failures=[s["tool_failures"] for s in samples],
-                  truncated=[s["truncated"] for s in samples])
+                  **{k: [s[k] for s in samples] for k in ("tool_calls", "tool_failures", "truncated")})
     total, parts = np.zeros(G), {}
     for name, weight in reward_weights.items():
         fn = rewards_module.REWARDS[name]
@@ -1237,10 +1234,9 @@ class Producer(threading.Thread):
                 if self.error:
                     raise RuntimeError(f"the producer thread failed:\n{''.join(traceback.format_exception(self.error))}")
                 if time.monotonic() > deadline:
-                    raise TimeoutError(f"no batch from the producer in {timeout} s (--data-timeout) from the vLLM "
-                                       f"server(s) {', '.join(self.urls)}; now "
-                                       f"{sum(self.running.values())} groups generate ({self.policy.in_flight} "
-                                       f"requests in vLLM) and {self.scoring} are being scored")
+                    raise TimeoutError(f"no batch from the producer in {timeout} s (--data-timeout) from the vLLM server(s) "
+                                       f"{', '.join(self.urls)}; now {sum(self.running.values())} groups generate "
+                                       f"({self.policy.in_flight} requests in vLLM) and {self.scoring} are being scored")
                 if interrupted():
                     raise KeyboardInterrupt("stopped while waiting for data")
                 with contextlib.suppress(queue.Empty):
@@ -1665,25 +1661,23 @@ class WeightSync:
 # ----------------------------------------------------------------------------------------------
 
 # FORK: change the loss (the terms are named as in the papers; train_step calls this)
-def grpo_loss(logp, sampler_logp, advantages, mask, epsilon, epsilon_high, loss_type="token", num_tokens=1,
-              num_sequences=1, max_tokens=1, is_correction="none", is_threshold=2.0, is_level="token",
-              ref_logp=None, beta=0.0):
-    """logp (the trainer's, with gradient), sampler_logp (vLLM's), mask (0 on prompt, tool and padding
-    tokens): [B, T], per target token; advantages: [B]. num_tokens and num_sequences count the whole
-    step (all micro-batches, all ranks), so the result is a share of the step's loss.
+def grpo_loss(logp, sampler_logp, advantages, mask, epsilon, epsilon_high, loss_type="token", num_tokens=1, num_sequences=1,
+              max_tokens=1, is_correction="none", is_threshold=2.0, is_level="token", ref_logp=None, beta=0.0):
+    """logp (the trainer's, with gradient), sampler_logp (vLLM's), mask (0 on prompt, tool and padding tokens): [B, T],
+    per target token; advantages: [B]. num_tokens and num_sequences count the whole step (all micro-batches, all ranks),
+    so the result is a share of the step's loss.
 
-    The importance weight w = pi_trainer / pi_sampler (no gradient) is how far the trainer's policy
-    is from the one that sampled: numeric mismatch plus staleness.
+    The importance weight w = pi_trainer / pi_sampler (no gradient) is how far the trainer's policy is from the one that
+    sampled: numeric mismatch plus staleness.
       is_correction none: the clipped ratio is taken against the sampler's log-probs.
-      tis, mis (decoupled PPO): the ratio is taken against the trainer's policy before this update
-        (value 1, the gradient of log pi), and the surrogate is weighted by w truncated at is_threshold
-        (tis), or by w inside [1/is_threshold, is_threshold] and 0 outside (mis); w per token, or
-        per sequence as the geometric mean over its tokens (is_level sequence, and always for gspo).
-      loss_type token (DAPO, default): every loss token of the step weighs the same; sequence (the
-        GRPO paper): mean over each sequence's tokens, then over sequences; constant (Dr. GRPO): token
-        sum over the constant num_sequences * max_tokens, so a sequence's length does not change the
-        weight of its tokens; gspo: one ratio per sequence (geometric mean of its token ratios),
-        clipped per sequence.
+      tis, mis (decoupled PPO): the ratio is taken against the trainer's policy before this update (value 1, the gradient
+        of log pi), and the surrogate is weighted by w truncated at is_threshold (tis), or by w inside [1/is_threshold,
+        is_threshold] and 0 outside (mis); w per token, or per sequence as the geometric mean over its tokens (is_level
+        sequence, and always for gspo).
+      loss_type token (DAPO, default): every loss token of the step weighs the same; sequence (the GRPO paper): mean over
+        each sequence's tokens, then over sequences; constant (Dr. GRPO): token sum over the constant num_sequences *
+        max_tokens, so a sequence's length does not change the weight of its tokens; gspo: one ratio per sequence
+        (geometric mean of its token ratios), clipped per sequence.
       beta > 0 adds beta * KL(pi_theta || pi_ref) per token (k3 estimator), normalised the same way."""
     lengths = mask.sum(1, keepdim=True).clamp(min=1)
 
@@ -2190,8 +2184,7 @@ def start_generation(run):
         if args.wandb_project:
             import wandb
             run.logs["wandb"] = wandb.init(project=args.wandb_project, config=vars(args), dir=str(run.out_dir))
-        run.logs["metrics"] = open(run.out_dir / "metrics.jsonl", "a")
-        run.logs["rollouts"] = open(run.out_dir / "rollouts.jsonl", "a")
+        run.logs.update({name: open(run.out_dir / f"{name}.jsonl", "a") for name in ("metrics", "rollouts")})
         if args.eval_every and not run.start_step:  # every curve starts at the model as loaded: step 0
             write_metrics(run, metrics := {"step": 0, "policy_version": 0, **evaluate(run)})
             print(f"step    0/{args.steps} | eval {metrics['eval/reward']:.3f}", flush=True)
@@ -2257,14 +2250,12 @@ def log_step(run, step, groups, metrics, trained_version):
     clock["waited"] += metrics["perf/wait_seconds"]
     wall = time.perf_counter() - clock["start"]
     metrics.update(rollout_metrics(groups, trained_version))
-    metrics.update({"step": step, "policy_version": run.version.value,
+    metrics.update({"step": step, "policy_version": run.version.value, "train/lr": run.scheduler.get_last_lr()[0],
                     "staleness/dropped_samples": cursor["stale_samples"], "rollout/skipped_groups": cursor["skipped_groups"],
-                    "rollout/reward_failures": cursor["reward_failures"],
-                    "perf/samples_per_second": clock["samples"] / wall, "perf/wall_seconds": wall,
-                    "perf/trainer_idle": clock["waited"] / wall,  # shares of the wall time
+                    "rollout/reward_failures": cursor["reward_failures"], "perf/samples_per_second": clock["samples"] / wall,
+                    "perf/wall_seconds": wall, "perf/trainer_idle": clock["waited"] / wall,  # shares of the wall time
                     "perf/generator_idle": (run.version.idle() - clock["idle_start"]) / wall,
-                    "perf/cpu_seconds": time.process_time() - clock["cpu_start"],  # this process's, producer included
-                    "train/lr": run.scheduler.get_last_lr()[0]})
+                    "perf/cpu_seconds": time.process_time() - clock["cpu_start"]})  # this process's, producer included
     for s in samples[:args.log_rollouts]:
         run.logs["rollouts"].write(json.dumps({
             "step": step, "trained_version": trained_version, "prompt_id": s["prompt_id"], "reward": s["reward"],
