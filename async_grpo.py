@@ -1731,22 +1731,17 @@ def grpo_loss(logp, sampler_logp, advantages, mask, epsilon, epsilon_high, loss_
 def collate(samples, pad_id, device, min_tokens=0):
     """Right-padded [B, T] batch; targets are shifted by one, so per-token tensors are [B, T-1]. stop_masked: where
     vLLM held the stop tokens back, the first min_tokens generated tokens of each turn."""
-    T = max(len(s["ids"]) for s in samples)
-    ids = torch.full((len(samples), T), pad_id, dtype=torch.long)
-    attention = torch.zeros(len(samples), T, dtype=torch.long)
-    mask = torch.zeros(len(samples), T - 1)
-    old_logp = torch.zeros(len(samples), T - 1)
-    stop_masked = torch.zeros(len(samples), T - 1, dtype=torch.bool)
-    for i, s in enumerate(samples):
-        n, p = len(s["ids"]), s["n_prompt"]
-        ids[i, :n] = torch.tensor(s["ids"])
-        attention[i, :n] = 1
-        mask[i, p - 1:n - 1] = torch.tensor(s["mask"], dtype=torch.float)  # token t+1 is predicted at t
-        old_logp[i, p - 1:n - 1] = torch.tensor(s["logprobs"])
-        in_turn = 0
-        for j, m in enumerate(s["mask"] if min_tokens else ()):  # a turn: a run of generated tokens
-            in_turn = in_turn + 1 if m else 0
-            stop_masked[i, p - 1 + j] = 0 < in_turn <= min_tokens
+    def padded(rows, dtype=torch.float, value=0):  # [B, the longest row]
+        return torch.nn.utils.rnn.pad_sequence([torch.tensor(r, dtype=dtype) for r in rows], batch_first=True,
+                                               padding_value=value)
+    shift = [[0] * (s["n_prompt"] - 1) for s in samples]  # per-token rows start at the prompt's last token: t predicts t+1
+    ids = padded([s["ids"] for s in samples], torch.long, pad_id)
+    attention = padded([[1] * len(s["ids"]) for s in samples], torch.long)
+    mask = padded([z + s["mask"] for z, s in zip(shift, samples)])
+    old_logp = padded([z + s["logprobs"] for z, s in zip(shift, samples)])
+    generated = mask.cumsum(1)  # a turn: a run of generated tokens; in_turn counts those of its turn up to here
+    in_turn = generated - (generated * (1 - mask)).cummax(1).values
+    stop_masked = (0 < in_turn) & (in_turn <= min_tokens)
     advantages = torch.tensor([s["advantage"] for s in samples], dtype=torch.float)
     return [t.to(device) for t in (ids, attention, mask, old_logp, advantages, stop_masked)]
 
