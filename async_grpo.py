@@ -1137,8 +1137,7 @@ class Producer(threading.Thread):
         super().__init__(daemon=True, name="producer")
         self.args, self.tok, self.rows, self.urls, self.ctx, self.policy = args, tok, rows, urls, ctx, policy
         self.running = dict.fromkeys(urls, 0)  # groups running on each server
-        self.queue = queue.Queue()
-        self.ready = {}  # finished groups by number, until their turn
+        self.queue, self.ready = queue.Queue(), {}  # ready: finished groups by number, until their turn
         # next_index: the next group to hand out; skipped_groups: not trained (zero variance, too stale
         # or a failed reward); stale_samples, reward_failures: counters. A checkpoint saves them all.
         self.cursor = {"next_index": 0, "skipped_groups": 0, "stale_samples": 0, "reward_failures": 0, **(cursor or {})}
@@ -1147,9 +1146,8 @@ class Producer(threading.Thread):
 
     def run(self):
         try:
-            self.loop.run_until_complete(self._produce())
-        except asyncio.CancelledError:  # stop()
-            pass
+            with contextlib.suppress(asyncio.CancelledError):  # stop()
+                self.loop.run_until_complete(self._produce())
         except BaseException as e:
             self.error = e
 
@@ -1162,10 +1160,9 @@ class Producer(threading.Thread):
         """Rows in a seeded shuffle, epoch after epoch."""
         rng = random.Random(self.args.seed)
         while True:
-            order = list(range(len(self.rows)))
-            rng.shuffle(order)
-            for i in order:
-                yield self.rows[i]
+            rows = list(self.rows)
+            rng.shuffle(rows)
+            yield from rows
 
     def admissible(self, index):
         """Admission control: group `index` is trained at step (index - groups skipped) // prompts_per_step
