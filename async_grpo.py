@@ -1847,11 +1847,10 @@ def train_step(model, optimizer, samples, num_tokens, num_sequences, args, devic
         dist.all_reduce(count, op=dist.ReduceOp.MAX)
         if count > len(micros):  # this rank splits its largest micro-batches until it has as many
             micros = micro_batches(samples, args.micro_batch_size, int(count))
-    n_micro = len(micros)
     for i, micro in enumerate(micros):
         ids, attention, mask, sampler_logp, advantages, stop_masked = collate(
             micro, pad_id, device, args.sampling_args.get("min_tokens", 0))
-        sync_grads = i == n_micro - 1 or not hasattr(model, "no_sync")
+        sync_grads = i == len(micros) - 1 or not hasattr(model, "no_sync")
         # the distribution vLLM sampled from: the ratio against its log-probs measures the policy, not the truncation
         sampling = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
                         stop_masked=stop_masked, stop_ids=stop_ids, served=served)
@@ -1870,7 +1869,7 @@ def train_step(model, optimizer, samples, num_tokens, num_sequences, args, devic
             if k.endswith(("_min", "_max")):
                 totals[k] = (min if k.endswith("_min") else max)(totals.get(k, v), v)
             else:
-                totals[k] = totals.get(k, 0.0) + v / n_micro
+                totals[k] = totals.get(k, 0.0) + v / len(micros)
     totals["train/grad_norm"] = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm).item()
     if math.isfinite(totals["train/grad_norm"]):
         optimizer.step()
@@ -2143,10 +2142,9 @@ def load_policy_and_optimizer(run):
         elif run.is_main:  # resumed on another machine
             print(f"warning: CUDA random states of {len(resumed['rng']['cuda'])} devices, {torch.cuda.device_count()} "
                   "here: not restored", flush=True)
-        run.start_step = resumed["step"]
+        run.start_step = run.completed = resumed["step"]
         if run.is_main:
             print(f"resuming at step {run.start_step} from {run.model_path}", flush=True)
-    run.completed = run.start_step
 
 
 def start_generation(run):
@@ -2302,8 +2300,7 @@ def save_after_error(run, error):
     saving takes every rank, and the others may be gone or stuck). A failed server is named as the cause, with its log:
     the error itself is then only what it did to a request (a reset connection, a timeout)."""
     failure = run.server_failure or server_failure(run.urls, run.servers)
-    if run.is_main and run.producer is not None and not run.updating and run.completed > run.start_step \
-            and not run.args.fsdp:
+    if run.is_main and run.producer and not run.updating and run.completed > run.start_step and not run.args.fsdp:
         checkpoint(run, run.completed)
         print(f"saved the checkpoint of step {run.completed} in {run.out_dir / 'checkpoint'}; continue with --resume",
               flush=True)
