@@ -42,9 +42,7 @@ import tools as tools_module
 HERE = Path(__file__).resolve().parent
 
 
-# ----------------------------------------------------------------------------------------------
-# Arguments
-# ----------------------------------------------------------------------------------------------
+# --- Arguments --------------------------------------------------------------------------------------------------------
 
 # What --sampling-args may hold: parameters that end or seed a generation but leave its distribution as the trainer
 # computes it (min_tokens does change it: the trainer holds the stop tokens back in the same places).
@@ -265,9 +263,7 @@ def plan_devices(args, cuda_count, local_ranks, fail):
                                                  for u in (url or "http://127.0.0.1").split(","))}  # tuned in start_vllm
 
 
-# ----------------------------------------------------------------------------------------------
-# Data and models: the dataset or a built-in task; a GGUF file or the built-in tiny model
-# ----------------------------------------------------------------------------------------------
+# --- Data and models: the dataset or a built-in task; a GGUF file or the built-in tiny model --------------------------
 
 # FORK: load your data (or pass --dataset FILE.jsonl)
 def load_rows(args):
@@ -457,9 +453,7 @@ def build_tiny_model(cache_dir, warm_start_steps=400):
     return save_whole(path, model, tok)
 
 
-# ----------------------------------------------------------------------------------------------
-# Chat template and tool-call parsing
-# ----------------------------------------------------------------------------------------------
+# --- Chat template and tool-call parsing ------------------------------------------------------------------------------
 
 def tool_schemas(names):
     """JSON schemas derived from the tools' signatures and docstrings by transformers itself."""
@@ -906,9 +900,7 @@ def tool_result_ids(tok, history, tool_messages, schemas, turn_ends, stopped=Tru
     return tok.encode(end[0][end[1] if stopped else 0:] + after[len(before):], add_special_tokens=False)
 
 
-# ----------------------------------------------------------------------------------------------
-# The tool loop: one rollout = generate, run tool calls, append their results, generate again
-# ----------------------------------------------------------------------------------------------
+# --- The tool loop: one rollout = generate, run tool calls, append their results, generate again ----------------------
 
 class PolicyVersion:
     """Which weights vLLM serves: a count the weight sync advances, a gate it closes meanwhile, and the requests in
@@ -1090,9 +1082,7 @@ async def rollout(session, url, tok, row, args, ctx, policy, greedy=False):
             "messages": messages, **stats}
 
 
-# ----------------------------------------------------------------------------------------------
-# Rewards and group-relative advantages
-# ----------------------------------------------------------------------------------------------
+# --- Rewards and group-relative advantages ----------------------------------------------------------------------------
 
 ROLLOUT_FIELDS = {"prompts", "completions", "completion_ids", "tool_calls", "tool_failures", "truncated"}
 
@@ -1123,9 +1113,7 @@ def group_advantages(rewards, scale=True, eps=1e-4):
     return (rewards - rewards.mean()) / (rewards.std() + eps) if scale else rewards - rewards.mean()
 
 
-# ----------------------------------------------------------------------------------------------
-# The producer: a thread with its own asyncio loop that keeps the queue full
-# ----------------------------------------------------------------------------------------------
+# --- The producer: a thread with its own asyncio loop that keeps the queue full ---------------------------------------
 
 class Producer(threading.Thread):
     """Streams scored groups to the trainer, numbered in the order they start; the trainer takes
@@ -1258,9 +1246,7 @@ class Producer(threading.Thread):
         return groups
 
 
-# ----------------------------------------------------------------------------------------------
-# The vLLM server: a child process in its own process group, stopped with everything it started
-# ----------------------------------------------------------------------------------------------
+# --- The vLLM server: a child process in its own process group, stopped with everything it started --------------------
 
 def free_port():
     with socket.socket() as s:
@@ -1446,9 +1432,7 @@ def served_config(url):
     return models[SERVED_MODEL]["max_model_len"], dtype
 
 
-# ----------------------------------------------------------------------------------------------
-# Weight sync: trainer rank 0 broadcasts packed buckets to every vLLM worker over its own group
-# ----------------------------------------------------------------------------------------------
+# --- Weight sync: trainer rank 0 broadcasts packed buckets to every vLLM worker over its own group --------------------
 
 def local_address(host):  # this machine's address on its route to host: a UDP connect sends nothing, it picks the route
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
@@ -1653,9 +1637,7 @@ class WeightSync:
         return time.perf_counter() - t0
 
 
-# ----------------------------------------------------------------------------------------------
-# The loss: clipped surrogate against the sampler's log-probs, normalised as --loss-type says
-# ----------------------------------------------------------------------------------------------
+# --- The loss: clipped surrogate against the sampler's log-probs, normalised as --loss-type says ----------------------
 
 # FORK: change the loss (the terms are named as in the papers; train_step calls this)
 def grpo_loss(logp, sampler_logp, advantages, mask, epsilon, epsilon_high, loss_type="token", num_tokens=1, num_sequences=1,
@@ -1879,9 +1861,7 @@ def train_step(model, optimizer, samples, num_tokens, num_sequences, args, devic
     return dict(totals)
 
 
-# ----------------------------------------------------------------------------------------------
-# Evaluation and logging
-# ----------------------------------------------------------------------------------------------
+# --- Evaluation and logging -------------------------------------------------------------------------------------------
 
 def evaluate(run):
     """Greedy rollouts on the held-out rows through the same servers and tool loop, on the producer's event loop."""
@@ -1928,9 +1908,7 @@ def rollout_metrics(groups, version):
     return metrics
 
 
-# ----------------------------------------------------------------------------------------------
-# Main: the run's phases in the order they run, and a teardown that leaves nothing running
-# ----------------------------------------------------------------------------------------------
+# --- Main: the run's phases in the order they run, and a teardown that leaves nothing running -------------------------
 
 def cpu_threads(world_size=1, reserve=1):
     """Torch threads per rank on CPU: every core but one a server here polls busy (reserve); a trainer thread there
@@ -2329,9 +2307,7 @@ def tear_down(run, handlers):
             os._exit(0)
 
 
-# ----------------------------------------------------------------------------------------------
-# Checkpoints and signals
-# ----------------------------------------------------------------------------------------------
+# --- Checkpoints and signals ------------------------------------------------------------------------------------------
 
 def checkpoint(run, step):
     """checkpoint-<step>/: the model (safetensors), tokenizer and trainer state, written whole under a temporary name;
