@@ -42,9 +42,7 @@ import tools as tools_module
 HERE = Path(__file__).resolve().parent
 
 
-# ----------------------------------------------------------------------------------------------
-# Arguments
-# ----------------------------------------------------------------------------------------------
+# --- Arguments --------------------------------------------------------------------------------------------------------
 
 # What --sampling-args may hold: parameters that end or seed a generation but leave its distribution as the trainer
 # computes it (min_tokens does change it: the trainer holds the stop tokens back in the same places).
@@ -222,9 +220,8 @@ def parse_args(argv=None, world_size=1, cuda_count=None, local_ranks=None):
     # min, gloo 30) but twice the sum of rank 0's bounds (building the model, evaluation and checkpoints have none)
     args.collective_timeout = 2 * (args.vllm_startup_timeout + args.data_timeout + args.sync_timeout)
     args.output_dir = args.output_dir or time.strftime("runs/%Y%m%d-%H%M%S")
-    if args.lr is None:
-        args.lr = 3e-4 if args.model is None else 1e-6  # the built-in model is tiny and far from converged
-    args.lr = 0.0 if args.audit else args.lr
+    default_lr = 3e-4 if args.model is None else 1e-6  # the built-in model is tiny and far from converged
+    args.lr = 0.0 if args.audit else default_lr if args.lr is None else args.lr
     return args
 
 
@@ -266,9 +263,7 @@ def plan_devices(args, cuda_count, local_ranks, fail):
                                                  for u in (url or "http://127.0.0.1").split(","))}  # tuned in start_vllm
 
 
-# ----------------------------------------------------------------------------------------------
-# Data and models: the dataset or a built-in task; a GGUF file or the built-in tiny model
-# ----------------------------------------------------------------------------------------------
+# --- Data and models: the dataset or a built-in task; a GGUF file or the built-in tiny model --------------------------
 
 # FORK: load your data (or pass --dataset FILE.jsonl)
 def load_rows(args):
@@ -280,10 +275,9 @@ def load_rows(args):
         for line_no, line in enumerate(Path(args.dataset).read_text().splitlines(), 1):
             if line.strip():
                 row = dataset_row(line, len(rows), where := f"--dataset {args.dataset}, line {line_no}")
-                if row["id"] in seen:
+                if seen.setdefault(row["id"], line_no) != line_no:
                     raise SystemExit(f"{where}: the id {row['id']!r} is line {seen[row['id']]}'s too; ids must be "
                                      "unique (or leave the column out)")
-                seen[row["id"]] = line_no
                 rows.append(row)
     for row in rows:
         messages = row["prompt"] if isinstance(row["prompt"], list) else [{"role": "user", "content": row["prompt"]}]
@@ -459,9 +453,7 @@ def build_tiny_model(cache_dir, warm_start_steps=400):
     return save_whole(path, model, tok)
 
 
-# ----------------------------------------------------------------------------------------------
-# Chat template and tool-call parsing
-# ----------------------------------------------------------------------------------------------
+# --- Chat template and tool-call parsing ------------------------------------------------------------------------------
 
 def tool_schemas(names):
     """JSON schemas derived from the tools' signatures and docstrings by transformers itself."""
@@ -720,6 +712,7 @@ XML_CLOSE = re.compile(r"</parameter>(?=\s*<parameter=[^>\n]+>|" + XML_END.patte
 XML_TAGS = re.compile(r"<parameter=([^>\n]+)>|</parameter>|</tool_call>" + CLEAN)
 STRING = r'"(?:[^"\\]|\\[\s\S])*"?|'  # a JSON string (one cut off runs to the end): a tag inside it is text
 TAGGED_END, MISTRAL_END = re.compile(STRING + r"</?tool_call>"), re.compile(STRING + r"\[TOOL_CALLS\]")
+TAGGED_CLOSE = re.compile(r"\s*(?:</tool_call>|\Z)")  # at the end of the turn, a call is whole without its closing tag
 
 
 def xml_value_end(text, pos):
@@ -780,13 +773,9 @@ def parse_tagged(text, schemas):
         xml = text[body:].lstrip().startswith("<function=")
         try:
             value, end = parse_xml_call(text, body, schemas) if xml else decode_json(text, body)
-            rest = text[end:].lstrip()
-            if rest.startswith("</tool_call>"):
-                pos = len(text) - len(rest) + len("</tool_call>")
-            elif not rest:
-                pos = len(text)  # the closing tag missing at the end of the turn: the call is whole
-            else:
-                raise ValueError(f"unexpected {rest[:40]!r} after the call", end)
+            if not (close := TAGGED_CLOSE.match(text, end)):
+                raise ValueError(f"unexpected {text[end:].lstrip()[:40]!r} after the call", end)
+            pos = close.end()
             found.append((value, text[start:pos]))
         except Exception as e:  # this call's error; the turn's other calls stand
             message, read = e.args if len(e.args) == 2 else (str(e), body)
@@ -896,12 +885,11 @@ def parse_assistant(text, tok=None, prompt_ids=(), schemas=None, fmt="tagged", m
 
 
 def tool_result_ids(tok, history, tool_messages, schemas, turn_ends, stopped=True):
-    """Token ids of the tool-result turn plus the next assistant header.
-
-    Only this suffix is tokenised and appended to the ids the model generated: re-tokenising the whole conversation
-    would change earlier tokens and train on tokens the model never sampled. It starts where the template ends an
-    assistant turn: after its end-of-turn token, which the model's stop token stands for (Qwen3 may stop on
-    <|endoftext|> or <|im_end|>; the template writes <|im_end|>\\n), or before it if the model stopped otherwise."""
+    """Token ids of the tool-result turn plus the next assistant header. Only this suffix is tokenised and appended to
+    the ids the model generated: re-tokenising the whole conversation would change earlier tokens and train on tokens
+    the model never sampled. It starts where the template ends an assistant turn: after its end-of-turn token, which the
+    model's stop token stands for (Qwen3 may stop on <|endoftext|> or <|im_end|>; the template writes <|im_end|>\\n), or
+    before it if the model stopped otherwise."""
     before = render(tok, history, schemas)
     after = render(tok, history + tool_messages, schemas, generation_prompt=True)
     end = next(((end, n) for end, n in sorted(turn_ends, key=lambda e: -len(e[0])) if before.endswith(end)), None)
@@ -912,9 +900,7 @@ def tool_result_ids(tok, history, tool_messages, schemas, turn_ends, stopped=Tru
     return tok.encode(end[0][end[1] if stopped else 0:] + after[len(before):], add_special_tokens=False)
 
 
-# ----------------------------------------------------------------------------------------------
-# The tool loop: one rollout = generate, run tool calls, append their results, generate again
-# ----------------------------------------------------------------------------------------------
+# --- The tool loop: one rollout = generate, run tool calls, append their results, generate again ----------------------
 
 class PolicyVersion:
     """Which weights vLLM serves: a count the weight sync advances, a gate it closes meanwhile, and the requests in
@@ -1031,13 +1017,9 @@ async def rollout(session, url, tok, row, args, ctx, policy, greedy=False):
     ids = list(ctx["prompt_ids"][row["id"]])
     n_prompt = len(ids)
     mask, logprobs, versions, messages = [], [], [], []
-    stats = {"tool_calls": 0, "tool_failures": 0, "tool_seconds": 0.0, "turns": 0, "truncated": False,
+    stats = {"tool_calls": 0, "tool_failures": 0, "tool_seconds": 0.0, "turns": 0, "truncated": True,  # until it answers
              "interrupted": 0, "per_tool": {}}  # per_tool: name -> [calls, failures]
-    while True:
-        budget = min(args.max_tokens, ctx["max_model_len"] - len(ids))
-        if budget <= 0:
-            stats["truncated"] = True
-            break
+    while (budget := min(args.max_tokens, ctx["max_model_len"] - len(ids))) > 0:
         new, lps, new_versions, finish = [], [], [], "abort"
         while finish == "abort" and len(new) < budget:  # a weight sync can stop a turn, more than once
             async with policy.request() as version:
@@ -1064,13 +1046,10 @@ async def rollout(session, url, tok, row, args, ctx, policy, greedy=False):
         message = parse_assistant(text, tok, ids[:-len(new)], ctx["schemas_by_name"], ctx["format"], ctx["max_calls"]) \
             if ctx["schemas"] else {"role": "assistant", "content": text, "tool_calls": [], "tool_call_errors": []}
         messages.append(message)
-        if finish != "stop":
-            stats["truncated"] = True
+        if finish == "stop" and not message["tool_calls"] and not message["tool_call_errors"]:
+            stats["truncated"] = False  # the model answered: the one end that does not cut the conversation short
             break
-        if not message.get("tool_calls") and not message.get("tool_call_errors"):
-            break
-        if stats["turns"] > args.max_tool_turns:
-            stats["truncated"] = True
+        if finish != "stop" or stats["turns"] > args.max_tool_turns:  # out of tokens, or of tool turns
             break
         start = time.perf_counter()
         results, _ = await asyncio.gather(asyncio.gather(*(call_tool(c, ctx["schemas_by_name"], args.tool_timeout)
@@ -1094,8 +1073,7 @@ async def rollout(session, url, tok, row, args, ctx, policy, greedy=False):
         suffix = tool_result_ids(tok, row["prompt"] + messages, tool_messages, ctx["schemas"], ctx["turn_ends"], stopped)
         messages += tool_messages
         if len(ids) + len(suffix) >= ctx["max_model_len"]:
-            stats["truncated"] = True  # no room left to answer: end here rather than send vLLM a request it rejects
-            break
+            break  # no room left to answer: end here rather than send vLLM a request it rejects
         ids += suffix
         mask += [0] * len(suffix)
         logprobs += [0.0] * len(suffix)
@@ -1104,9 +1082,7 @@ async def rollout(session, url, tok, row, args, ctx, policy, greedy=False):
             "messages": messages, **stats}
 
 
-# ----------------------------------------------------------------------------------------------
-# Rewards and group-relative advantages
-# ----------------------------------------------------------------------------------------------
+# --- Rewards and group-relative advantages ----------------------------------------------------------------------------
 
 ROLLOUT_FIELDS = {"prompts", "completions", "completion_ids", "tool_calls", "tool_failures", "truncated"}
 
@@ -1117,8 +1093,7 @@ async def score_group(samples, row, reward_weights):
     kwargs = {k: [v] * G for k, v in row.items() if k not in ("prompt", "id")}
     kwargs.update(prompts=[row["prompt"]] * G, completions=[s["messages"] for s in samples],  # the ROLLOUT_FIELDS
                   completion_ids=[s["ids"][s["n_prompt"]:] for s in samples],
-                  tool_calls=[s["tool_calls"] for s in samples], tool_failures=[s["tool_failures"] for s in samples],
-                  truncated=[s["truncated"] for s in samples])
+                  **{k: [s[k] for s in samples] for k in ("tool_calls", "tool_failures", "truncated")})
     total, parts = np.zeros(G), {}
     for name, weight in reward_weights.items():
         fn = rewards_module.REWARDS[name]
@@ -1138,9 +1113,7 @@ def group_advantages(rewards, scale=True, eps=1e-4):
     return (rewards - rewards.mean()) / (rewards.std() + eps) if scale else rewards - rewards.mean()
 
 
-# ----------------------------------------------------------------------------------------------
-# The producer: a thread with its own asyncio loop that keeps the queue full
-# ----------------------------------------------------------------------------------------------
+# --- The producer: a thread with its own asyncio loop that keeps the queue full ---------------------------------------
 
 class Producer(threading.Thread):
     """Streams scored groups to the trainer, numbered in the order they start; the trainer takes
@@ -1152,44 +1125,32 @@ class Producer(threading.Thread):
         super().__init__(daemon=True, name="producer")
         self.args, self.tok, self.rows, self.urls, self.ctx, self.policy = args, tok, rows, urls, ctx, policy
         self.running = dict.fromkeys(urls, 0)  # groups running on each server
-        self.queue = queue.Queue()
-        self.ready = {}  # finished groups by number, until their turn
+        self.queue, self.ready = queue.Queue(), {}  # ready: finished groups by number, until their turn
         # next_index: the next group to hand out; skipped_groups: not trained (zero variance, too stale
         # or a failed reward); stale_samples, reward_failures: counters. A checkpoint saves them all.
         self.cursor = {"next_index": 0, "skipped_groups": 0, "stale_samples": 0, "reward_failures": 0, **(cursor or {})}
         self.failures_in_a_row, self.scoring = 0, 0  # scoring: groups whose rewards are being computed
-        self.error = None
-        self.loop = None
-        self._task = None
-        self.loop_ready = threading.Event()
+        self.error, self.loop = None, asyncio.new_event_loop()  # made here: stop() and evaluate() may use it before run()
 
     def run(self):
         try:
-            self.loop = asyncio.new_event_loop()
-            self._task = self.loop.create_task(self._produce())
-            self.loop_ready.set()
-            self.loop.run_until_complete(self._task)
-        except asyncio.CancelledError:
-            pass
+            with contextlib.suppress(asyncio.CancelledError):  # stop()
+                self.loop.run_until_complete(self._produce())
         except BaseException as e:
             self.error = e
-        finally:
-            self.loop_ready.set()
 
     def stop(self, timeout=10):
-        self.loop_ready.wait()
-        if self.is_alive() and self.loop is not None:
-            self.loop.call_soon_threadsafe(self._task.cancel)
+        if self.is_alive():  # a callback queued before run() starts the loop runs once _produce's task exists
+            self.loop.call_soon_threadsafe(lambda: [task.cancel() for task in asyncio.all_tasks(self.loop)])
             self.join(timeout)
 
     def prompt_order(self):
         """Rows in a seeded shuffle, epoch after epoch."""
         rng = random.Random(self.args.seed)
         while True:
-            order = list(range(len(self.rows)))
-            rng.shuffle(order)
-            for i in order:
-                yield self.rows[i]
+            rows = list(self.rows)
+            rng.shuffle(rows)
+            yield from rows
 
     def admissible(self, index):
         """Admission control: group `index` is trained at step (index - groups skipped) // prompts_per_step
@@ -1258,10 +1219,9 @@ class Producer(threading.Thread):
                 if self.error:
                     raise RuntimeError(f"the producer thread failed:\n{''.join(traceback.format_exception(self.error))}")
                 if time.monotonic() > deadline:
-                    raise TimeoutError(f"no batch from the producer in {timeout} s (--data-timeout) from the vLLM "
-                                       f"server(s) {', '.join(self.urls)}; now "
-                                       f"{sum(self.running.values())} groups generate ({self.policy.in_flight} "
-                                       f"requests in vLLM) and {self.scoring} are being scored")
+                    raise TimeoutError(f"no batch from the producer in {timeout} s (--data-timeout) from the vLLM server(s) "
+                                       f"{', '.join(self.urls)}; now {sum(self.running.values())} groups generate "
+                                       f"({self.policy.in_flight} requests in vLLM) and {self.scoring} are being scored")
                 if interrupted():
                     raise KeyboardInterrupt("stopped while waiting for data")
                 with contextlib.suppress(queue.Empty):
@@ -1269,30 +1229,24 @@ class Producer(threading.Thread):
                     self.ready[index] = group
             group = self.ready.pop(c["next_index"])
             c["next_index"] += 1
+            self.failures_in_a_row = self.failures_in_a_row + 1 if isinstance(group, str) else 0
             if isinstance(group, str):
                 print(f"warning: dropped a group: {group}", flush=True)
                 c["reward_failures"] += 1
-                self.failures_in_a_row += 1
                 if self.failures_in_a_row >= 4 * self.args.prompts_per_step:
                     raise RuntimeError(f"the rewards failed for {self.failures_in_a_row} groups in a row; the last: {group}")
-                c["skipped_groups"] += 1
-                continue
-            self.failures_in_a_row = 0
-            oldest = min((v for s in group for v, m in zip(s["versions"], s["mask"]) if m), default=self.policy.value)
-            if self.policy.value - oldest > self.args.max_staleness:
-                print(f"warning: dropped a group {self.policy.value - oldest} versions old (--max-staleness)", flush=True)
+            elif (lag := self.policy.value - min((v for s in group for v, m in zip(s["versions"], s["mask"]) if m),
+                                                 default=self.policy.value)) > self.args.max_staleness:
+                print(f"warning: dropped a group {lag} versions old (--max-staleness)", flush=True)
                 c["stale_samples"] += len(group)
-                c["skipped_groups"] += 1
-            elif self.args.skip_zero_variance and len({s["reward"] for s in group}) == 1:
-                c["skipped_groups"] += 1
-            else:
+            elif not self.args.skip_zero_variance or len({s["reward"] for s in group}) > 1:
                 groups.append(group)
+                continue
+            c["skipped_groups"] += 1  # every group not trained: admissible() counts them
         return groups
 
 
-# ----------------------------------------------------------------------------------------------
-# The vLLM server: a child process in its own process group, stopped with everything it started
-# ----------------------------------------------------------------------------------------------
+# --- The vLLM server: a child process in its own process group, stopped with everything it started --------------------
 
 def free_port():
     with socket.socket() as s:
@@ -1350,9 +1304,8 @@ def start_vllm(args, model_path, out_dir):
     try:
         for i, share in enumerate(plan["servers"]):
             port = args.vllm_port + i if args.vllm_port else free_port()
-            cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model_path,
-                   "--host", "127.0.0.1", "--port", str(port), "--seed", str(args.seed),
-                   "--served-model-name", SERVED_MODEL,
+            cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model_path, "--host", "127.0.0.1",
+                   "--port", str(port), "--seed", str(args.seed), "--served-model-name", SERVED_MODEL,
                    "--worker-extension-cls", "async_grpo.WeightSyncExtension",
                    "--logprobs-mode", "processed_logprobs"]  # log-probs after temperature/top-p: what was sampled from
             if args.max_model_len:
@@ -1412,10 +1365,8 @@ def stop_vllm(proc, grace=15):
     with contextlib.suppress(ProcessLookupError):
         os.killpg(proc.pid, signal.SIGTERM)
         os.killpg(proc.pid, signal.SIGCONT)  # a stopped server could not act on the SIGTERM
-    try:
+    with contextlib.suppress(subprocess.TimeoutExpired):
         proc.wait(grace)
-    except subprocess.TimeoutExpired:
-        pass
     with contextlib.suppress(ProcessLookupError):
         os.killpg(proc.pid, signal.SIGKILL)  # workers that outlived the parent share its group
     proc.wait()
@@ -1481,9 +1432,7 @@ def served_config(url):
     return models[SERVED_MODEL]["max_model_len"], dtype
 
 
-# ----------------------------------------------------------------------------------------------
-# Weight sync: trainer rank 0 broadcasts packed buckets to every vLLM worker over its own group
-# ----------------------------------------------------------------------------------------------
+# --- Weight sync: trainer rank 0 broadcasts packed buckets to every vLLM worker over its own group --------------------
 
 def local_address(host):  # this machine's address on its route to host: a UDP connect sends nothing, it picks the route
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
@@ -1562,11 +1511,8 @@ class WeightSyncExtension:
                 work.wait()
                 if k + 1 < len(buckets):
                     arriving = receive(buckets[k + 1])
-                offset = 0
-                for name, shape in bucket["params"]:
-                    numel = math.prod(shape)
-                    yield name, flat[offset:offset + numel].view(shape)
-                    offset += numel
+                parts = flat.split([math.prod(shape) for _, shape in bucket["params"]])
+                yield from ((name, part.view(shape)) for (name, shape), part in zip(bucket["params"], parts))
         # reload_weights wraps model.load_weights in vLLM's layer-wise reload lifecycle, which
         # re-runs the post-load processing that plain load_weights would skip.
         self.reload_weights(weights_iterator=tensors(), is_checkpoint_format=True)
@@ -1601,11 +1547,9 @@ def flatten(bucket, dtype):
     """One bucket's full weights in one buffer. Under --fsdp, full_tensor() gathers a parameter from every rank's
     shard, a collective: all ranks flatten the same buckets in the same order (help_sync), and the full weights
     exist one bucket at a time, never whole on one device."""
-    flat, offset = torch.empty(sum(p.numel() for _, p in bucket), dtype=dtype, device=bucket[0][1].device), 0
-    for _, p in bucket:
-        p = p.detach().full_tensor() if isinstance(p, DTensor) else p.detach()
-        flat[offset:offset + p.numel()].copy_(p.flatten())  # copy_ casts in the same pass
-        offset += p.numel()
+    flat = torch.empty(sum(p.numel() for _, p in bucket), dtype=dtype, device=bucket[0][1].device)
+    for (_, p), part in zip(bucket, flat.split([p.numel() for _, p in bucket])):
+        part.copy_((p.detach().full_tensor() if isinstance(p, DTensor) else p.detach()).flatten())  # casts in the same pass
     return flat
 
 
@@ -1693,30 +1637,26 @@ class WeightSync:
         return time.perf_counter() - t0
 
 
-# ----------------------------------------------------------------------------------------------
-# The loss: clipped surrogate against the sampler's log-probs, normalised as --loss-type says
-# ----------------------------------------------------------------------------------------------
+# --- The loss: clipped surrogate against the sampler's log-probs, normalised as --loss-type says ----------------------
 
 # FORK: change the loss (the terms are named as in the papers; train_step calls this)
-def grpo_loss(logp, sampler_logp, advantages, mask, epsilon, epsilon_high, loss_type="token", num_tokens=1,
-              num_sequences=1, max_tokens=1, is_correction="none", is_threshold=2.0, is_level="token",
-              ref_logp=None, beta=0.0):
-    """logp (the trainer's, with gradient), sampler_logp (vLLM's), mask (0 on prompt, tool and padding
-    tokens): [B, T], per target token; advantages: [B]. num_tokens and num_sequences count the whole
-    step (all micro-batches, all ranks), so the result is a share of the step's loss.
+def grpo_loss(logp, sampler_logp, advantages, mask, epsilon, epsilon_high, loss_type="token", num_tokens=1, num_sequences=1,
+              max_tokens=1, is_correction="none", is_threshold=2.0, is_level="token", ref_logp=None, beta=0.0):
+    """logp (the trainer's, with gradient), sampler_logp (vLLM's), mask (0 on prompt, tool and padding tokens): [B, T],
+    per target token; advantages: [B]. num_tokens and num_sequences count the whole step (all micro-batches, all ranks),
+    so the result is a share of the step's loss.
 
-    The importance weight w = pi_trainer / pi_sampler (no gradient) is how far the trainer's policy
-    is from the one that sampled: numeric mismatch plus staleness.
+    The importance weight w = pi_trainer / pi_sampler (no gradient) is how far the trainer's policy is from the one that
+    sampled: numeric mismatch plus staleness.
       is_correction none: the clipped ratio is taken against the sampler's log-probs.
-      tis, mis (decoupled PPO): the ratio is taken against the trainer's policy before this update
-        (value 1, the gradient of log pi), and the surrogate is weighted by w truncated at is_threshold
-        (tis), or by w inside [1/is_threshold, is_threshold] and 0 outside (mis); w per token, or
-        per sequence as the geometric mean over its tokens (is_level sequence, and always for gspo).
-      loss_type token (DAPO, default): every loss token of the step weighs the same; sequence (the
-        GRPO paper): mean over each sequence's tokens, then over sequences; constant (Dr. GRPO): token
-        sum over the constant num_sequences * max_tokens, so a sequence's length does not change the
-        weight of its tokens; gspo: one ratio per sequence (geometric mean of its token ratios),
-        clipped per sequence.
+      tis, mis (decoupled PPO): the ratio is taken against the trainer's policy before this update (value 1, the gradient
+        of log pi), and the surrogate is weighted by w truncated at is_threshold (tis), or by w inside [1/is_threshold,
+        is_threshold] and 0 outside (mis); w per token, or per sequence as the geometric mean over its tokens (is_level
+        sequence, and always for gspo).
+      loss_type token (DAPO, default): every loss token of the step weighs the same; sequence (the GRPO paper): mean over
+        each sequence's tokens, then over sequences; constant (Dr. GRPO): token sum over the constant num_sequences *
+        max_tokens, so a sequence's length does not change the weight of its tokens; gspo: one ratio per sequence
+        (geometric mean of its token ratios), clipped per sequence.
       beta > 0 adds beta * KL(pi_theta || pi_ref) per token (k3 estimator), normalised the same way."""
     lengths = mask.sum(1, keepdim=True).clamp(min=1)
 
@@ -1770,22 +1710,17 @@ def grpo_loss(logp, sampler_logp, advantages, mask, epsilon, epsilon_high, loss_
 def collate(samples, pad_id, device, min_tokens=0):
     """Right-padded [B, T] batch; targets are shifted by one, so per-token tensors are [B, T-1]. stop_masked: where
     vLLM held the stop tokens back, the first min_tokens generated tokens of each turn."""
-    T = max(len(s["ids"]) for s in samples)
-    ids = torch.full((len(samples), T), pad_id, dtype=torch.long)
-    attention = torch.zeros(len(samples), T, dtype=torch.long)
-    mask = torch.zeros(len(samples), T - 1)
-    old_logp = torch.zeros(len(samples), T - 1)
-    stop_masked = torch.zeros(len(samples), T - 1, dtype=torch.bool)
-    for i, s in enumerate(samples):
-        n, p = len(s["ids"]), s["n_prompt"]
-        ids[i, :n] = torch.tensor(s["ids"])
-        attention[i, :n] = 1
-        mask[i, p - 1:n - 1] = torch.tensor(s["mask"], dtype=torch.float)  # token t+1 is predicted at t
-        old_logp[i, p - 1:n - 1] = torch.tensor(s["logprobs"])
-        in_turn = 0
-        for j, m in enumerate(s["mask"] if min_tokens else ()):  # a turn: a run of generated tokens
-            in_turn = in_turn + 1 if m else 0
-            stop_masked[i, p - 1 + j] = 0 < in_turn <= min_tokens
+    def padded(rows, dtype=torch.float, value=0):  # [B, the longest row]
+        return torch.nn.utils.rnn.pad_sequence([torch.tensor(r, dtype=dtype) for r in rows], batch_first=True,
+                                               padding_value=value)
+    shift = [[0] * (s["n_prompt"] - 1) for s in samples]  # per-token rows start at the prompt's last token: t predicts t+1
+    ids = padded([s["ids"] for s in samples], torch.long, pad_id)
+    attention = padded([[1] * len(s["ids"]) for s in samples], torch.long)
+    mask = padded([z + s["mask"] for z, s in zip(shift, samples)])
+    old_logp = padded([z + s["logprobs"] for z, s in zip(shift, samples)])
+    generated = mask.cumsum(1)  # a turn: a run of generated tokens; in_turn counts those of its turn up to here
+    in_turn = generated - (generated * (1 - mask)).cummax(1).values
+    stop_masked = (0 < in_turn) & (in_turn <= min_tokens)
     advantages = torch.tensor([s["advantage"] for s in samples], dtype=torch.float)
     return [t.to(device) for t in (ids, attention, mask, old_logp, advantages, stop_masked)]
 
@@ -1894,11 +1829,10 @@ def train_step(model, optimizer, samples, num_tokens, num_sequences, args, devic
         dist.all_reduce(count, op=dist.ReduceOp.MAX)
         if count > len(micros):  # this rank splits its largest micro-batches until it has as many
             micros = micro_batches(samples, args.micro_batch_size, int(count))
-    n_micro = len(micros)
     for i, micro in enumerate(micros):
         ids, attention, mask, sampler_logp, advantages, stop_masked = collate(
             micro, pad_id, device, args.sampling_args.get("min_tokens", 0))
-        sync_grads = i == n_micro - 1 or not hasattr(model, "no_sync")
+        sync_grads = i == len(micros) - 1 or not hasattr(model, "no_sync")
         # the distribution vLLM sampled from: the ratio against its log-probs measures the policy, not the truncation
         sampling = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
                         stop_masked=stop_masked, stop_ids=stop_ids, served=served)
@@ -1917,7 +1851,7 @@ def train_step(model, optimizer, samples, num_tokens, num_sequences, args, devic
             if k.endswith(("_min", "_max")):
                 totals[k] = (min if k.endswith("_min") else max)(totals.get(k, v), v)
             else:
-                totals[k] = totals.get(k, 0.0) + v / n_micro
+                totals[k] = totals.get(k, 0.0) + v / len(micros)
     totals["train/grad_norm"] = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm).item()
     if math.isfinite(totals["train/grad_norm"]):
         optimizer.step()
@@ -1927,9 +1861,7 @@ def train_step(model, optimizer, samples, num_tokens, num_sequences, args, devic
     return dict(totals)
 
 
-# ----------------------------------------------------------------------------------------------
-# Evaluation and logging
-# ----------------------------------------------------------------------------------------------
+# --- Evaluation and logging -------------------------------------------------------------------------------------------
 
 def evaluate(run):
     """Greedy rollouts on the held-out rows through the same servers and tool loop, on the producer's event loop."""
@@ -1940,11 +1872,8 @@ def evaluate(run):
             samples = await asyncio.gather(*(rollout(session, p.urls[i % len(p.urls)], p.tok, row, args, p.ctx,
                                                      p.policy, greedy=True) for i, row in enumerate(rows)))
         return [await score_group([sample], row, args.reward_weights) for row, sample in zip(rows, samples)]
-    metrics, _ = defaultdict(float), p.loop_ready.wait()  # the producer's loop exists
-    for total, parts in asyncio.run_coroutine_threadsafe(scored(), p.loop).result():
-        for k, v in {"reward": total, **parts}.items():
-            metrics[f"eval/{k}"] += v[0] / len(rows)
-    return dict(metrics)
+    results = asyncio.run_coroutine_threadsafe(scored(), p.loop).result()
+    return mean_over_union([{f"eval/{k}": v[0] for k, v in {"reward": total, **parts}.items()} for total, parts in results])
 
 
 def mean_over_union(dicts):
@@ -1960,17 +1889,12 @@ def mean_over_union(dicts):
 def rollout_metrics(groups, version):
     """The step's rollouts; staleness is per trained token: the trainer's version minus the token's."""
     samples = [s for g in groups for s in g]
-    per_sample = []
-    for s in samples:
-        generated = sum(s["mask"])
-        m = {"reward/mean": s["reward"], "rollout/completion_tokens": generated, "rollout/sequence_tokens": len(s["ids"]),
-             "rollout/turns": s["turns"], "rollout/truncated": float(s["truncated"]), "rollout/interrupted": s["interrupted"],
-             "tools/call_frequency": float(s["tool_calls"] > 0),
-             "tools/calls_per_rollout": s["tool_calls"], "tools/seconds": s["tool_seconds"],
-             "tools/failure_frequency": s["tool_failures"] / max(s["tool_calls"], 1)}
-        m.update({f"reward/{k}": v for k, v in s["reward_parts"].items()})
-        per_sample.append(m)
-    metrics = mean_over_union(per_sample)
+    metrics = mean_over_union([{
+        "reward/mean": s["reward"], "rollout/completion_tokens": sum(s["mask"]), "rollout/sequence_tokens": len(s["ids"]),
+        "rollout/turns": s["turns"], "rollout/truncated": float(s["truncated"]), "rollout/interrupted": s["interrupted"],
+        "tools/call_frequency": float(s["tool_calls"] > 0), "tools/calls_per_rollout": s["tool_calls"],
+        "tools/seconds": s["tool_seconds"], "tools/failure_frequency": s["tool_failures"] / max(s["tool_calls"], 1),
+        **{f"reward/{k}": v for k, v in s["reward_parts"].items()}} for s in samples])
     staleness = [version - v for s in samples for v, m in zip(s["versions"], s["mask"]) if m] or [0]
     values, counts = np.unique(staleness, return_counts=True)
     metrics.update({"staleness/mean": float(np.mean(staleness)), "staleness/max": int(max(staleness)),
@@ -1984,9 +1908,7 @@ def rollout_metrics(groups, version):
     return metrics
 
 
-# ----------------------------------------------------------------------------------------------
-# Main: the run's phases in the order they run, and a teardown that leaves nothing running
-# ----------------------------------------------------------------------------------------------
+# --- Main: the run's phases in the order they run, and a teardown that leaves nothing running -------------------------
 
 def cpu_threads(world_size=1, reserve=1):
     """Torch threads per rank on CPU: every core but one a server here polls busy (reserve); a trainer thread there
@@ -2065,7 +1987,6 @@ class Run:
     resumed: dict = None         # the trainer state --resume continues from
     tok: object = None
     pad_id: int = 0
-    stop_ids: list = None
     ctx: dict = None             # what every rollout needs (rollout_context)
     train_rows: list = None
     eval_rows: list = None
@@ -2147,11 +2068,11 @@ def load_data(run):
     run.pad_id = next((i for i in (tok.pad_token_id, tok.eos_token_id) if i is not None), 0)  # masked: any id does
     run.train_rows, run.eval_rows = load_rows(args)
     schemas = tool_schemas(args.tool_names) if args.tool_names else None
-    run.stop_ids = stop_token_ids(tok, run.model_path)
-    report = prepare_chat_template(tok, args, schemas, run.stop_ids, run.model_path)  # fails here, before vLLM starts
+    stop_ids = stop_token_ids(tok, run.model_path)
+    report = prepare_chat_template(tok, args, schemas, stop_ids, run.model_path)  # fails here, before vLLM starts
     if run.is_main:
         print(report, flush=True)
-    run.ctx = rollout_context(tok, schemas, run.train_rows + run.eval_rows, stop_ids=run.stop_ids)
+    run.ctx = rollout_context(tok, schemas, run.train_rows + run.eval_rows, stop_ids=stop_ids)
 
 
 def load_policy_and_optimizer(run):
@@ -2199,14 +2120,13 @@ def load_policy_and_optimizer(run):
         elif run.is_main:  # resumed on another machine
             print(f"warning: CUDA random states of {len(resumed['rng']['cuda'])} devices, {torch.cuda.device_count()} "
                   "here: not restored", flush=True)
-        run.start_step = resumed["step"]
+        run.start_step = run.completed = resumed["step"]
         if run.is_main:
             print(f"resuming at step {run.start_step} from {run.model_path}", flush=True)
-    run.completed = run.start_step
 
 
 def start_generation(run):
-    args = run.args
+    args, served = run.args, [None]
     if run.is_main:
         run.servers = [] if args.vllm_url else start_vllm(args, run.model_path, run.out_dir)
         run.urls = urls = args.vllm_url.split(",") if args.vllm_url else [server.url for server in run.servers]
@@ -2214,8 +2134,6 @@ def start_generation(run):
         configs = [served_config(url) for url in urls]
         run.ctx["max_model_len"] = min(length for length, _ in configs)
         served = [configs[0][1]]
-    else:
-        served = [None]
     if run.world_size > 1:  # every rank packs the weights and rounds the logits as the servers compute
         dist.broadcast_object_list(served, 0)
     run.served = getattr(torch, served[0])
@@ -2234,8 +2152,7 @@ def start_generation(run):
         if args.wandb_project:
             import wandb
             run.logs["wandb"] = wandb.init(project=args.wandb_project, config=vars(args), dir=str(run.out_dir))
-        run.logs["metrics"] = open(run.out_dir / "metrics.jsonl", "a")
-        run.logs["rollouts"] = open(run.out_dir / "rollouts.jsonl", "a")
+        run.logs.update({name: open(run.out_dir / f"{name}.jsonl", "a") for name in ("metrics", "rollouts")})
         if args.eval_every and not run.start_step:  # every curve starts at the model as loaded: step 0
             write_metrics(run, metrics := {"step": 0, "policy_version": 0, **evaluate(run)})
             print(f"step    0/{args.steps} | eval {metrics['eval/reward']:.3f}", flush=True)
@@ -2265,7 +2182,7 @@ def train_one_step(run, step):
     run.updating = True  # an error in the update may leave the weights half-updated: not saved then
     with run.share_core():
         metrics = train_step(run.model, run.optimizer, samples, max(num_tokens, 1), args.prompts_per_step *
-                             args.num_generations, args, run.device, run.world_size, run.reference, run.stop_ids,
+                             args.num_generations, args, run.device, run.world_size, run.reference, run.ctx["stop_ids"],
                              run.pad_id, run.served)
     run.scheduler.step()
     run.updating, run.completed = False, step + 1
@@ -2283,8 +2200,11 @@ def train_one_step(run, step):
         metrics.update({"train/loss_tokens": num_tokens, "perf/wait_seconds": wait_seconds, "sync/seconds": sync_seconds,
                         "perf/step_seconds": time.perf_counter() - t_step})
         log_step(run, step + 1, groups, metrics, trained_version)
-    if run.is_main or args.fsdp:
-        checkpoint_if_due(run, step + 1)
+    due = [bool(args.save_every and (step + 1) % args.save_every == 0 or run.stop)]  # rank 0 decides: it gets the signals
+    if args.fsdp:
+        dist.broadcast_object_list(due, 0)
+    if due[0] and (run.is_main or args.fsdp):
+        checkpoint(run, step + 1)
     if run.is_main and run.stop:  # torchrun's other ranks are stopped by torchrun when this one exits
         raise SystemExit(f"stopped at step {step + 1} by signal {run.stop[0]}; continue with --resume --output-dir "
                          f"{run.out_dir}")
@@ -2298,14 +2218,12 @@ def log_step(run, step, groups, metrics, trained_version):
     clock["waited"] += metrics["perf/wait_seconds"]
     wall = time.perf_counter() - clock["start"]
     metrics.update(rollout_metrics(groups, trained_version))
-    metrics.update({"step": step, "policy_version": run.version.value,
+    metrics.update({"step": step, "policy_version": run.version.value, "train/lr": run.scheduler.get_last_lr()[0],
                     "staleness/dropped_samples": cursor["stale_samples"], "rollout/skipped_groups": cursor["skipped_groups"],
-                    "rollout/reward_failures": cursor["reward_failures"],
-                    "perf/samples_per_second": clock["samples"] / wall, "perf/wall_seconds": wall,
-                    "perf/trainer_idle": clock["waited"] / wall,  # shares of the wall time
+                    "rollout/reward_failures": cursor["reward_failures"], "perf/samples_per_second": clock["samples"] / wall,
+                    "perf/wall_seconds": wall, "perf/trainer_idle": clock["waited"] / wall,  # shares of the wall time
                     "perf/generator_idle": (run.version.idle() - clock["idle_start"]) / wall,
-                    "perf/cpu_seconds": time.process_time() - clock["cpu_start"],  # this process's, producer included
-                    "train/lr": run.scheduler.get_last_lr()[0]})
+                    "perf/cpu_seconds": time.process_time() - clock["cpu_start"]})  # this process's, producer included
     for s in samples[:args.log_rollouts]:
         run.logs["rollouts"].write(json.dumps({
             "step": step, "trained_version": trained_version, "prompt_id": s["prompt_id"], "reward": s["reward"],
@@ -2360,8 +2278,7 @@ def save_after_error(run, error):
     saving takes every rank, and the others may be gone or stuck). A failed server is named as the cause, with its log:
     the error itself is then only what it did to a request (a reset connection, a timeout)."""
     failure = run.server_failure or server_failure(run.urls, run.servers)
-    if run.is_main and run.producer is not None and not run.updating and run.completed > run.start_step \
-            and not run.args.fsdp:
+    if run.is_main and run.producer and not run.updating and run.completed > run.start_step and not run.args.fsdp:
         checkpoint(run, run.completed)
         print(f"saved the checkpoint of step {run.completed} in {run.out_dir / 'checkpoint'}; continue with --resume",
               flush=True)
@@ -2390,9 +2307,7 @@ def tear_down(run, handlers):
             os._exit(0)
 
 
-# ----------------------------------------------------------------------------------------------
-# Checkpoints and signals
-# ----------------------------------------------------------------------------------------------
+# --- Checkpoints and signals ------------------------------------------------------------------------------------------
 
 def checkpoint(run, step):
     """checkpoint-<step>/: the model (safetensors), tokenizer and trainer state, written whole under a temporary name;
@@ -2432,15 +2347,6 @@ def checkpoint(run, step):
     os.replace(run.out_dir / "checkpoint.tmp", link)
     if previous:
         shutil.rmtree(run.out_dir / previous, ignore_errors=True)
-
-
-def checkpoint_if_due(run, step):
-    """Every --save-every steps, or after a stop signal: rank 0 decides, as it gets the signals."""
-    due = [bool(run.args.save_every and step % run.args.save_every == 0 or run.stop)]
-    if run.args.fsdp:
-        dist.broadcast_object_list(due, 0)
-    if due[0]:
-        checkpoint(run, step)
 
 
 def _stop_after_step(stop, signum, frame):
