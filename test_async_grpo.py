@@ -967,7 +967,9 @@ def test_a_data_timeout_says_where_the_groups_wait(server, tiny_model, monkeypat
     assert not producer.is_alive() and producer.error is None
 
 
-@pytest.mark.parametrize("mode", [[], ["--sync"], ["--top-p", "0.9"]], ids=["async", "sync", "top_p_0.9"])
+# top-p at lr 5e-4: once the policy is sure of one answer, the nucleus holds it alone and the group's variance is 0; at
+# 1e-3 that happened before it found 7 for 1 seed in 6 (measured), at 5e-4 for none of 6
+@pytest.mark.parametrize("mode", [[], ["--sync"], ["--top-p", "0.9", "--lr", "5e-4"]], ids=["async", "sync", "top_p_0.9"])
 def test_learning_through_the_whole_loop(server, tmp_path, mode):
     """A target the model can learn in a few steps (always answer 7, given as a dataset column):
     generation, rewards, advantages, loss, optimizer and weight sync all have to work for the
