@@ -157,7 +157,8 @@ def parse_args(argv=None, world_size=1, cuda_count=None, local_ranks=None):
 
     g = p.add_argument_group("logging and checkpoints")
     g.add_argument("--output-dir", default=None, help="metrics.jsonl, checkpoints and the server log (default: runs/<time>)")
-    g.add_argument("--eval-every", type=int, default=0, help="greedy evaluation on the held-out rows every N steps (0: off)")
+    g.add_argument("--eval-every", type=int, default=0,
+                   help="greedy evaluation on the held-out rows before the first step and every N steps (0: off)")
     g.add_argument("--save-every", type=int, default=0,
                    help="save a checkpoint every N steps (0: only at the end, on Ctrl-C/SIGTERM and on errors)")
     g.add_argument("--resume", action="store_true", help="continue the run in --output-dir from its latest checkpoint")
