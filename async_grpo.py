@@ -123,6 +123,9 @@ def parse_args(argv=None, world_size=1, cuda_count=None, local_ranks=None):
     g.add_argument("--max-grad-norm", type=float, default=1.0, help="gradient clipping norm")
     g.add_argument("--micro-batch-size", type=int, default=16,
                    help="most sequences per forward/backward (gradient accumulation); fewer where lengths vary")
+    g.add_argument("--share-prefix", action=argparse.BooleanOptionalAction, default=True,
+                   help="forward each group's prompt once, its completions on top of it (exact: collate); "
+                        "--no-share-prefix forwards every sequence whole")
     g.add_argument("--gradient-checkpointing", action="store_true", help="recompute activations in backward to save memory")
     g.add_argument("--fsdp", action="store_true", help="shard weights, gradients and optimizer state over the torchrun "
                    "ranks (FSDP2, a unit per decoder layer) instead of a copy on each (DDP)")
@@ -1708,22 +1711,46 @@ def grpo_loss(logp, sampler_logp, advantages, mask, epsilon, epsilon_high, loss_
     return loss, stats
 
 
-def collate(samples, pad_id, device, min_tokens=0):
-    """Right-padded [B, T] batch; targets are shifted by one, so per-token tensors are [B, T-1]. stop_masked: where
-    vLLM held the stop tokens back, the first min_tokens generated tokens of each turn."""
-    def padded(rows, dtype=torch.float, value=0):  # [B, the longest row]
-        return torch.nn.utils.rnn.pad_sequence([torch.tensor(r, dtype=dtype) for r in rows], batch_first=True,
-                                               padding_value=value)
-    shift = [[0] * (s["n_prompt"] - 1) for s in samples]  # per-token rows start at the prompt's last token: t predicts t+1
-    ids = padded([s["ids"] for s in samples], torch.long, pad_id)
-    attention = padded([[1] * len(s["ids"]) for s in samples], torch.long)
-    mask = padded([z + s["mask"] for z, s in zip(shift, samples)])
-    old_logp = padded([z + s["logprobs"] for z, s in zip(shift, samples)])
+def collate(samples, pad_id, device, min_tokens=0, share=True):
+    """The micro-batch as the model takes it: a row per prompt (samples with equal prompt tokens: a group's; with share
+    off, a row per sample), holding the prompt once and each sample's completion after it. The mask lets a completion attend to the prompt and to itself only, and its positions count on from the
+    prompt's end, so each token sees what it would alone (the same log-probs, to float rounding) while the prompt's
+    activations get the gradients of all its completions. Per-token tensors are [B, T] over each sample's completion:
+    token t is predicted at logits[rows, cols[t]], the first one at the prompt's last position. stop_masked: where vLLM
+    held the stop tokens back, the first min_tokens generated tokens of each turn."""
+    def padded(rows, dtype=torch.float, value=0):  # [B, the longest row]; one column at least: a completion may be empty
+        out = torch.full((len(rows), max(1, *map(len, rows))), value, dtype=dtype)
+        for r, row in enumerate(rows):
+            out[r, :len(row)] = torch.tensor(row, dtype=dtype)
+        return out
+    ids, segment, position, at, rows = [], [], [], [None] * len(samples), {}
+    for i, s in enumerate(samples):
+        rows.setdefault(tuple(s["ids"][:s["n_prompt"]]) if share else i, []).append(i)
+    for r, members in enumerate(rows := list(rows.values())):
+        n = samples[members[0]]["n_prompt"]
+        ids.append(samples[members[0]]["ids"][:n])
+        segment.append([0] * n)
+        position.append(list(range(n)))
+        for k, i in enumerate(members, 1):
+            completion = samples[i]["ids"][n:]
+            at[i] = (r, ([n - 1] + list(range(len(ids[r]), len(ids[r]) + len(completion) - 1)))[:len(completion)])
+            ids[r] = ids[r] + completion
+            segment[r] += [k] * len(completion)
+            position[r] += range(n, n + len(completion))
+    segment = padded(segment, torch.long, -1)  # -1: padding, which attends to the prompt: no row is all masked
+    causal = torch.ones(segment.shape[1], segment.shape[1], dtype=torch.bool).tril()
+    mask = padded([s["mask"] for s in samples])
     generated = mask.cumsum(1)  # a turn: a run of generated tokens; in_turn counts those of its turn up to here
     in_turn = generated - (generated * (1 - mask)).cummax(1).values
-    stop_masked = (0 < in_turn) & (in_turn <= min_tokens)
-    advantages = torch.tensor([s["advantage"] for s in samples], dtype=torch.float)
-    return [t.to(device) for t in (ids, attention, mask, old_logp, advantages, stop_masked)]
+    batch = {"input_ids": padded(ids, torch.long, pad_id), "position_ids": padded(position, torch.long),
+             "attention_mask": (causal & ((segment[:, None] == 0) | (segment[:, None] == segment[..., None])))[:, None],
+             "rows": torch.tensor([[r] for r, _ in at]), "mask": mask, "stop_masked": (0 < in_turn) & (in_turn <= min_tokens),
+             "tokens": sum(map(len, ids)), "first": (first := min(samples[m[0]]["n_prompt"] for m in rows) - 1),  # no row needs logits before it
+             "cols": padded([c for _, c in at], torch.long, first),
+             "targets": padded([s["ids"][s["n_prompt"]:] for s in samples], torch.long, pad_id),
+             "sampler_logp": padded([s["logprobs"] for s in samples]),
+             "advantages": torch.tensor([s["advantage"] for s in samples], dtype=torch.float)}
+    return {k: v.to(device) if torch.is_tensor(v) else v for k, v in batch.items()}
 
 
 def kept_threshold(x, top_k=0, top_p=1.0, min_p=0.0):
@@ -1748,10 +1775,13 @@ def kept_threshold(x, top_k=0, top_p=1.0, min_p=0.0):
     return threshold
 
 
-def token_logprobs(model, ids, attention, temperature=1.0, **truncation):
-    """The log-probs of the target tokens ids[:, 1:] as vLLM sampled them (sampler_logprobs)."""
-    logits = model(input_ids=ids, attention_mask=attention, use_cache=False).logits[:, :-1]
-    return sampler_logprobs(logits.float(), ids[:, 1:], temperature, **truncation)
+def token_logprobs(model, batch, temperature=1.0, **truncation):
+    """The log-probs of the samples' completion tokens as vLLM sampled them (sampler_logprobs), [B, T]; logits only
+    from the first position that predicts one."""
+    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], position_ids=batch["position_ids"],
+                   logits_to_keep=batch["input_ids"].shape[1] - batch["first"], use_cache=False).logits
+    return sampler_logprobs(logits[batch["rows"], batch["cols"] - batch["first"]].float(), batch["targets"], temperature,
+                            **truncation)
 
 
 def sampler_logprobs(logits, targets, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, stop_masked=None, stop_ids=(),
@@ -1800,19 +1830,39 @@ def decoder_layers(model):
     return [m for m in model.modules() if type(m).__name__ in (model._no_split_modules or ())]
 
 
-def micro_batches(samples, size, count=1):
-    """The step's samples, shortest first, in micro-batches of at most `size` sequences and at most `size` x 1.25 x the
-    step's median length in tokens, padding included (a sequence longer than that goes alone). A micro-batch pads to
-    its longest sequence, and a tool loop's long tail (a few rollouts 5x the median) made padding most of a step's
-    tokens: on the tool task here, 2.5x slower steps. The order is free: the loss is normalised over the whole step.
-    At least `count` micro-batches (the largest halved until then): every rank must run as many."""
-    samples = sorted(samples, key=lambda s: len(s["ids"]))
+def sharing_refused(model):
+    """Why collate's shared rows would not give this model's log-probs, or None. Sharing rests on the model attending as
+    a 4D mask says at the positions it is given: a sliding window (beyond a short probe's reach), linear attention,
+    recurrent layers or a position scheme of its own do not. Checked on a probe group, in fp32."""
+    if getattr(model.config.get_text_config(), "sliding_window", None):
+        return "its attention has a sliding window"
+    probe = [{"ids": [1, 2, 3] + c, "n_prompt": 3, "mask": c, "logprobs": c, "advantage": 0} for c in ([4, 5, 6], [7, 8])]
+    try:
+        with torch.no_grad():
+            shared, whole = (token_logprobs(model, collate(probe, 0, model.device, share=share))[0] for share in (1, 0))
+        return f"a probe's log-probs differ by {gap:.2g} shared" if not (gap := (shared - whole).abs().max()) < 1e-4 else None
+    except Exception as e:  # a model that refuses the mask or the position ids
+        return f"a shared forward fails ({type(e).__name__}: {str(e)[:200]})"
+
+
+def micro_batches(samples, size, count=1, share=True):
+    """The step's samples in micro-batches of at most `size` sequences and at most `size` x 1.25 x the step's median
+    length in tokens forwarded, padding included (a sequence longer than that goes alone): shortest first, and with
+    share a prompt's samples together (they share a row: collate). A micro-batch pads to its longest row, and a tool
+    loop's long tail (a few rollouts 5x the median) made padding most of a step's tokens: on the tool task here, 2.5x
+    slower steps. The order is free: the loss is normalised over the whole step. At least `count` micro-batches (the
+    largest halved until then): every rank must run as many."""
+    samples = sorted(samples, key=lambda s: (s["n_prompt"], s["ids"][:s["n_prompt"]], len(s["ids"])) if share else len(s["ids"]))
     budget = size * 1.25 * np.median([len(s["ids"]) for s in samples])
-    batches = [[]]
+    batches, rows = [[]], {}  # the last micro-batch's rows: their lengths by prompt
     for s in samples:
-        if batches[-1] and (len(batches[-1]) == size or (len(batches[-1]) + 1) * len(s["ids"]) > budget):
+        key = tuple(s["ids"][:s["n_prompt"]]) if share else id(s)
+        grown = {**rows, key: rows.get(key, s["n_prompt"]) + len(s["ids"]) - s["n_prompt"]}
+        if batches[-1] and (len(batches[-1]) == size or len(grown) * max(grown.values()) > budget):
             batches.append([])
+            grown = {key: len(s["ids"])}
         batches[-1].append(s)
+        rows = grown
     while len(batches) < count:
         i = max((i for i, b in enumerate(batches) if len(b) > 1), key=lambda i: len(batches[i]) * len(batches[i][-1]["ids"]))
         batches[i:i + 1] = [batches[i][:len(batches[i]) // 2], batches[i][len(batches[i]) // 2:]]
@@ -1824,35 +1874,41 @@ def train_step(model, optimizer, samples, num_tokens, num_sequences, args, devic
     """Gradient accumulation over micro-batches; DDP all-reduces on the last one only. FSDP reduce-scatters on each:
     skipping that (set_requires_gradient_sync) would hold the unsharded gradients of the whole model on every rank."""
     model.train()
-    totals, micros = {"loss": 0.0}, micro_batches(samples, args.micro_batch_size)
+    totals, micros, forwarded = {"loss": 0.0}, micro_batches(samples, args.micro_batch_size, 1, args.share_prefix), 0
     if world_size > 1:  # every rank runs as many forwards and backwards, whatever its lengths: DDP and FSDP communicate in them
         count = torch.tensor(len(micros), device=device)
         dist.all_reduce(count, op=dist.ReduceOp.MAX)
         if count > len(micros):  # this rank splits its largest micro-batches until it has as many
-            micros = micro_batches(samples, args.micro_batch_size, int(count))
+            micros = micro_batches(samples, args.micro_batch_size, int(count), args.share_prefix)
     for i, micro in enumerate(micros):
-        ids, attention, mask, sampler_logp, advantages, stop_masked = collate(
-            micro, pad_id, device, args.sampling_args.get("min_tokens", 0))
+        batch = collate(micro, pad_id, device, args.sampling_args.get("min_tokens", 0), args.share_prefix)
+        forwarded += batch["tokens"]
         sync_grads = i == len(micros) - 1 or not hasattr(model, "no_sync")
         # the distribution vLLM sampled from: the ratio against its log-probs measures the policy, not the truncation
         sampling = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
-                        stop_masked=stop_masked, stop_ids=stop_ids, served=served)
+                        stop_masked=batch["stop_masked"], stop_ids=stop_ids, served=served)
         with (contextlib.nullcontext() if sync_grads else model.no_sync()), \
                 torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
-            logp, removed = token_logprobs(model, ids, attention, **sampling)
+            logp, removed = token_logprobs(model, batch, **sampling)
             with torch.no_grad():
-                ref_logp = token_logprobs(reference, ids, attention, **sampling)[0] if reference else None
-            loss, stats = grpo_loss(logp, sampler_logp, advantages, mask, args.epsilon, args.epsilon_high,
+                ref_logp = token_logprobs(reference, batch, **sampling)[0] if reference else None
+            mask = batch["mask"]
+            loss, stats = grpo_loss(logp, batch["sampler_logp"], batch["advantages"], mask, args.epsilon, args.epsilon_high,
                                     args.loss_type, num_tokens, num_sequences, args.max_tokens, args.is_correction,
                                     args.is_threshold, args.is_level, ref_logp, args.beta)
             stats["is/truncated_mass"] = ((removed * mask).sum() / mask.sum().clamp(min=1)).item()
             (loss * world_size).backward()  # DDP and FSDP average over ranks; the loss is already a global mean
         totals["loss"] += loss.item()
-        for k, v in stats.items():  # means over micro-batches, extremes over all of them
+        for k, v in stats.items():  # means over this rank's loss tokens, extremes over all of them
             if k.endswith(("_min", "_max")):
                 totals[k] = (min if k.endswith("_min") else max)(totals.get(k, v), v)
             else:
-                totals[k] = totals.get(k, 0.0) + v / len(micros)
+                totals[k] = totals.get(k, 0.0) + v * mask.sum().item() / max(1, sum(sum(s["mask"]) for s in samples))
+    tokens = torch.tensor([forwarded, sum(len(s["ids"]) for s in samples)], dtype=torch.float64, device=device)
+    if world_size > 1:
+        dist.all_reduce(tokens)  # the step's, over every rank
+    totals.update({"train/tokens": tokens[0].item(), "train/tokens_unshared": tokens[1].item(),
+                   "train/tokens_saved": 1 - tokens[0].item() / tokens[1].item()})
     totals["train/grad_norm"] = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm).item()
     if math.isfinite(totals["train/grad_norm"]):
         optimizer.step()
@@ -2085,6 +2141,10 @@ def load_policy_and_optimizer(run):
     except Exception as e:
         raise SystemExit(f"--model {run.model_path}: cannot load it as a causal or image-text LM "
                          f"({type(e).__name__}: {str(e)[:300]})")
+    if args.share_prefix and (why := sharing_refused(model)):
+        args.share_prefix = False
+        if run.is_main:
+            print(f"--share-prefix is off for {run.model_path}: {why}; every sequence is forwarded whole", flush=True)
     if args.gradient_checkpointing:
         model.gradient_checkpointing_enable()
     context = args.max_model_len or getattr(model.config, "max_position_embeddings", None)

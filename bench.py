@@ -233,8 +233,9 @@ def trainer_throughput(args):
 
     def bare():
         for micro in ag.micro_batches(samples, run_args.micro_batch_size):  # the loop's micro-batches
-            ids, attention, *_ = ag.collate(micro, 0, torch.device("cpu"))
-            model(input_ids=ids, attention_mask=attention, use_cache=False).logits.float().mean().backward()
+            batch = ag.collate(micro, 0, torch.device("cpu"))
+            model(**{k: batch[k] for k in ("input_ids", "attention_mask", "position_ids")}, use_cache=False
+                  ).logits.float().mean().backward()
         model.zero_grad(set_to_none=True)
     forward_backward = timed(bare, args.reps)
     return {"samples": len(samples), "tokens": tokens, "loop_tokens_per_s": tokens / loop,

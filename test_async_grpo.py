@@ -350,9 +350,9 @@ def test_micro_batches_bound_the_padded_tokens_and_keep_every_sample_once(shape)
     lengths = {"equal": [140] * 32, "near_equal": [rng.randint(150, 170) for _ in range(32)],
                "long_tail": [rng.randint(100, 160) for _ in range(28)] + [500, 700, 900, 1000],
                "uniform": [rng.randint(10, 1000) for _ in range(50)], "one_huge": [50] * 20 + [5000]}[shape]
-    samples = [{"ids": [0] * n, "i": i} for i, n in enumerate(lengths)]
+    samples = [{"ids": [0] * n, "n_prompt": 1, "i": i} for i, n in enumerate(lengths)]
     shuffled = random.Random(0).sample(samples, len(samples))
-    micros = ag.micro_batches(shuffled, size)
+    micros = ag.micro_batches(shuffled, size, share=False)  # every sequence its own row (sharing: its own test)
     flat = [s for m in micros for s in m]
     assert sorted(s["i"] for s in flat) == list(range(len(samples)))
     assert [len(s["ids"]) for s in flat] == sorted(lengths)
@@ -365,7 +365,7 @@ def test_micro_batches_bound_the_padded_tokens_and_keep_every_sample_once(shape)
         assert [len(m) for m in micros] == [len(c) for c in chunks]
     if shape in ("long_tail", "one_huge"):
         assert padded < 0.6 * sum(len(c) * c[-1] for c in chunks)
-    more = ag.micro_batches(shuffled, size, count=len(micros) + 3)  # another rank's count: the largest are halved
+    more = ag.micro_batches(shuffled, size, count=len(micros) + 3, share=False)  # another rank's count: the largest are halved
     assert len(more) == len(micros) + 3 and all(more)
     assert [s["i"] for m in more for s in m] == [s["i"] for s in flat]
 
@@ -844,6 +844,13 @@ def requests_served(url):
     return sum(float(v) for v in re.findall(r"^vllm:request_success_total\{.*\} (\S+)$", metrics, re.M))
 
 
+def completion_logprobs(model, prompt, completion, **truncation):
+    """The trainer's log-probs of `completion` after `prompt`, as train_step takes them."""
+    sample = {"ids": prompt + completion, "n_prompt": len(prompt), "mask": [1] * len(completion),
+              "logprobs": [0.0] * len(completion), "advantage": 0.0}
+    return ag.token_logprobs(model, ag.collate([sample], 0, model.device), **truncation)[0][0]
+
+
 def check_vllm_matches(server, tok, model, atol=0.1, logprob_atol=None):
     """vLLM serves `model`'s weights: its greedy tokens are the model's (in bf16, as served), and the log-probs of the
     tokens it samples are the trainer's, within atol (bf16's noise: up to 0.056 seen on the tiny model)."""
@@ -864,8 +871,7 @@ def check_vllm_matches(server, tok, model, atol=0.1, logprob_atol=None):
         assert (behind <= torch.maximum(steps, torch.tensor(atol))).all(), (question, greedy, behind)
         # Sampled tokens: vLLM's log-probs equal the trainer's within bf16 precision.
         sampled = ag.http(f"{server.url}/v1/completions", {**request, "temperature": 1.0, "seed": 1})["choices"][0]
-        trainer = ag.token_logprobs(model, torch.tensor([ids + sampled["token_ids"]]),
-                                    torch.ones(1, len(ids) + 16, dtype=torch.long))[0][0, len(ids) - 1:]
+        trainer = completion_logprobs(model, ids, sampled["token_ids"])
         gap = np.abs(trainer.detach().numpy() - sampled["logprobs"]["token_logprobs"])
         assert gap.max() < (logprob_atol or atol), gap
 
@@ -879,10 +885,10 @@ def logprob_gaps(server, tok, model, **truncation):
         sampled = ag.http(f"{server.url}/v1/completions", {
             "model": "policy", "prompt": ids, "max_tokens": 32, "logprobs": 0, "return_token_ids": True, "ignore_eos": True,
             "temperature": 1.0, "seed": 1, **truncation})["choices"][0]
-        full, vllm = torch.tensor([ids + sampled["token_ids"]]), np.array(sampled["logprobs"]["token_logprobs"])
+        vllm = np.array(sampled["logprobs"]["token_logprobs"])
         with torch.no_grad():
             for out, kwargs in [(gaps, truncation), (untruncated_gaps, {})]:
-                out += list(np.abs(ag.token_logprobs(model, full, torch.ones_like(full), **kwargs)[0][0, len(ids) - 1:].numpy() - vllm))
+                out += list(np.abs(completion_logprobs(model, ids, sampled["token_ids"], **kwargs).numpy() - vllm))
     return np.array(gaps), np.array(untruncated_gaps)
 
 
@@ -1629,6 +1635,26 @@ def test_a_real_pretrained_checkpoint_trains_and_syncs_exactly(smollm2_server, t
                        logprob_atol=2.0)
 
 
+def own_completions(url, tok, question, n=6):
+    """n completions of a question, seeded 0..n-1, as samples: advantage +1 for the first half, -1 for the others."""
+    prompt = ag.render_prompt(tok, [{"role": "user", "content": question}], None)
+    samples = []
+    for seed in range(n):
+        choice = ag.http(f"{url}/v1/completions", {"model": "policy", "prompt": prompt, "max_tokens": 12, "seed": seed,
+                                                   "logprobs": 0, "return_token_ids": True, "temperature": 1.0})["choices"][0]
+        samples.append({"ids": prompt + choice["token_ids"], "n_prompt": len(prompt), "mask": [1] * len(choice["token_ids"]),
+                        "logprobs": choice["logprobs"]["token_logprobs"], "advantage": 1.0 if seed < n // 2 else -1.0})
+    return samples
+
+
+def test_shared_prefix_training_of_a_real_checkpoint_equals_forwarding_every_sequence_whole(smollm2_server):
+    """SmolLM2 (30 layers, a real vocabulary): its own completions of two prompts, a step shared and one whole."""
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(smollm2_server.model_path)
+    samples = [s for q in ("What is 7 + 5?", "Name a prime number.") for s in own_completions(smollm2_server.url, tok, q, 4)]
+    assert_shared_equals_whole(*shared_and_whole(smollm2_server.model_path, samples), samples)
+
+
 def test_one_update_moves_a_real_checkpoint_the_way_its_advantages_say(smollm2_server):
     """The direction of learning on SmolLM2, deterministic and without timing: 6 of its own completions of one prompt
     (seeded), fixed advantages (+1 for three, -1 for the others), one update. Each completion's mean log-prob rises
@@ -1641,18 +1667,11 @@ def test_one_update_moves_a_real_checkpoint_the_way_its_advantages_say(smollm2_s
     args = ag.parse_args(["--output-dir", "unused", "--lr", "1e-4"])
     sync = ag.WeightSync([url], args, torch.bfloat16, ag.PolicyVersion())
     sync(model)  # the server may hold another test's weights
-    prompt = ag.render_prompt(tok, [{"role": "user", "content": "What is 7 + 5? Reply with the number only."}], None)
-    samples = []
-    for seed in range(6):
-        choice = ag.http(f"{url}/v1/completions", {"model": "policy", "prompt": prompt, "max_tokens": 12, "seed": seed,
-                                                   "logprobs": 0, "return_token_ids": True, "temperature": 1.0})["choices"][0]
-        samples.append({"ids": prompt + choice["token_ids"], "n_prompt": len(prompt), "mask": [1] * len(choice["token_ids"]),
-                        "logprobs": choice["logprobs"]["token_logprobs"], "advantage": 1.0 if seed < 3 else -1.0})
+    samples = own_completions(url, tok, "What is 7 + 5? Reply with the number only.")
 
     def trainer_logprobs():  # each completion's mean log-prob
         with torch.no_grad():
-            return [ag.token_logprobs(model, torch.tensor([s["ids"]]), torch.ones(1, len(s["ids"]), dtype=torch.long))[0]
-                    [0, s["n_prompt"] - 1:].mean().item() for s in samples]
+            return [ag.token_logprobs(model, ag.collate([s], 0, model.device))[0].mean().item() for s in samples]
 
     def vllm_logprobs():  # the same, teacher-forced through the server (its prompt log-probs)
         means = []
@@ -2401,11 +2420,11 @@ def test_no_tools_and_no_chat_template_still_trains(server, tiny_model, tmp_path
     assert "plain text prompts" in out and len(read_metrics(tmp_path / "run")) == 2
 
 
-def rollouts(server, tok, args, n=8, max_model_len=None, schemas=None):
-    """n real rollouts of 'What is 3 + 4?' through the tool loop."""
+def rollouts(server, tok, args, n=8, max_model_len=None, schemas=None, question="What is 3 + 4?"):
+    """n real rollouts of a question through the tool loop."""
     import aiohttp
     schemas = schemas or ag.tool_schemas(args.tool_names)
-    row = {"id": 0, "prompt": [{"role": "user", "content": "What is 3 + 4?"}], "answer": 7}
+    row = {"id": 0, "prompt": [{"role": "user", "content": question}], "answer": 7}
     ctx = ag.rollout_context(tok, schemas, [row],
                              max_model_len or served_context(server))
 
@@ -2534,3 +2553,90 @@ def test_bench_tiny_runs_every_part_and_writes_every_field(tmp_path):
     assert "training step at --top-p 0.9 against 1.0" in proc.stdout
     server_pid = int(re.search(r"starting vLLM \(pid (\d+)", proc.stdout).group(1))
     assert processes_in_group(server_pid) == []
+
+
+class GradientRecorder(torch.optim.Optimizer):
+    """An optimizer whose step keeps each parameter's gradient (clipping off: what the loss gave) and moves nothing."""
+
+    def __init__(self, params):
+        super().__init__(params, {})
+
+    def step(self):
+        self.grads = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).flatten()
+                                for group in self.param_groups for p in group["params"]])
+
+
+def shared_and_whole(model_path, samples, *flags, reference=None):
+    """One train_step of a fresh fp32 copy of the checkpoint with --share-prefix, one with --no-share-prefix: (stats,
+    gradient) of each."""
+    def step(share):
+        args = ag.parse_args(["--output-dir", "unused", "--max-grad-norm", "1e9", *flags,
+                              "--share-prefix" if share else "--no-share-prefix"])
+        model = ag.load_policy(model_path)
+        if args.gradient_checkpointing:
+            model.gradient_checkpointing_enable()
+        optimizer = GradientRecorder(model.parameters())
+        stats = ag.train_step(model, optimizer, samples, sum(sum(s["mask"]) for s in samples), len(samples), args,
+                              torch.device("cpu"), 1, reference=reference and ag.load_policy(reference))
+        return stats, optimizer.grads
+    return step(True), step(False)
+
+
+def assert_shared_equals_whole(shared, whole, samples):
+    """The same loss, statistics and gradient of every parameter, to fp32's rounding: the two paths sum the same terms
+    in other orders (attention over differently shaped rows, other matmul blockings), each step rounding at 6e-8 of its
+    value, through every layer forward and back; measured, the gradients differ by up to 3e-6 of the largest one (tiny
+    model and SmolLM2). 2e-5 of it leaves room, and a token that saw another completion's moves them by far more (the
+    probe test). And the shared step forwarded each distinct prompt once per micro-batch: at most the tokens counted
+    here, far fewer than the whole sequences'."""
+    (shared_stats, shared_grad), (whole_stats, whole_grad) = shared, whole
+    assert whole_grad.abs().max() > 0
+    print(f"gradients differ by {((shared_grad - whole_grad).abs().max() / whole_grad.abs().max()).item():.1e} of the "
+          f"largest; {shared_stats['train/tokens']:.0f} tokens forwarded shared, {whole_stats['train/tokens']:.0f} whole")
+    torch.testing.assert_close(shared_grad, whole_grad, rtol=0, atol=2e-5 * whole_grad.abs().max().item())
+    for key, value in whole_stats.items():
+        if not key.startswith("train/tokens"):
+            assert shared_stats[key] == pytest.approx(value, rel=1e-4, abs=1e-6), key
+    whole_tokens = sum(len(s["ids"]) for s in samples)
+    assert whole_stats["train/tokens"] == whole_tokens == shared_stats["train/tokens_unshared"]
+    prompts = {tuple(s["ids"][:s["n_prompt"]]) for s in samples}
+    lower = sum(map(len, prompts)) + sum(len(s["ids"]) - s["n_prompt"] for s in samples)  # each prompt once
+    assert lower <= shared_stats["train/tokens"] < whole_tokens
+    assert shared_stats["train/tokens_saved"] == pytest.approx(1 - shared_stats["train/tokens"] / whole_tokens)
+
+
+@pytest.mark.parametrize("flags", [[], ["--top-p", "0.9"], ["--micro-batch-size", "4"], ["--gradient-checkpointing"],
+                                   ["--beta", "0.1"]], ids=["default", "top_p_0.9", "micro_batch_4_of_a_group_of_6",
+                                                            "gradient_checkpointing", "kl_to_the_reference"])
+def test_shared_prefix_training_equals_forwarding_every_sequence_whole(server, tool_args, tiny_model, flags):
+    """Real multi-turn tool rollouts of the built-in model (two groups of 6, completions of different lengths, tool
+    results masked), one sample's prompt changed by a token (it cannot share: a row of its own), fixed advantages: a
+    training step shares each prompt and gives what forwarding every sequence whole gives."""
+    args, tok = tool_args
+    samples = []
+    for question in ("What is 3 + 4?", "What is 12 - 5 + 1?"):
+        group, _, _ = rollouts(server, tok, args, n=6, question=question)
+        for i, s in enumerate(group):  # the i-th cut by i tokens: one prompt's rollouts are often all of one length
+            n = len(s["mask"]) - min(i, len(s["mask"]) - 1)
+            samples.append({"ids": s["ids"][:s["n_prompt"] + n], "n_prompt": s["n_prompt"], "mask": s["mask"][:n],
+                            "logprobs": s["logprobs"][:n], "advantage": (-1.0) ** i * (1 + i / 10)})
+    assert any(0 in s["mask"] for s in samples)  # tool results in some
+    samples[-1]["ids"] = [samples[-1]["ids"][0] + 1] + samples[-1]["ids"][1:]  # a prompt no other sample has
+    stats = shared_and_whole(tiny_model, samples, *flags, reference=tiny_model if "--beta" in flags else None)
+    assert_shared_equals_whole(*stats, samples)
+
+
+def test_sharing_is_refused_where_the_model_would_not_attend_as_the_mask_says(tiny_model):
+    """The start-up probe: the built-in model shares; a Qwen3.5 (linear attention, which reads no mask) and a sliding
+    window do not, and train whole."""
+    from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+    assert ag.sharing_refused(ag.load_policy(tiny_model)) is None
+    torch.manual_seed(0)
+    linear = Qwen3_5ForCausalLM(Qwen3_5TextConfig(
+        vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=32, linear_num_key_heads=2, linear_num_value_heads=2, linear_key_head_dim=16,
+        linear_value_head_dim=16))
+    assert "probe's log-probs differ" in ag.sharing_refused(linear)
+    windowed = ag.load_policy(tiny_model)
+    windowed.config.sliding_window = 512
+    assert ag.sharing_refused(windowed) == "its attention has a sliding window"
