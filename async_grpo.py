@@ -2339,6 +2339,9 @@ def save_after_error(run, error):
     saving takes every rank, and the others may be gone or stuck). A failed server is named as the cause, with its log:
     the error itself is then only what it did to a request (a reset connection, a timeout)."""
     failure = run.server_failure or server_failure(run.urls, run.servers)
+    if not failure and isinstance(error, ConnectionError):  # an engine's death can fail a request before /health says it
+        time.sleep(3)
+        failure = run.server_failure or server_failure(run.urls, run.servers)
     if run.is_main and run.producer and not run.updating and run.completed > run.start_step and not run.args.fsdp:
         checkpoint(run, run.completed)
         print(f"saved the checkpoint of step {run.completed} in {run.out_dir / 'checkpoint'}; continue with --resume",
