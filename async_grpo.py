@@ -1711,33 +1711,36 @@ def grpo_loss(logp, sampler_logp, advantages, mask, epsilon, epsilon_high, loss_
     return loss, stats
 
 
-def collate(samples, pad_id, device, min_tokens=0, share=True):
-    """The micro-batch as the model takes it: a row per prompt (samples with equal prompt tokens, a group's; with share
-    off, a row per sample) holding the prompt once and each sample's completion after it. The mask lets a completion
-    attend to the prompt and to itself only, and its positions count on from the prompt's end: each token sees what it
-    would alone (the same log-probs, to float rounding), and the prompt's activations get the gradients of all its
-    completions. Per-token tensors are [B, T] over each sample's completion: its token t is predicted at logits[rows,
-    cols[t]], the first at the prompt's last position. stop_masked: where vLLM held the stop tokens back, the first
-    min_tokens generated tokens of each turn."""
+def collate(samples, pad_id, device, min_tokens=0, share=True, width=None):
+    """The micro-batch as the model takes it: rows that hold a prompt once and the completions of its samples after it
+    (samples with equal prompt tokens, a group's; with share off, a row per sample). The mask lets a completion attend
+    to the prompt and to itself only, and its positions count on from the prompt's end: each token sees what it would
+    alone (the same log-probs, to float rounding), and the prompt's activations get the gradients of all its
+    completions. A row's attention is dense, so a completion joins its prompt's row only where that is cheaper than a
+    row of its own: it saves the prompt's n tokens (about 12 width^2 multiply-adds each, width the model's hidden size)
+    and costs attention over the row's c' completion tokens (about 2 width per pair of tokens): 2 c c' < n (6 width + n)
+    for c tokens (always, without width). Long completions of a short prompt (reasoning) forward whole. Per-token
+    tensors are [B, T] over each sample's completion: its token t is predicted at logits[rows, cols[t]], the first at
+    the prompt's last position. stop_masked: where vLLM held the stop tokens back, the first min_tokens generated tokens
+    of each turn."""
     def padded(rows, dtype=torch.float, value=0):  # [B, the longest row]; one column at least: a completion may be empty
         out = torch.full((len(rows), max(1, *map(len, rows))), value, dtype=dtype)
         for r, row in enumerate(rows):
             out[r, :len(row)] = torch.tensor(row, dtype=dtype)
         return out
-    rows, ids, segment, position, at = {}, [], [], [], [None] * len(samples)
+    ids, segment, position, at, open_row = [], [], [], [], {}  # open_row: the row a prompt's next completion may join
     for i, s in enumerate(samples):
-        rows.setdefault(tuple(s["ids"][:s["n_prompt"]]) if share else i, []).append(i)
-    for r, members in enumerate(rows.values()):
-        n = samples[members[0]]["n_prompt"]
-        ids.append(samples[members[0]]["ids"][:n])
-        segment.append([0] * n)
-        position.append(list(range(n)))
-        for k, i in enumerate(members, 1):
-            completion = samples[i]["ids"][n:]
-            at[i] = (r, [n - 1] + list(range(len(ids[r]), len(ids[r]) + len(completion) - 1)))
-            ids[r] += completion
-            segment[r] += [k] * len(completion)
-            position[r] += range(n, n + len(completion))
+        n, completion = s["n_prompt"], s["ids"][s["n_prompt"]:]
+        r = open_row.get(tuple(s["ids"][:n]) if share else i)
+        if r is None or width and 2 * len(completion) * (len(ids[r]) - n) >= n * (6 * width + n):
+            open_row[tuple(s["ids"][:n]) if share else i] = r = len(ids)
+            ids.append(s["ids"][:n])
+            segment.append([0] * n)
+            position.append(list(range(n)))
+        at.append((r, [n - 1] + list(range(len(ids[r]), len(ids[r]) + len(completion) - 1))))
+        ids[r] += completion
+        segment[r] += [i + 1] * len(completion)
+        position[r] += range(n, n + len(completion))
     segment = padded(segment, torch.long, -1)  # -1: padding, which attends to the prompt: no row is all masked
     causal = torch.ones(segment.shape[1], segment.shape[1], dtype=torch.bool).tril()
     mask = padded([s["mask"] for s in samples])
@@ -1873,6 +1876,7 @@ def train_step(model, optimizer, samples, num_tokens, num_sequences, args, devic
     """Gradient accumulation over micro-batches; DDP all-reduces on the last one only. FSDP reduce-scatters on each:
     skipping that (set_requires_gradient_sync) would hold the unsharded gradients of the whole model on every rank."""
     model.train()
+    width = getattr(model, "module", model).config.get_text_config().hidden_size  # prices sharing a row (collate)
     totals, micros, forwarded = {"loss": 0.0}, micro_batches(samples, args.micro_batch_size, 1, args.share_prefix), 0
     if world_size > 1:  # every rank runs as many forwards and backwards, whatever its lengths: DDP and FSDP communicate in them
         count = torch.tensor(len(micros), device=device)
@@ -1880,7 +1884,7 @@ def train_step(model, optimizer, samples, num_tokens, num_sequences, args, devic
         if count > len(micros):  # this rank splits its largest micro-batches until it has as many
             micros = micro_batches(samples, args.micro_batch_size, int(count), args.share_prefix)
     for i, micro in enumerate(micros):
-        batch = collate(micro, pad_id, device, args.sampling_args.get("min_tokens", 0), args.share_prefix)
+        batch = collate(micro, pad_id, device, args.sampling_args.get("min_tokens", 0), args.share_prefix, width)
         forwarded += batch["tokens"]
         sync_grads = i == len(micros) - 1 or not hasattr(model, "no_sync")
         # the distribution vLLM sampled from: the ratio against its log-probs measures the policy, not the truncation

@@ -2640,3 +2640,28 @@ def test_sharing_is_refused_where_the_model_would_not_attend_as_the_mask_says(ti
     windowed = ag.load_policy(tiny_model)
     windowed.config.sliding_window = 512
     assert ag.sharing_refused(windowed) == "its attention has a sliding window"
+
+
+def test_a_completion_shares_its_prompts_row_only_where_that_costs_less_than_a_row_of_its_own(tiny_model):
+    """A row's attention is dense over every completion in it: a group of long completions after a short prompt (a
+    reasoning run) would cost more shared than whole at a real model's width. collate prices each join (the prompt's
+    tokens saved against the attention added) and splits a prompt's completions over rows; each row still gives every
+    token what it would see alone."""
+    def group(n_prompt, lengths, seed=0):
+        g = torch.Generator().manual_seed(seed)
+        prompt = torch.randint(3, 400, (n_prompt,), generator=g).tolist()
+        return [{"ids": prompt + torch.randint(3, 400, (c,), generator=g).tolist(), "n_prompt": n_prompt, "mask": [1] * c,
+                 "logprobs": [0.0] * c, "advantage": 0.0} for c in lengths]
+    reasoning, documents = group(50, [1500] * 4), group(1000, [100] * 8)
+    whole = {name: sum(len(s["ids"]) for s in samples) for name, samples in [("reasoning", reasoning), ("documents", documents)]}
+    assert ag.collate(reasoning, 0, "cpu", width=4096)["tokens"] == whole["reasoning"]  # a row each: 4 x 1,550 tokens
+    assert ag.collate(reasoning, 0, "cpu")["tokens"] == 50 + 4 * 1500  # unpriced: one row of 6,050
+    assert ag.collate(documents, 0, "cpu", width=4096)["tokens"] == 1000 + 8 * 100  # the prompt once
+    model = ag.load_policy(tiny_model)
+    samples = group(20, [30, 60, 100, 150, 8, 4], seed=1)
+    split = ag.collate(samples, 0, "cpu", width=model.config.hidden_size)
+    assert 1 < len(set(split["rows"].flatten().tolist())) < len(samples)  # shared in part
+    with torch.no_grad():
+        shared = ag.token_logprobs(model, split)[0]
+        alone = ag.token_logprobs(model, ag.collate(samples, 0, "cpu", share=False))[0]
+    torch.testing.assert_close(shared, alone, rtol=0, atol=1e-4)
