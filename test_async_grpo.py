@@ -2551,6 +2551,14 @@ def test_bench_tiny_runs_every_part_and_writes_every_field(tmp_path):
     assert output.with_suffix(".png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "async is" in proc.stdout and "of the raw-broadcast ceiling" in proc.stdout  # the table was printed
     assert "training step at --top-p 0.9 against 1.0" in proc.stdout
+    prefix = results["prefix"]
+    for shape in ("long_prompt", "default_task"):
+        r = prefix[shape]
+        assert all(r[mode]["seconds"] > 0 and r[mode]["peak_mb"] > 0 for mode in ("shared", "unshared"))
+        assert r["speedup"] == pytest.approx(r["unshared"]["seconds"] / r["shared"]["seconds"])
+    shared, unshared = prefix["end_to_end_shared"], prefix["end_to_end_unshared"]
+    assert shared["train/tokens"] < shared["train/tokens_unshared"] and unshared["train/tokens"] == unshared["train/tokens_unshared"]
+    assert "end to end at the long prompt" in proc.stdout
     server_pid = int(re.search(r"starting vLLM \(pid (\d+)", proc.stdout).group(1))
     assert processes_in_group(server_pid) == []
 
