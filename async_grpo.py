@@ -497,13 +497,8 @@ PROBE = [{"role": "user", "content": "What is 6 * 7?"},
 def prefix_preserving(tok, schemas):
     """True if rendering a conversation one message longer only ever appends tokens. The tool loop
     relies on it: it tokenises only what the template adds after the model's own tokens."""
-    previous = []
-    for n in range(1, len(PROBE) + 1):
-        ids = tok.encode(render(tok, PROBE[:n], schemas), add_special_tokens=False)
-        if ids[:len(previous)] != previous:
-            return False
-        previous = ids
-    return True
+    renders = (tok.encode(render(tok, PROBE[:n], schemas), add_special_tokens=False) for n in range(1, len(PROBE) + 1))
+    return all(longer[:len(shorter)] == shorter for shorter, longer in itertools.pairwise(renders))
 
 
 def training_template(template):
@@ -1934,12 +1929,8 @@ def evaluate(run):
 
 def mean_over_union(dicts):
     """Mean of each key over the dicts that have it (keys differ between samples with and without tools)."""
-    sums, counts = defaultdict(float), defaultdict(int)
-    for d in dicts:
-        for k, v in d.items():
-            sums[k] += v
-            counts[k] += 1
-    return {k: sums[k] / counts[k] for k in sums}
+    keys = dict.fromkeys(k for d in dicts for k in d)  # in the order first seen
+    return {k: sum(d[k] for d in dicts if k in d) / sum(k in d for d in dicts) for k in keys}
 
 
 def rollout_metrics(groups, version):
