@@ -1013,9 +1013,8 @@ def rollout_context(tok, schemas, rows, max_model_len=None, stop_ids=None):
 async def rollout(session, url, tok, row, args, ctx, policy, greedy=False):
     """Sample one conversation. Keeps the exact token ids: prompt, then per turn the generated ids
     (mask 1, with their log-probs and policy versions) and the tool-result ids (mask 0)."""
-    ids = list(ctx["prompt_ids"][row["id"]])
+    ids, mask, logprobs, versions, messages = list(ctx["prompt_ids"][row["id"]]), [], [], [], []
     n_prompt = len(ids)
-    mask, logprobs, versions, messages = [], [], [], []
     stats = {"tool_calls": 0, "tool_failures": 0, "tool_seconds": 0.0, "turns": 0, "truncated": True,  # until it answers
              "interrupted": 0, "per_tool": {}}  # per_tool: name -> [calls, failures]
     while (budget := min(args.max_tokens, ctx["max_model_len"] - len(ids))) > 0:
@@ -1051,9 +1050,8 @@ async def rollout(session, url, tok, row, args, ctx, policy, greedy=False):
         if finish != "stop" or stats["turns"] > args.max_tool_turns:  # out of tokens, or of tool turns
             break
         start = time.perf_counter()
-        results, _ = await asyncio.gather(asyncio.gather(*(call_tool(c, ctx["schemas_by_name"], args.tool_timeout)
-                                                           for c in message["tool_calls"])),
-                                          asyncio.sleep(args.tool_latency))
+        calls = [call_tool(c, ctx["schemas_by_name"], args.tool_timeout) for c in message["tool_calls"]]
+        results, _ = await asyncio.gather(asyncio.gather(*calls), asyncio.sleep(args.tool_latency))
         results += [(f"Error: {error}", False) for error in message["tool_call_errors"]]  # the model sees each one
         stats["tool_seconds"] += time.perf_counter() - start
         stats["tool_calls"] += len(results)
@@ -1065,8 +1063,7 @@ async def rollout(session, url, tok, row, args, ctx, policy, greedy=False):
             counts = stats["per_tool"].setdefault(key, [0, 0])
             counts[0] += 1
             counts[1] += not ok
-        # A tool's text may hold a lone surrogate (from its input, or bytes decoded with surrogateescape): the
-        # tokenizer would refuse it
+        # a lone surrogate in a tool's text (from its input, or bytes decoded with surrogateescape) fails the tokenizer
         tool_messages = [{"role": "tool", "name": n, "content": r.encode(errors="replace").decode()}
                          for n, (r, _) in zip(names, results)]
         suffix = tool_result_ids(tok, row["prompt"] + messages, tool_messages, ctx["schemas"], ctx["turn_ends"], stopped)
