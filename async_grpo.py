@@ -493,6 +493,19 @@ PROBE = [{"role": "user", "content": "What is 6 * 7?"},
          {"role": "user", "content": "And 6 * 8?"},
          {"role": "assistant", "content": "48"}]
 
+# A tool with every JSON type (a union too; an argument called `name`), and calls to it (one per turn and three per
+# turn) that the start-up check renders with the run's template and parses back: what comes back must be what went in.
+ROUND_TRIP_TOOL = {"type": "function", "function": {
+    "name": "round_trip_probe", "description": "Stands in for the run's tools in the start-up check.",
+    "parameters": {"type": "object", "required": ["text"], "properties": {
+        "text": {"type": "string"}, "count": {"type": "integer"}, "ratio": {"type": "number"}, "flag": {"type": "boolean"},
+        "items": {"type": "array"}, "options": {"type": "object"}, "name": {"type": ["string", "null"]}}}}}
+ROUND_TRIP = [("", [_call("round_trip_probe", {"text": "6 * 7"})]),
+              ("Three at once.", [
+                  _call("round_trip_probe", {"text": 'say "hi"\nthen <b>stop</b> {}', "count": 3, "ratio": -2.5, "flag": True}),
+                  _call("round_trip_probe", {"text": "x", "items": [1, "two", [3.5]], "options": {"k": {"deep": [False, None]}}}),
+                  _call("round_trip_probe", {"name": None, "text": ""})])]
+
 
 def prefix_preserving(tok, schemas):
     """True if rendering a conversation one message longer only ever appends tokens. The tool loop
@@ -506,20 +519,6 @@ def training_template(template):
     for turns before the last user message); this variant renders every turn the same way always."""
     patched = template.replace("{%- if loop.index0 > ns.last_query_index %}", "{%- if true %}")
     return patched.replace("{%- if loop.last or (not loop.last and reasoning_content) %}", "{%- if true %}")
-
-
-# A tool with every JSON type (a union too; an argument called `name`), and calls to it (one per turn and three per
-# turn) that the start-up check renders with the run's template and parses back: what comes back must be what went in.
-ROUND_TRIP_TOOL = {"type": "function", "function": {
-    "name": "round_trip_probe", "description": "Stands in for the run's tools in the start-up check.",
-    "parameters": {"type": "object", "required": ["text"], "properties": {
-        "text": {"type": "string"}, "count": {"type": "integer"}, "ratio": {"type": "number"}, "flag": {"type": "boolean"},
-        "items": {"type": "array"}, "options": {"type": "object"}, "name": {"type": ["string", "null"]}}}}}
-ROUND_TRIP = [("", [_call("round_trip_probe", {"text": "6 * 7"})]),
-              ("Three at once.", [
-                  _call("round_trip_probe", {"text": 'say "hi"\nthen <b>stop</b> {}', "count": 3, "ratio": -2.5, "flag": True}),
-                  _call("round_trip_probe", {"text": "x", "items": [1, "two", [3.5]], "options": {"k": {"deep": [False, None]}}}),
-                  _call("round_trip_probe", {"name": None, "text": ""})])]
 
 
 def stop_token_ids(tok, model_path=None):
@@ -639,6 +638,7 @@ def _no_duplicates(pairs):
 
 JSON_TYPES = {"string": str, "integer": int, "number": (int, float), "boolean": bool, "array": list,
               "object": dict, "null": type(None)}
+JSON = json.JSONDecoder(parse_constant=_no_constant, parse_float=_finite, object_pairs_hook=_no_duplicates)
 
 
 def is_json_type(value, kind, unknown=True):
@@ -654,9 +654,6 @@ def schema_types(schema):
     kinds = [schema["type"]] if isinstance(schema.get("type"), str) else list(schema.get("type", []))
     kinds += [t for part in schema.get("anyOf", []) + schema.get("oneOf", []) for t in schema_types(part)]
     return kinds + ["null"] * bool(kinds and schema.get("nullable"))
-
-
-JSON = json.JSONDecoder(parse_constant=_no_constant, parse_float=_finite, object_pairs_hook=_no_duplicates)
 
 
 def decode_json(text, start=0):
@@ -712,6 +709,7 @@ XML_TAGS = re.compile(r"<parameter=([^>\n]+)>|</parameter>|</tool_call>" + CLEAN
 STRING = r'"(?:[^"\\]|\\[\s\S])*"?|'  # a JSON string (one cut off runs to the end): a tag inside it is text
 TAGGED_END, MISTRAL_END = re.compile(STRING + r"</?tool_call>"), re.compile(STRING + r"\[TOOL_CALLS\]")
 TAGGED_CLOSE = re.compile(r"\s*(?:</tool_call>|\Z)")  # at the end of the turn, a call is whole without its closing tag
+MISTRAL_NAME = re.compile(r"\s*([^\[\]\s]+)(?:\[CALL_ID\][^\[]*)?\[ARGS\]")
 
 
 def xml_value_end(text, pos):
@@ -783,9 +781,6 @@ def parse_tagged(text, schemas):
             errors.append(f"could not parse the tool call {text[start:pos][:200]!r}: {message}")
     content.append(text[pos:])
     return "".join(content), found, errors
-
-
-MISTRAL_NAME = re.compile(r"\s*([^\[\]\s]+)(?:\[CALL_ID\][^\[]*)?\[ARGS\]")
 
 
 def parse_mistral(text):
@@ -935,6 +930,7 @@ class PolicyVersion:
 
 
 SERVED_MODEL = "policy"  # the name the servers started here serve the weights under, whatever the checkpoint
+TOOL_THREADS = ThreadPoolExecutor(64, thread_name_prefix="tool")  # a hung sync tool holds one thread, not the loop
 
 
 async def generate(session, url, ids, max_tokens, args, stop_ids, greedy=False, generated=0):
@@ -978,9 +974,6 @@ def argument_errors(schema, arguments):
         if (types := schema_types(properties.get(key))) and not any(is_json_type(value, t) for t in types):
             errors.append(f"argument {key!r} must be {' or '.join(types)}, got {json.dumps(value)[:50]}")
     return errors
-
-
-TOOL_THREADS = ThreadPoolExecutor(64, thread_name_prefix="tool")  # a hung sync tool holds one thread, not the loop
 
 
 async def call_tool(call, schemas, timeout):
