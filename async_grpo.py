@@ -1297,17 +1297,15 @@ def start_vllm(args, model_path, out_dir):
                    "--port", str(port), "--seed", str(args.seed), "--served-model-name", SERVED_MODEL,
                    "--worker-extension-cls", "async_grpo.WeightSyncExtension",
                    "--logprobs-mode", "processed_logprobs"]  # log-probs after temperature/top-p: what was sampled from
-            if args.max_model_len:
-                cmd += ["--max-model-len", str(args.max_model_len)]
+            optional = {"--max-model-len": args.max_model_len, "--tensor-parallel-size": share and len(share.split(",")),
+                        "--gpu-memory-utilization": plan["gpu_memory"]}
+            cmd += [word for flag, value in optional.items() if value for word in (flag, str(value))]
             if plan["cpu_server"] and vllm_flag(args, "--dtype") is None:
                 # fp32 on CPU: bf16 arithmetic without AVX-512 is slow (a 25M-parameter model here generated 150 tokens/s
                 # in bf16, 680-780 in fp32), and an fp32 server holds exactly the trainer's weights
                 cmd += ["--dtype", "float32"]
             if share:
-                cmd += ["--tensor-parallel-size", str(len(share.split(",")))]
                 env["CUDA_VISIBLE_DEVICES"] = share
-            if plan["gpu_memory"]:
-                cmd += ["--gpu-memory-utilization", str(plan["gpu_memory"])]
             # A CPU server takes one core, whole: its worker (which busy-polls for a second after each engine step)
             # and its HTTP and engine front end, which would otherwise preempt the trainer on the other cores
             # (measured on 2 cores: async 1.15x -> 1.62x the samples/s of --sync on average; --sync itself unchanged).
