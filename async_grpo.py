@@ -59,9 +59,8 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 def parse_args(argv=None, world_size=1, cuda_count=None, local_ranks=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=HelpFormatter)
     g = p.add_argument_group("model and data")
-    g.add_argument("--model", default=None,
-                   help="hub name or local path of a causal LM or an image-text model (its vision tower frozen), or a "
-                        ".gguf file (dequantised once into --cache-dir); default: the tiny built-in model")
+    g.add_argument("--model", help="hub name or local path of a causal LM or an image-text model (its vision tower "
+                   "frozen), or a .gguf file (dequantised once into --cache-dir); default: the tiny built-in model")
     g.add_argument("--dataset", default=None, help="JSONL file, one row {\"prompt\": str or chat messages, ...} per line; "
                                                    "the other columns reach the rewards by name. Default: --task")
     g.add_argument("--task", choices=["arithmetic", "countdown"], default="arithmetic",
@@ -955,8 +954,7 @@ async def generate(session, url, ids, max_tokens, args, stop_ids, greedy=False, 
                 choice = (await response.json())["choices"][0]
             return choice["token_ids"], choice["logprobs"]["token_logprobs"], choice["finish_reason"]
         except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as e:
-            # The connection dropped before an answer (a pooled keep-alive connection the server
-            # closed just then): the request carries the whole state, so sending it again is safe.
+            # a pooled keep-alive connection the server closed just then: the request holds all its state, so resend it
             if attempt == 2:
                 raise ConnectionError(f"the vLLM server {url} dropped a generation request 3 times ({e})") from None
             await asyncio.sleep(0.5 * 2 ** attempt)
@@ -995,8 +993,7 @@ async def call_tool(call, schemas, timeout):
 
 
 def rollout_context(tok, schemas, rows, max_model_len=None, stop_ids=None):
-    """What every rollout needs, computed once: tools, stop tokens, how the template writes tool calls and ends a
-    turn (with tools), each row's prompt ids, and the server's context length (known once it is up)."""
+    """What every rollout needs, computed once; max_model_len is the server's context length, known once it is up."""
     stop_ids = stop_ids or stop_token_ids(tok)
     return {"schemas": schemas, "schemas_by_name": {s["function"]["name"]: s["function"] for s in schemas or []},
             "stop_ids": stop_ids, "max_model_len": max_model_len, **(chat_format(tok, schemas, stop_ids) if schemas else {}),
@@ -1500,12 +1497,10 @@ class WeightSyncExtension:
                     arriving = receive(buckets[k + 1])
                 parts = flat.split([math.prod(shape) for _, shape in bucket["params"]])
                 yield from ((name, part.view(shape)) for (name, shape), part in zip(bucket["params"], parts))
-        # reload_weights wraps model.load_weights in vLLM's layer-wise reload lifecycle, which
-        # re-runs the post-load processing that plain load_weights would skip.
+        # reload_weights, unlike plain load_weights, re-runs the post-load processing of each layer it loads...
         self.reload_weights(weights_iterator=tensors(), is_checkpoint_format=True)
-        # ...but only for the layer that loaded a tied weight. A module that shares it (lm_head
-        # tied to the embedding) keeps whatever was derived from the old values: on CPU, a
-        # pre-packed GEMM copy, so vLLM would go on sampling from the old output head.
+        # ...but only of the layer that loaded a tied weight. A module sharing it (lm_head tied to the embedding) keeps
+        # what it derived from the old values (on CPU, a pre-packed GEMM copy): vLLM would sample from the old head.
         from vllm.config import set_current_vllm_config
         model, owners = self.model_runner.get_model(), defaultdict(list)
         for name, param in model.named_parameters(remove_duplicate=False):
@@ -1865,11 +1860,10 @@ def train_step(model, optimizer, samples, num_tokens, num_sequences, args, devic
     for i, micro in enumerate(micros):
         batch = collate(micro, pad_id, device, args.sampling_args.get("min_tokens", 0), args.share_prefix)
         forwarded += batch["tokens"]
-        sync_grads = i == len(micros) - 1 or not hasattr(model, "no_sync")
         # the distribution vLLM sampled from: the ratio against its log-probs measures the policy, not the truncation
         sampling = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
                         stop_masked=batch["stop_masked"], stop_ids=stop_ids, served=served)
-        with (contextlib.nullcontext() if sync_grads else model.no_sync()), \
+        with (model.no_sync() if i < len(micros) - 1 and hasattr(model, "no_sync") else contextlib.nullcontext()), \
                 torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
             logp, removed = token_logprobs(model, batch, **sampling)
             with torch.no_grad():
