@@ -1626,30 +1626,20 @@ def grpo_loss(logp, sampler_logp, advantages, mask, epsilon, epsilon_high, loss_
               max_tokens=1, is_correction="none", is_threshold=2.0, is_level="token", ref_logp=None, beta=0.0):
     """logp (the trainer's, with gradient), sampler_logp (vLLM's), mask (0 on tool-result and padding tokens): [B, T],
     per completion token; advantages: [B]. num_tokens and num_sequences count the whole step (all micro-batches, all ranks),
-    so the result is a share of the step's loss.
-
-    The importance weight w = pi_trainer / pi_sampler (no gradient) is how far the trainer's policy is from the one that
-    sampled: numeric mismatch plus staleness.
-      is_correction none: the clipped ratio is taken against the sampler's log-probs.
-      tis, mis (decoupled PPO): the ratio is taken against the trainer's policy before this update (value 1, the gradient
-        of log pi), and the surrogate is weighted by w truncated at is_threshold (tis), or by w inside [1/is_threshold,
-        is_threshold] and 0 outside (mis); w per token, or per sequence as the geometric mean over its tokens (is_level
-        sequence, and always for gspo).
-      loss_type token (DAPO, default): every loss token of the step weighs the same; sequence (the GRPO paper): mean over
-        each sequence's tokens, then over sequences; constant (Dr. GRPO): token sum over the constant num_sequences *
-        max_tokens, so a sequence's length does not change the weight of its tokens; gspo: one ratio per sequence
-        (geometric mean of its token ratios), clipped per sequence.
-      beta > 0 adds beta * KL(pi_theta || pi_ref) per token (k3 estimator), normalised the same way."""
+    so the result is a share of the step's loss. The importance weight w = pi_trainer / pi_sampler (no gradient) is how
+    far the trainer's policy is from the one that sampled: numeric mismatch plus staleness. beta > 0 adds a KL penalty
+    to the reference, beta * KL(pi_theta || pi_ref) per token (k3 estimator), normalised as the surrogate is."""
     lengths = mask.sum(1, keepdim=True).clamp(min=1)
 
     def sequence_mean(x):  # [B, T] -> [B, 1]: mean over each sequence's loss tokens
         return (x * mask).sum(1, keepdim=True) / lengths
 
     log_w = (logp.detach() - sampler_logp) * mask               # log pi_trainer / pi_sampler
+    # w per token, or per sequence: the geometric mean over its tokens (is_level sequence, and always for gspo)
     w = torch.exp(sequence_mean(log_w) if is_level == "sequence" or loss_type == "gspo" else log_w)
-    if is_correction == "none":
+    if is_correction == "none":  # the clipped ratio is taken against the sampler's log-probs
         old_logp, weight = sampler_logp, torch.ones_like(w)
-    else:
+    else:  # tis, mis (decoupled PPO): the ratio is against the policy before this update (value 1, gradient of log pi)
         old_logp = logp.detach()
         weight = w.clamp(max=is_threshold) if is_correction == "tis" else w * ((w >= 1 / is_threshold) & (w <= is_threshold))
     log_ratio = (logp - old_logp) * mask                        # log pi_theta / pi_old
@@ -1661,13 +1651,13 @@ def grpo_loss(logp, sampler_logp, advantages, mask, epsilon, epsilon_high, loss_
         delta = ref_logp - logp
         kl = torch.exp(delta) - delta - 1                       # k3: unbiased and never negative
         per_token = per_token + beta * (sequence_mean(kl) if loss_type == "gspo" else kl)
-    if loss_type == "gspo":
+    if loss_type == "gspo":  # one ratio per sequence (the geometric mean of its token ratios), clipped per sequence
         loss = per_token.sum() / num_sequences
-    elif loss_type == "sequence":
+    elif loss_type == "sequence":  # the GRPO paper: mean over each sequence's tokens, then over sequences
         loss = sequence_mean(per_token).sum() / num_sequences
-    elif loss_type == "constant":
+    elif loss_type == "constant":  # Dr. GRPO: a sequence's length does not change the weight of its tokens
         loss = (per_token * mask).sum() / (num_sequences * max_tokens)
-    else:
+    else:  # token (DAPO): every loss token of the step weighs the same
         loss = (per_token * mask).sum() / num_tokens
     with torch.no_grad():
         n, tokens, token_w = mask.sum().clamp(min=1), mask.bool(), torch.exp(log_w)
