@@ -1723,15 +1723,13 @@ def collate(samples, pad_id, device, min_tokens=0, share=True):
 
 
 def kept_threshold(x, top_k=0, top_p=1.0, min_p=0.0):
-    """x: [N, V] logits after temperature. The smallest logit each row keeps under vLLM's truncations, in its order:
-    min-p (tokens with at least min_p times the top token's probability), top-k (the k largest, ties kept), top-p (the
-    most likely tokens whose probability mass before them is below top_p) -> [N, 1]."""
+    """x: [N, V] logits after temperature -> [N, 1]: the smallest logit each row keeps, truncated in vLLM's order."""
     threshold = torch.full_like(x[:, :1], -torch.inf)
-    if min_p > 0:
+    if min_p > 0:  # tokens with at least min_p times the top token's probability
         threshold = x.max(-1, keepdim=True).values + math.log(min_p)
-    if 0 < top_k < x.shape[-1]:
+    if 0 < top_k < x.shape[-1]:  # the k largest, ties kept
         threshold = torch.maximum(threshold, x.topk(top_k, -1).values[:, -1:])
-    if top_p < 1:
+    if top_p < 1:  # the most likely tokens whose probability mass before them is below top_p
         x = x.masked_fill(x < threshold, -torch.inf)
         log_total = x.logsumexp(-1, keepdim=True)
         for k in (min(1024, x.shape[-1]), x.shape[-1]):  # the nucleus is usually small: a full sort only if it is not
