@@ -341,9 +341,8 @@ def task_rows(n, seed, task="arithmetic", max_operand=4, terms=2, operations="+-
 
 def dequantise_gguf(path, cache_dir):
     """A GGUF file as a plain checkpoint, built once into cache_dir: vLLM and the trainer load that, and a sync sends
-    plain weights. transformers reads GGUF (with the gguf and accelerate packages) but marks the model quantised and
-    will not save it: a fresh model of its config takes the dequantised weights, saved in bf16 (half the size of fp32;
-    vLLM and the trainer load the same values)."""
+    plain weights. transformers reads GGUF but marks the model quantised and will not save it: a fresh model of its
+    config takes the dequantised weights, saved in bf16 (half fp32's size; both sides load the same values)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
     path = Path(path).resolve()
     out = Path(cache_dir) / f"{path.stem}-{path.stat().st_size}"
@@ -933,9 +932,8 @@ TOOL_THREADS = ThreadPoolExecutor(64, thread_name_prefix="tool")  # a hung sync 
 
 
 async def generate(session, url, ids, max_tokens, args, stop_ids, greedy=False, generated=0):
-    """One completion from vLLM: token ids in; sampled ids, their log-probs and why it ended out
-    ('abort': a weight sync stopped it; the ids so far are kept). `generated`: tokens of this turn
-    that a stopped request already produced (this one continues it)."""
+    """One completion from vLLM: token ids in; sampled ids, their log-probs and why it ended out ('abort': a weight sync
+    stopped it; the ids so far are kept). `generated`: tokens of this turn that a stopped request already produced."""
     # Every parameter that shapes the distribution is sent: vLLM fills the missing ones from the checkpoint's
     # generation_config.json (Qwen3's says top_k 20), and the trainer would not know.
     payload = {"model": SERVED_MODEL, "prompt": ids, "max_tokens": max_tokens, "logprobs": 0,
@@ -1102,10 +1100,9 @@ def group_advantages(rewards, scale=True, eps=1e-4):
 # --- The producer: a thread with its own asyncio loop that keeps the queue full ---------------------------------------
 
 class Producer(threading.Thread):
-    """Streams scored groups to the trainer, numbered in the order they start; the trainer takes
-    them in that order (`take`), which is what lets admission control know when a group will be
-    trained. `policy` is the PolicyVersion the weight sync advances. With several servers (`urls`),
-    each group goes to the one with the fewest groups running: its rollouts share the cached prompt."""
+    """Streams scored groups to the trainer, numbered in the order they start; the trainer takes them in that order
+    (`take`), which lets admission control know when a group will be trained. With several servers (`urls`), each group
+    goes to the one with the fewest groups running: its rollouts share the cached prompt."""
 
     def __init__(self, args, tok, rows, urls, ctx, policy, cursor=None):
         super().__init__(daemon=True, name="producer")
@@ -1458,8 +1455,7 @@ class WeightSyncExtension:
         self.weight_sync_group = sync_group(host, port, first_rank + self.rank, world_size, backend, timeout)
 
     def served_config(self):
-        """What this server computes in (the weights are sent in it, the trainer rounds logits to it), and which
-        log-probs it returns."""
+        """(dtype, log-probs mode): the weights are sent in the server's dtype; the trainer rounds its logits to it."""
         config = self.vllm_config.model_config
         return str(config.dtype).removeprefix("torch."), config.logprobs_mode
 
@@ -1959,11 +1955,10 @@ def share_idle_core(model, version, idle_after=1.0):
 
 
 def load_policy(path, empty=False):
-    """A causal LM, or an image-text checkpoint (Qwen2-VL, SmolVLM, ...) as its *ForConditionalGeneration
-    class: that one's parameter names are the checkpoint's, which vLLM's loader maps to its own (a bare
-    AutoModel drops the `model.` prefix). Text-only RL trains its language model and output head; the
-    vision tower and projector get no gradient from text, so they are frozen: not optimised, not synced.
-    empty: the model's shapes on the meta device, no weights read and no memory taken."""
+    """A causal LM, or an image-text checkpoint (Qwen2-VL, SmolVLM, ...) as its *ForConditionalGeneration class: its
+    parameter names are the checkpoint's, which vLLM's loader maps to its own (a bare AutoModel drops the `model.`
+    prefix). Text-only RL trains its language model and output head; the vision tower and projector get no gradient from
+    text, so they are frozen: not optimised, not synced. empty: only the shapes, on the meta device."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
     config = AutoConfig.from_pretrained(path)
     kind = AutoModelForImageTextToText if hasattr(config, "vision_config") else AutoModelForCausalLM
