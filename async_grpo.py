@@ -380,8 +380,7 @@ TINY_CHAT_TEMPLATE = (
     "{{ f.name }}({{ f.parameters.properties | join(', ') }})\n{% endfor %}"
     "Call one as <tool_call>{\"name\": NAME, \"arguments\": {...}}</tool_call><|im_end|>\n"
     "{%- elif messages[0].role == 'system' %}<|im_start|>system\n{{ messages[0].content }}<|im_end|>\n{% endif %}"
-    "{%- for m in messages %}"
-    "{%- if m.role == 'user' %}<|im_start|>user\n{{ m.content }}<|im_end|>\n"
+    "{%- for m in messages %}{%- if m.role == 'user' %}<|im_start|>user\n{{ m.content }}<|im_end|>\n"
     "{%- elif m.role == 'assistant' %}<|im_start|>assistant\n{{ m.content or '' }}"
     "{%- for call in m.tool_calls or [] %}{% set f = call.function if call.function is defined else call %}"
     "<tool_call>{\"name\": \"{{ f.name }}\", \"arguments\": "
@@ -390,9 +389,7 @@ TINY_CHAT_TEMPLATE = (
     "{%- if loop.first or messages[loop.index0 - 1].role != 'tool' %}<|im_start|>user{% endif %}"
     "\n<tool_response>{{ m.content }}</tool_response>"
     "{%- if loop.last or messages[loop.index0 + 1].role != 'tool' %}<|im_end|>\n{% endif %}"
-    "{%- endif %}{%- endfor %}"
-    "{%- if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
+    "{%- endif %}{%- endfor %}{%- if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 TINY_SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<tool_call>", "</tool_call>",
                        "<tool_response>", "</tool_response>", "<think>", "</think>"]
 TINY_VERSION = "tiny-qwen3-v2"  # bump when the recipe below changes, so caches rebuild
@@ -488,8 +485,7 @@ PROBE = [{"role": "user", "content": "What is 6 * 7?"},
          {"role": "assistant", "content": "", "tool_calls": [_call("calculator", {"expression": "6 * 7"})]},
          {"role": "tool", "name": "calculator", "content": "42"},
          {"role": "assistant", "content": "<think>\nThe tool said 42.\n</think>\n\n42"},
-         {"role": "user", "content": "And 6 * 8?"},
-         {"role": "assistant", "content": "48"}]
+         {"role": "user", "content": "And 6 * 8?"}, {"role": "assistant", "content": "48"}]
 
 # A tool with every JSON type (a union too; an argument called `name`), and calls to it (one per turn and three per
 # turn) that the start-up check renders with the run's template and parses back: what comes back must be what went in.
@@ -835,11 +831,9 @@ def parse_bare_json(text):
 def remove_think(text, opened):
     """(reasoning or None, the rest). A think block is one the prompt opened (`opened`) or one the turn opens at its
     start; a '</think>' anywhere else is text."""
-    if not opened:
-        if not text.lstrip().startswith("<think>"):
-            return None, text
-        text = text.lstrip()[len("<think>"):]
-    reasoning, closed, rest = text.partition("</think>")
+    if not opened and not text.lstrip().startswith("<think>"):
+        return None, text
+    reasoning, closed, rest = (text if opened else text.lstrip()[len("<think>"):]).partition("</think>")
     return reasoning.strip(), rest if closed else ""
 
 
