@@ -40,14 +40,15 @@ import rewards as rewards_module
 import tools as tools_module
 
 HERE = Path(__file__).resolve().parent
-
-
-# --- Arguments --------------------------------------------------------------------------------------------------------
-
+SERVED_MODEL = "policy"  # the name the servers started here serve the weights under, whatever the checkpoint
+ROLLOUT_FIELDS = {"prompts", "completions", "completion_ids", "tool_calls", "tool_failures", "truncated"}
+TOOL_THREADS = ThreadPoolExecutor(64, thread_name_prefix="tool")  # a hung sync tool holds one thread, not the loop
 # What --sampling-args may hold: parameters that end or seed a generation but leave its distribution as the trainer
 # computes it (min_tokens does change it: the trainer holds the stop tokens back in the same places).
 SAMPLING_ARGS = {"min_tokens", "stop", "seed", "ignore_eos"}
 
+
+# --- Arguments --------------------------------------------------------------------------------------------------------
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
     def _get_help_string(self, action):  # "(default: X)", unless the help says it or there is none to say
@@ -921,10 +922,6 @@ class PolicyVersion:
                     self.idle_since = time.perf_counter()
 
 
-SERVED_MODEL = "policy"  # the name the servers started here serve the weights under, whatever the checkpoint
-TOOL_THREADS = ThreadPoolExecutor(64, thread_name_prefix="tool")  # a hung sync tool holds one thread, not the loop
-
-
 async def generate(session, url, ids, max_tokens, args, stop_ids, greedy=False, generated=0):
     """One completion from vLLM: token ids in; sampled ids, their log-probs and why it ended out ('abort': a weight sync
     stopped it; the ids so far are kept). `generated`: tokens of this turn that a stopped request already produced."""
@@ -1061,9 +1058,6 @@ async def rollout(session, url, tok, row, args, ctx, policy, greedy=False):
 
 
 # --- Rewards and group-relative advantages ----------------------------------------------------------------------------
-
-ROLLOUT_FIELDS = {"prompts", "completions", "completion_ids", "tool_calls", "tool_failures", "truncated"}
-
 
 async def score_group(samples, row, reward_weights):
     """Weighted sum of the reward functions over one group; also returns each function's values."""
