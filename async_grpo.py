@@ -1178,10 +1178,9 @@ class Producer(threading.Thread):
         self.queue.put((index, samples))
 
     def take(self, n, timeout, interrupted=lambda: False):
-        """The next n trainable groups in start order. Skips zero-variance groups with
-        --skip-zero-variance, and drops (with a warning and a count) groups too stale to train
-        (admission control should leave none) and groups whose rewards failed. Raises if the producer
-        died, nothing came in time, every recent reward failed, or interrupted() says so."""
+        """The next n trainable groups in start order. Skips zero-variance groups with --skip-zero-variance, and drops
+        (warned and counted) groups too stale to train (admission control should leave none) and groups whose rewards
+        failed. Raises if the producer died, no batch came in time, every recent reward failed or interrupted()."""
         groups, deadline, c = [], time.monotonic() + timeout, self.cursor
         while len(groups) < n:
             while c["next_index"] not in self.ready:  # groups finish out of order
@@ -1975,8 +1974,7 @@ def load_sharded(path, device):
 
 @dataclass
 class Run:
-    """What lives through a run, in one place: main's phases fill it in the order they run. Rank 0 alone holds the
-    servers, the producer and the logs."""
+    """What lives through a run: main's phases fill it in order; rank 0 alone holds the servers, producer and logs."""
     args: argparse.Namespace
     rank: int
     world_size: int
