@@ -1004,11 +1004,10 @@ async def rollout(session, url, tok, row, args, ctx, policy, greedy=False):
                                                         ctx["stop_ids"], greedy, len(new))
                 if finish == "abort" and policy.open:
                     raise RuntimeError("vLLM aborted a request outside a weight sync: is another client using it?")
-            if finish == "abort":
-                stats["interrupted"] += 1
-                if args.sync_mode == "abort":  # restart the turn with the new weights
-                    new, lps, new_versions = [], [], []
-                    continue
+            stats["interrupted"] += finish == "abort"
+            if finish == "abort" and args.sync_mode == "abort":  # restart the turn with the new weights
+                new, lps, new_versions = [], [], []
+                continue
             new += part  # keep: the new weights continue from these tokens
             lps += part_lps
             new_versions += [version] * len(part)
@@ -1133,9 +1132,7 @@ class Producer(threading.Thread):
 
     async def _produce(self):
         a = self.args
-        # Idle connections are dropped before vLLM's own 5 s keep-alive ends, so that a request is
-        # rarely sent on a connection the server is closing at that moment.
-        connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=3)
+        connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=3)  # closed before vLLM closes them (5 s): no race
         timeout = aiohttp.ClientTimeout(total=a.data_timeout)  # one request longer than the trainer waits for data
         async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
             pending, started = set(), self.cursor["next_index"]  # on --resume, groups not trained are redone
