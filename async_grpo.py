@@ -1126,9 +1126,8 @@ class Producer(threading.Thread):
         """Admission control: group `index` is trained at step (index - groups skipped) // prompts_per_step
         (at the latest: more skips make it earlier). Do not start it if the trainer will by then be more
         than --max-staleness versions ahead of the weights that would generate it now."""
-        a = self.args
-        train_step = (index - self.cursor["skipped_groups"]) // a.prompts_per_step
-        return train_step // a.sync_every - self.policy.value <= a.max_staleness
+        train_step = (index - self.cursor["skipped_groups"]) // self.args.prompts_per_step
+        return train_step // self.args.sync_every - self.policy.value <= self.args.max_staleness
 
     async def _produce(self):
         a = self.args
