@@ -273,7 +273,8 @@ def plan_devices(args, cuda_count, local_ranks, fail):
 def load_rows(args):
     """Rows of {'prompt': messages, ...columns}, split into (train, eval)."""
     if args.dataset is None:
-        rows = task_rows(5000 + args.eval_size, args.seed, args.task, args.max_operand, args.terms, args.operations)
+        rows = rewards_module.task_rows(5000 + args.eval_size, args.seed, args.task, args.max_operand, args.terms,
+                                        args.operations)
     else:
         rows, seen = [], {}  # seen: id -> line; a rollout finds its prompt by its row's id
         for line_no, line in enumerate(Path(args.dataset).read_text().splitlines(), 1):
@@ -309,35 +310,6 @@ def dataset_row(line, index, where):
     if not isinstance(row.setdefault("id", index), (str, int)):
         raise SystemExit(f"{where}: the id {row['id']!r} is not a string or integer")
     return row
-
-
-# FORK: add a task (its rows here, its reward in rewards.py)
-def task_rows(n, seed, task="arithmetic", max_operand=4, terms=2, operations="+-"):
-    """The built-in tasks, as dataset rows with the columns their rewards read. arithmetic: 'What is 3 + 4?', the
-    answer a column (reward correct_answer); with the defaults, 50 distinct problems, few enough for the tiny model to
-    learn in a few dozen steps. countdown: reach a target from given numbers, each used once (reward countdown): a
-    search, not a recall. `terms` operands up to max_operand, operators drawn from `operations`."""
-    rng, rows = random.Random(seed), []
-    for attempt in itertools.count():
-        if len(rows) == n:
-            return rows
-        if attempt == 1000 * n:
-            raise SystemExit(f"--task {task} --max-operand {max_operand} --terms {terms} --operations {operations}: "
-                             f"too few problems have a whole{' positive' * (task == 'countdown')} answer; widen them")
-        numbers = [rng.randint(0 if task == "arithmetic" else 1, max_operand) for _ in range(terms)]
-        expression = str(numbers[0])
-        for x in numbers[1:]:  # countdown nests at random: its target is not simply read left to right
-            expression = f"{expression} {rng.choice(operations)} {x}"
-            expression = f"({expression})" if task == "countdown" and rng.random() < 0.5 else expression
-        with contextlib.suppress(ZeroDivisionError, ValueError):  # ValueError: longer than the calculator takes
-            value = tools_module.calculator(expression)
-            if task == "arithmetic" and re.fullmatch(r"-?\d+", value):
-                rows.append({"id": len(rows), "prompt": f"What is {expression}?", "answer": int(value)})
-            elif task == "countdown" and value.isdigit() and value != "0":  # a positive whole target
-                rng.shuffle(numbers)
-                rows.append({"id": len(rows), "numbers": numbers, "target": int(value), "prompt":
-                             f"Using the numbers {', '.join(map(str, numbers))}, each exactly once, and the operations "
-                             f"{' '.join(operations)}, write an expression equal to {value}."})
 
 
 def dequantise_gguf(path, cache_dir):
@@ -400,7 +372,7 @@ def warm_start_conversations(n, seed):
     """Supervised conversations for the built-in model: answer directly (without tools), or, with tools offered (the
     calculator alone or all of them), call the calculator and copy its result."""
     rng, plain, with_tools = random.Random(seed), [], []
-    for row in task_rows(n, seed, max_operand=9):  # a wider range than the RL task: format, not facts
+    for row in rewards_module.task_rows(n, seed, max_operand=9):  # a wider range than the RL task: format, not facts
         user, answer = {"role": "user", "content": row["prompt"]}, str(row["answer"])
         plain.append(([user, {"role": "assistant", "content": answer}], None))
         call = {"type": "function", "function": {"name": "calculator", "arguments": {"expression": row["prompt"][8:-1]}}}
