@@ -559,8 +559,7 @@ def prepare_chat_template(tok, args, schemas, stop_ids, model=None):
     if tok.chat_template is None:
         raise SystemExit(f"--tools needs a chat template, and {model} has none: {fix}")
     try:
-        text = render(tok, PROBE[:3], schemas)
-        ignores_tools = render(tok, PROBE[:1], schemas) == render(tok, PROBE[:1])
+        text, ignores_tools = render(tok, PROBE[:3], schemas), render(tok, PROBE[:1], schemas) == render(tok, PROBE[:1])
     except Exception as e:
         raise SystemExit(f"{source} cannot render tool calls ({type(e).__name__}: {e}): {fix}")
     missing = [what for what, absent in [("the tools", ignores_tools), ("the tool call", "6 * 7" not in text),
@@ -814,8 +813,7 @@ def parse_assistant(text, tok=None, prompt_ids=(), schemas=None, fmt="tagged", m
     """Generated text -> {'role', 'content', 'reasoning_content' (if any), 'tool_calls', 'tool_call_errors'}:
     well-formed calls in the OpenAI shape, and one message per call that did not parse (or that exceeds max_calls,
     which the template could not render). Never raises."""
-    schemas = schemas or {}
-    message = {"role": "assistant", "content": "", "tool_calls": [], "tool_call_errors": []}
+    schemas, message = schemas or {}, {"role": "assistant", "content": "", "tool_calls": [], "tool_call_errors": []}
     try:
         if fmt == "transformers":  # the tokenizer's own parser; the schemas type the arguments
             parsed = tok.parse_response(text, prefix=tok.decode(prompt_ids),
@@ -849,8 +847,7 @@ def tool_result_ids(tok, history, tool_messages, schemas, turn_ends, stopped=Tru
     the model never sampled. It starts where the template ends an assistant turn: after its end-of-turn token, which the
     model's stop token stands for (Qwen3 may stop on <|endoftext|> or <|im_end|>; the template writes <|im_end|>\\n), or
     before it if the model stopped otherwise."""
-    before = render(tok, history, schemas)
-    after = render(tok, history + tool_messages, schemas, generation_prompt=True)
+    before, after = render(tok, history, schemas), render(tok, history + tool_messages, schemas, generation_prompt=True)
     end = next(((end, n) for end, n in sorted(turn_ends, key=lambda e: -len(e[0])) if before.endswith(end)), None)
     if end is None or not after.startswith(before):
         raise RuntimeError("the chat template rendered a conversation in a way its start-up check did not show "
@@ -2033,8 +2030,7 @@ def load_data(run):
                          "pass a local directory or hub name of a causal LM")
     run.pad_id = next((i for i in (tok.pad_token_id, tok.eos_token_id) if i is not None), 0)  # masked: any id does
     run.train_rows, run.eval_rows = load_rows(args)
-    schemas = tool_schemas(args.tool_names) if args.tool_names else None
-    stop_ids = stop_token_ids(tok, run.model_path)
+    schemas, stop_ids = tool_schemas(args.tool_names) if args.tool_names else None, stop_token_ids(tok, run.model_path)
     report = prepare_chat_template(tok, args, schemas, stop_ids, run.model_path)  # fails here, before vLLM starts
     if run.is_main:
         print(report, flush=True)
