@@ -2184,11 +2184,10 @@ def log_step(run, step, groups, metrics, trained_version):
                     "perf/generator_idle": (run.version.idle() - clock["idle_start"]) / wall,
                     "perf/cpu_seconds": time.process_time() - clock["cpu_start"]})  # this process's, producer included
     for s in samples[:args.log_rollouts]:
-        run.logs["rollouts"].write(json.dumps({
+        print(json.dumps({
             "step": step, "trained_version": trained_version, "prompt_id": s["prompt_id"], "reward": s["reward"],
             "advantage": s["advantage"], "completion": run.tok.decode(s["ids"][s["n_prompt"]:]),
-            "versions": [v for v, m in zip(s["versions"], s["mask"]) if m]}) + "\n")
-    run.logs["rollouts"].flush()
+            "versions": [v for v, m in zip(s["versions"], s["mask"]) if m]}), file=run.logs["rollouts"], flush=True)
     if args.eval_every and step % args.eval_every == 0:
         metrics.update(evaluate(run))
     write_metrics(run, metrics)
@@ -2200,8 +2199,7 @@ def log_step(run, step, groups, metrics, trained_version):
 
 
 def write_metrics(run, metrics):
-    run.logs["metrics"].write(json.dumps(metrics) + "\n")
-    run.logs["metrics"].flush()
+    print(json.dumps(metrics), file=run.logs["metrics"], flush=True)
     if "wandb" in run.logs:
         run.logs["wandb"].log(metrics, step=metrics["step"])
 
