@@ -1184,8 +1184,7 @@ class Producer(threading.Thread):
 # --- The vLLM server: a child process in its own process group, stopped with everything it started --------------------
 
 def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
+    with socket.create_server(("127.0.0.1", 0)) as s:
         return s.getsockname()[1]
 
 
