@@ -1046,9 +1046,8 @@ async def score_group(samples, row, reward_weights):
 
 
 def group_advantages(rewards, scale=True, eps=1e-4):
-    """GRPO: each rollout's reward relative to its group, in units of the group's spread (scale) or
-    raw (Dr. GRPO: dividing by the spread over-weights groups that are nearly all right or wrong).
-    A group whose rewards are all equal gets all-zero advantages (it carries no signal)."""
+    """GRPO: each rollout's reward relative to its group, in units of the group's spread (scale) or raw (Dr. GRPO:
+    dividing by the spread over-weights groups nearly all right or wrong); all equal: zero advantages, no signal."""
     rewards = np.asarray(rewards, dtype=np.float64)
     return (rewards - rewards.mean()) / (rewards.std() + eps) if scale else rewards - rewards.mean()
 
@@ -1632,8 +1631,7 @@ def collate(samples, pad_id, device, min_tokens=0, share=True):
     attend to the prompt and to itself only, and its positions count on from the prompt's end: each token sees what it
     would alone (the same log-probs, to float rounding), and the prompt's activations get the gradients of all its
     completions. Per-token tensors are [B, T] over each sample's completion: its token t is predicted at logits[rows,
-    cols[t]], the first at the prompt's last position. stop_masked: where vLLM held the stop tokens back, the first
-    min_tokens generated tokens of each turn."""
+    cols[t]], the first at the prompt's last position."""
     def padded(rows, dtype=torch.float, value=0):  # [B, the longest row]; one column at least: a completion may be empty
         out = torch.full((len(rows), max(1, *map(len, rows))), value, dtype=dtype)
         for r, row in enumerate(rows):
@@ -1657,7 +1655,7 @@ def collate(samples, pad_id, device, min_tokens=0, share=True):
     causal = torch.ones(segment.shape[1], segment.shape[1], dtype=torch.bool).tril()
     mask = padded([s["mask"] for s in samples])
     generated = mask.cumsum(1)  # a turn: a run of generated tokens; in_turn counts those of its turn up to here
-    in_turn = generated - (generated * (1 - mask)).cummax(1).values
+    in_turn = generated - (generated * (1 - mask)).cummax(1).values  # vLLM held the stop tokens back for min_tokens
     first = min(s["n_prompt"] for s in samples) - 1  # no row needs logits before this position
     batch = {"input_ids": padded(ids, torch.long, pad_id), "position_ids": padded(position, torch.long),
              "attention_mask": (causal & ((segment[:, None] == 0) | (segment[:, None] == segment[..., None])))[:, None],
@@ -1690,8 +1688,7 @@ def kept_threshold(x, top_k=0, top_p=1.0, min_p=0.0):
 
 
 def token_logprobs(model, batch, temperature=1.0, **truncation):
-    """The log-probs of the samples' completion tokens as vLLM sampled them (sampler_logprobs), [B, T]; logits only
-    from the first position that predicts one."""
+    """[B, T] log-probs of the completions as vLLM sampled them (sampler_logprobs); logits only where they are used."""
     logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], position_ids=batch["position_ids"],
                    logits_to_keep=batch["input_ids"].shape[1] - batch["first"], use_cache=False).logits
     return sampler_logprobs(logits[batch["rows"], batch["cols"] - batch["first"]].float(), batch["targets"], temperature,
