@@ -581,8 +581,9 @@ def prepare_chat_template(tok, args, schemas, stop_ids, model=None):
     return f"{report}; tool calls: {chat['format']}{', one per turn' if chat['max_calls'] else ''}, round trip exact"
 
 
-# Parsing is input validation: a model under RL writes anything. Nothing here raises; every call
-# that does not parse becomes an error message the model sees, and everything else is content.
+# Parsing is input validation: a model under RL writes anything. Nothing here raises; every call that does not parse
+# becomes an error message the model sees, and everything else is content. The parser of each format (parse_tagged,
+# parse_mistral, parse_bare_json) returns (content, decoded calls with their text, errors).
 MAX_ARGUMENT_DEPTH = 16  # deeper arguments are refused: rendering or printing them could exhaust the stack
 
 
@@ -725,10 +726,9 @@ def parse_xml_call(text, start, schemas):
 
 
 def parse_tagged(text, schemas):
-    """<tool_call>BODY</tool_call>, any number, BODY JSON (Qwen/Hermes) or XML. JSON is decoded from the opening
-    tag, so a '</tool_call>' inside a string does not end the call, and a call that does not parse ends at its
-    closing tag or at the next opening one (not one inside its JSON strings or read in its XML values), never
-    swallowing it. -> (content, decoded calls with their text, errors)"""
+    """<tool_call>BODY</tool_call>, any number, BODY JSON (Qwen/Hermes) or XML. JSON is decoded from the opening tag, so
+    a '</tool_call>' inside a string does not end the call, and a call that does not parse ends at its closing tag or at
+    the next opening one (not one inside its JSON strings or read in its XML values), never swallowing it."""
     content, found, errors, pos = [], [], [], 0
     while (start := text.find("<tool_call>", pos)) >= 0:
         content.append(text[pos:start])
@@ -750,8 +750,8 @@ def parse_tagged(text, schemas):
 
 
 def parse_mistral(text):
-    """Content, then [TOOL_CALLS] followed by a JSON list of calls (Mistral v3) or by name[ARGS]{json} (v11; an
-    optional [CALL_ID]id), repeated. -> (content, decoded calls with their text, errors)"""
+    """Content, then [TOOL_CALLS] followed by a JSON list of calls (Mistral v3) or by name[ARGS]{json} (v11; an optional
+    [CALL_ID]id), repeated."""
     start = text.find("[TOOL_CALLS]")
     if start < 0:
         return text, [], []
@@ -778,9 +778,8 @@ def parse_mistral(text):
 
 
 def parse_bare_json(text):
-    """Llama 3: the turn is the call, JSON {"name", "parameters"} (after <|python_tag|>), several separated by ';'.
-    A turn that starts any other way is content; text after the calls is ignored, and the model told so.
-    -> (content, decoded calls with their text, errors)"""
+    """Llama 3: the turn is the call, JSON {"name", "parameters"} (after <|python_tag|>), several separated by ';'. A
+    turn that starts any other way is content; text after the calls is ignored, and the model told so."""
     body = text.lstrip()
     tagged = body.startswith("<|python_tag|>")
     body = body.removeprefix("<|python_tag|>").lstrip()
