@@ -859,9 +859,8 @@ def tool_result_ids(tok, history, tool_messages, schemas, turn_ends, stopped=Tru
 
 class PolicyVersion:
     """Which weights vLLM serves: a count the weight sync advances, a gate it closes meanwhile, and the requests in
-    flight (at most max_inflight). The sync closes the gate, pauses vLLM, and waits until every request in flight has
-    answered (finished or stopped) before it changes the weights; so each request runs on the weights of the version it
-    was stamped with, and a token's version is exact."""
+    flight (at most max_inflight). The sync closes the gate, pauses vLLM and waits for every request in flight to answer
+    (finished or stopped) before it changes the weights: the version stamped on a token sampled it."""
 
     def __init__(self, max_inflight=64):
         self.value, self.open, self.in_flight, self.lock = 0, True, 0, threading.Lock()
