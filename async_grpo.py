@@ -610,9 +610,8 @@ JSON = json.JSONDecoder(parse_constant=_no_constant, parse_float=_finite, object
 
 def is_json_type(value, kind, unknown=True):
     """JSON schema's type check (a bool is not a number); `unknown` for a type it does not name."""
-    if kind not in JSON_TYPES:
-        return unknown
-    return isinstance(value, JSON_TYPES[kind]) and not (isinstance(value, bool) and kind in ("integer", "number"))
+    return unknown if kind not in JSON_TYPES else \
+        isinstance(value, JSON_TYPES[kind]) and not (isinstance(value, bool) and kind in ("integer", "number"))
 
 
 def schema_types(schema):
