@@ -1984,9 +1984,8 @@ def set_up(argv):
         torch.set_num_threads(cpu_threads(world_size, reserve=int(args.plan["cpu_server"])))
     if world_size > 1:
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=timedelta(seconds=args.collective_timeout))
-    random.seed(args.seed + rank)
-    np.random.seed(args.seed + rank)
-    torch.manual_seed(args.seed + rank)
+    for seed in (random.seed, np.random.seed, torch.manual_seed):
+        seed(args.seed + rank)
     run = Run(args, rank, world_size, device, Path(args.output_dir), model_path=args.model)
     if not args.resume and (run.out_dir / "metrics.jsonl").exists():  # its checkpoints would collide with this run's
         raise SystemExit(f"--output-dir {run.out_dir} holds a run already: continue it with --resume, or pass another "
