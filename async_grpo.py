@@ -1188,8 +1188,7 @@ def http(url, payload=None, timeout=60, bound="its bound"):
     """One request to a server, bounded by `timeout` seconds (`bound`: the flag that sets them). A failure is a
     ConnectionError that names the server, what it was asked and what went wrong: a socket traceback says none of it."""
     data = None if payload is None else json.dumps(payload).encode()
-    request = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
-    t0 = time.monotonic()
+    request, t0 = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"}), time.monotonic()
     try:
         with urllib.request.urlopen(request, timeout=timeout) as response:
             body = response.read()
