@@ -2120,15 +2120,14 @@ def start_generation(run):
 
 
 def train_one_step(run, step):
-    args, t_step, groups, batch = run.args, time.perf_counter(), None, [None, None]
+    args, t_step, groups, payload = run.args, time.perf_counter(), None, [None, None]
     if run.is_main:  # rank 0 takes whole groups off the producer's queue and deals each rank an equal share of them
         groups = run.producer.take(args.prompts_per_step, args.data_timeout, interrupted=lambda: bool(run.stop))
-        samples = [s for g in groups for s in g]
-        trainable = [{k: s[k] for k in ("ids", "n_prompt", "mask", "logprobs", "advantage")} for s in samples]
-        batch = [[trainable[r::run.world_size] for r in range(run.world_size)], sum(sum(s["mask"]) for s in samples)]
+        to_train = [{k: s[k] for k in ("ids", "n_prompt", "mask", "logprobs", "advantage")} for g in groups for s in g]
+        payload = [[to_train[r::run.world_size] for r in range(run.world_size)], sum(sum(s["mask"]) for s in to_train)]
     if run.world_size > 1:
-        dist.broadcast_object_list(batch, 0)
-    samples, num_tokens, wait_seconds = batch[0][run.rank], batch[1], time.perf_counter() - t_step
+        dist.broadcast_object_list(payload, 0)
+    samples, num_tokens, wait_seconds = payload[0][run.rank], payload[1], time.perf_counter() - t_step
     run.updating = True  # an error in the update may leave the weights half-updated: not saved then
     with run.share_core():
         metrics = train_step(run.model, run.optimizer, samples, max(num_tokens, 1), args.prompts_per_step *
