@@ -40,14 +40,15 @@ import rewards as rewards_module
 import tools as tools_module
 
 HERE = Path(__file__).resolve().parent
-
-
-# --- Arguments --------------------------------------------------------------------------------------------------------
-
+SERVED_MODEL = "policy"  # the name the servers started here serve the weights under, whatever the checkpoint
+ROLLOUT_FIELDS = {"prompts", "completions", "completion_ids", "tool_calls", "tool_failures", "truncated"}
+TOOL_THREADS = ThreadPoolExecutor(64, thread_name_prefix="tool")  # a hung sync tool holds one thread, not the loop
 # What --sampling-args may hold: parameters that end or seed a generation but leave its distribution as the trainer
 # computes it (min_tokens does change it: the trainer holds the stop tokens back in the same places).
 SAMPLING_ARGS = {"min_tokens", "stop", "seed", "ignore_eos"}
 
+
+# --- Arguments --------------------------------------------------------------------------------------------------------
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
     def _get_help_string(self, action):  # "(default: X)", unless the help says it or there is none to say
@@ -59,9 +60,8 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 def parse_args(argv=None, world_size=1, cuda_count=None, local_ranks=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=HelpFormatter)
     g = p.add_argument_group("model and data")
-    g.add_argument("--model", default=None,
-                   help="hub name or local path of a causal LM or an image-text model (its vision tower frozen), or a "
-                        ".gguf file (dequantised once into --cache-dir); default: the tiny built-in model")
+    g.add_argument("--model", help="hub name or local path of a causal LM or an image-text model (its vision tower "
+                   "frozen), or a .gguf file (dequantised once into --cache-dir); default: the tiny built-in model")
     g.add_argument("--dataset", default=None, help="JSONL file, one row {\"prompt\": str or chat messages, ...} per line; "
                                                    "the other columns reach the rewards by name. Default: --task")
     g.add_argument("--task", choices=["arithmetic", "countdown"], default="arithmetic",
@@ -273,7 +273,8 @@ def plan_devices(args, cuda_count, local_ranks, fail):
 def load_rows(args):
     """Rows of {'prompt': messages, ...columns}, split into (train, eval)."""
     if args.dataset is None:
-        rows = task_rows(5000 + args.eval_size, args.seed, args.task, args.max_operand, args.terms, args.operations)
+        rows = rewards_module.task_rows(5000 + args.eval_size, args.seed, args.task, args.max_operand, args.terms,
+                                        args.operations)
     else:
         rows, seen = [], {}  # seen: id -> line; a rollout finds its prompt by its row's id
         for line_no, line in enumerate(Path(args.dataset).read_text().splitlines(), 1):
@@ -311,40 +312,10 @@ def dataset_row(line, index, where):
     return row
 
 
-# FORK: add a task (its rows here, its reward in rewards.py)
-def task_rows(n, seed, task="arithmetic", max_operand=4, terms=2, operations="+-"):
-    """The built-in tasks, as dataset rows with the columns their rewards read. arithmetic: 'What is 3 + 4?', the
-    answer a column (reward correct_answer); with the defaults, 50 distinct problems, few enough for the tiny model to
-    learn in a few dozen steps. countdown: reach a target from given numbers, each used once (reward countdown): a
-    search, not a recall. `terms` operands up to max_operand, operators drawn from `operations`."""
-    rng, rows = random.Random(seed), []
-    for attempt in itertools.count():
-        if len(rows) == n:
-            return rows
-        if attempt == 1000 * n:
-            raise SystemExit(f"--task {task} --max-operand {max_operand} --terms {terms} --operations {operations}: "
-                             f"too few problems have a whole{' positive' * (task == 'countdown')} answer; widen them")
-        numbers = [rng.randint(0 if task == "arithmetic" else 1, max_operand) for _ in range(terms)]
-        expression = str(numbers[0])
-        for x in numbers[1:]:  # countdown nests at random: its target is not simply read left to right
-            expression = f"{expression} {rng.choice(operations)} {x}"
-            expression = f"({expression})" if task == "countdown" and rng.random() < 0.5 else expression
-        with contextlib.suppress(ZeroDivisionError, ValueError):  # ValueError: longer than the calculator takes
-            value = tools_module.calculator(expression)
-            if task == "arithmetic" and re.fullmatch(r"-?\d+", value):
-                rows.append({"id": len(rows), "prompt": f"What is {expression}?", "answer": int(value)})
-            elif task == "countdown" and value.isdigit() and value != "0":  # a positive whole target
-                rng.shuffle(numbers)
-                rows.append({"id": len(rows), "numbers": numbers, "target": int(value), "prompt":
-                             f"Using the numbers {', '.join(map(str, numbers))}, each exactly once, and the operations "
-                             f"{' '.join(operations)}, write an expression equal to {value}."})
-
-
 def dequantise_gguf(path, cache_dir):
     """A GGUF file as a plain checkpoint, built once into cache_dir: vLLM and the trainer load that, and a sync sends
-    plain weights. transformers reads GGUF (with the gguf and accelerate packages) but marks the model quantised and
-    will not save it: a fresh model of its config takes the dequantised weights, saved in bf16 (half the size of fp32;
-    vLLM and the trainer load the same values)."""
+    plain weights. transformers reads GGUF but marks the model quantised and will not save it: a fresh model of its
+    config takes the dequantised weights, saved in bf16 (half fp32's size; both sides load the same values)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
     path = Path(path).resolve()
     out = Path(cache_dir) / f"{path.stem}-{path.stat().st_size}"
@@ -382,8 +353,7 @@ TINY_CHAT_TEMPLATE = (
     "{{ f.name }}({{ f.parameters.properties | join(', ') }})\n{% endfor %}"
     "Call one as <tool_call>{\"name\": NAME, \"arguments\": {...}}</tool_call><|im_end|>\n"
     "{%- elif messages[0].role == 'system' %}<|im_start|>system\n{{ messages[0].content }}<|im_end|>\n{% endif %}"
-    "{%- for m in messages %}"
-    "{%- if m.role == 'user' %}<|im_start|>user\n{{ m.content }}<|im_end|>\n"
+    "{%- for m in messages %}{%- if m.role == 'user' %}<|im_start|>user\n{{ m.content }}<|im_end|>\n"
     "{%- elif m.role == 'assistant' %}<|im_start|>assistant\n{{ m.content or '' }}"
     "{%- for call in m.tool_calls or [] %}{% set f = call.function if call.function is defined else call %}"
     "<tool_call>{\"name\": \"{{ f.name }}\", \"arguments\": "
@@ -392,9 +362,7 @@ TINY_CHAT_TEMPLATE = (
     "{%- if loop.first or messages[loop.index0 - 1].role != 'tool' %}<|im_start|>user{% endif %}"
     "\n<tool_response>{{ m.content }}</tool_response>"
     "{%- if loop.last or messages[loop.index0 + 1].role != 'tool' %}<|im_end|>\n{% endif %}"
-    "{%- endif %}{%- endfor %}"
-    "{%- if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
+    "{%- endif %}{%- endfor %}{%- if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 TINY_SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<tool_call>", "</tool_call>",
                        "<tool_response>", "</tool_response>", "<think>", "</think>"]
 TINY_VERSION = "tiny-qwen3-v2"  # bump when the recipe below changes, so caches rebuild
@@ -404,7 +372,7 @@ def warm_start_conversations(n, seed):
     """Supervised conversations for the built-in model: answer directly (without tools), or, with tools offered (the
     calculator alone or all of them), call the calculator and copy its result."""
     rng, plain, with_tools = random.Random(seed), [], []
-    for row in task_rows(n, seed, max_operand=9):  # a wider range than the RL task: format, not facts
+    for row in rewards_module.task_rows(n, seed, max_operand=9):  # a wider range than the RL task: format, not facts
         user, answer = {"role": "user", "content": row["prompt"]}, str(row["answer"])
         plain.append(([user, {"role": "assistant", "content": answer}], None))
         call = {"type": "function", "function": {"name": "calculator", "arguments": {"expression": row["prompt"][8:-1]}}}
@@ -490,28 +458,7 @@ PROBE = [{"role": "user", "content": "What is 6 * 7?"},
          {"role": "assistant", "content": "", "tool_calls": [_call("calculator", {"expression": "6 * 7"})]},
          {"role": "tool", "name": "calculator", "content": "42"},
          {"role": "assistant", "content": "<think>\nThe tool said 42.\n</think>\n\n42"},
-         {"role": "user", "content": "And 6 * 8?"},
-         {"role": "assistant", "content": "48"}]
-
-
-def prefix_preserving(tok, schemas):
-    """True if rendering a conversation one message longer only ever appends tokens. The tool loop
-    relies on it: it tokenises only what the template adds after the model's own tokens."""
-    previous = []
-    for n in range(1, len(PROBE) + 1):
-        ids = tok.encode(render(tok, PROBE[:n], schemas), add_special_tokens=False)
-        if ids[:len(previous)] != previous:
-            return False
-        previous = ids
-    return True
-
-
-def training_template(template):
-    """Qwen3's template drops an assistant turn's think block once another message follows it (and
-    for turns before the last user message); this variant renders every turn the same way always."""
-    patched = template.replace("{%- if loop.index0 > ns.last_query_index %}", "{%- if true %}")
-    return patched.replace("{%- if loop.last or (not loop.last and reasoning_content) %}", "{%- if true %}")
-
+         {"role": "user", "content": "And 6 * 8?"}, {"role": "assistant", "content": "48"}]
 
 # A tool with every JSON type (a union too; an argument called `name`), and calls to it (one per turn and three per
 # turn) that the start-up check renders with the run's template and parses back: what comes back must be what went in.
@@ -525,6 +472,20 @@ ROUND_TRIP = [("", [_call("round_trip_probe", {"text": "6 * 7"})]),
                   _call("round_trip_probe", {"text": 'say "hi"\nthen <b>stop</b> {}', "count": 3, "ratio": -2.5, "flag": True}),
                   _call("round_trip_probe", {"text": "x", "items": [1, "two", [3.5]], "options": {"k": {"deep": [False, None]}}}),
                   _call("round_trip_probe", {"name": None, "text": ""})])]
+
+
+def prefix_preserving(tok, schemas):
+    """True if rendering a conversation one message longer only ever appends tokens. The tool loop
+    relies on it: it tokenises only what the template adds after the model's own tokens."""
+    renders = (tok.encode(render(tok, PROBE[:n], schemas), add_special_tokens=False) for n in range(1, len(PROBE) + 1))
+    return all(longer[:len(shorter)] == shorter for shorter, longer in itertools.pairwise(renders))
+
+
+def training_template(template):
+    """Qwen3's template drops an assistant turn's think block once another message follows it (and
+    for turns before the last user message); this variant renders every turn the same way always."""
+    patched = template.replace("{%- if loop.index0 > ns.last_query_index %}", "{%- if true %}")
+    return patched.replace("{%- if loop.last or (not loop.last and reasoning_content) %}", "{%- if true %}")
 
 
 def stop_token_ids(tok, model_path=None):
@@ -598,8 +559,7 @@ def prepare_chat_template(tok, args, schemas, stop_ids, model=None):
     if tok.chat_template is None:
         raise SystemExit(f"--tools needs a chat template, and {model} has none: {fix}")
     try:
-        text = render(tok, PROBE[:3], schemas)
-        ignores_tools = render(tok, PROBE[:1], schemas) == render(tok, PROBE[:1])
+        text, ignores_tools = render(tok, PROBE[:3], schemas), render(tok, PROBE[:1], schemas) == render(tok, PROBE[:1])
     except Exception as e:
         raise SystemExit(f"{source} cannot render tool calls ({type(e).__name__}: {e}): {fix}")
     missing = [what for what, absent in [("the tools", ignores_tools), ("the tool call", "6 * 7" not in text),
@@ -621,8 +581,9 @@ def prepare_chat_template(tok, args, schemas, stop_ids, model=None):
     return f"{report}; tool calls: {chat['format']}{', one per turn' if chat['max_calls'] else ''}, round trip exact"
 
 
-# Parsing is input validation: a model under RL writes anything. Nothing here raises; every call
-# that does not parse becomes an error message the model sees, and everything else is content.
+# Parsing is input validation: a model under RL writes anything. Nothing here raises; every call that does not parse
+# becomes an error message the model sees, and everything else is content. The parser of each format (parse_tagged,
+# parse_mistral, parse_bare_json) returns (content, decoded calls with their text, errors).
 MAX_ARGUMENT_DEPTH = 16  # deeper arguments are refused: rendering or printing them could exhaust the stack
 
 
@@ -644,13 +605,13 @@ def _no_duplicates(pairs):
 
 JSON_TYPES = {"string": str, "integer": int, "number": (int, float), "boolean": bool, "array": list,
               "object": dict, "null": type(None)}
+JSON = json.JSONDecoder(parse_constant=_no_constant, parse_float=_finite, object_pairs_hook=_no_duplicates)
 
 
 def is_json_type(value, kind, unknown=True):
     """JSON schema's type check (a bool is not a number); `unknown` for a type it does not name."""
-    if kind not in JSON_TYPES:
-        return unknown
-    return isinstance(value, JSON_TYPES[kind]) and not (isinstance(value, bool) and kind in ("integer", "number"))
+    return unknown if kind not in JSON_TYPES else \
+        isinstance(value, JSON_TYPES[kind]) and not (isinstance(value, bool) and kind in ("integer", "number"))
 
 
 def schema_types(schema):
@@ -659,9 +620,6 @@ def schema_types(schema):
     kinds = [schema["type"]] if isinstance(schema.get("type"), str) else list(schema.get("type", []))
     kinds += [t for part in schema.get("anyOf", []) + schema.get("oneOf", []) for t in schema_types(part)]
     return kinds + ["null"] * bool(kinds and schema.get("nullable"))
-
-
-JSON = json.JSONDecoder(parse_constant=_no_constant, parse_float=_finite, object_pairs_hook=_no_duplicates)
 
 
 def decode_json(text, start=0):
@@ -717,6 +675,7 @@ XML_TAGS = re.compile(r"<parameter=([^>\n]+)>|</parameter>|</tool_call>" + CLEAN
 STRING = r'"(?:[^"\\]|\\[\s\S])*"?|'  # a JSON string (one cut off runs to the end): a tag inside it is text
 TAGGED_END, MISTRAL_END = re.compile(STRING + r"</?tool_call>"), re.compile(STRING + r"\[TOOL_CALLS\]")
 TAGGED_CLOSE = re.compile(r"\s*(?:</tool_call>|\Z)")  # at the end of the turn, a call is whole without its closing tag
+MISTRAL_NAME = re.compile(r"\s*([^\[\]\s]+)(?:\[CALL_ID\][^\[]*)?\[ARGS\]")
 
 
 def xml_value_end(text, pos):
@@ -766,10 +725,9 @@ def parse_xml_call(text, start, schemas):
 
 
 def parse_tagged(text, schemas):
-    """<tool_call>BODY</tool_call>, any number, BODY JSON (Qwen/Hermes) or XML. JSON is decoded from the opening
-    tag, so a '</tool_call>' inside a string does not end the call, and a call that does not parse ends at its
-    closing tag or at the next opening one (not one inside its JSON strings or read in its XML values), never
-    swallowing it. -> (content, decoded calls with their text, errors)"""
+    """<tool_call>BODY</tool_call>, any number, BODY JSON (Qwen/Hermes) or XML. JSON is decoded from the opening tag, so
+    a '</tool_call>' inside a string does not end the call, and a call that does not parse ends at its closing tag or at
+    the next opening one (not one inside its JSON strings or read in its XML values), never swallowing it."""
     content, found, errors, pos = [], [], [], 0
     while (start := text.find("<tool_call>", pos)) >= 0:
         content.append(text[pos:start])
@@ -790,12 +748,9 @@ def parse_tagged(text, schemas):
     return "".join(content), found, errors
 
 
-MISTRAL_NAME = re.compile(r"\s*([^\[\]\s]+)(?:\[CALL_ID\][^\[]*)?\[ARGS\]")
-
-
 def parse_mistral(text):
-    """Content, then [TOOL_CALLS] followed by a JSON list of calls (Mistral v3) or by name[ARGS]{json} (v11; an
-    optional [CALL_ID]id), repeated. -> (content, decoded calls with their text, errors)"""
+    """Content, then [TOOL_CALLS] followed by a JSON list of calls (Mistral v3) or by name[ARGS]{json} (v11; an optional
+    [CALL_ID]id), repeated."""
     start = text.find("[TOOL_CALLS]")
     if start < 0:
         return text, [], []
@@ -822,9 +777,8 @@ def parse_mistral(text):
 
 
 def parse_bare_json(text):
-    """Llama 3: the turn is the call, JSON {"name", "parameters"} (after <|python_tag|>), several separated by ';'.
-    A turn that starts any other way is content; text after the calls is ignored, and the model told so.
-    -> (content, decoded calls with their text, errors)"""
+    """Llama 3: the turn is the call, JSON {"name", "parameters"} (after <|python_tag|>), several separated by ';'. A
+    turn that starts any other way is content; text after the calls is ignored, and the model told so."""
     body = text.lstrip()
     tagged = body.startswith("<|python_tag|>")
     body = body.removeprefix("<|python_tag|>").lstrip()
@@ -847,11 +801,9 @@ def parse_bare_json(text):
 def remove_think(text, opened):
     """(reasoning or None, the rest). A think block is one the prompt opened (`opened`) or one the turn opens at its
     start; a '</think>' anywhere else is text."""
-    if not opened:
-        if not text.lstrip().startswith("<think>"):
-            return None, text
-        text = text.lstrip()[len("<think>"):]
-    reasoning, closed, rest = text.partition("</think>")
+    if not opened and not text.lstrip().startswith("<think>"):
+        return None, text
+    reasoning, closed, rest = (text if opened else text.lstrip()[len("<think>"):]).partition("</think>")
     return reasoning.strip(), rest if closed else ""
 
 
@@ -859,8 +811,7 @@ def parse_assistant(text, tok=None, prompt_ids=(), schemas=None, fmt="tagged", m
     """Generated text -> {'role', 'content', 'reasoning_content' (if any), 'tool_calls', 'tool_call_errors'}:
     well-formed calls in the OpenAI shape, and one message per call that did not parse (or that exceeds max_calls,
     which the template could not render). Never raises."""
-    schemas = schemas or {}
-    message = {"role": "assistant", "content": "", "tool_calls": [], "tool_call_errors": []}
+    schemas, message = schemas or {}, {"role": "assistant", "content": "", "tool_calls": [], "tool_call_errors": []}
     try:
         if fmt == "transformers":  # the tokenizer's own parser; the schemas type the arguments
             parsed = tok.parse_response(text, prefix=tok.decode(prompt_ids),
@@ -894,8 +845,7 @@ def tool_result_ids(tok, history, tool_messages, schemas, turn_ends, stopped=Tru
     the model never sampled. It starts where the template ends an assistant turn: after its end-of-turn token, which the
     model's stop token stands for (Qwen3 may stop on <|endoftext|> or <|im_end|>; the template writes <|im_end|>\\n), or
     before it if the model stopped otherwise."""
-    before = render(tok, history, schemas)
-    after = render(tok, history + tool_messages, schemas, generation_prompt=True)
+    before, after = render(tok, history, schemas), render(tok, history + tool_messages, schemas, generation_prompt=True)
     end = next(((end, n) for end, n in sorted(turn_ends, key=lambda e: -len(e[0])) if before.endswith(end)), None)
     if end is None or not after.startswith(before):
         raise RuntimeError("the chat template rendered a conversation in a way its start-up check did not show "
@@ -908,9 +858,8 @@ def tool_result_ids(tok, history, tool_messages, schemas, turn_ends, stopped=Tru
 
 class PolicyVersion:
     """Which weights vLLM serves: a count the weight sync advances, a gate it closes meanwhile, and the requests in
-    flight (at most max_inflight). The sync closes the gate, pauses vLLM, and waits until every request in flight has
-    answered (finished or stopped) before it changes the weights; so each request runs on the weights of the version it
-    was stamped with, and a token's version is exact."""
+    flight (at most max_inflight). The sync closes the gate, pauses vLLM and waits for every request in flight to answer
+    (finished or stopped) before it changes the weights: the version stamped on a token sampled it."""
 
     def __init__(self, max_inflight=64):
         self.value, self.open, self.in_flight, self.lock = 0, True, 0, threading.Lock()
@@ -939,13 +888,9 @@ class PolicyVersion:
                     self.idle_since = time.perf_counter()
 
 
-SERVED_MODEL = "policy"  # the name the servers started here serve the weights under, whatever the checkpoint
-
-
 async def generate(session, url, ids, max_tokens, args, stop_ids, greedy=False, generated=0):
-    """One completion from vLLM: token ids in; sampled ids, their log-probs and why it ended out
-    ('abort': a weight sync stopped it; the ids so far are kept). `generated`: tokens of this turn
-    that a stopped request already produced (this one continues it)."""
+    """One completion from vLLM: token ids in; sampled ids, their log-probs and why it ended out ('abort': a weight sync
+    stopped it; the ids so far are kept). `generated`: tokens of this turn that a stopped request already produced."""
     # Every parameter that shapes the distribution is sent: vLLM fills the missing ones from the checkpoint's
     # generation_config.json (Qwen3's says top_k 20), and the trainer would not know.
     payload = {"model": SERVED_MODEL, "prompt": ids, "max_tokens": max_tokens, "logprobs": 0,
@@ -964,8 +909,7 @@ async def generate(session, url, ids, max_tokens, args, stop_ids, greedy=False, 
                 choice = (await response.json())["choices"][0]
             return choice["token_ids"], choice["logprobs"]["token_logprobs"], choice["finish_reason"]
         except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as e:
-            # The connection dropped before an answer (a pooled keep-alive connection the server
-            # closed just then): the request carries the whole state, so sending it again is safe.
+            # a pooled keep-alive connection the server closed just then: the request holds all its state, so resend it
             if attempt == 2:
                 raise ConnectionError(f"the vLLM server {url} dropped a generation request 3 times ({e})") from None
             await asyncio.sleep(0.5 * 2 ** attempt)
@@ -983,9 +927,6 @@ def argument_errors(schema, arguments):
         if (types := schema_types(properties.get(key))) and not any(is_json_type(value, t) for t in types):
             errors.append(f"argument {key!r} must be {' or '.join(types)}, got {json.dumps(value)[:50]}")
     return errors
-
-
-TOOL_THREADS = ThreadPoolExecutor(64, thread_name_prefix="tool")  # a hung sync tool holds one thread, not the loop
 
 
 async def call_tool(call, schemas, timeout):
@@ -1007,8 +948,7 @@ async def call_tool(call, schemas, timeout):
 
 
 def rollout_context(tok, schemas, rows, max_model_len=None, stop_ids=None):
-    """What every rollout needs, computed once: tools, stop tokens, how the template writes tool calls and ends a
-    turn (with tools), each row's prompt ids, and the server's context length (known once it is up)."""
+    """What every rollout needs, computed once; max_model_len is the server's context length, known once it is up."""
     stop_ids = stop_ids or stop_token_ids(tok)
     return {"schemas": schemas, "schemas_by_name": {s["function"]["name"]: s["function"] for s in schemas or []},
             "stop_ids": stop_ids, "max_model_len": max_model_len, **(chat_format(tok, schemas, stop_ids) if schemas else {}),
@@ -1018,9 +958,8 @@ def rollout_context(tok, schemas, rows, max_model_len=None, stop_ids=None):
 async def rollout(session, url, tok, row, args, ctx, policy, greedy=False):
     """Sample one conversation. Keeps the exact token ids: prompt, then per turn the generated ids
     (mask 1, with their log-probs and policy versions) and the tool-result ids (mask 0)."""
-    ids = list(ctx["prompt_ids"][row["id"]])
+    ids, mask, logprobs, versions, messages = list(ctx["prompt_ids"][row["id"]]), [], [], [], []
     n_prompt = len(ids)
-    mask, logprobs, versions, messages = [], [], [], []
     stats = {"tool_calls": 0, "tool_failures": 0, "tool_seconds": 0.0, "turns": 0, "truncated": True,  # until it answers
              "interrupted": 0, "per_tool": {}}  # per_tool: name -> [calls, failures]
     while (budget := min(args.max_tokens, ctx["max_model_len"] - len(ids))) > 0:
@@ -1031,11 +970,10 @@ async def rollout(session, url, tok, row, args, ctx, policy, greedy=False):
                                                         ctx["stop_ids"], greedy, len(new))
                 if finish == "abort" and policy.open:
                     raise RuntimeError("vLLM aborted a request outside a weight sync: is another client using it?")
-            if finish == "abort":
-                stats["interrupted"] += 1
-                if args.sync_mode == "abort":  # restart the turn with the new weights
-                    new, lps, new_versions = [], [], []
-                    continue
+            stats["interrupted"] += finish == "abort"
+            if finish == "abort" and args.sync_mode == "abort":  # restart the turn with the new weights
+                new, lps, new_versions = [], [], []
+                continue
             new += part  # keep: the new weights continue from these tokens
             lps += part_lps
             new_versions += [version] * len(part)
@@ -1056,9 +994,8 @@ async def rollout(session, url, tok, row, args, ctx, policy, greedy=False):
         if finish != "stop" or stats["turns"] > args.max_tool_turns:  # out of tokens, or of tool turns
             break
         start = time.perf_counter()
-        results, _ = await asyncio.gather(asyncio.gather(*(call_tool(c, ctx["schemas_by_name"], args.tool_timeout)
-                                                           for c in message["tool_calls"])),
-                                          asyncio.sleep(args.tool_latency))
+        calls = [call_tool(c, ctx["schemas_by_name"], args.tool_timeout) for c in message["tool_calls"]]
+        results, _ = await asyncio.gather(asyncio.gather(*calls), asyncio.sleep(args.tool_latency))
         results += [(f"Error: {error}", False) for error in message["tool_call_errors"]]  # the model sees each one
         stats["tool_seconds"] += time.perf_counter() - start
         stats["tool_calls"] += len(results)
@@ -1070,8 +1007,7 @@ async def rollout(session, url, tok, row, args, ctx, policy, greedy=False):
             counts = stats["per_tool"].setdefault(key, [0, 0])
             counts[0] += 1
             counts[1] += not ok
-        # A tool's text may hold a lone surrogate (from its input, or bytes decoded with surrogateescape): the
-        # tokenizer would refuse it
+        # a lone surrogate in a tool's text (from its input, or bytes decoded with surrogateescape) fails the tokenizer
         tool_messages = [{"role": "tool", "name": n, "content": r.encode(errors="replace").decode()}
                          for n, (r, _) in zip(names, results)]
         suffix = tool_result_ids(tok, row["prompt"] + messages, tool_messages, ctx["schemas"], ctx["turn_ends"], stopped)
@@ -1087,9 +1023,6 @@ async def rollout(session, url, tok, row, args, ctx, policy, greedy=False):
 
 
 # --- Rewards and group-relative advantages ----------------------------------------------------------------------------
-
-ROLLOUT_FIELDS = {"prompts", "completions", "completion_ids", "tool_calls", "tool_failures", "truncated"}
-
 
 async def score_group(samples, row, reward_weights):
     """Weighted sum of the reward functions over one group; also returns each function's values."""
@@ -1110,9 +1043,8 @@ async def score_group(samples, row, reward_weights):
 
 
 def group_advantages(rewards, scale=True, eps=1e-4):
-    """GRPO: each rollout's reward relative to its group, in units of the group's spread (scale) or
-    raw (Dr. GRPO: dividing by the spread over-weights groups that are nearly all right or wrong).
-    A group whose rewards are all equal gets all-zero advantages (it carries no signal)."""
+    """GRPO: each rollout's reward relative to its group, in units of the group's spread (scale) or raw (Dr. GRPO:
+    dividing by the spread over-weights groups nearly all right or wrong); all equal: zero advantages, no signal."""
     rewards = np.asarray(rewards, dtype=np.float64)
     return (rewards - rewards.mean()) / (rewards.std() + eps) if scale else rewards - rewards.mean()
 
@@ -1120,10 +1052,9 @@ def group_advantages(rewards, scale=True, eps=1e-4):
 # --- The producer: a thread with its own asyncio loop that keeps the queue full ---------------------------------------
 
 class Producer(threading.Thread):
-    """Streams scored groups to the trainer, numbered in the order they start; the trainer takes
-    them in that order (`take`), which is what lets admission control know when a group will be
-    trained. `policy` is the PolicyVersion the weight sync advances. With several servers (`urls`),
-    each group goes to the one with the fewest groups running: its rollouts share the cached prompt."""
+    """Streams scored groups to the trainer, numbered in the order they start; the trainer takes them in that order
+    (`take`), which lets admission control know when a group will be trained. With several servers (`urls`), each group
+    goes to the one with the fewest groups running: its rollouts share the cached prompt."""
 
     def __init__(self, args, tok, rows, urls, ctx, policy, cursor=None):
         super().__init__(daemon=True, name="producer")
@@ -1160,15 +1091,12 @@ class Producer(threading.Thread):
         """Admission control: group `index` is trained at step (index - groups skipped) // prompts_per_step
         (at the latest: more skips make it earlier). Do not start it if the trainer will by then be more
         than --max-staleness versions ahead of the weights that would generate it now."""
-        a = self.args
-        train_step = (index - self.cursor["skipped_groups"]) // a.prompts_per_step
-        return train_step // a.sync_every - self.policy.value <= a.max_staleness
+        train_step = (index - self.cursor["skipped_groups"]) // self.args.prompts_per_step
+        return train_step // self.args.sync_every - self.policy.value <= self.args.max_staleness
 
     async def _produce(self):
         a = self.args
-        # Idle connections are dropped before vLLM's own 5 s keep-alive ends, so that a request is
-        # rarely sent on a connection the server is closing at that moment.
-        connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=3)
+        connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=3)  # closed before vLLM closes them (5 s): no race
         timeout = aiohttp.ClientTimeout(total=a.data_timeout)  # one request longer than the trainer waits for data
         async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
             pending, started = set(), self.cursor["next_index"]  # on --resume, groups not trained are redone
@@ -1211,10 +1139,9 @@ class Producer(threading.Thread):
         self.queue.put((index, samples))
 
     def take(self, n, timeout, interrupted=lambda: False):
-        """The next n trainable groups in start order. Skips zero-variance groups with
-        --skip-zero-variance, and drops (with a warning and a count) groups too stale to train
-        (admission control should leave none) and groups whose rewards failed. Raises if the producer
-        died, nothing came in time, every recent reward failed, or interrupted() says so."""
+        """The next n trainable groups in start order. Skips zero-variance groups with --skip-zero-variance, and drops
+        (warned and counted) groups too stale to train (admission control should leave none) and groups whose rewards
+        failed. Raises if the producer died, no batch came in time, every recent reward failed or interrupted()."""
         groups, deadline, c = [], time.monotonic() + timeout, self.cursor
         while len(groups) < n:
             while c["next_index"] not in self.ready:  # groups finish out of order
@@ -1253,8 +1180,7 @@ class Producer(threading.Thread):
 # --- The vLLM server: a child process in its own process group, stopped with everything it started --------------------
 
 def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
+    with socket.create_server(("127.0.0.1", 0)) as s:
         return s.getsockname()[1]
 
 
@@ -1262,8 +1188,7 @@ def http(url, payload=None, timeout=60, bound="its bound"):
     """One request to a server, bounded by `timeout` seconds (`bound`: the flag that sets them). A failure is a
     ConnectionError that names the server, what it was asked and what went wrong: a socket traceback says none of it."""
     data = None if payload is None else json.dumps(payload).encode()
-    request = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
-    t0 = time.monotonic()
+    request, t0 = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"}), time.monotonic()
     try:
         with urllib.request.urlopen(request, timeout=timeout) as response:
             body = response.read()
@@ -1312,17 +1237,15 @@ def start_vllm(args, model_path, out_dir):
                    "--port", str(port), "--seed", str(args.seed), "--served-model-name", SERVED_MODEL,
                    "--worker-extension-cls", "async_grpo.WeightSyncExtension",
                    "--logprobs-mode", "processed_logprobs"]  # log-probs after temperature/top-p: what was sampled from
-            if args.max_model_len:
-                cmd += ["--max-model-len", str(args.max_model_len)]
+            optional = {"--max-model-len": args.max_model_len, "--tensor-parallel-size": share and len(share.split(",")),
+                        "--gpu-memory-utilization": plan["gpu_memory"]}
+            cmd += [word for flag, value in optional.items() if value for word in (flag, str(value))]
             if plan["cpu_server"] and vllm_flag(args, "--dtype") is None:
                 # fp32 on CPU: bf16 arithmetic without AVX-512 is slow (a 25M-parameter model here generated 150 tokens/s
                 # in bf16, 680-780 in fp32), and an fp32 server holds exactly the trainer's weights
                 cmd += ["--dtype", "float32"]
             if share:
-                cmd += ["--tensor-parallel-size", str(len(share.split(",")))]
                 env["CUDA_VISIBLE_DEVICES"] = share
-            if plan["gpu_memory"]:
-                cmd += ["--gpu-memory-utilization", str(plan["gpu_memory"])]
             # A CPU server takes one core, whole: its worker (which busy-polls for a second after each engine step)
             # and its HTTP and engine front end, which would otherwise preempt the trainer on the other cores
             # (measured on 2 cores: async 1.15x -> 1.62x the samples/s of --sync on average; --sync itself unchanged).
@@ -1478,8 +1401,7 @@ class WeightSyncExtension:
         self.weight_sync_group = sync_group(host, port, first_rank + self.rank, world_size, backend, timeout)
 
     def served_config(self):
-        """What this server computes in (the weights are sent in it, the trainer rounds logits to it), and which
-        log-probs it returns."""
+        """(dtype, log-probs mode): the weights are sent in the server's dtype; the trainer rounds its logits to it."""
         config = self.vllm_config.model_config
         return str(config.dtype).removeprefix("torch."), config.logprobs_mode
 
@@ -1517,12 +1439,10 @@ class WeightSyncExtension:
                     arriving = receive(buckets[k + 1])
                 parts = flat.split([math.prod(shape) for _, shape in bucket["params"]])
                 yield from ((name, part.view(shape)) for (name, shape), part in zip(bucket["params"], parts))
-        # reload_weights wraps model.load_weights in vLLM's layer-wise reload lifecycle, which
-        # re-runs the post-load processing that plain load_weights would skip.
+        # reload_weights, unlike plain load_weights, re-runs the post-load processing of each layer it loads...
         self.reload_weights(weights_iterator=tensors(), is_checkpoint_format=True)
-        # ...but only for the layer that loaded a tied weight. A module that shares it (lm_head
-        # tied to the embedding) keeps whatever was derived from the old values: on CPU, a
-        # pre-packed GEMM copy, so vLLM would go on sampling from the old output head.
+        # ...but only of the layer that loaded a tied weight. A module sharing it (lm_head tied to the embedding) keeps
+        # what it derived from the old values (on CPU, a pre-packed GEMM copy): vLLM would sample from the old head.
         from vllm.config import set_current_vllm_config
         model, owners = self.model_runner.get_model(), defaultdict(list)
         for name, param in model.named_parameters(remove_duplicate=False):
@@ -1648,30 +1568,20 @@ def grpo_loss(logp, sampler_logp, advantages, mask, epsilon, epsilon_high, loss_
               max_tokens=1, is_correction="none", is_threshold=2.0, is_level="token", ref_logp=None, beta=0.0):
     """logp (the trainer's, with gradient), sampler_logp (vLLM's), mask (0 on tool-result and padding tokens): [B, T],
     per completion token; advantages: [B]. num_tokens and num_sequences count the whole step (all micro-batches, all ranks),
-    so the result is a share of the step's loss.
-
-    The importance weight w = pi_trainer / pi_sampler (no gradient) is how far the trainer's policy is from the one that
-    sampled: numeric mismatch plus staleness.
-      is_correction none: the clipped ratio is taken against the sampler's log-probs.
-      tis, mis (decoupled PPO): the ratio is taken against the trainer's policy before this update (value 1, the gradient
-        of log pi), and the surrogate is weighted by w truncated at is_threshold (tis), or by w inside [1/is_threshold,
-        is_threshold] and 0 outside (mis); w per token, or per sequence as the geometric mean over its tokens (is_level
-        sequence, and always for gspo).
-      loss_type token (DAPO, default): every loss token of the step weighs the same; sequence (the GRPO paper): mean over
-        each sequence's tokens, then over sequences; constant (Dr. GRPO): token sum over the constant num_sequences *
-        max_tokens, so a sequence's length does not change the weight of its tokens; gspo: one ratio per sequence
-        (geometric mean of its token ratios), clipped per sequence.
-      beta > 0 adds beta * KL(pi_theta || pi_ref) per token (k3 estimator), normalised the same way."""
+    so the result is a share of the step's loss. The importance weight w = pi_trainer / pi_sampler (no gradient) is how
+    far the trainer's policy is from the one that sampled: numeric mismatch plus staleness. beta > 0 adds a KL penalty
+    to the reference, beta * KL(pi_theta || pi_ref) per token (k3 estimator), normalised as the surrogate is."""
     lengths = mask.sum(1, keepdim=True).clamp(min=1)
 
     def sequence_mean(x):  # [B, T] -> [B, 1]: mean over each sequence's loss tokens
         return (x * mask).sum(1, keepdim=True) / lengths
 
     log_w = (logp.detach() - sampler_logp) * mask               # log pi_trainer / pi_sampler
+    # w per token, or per sequence: the geometric mean over its tokens (is_level sequence, and always for gspo)
     w = torch.exp(sequence_mean(log_w) if is_level == "sequence" or loss_type == "gspo" else log_w)
-    if is_correction == "none":
+    if is_correction == "none":  # the clipped ratio is taken against the sampler's log-probs
         old_logp, weight = sampler_logp, torch.ones_like(w)
-    else:
+    else:  # tis, mis (decoupled PPO): the ratio is against the policy before this update (value 1, gradient of log pi)
         old_logp = logp.detach()
         weight = w.clamp(max=is_threshold) if is_correction == "tis" else w * ((w >= 1 / is_threshold) & (w <= is_threshold))
     log_ratio = (logp - old_logp) * mask                        # log pi_theta / pi_old
@@ -1683,13 +1593,13 @@ def grpo_loss(logp, sampler_logp, advantages, mask, epsilon, epsilon_high, loss_
         delta = ref_logp - logp
         kl = torch.exp(delta) - delta - 1                       # k3: unbiased and never negative
         per_token = per_token + beta * (sequence_mean(kl) if loss_type == "gspo" else kl)
-    if loss_type == "gspo":
+    if loss_type == "gspo":  # one ratio per sequence (the geometric mean of its token ratios), clipped per sequence
         loss = per_token.sum() / num_sequences
-    elif loss_type == "sequence":
+    elif loss_type == "sequence":  # the GRPO paper: mean over each sequence's tokens, then over sequences
         loss = sequence_mean(per_token).sum() / num_sequences
-    elif loss_type == "constant":
+    elif loss_type == "constant":  # Dr. GRPO: a sequence's length does not change the weight of its tokens
         loss = (per_token * mask).sum() / (num_sequences * max_tokens)
-    else:
+    else:  # token (DAPO): every loss token of the step weighs the same
         loss = (per_token * mask).sum() / num_tokens
     with torch.no_grad():
         n, tokens, token_w = mask.sum().clamp(min=1), mask.bool(), torch.exp(log_w)
@@ -1716,13 +1626,11 @@ def collate(samples, pad_id, device, min_tokens=0, share=True, width=None):
     (samples with equal prompt tokens, a group's; with share off, a row per sample). The mask lets a completion attend
     to the prompt and to itself only, and its positions count on from the prompt's end: each token sees what it would
     alone (the same log-probs, to float rounding), and the prompt's activations get the gradients of all its
-    completions. A row's attention is dense, so a completion joins its prompt's row only where that is cheaper than a
-    row of its own: it saves the prompt's n tokens (about 12 width^2 multiply-adds each, width the model's hidden size)
-    and costs attention over the row's c' completion tokens (about 2 width per pair of tokens): 2 c c' < n (6 width + n)
-    for c tokens (always, without width). Long completions of a short prompt (reasoning) forward whole. Per-token
-    tensors are [B, T] over each sample's completion: its token t is predicted at logits[rows, cols[t]], the first at
-    the prompt's last position. stop_masked: where vLLM held the stop tokens back, the first min_tokens generated tokens
-    of each turn."""
+    completions. A row's attention is dense, so a completion of c tokens joins its prompt's row only where that costs
+    less than a row of its own: it saves the prompt's n tokens (~12 width^2 multiply-adds each, width the hidden size)
+    and adds attention over the row's c' completion tokens (~2 width a pair): 2 c c' < n (6 width + n) (always,
+    without width). Per-token tensors are [B, T] over each sample's completion: its token t is predicted at
+    logits[rows, cols[t]], the first at the prompt's last position."""
     def padded(rows, dtype=torch.float, value=0):  # [B, the longest row]; one column at least: a completion may be empty
         out = torch.full((len(rows), max(1, *map(len, rows))), value, dtype=dtype)
         for r, row in enumerate(rows):
@@ -1745,7 +1653,7 @@ def collate(samples, pad_id, device, min_tokens=0, share=True, width=None):
     causal = torch.ones(segment.shape[1], segment.shape[1], dtype=torch.bool).tril()
     mask = padded([s["mask"] for s in samples])
     generated = mask.cumsum(1)  # a turn: a run of generated tokens; in_turn counts those of its turn up to here
-    in_turn = generated - (generated * (1 - mask)).cummax(1).values
+    in_turn = generated - (generated * (1 - mask)).cummax(1).values  # vLLM held the stop tokens back for min_tokens
     first = min(s["n_prompt"] for s in samples) - 1  # no row needs logits before this position
     batch = {"input_ids": padded(ids, torch.long, pad_id), "position_ids": padded(position, torch.long),
              "attention_mask": (causal & ((segment[:, None] == 0) | (segment[:, None] == segment[..., None])))[:, None],
@@ -1758,15 +1666,13 @@ def collate(samples, pad_id, device, min_tokens=0, share=True, width=None):
 
 
 def kept_threshold(x, top_k=0, top_p=1.0, min_p=0.0):
-    """x: [N, V] logits after temperature. The smallest logit each row keeps under vLLM's truncations, in its order:
-    min-p (tokens with at least min_p times the top token's probability), top-k (the k largest, ties kept), top-p (the
-    most likely tokens whose probability mass before them is below top_p) -> [N, 1]."""
+    """x: [N, V] logits after temperature -> [N, 1]: the smallest logit each row keeps, truncated in vLLM's order."""
     threshold = torch.full_like(x[:, :1], -torch.inf)
-    if min_p > 0:
+    if min_p > 0:  # tokens with at least min_p times the top token's probability
         threshold = x.max(-1, keepdim=True).values + math.log(min_p)
-    if 0 < top_k < x.shape[-1]:
+    if 0 < top_k < x.shape[-1]:  # the k largest, ties kept
         threshold = torch.maximum(threshold, x.topk(top_k, -1).values[:, -1:])
-    if top_p < 1:
+    if top_p < 1:  # the most likely tokens whose probability mass before them is below top_p
         x = x.masked_fill(x < threshold, -torch.inf)
         log_total = x.logsumexp(-1, keepdim=True)
         for k in (min(1024, x.shape[-1]), x.shape[-1]):  # the nucleus is usually small: a full sort only if it is not
@@ -1780,8 +1686,7 @@ def kept_threshold(x, top_k=0, top_p=1.0, min_p=0.0):
 
 
 def token_logprobs(model, batch, temperature=1.0, **truncation):
-    """The log-probs of the samples' completion tokens as vLLM sampled them (sampler_logprobs), [B, T]; logits only
-    from the first position that predicts one."""
+    """[B, T] log-probs of the completions as vLLM sampled them (sampler_logprobs); logits only where they are used."""
     logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], position_ids=batch["position_ids"],
                    logits_to_keep=batch["input_ids"].shape[1] - batch["first"], use_cache=False).logits
     return sampler_logprobs(logits[batch["rows"], batch["cols"] - batch["first"]].float(), batch["targets"], temperature,
@@ -1886,11 +1791,10 @@ def train_step(model, optimizer, samples, num_tokens, num_sequences, args, devic
     for i, micro in enumerate(micros):
         batch = collate(micro, pad_id, device, args.sampling_args.get("min_tokens", 0), args.share_prefix, width)
         forwarded += batch["tokens"]
-        sync_grads = i == len(micros) - 1 or not hasattr(model, "no_sync")
         # the distribution vLLM sampled from: the ratio against its log-probs measures the policy, not the truncation
         sampling = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
                         stop_masked=batch["stop_masked"], stop_ids=stop_ids, served=served)
-        with (contextlib.nullcontext() if sync_grads else model.no_sync()), \
+        with (model.no_sync() if i < len(micros) - 1 and hasattr(model, "no_sync") else contextlib.nullcontext()), \
                 torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
             logp, removed = token_logprobs(model, batch, **sampling)
             with torch.no_grad():
@@ -1938,12 +1842,8 @@ def evaluate(run):
 
 def mean_over_union(dicts):
     """Mean of each key over the dicts that have it (keys differ between samples with and without tools)."""
-    sums, counts = defaultdict(float), defaultdict(int)
-    for d in dicts:
-        for k, v in d.items():
-            sums[k] += v
-            counts[k] += 1
-    return {k: sums[k] / counts[k] for k in sums}
+    keys = dict.fromkeys(k for d in dicts for k in d)  # in the order first seen
+    return {k: sum(d[k] for d in dicts if k in d) / sum(k in d for d in dicts) for k in keys}
 
 
 def rollout_metrics(groups, version):
@@ -2002,11 +1902,10 @@ def share_idle_core(model, version, idle_after=1.0):
 
 
 def load_policy(path, empty=False):
-    """A causal LM, or an image-text checkpoint (Qwen2-VL, SmolVLM, ...) as its *ForConditionalGeneration
-    class: that one's parameter names are the checkpoint's, which vLLM's loader maps to its own (a bare
-    AutoModel drops the `model.` prefix). Text-only RL trains its language model and output head; the
-    vision tower and projector get no gradient from text, so they are frozen: not optimised, not synced.
-    empty: the model's shapes on the meta device, no weights read and no memory taken."""
+    """A causal LM, or an image-text checkpoint (Qwen2-VL, SmolVLM, ...) as its *ForConditionalGeneration class: its
+    parameter names are the checkpoint's, which vLLM's loader maps to its own (a bare AutoModel drops the `model.`
+    prefix). Text-only RL trains its language model and output head; the vision tower and projector get no gradient from
+    text, so they are frozen: not optimised, not synced. empty: only the shapes, on the meta device."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
     config = AutoConfig.from_pretrained(path)
     kind = AutoModelForImageTextToText if hasattr(config, "vision_config") else AutoModelForCausalLM
@@ -2035,8 +1934,7 @@ def load_sharded(path, device):
 
 @dataclass
 class Run:
-    """What lives through a run, in one place: main's phases fill it in the order they run. Rank 0 alone holds the
-    servers, the producer and the logs."""
+    """What lives through a run: main's phases fill it in order; rank 0 alone holds the servers, producer and logs."""
     args: argparse.Namespace
     rank: int
     world_size: int
@@ -2088,9 +1986,8 @@ def set_up(argv):
         torch.set_num_threads(cpu_threads(world_size, reserve=int(args.plan["cpu_server"])))
     if world_size > 1:
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=timedelta(seconds=args.collective_timeout))
-    random.seed(args.seed + rank)
-    np.random.seed(args.seed + rank)
-    torch.manual_seed(args.seed + rank)
+    for seed in (random.seed, np.random.seed, torch.manual_seed):
+        seed(args.seed + rank)
     run = Run(args, rank, world_size, device, Path(args.output_dir), model_path=args.model)
     if not args.resume and (run.out_dir / "metrics.jsonl").exists():  # its checkpoints would collide with this run's
         raise SystemExit(f"--output-dir {run.out_dir} holds a run already: continue it with --resume, or pass another "
@@ -2127,8 +2024,7 @@ def load_data(run):
                          "pass a local directory or hub name of a causal LM")
     run.pad_id = next((i for i in (tok.pad_token_id, tok.eos_token_id) if i is not None), 0)  # masked: any id does
     run.train_rows, run.eval_rows = load_rows(args)
-    schemas = tool_schemas(args.tool_names) if args.tool_names else None
-    stop_ids = stop_token_ids(tok, run.model_path)
+    schemas, stop_ids = tool_schemas(args.tool_names) if args.tool_names else None, stop_token_ids(tok, run.model_path)
     report = prepare_chat_template(tok, args, schemas, stop_ids, run.model_path)  # fails here, before vLLM starts
     if run.is_main:
         print(report, flush=True)
@@ -2226,23 +2122,15 @@ def start_generation(run):
                  "idle_start": run.version.idle() if run.is_main else 0.0}
 
 
-def take_batch(run):
-    """Rank 0 takes whole groups off the producer's queue and deals each rank an equal share of their samples."""
-    args, groups, payload = run.args, None, [None, None]
-    if run.is_main:
+def train_one_step(run, step):
+    args, t_step, groups, payload = run.args, time.perf_counter(), None, [None, None]
+    if run.is_main:  # rank 0 takes whole groups off the producer's queue and deals each rank an equal share of them
         groups = run.producer.take(args.prompts_per_step, args.data_timeout, interrupted=lambda: bool(run.stop))
-        samples = [s for g in groups for s in g]
-        trainable = [{k: s[k] for k in ("ids", "n_prompt", "mask", "logprobs", "advantage")} for s in samples]
-        payload = [[trainable[r::run.world_size] for r in range(run.world_size)], sum(sum(s["mask"]) for s in samples)]
+        to_train = [{k: s[k] for k in ("ids", "n_prompt", "mask", "logprobs", "advantage")} for g in groups for s in g]
+        payload = [[to_train[r::run.world_size] for r in range(run.world_size)], sum(sum(s["mask"]) for s in to_train)]
     if run.world_size > 1:
         dist.broadcast_object_list(payload, 0)
-    return groups, payload[0][run.rank], payload[1]
-
-
-def train_one_step(run, step):
-    args, t_step = run.args, time.perf_counter()
-    groups, samples, num_tokens = take_batch(run)
-    wait_seconds = time.perf_counter() - t_step
+    samples, num_tokens, wait_seconds = payload[0][run.rank], payload[1], time.perf_counter() - t_step
     run.updating = True  # an error in the update may leave the weights half-updated: not saved then
     with run.share_core():
         metrics = train_step(run.model, run.optimizer, samples, max(num_tokens, 1), args.prompts_per_step *
@@ -2289,11 +2177,10 @@ def log_step(run, step, groups, metrics, trained_version):
                     "perf/generator_idle": (run.version.idle() - clock["idle_start"]) / wall,
                     "perf/cpu_seconds": time.process_time() - clock["cpu_start"]})  # this process's, producer included
     for s in samples[:args.log_rollouts]:
-        run.logs["rollouts"].write(json.dumps({
+        print(json.dumps({
             "step": step, "trained_version": trained_version, "prompt_id": s["prompt_id"], "reward": s["reward"],
             "advantage": s["advantage"], "completion": run.tok.decode(s["ids"][s["n_prompt"]:]),
-            "versions": [v for v, m in zip(s["versions"], s["mask"]) if m]}) + "\n")
-    run.logs["rollouts"].flush()
+            "versions": [v for v, m in zip(s["versions"], s["mask"]) if m]}), file=run.logs["rollouts"], flush=True)
     if args.eval_every and step % args.eval_every == 0:
         metrics.update(evaluate(run))
     write_metrics(run, metrics)
@@ -2305,8 +2192,7 @@ def log_step(run, step, groups, metrics, trained_version):
 
 
 def write_metrics(run, metrics):
-    run.logs["metrics"].write(json.dumps(metrics) + "\n")
-    run.logs["metrics"].flush()
+    print(json.dumps(metrics), file=run.logs["metrics"], flush=True)
     if "wandb" in run.logs:
         run.logs["wandb"].log(metrics, step=metrics["step"])
 

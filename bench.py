@@ -35,6 +35,7 @@ from pathlib import Path
 import torch
 
 import async_grpo as ag
+import rewards
 
 
 def serve(path, out_dir):
@@ -354,7 +355,7 @@ def long_prompt_rows(path, n, tokens):
     or document stands in)."""
     from transformers import AutoTokenizer
     tok, rng = AutoTokenizer.from_pretrained(path), __import__("random").Random(0)
-    rows = ag.task_rows(n, 0)
+    rows = rewards.task_rows(n, 0)
     for row in rows:
         page = ""
         while len(tok.encode(page)) < tokens - 20:

@@ -16,8 +16,13 @@ per rollout of the group, and returns one float per rollout (`async def` works t
     truncated       True if the rollout ran out of tokens or context before it finished
     <column>        every other column of the dataset row (e.g. `answer` for the built-in task)
 Accept **kwargs so that new arguments never break an old function.
+
+task_rows, at the end, builds the rows of the built-in tasks (--task) with the columns their rewards read.
 """
 
+import contextlib
+import itertools
+import random
 import re
 
 from tools import calculator
@@ -69,3 +74,32 @@ def tool_use(tool_calls, tool_failures, **kwargs):
 
 # FORK: add a reward (a function above, its name here; --rewards NAME:WEIGHT picks it)
 REWARDS = {fn.__name__: fn for fn in (correct_answer, format_reward, countdown, tool_use)}
+
+
+# FORK: add a task (its rows here, its reward above and in REWARDS)
+def task_rows(n, seed, task="arithmetic", max_operand=4, terms=2, operations="+-"):
+    """The built-in tasks, as dataset rows with the columns their rewards read. arithmetic: 'What is 3 + 4?', the
+    answer a column (reward correct_answer); with the defaults, 50 distinct problems, few enough for the tiny model to
+    learn in a few dozen steps. countdown: reach a target from given numbers, each used once (reward countdown): a
+    search, not a recall. `terms` operands up to max_operand, operators drawn from `operations`."""
+    rng, rows = random.Random(seed), []
+    for attempt in itertools.count():
+        if len(rows) == n:
+            return rows
+        if attempt == 1000 * n:
+            raise SystemExit(f"--task {task} --max-operand {max_operand} --terms {terms} --operations {operations}: "
+                             f"too few problems have a whole{' positive' * (task == 'countdown')} answer; widen them")
+        numbers = [rng.randint(0 if task == "arithmetic" else 1, max_operand) for _ in range(terms)]
+        expression = str(numbers[0])
+        for x in numbers[1:]:  # countdown nests at random: its target is not simply read left to right
+            expression = f"{expression} {rng.choice(operations)} {x}"
+            expression = f"({expression})" if task == "countdown" and rng.random() < 0.5 else expression
+        with contextlib.suppress(ZeroDivisionError, ValueError):  # ValueError: longer than the calculator takes
+            value = calculator(expression)
+            if task == "arithmetic" and re.fullmatch(r"-?\d+", value):
+                rows.append({"id": len(rows), "prompt": f"What is {expression}?", "answer": int(value)})
+            elif task == "countdown" and value.isdigit() and value != "0":  # a positive whole target
+                rng.shuffle(numbers)
+                rows.append({"id": len(rows), "numbers": numbers, "target": int(value), "prompt":
+                             f"Using the numbers {', '.join(map(str, numbers))}, each exactly once, and the operations "
+                             f"{' '.join(operations)}, write an expression equal to {value}."})

@@ -30,6 +30,7 @@ import pytest
 import torch
 
 import async_grpo as ag
+import rewards
 import tools
 
 HERE = Path(__file__).resolve().parent
@@ -466,12 +467,12 @@ def test_built_in_tasks_have_exact_answers_and_their_rewards_check_them():
 
     def said(text):  # one rollout whose last assistant turn says `text`
         return [{"role": "assistant", "content": text}]
-    for row in ag.task_rows(200, seed=1, max_operand=20, terms=3, operations="+-*"):
+    for row in rewards.task_rows(200, seed=1, max_operand=20, terms=3, operations="+-*"):
         expression = row["prompt"].removeprefix("What is ").removesuffix("?")
         assert row["answer"] == eval(expression)  # Python's precedence is the task's
         assert correct_answer([said(f"It is {row['answer']}.")], [row["answer"]]) == [1.0]
         assert correct_answer([said(f"It is {row['answer'] + 1}.")], [row["answer"]]) == [0.0]
-    rows = ag.task_rows(100, seed=2, task="countdown", max_operand=9, terms=3, operations="+-*/")
+    rows = rewards.task_rows(100, seed=2, task="countdown", max_operand=9, terms=3, operations="+-*/")
     for row in rows:
         numbers, target = row["numbers"], row["target"]
         assert len(numbers) == 3 and all(1 <= x <= 9 for x in numbers) and target > 0
@@ -485,9 +486,9 @@ def test_built_in_tasks_have_exact_answers_and_their_rewards_check_them():
         assert countdown([said(f"So {solution} = {target}.")] + [said(w) for w in wrong], [numbers] * 8,
                          [target] * 8) == [1.0] + [0.0] * 7, row
     assert len({json.dumps(r["numbers"]) for r in rows}) > 50  # varied problems
-    assert ag.task_rows(50, seed=3) == ag.task_rows(50, seed=3) != ag.task_rows(50, seed=4)  # seeded
+    assert rewards.task_rows(50, seed=3) == rewards.task_rows(50, seed=3) != rewards.task_rows(50, seed=4)  # seeded
     with pytest.raises(SystemExit, match="too few problems"):
-        ag.task_rows(10, seed=0, task="countdown", max_operand=1, operations="-")  # 1 - 1 is never positive
+        rewards.task_rows(10, seed=0, task="countdown", max_operand=1, operations="-")  # 1 - 1 is never positive
 
 
 def test_ci_runs_the_readme_test_command():
@@ -917,7 +918,7 @@ def test_producer_stamps_versions_and_scores_groups(server, tiny_model):
     tok = AutoTokenizer.from_pretrained(tiny_model)
     args = ag.parse_args(["--output-dir", "unused", "--num-generations", "4", "--prompts-per-step", "2",
                           "--max-staleness", "0", "--tools"])
-    rows = ag.task_rows(50, seed=3)
+    rows = rewards.task_rows(50, seed=3)
     for row in rows:
         row["prompt"] = [{"role": "user", "content": row["prompt"]}]
     ctx = ag.rollout_context(tok, ag.tool_schemas(args.tool_names), rows,
@@ -959,7 +960,7 @@ def test_a_data_timeout_says_where_the_groups_wait(server, tiny_model, monkeypat
     tok = AutoTokenizer.from_pretrained(tiny_model)
     args = ag.parse_args(["--output-dir", "unused", "--num-generations", "2", "--prompts-per-step", "1", "--rewards",
                           "never", "--max-tokens", "8"])
-    rows = [{**row, "prompt": [{"role": "user", "content": row["prompt"]}]} for row in ag.task_rows(8, seed=3)]
+    rows = [{**row, "prompt": [{"role": "user", "content": row["prompt"]}]} for row in rewards.task_rows(8, seed=3)]
     producer = ag.Producer(args, tok, rows, [server.url], ag.rollout_context(tok, None, rows, served_context(server)),
                            ag.PolicyVersion())
     producer.start()
@@ -983,7 +984,7 @@ def test_learning_through_the_whole_loop(server, tmp_path, mode):
     and the synchronous baseline both learn."""
     dataset = tmp_path / "seven.jsonl"
     dataset.write_text("".join(json.dumps({"prompt": r["prompt"], "answer": 7}) + "\n"
-                               for r in ag.task_rows(300, seed=5)))
+                               for r in rewards.task_rows(300, seed=5)))
     code, out = run_cli("--vllm-url", server.url, "--output-dir", str(tmp_path), "--dataset", str(dataset),
                         "--steps", "16", "--lr", "1e-3", "--eval-every", "16", "--eval-size", "32", *mode)
     assert code == 0, out[-3000:]
@@ -1115,7 +1116,7 @@ def test_a_reward_that_raises_drops_its_group_and_the_run_goes_on(server, tmp_pa
     # Fault injection through the data: rows whose answer is not a number make the real
     # correct_answer raise (float('n/a')).
     rows = [{"prompt": r["prompt"], "answer": "n/a" if i % 5 == 0 else r["answer"]}
-            for i, r in enumerate(ag.task_rows(300, seed=7))]
+            for i, r in enumerate(rewards.task_rows(300, seed=7))]
     bad = {i for i, r in enumerate(rows) if r["answer"] == "n/a"}
     dataset = tmp_path / "some_bad_answers.jsonl"
     dataset.write_text("".join(json.dumps(r) + "\n" for r in rows))
