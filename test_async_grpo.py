@@ -746,7 +746,7 @@ def sync_to_a_second_process(tmp_path, host, listener, device, buckets):
     sync group at host as rank 1, and return what it received."""
     (tmp_path / "receiver.py").write_text(SYNC_RECEIVER)
     receiver = subprocess.Popen([sys.executable, str(tmp_path / "receiver.py"), host, str(listener.getsockname()[1]),
-                                 device, json.dumps([sum(p.numel() for _, p in b) for b in buckets]),
+                                 device, json.dumps([sum(p.numel() for _, p, _ in b) for b in buckets]),
                                  str(tmp_path / "received.pt")], env=dict(os.environ, PYTHONPATH=str(HERE)))
     try:
         group = ag.sync_group(host, listener.getsockname()[1], 0, 2, "gloo", 60, listener)
@@ -786,7 +786,7 @@ def test_the_sync_group_meets_at_an_address_a_remote_server_reaches(tmp_path, mo
     print(f"this machine: {address}; its hostname's lookup: {socket.gethostbyname(socket.gethostname())}")
     host, listener = ag.sync_endpoint([f"http://{address}:8000", "http://127.0.0.1:8001"])
     assert host == address and listener.getsockname()[0] == "0.0.0.0"
-    bucket = [("w", torch.arange(1000, dtype=torch.float32))]
+    bucket = [("w", torch.arange(1000, dtype=torch.float32), None)]
     received, = sync_to_a_second_process(tmp_path, address, listener, "cpu", [bucket])
     assert torch.equal(received, bucket[0][1].to(torch.bfloat16))
     assert ag.sync_endpoint(["http://127.0.0.1:8000"])[0] == "127.0.0.1"
@@ -1542,7 +1542,7 @@ def test_image_text_model_syncs_its_language_model_exactly_and_not_its_vision_to
     vision = {n for n, _ in policy.model.vision_model.named_parameters(prefix="model.vision_model")}
     assert vision and not trained & vision  # frozen...
     assert trained == {n for n, _ in policy.model.text_model.named_parameters(prefix="model.text_model")}  # lm_head: tied
-    sent = {n for bucket in ag.pack_buckets(policy, 2**20, torch.bfloat16) for n, _ in bucket}
+    sent = {n for bucket in ag.pack_buckets(policy, 2**20, torch.bfloat16) for n, _, _ in bucket}
     assert sent == trained  # ...and not sent
     model = perturbed(policy)  # the vision tower moves too: were it sent, vLLM would break the image path
     sync = ag.WeightSync([server.url], ag.parse_args(["--output-dir", "unused"]), torch.bfloat16, ag.PolicyVersion())
