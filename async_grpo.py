@@ -188,10 +188,10 @@ def parse_args(argv=None, world_size=1, cuda_count=None, local_ranks=None):
         (args.epsilon_high < args.epsilon, "--epsilon-high must be >= --epsilon"),
         ((args.prompts_per_step * args.num_generations) % world_size, f"--prompts-per-step x --num-generations = "
          f"{args.prompts_per_step * args.num_generations} samples per step must divide evenly over {world_size} ranks"),
-        (args.fsdp and world_size < 2, "--fsdp shards the model over torchrun's ranks: launch with torchrun "
-                                       "--nproc-per-node N, N >= 2"),
         (args.lora_rank and args.fsdp, "--lora-rank with --fsdp: not supported (merging and saving the adapter take "
          "whole weights); drop --fsdp (DDP: a copy on each rank) or train every weight, --lora-rank 0"),
+        (args.fsdp and world_size < 2, "--fsdp shards the model over torchrun's ranks: launch with torchrun "
+                                       "--nproc-per-node N, N >= 2"),
         ((args.lora_alpha is not None or args.lora_targets) and not args.lora_rank,
          "--lora-alpha and --lora-targets need --lora-rank R > 0"),
         (args.is_threshold <= 1, "--is-threshold must be > 1"),
@@ -1546,7 +1546,7 @@ class WeightSyncExtension:
 def served_weights(model, every=False):
     """(name as vLLM knows it, weight, its LoRA layer or None) for each weight a sync sends: the trained ones (a frozen
     vision tower: vLLM holds it already); --lora-rank: those of the modules holding an adapted layer and no other, as
-    none can have changed (siblings: vLLM fuses q/k/v into qkv_proj, reloads it whole). every: the frozen ones too."""
+    none can have changed (siblings: vLLM fuses q/k/v into qkv_proj, reloads it whole), or with every all of them."""
     if not hasattr(model, "peft_config"):
         yield from ((name, p, None) for name, p in model.named_parameters() if p.requires_grad)
         return
@@ -1592,7 +1592,7 @@ def send_weights(group, buckets, dtype, timeout):
     """Rank 0's broadcast of the buckets, one flat buffer each: bucket k+1 is gathered and packed while bucket k travels."""
     timeout, sending = timedelta(seconds=timeout), None
     for bucket in buckets:
-        flat = flatten(bucket, dtype)
+        flat = flatten(bucket, dtype)  # of detached weights: no autograd
         if sending:
             sending[1].wait(timeout)
         sending = flat, group.broadcast(flat, 0)
@@ -2047,8 +2047,7 @@ def load_policy(path, empty=False):
 
 
 def with_lora(model, args, adapter=None):
-    """--lora-rank: the model with a LoRA adapter (peft) on the --lora-targets layers of its decoder layers, B = 0 (the
-    model as loaded), or the adapter saved in `adapter` (--resume). Only the adapter's parameters then train."""
+    """--lora-rank: a LoRA adapter (peft) on the --lora-targets, B = 0, or the one saved in `adapter` (--resume)."""
     from peft import LoraConfig, PeftModel, get_peft_model
     if adapter:
         return PeftModel.from_pretrained(model, adapter, is_trainable=True)
@@ -2422,11 +2421,10 @@ def tear_down(run, handlers):
 # --- Checkpoints and signals ------------------------------------------------------------------------------------------
 
 def checkpoint(run, step):
-    """checkpoint-<step>/: the model (safetensors; merged under --lora-rank, the adapter in adapter/), tokenizer and
-    trainer state, written whole under a temporary name; then the `checkpoint` link is swapped to it in one rename, so a
-    crash never leaves a broken latest checkpoint. Taken between steps: the data cursor is the last finished step's, and
-    --resume regenerates every group after it (those in flight now are redone). Under --fsdp every rank sends its
-    shards, a tensor at a time, to rank 0's CPU memory."""
+    """checkpoint-<step>/: the model (safetensors), tokenizer and trainer state, written whole under a temporary name;
+    then the `checkpoint` link is swapped to it in one rename, so a crash never leaves a broken latest checkpoint. Taken
+    between steps: the data cursor is the last finished step's, and --resume regenerates every group after it (those
+    in flight now are redone). Under --fsdp every rank sends its shards, a tensor at a time, to rank 0's CPU memory."""
     weights, optim = None, run.optimizer.state_dict()
     if run.args.fsdp:
         options = StateDictOptions(full_state_dict=True, cpu_offload=True)
