@@ -323,18 +323,22 @@ def step_cost(model, samples, flags, reps):
     return {"seconds": seconds, "peak_mb": statistics.median(peaks[1:])}
 
 
-def process_peak_mb(path, sample_args, flags):
+def process_peak_mb(path, sample_args, flags, above_model=False):
     """The peak resident memory of a fresh process that loads `path` and takes one training step (AdamW, lr 0) on
-    random_samples(*sample_args): the trainer's whole footprint, whatever this process held before."""
-    code = (f"import bench, torch, async_grpo as ag\nfrom transformers import AutoModelForCausalLM\n"
+    random_samples(*sample_args): the trainer's whole footprint, whatever this process held before. above_model: and the
+    peak above what it held with the model loaded (what the step adds: gradients, optimizer state, activations)."""
+    code = (f"import bench, torch, async_grpo as ag\nfrom pathlib import Path\nfrom transformers import AutoModelForCausalLM\n"
             f"model = AutoModelForCausalLM.from_pretrained({path!r}, dtype=torch.float32)\n"
             f"samples, args = bench.random_samples(*{sample_args!r}), ag.parse_args(['--output-dir', 'unused', *{flags!r}])\n"
             f"model = ag.with_lora(model, args) if args.lora_rank else model\n"
+            f"loaded, peak = bench.memory_mb('VmRSS'), bench.memory_mb('VmHWM')\n"
+            f"Path('/proc/self/clear_refs').write_text('5')\n"  # the high-water mark from here on
             f"ag.train_step(model, torch.optim.AdamW(model.parameters(), lr=0.0), samples, 1, len(samples), args, "
             f"torch.device('cpu'), 1)\n"
-            f"print(bench.memory_mb('VmHWM'))")
+            f"print(max(peak, bench.memory_mb('VmHWM')), bench.memory_mb('VmHWM') - loaded)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ag.HERE)
-    return float(out.stdout.split()[-1])
+    peak, step = map(float, out.stdout.split()[-2:])
+    return (peak, step) if above_model else peak
 
 
 def truncation_cost(args):
@@ -405,8 +409,8 @@ def prefix_sharing(args, path, server, out_dir):
 def lora_cost(args, path):
     """The training step at --lora-rank 16 against full fine-tuning, on batches of the default task's shape (8 groups of
     8, 30-token prompts, 2 to 48 generated tokens): median seconds (step_cost), the peak memory of a process that loads
-    the model and takes one step (process_peak_mb), and the bytes a weight sync sends in bf16 (every sync but a first
-    one to a --vllm-url server); and those bytes with the adapter on the attention's q_proj and v_proj alone."""
+    the model and takes one step, whole and above the model loaded (process_peak_mb), and the bytes a weight sync sends
+    in bf16 (every sync but a first one to a --vllm-url server), also with the adapter on q_proj and v_proj alone."""
     from transformers import AutoModelForCausalLM
     results = {}
     for name, flags in [("full", []), ("lora_16", ["--lora-rank", "16"]),
@@ -419,8 +423,9 @@ def lora_cost(args, path):
         results[name] = {"trained_params": sum(p.numel() for p in model.parameters() if p.requires_grad),
                          "sync_bytes": sum(2 * p.numel() for b in buckets for _, p, _ in b)}
         if name != "lora_16_q_v":  # its step costs about what lora_16's does
+            peak, step = process_peak_mb(path, sample_args, flags, above_model=True)
             results[name].update({"seconds": step_cost(model, random_samples(*sample_args), flags, args.reps)["seconds"],
-                                  "process_peak_mb": process_peak_mb(path, sample_args, flags)})
+                                  "process_peak_mb": peak, "step_peak_mb": step})
     results["params"] = results["full"]["trained_params"]
     return results
 
@@ -429,7 +434,8 @@ def print_lora(r):
     f, l, qv = r["full"], r["lora_16"], r["lora_16_q_v"]
     print(f"LoRA rank 16 against full fine-tuning, {r['params'] / 1e6:.0f}M parameters, 64 samples of the default task's "
           f"shape: step {f['seconds']:.2f} -> {l['seconds']:.2f} s, trainer peak memory {f['process_peak_mb']:.0f} -> "
-          f"{l['process_peak_mb']:.0f} MB, {f['trained_params'] / 1e6:.2f}M -> {l['trained_params'] / 1e6:.2f}M trained "
+          f"{l['process_peak_mb']:.0f} MB ({f['step_peak_mb']:.0f} -> {l['step_peak_mb']:.0f} MB above the loaded model), "
+          f"{f['trained_params'] / 1e6:.2f}M -> {l['trained_params'] / 1e6:.2f}M trained "
           f"parameters; a sync sends {f['sync_bytes'] / 1e6:.1f} -> {l['sync_bytes'] / 1e6:.1f} MB "
           f"({qv['sync_bytes'] / 1e6:.1f} MB with --lora-targets q_proj,v_proj)")
 
