@@ -2305,9 +2305,13 @@ def tear_down(run, handlers):
         run.logs["wandb"].finish()
     if run.world_size > 1 and dist.is_initialized():
         dist.destroy_process_group()
-        if sys.exc_info()[0] is None:  # a finished rank ends here: freeing DDP's reducer on return can deadlock
-            sys.stdout.flush()  # (its gloo destructor joins a thread that waits for the GIL; seen on rank 1)
-            os._exit(0)
+    # A finished run ends here, not in the interpreter's teardown, where freeing DDP's reducer can deadlock (its gloo
+    # destructor joins a thread that waits for the GIL; seen on rank 1) and the sync group's objects can abort the
+    # process ("terminate called without an active exception", exit -6, seen twice after a finished --vllm-url run)
+    if sys.exc_info()[0] is None and __name__ == "__main__":
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
 
 
 # --- Checkpoints and signals ------------------------------------------------------------------------------------------
