@@ -1670,9 +1670,9 @@ def collate(samples, pad_id, device, min_tokens=0, share=True, width=None):
     ids, segment, position, at, open_row = [], [], [], [], {}  # open_row: the row a prompt's next completion may join
     for i, s in enumerate(samples):
         n, completion = s["n_prompt"], s["ids"][s["n_prompt"]:]
-        r = open_row.get(tuple(s["ids"][:n]) if share else i)
+        r = open_row.get(key := tuple(s["ids"][:n]) if share else i)
         if r is None or width and 2 * len(completion) * (len(ids[r]) - n) >= n * (6 * width + n):
-            open_row[tuple(s["ids"][:n]) if share else i] = r = len(ids)
+            open_row[key] = r = len(ids)
             ids.append(s["ids"][:n])
             segment.append([0] * n)
             position.append(list(range(n)))
