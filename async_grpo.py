@@ -1061,6 +1061,17 @@ def group_advantages(rewards, scale=True, eps=1e-4):
 
 # --- The producer: a thread with its own asyncio loop that keeps the queue full ---------------------------------------
 
+async def all_or_none(coros):
+    """asyncio.gather whose first error cancels the rest and waits for them: gather alone leaves them running against a
+    session about to close, each to fail later with an error that asyncio prints as a traceback nobody retrieved."""
+    tasks = [asyncio.ensure_future(c) for c in coros]
+    try:
+        return await asyncio.gather(*tasks)
+    finally:
+        [task.cancel() for task in tasks]
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
 class Producer(threading.Thread):
     """Streams scored groups to the trainer, numbered in the order they start; the trainer takes them in that order
     (`take`), which lets admission control know when a group will be trained. With several servers (`urls`), each group
@@ -1130,8 +1141,8 @@ class Producer(threading.Thread):
         a, url = self.args, min(self.urls, key=self.running.get)
         self.running[url] += 1
         try:
-            samples = await asyncio.gather(*(rollout(session, url, self.tok, row, a, self.ctx, self.policy)
-                                             for _ in range(a.num_generations)))
+            samples = await all_or_none(rollout(session, url, self.tok, row, a, self.ctx, self.policy)
+                                        for _ in range(a.num_generations))
         finally:
             self.running[url] -= 1
         try:
@@ -1866,8 +1877,8 @@ def evaluate(run):
 
     async def scored():
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=args.data_timeout)) as session:
-            samples = await asyncio.gather(*(rollout(session, p.urls[i % len(p.urls)], p.tok, row, args, p.ctx,
-                                                     p.policy, greedy=True) for i, row in enumerate(rows)))
+            samples = await all_or_none(rollout(session, p.urls[i % len(p.urls)], p.tok, row, args, p.ctx, p.policy,
+                                                greedy=True) for i, row in enumerate(rows))
         return [await score_group([sample], row, args.reward_weights) for row, sample in zip(rows, samples)]
     results = asyncio.run_coroutine_threadsafe(scored(), p.loop).result()
     return mean_over_union([{f"eval/{k}": v[0] for k, v in {"reward": total, **parts}.items()} for total, parts in results])
@@ -2366,15 +2377,11 @@ def _stop_after_step(stop, signum, frame):
     print(f"signal {signum}: stopping after this step with a checkpoint (again to stop at once)", flush=True)
 
 
-def _raise_keyboard_interrupt(signum, frame):
-    raise KeyboardInterrupt(f"signal {signum}")
-
-
 def main(argv=None):
     run = set_up(argv)                 # ranks, device, seeds, the output directory
     load_data(run)                     # the model's files, tokenizer, rows; the chat template checked before vLLM starts
     load_policy_and_optimizer(run)     # on its device, sharded or replicated; --resume's state
-    handlers = {sig: signal.signal(sig, _raise_keyboard_interrupt) for sig in (signal.SIGINT, signal.SIGTERM)}
+    handlers = {sig: signal.signal(sig, functools.partial(_stop_after_step, [sig])) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         start_generation(run)          # rank 0: the vLLM servers, the weight sync, the producer thread
         for sig in handlers:  # from here a first Ctrl-C/SIGTERM finishes the step, saves a checkpoint and stops

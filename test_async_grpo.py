@@ -428,6 +428,31 @@ def test_take_hands_out_groups_in_start_order_skipping_and_dropping():
     assert producer.cursor["skipped_groups"] == 2 and producer.cursor["stale_samples"] == 2
 
 
+def test_a_failed_rollout_stops_its_siblings_before_its_error_leaves_the_group():
+    # A server killed mid-group once printed "Task exception was never retrieved" tracebacks: the group's gather raised on
+    # its first failed rollout and left the others running against a session that then closed. Plain coroutines here:
+    # which rollout of a real group fails first, and when, is up to the server's timing.
+    events = []
+
+    async def rollout(i, fail_after):
+        try:
+            await asyncio.sleep(fail_after)
+            if fail_after:
+                raise ConnectionError(f"rollout {i}: the server is gone")
+            return i
+        except asyncio.CancelledError:
+            events.append(f"{i} cancelled")
+            raise
+
+    async def group():
+        assert await ag.all_or_none(rollout(i, 0) for i in range(3)) == [0, 1, 2]
+        with pytest.raises(ConnectionError, match="rollout 0"):
+            await ag.all_or_none(rollout(i, 0.01 if i == 0 else 10) for i in range(4))
+        events.append("the error leaves the group")
+    asyncio.run(group())
+    assert events == ["1 cancelled", "2 cancelled", "3 cancelled", "the error leaves the group"]
+
+
 def test_metrics_merge_over_the_union_of_keys():
     # a sample without tool calls has no tool keys; the first sample's keys must not decide
     merged = ag.mean_over_union([{"reward/mean": 1.0}, {"reward/mean": 0.0, "tools/seconds": 0.4},
