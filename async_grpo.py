@@ -104,7 +104,7 @@ def parse_args(argv=None, world_size=1, cuda_count=None, local_ranks=None):
 
     g = p.add_argument_group("loss and optimizer (see grpo_loss)")
     g.add_argument("--steps", type=int, default=60, help="optimizer steps")
-    g.add_argument("--lr", type=float, default=None, help="AdamW learning rate; default: 3e-4 built-in model, 1e-6 --model")
+    g.add_argument("--lr", type=float, default=None, help="AdamW learning rate; default: 3e-4 built-in model (tiny), 1e-6 --model")
     g.add_argument("--warmup-steps", type=int, default=0, help="linear learning-rate warm-up")
     g.add_argument("--weight-decay", type=float, default=0.0, help="AdamW weight decay")
     g.add_argument("--epsilon", type=float, default=0.2, help="lower clip range of the ratio: 1 - epsilon")
@@ -233,9 +233,8 @@ def parse_args(argv=None, world_size=1, cuda_count=None, local_ranks=None):
     # min, gloo 30) but twice the sum of rank 0's bounds (building the model, evaluation and checkpoints have none)
     args.collective_timeout = 2 * (args.vllm_startup_timeout + args.data_timeout + args.sync_timeout)
     args.output_dir = args.output_dir or time.strftime("runs/%Y%m%d-%H%M%S")
-    default_lr = 3e-4 if args.model is None else 1e-6  # the built-in model is tiny and far from converged
     args.lora_alpha = 2.0 * args.lora_rank if args.lora_alpha is None else args.lora_alpha
-    args.lr = 0.0 if args.audit else default_lr if args.lr is None else args.lr
+    args.lr = 0.0 if args.audit else (3e-4 if args.model is None else 1e-6) if args.lr is None else args.lr
     return args
 
 
@@ -1133,8 +1132,7 @@ class Producer(threading.Thread):
                     pending.add(asyncio.create_task(self._group(session, row, started)))
                     started += 1
             finally:  # on stop or error, no group is left running against a server that is going away
-                for task in pending:
-                    task.cancel()
+                [task.cancel() for task in pending]
                 await asyncio.gather(*pending, return_exceptions=True)
 
     async def _group(self, session, row, index):
@@ -1663,21 +1661,22 @@ def grpo_loss(logp, sampler_logp, advantages, mask, epsilon, epsilon_high, loss_
     return loss, stats
 
 
-def collate(samples, pad_id, device, min_tokens=0, share=True, width=None):
+def collate(samples, pad_id, device, min_tokens=0, share=True, config=None):
     """The micro-batch as the model takes it: rows that hold a prompt once and the completions of its samples after it
     (samples with equal prompt tokens, a group's; with share off, a row per sample). The mask lets a completion attend
     to the prompt and to itself only, and its positions count on from the prompt's end: each token sees what it would
     alone (the same log-probs, to float rounding), and the prompt's activations get the gradients of all its
     completions. A row's attention is dense, so a completion of c tokens joins its prompt's row only where that costs
-    less than a row of its own: it saves the prompt's n tokens (~12 width^2 multiply-adds each, width the hidden size)
-    and adds attention over the row's c' completion tokens (~2 width a pair): 2 c c' < n (6 width + n) (always,
-    without width). Per-token tensors are [B, T] over each sample's completion: its token t is predicted at
+    less than a row of its own: it saves the prompt's n tokens (~12 width^2 multiply-adds each, width: config's hidden
+    size) and adds attention over the row's c' completion tokens (~2 width a pair): 2 c c' < n (6 width + n) (always,
+    without config). Per-token tensors are [B, T] over each sample's completion: its token t is predicted at
     logits[rows, cols[t]], the first at the prompt's last position."""
     def padded(rows, dtype=torch.float, value=0):  # [B, the longest row]; one column at least: a completion may be empty
         out = torch.full((len(rows), max(1, *map(len, rows))), value, dtype=dtype)
         for r, row in enumerate(rows):
             out[r, :len(row)] = torch.tensor(row, dtype=dtype)
         return out
+    width, window = getattr(config, "hidden_size", None), getattr(config, "sliding_window", None)
     ids, segment, position, at, open_row = [], [], [], [], {}  # open_row: the row a prompt's next completion may join
     for i, s in enumerate(samples):
         n, completion = s["n_prompt"], s["ids"][s["n_prompt"]:]
@@ -1691,14 +1690,19 @@ def collate(samples, pad_id, device, min_tokens=0, share=True, width=None):
         ids[r] += completion
         segment[r] += [i + 1] * len(completion)
         position[r] += range(n, n + len(completion))
-    segment = padded(segment, torch.long, -1)  # -1: padding, which attends to the prompt: no row is all masked
-    causal = torch.ones(segment.shape[1], segment.shape[1], dtype=torch.bool).tril()
+    segment, position = padded(segment, torch.long, -1), padded(position, torch.long)  # -1: padding, which attends
+    causal = torch.ones(segment.shape[1], segment.shape[1], dtype=torch.bool).tril()  # to the prompt: no row all masked
+    attend = (causal & ((segment[:, None] == 0) | (segment[:, None] == segment[..., None])))[:, None]
+    if window:  # the model's sliding window, in the mask that replaces its own: over positions; per layer type if mixed
+        slid, types = attend & (position[:, None, :, None] - position[:, None, None, :] < window), \
+            set(getattr(config, "layer_types", None) or ["sliding_attention"])
+        attend = slid if types == {"sliding_attention"} else {t: (slid if t == "sliding_attention" else attend).to(device)
+                                                              for t in types}
     mask = padded([s["mask"] for s in samples])
     generated = mask.cumsum(1)  # a turn: a run of generated tokens; in_turn counts those of its turn up to here
     in_turn = generated - (generated * (1 - mask)).cummax(1).values  # vLLM held the stop tokens back for min_tokens
     first = min(s["n_prompt"] for s in samples) - 1  # no row needs logits before this position
-    batch = {"input_ids": padded(ids, torch.long, pad_id), "position_ids": padded(position, torch.long),
-             "attention_mask": (causal & ((segment[:, None] == 0) | (segment[:, None] == segment[..., None])))[:, None],
+    batch = {"input_ids": padded(ids, torch.long, pad_id), "position_ids": position, "attention_mask": attend,
              "rows": torch.tensor([[r] for r, _ in at]), "cols": padded([c for _, c in at], torch.long, first),
              "first": first, "tokens": sum(map(len, ids)), "mask": mask,
              "stop_masked": (0 < in_turn) & (in_turn <= min_tokens), "sampler_logp": padded([s["logprobs"] for s in samples]),
@@ -1783,10 +1787,8 @@ def decoder_layers(model):
 
 def sharing_refused(model):
     """Why shared rows (collate) would not give this model's log-probs, or None. Sharing rests on the model attending as
-    the 4D mask says at the positions given: a sliding window (beyond a short probe's reach), linear attention,
-    recurrent layers or a position scheme of its own do not. Checked on a probe group, in fp32."""
-    if getattr(model.config.get_text_config(), "sliding_window", None):
-        return "its attention has a sliding window"
+    the 4D mask says at the positions given (a sliding window included: collate): linear attention, recurrent layers
+    or a position scheme of its own do not. Checked on a probe group, in fp32."""
     probe = [{"ids": [1, 2, 3] + c, "n_prompt": 3, "mask": c, "logprobs": c, "advantage": 0} for c in ([4, 5, 6], [7, 8])]
     with torch.no_grad():
         shared, whole = (token_logprobs(model, collate(probe, 0, model.device, share=share))[0] for share in (1, 0))
@@ -1825,7 +1827,7 @@ def train_step(model, optimizer, samples, num_tokens, num_sequences, args, devic
     """Gradient accumulation over micro-batches; DDP all-reduces on the last one only. FSDP reduce-scatters on each:
     skipping that (set_requires_gradient_sync) would hold the unsharded gradients of the whole model on every rank."""
     model.train()
-    width = getattr(model, "module", model).config.get_text_config().hidden_size  # prices sharing a row (collate)
+    config = getattr(model, "module", model).config.get_text_config()  # its width and window shape the rows (collate)
     totals, micros, forwarded = {"loss": 0.0}, micro_batches(samples, args.micro_batch_size, 1, args.share_prefix), 0
     if world_size > 1:  # every rank runs as many forwards and backwards, whatever its lengths: DDP and FSDP communicate in them
         count = torch.tensor(len(micros), device=device)
@@ -1833,7 +1835,7 @@ def train_step(model, optimizer, samples, num_tokens, num_sequences, args, devic
         if count > len(micros):  # this rank splits its largest micro-batches until it has as many
             micros = micro_batches(samples, args.micro_batch_size, int(count), args.share_prefix)
     for i, micro in enumerate(micros):
-        batch = collate(micro, pad_id, device, args.sampling_args.get("min_tokens", 0), args.share_prefix, width)
+        batch = collate(micro, pad_id, device, args.sampling_args.get("min_tokens", 0), args.share_prefix, config)
         forwarded += batch["tokens"]
         # the distribution vLLM sampled from: the ratio against its log-probs measures the policy, not the truncation
         sampling = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
@@ -1940,8 +1942,7 @@ def share_idle_core(model, version, idle_after=1.0):
     try:
         yield
     finally:
-        for hook in hooks:
-            hook.remove()
+        [hook.remove() for hook in hooks]
         torch.set_num_threads(busy)
 
 
@@ -2028,10 +2029,7 @@ class Run:
     done_cursor: dict = None     # the producer's data cursor as of the last finished step: what a checkpoint saves
     history: list = field(default_factory=list)
     clock: dict = field(default_factory=dict)
-
-    @property
-    def is_main(self):
-        return self.rank == 0
+    is_main = property(lambda self: self.rank == 0)  # not a field: rank 0 does what only one process should
 
 
 def set_up(argv):
