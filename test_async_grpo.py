@@ -1043,7 +1043,10 @@ def test_a_data_timeout_says_where_the_groups_wait(server, tiny_model, monkeypat
 # top-p at lr 5e-4: once the policy is sure of one answer, the nucleus holds it alone and the group's variance is 0; at
 # 1e-3 that happened before it found 7 for 1 seed in 6 (measured), at 5e-4 for none of 6. LoRA (rank 16, alpha 32) at
 # lr 3e-3, top-p 0.9, seeds 0/1/2: reward +0.72/+0.69/+0.44, eval 0.03 -> 1.0/1.0/0.94; at 1e-2 (rank 8) it rose less,
-# at 3e-2 it collapsed to 0 (measured)
+# at 3e-2 it collapsed to 0 (measured). The reward is the answer's alone: with format_reward too, a group with no 7 in it
+# still had a spread, which its advantages amplify into updates that need not favour 7; one --sync run in CI learned the
+# format and lost the 7s (reward 0.23 -> 0.20, eval 0.03 -> 0). Answer alone, 6 runs of each mode: reward up by 0.58 at
+# the least, eval 1.0 in all 24 (measured)
 @pytest.mark.parametrize("mode", [[], ["--sync"], ["--top-p", "0.9", "--lr", "5e-4"],
                                   ["--lora-rank", "16", "--lr", "3e-3", "--top-p", "0.9"]],
                          ids=["async", "sync", "top_p_0.9", "lora_16_top_p_0.9"])
@@ -1056,7 +1059,8 @@ def test_learning_through_the_whole_loop(server, tmp_path, mode):
     dataset.write_text("".join(json.dumps({"prompt": r["prompt"], "answer": 7}) + "\n"
                                for r in rewards.task_rows(300, seed=5)))
     code, out = run_cli("--vllm-url", server.url, "--output-dir", str(tmp_path), "--dataset", str(dataset),
-                        "--steps", "16", "--lr", "1e-3", "--eval-every", "16", "--eval-size", "32", *mode)
+                        "--steps", "16", "--lr", "1e-3", "--eval-every", "16", "--eval-size", "32", "--rewards",
+                        "correct_answer", *mode)
     assert code == 0, out[-3000:]
     before, *metrics = read_metrics(tmp_path)  # step 0: the evaluation before the first update
     assert before["step"] == 0 and len(metrics) == 16 and REQUIRED_METRICS <= set(metrics[-1])
