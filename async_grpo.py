@@ -2369,6 +2369,7 @@ def checkpoint(run, step):
 
 
 def _stop_after_step(stop, signum, frame):
+    """A signal asks to stop after this step; one that finds `stop` set already (a second, or any before training) at once."""
     if stop:
         raise KeyboardInterrupt(f"signal {signum}")
     stop.append(signum)
