@@ -1046,7 +1046,9 @@ def test_a_data_timeout_says_where_the_groups_wait(server, tiny_model, monkeypat
 # at 3e-2 it collapsed to 0 (measured). The reward is the answer's alone: with format_reward too, a group with no 7 in it
 # still had a spread, which its advantages amplify into updates that need not favour 7; one --sync run in CI learned the
 # format and lost the 7s (reward 0.23 -> 0.20, eval 0.03 -> 0). Answer alone, 6 runs of each mode: reward up by 0.58 at
-# the least, eval 1.0 in all 24 (measured)
+# the least, eval 1.0 in all 24 (measured). A greedy evaluation of a policy this sharp on one token can fall into
+# repeating it: a LoRA run in CI answered "77777777" to every held-out prompt at step 16 while 94% of its samples were
+# "7" (once in CI; in none of 23 LoRA runs here); so held-out accuracy must rise at one of the evaluations, steps 8 and 16
 @pytest.mark.parametrize("mode", [[], ["--sync"], ["--top-p", "0.9", "--lr", "5e-4"],
                                   ["--lora-rank", "16", "--lr", "3e-3", "--top-p", "0.9"]],
                          ids=["async", "sync", "top_p_0.9", "lora_16_top_p_0.9"])
@@ -1059,16 +1061,16 @@ def test_learning_through_the_whole_loop(server, tmp_path, mode):
     dataset.write_text("".join(json.dumps({"prompt": r["prompt"], "answer": 7}) + "\n"
                                for r in rewards.task_rows(300, seed=5)))
     code, out = run_cli("--vllm-url", server.url, "--output-dir", str(tmp_path), "--dataset", str(dataset),
-                        "--steps", "16", "--lr", "1e-3", "--eval-every", "16", "--eval-size", "32", "--rewards",
+                        "--steps", "16", "--lr", "1e-3", "--eval-every", "8", "--eval-size", "32", "--rewards",
                         "correct_answer", *mode)
     assert code == 0, out[-3000:]
     before, *metrics = read_metrics(tmp_path)  # step 0: the evaluation before the first update
     assert before["step"] == 0 and len(metrics) == 16 and REQUIRED_METRICS <= set(metrics[-1])
     first = np.mean([m["reward/mean"] for m in metrics[:4]])
     last = np.mean([m["reward/mean"] for m in metrics[-4:]])
-    print(f"reward first 4 steps {first:.3f}, last 4 steps {last:.3f}, "
-          f"eval {before['eval/correct_answer']:.3f} -> {metrics[-1]['eval/correct_answer']:.3f}")
-    assert last > first + 0.3 and metrics[-1]["eval/correct_answer"] > before["eval/correct_answer"]
+    evals = [m["eval/correct_answer"] for m in metrics if "eval/correct_answer" in m]  # at steps 8 and 16
+    print(f"reward first 4 steps {first:.3f}, last 4 steps {last:.3f}, eval {before['eval/correct_answer']:.3f} -> {evals}")
+    assert last > first + 0.3 and len(evals) == 2 and max(evals) > before["eval/correct_answer"]
     assert metrics[-1]["policy_version"] == 16
 
 
