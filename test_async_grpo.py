@@ -754,6 +754,12 @@ def test_weight_sync_is_exact(server, tiny_model):
     assert sync(model) > 0
     try:
         check_vllm_matches(server, tok, model)
+        # The bound guards what it is for: the served weights with one tensor the sync could have missed (the final
+        # norm: a mean gap of 0.07 against 0.01 for bf16's rounding) fail the check.
+        missed = copy.deepcopy(model)
+        missed.model.norm.weight.data.copy_(AutoModelForCausalLM.from_pretrained(tiny_model).model.norm.weight)
+        with pytest.raises(AssertionError, match="mean gap"):
+            check_vllm_matches(server, tok, missed)
     finally:  # the other tests expect the server to hold the built-in model's weights
         sync(AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32))
 
@@ -766,6 +772,7 @@ def test_lora_sync_is_exact_and_sends_only_the_modules_an_adapter_can_change(ser
     from transformers import AutoModelForCausalLM, AutoTokenizer
     tok = AutoTokenizer.from_pretrained(tiny_model)
     args = ag.parse_args(["--output-dir", "unused", "--lora-rank", "4", "--lora-targets", "q_proj,gate_proj"])
+    torch.manual_seed(0)  # the adapter's initial A, whatever earlier tests drew from the global stream
     model = ag.with_lora(ag.load_policy(tiny_model), args)
     base = {name: p.detach().clone() for name, p, _ in ag.served_weights(model, every=True)}
     sent, send = [], ag.send_weights
@@ -918,15 +925,24 @@ def completion_logprobs(model, prompt, completion, **truncation):
     return ag.token_logprobs(model, ag.collate([sample], 0, model.device), **truncation)[0][0]
 
 
-def check_vllm_matches(server, tok, model, atol=0.1, logprob_atol=None):
+def check_vllm_matches(server, tok, model):
     """vLLM serves `model`'s weights: its greedy tokens are the model's (in bf16, as served), and the log-probs of the
-    tokens it samples are the trainer's, within atol (bf16's noise: up to 0.056 seen on the tiny model)."""
+    tokens it samples are the trainer's to bf16's rounding. How large that rounding is depends on the weights and on
+    the processor (vLLM's CPU kernels take native BF16 paths where it has them: a LoRA-merged model's largest gap was
+    0.146 on one EPYC, 0.056 elsewhere), so it is measured here, on the same tokens, as the gap between the trainer's
+    model in bf16 and in fp32 (bf16_rounding), and the mean gap may be at most twice that (measured on the tiny model,
+    plain and LoRA-merged: 0.7 to 1.4 times). A tensor the sync missed moves the mean gap by 0.03 (layer 1's q_norm) to
+    1.2 (the embedding) against about 0.01 for the rounding; test_weight_sync_is_exact checks that one is caught."""
+    gaps, rounding, _ = logprob_gaps(server, tok, model)
+    print(f"vLLM's log-probs against the trainer's: mean gap {gaps.mean():.4f} (largest {gaps.max():.3f}); the "
+          f"trainer's own bf16 rounding {rounding.mean():.4f} ({rounding.max():.3f})")
+    assert gaps.mean() < 2 * rounding.mean(), f"mean gap {gaps.mean():.4f}, bf16 rounding {rounding.mean():.4f}"
     reference = copy.deepcopy(model).to(torch.bfloat16)
     for question in ["What is 3 + 4?", "What is 9 - 7?", "What is 0 + 8?"]:
         ids = ag.render_prompt(tok, [{"role": "user", "content": question}], None)
         request = {"model": "policy", "prompt": ids, "max_tokens": 16, "logprobs": 0, "return_token_ids": True,
-                   "ignore_eos": True}
-        greedy = ag.http(f"{server.url}/v1/completions", {**request, "temperature": 0})["choices"][0]["token_ids"]
+                   "ignore_eos": True, "temperature": 0}
+        greedy = ag.http(f"{server.url}/v1/completions", request)["choices"][0]["token_ids"]
         # Each greedy token, fed back, is the reference's most likely one, or about as likely: two implementations
         # in bf16 may break a near-tie either way (seen: 0.031 apart, one bf16 step), so comparing whole generated
         # sequences fails on a model that has one. A tensor the sync missed moves the logits by far more.
@@ -935,18 +951,16 @@ def check_vllm_matches(server, tok, model, atol=0.1, logprob_atol=None):
         top = logits.max(-1).values
         behind = top - logits.gather(-1, torch.tensor(greedy)[:, None])[:, 0]
         steps = top.abs() * 2 ** -6  # two bf16 steps at the logit's size, at most (SmolLM2: 0.125 and 0.25 seen)
-        assert (behind <= torch.maximum(steps, torch.tensor(atol))).all(), (question, greedy, behind)
-        # Sampled tokens: vLLM's log-probs equal the trainer's within bf16 precision.
-        sampled = ag.http(f"{server.url}/v1/completions", {**request, "temperature": 1.0, "seed": 1})["choices"][0]
-        trainer = completion_logprobs(model, ids, sampled["token_ids"])
-        gap = np.abs(trainer.detach().numpy() - sampled["logprobs"]["token_logprobs"])
-        assert gap.max() < (logprob_atol or atol), gap
+        assert (behind <= torch.maximum(steps, torch.tensor(0.1))).all(), (question, greedy, behind)
 
 
 def logprob_gaps(server, tok, model, **truncation):
-    """|trainer - vLLM| log-probs of 4 x 32 tokens vLLM sampled with this truncation on the weights the model has, the
-    trainer's taken with the same truncation, and without it."""
-    gaps, untruncated_gaps = [], []
+    """On 4 x 32 tokens that vLLM sampled with this truncation from the weights it holds: |trainer - vLLM| log-probs, the
+    trainer's taken in fp32 with the same truncation; bf16's rounding, |trainer in bf16 - trainer in fp32|, on the same
+    tokens with the same truncation (the share of the gap that vLLM computing in bf16 explains); and |trainer - vLLM|
+    with the trainer's taken without the truncation."""
+    reference = copy.deepcopy(model).to(torch.bfloat16)
+    gaps, rounding, untruncated_gaps = [], [], []
     for question in ["What is 3 + 4?", "What is 9 - 7?", "What is 0 + 8?", "What is 5 - 5?"]:
         ids = ag.render_prompt(tok, [{"role": "user", "content": question}], None)
         sampled = ag.http(f"{server.url}/v1/completions", {
@@ -954,28 +968,32 @@ def logprob_gaps(server, tok, model, **truncation):
             "temperature": 1.0, "seed": 1, **truncation})["choices"][0]
         vllm = np.array(sampled["logprobs"]["token_logprobs"])
         with torch.no_grad():
-            for out, kwargs in [(gaps, truncation), (untruncated_gaps, {})]:
-                out += list(np.abs(completion_logprobs(model, ids, sampled["token_ids"], **kwargs).numpy() - vllm))
-    return np.array(gaps), np.array(untruncated_gaps)
+            trainer = completion_logprobs(model, ids, sampled["token_ids"], **truncation).numpy()
+            in_bf16 = completion_logprobs(reference, ids, sampled["token_ids"], **truncation).float().numpy()
+            gaps += list(np.abs(trainer - vllm))
+            rounding += list(np.abs(in_bf16 - trainer))
+            untruncated_gaps += list(np.abs(completion_logprobs(model, ids, sampled["token_ids"]).numpy() - vllm))
+    return np.array(gaps), np.array(rounding), np.array(untruncated_gaps)
 
 
 @pytest.mark.parametrize("truncation", [{"top_p": 0.8}, {"top_k": 5}, {"min_p": 0.1}, {"top_p": 0.9, "top_k": 20}],
                          ids=["top_p_0.8", "top_k_5", "min_p_0.1", "top_p_0.9+top_k_20"])
 def test_trainer_logprobs_are_vllms_processed_logprobs_under_truncation(server, tiny_model, truncation):
     """The server holds the built-in model's weights (bf16); the trainer computes the log-probs of the tokens vLLM
-    sampled on the same weights (fp32) over the tokens the same truncation keeps. They differ by bf16 rounding as much
-    as without truncation: the bulk of the gaps is that of top-p 1. The few largest are larger: a kept set of a few
-    tokens averages the rounding of fewer logits, and where two tokens at the boundary of the kept set are within
-    rounding of each other (4 of 128 tokens at top-p 0.8 here) the two sides keep different ones. Without the
+    sampled on the same weights (fp32) over the tokens the same truncation keeps. They differ by bf16's rounding, as
+    the trainer's own model in bf16 does from it (logprob_gaps), truncation and all: where two tokens at the boundary
+    of the kept set are within rounding of each other (4 of 128 tokens at top-p 0.8 here) either side may keep either,
+    which makes the few largest gaps larger than at top-p 1 for both. The bounds are multiples of that rounding,
+    measured on this processor, not numbers: its size depends on how the processor computes in bf16. Without the
     truncation the trainer's log-probs are far off: the test tells the two apart."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
     tok, model = AutoTokenizer.from_pretrained(tiny_model), AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
-    baseline, _ = logprob_gaps(server, tok, model)
-    gaps, untruncated = logprob_gaps(server, tok, model, **truncation)
+    baseline, _, _ = logprob_gaps(server, tok, model)
+    gaps, rounding, untruncated = logprob_gaps(server, tok, model, **truncation)
     print(f"{truncation}: gaps mean {gaps.mean():.4f}, 95th percentile {np.percentile(gaps, 95):.4f}, largest "
-          f"{gaps.max():.4f}; at top-p 1 {baseline.mean():.4f}, {np.percentile(baseline, 95):.4f}, {baseline.max():.4f}; "
-          f"without the truncation {untruncated.mean():.4f}")
-    assert gaps.mean() < 1.5 * baseline.mean() and np.percentile(gaps, 95) < 0.05 and gaps.max() < 0.25
+          f"{gaps.max():.4f}; the trainer's bf16 rounding {rounding.mean():.4f}, {np.percentile(rounding, 95):.4f}, "
+          f"{rounding.max():.4f}; at top-p 1 {baseline.mean():.4f}; without the truncation {untruncated.mean():.4f}")
+    assert gaps.mean() < 2 * rounding.mean() and np.percentile(gaps, 95) < 2 * np.percentile(rounding, 95)
     assert untruncated.mean() > 3 * baseline.mean()
 
 
@@ -1109,21 +1127,28 @@ def test_no_trained_token_is_staler_than_max_staleness(server, tmp_path, max_sta
         assert all(len(set(g)) > 1 for g in groups)
 
 
-@pytest.mark.parametrize("sampling", [[], ["--top-p", "0.8"], ["--top-k", "5"]], ids=["top_p_1", "top_p_0.8", "top_k_5"])
-def test_audit_mode_shows_a_bf16_level_mismatch_and_changes_nothing(server, tiny_model, tmp_path, sampling):
+@pytest.mark.parametrize("truncation", [{}, {"top_p": 0.8}, {"top_k": 5}], ids=["top_p_1", "top_p_0.8", "top_k_5"])
+def test_audit_mode_shows_a_bf16_level_mismatch_and_changes_nothing(server, tiny_model, tmp_path, truncation):
     """Truncated sampling too: the ratio is taken over what vLLM kept, so it measures bf16 rounding, not the truncation
     (whose mass is reported apart)."""
     from safetensors.torch import load_file
-    code, out = run_cli("--vllm-url", server.url, "--output-dir", str(tmp_path), "--steps", "3", "--audit", *sampling)
+    code, out = run_cli("--vllm-url", server.url, "--output-dir", str(tmp_path), "--steps", "3", "--audit",
+                        *[word for k, v in truncation.items() for word in (f"--{k.replace('_', '-')}", str(v))])
     assert code == 0, out[-3000:]
     print(out.splitlines()[-1])
-    # right after the initial sync vLLM holds the trainer's weights in bf16: only rounding differs. With truncation a
-    # few tokens at the boundary of the kept set (rounding decides whether they are in) weigh on a step of ~130 tokens.
+    # Right after the initial sync vLLM holds the trainer's weights in bf16: only rounding differs, and the audit says
+    # as much as the trainer's own bf16 rounding, with the same truncation (at its boundary, rounding decides whether a
+    # token is in), measured on this processor: a gap d weighs about d^2 / 2 in the k3 estimate.
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    tok, model = AutoTokenizer.from_pretrained(tiny_model), AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
+    _, rounding, _ = logprob_gaps(server, tok, model, **truncation)
+    bound = 8 * np.mean(rounding**2) / 2
+    print(f"mismatch KL bound, 8x the trainer's own bf16 rounding: {bound:.2e}")
     for m in read_metrics(tmp_path):
-        assert 0 < m["is/mismatch_kl"] < (3e-3 if sampling else 1e-3) and m["is/ratio_mean"] == pytest.approx(1, abs=0.01)
+        assert 0 < m["is/mismatch_kl"] < bound and abs(m["is/ratio_mean"] - 1) < 4 * rounding.mean(), (m, bound)
         assert m["is/ratio_min"] < 1 < m["is/ratio_max"]  # the tails: rare tokens, where bf16 rounding weighs most
-        assert (m["is/truncated_mass"] > 0) == bool(sampling)  # exactly 0 without truncation
-    assert json.loads((tmp_path / "summary.json").read_text())["trainer_vs_vllm"]["mismatch_kl"] < 1e-3
+        assert (m["is/truncated_mass"] > 0) == bool(truncation)  # exactly 0 without truncation
+    assert json.loads((tmp_path / "summary.json").read_text())["trainer_vs_vllm"]["mismatch_kl"] < bound
     before, after = load_file(f"{tiny_model}/model.safetensors"), load_file(tmp_path / "checkpoint" / "model.safetensors")
     assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
 
@@ -1756,10 +1781,7 @@ def test_a_real_pretrained_checkpoint_trains_and_syncs_exactly(smollm2_server, t
     changed = [k for k in before if not torch.equal(before[k].float(), after[k])]
     assert len(changed) == len(before), f"{len(before) - len(changed)} tensors unchanged"
     tok = AutoTokenizer.from_pretrained(tmp_path / "checkpoint")
-    # 30 layers in bf16 against the trainer's fp32: a tail token sampled at temperature 1 differed by 1.21 (the next
-    # largest 0.45); the greedy check above stays within two bf16 steps
-    check_vllm_matches(smollm2_server, tok, AutoModelForCausalLM.from_pretrained(tmp_path / "checkpoint", dtype=torch.float32),
-                       logprob_atol=2.0)
+    check_vllm_matches(smollm2_server, tok, AutoModelForCausalLM.from_pretrained(tmp_path / "checkpoint", dtype=torch.float32))
 
 
 def own_completions(url, tok, question, n=6):
