@@ -31,8 +31,13 @@ import aiohttp
 import numpy as np
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_optimizer_state_dict,
-                                                     set_model_state_dict, set_optimizer_state_dict)
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
@@ -50,6 +55,7 @@ SAMPLING_ARGS = {"min_tokens", "stop", "seed", "ignore_eos"}
 
 # --- Arguments --------------------------------------------------------------------------------------------------------
 
+
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
     def _get_help_string(self, action):  # "(default: X)", unless the help says it or there is none to say
         if action.default is None or action.default is False or action.default == "" or "default" in action.help:
@@ -60,20 +66,34 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 def parse_args(argv=None, world_size=1, cuda_count=None, local_ranks=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=HelpFormatter)
     g = p.add_argument_group("model and data")
-    g.add_argument("--model", help="hub name or local path of a causal LM or an image-text model (its vision tower "
-                   "frozen), or a .gguf file (dequantised once into --cache-dir); default: the tiny built-in model")
-    g.add_argument("--dataset", default=None, help="JSONL file, one row {\"prompt\": str or chat messages, ...} per line; "
-                                                   "the other columns reach the rewards by name. Default: --task")
-    g.add_argument("--task", choices=["arithmetic", "countdown"], default="arithmetic",
-                   help="built-in task without --dataset: 'What is 3 + 4?', or reach a target from given numbers")
+    g.add_argument(
+        "--model",
+        help="hub name or local path of a causal LM or an image-text model (its vision tower "
+        "frozen), or a .gguf file (dequantised once into --cache-dir); default: the tiny built-in model",
+    )
+    g.add_argument(
+        "--dataset",
+        default=None,
+        help='JSONL file, one row {"prompt": str or chat messages, ...} per line; '
+        "the other columns reach the rewards by name. Default: --task",
+    )
+    g.add_argument(
+        "--task",
+        choices=["arithmetic", "countdown"],
+        default="arithmetic",
+        help="built-in task without --dataset: 'What is 3 + 4?', or reach a target from given numbers",
+    )
     g.add_argument("--max-operand", type=int, default=4, help="built-in task: the largest operand")
     g.add_argument("--terms", type=int, default=2, help="built-in task: operands per problem")
     g.add_argument("--operations", default="+-", help="built-in task: the operators to draw from, of '+-*/'")
     g.add_argument("--eval-size", type=int, default=64, help="rows held out from the dataset for --eval-every")
     g.add_argument("--system-prompt", default=None, help="system message put before every prompt")
     g.add_argument("--chat-template", default=None, help="Jinja file that replaces the tokenizer's chat template")
-    g.add_argument("--cache-dir", default=os.path.expanduser("~/.cache/async_grpo"),
-                   help="where the built-in model and dequantised GGUF models are built once and reused")
+    g.add_argument(
+        "--cache-dir",
+        default=os.path.expanduser("~/.cache/async_grpo"),
+        help="where the built-in model and dequantised GGUF models are built once and reused",
+    )
     g.add_argument("--seed", type=int, default=0, help="seed of data order, sampling and init (rank adds to it)")
 
     g = p.add_argument_group("rollout (the trainer's log-probs use the same temperature and truncation)")
@@ -85,148 +105,324 @@ def parse_args(argv=None, world_size=1, cuda_count=None, local_ranks=None):
     g.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0: all)")
     g.add_argument("--min-p", type=float, default=0.0, help="keep tokens with this share of the top one's probability")
     g.add_argument("--max-inflight", type=int, default=64, help="most generation requests open at once")
-    g.add_argument("--sampling-args", type=json.loads, default={},
-                   help=f"more vLLM sampling parameters as JSON, of {sorted(SAMPLING_ARGS)}, e.g. '{{\"min_tokens\": 4}}'")
+    g.add_argument(
+        "--sampling-args",
+        type=json.loads,
+        default={},
+        help=f"more vLLM sampling parameters as JSON, of {sorted(SAMPLING_ARGS)}, e.g. '{{\"min_tokens\": 4}}'",
+    )
 
     g = p.add_argument_group("tools")
-    g.add_argument("--tools", nargs="?", const="all", default=None,
-                   help=f"offer tools to the model: 'all' (the bare flag) or a comma list of {sorted(tools_module.TOOLS)}")
+    g.add_argument(
+        "--tools",
+        nargs="?",
+        const="all",
+        default=None,
+        help=f"offer tools to the model: 'all' (the bare flag) or a comma list of {sorted(tools_module.TOOLS)}",
+    )
     g.add_argument("--max-tool-turns", type=int, default=3, help="most assistant turns that may call tools")
     g.add_argument("--tool-timeout", type=float, default=10.0, help="seconds one tool call may take")
-    g.add_argument("--tool-latency", type=float, default=0.0,
-                   help="seconds every tool-calling turn takes at least: stands in for a remote tool (bench.py)")
+    g.add_argument(
+        "--tool-latency",
+        type=float,
+        default=0.0,
+        help="seconds every tool-calling turn takes at least: stands in for a remote tool (bench.py)",
+    )
 
     g = p.add_argument_group("reward")
-    g.add_argument("--rewards", default=None, help=f"comma list of NAME[:WEIGHT] of {sorted(rewards_module.REWARDS)}; "
-                   "default: correct_answer:1.0,format_reward:0.2, or countdown:1.0 for --task countdown")
-    g.add_argument("--skip-zero-variance", action="store_true",
-                   help="skip groups whose rewards are all equal (zero advantage, no signal) and train on the next ones")
+    g.add_argument(
+        "--rewards",
+        default=None,
+        help=f"comma list of NAME[:WEIGHT] of {sorted(rewards_module.REWARDS)}; "
+        "default: correct_answer:1.0,format_reward:0.2, or countdown:1.0 for --task countdown",
+    )
+    g.add_argument(
+        "--skip-zero-variance",
+        action="store_true",
+        help="skip groups whose rewards are all equal (zero advantage, no signal) and train on the next ones",
+    )
 
     g = p.add_argument_group("loss and optimizer (see grpo_loss)")
     g.add_argument("--steps", type=int, default=60, help="optimizer steps")
-    g.add_argument("--lr", type=float, default=None, help="AdamW learning rate; default: 3e-4 built-in model (tiny), 1e-6 --model")
+    g.add_argument(
+        "--lr", type=float, default=None, help="AdamW learning rate; default: 3e-4 built-in model (tiny), 1e-6 --model"
+    )
     g.add_argument("--warmup-steps", type=int, default=0, help="linear learning-rate warm-up")
     g.add_argument("--weight-decay", type=float, default=0.0, help="AdamW weight decay")
     g.add_argument("--epsilon", type=float, default=0.2, help="lower clip range of the ratio: 1 - epsilon")
     g.add_argument("--epsilon-high", type=float, default=0.28, help="upper clip range of the ratio: 1 + epsilon-high")
-    g.add_argument("--loss-type", choices=["token", "sequence", "constant", "gspo"], default="token",
-                   help="token (DAPO), sequence (GRPO), constant (Dr. GRPO), gspo (one clipped ratio per sequence)")
-    g.add_argument("--scale-rewards", choices=["group", "none"], default="group",
-                   help="divide advantages by the group's reward std (GRPO) or not (Dr. GRPO)")
-    g.add_argument("--is-correction", choices=["none", "tis", "mis"], default="none",
-                   help="importance weights pi_trainer / pi_vLLM: none (the ratio is against vLLM's log-probs), "
-                        "truncated at --is-threshold (tis), or masked outside [1/threshold, threshold] (mis)")
-    g.add_argument("--is-threshold", type=float, default=2.0, help="truncation / masking bound of the importance weights")
-    g.add_argument("--is-level", choices=["token", "sequence"], default="token",
-                   help="importance weight per token, or per sequence (geometric mean of its tokens'; always with gspo)")
-    g.add_argument("--beta", type=float, default=0.0, help="weight of a KL penalty to the frozen initial policy (0: off)")
+    g.add_argument(
+        "--loss-type",
+        choices=["token", "sequence", "constant", "gspo"],
+        default="token",
+        help="token (DAPO), sequence (GRPO), constant (Dr. GRPO), gspo (one clipped ratio per sequence)",
+    )
+    g.add_argument(
+        "--scale-rewards",
+        choices=["group", "none"],
+        default="group",
+        help="divide advantages by the group's reward std (GRPO) or not (Dr. GRPO)",
+    )
+    g.add_argument(
+        "--is-correction",
+        choices=["none", "tis", "mis"],
+        default="none",
+        help="importance weights pi_trainer / pi_vLLM: none (the ratio is against vLLM's log-probs), "
+        "truncated at --is-threshold (tis), or masked outside [1/threshold, threshold] (mis)",
+    )
+    g.add_argument(
+        "--is-threshold", type=float, default=2.0, help="truncation / masking bound of the importance weights"
+    )
+    g.add_argument(
+        "--is-level",
+        choices=["token", "sequence"],
+        default="token",
+        help="importance weight per token, or per sequence (geometric mean of its tokens'; always with gspo)",
+    )
+    g.add_argument(
+        "--beta", type=float, default=0.0, help="weight of a KL penalty to the frozen initial policy (0: off)"
+    )
     g.add_argument("--max-grad-norm", type=float, default=1.0, help="gradient clipping norm")
-    g.add_argument("--micro-batch-size", type=int, default=16,
-                   help="most sequences per forward/backward (gradient accumulation); fewer where lengths vary")
-    g.add_argument("--share-prefix", action=argparse.BooleanOptionalAction, default=True,
-                   help="forward each group's prompt once, its completions on top of it (exact: collate); "
-                        "--no-share-prefix forwards every sequence whole")
-    g.add_argument("--gradient-checkpointing", action="store_true", help="recompute activations in backward to save memory")
-    g.add_argument("--fsdp", action="store_true", help="shard weights, gradients and optimizer state over the torchrun "
-                   "ranks (FSDP2, a unit per decoder layer) instead of a copy on each (DDP)")
-    g.add_argument("--lora-rank", type=int, default=0, help="train a LoRA adapter of this rank (peft) instead of every "
-                   "weight (0: full fine-tuning); vLLM serves the merged weights")
-    g.add_argument("--lora-alpha", type=float, default=None, help="LoRA's scale: alpha / rank; default: 2 x --lora-rank")
-    g.add_argument("--lora-targets", default=None, help="comma list of the Linear layers LoRA adapts, by name (e.g. "
-                   "q_proj,v_proj); default: every Linear layer of the decoder layers (attention and MLP projections)")
+    g.add_argument(
+        "--micro-batch-size",
+        type=int,
+        default=16,
+        help="most sequences per forward/backward (gradient accumulation); fewer where lengths vary",
+    )
+    g.add_argument(
+        "--share-prefix",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="forward each group's prompt once, its completions on top of it (exact: collate); "
+        "--no-share-prefix forwards every sequence whole",
+    )
+    g.add_argument(
+        "--gradient-checkpointing", action="store_true", help="recompute activations in backward to save memory"
+    )
+    g.add_argument(
+        "--fsdp",
+        action="store_true",
+        help="shard weights, gradients and optimizer state over the torchrun "
+        "ranks (FSDP2, a unit per decoder layer) instead of a copy on each (DDP)",
+    )
+    g.add_argument(
+        "--lora-rank",
+        type=int,
+        default=0,
+        help="train a LoRA adapter of this rank (peft) instead of every "
+        "weight (0: full fine-tuning); vLLM serves the merged weights",
+    )
+    g.add_argument(
+        "--lora-alpha", type=float, default=None, help="LoRA's scale: alpha / rank; default: 2 x --lora-rank"
+    )
+    g.add_argument(
+        "--lora-targets",
+        default=None,
+        help="comma list of the Linear layers LoRA adapts, by name (e.g. "
+        "q_proj,v_proj); default: every Linear layer of the decoder layers (attention and MLP projections)",
+    )
 
     g = p.add_argument_group("asynchrony and weight sync")
     g.add_argument("--sync-every", type=int, default=1, help="optimizer steps between weight syncs to vLLM")
-    g.add_argument("--max-staleness", type=int, default=1,
-                   help="most policy versions a trained token may lag the trainer; the producer waits rather than exceed it")
-    g.add_argument("--sync", action="store_true",
-                   help="synchronous baseline: generate a batch, train on it, sync, repeat (= --max-staleness 0)")
-    g.add_argument("--sync-mode", choices=["keep", "wait", "abort"], default="keep",
-                   help="requests in flight at a sync: stopped and continued with the new weights (keep), finished "
-                        "before the sync (wait), or restarted with the new weights (abort)")
+    g.add_argument(
+        "--max-staleness",
+        type=int,
+        default=1,
+        help="most policy versions a trained token may lag the trainer; the producer waits rather than exceed it",
+    )
+    g.add_argument(
+        "--sync",
+        action="store_true",
+        help="synchronous baseline: generate a batch, train on it, sync, repeat (= --max-staleness 0)",
+    )
+    g.add_argument(
+        "--sync-mode",
+        choices=["keep", "wait", "abort"],
+        default="keep",
+        help="requests in flight at a sync: stopped and continued with the new weights (keep), finished "
+        "before the sync (wait), or restarted with the new weights (abort)",
+    )
     g.add_argument("--sync-bucket-mb", type=float, default=16, help="MiB per packed buffer the weights travel in")
-    g.add_argument("--sync-timeout", type=float, default=300, help="seconds a weight sync may take before the run fails")
-    g.add_argument("--data-timeout", type=float, default=600, help="seconds the trainer waits for a batch before failing")
-    g.add_argument("--sync-host", default=os.environ.get("ASYNC_GRPO_SYNC_HOST"), help="address the servers reach the "
-                   "sync group at (or env ASYNC_GRPO_SYNC_HOST); default: this machine's on its route to the first one")
+    g.add_argument(
+        "--sync-timeout", type=float, default=300, help="seconds a weight sync may take before the run fails"
+    )
+    g.add_argument(
+        "--data-timeout", type=float, default=600, help="seconds the trainer waits for a batch before failing"
+    )
+    g.add_argument(
+        "--sync-host",
+        default=os.environ.get("ASYNC_GRPO_SYNC_HOST"),
+        help="address the servers reach the "
+        "sync group at (or env ASYNC_GRPO_SYNC_HOST); default: this machine's on its route to the first one",
+    )
 
     g = p.add_argument_group("vLLM server")
-    g.add_argument("--vllm-url", default=None, help="use these running servers (a comma list of URLs) instead of starting any")
-    g.add_argument("--vllm-servers", type=int, default=1,
-                   help="servers to start; each takes an equal share of --vllm-gpus (tensor parallel over its share)")
-    g.add_argument("--vllm-gpus", default=None, help="CUDA devices of the servers started here, e.g. '1' or '4,5,6,7'; "
-                   "default: those the trainer ranks leave free, or, none free, trainer rank 0's GPU, shared")
-    g.add_argument("--vllm-gpu-memory", type=float, help="share of its GPUs' memory a server started here may use (its "
-                   "--gpu-memory-utilization); default: 0.3 on a GPU shared with the trainer, else vLLM's (0.92)")
+    g.add_argument(
+        "--vllm-url", default=None, help="use these running servers (a comma list of URLs) instead of starting any"
+    )
+    g.add_argument(
+        "--vllm-servers",
+        type=int,
+        default=1,
+        help="servers to start; each takes an equal share of --vllm-gpus (tensor parallel over its share)",
+    )
+    g.add_argument(
+        "--vllm-gpus",
+        default=None,
+        help="CUDA devices of the servers started here, e.g. '1' or '4,5,6,7'; "
+        "default: those the trainer ranks leave free, or, none free, trainer rank 0's GPU, shared",
+    )
+    g.add_argument(
+        "--vllm-gpu-memory",
+        type=float,
+        help="share of its GPUs' memory a server started here may use (its "
+        "--gpu-memory-utilization); default: 0.3 on a GPU shared with the trainer, else vLLM's (0.92)",
+    )
     g.add_argument("--vllm-port", type=int, default=0, help="port of the first server started here (0: free ones)")
-    g.add_argument("--vllm-startup-timeout", type=float, default=600, help="seconds to wait for the server to be healthy")
-    g.add_argument("--vllm-args", default="", help="extra arguments for the server, e.g. \"--enforce-eager\"")
-    g.add_argument("--max-model-len", type=int, default=None, help="context length of the server (default: the model's)")
+    g.add_argument(
+        "--vllm-startup-timeout", type=float, default=600, help="seconds to wait for the server to be healthy"
+    )
+    g.add_argument("--vllm-args", default="", help='extra arguments for the server, e.g. "--enforce-eager"')
+    g.add_argument(
+        "--max-model-len", type=int, default=None, help="context length of the server (default: the model's)"
+    )
 
     g = p.add_argument_group("logging and checkpoints")
-    g.add_argument("--output-dir", default=None, help="metrics.jsonl, checkpoints and the server log (default: runs/<time>)")
-    g.add_argument("--eval-every", type=int, default=0,
-                   help="greedy evaluation on the held-out rows before the first step and every N steps (0: off)")
-    g.add_argument("--save-every", type=int, default=0,
-                   help="save a checkpoint every N steps (0: only at the end, on Ctrl-C/SIGTERM and on errors)")
+    g.add_argument(
+        "--output-dir", default=None, help="metrics.jsonl, checkpoints and the server log (default: runs/<time>)"
+    )
+    g.add_argument(
+        "--eval-every",
+        type=int,
+        default=0,
+        help="greedy evaluation on the held-out rows before the first step and every N steps (0: off)",
+    )
+    g.add_argument(
+        "--save-every",
+        type=int,
+        default=0,
+        help="save a checkpoint every N steps (0: only at the end, on Ctrl-C/SIGTERM and on errors)",
+    )
     g.add_argument("--resume", action="store_true", help="continue the run in --output-dir from its latest checkpoint")
     g.add_argument("--wandb-project", default=None, help="also log to this wandb project (WANDB_MODE=offline works)")
     g.add_argument("--log-rollouts", type=int, default=4, help="rollouts per step written to rollouts.jsonl")
-    g.add_argument("--audit", action="store_true",
-                   help="keep the weights fixed (--lr 0) and report how far the trainer's log-probs are from vLLM's")
+    g.add_argument(
+        "--audit",
+        action="store_true",
+        help="keep the weights fixed (--lr 0) and report how far the trainer's log-probs are from vLLM's",
+    )
 
     args = p.parse_args(argv)
     unsupported = sorted(set(args.sampling_args) - SAMPLING_ARGS) if isinstance(args.sampling_args, dict) else []
-    at_least = {"prompts_per_step": 1, "max_tokens": 1, "max_inflight": 1, "micro_batch_size": 1, "sync_every": 1,
-                "steps": 0, "eval_size": 0, "warmup_steps": 0, "max_tool_turns": 0, "max_staleness": 0, "eval_every": 0,
-                "save_every": 0, "log_rollouts": 0, "tool_latency": 0, "vllm_port": 0, "vllm_servers": 1, "lora_rank": 0}
+    at_least = {
+        "prompts_per_step": 1,
+        "max_tokens": 1,
+        "max_inflight": 1,
+        "micro_batch_size": 1,
+        "sync_every": 1,
+        "steps": 0,
+        "eval_size": 0,
+        "warmup_steps": 0,
+        "max_tool_turns": 0,
+        "max_staleness": 0,
+        "eval_every": 0,
+        "save_every": 0,
+        "log_rollouts": 0,
+        "tool_latency": 0,
+        "vllm_port": 0,
+        "vllm_servers": 1,
+        "lora_rank": 0,
+    }
     checks = [(getattr(args, k) < low, f"--{k.replace('_', '-')} must be >= {low}") for k, low in at_least.items()]
-    checks += [(getattr(args, k) <= 0, f"--{k.replace('_', '-')} must be > 0") for k in
-               ("tool_timeout", "sync_timeout", "data_timeout", "vllm_startup_timeout", "sync_bucket_mb")]
+    checks += [
+        (getattr(args, k) <= 0, f"--{k.replace('_', '-')} must be > 0")
+        for k in ("tool_timeout", "sync_timeout", "data_timeout", "vllm_startup_timeout", "sync_bucket_mb")
+    ]
     checks += [
         (args.num_generations < 2, "--num-generations must be at least 2: advantages are relative to the group"),
         (args.epsilon_high < args.epsilon, "--epsilon-high must be >= --epsilon"),
-        ((args.prompts_per_step * args.num_generations) % world_size, f"--prompts-per-step x --num-generations = "
-         f"{args.prompts_per_step * args.num_generations} samples per step must divide evenly over {world_size} ranks"),
-        (args.lora_rank and args.fsdp, "--lora-rank with --fsdp: not supported (merging and saving the adapter take "
-         "whole weights); drop --fsdp (DDP: a copy on each rank) or train every weight, --lora-rank 0"),
-        (args.fsdp and world_size < 2, "--fsdp shards the model over torchrun's ranks: launch with torchrun "
-                                       "--nproc-per-node N, N >= 2"),
-        ((args.lora_alpha is not None or args.lora_targets) and not args.lora_rank,
-         "--lora-alpha and --lora-targets need --lora-rank R > 0"),
+        (
+            (args.prompts_per_step * args.num_generations) % world_size,
+            f"--prompts-per-step x --num-generations = "
+            f"{args.prompts_per_step * args.num_generations} samples per step must divide evenly over {world_size} ranks",
+        ),
+        (
+            args.lora_rank and args.fsdp,
+            "--lora-rank with --fsdp: not supported (merging and saving the adapter take "
+            "whole weights); drop --fsdp (DDP: a copy on each rank) or train every weight, --lora-rank 0",
+        ),
+        (
+            args.fsdp and world_size < 2,
+            "--fsdp shards the model over torchrun's ranks: launch with torchrun --nproc-per-node N, N >= 2",
+        ),
+        (
+            (args.lora_alpha is not None or args.lora_targets) and not args.lora_rank,
+            "--lora-alpha and --lora-targets need --lora-rank R > 0",
+        ),
         (args.is_threshold <= 1, "--is-threshold must be > 1"),
-        (args.temperature <= 0 or not 0 < args.top_p <= 1 or args.top_k < 0 or not 0 <= args.min_p < 1,
-         "--temperature must be > 0, --top-p in (0, 1], --top-k >= 0 and --min-p in [0, 1)"),
+        (
+            args.temperature <= 0 or not 0 < args.top_p <= 1 or args.top_k < 0 or not 0 <= args.min_p < 1,
+            "--temperature must be > 0, --top-p in (0, 1], --top-k >= 0 and --min-p in [0, 1)",
+        ),
         (not isinstance(args.sampling_args, dict), "--sampling-args must be a JSON object"),
-        (unsupported, f"--sampling-args: {unsupported} not supported: the trainer's log-probs would not be those of "
-         f"the distribution vLLM samples from. Supported: {sorted(SAMPLING_ARGS)}; temperature, top_p, top_k and "
-         "min_p have flags of their own (--temperature, --top-p, --top-k, --min-p)"),
-        (args.max_operand < 1 or args.terms < 2 or not args.operations or set(args.operations) - set("+-*/"),
-         "--max-operand must be >= 1, --terms >= 2, and --operations a non-empty string of '+-*/'"),
+        (
+            unsupported,
+            f"--sampling-args: {unsupported} not supported: the trainer's log-probs would not be those of "
+            f"the distribution vLLM samples from. Supported: {sorted(SAMPLING_ARGS)}; temperature, top_p, top_k and "
+            "min_p have flags of their own (--temperature, --top-p, --top-k, --min-p)",
+        ),
+        (
+            args.max_operand < 1 or args.terms < 2 or not args.operations or set(args.operations) - set("+-*/"),
+            "--max-operand must be >= 1, --terms >= 2, and --operations a non-empty string of '+-*/'",
+        ),
         (args.resume and not args.output_dir, "--resume needs the --output-dir of the run to continue"),
-        (vllm_flag(args, "--gpu-memory-utilization"), "--vllm-args: pass the servers' memory share as --vllm-gpu-memory"),
-        (vllm_flag(args, "--data-parallel-size", "-dp") not in (None, "1"), "--vllm-args: the engines of a data-parallel "
-         "server would join the weight sync under the same ranks; start several servers instead, --vllm-servers N")]
-    args.tool_names = [] if args.tools is None else list(tools_module.TOOLS) if args.tools == "all" else \
-        [n.strip() for n in args.tools.split(",")]
+        (
+            vllm_flag(args, "--gpu-memory-utilization"),
+            "--vllm-args: pass the servers' memory share as --vllm-gpu-memory",
+        ),
+        (
+            vllm_flag(args, "--data-parallel-size", "-dp") not in (None, "1"),
+            "--vllm-args: the engines of a data-parallel "
+            "server would join the weight sync under the same ranks; start several servers instead, --vllm-servers N",
+        ),
+    ]
+    args.tool_names = (
+        []
+        if args.tools is None
+        else list(tools_module.TOOLS)
+        if args.tools == "all"
+        else [n.strip() for n in args.tools.split(",")]
+    )
     unknown = sorted(set(args.tool_names) - set(tools_module.TOOLS))
     checks.append((unknown, f"--tools: unknown tool(s) {unknown}; tools.py defines {sorted(tools_module.TOOLS)}"))
-    args.rewards = args.rewards or ("countdown:1.0" if args.task == "countdown" else "correct_answer:1.0,format_reward:0.2")
+    args.rewards = args.rewards or (
+        "countdown:1.0" if args.task == "countdown" else "correct_answer:1.0,format_reward:0.2"
+    )
     try:
-        args.reward_weights = {name.strip(): float(weight or 1.0) for name, _, weight in
-                               (item.partition(":") for item in args.rewards.split(","))}
+        args.reward_weights = {
+            name.strip(): float(weight or 1.0)
+            for name, _, weight in (item.partition(":") for item in args.rewards.split(","))
+        }
     except ValueError:
         p.error(f"--rewards {args.rewards}: a WEIGHT is not a number")
     unknown = sorted(set(args.reward_weights) - set(rewards_module.REWARDS))
-    checks.append((unknown, f"--rewards: unknown reward(s) {unknown}; rewards.py defines {sorted(rewards_module.REWARDS)}"))
+    checks.append(
+        (unknown, f"--rewards: unknown reward(s) {unknown}; rewards.py defines {sorted(rewards_module.REWARDS)}")
+    )
     gguf = args.model if args.model and args.model.endswith(".gguf") else None
-    checks += [(path and not os.path.isfile(path), f"{flag}: no file {path}")
-               for flag, path in [("--dataset", args.dataset), ("--chat-template", args.chat_template), ("--model", gguf)]]
+    checks += [
+        (path and not os.path.isfile(path), f"{flag}: no file {path}")
+        for flag, path in [("--dataset", args.dataset), ("--chat-template", args.chat_template), ("--model", gguf)]
+    ]
     for failed, message in checks:
         if failed:
             p.error(message)
-    args.plan = plan_devices(args, torch.cuda.device_count() if cuda_count is None else cuda_count,  # local_ranks: on
-                             local_ranks or int(os.environ.get("LOCAL_WORLD_SIZE", world_size)), p.error)  # this node
+    args.plan = plan_devices(
+        args,
+        torch.cuda.device_count() if cuda_count is None else cuda_count,  # local_ranks: on
+        local_ranks or int(os.environ.get("LOCAL_WORLD_SIZE", world_size)),
+        p.error,
+    )  # this node
     args.max_staleness = 0 if args.sync else args.max_staleness
     args.sync_bucket_bytes = int(args.sync_bucket_mb * 2**20)
     # The other ranks' bound in a collective while rank 0 alone starts vLLM, waits for data or syncs: not torch's (NCCL 10
@@ -249,49 +445,70 @@ def plan_devices(args, cuda_count, local_ranks, fail):
     server started here on its share of --vllm-gpus or the CPU, and the sync backend: NCCL between devices, else gloo
     (which takes CUDA tensors: NCCL refuses two ranks on one device). fail(message) for a plan that cannot work."""
     n, url, free = args.vllm_servers, args.vllm_url, [str(d) for d in range(local_ranks, cuda_count)]
-    gpus = args.vllm_gpus.split(",") if args.vllm_gpus else [] if url else free[:len(free) // n * n]
+    gpus = args.vllm_gpus.split(",") if args.vllm_gpus else [] if url else free[: len(free) // n * n]
     shared = bool(cuda_count and not url and not gpus)  # no device free: one server shares trainer rank 0's GPU
     instead = f"pass --vllm-gpus among {','.join(free)}" if free else "launch fewer ranks (torchrun --nproc-per-node)"
     for failed, message in [
-            (url and args.vllm_gpus, "--vllm-gpus places servers started here, and --vllm-url starts none: drop one"),
-            (len(gpus) % n, f"--vllm-servers {n} must divide the --vllm-gpus {args.vllm_gpus} evenly"),
-            (cuda_count and local_ranks > cuda_count, f"{local_ranks} trainer ranks on this node, {cuda_count} CUDA devices: "
-                                                      f"launch torchrun with --nproc-per-node {cuda_count} or fewer"),
-            (not all(g.isdigit() and local_ranks <= int(g) < cuda_count for g in gpus) or len(set(gpus)) < len(gpus),
-             f"--vllm-gpus {args.vllm_gpus}: not distinct CUDA devices of the {cuda_count} here that the {local_ranks} "
-             f"trainer ranks leave free (NCCL refuses two ranks on one device): {instead}, or leave --vllm-gpus out where "
-             "none is free, to share trainer rank 0's GPU with one server"),
-            (shared and n > 1, f"--vllm-servers {n}: no device is free beside the trainer ranks, and trainer rank 0's GPU "
-                               f"holds one server: pass --vllm-servers 1, or {instead}"),
-            (args.vllm_gpu_memory is not None and not (0 < args.vllm_gpu_memory < 1 and (gpus or shared)),
-             "--vllm-gpu-memory is a share in (0, 1) of the memory of servers started here on GPUs")]:
+        (url and args.vllm_gpus, "--vllm-gpus places servers started here, and --vllm-url starts none: drop one"),
+        (len(gpus) % n, f"--vllm-servers {n} must divide the --vllm-gpus {args.vllm_gpus} evenly"),
+        (
+            cuda_count and local_ranks > cuda_count,
+            f"{local_ranks} trainer ranks on this node, {cuda_count} CUDA devices: "
+            f"launch torchrun with --nproc-per-node {cuda_count} or fewer",
+        ),
+        (
+            not all(g.isdigit() and local_ranks <= int(g) < cuda_count for g in gpus) or len(set(gpus)) < len(gpus),
+            f"--vllm-gpus {args.vllm_gpus}: not distinct CUDA devices of the {cuda_count} here that the {local_ranks} "
+            f"trainer ranks leave free (NCCL refuses two ranks on one device): {instead}, or leave --vllm-gpus out where "
+            "none is free, to share trainer rank 0's GPU with one server",
+        ),
+        (
+            shared and n > 1,
+            f"--vllm-servers {n}: no device is free beside the trainer ranks, and trainer rank 0's GPU "
+            f"holds one server: pass --vllm-servers 1, or {instead}",
+        ),
+        (
+            args.vllm_gpu_memory is not None and not (0 < args.vllm_gpu_memory < 1 and (gpus or shared)),
+            "--vllm-gpu-memory is a share in (0, 1) of the memory of servers started here on GPUs",
+        ),
+    ]:
         if failed:
             fail(message)
     physical = (os.environ.get("CUDA_VISIBLE_DEVICES") or ",".join(map(str, range(cuda_count)))).split(",")
-    shares = [gpus[i * len(gpus) // n:(i + 1) * len(gpus) // n] for i in range(n)] if gpus else [["0"] * shared] * n
-    return {"trainer": "cuda" if cuda_count else "cpu", "sync_backend": "nccl" if cuda_count and not shared else "gloo",
-            "servers": [] if url else [",".join(physical[int(g)] for g in share) for share in shares],  # as devices
-            "gpu_memory": args.vllm_gpu_memory or (0.3 if shared else None),  # why 0.3: README.md, "On GPUs"
-            "cpu_server": not cuda_count and all(urllib.parse.urlparse(u).hostname in ("127.0.0.1", "localhost")
-                                                 for u in (url or "http://127.0.0.1").split(","))}  # tuned in start_vllm
+    shares = [gpus[i * len(gpus) // n : (i + 1) * len(gpus) // n] for i in range(n)] if gpus else [["0"] * shared] * n
+    return {
+        "trainer": "cuda" if cuda_count else "cpu",
+        "sync_backend": "nccl" if cuda_count and not shared else "gloo",
+        "servers": [] if url else [",".join(physical[int(g)] for g in share) for share in shares],  # as devices
+        "gpu_memory": args.vllm_gpu_memory or (0.3 if shared else None),  # why 0.3: README.md, "On GPUs"
+        "cpu_server": not cuda_count
+        and all(
+            urllib.parse.urlparse(u).hostname in ("127.0.0.1", "localhost")
+            for u in (url or "http://127.0.0.1").split(",")
+        ),
+    }  # tuned in start_vllm
 
 
 # --- Data and models: the dataset or a built-in task; a GGUF file or the built-in tiny model --------------------------
+
 
 # FORK: load your data (or pass --dataset FILE.jsonl)
 def load_rows(args):
     """Rows of {'prompt': messages, ...columns}, split into (train, eval)."""
     if args.dataset is None:
-        rows = rewards_module.task_rows(5000 + args.eval_size, args.seed, args.task, args.max_operand, args.terms,
-                                        args.operations)
+        rows = rewards_module.task_rows(
+            5000 + args.eval_size, args.seed, args.task, args.max_operand, args.terms, args.operations
+        )
     else:
         rows, seen = [], {}  # seen: id -> line; a rollout finds its prompt by its row's id
         for line_no, line in enumerate(Path(args.dataset).read_text().splitlines(), 1):
             if line.strip():
                 row = dataset_row(line, len(rows), where := f"--dataset {args.dataset}, line {line_no}")
                 if seen.setdefault(row["id"], line_no) != line_no:
-                    raise SystemExit(f"{where}: the id {row['id']!r} is line {seen[row['id']]}'s too; ids must be "
-                                     "unique (or leave the column out)")
+                    raise SystemExit(
+                        f"{where}: the id {row['id']!r} is line {seen[row['id']]}'s too; ids must be "
+                        "unique (or leave the column out)"
+                    )
                 rows.append(row)
     for row in rows:
         messages = row["prompt"] if isinstance(row["prompt"], list) else [{"role": "user", "content": row["prompt"]}]
@@ -300,7 +517,7 @@ def load_rows(args):
         row["prompt"] = messages
     if len(rows) <= args.eval_size:
         raise SystemExit(f"--dataset has {len(rows)} rows, not more than --eval-size {args.eval_size}")
-    return rows[args.eval_size:], rows[:args.eval_size]
+    return rows[args.eval_size :], rows[: args.eval_size]
 
 
 def dataset_row(line, index, where):
@@ -310,10 +527,15 @@ def dataset_row(line, index, where):
     except json.JSONDecodeError as e:
         raise SystemExit(f"{where}: not JSON ({e})")
     prompt = row.get("prompt") if isinstance(row, dict) else None
-    if not isinstance(prompt, str) and not (isinstance(prompt, list) and prompt and all(
-            isinstance(m, dict) and isinstance(m.get("role"), str) for m in prompt)):
-        raise SystemExit(f"{where}: each row needs a 'prompt' field, a string or a non-empty list of chat messages "
-                         "{\"role\": ..., \"content\": ...}")
+    if not isinstance(prompt, str) and not (
+        isinstance(prompt, list)
+        and prompt
+        and all(isinstance(m, dict) and isinstance(m.get("role"), str) for m in prompt)
+    ):
+        raise SystemExit(
+            f"{where}: each row needs a 'prompt' field, a string or a non-empty list of chat messages "
+            '{"role": ..., "content": ...}'
+        )
     if shadowed := ROLLOUT_FIELDS & set(row):
         raise SystemExit(f"{where}: the rewards get {sorted(shadowed)} from the rollouts; rename the column")
     if not isinstance(row.setdefault("id", index), (str, int)):
@@ -326,6 +548,7 @@ def dequantise_gguf(path, cache_dir):
     plain weights. transformers reads GGUF but marks the model quantised and will not save it: a fresh model of its
     config takes the dequantised weights, saved in bf16 (half fp32's size; both sides load the same values)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
+
     path = Path(path).resolve()
     out = Path(cache_dir) / f"{path.stem}-{path.stat().st_size}"
     if (out / "config.json").exists():
@@ -335,8 +558,10 @@ def dequantise_gguf(path, cache_dir):
         tok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
         quantised = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
     except Exception as e:
-        raise SystemExit(f"--model {path}: cannot read it as a GGUF causal LM ({type(e).__name__}: {str(e)[:300]}); "
-                         "reading GGUF needs the gguf and accelerate packages (requirements.txt)")
+        raise SystemExit(
+            f"--model {path}: cannot read it as a GGUF causal LM ({type(e).__name__}: {str(e)[:300]}); "
+            "reading GGUF needs the gguf and accelerate packages (requirements.txt)"
+        )
     del quantised.config.quantization_config
     model = type(quantised)(quantised.config)
     model.load_state_dict(quantised.state_dict())
@@ -360,20 +585,30 @@ TINY_CHAT_TEMPLATE = (
     "{%- if messages[0].role == 'system' %}{{ messages[0].content }}\n{% endif %}"
     "Tools:\n{% for tool in tools %}{% set f = tool.function if tool.function is defined else tool %}"
     "{{ f.name }}({{ f.parameters.properties | join(', ') }})\n{% endfor %}"
-    "Call one as <tool_call>{\"name\": NAME, \"arguments\": {...}}</tool_call><|im_end|>\n"
+    'Call one as <tool_call>{"name": NAME, "arguments": {...}}</tool_call><|im_end|>\n'
     "{%- elif messages[0].role == 'system' %}<|im_start|>system\n{{ messages[0].content }}<|im_end|>\n{% endif %}"
     "{%- for m in messages %}{%- if m.role == 'user' %}<|im_start|>user\n{{ m.content }}<|im_end|>\n"
     "{%- elif m.role == 'assistant' %}<|im_start|>assistant\n{{ m.content or '' }}"
     "{%- for call in m.tool_calls or [] %}{% set f = call.function if call.function is defined else call %}"
-    "<tool_call>{\"name\": \"{{ f.name }}\", \"arguments\": "
+    '<tool_call>{"name": "{{ f.name }}", "arguments": '
     "{{ f.arguments if f.arguments is string else f.arguments | tojson }}}</tool_call>{% endfor %}<|im_end|>\n"
     "{%- elif m.role == 'tool' %}"
     "{%- if loop.first or messages[loop.index0 - 1].role != 'tool' %}<|im_start|>user{% endif %}"
     "\n<tool_response>{{ m.content }}</tool_response>"
     "{%- if loop.last or messages[loop.index0 + 1].role != 'tool' %}<|im_end|>\n{% endif %}"
-    "{%- endif %}{%- endfor %}{%- if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
-TINY_SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<tool_call>", "</tool_call>",
-                       "<tool_response>", "</tool_response>", "<think>", "</think>"]
+    "{%- endif %}{%- endfor %}{%- if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+TINY_SPECIAL_TOKENS = [
+    "<|endoftext|>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<tool_call>",
+    "</tool_call>",
+    "<tool_response>",
+    "</tool_response>",
+    "<think>",
+    "</think>",
+]
 TINY_VERSION = "tiny-qwen3-v2"  # bump when the recipe below changes, so caches rebuild
 
 
@@ -384,11 +619,21 @@ def warm_start_conversations(n, seed):
     for row in rewards_module.task_rows(n, seed, max_operand=9):  # a wider range than the RL task: format, not facts
         user, answer = {"role": "user", "content": row["prompt"]}, str(row["answer"])
         plain.append(([user, {"role": "assistant", "content": answer}], None))
-        call = {"type": "function", "function": {"name": "calculator", "arguments": {"expression": row["prompt"][8:-1]}}}
-        with_tools.append(([user, {"role": "assistant", "content": "", "tool_calls": [call]},
-                            {"role": "tool", "name": "calculator", "content": answer},
-                            {"role": "assistant", "content": answer}],
-                           tool_schemas(rng.choice([["calculator"], list(tools_module.TOOLS)]))))
+        call = {
+            "type": "function",
+            "function": {"name": "calculator", "arguments": {"expression": row["prompt"][8:-1]}},
+        }
+        with_tools.append(
+            (
+                [
+                    user,
+                    {"role": "assistant", "content": "", "tool_calls": [call]},
+                    {"role": "tool", "name": "calculator", "content": answer},
+                    {"role": "assistant", "content": answer},
+                ],
+                tool_schemas(rng.choice([["calculator"], list(tools_module.TOOLS)])),
+            )
+        )
     return plain, with_tools
 
 
@@ -406,25 +651,45 @@ def build_tiny_model(cache_dir, warm_start_steps=400):
     torch.manual_seed(0)
     plain, with_tools = warm_start_conversations(4000, seed=12345)
     bpe = Tokenizer(models.BPE())
-    bpe.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
-                                                 pre_tokenizers.ByteLevel(add_prefix_space=False)])
+    bpe.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)]
+    )
     bpe.decoder = decoders.ByteLevel()
     corpus = [json.dumps(c) for c, _ in with_tools[:500]] + [json.dumps(tool_schemas(list(tools_module.TOOLS)))]
-    bpe.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=512, special_tokens=TINY_SPECIAL_TOKENS,
-                                                        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    tok = PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<|im_end|>", pad_token="<|endoftext|>",
-                                  chat_template=TINY_CHAT_TEMPLATE)
-    config = Qwen3Config(vocab_size=len(tok), hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, head_dim=64,  # vLLM's CPU attention needs 64
-                         max_position_embeddings=1024, tie_word_embeddings=True, eos_token_id=tok.eos_token_id,
-                         pad_token_id=tok.pad_token_id, bos_token_id=None)
+    bpe.train_from_iterator(
+        corpus,
+        trainers.BpeTrainer(
+            vocab_size=512, special_tokens=TINY_SPECIAL_TOKENS, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+        ),
+    )
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=bpe, eos_token="<|im_end|>", pad_token="<|endoftext|>", chat_template=TINY_CHAT_TEMPLATE
+    )
+    config = Qwen3Config(
+        vocab_size=len(tok),
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,  # vLLM's CPU attention needs 64
+        max_position_embeddings=1024,
+        tie_word_embeddings=True,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+        bos_token_id=None,
+    )
     model = Qwen3ForCausalLM(config)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     for step in range(warm_start_steps):
         # Alternate plain and tool batches: padding a plain batch to tool length would waste most of it.
         batch = random.Random(step).sample(plain if step % 2 == 0 else with_tools, 32)
-        batch = tok([tok.apply_chat_template(c, tools=t, tokenize=False) for c, t in batch],
-                    return_tensors="pt", padding=True, add_special_tokens=False)
+        batch = tok(
+            [tok.apply_chat_template(c, tools=t, tokenize=False) for c, t in batch],
+            return_tensors="pt",
+            padding=True,
+            add_special_tokens=False,
+        )
         loss = model(**batch, labels=batch.input_ids.masked_fill(batch.attention_mask == 0, -100)).loss
         loss.backward()
         opt.step()
@@ -436,9 +701,11 @@ def build_tiny_model(cache_dir, warm_start_steps=400):
 
 # --- Chat template and tool-call parsing ------------------------------------------------------------------------------
 
+
 def tool_schemas(names):
     """JSON schemas derived from the tools' signatures and docstrings by transformers itself."""
     from transformers.utils import get_json_schema
+
     return [get_json_schema(tools_module.TOOLS[n]) for n in names]
 
 
@@ -447,47 +714,79 @@ def render(tok, messages, schemas=None, generation_prompt=False):
     one per line: enough to train without tools, which is all such a model can do here."""
     if tok.chat_template is None:
         return "\n".join(str(m.get("content") or "") for m in messages) + "\n"
-    return tok.apply_chat_template(messages, tools=schemas or None, add_generation_prompt=generation_prompt,
-                                   tokenize=False)
+    return tok.apply_chat_template(
+        messages, tools=schemas or None, add_generation_prompt=generation_prompt, tokenize=False
+    )
 
 
 def render_prompt(tok, messages, schemas, row_id=None):
     try:
         return tok.encode(render(tok, messages, schemas, generation_prompt=True), add_special_tokens=False)
     except Exception as e:  # a template that refuses a role, say; the run has not started yet
-        raise SystemExit(f"the chat template cannot render the prompt of row {row_id!r} ({type(e).__name__}: {e}); "
-                         "change the row, --system-prompt or --chat-template")
+        raise SystemExit(
+            f"the chat template cannot render the prompt of row {row_id!r} ({type(e).__name__}: {e}); "
+            "change the row, --system-prompt or --chat-template"
+        )
 
 
 def _call(name, arguments):  # arguments are data, never Python keywords: a tool may have one called `name`
     return {"type": "function", "function": {"name": name, "arguments": arguments}}
 
 
-PROBE = [{"role": "user", "content": "What is 6 * 7?"},
-         {"role": "assistant", "content": "", "tool_calls": [_call("calculator", {"expression": "6 * 7"})]},
-         {"role": "tool", "name": "calculator", "content": "42"},
-         {"role": "assistant", "content": "<think>\nThe tool said 42.\n</think>\n\n42"},
-         {"role": "user", "content": "And 6 * 8?"}, {"role": "assistant", "content": "48"}]
+PROBE = [
+    {"role": "user", "content": "What is 6 * 7?"},
+    {"role": "assistant", "content": "", "tool_calls": [_call("calculator", {"expression": "6 * 7"})]},
+    {"role": "tool", "name": "calculator", "content": "42"},
+    {"role": "assistant", "content": "<think>\nThe tool said 42.\n</think>\n\n42"},
+    {"role": "user", "content": "And 6 * 8?"},
+    {"role": "assistant", "content": "48"},
+]
 
 # A tool with every JSON type (a union too; an argument called `name`), and calls to it (one per turn and three per
 # turn) that the start-up check renders with the run's template and parses back: what comes back must be what went in.
-ROUND_TRIP_TOOL = {"type": "function", "function": {
-    "name": "round_trip_probe", "description": "Stands in for the run's tools in the start-up check.",
-    "parameters": {"type": "object", "required": ["text"], "properties": {
-        "text": {"type": "string"}, "count": {"type": "integer"}, "ratio": {"type": "number"}, "flag": {"type": "boolean"},
-        "items": {"type": "array"}, "options": {"type": "object"}, "name": {"type": ["string", "null"]}}}}}
-ROUND_TRIP = [("", [_call("round_trip_probe", {"text": "6 * 7"})]),
-              ("Three at once.", [
-                  _call("round_trip_probe", {"text": 'say "hi"\nthen <b>stop</b> {}', "count": 3, "ratio": -2.5, "flag": True}),
-                  _call("round_trip_probe", {"text": "x", "items": [1, "two", [3.5]], "options": {"k": {"deep": [False, None]}}}),
-                  _call("round_trip_probe", {"name": None, "text": ""})])]
+ROUND_TRIP_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "round_trip_probe",
+        "description": "Stands in for the run's tools in the start-up check.",
+        "parameters": {
+            "type": "object",
+            "required": ["text"],
+            "properties": {
+                "text": {"type": "string"},
+                "count": {"type": "integer"},
+                "ratio": {"type": "number"},
+                "flag": {"type": "boolean"},
+                "items": {"type": "array"},
+                "options": {"type": "object"},
+                "name": {"type": ["string", "null"]},
+            },
+        },
+    },
+}
+ROUND_TRIP = [
+    ("", [_call("round_trip_probe", {"text": "6 * 7"})]),
+    (
+        "Three at once.",
+        [
+            _call(
+                "round_trip_probe", {"text": 'say "hi"\nthen <b>stop</b> {}', "count": 3, "ratio": -2.5, "flag": True}
+            ),
+            _call(
+                "round_trip_probe",
+                {"text": "x", "items": [1, "two", [3.5]], "options": {"k": {"deep": [False, None]}}},
+            ),
+            _call("round_trip_probe", {"name": None, "text": ""}),
+        ],
+    ),
+]
 
 
 def prefix_preserving(tok, schemas):
     """True if rendering a conversation one message longer only ever appends tokens. The tool loop
     relies on it: it tokenises only what the template adds after the model's own tokens."""
     renders = (tok.encode(render(tok, PROBE[:n], schemas), add_special_tokens=False) for n in range(1, len(PROBE) + 1))
-    return all(longer[:len(shorter)] == shorter for shorter, longer in itertools.pairwise(renders))
+    return all(longer[: len(shorter)] == shorter for shorter, longer in itertools.pairwise(renders))
 
 
 def training_template(template):
@@ -503,6 +802,7 @@ def stop_token_ids(tok, model_path=None):
     ids = {tok.eos_token_id, tok.pad_token_id}
     if model_path:
         from transformers import GenerationConfig
+
         with contextlib.suppress(Exception):  # a checkpoint without generation_config.json
             eos = GenerationConfig.from_pretrained(model_path).eos_token_id
             ids |= set(eos if isinstance(eos, list) else [eos])
@@ -534,24 +834,40 @@ def chat_format(tok, schemas, stop_ids):
         if at < 0 or at < text.rfind(last) + len(last):
             raise ValueError(f"it does not end an assistant turn with a stop token ({stops}): {text[-200:]!r}")
         if not text.startswith(prompt):
-            raise ValueError(f"its generation prompt {prompt[-60:]!r} does not begin the assistant turn {text[-200:]!r}")
+            raise ValueError(
+                f"its generation prompt {prompt[-60:]!r} does not begin the assistant turn {text[-200:]!r}"
+            )
         turn_ends.add((text[at:], len(stop)))
-        turns.append((text[len(prompt):at], content, calls))  # the text the model would have generated
-    fmt = "transformers" if getattr(tok, "response_template", None) else "tagged" if "<tool_call>" in turns[1][0] \
-        else "mistral" if "[TOOL_CALLS]" in turns[1][0] else \
-        "json" if re.match(r"\s*(<\|python_tag\|>|\{)", remove_think(turns[1][0], False)[1]) else None
+        turns.append((text[len(prompt) : at], content, calls))  # the text the model would have generated
+    fmt = (
+        "transformers"
+        if getattr(tok, "response_template", None)
+        else "tagged"
+        if "<tool_call>" in turns[1][0]
+        else "mistral"
+        if "[TOOL_CALLS]" in turns[1][0]
+        else "json"
+        if re.match(r"\s*(<\|python_tag\|>|\{)", remove_think(turns[1][0], False)[1])
+        else None
+    )
     if fmt is None:
         raise ValueError(f"it writes tool calls in a format this parser does not read: {turns[1][0]!r}")
     problems, by_name = [], {s["function"]["name"]: s["function"] for s in schemas}
     for generated, content, calls in turns[1:]:
-        message = parse_assistant(generated, tok, tok.encode(prompt, add_special_tokens=False), by_name, fmt, max_calls)
+        message = parse_assistant(
+            generated, tok, tok.encode(prompt, add_special_tokens=False), by_name, fmt, max_calls
+        )
         if message["tool_calls"] != calls or message["tool_call_errors"] or message["content"] not in ("", content):
             errors = message["tool_call_errors"]
-            problems.append(f"the turn {generated[:600]!r} parses back as calls {json.dumps(message['tool_calls'])}"
-                            + (f", {len(errors)} error(s), the first: {errors[0]}" if errors else "")
-                            + f", content {message['content'][:100]!r}; expected the calls {json.dumps(calls)}")
+            problems.append(
+                f"the turn {generated[:600]!r} parses back as calls {json.dumps(message['tool_calls'])}"
+                + (f", {len(errors)} error(s), the first: {errors[0]}" if errors else "")
+                + f", content {message['content'][:100]!r}; expected the calls {json.dumps(calls)}"
+            )
     if problems:
-        raise ValueError("tool calls do not survive a round trip through it and the parser:\n  " + "\n  ".join(problems))
+        raise ValueError(
+            "tool calls do not survive a round trip through it and the parser:\n  " + "\n  ".join(problems)
+        )
     return {"format": fmt, "turn_ends": sorted(turn_ends), "max_calls": max_calls}
 
 
@@ -568,20 +884,32 @@ def prepare_chat_template(tok, args, schemas, stop_ids, model=None):
     if tok.chat_template is None:
         raise SystemExit(f"--tools needs a chat template, and {model} has none: {fix}")
     try:
-        text, ignores_tools = render(tok, PROBE[:3], schemas), render(tok, PROBE[:1], schemas) == render(tok, PROBE[:1])
+        text, ignores_tools = (
+            render(tok, PROBE[:3], schemas),
+            render(tok, PROBE[:1], schemas) == render(tok, PROBE[:1]),
+        )
     except Exception as e:
         raise SystemExit(f"{source} cannot render tool calls ({type(e).__name__}: {e}): {fix}")
-    missing = [what for what, absent in [("the tools", ignores_tools), ("the tool call", "6 * 7" not in text),
-                                         ("the tool result", "42" not in text)] if absent]
+    missing = [
+        what
+        for what, absent in [
+            ("the tools", ignores_tools),
+            ("the tool call", "6 * 7" not in text),
+            ("the tool result", "42" not in text),
+        ]
+        if absent
+    ]
     if missing:
         raise SystemExit(f"{source} does not render {', '.join(missing)}: {fix}")
     report = f"chat template: {source} (prefix-preserving)"
     if not prefix_preserving(tok, schemas):
         original, tok.chat_template = tok.chat_template, training_template(tok.chat_template)
         if tok.chat_template == original or not prefix_preserving(tok, schemas):
-            raise SystemExit(f"{source} rewrites earlier turns when a message is appended (not prefix-preserving), "
-                             f"so tool results cannot be appended to the generated tokens exactly: {fix}, one that "
-                             f"renders every turn the same way whatever follows it")
+            raise SystemExit(
+                f"{source} rewrites earlier turns when a message is appended (not prefix-preserving), "
+                f"so tool results cannot be appended to the generated tokens exactly: {fix}, one that "
+                f"renders every turn the same way whatever follows it"
+            )
         report = f"chat template: {source} is not prefix-preserving; using its training variant (think blocks kept)"
     try:
         chat = chat_format(tok, schemas, stop_ids)
@@ -612,15 +940,25 @@ def _no_duplicates(pairs):
     return obj
 
 
-JSON_TYPES = {"string": str, "integer": int, "number": (int, float), "boolean": bool, "array": list,
-              "object": dict, "null": type(None)}
+JSON_TYPES = {
+    "string": str,
+    "integer": int,
+    "number": (int, float),
+    "boolean": bool,
+    "array": list,
+    "object": dict,
+    "null": type(None),
+}
 JSON = json.JSONDecoder(parse_constant=_no_constant, parse_float=_finite, object_pairs_hook=_no_duplicates)
 
 
 def is_json_type(value, kind, unknown=True):
     """JSON schema's type check (a bool is not a number); `unknown` for a type it does not name."""
-    return unknown if kind not in JSON_TYPES else \
-        isinstance(value, JSON_TYPES[kind]) and not (isinstance(value, bool) and kind in ("integer", "number"))
+    return (
+        unknown
+        if kind not in JSON_TYPES
+        else isinstance(value, JSON_TYPES[kind]) and not (isinstance(value, bool) and kind in ("integer", "number"))
+    )
 
 
 def schema_types(schema):
@@ -637,7 +975,7 @@ def decode_json(text, start=0):
     try:
         return JSON.raw_decode(text, start)
     except RecursionError:
-        raise ValueError(f"JSON nested too deeply at {text[start:start + 40]!r}...")
+        raise ValueError(f"JSON nested too deeply at {text[start : start + 40]!r}...")
     except ValueError as e:
         raise ValueError(f"not JSON ({e})")
 
@@ -668,8 +1006,9 @@ def typed(value, schema):
     None where null may); else the text itself (the argument check tells the model if a string may not go there)."""
     with contextlib.suppress(ValueError):
         parsed, end = decode_json(value)
-        if end == len(value.rstrip()) and any(is_json_type(parsed, kind, unknown=False) for kind in schema_types(schema)
-                                              if kind != "string"):
+        if end == len(value.rstrip()) and any(
+            is_json_type(parsed, kind, unknown=False) for kind in schema_types(schema) if kind != "string"
+        ):
             return parsed
     return value
 
@@ -677,8 +1016,11 @@ def typed(value, schema):
 # An XML value may hold the format's own tags (a file with tool calls in it). A real </parameter> is followed by <parameter=
 # or by </function></tool_call> (or the turn's end) and no closing tag before the next <tool_call> (CLEAN; else it is text).
 CLEAN = r"(?=(?:(?!</?tool_call>|</function>|</parameter>)[\s\S])*(?:<tool_call>|\Z))"
-XML_FUNCTION, XML_PARAMETER, XML_END = (re.compile(r"\s*<function=([^>\n]+)>"), re.compile(r"\s*<parameter=([^>\n]+)>"),
-                                        re.compile(r"\s*</function>\s*(?:</tool_call>|\Z)" + CLEAN))
+XML_FUNCTION, XML_PARAMETER, XML_END = (
+    re.compile(r"\s*<function=([^>\n]+)>"),
+    re.compile(r"\s*<parameter=([^>\n]+)>"),
+    re.compile(r"\s*</function>\s*(?:</tool_call>|\Z)" + CLEAN),
+)
 XML_CLOSE = re.compile(r"</parameter>(?=\s*<parameter=[^>\n]+>|" + XML_END.pattern + ")")
 XML_TAGS = re.compile(r"<parameter=([^>\n]+)>|</parameter>|</tool_call>" + CLEAN)
 STRING = r'"(?:[^"\\]|\\[\s\S])*"?|'  # a JSON string (one cut off runs to the end): a tag inside it is text
@@ -711,7 +1053,7 @@ def parse_xml_call(text, start, schemas):
     keys = schemas[name].get("parameters", {}).get("properties", {}) if name in schemas else None
     while not XML_END.match(text, pos):
         if not (param := XML_PARAMETER.match(text, pos)):
-            error = error or f"expected <parameter=KEY> or </function>, got {text[pos:pos + 40].strip()!r}"
+            error = error or f"expected <parameter=KEY> or </function>, got {text[pos : pos + 40].strip()!r}"
             value, opening = XML_PARAMETER.search(text, pos), text.find("<tool_call>", pos)
             if not value or 0 <= opening < value.start():  # no value begins before the next call: this one ends here
                 raise ValueError(error, pos)
@@ -719,13 +1061,21 @@ def parse_xml_call(text, start, schemas):
             continue
         key, (close, balanced) = param.group(1), xml_value_end(text, param.end())
         if not close:  # a value never closed runs to the end of the turn
-            raise ValueError(f"<parameter={key}> has no </parameter> that a parameter or the call's end follows", len(text))
+            raise ValueError(
+                f"<parameter={key}> has no </parameter> that a parameter or the call's end follows", len(text)
+            )
         for tag in itertools.takewhile(lambda t: t.start() < close.start(), XML_TAGS.finditer(text, param.end())):
-            if tag.group(1) not in (None, key, *arguments) and (keys is None or tag.group(1) in keys) or \
-                    tag.group() == "</tool_call>" and not balanced:
-                error = error or f"the value of {key!r} holds {tag.group()!r}: a </parameter> missing before it, or text?"
+            if (
+                tag.group(1) not in (None, key, *arguments)
+                and (keys is None or tag.group(1) in keys)
+                or tag.group() == "</tool_call>"
+                and not balanced
+            ):
+                error = (
+                    error or f"the value of {key!r} holds {tag.group()!r}: a </parameter> missing before it, or text?"
+                )
         error = error or (key in arguments and f"parameter {key!r} given twice")
-        value = re.sub(r"\A\n|\n\Z", "", text[param.end():close.start()])  # the format puts it on lines of its own
+        value = re.sub(r"\A\n|\n\Z", "", text[param.end() : close.start()])  # the format puts it on lines of its own
         arguments[key], pos = typed(value, (keys or {}).get(key)), close.end()
     end = text.index("</function>", pos) + len("</function>")
     if error:
@@ -798,7 +1148,7 @@ def parse_bare_json(text):
         try:
             value, end = decode_json(body, pos)
         except ValueError as e:
-            return "", found, [f"could not parse the tool call {body[pos:pos + 200]!r}: {e.args[0]}"]
+            return "", found, [f"could not parse the tool call {body[pos : pos + 200]!r}: {e.args[0]}"]
         found.append((value, body[pos:end]))
         rest = body[end:].lstrip()
         if rest and not re.match(r';|\{\s*"', rest):  # prose, not another call: `I used {searchTool}`
@@ -812,7 +1162,7 @@ def remove_think(text, opened):
     start; a '</think>' anywhere else is text."""
     if not opened and not text.lstrip().startswith("<think>"):
         return None, text
-    reasoning, closed, rest = (text if opened else text.lstrip()[len("<think>"):]).partition("</think>")
+    reasoning, closed, rest = (text if opened else text.lstrip()[len("<think>") :]).partition("</think>")
     return reasoning.strip(), rest if closed else ""
 
 
@@ -823,28 +1173,43 @@ def parse_assistant(text, tok=None, prompt_ids=(), schemas=None, fmt="tagged", m
     schemas, message = schemas or {}, {"role": "assistant", "content": "", "tool_calls": [], "tool_call_errors": []}
     try:
         if fmt == "transformers":  # the tokenizer's own parser; the schemas type the arguments
-            parsed = tok.parse_response(text, prefix=tok.decode(prompt_ids),
-                                        tools=[{"type": "function", "function": s} for s in schemas.values()])
-            found = [(c.get("function", c) if isinstance(c, dict) else c, str(c)) for c in parsed.get("tool_calls") or []]
+            parsed = tok.parse_response(
+                text,
+                prefix=tok.decode(prompt_ids),
+                tools=[{"type": "function", "function": s} for s in schemas.values()],
+            )
+            found = [
+                (c.get("function", c) if isinstance(c, dict) else c, str(c)) for c in parsed.get("tool_calls") or []
+            ]
             content, reasoning, errors = parsed.get("content") or "", parsed.get("reasoning_content"), []
         else:
             opened = bool(prompt_ids) and tok.decode(list(prompt_ids[-16:])).rstrip().endswith("<think>")
             reasoning, text = remove_think(text, opened)
-            content, found, errors = (parse_tagged(text, schemas) if fmt == "tagged" else parse_mistral(text)
-                                      if fmt == "mistral" else parse_bare_json(text))
+            content, found, errors = (
+                parse_tagged(text, schemas)
+                if fmt == "tagged"
+                else parse_mistral(text)
+                if fmt == "mistral"
+                else parse_bare_json(text)
+            )
         calls = []
         for value, quote in found:  # each call stands or fails alone: one bad call never costs the turn's others
             try:
                 calls.append(parse_call(value))
             except Exception as e:
                 errors.append(f"could not parse the tool call {quote[:200]!r}: {e}")
-        errors += [f"not run: call one tool per turn ({json.dumps(c)[:200]})" for c in calls[max_calls or len(calls):]]
-        message.update(content=content.strip(), tool_calls=calls[:max_calls or len(calls)], tool_call_errors=errors)
+        errors += [
+            f"not run: call one tool per turn ({json.dumps(c)[:200]})" for c in calls[max_calls or len(calls) :]
+        ]
+        message.update(content=content.strip(), tool_calls=calls[: max_calls or len(calls)], tool_call_errors=errors)
         if reasoning is not None:
             message["reasoning_content"] = reasoning
     except Exception as e:  # a parser bug must not end the run either: the model sees it as an error
-        message.update(content=text.strip(), tool_calls=[],
-                       tool_call_errors=[f"could not parse the turn ({type(e).__name__}: {str(e)[:200]})"])
+        message.update(
+            content=text.strip(),
+            tool_calls=[],
+            tool_call_errors=[f"could not parse the turn ({type(e).__name__}: {str(e)[:200]})"],
+        )
     return message
 
 
@@ -854,16 +1219,22 @@ def tool_result_ids(tok, history, tool_messages, schemas, turn_ends, stopped=Tru
     the model never sampled. It starts where the template ends an assistant turn: after its end-of-turn token, which the
     model's stop token stands for (Qwen3 may stop on <|endoftext|> or <|im_end|>; the template writes <|im_end|>\\n), or
     before it if the model stopped otherwise."""
-    before, after = render(tok, history, schemas), render(tok, history + tool_messages, schemas, generation_prompt=True)
+    before, after = (
+        render(tok, history, schemas),
+        render(tok, history + tool_messages, schemas, generation_prompt=True),
+    )
     end = next(((end, n) for end, n in sorted(turn_ends, key=lambda e: -len(e[0])) if before.endswith(end)), None)
     if end is None or not after.startswith(before):
-        raise RuntimeError("the chat template rendered a conversation in a way its start-up check did not show "
-                           f"(an assistant turn that ends {before[-120:]!r}, or an earlier turn rewritten when a "
-                           "tool result follows): the tool results cannot be appended exactly; pass --chat-template")
-    return tok.encode(end[0][end[1] if stopped else 0:] + after[len(before):], add_special_tokens=False)
+        raise RuntimeError(
+            "the chat template rendered a conversation in a way its start-up check did not show "
+            f"(an assistant turn that ends {before[-120:]!r}, or an earlier turn rewritten when a "
+            "tool result follows): the tool results cannot be appended exactly; pass --chat-template"
+        )
+    return tok.encode(end[0][end[1] if stopped else 0 :] + after[len(before) :], add_special_tokens=False)
 
 
 # --- The tool loop: one rollout = generate, run tool calls, append their results, generate again ----------------------
+
 
 class PolicyVersion:
     """Which weights vLLM serves: a count the weight sync advances, a gate it closes meanwhile, and the requests in
@@ -872,7 +1243,9 @@ class PolicyVersion:
 
     def __init__(self, max_inflight=64):
         self.value, self.open, self.in_flight, self.lock = 0, True, 0, threading.Lock()
-        self.slots = asyncio.Semaphore(max_inflight)  # not the connection pool's: a request waiting there counts as sent
+        self.slots = asyncio.Semaphore(
+            max_inflight
+        )  # not the connection pool's: a request waiting there counts as sent
         self.idle_seconds, self.idle_since = 0.0, time.perf_counter()  # vLLM is idle while nothing is in flight
 
     def idle(self):
@@ -902,29 +1275,44 @@ async def generate(session, url, ids, max_tokens, args, stop_ids, greedy=False, 
     stopped it; the ids so far are kept). `generated`: tokens of this turn that a stopped request already produced."""
     # Every parameter that shapes the distribution is sent: vLLM fills the missing ones from the checkpoint's
     # generation_config.json (Qwen3's says top_k 20), and the trainer would not know.
-    payload = {"model": SERVED_MODEL, "prompt": ids, "max_tokens": max_tokens, "logprobs": 0,
-               "temperature": 0.0 if greedy else args.temperature, "top_p": 1.0 if greedy else args.top_p,
-               "top_k": 0 if greedy else args.top_k, "min_p": 0.0 if greedy else args.min_p, "repetition_penalty": 1.0,
-               "presence_penalty": 0.0, "frequency_penalty": 0.0, "return_token_ids": True, "stop_token_ids": stop_ids,
-               "skip_special_tokens": False, **args.sampling_args}
+    payload = {
+        "model": SERVED_MODEL,
+        "prompt": ids,
+        "max_tokens": max_tokens,
+        "logprobs": 0,
+        "temperature": 0.0 if greedy else args.temperature,
+        "top_p": 1.0 if greedy else args.top_p,
+        "top_k": 0 if greedy else args.top_k,
+        "min_p": 0.0 if greedy else args.min_p,
+        "repetition_penalty": 1.0,
+        "presence_penalty": 0.0,
+        "frequency_penalty": 0.0,
+        "return_token_ids": True,
+        "stop_token_ids": stop_ids,
+        "skip_special_tokens": False,
+        **args.sampling_args,
+    }
     if "min_tokens" in payload:
         payload["min_tokens"] = max(0, payload["min_tokens"] - generated)
     for attempt in range(3):
         try:
             async with session.post(f"{url}/v1/completions", json=payload) as response:
                 if response.status != 200:
-                    raise ConnectionError(f"the vLLM server {url} answered a generation request with "
-                                          f"{response.status}: {(await response.text())[:500]}")
+                    raise ConnectionError(
+                        f"the vLLM server {url} answered a generation request with "
+                        f"{response.status}: {(await response.text())[:500]}"
+                    )
                 choice = (await response.json())["choices"][0]
             return choice["token_ids"], choice["logprobs"]["token_logprobs"], choice["finish_reason"]
         except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as e:
             # a pooled keep-alive connection the server closed just then: the request holds all its state, so resend it
             if attempt == 2:
                 raise ConnectionError(f"the vLLM server {url} dropped a generation request 3 times ({e})") from None
-            await asyncio.sleep(0.5 * 2 ** attempt)
+            await asyncio.sleep(0.5 * 2**attempt)
         except asyncio.TimeoutError:  # the session's bound
-            raise ConnectionError(f"the vLLM server {url} did not answer a generation request in {args.data_timeout} s "
-                                  "(--data-timeout)") from None
+            raise ConnectionError(
+                f"the vLLM server {url} did not answer a generation request in {args.data_timeout} s (--data-timeout)"
+            ) from None
 
 
 def argument_errors(schema, arguments):
@@ -947,8 +1335,11 @@ async def call_tool(call, schemas, timeout):
         return f"Error: {name}: {'; '.join(errors)}", False
     fn = tools_module.TOOLS[name]
     try:
-        pending = fn(**arguments) if inspect.iscoroutinefunction(fn) else \
-            asyncio.get_running_loop().run_in_executor(TOOL_THREADS, functools.partial(fn, **arguments))
+        pending = (
+            fn(**arguments)
+            if inspect.iscoroutinefunction(fn)
+            else asyncio.get_running_loop().run_in_executor(TOOL_THREADS, functools.partial(fn, **arguments))
+        )
         return str(await asyncio.wait_for(pending, timeout)), True
     except asyncio.TimeoutError:
         return f"Error: {name} timed out after {timeout} s", False
@@ -959,9 +1350,14 @@ async def call_tool(call, schemas, timeout):
 def rollout_context(tok, schemas, rows, max_model_len=None, stop_ids=None):
     """What every rollout needs, computed once; max_model_len is the server's context length, known once it is up."""
     stop_ids = stop_ids or stop_token_ids(tok)
-    return {"schemas": schemas, "schemas_by_name": {s["function"]["name"]: s["function"] for s in schemas or []},
-            "stop_ids": stop_ids, "max_model_len": max_model_len, **(chat_format(tok, schemas, stop_ids) if schemas else {}),
-            "prompt_ids": {row["id"]: render_prompt(tok, row["prompt"], schemas, row["id"]) for row in rows}}
+    return {
+        "schemas": schemas,
+        "schemas_by_name": {s["function"]["name"]: s["function"] for s in schemas or []},
+        "stop_ids": stop_ids,
+        "max_model_len": max_model_len,
+        **(chat_format(tok, schemas, stop_ids) if schemas else {}),
+        "prompt_ids": {row["id"]: render_prompt(tok, row["prompt"], schemas, row["id"]) for row in rows},
+    }
 
 
 async def rollout(session, url, tok, row, args, ctx, policy, greedy=False):
@@ -969,14 +1365,22 @@ async def rollout(session, url, tok, row, args, ctx, policy, greedy=False):
     (mask 1, with their log-probs and policy versions) and the tool-result ids (mask 0)."""
     ids, mask, logprobs, versions, messages = list(ctx["prompt_ids"][row["id"]]), [], [], [], []
     n_prompt = len(ids)
-    stats = {"tool_calls": 0, "tool_failures": 0, "tool_seconds": 0.0, "turns": 0, "truncated": True,  # until it answers
-             "interrupted": 0, "per_tool": {}}  # per_tool: name -> [calls, failures]
+    stats = {
+        "tool_calls": 0,
+        "tool_failures": 0,
+        "tool_seconds": 0.0,
+        "turns": 0,
+        "truncated": True,  # until it answers
+        "interrupted": 0,
+        "per_tool": {},
+    }  # per_tool: name -> [calls, failures]
     while (budget := min(args.max_tokens, ctx["max_model_len"] - len(ids))) > 0:
         new, lps, new_versions, finish = [], [], [], "abort"
         while finish == "abort" and len(new) < budget:  # a weight sync can stop a turn, more than once
             async with policy.request() as version:
-                part, part_lps, finish = await generate(session, url, ids + new, budget - len(new), args,
-                                                        ctx["stop_ids"], greedy, len(new))
+                part, part_lps, finish = await generate(
+                    session, url, ids + new, budget - len(new), args, ctx["stop_ids"], greedy, len(new)
+                )
                 if finish == "abort" and policy.open:
                     raise RuntimeError("vLLM aborted a request outside a weight sync: is another client using it?")
             stats["interrupted"] += finish == "abort"
@@ -991,11 +1395,16 @@ async def rollout(session, url, tok, row, args, ctx, policy, greedy=False):
         logprobs += lps
         versions += new_versions
         stats["turns"] += 1
-        stopped = finish == "stop" and bool(new) and new[-1] in ctx["stop_ids"]  # not on a stop string of --sampling-args
+        stopped = (
+            finish == "stop" and bool(new) and new[-1] in ctx["stop_ids"]
+        )  # not on a stop string of --sampling-args
         text = tok.decode(new[:-1] if stopped else new, skip_special_tokens=False)
         # The parser runs only with tools: without them any template (or none) must train.
-        message = parse_assistant(text, tok, ids[:-len(new)], ctx["schemas_by_name"], ctx["format"], ctx["max_calls"]) \
-            if ctx["schemas"] else {"role": "assistant", "content": text, "tool_calls": [], "tool_call_errors": []}
+        message = (
+            parse_assistant(text, tok, ids[: -len(new)], ctx["schemas_by_name"], ctx["format"], ctx["max_calls"])
+            if ctx["schemas"]
+            else {"role": "assistant", "content": text, "tool_calls": [], "tool_call_errors": []}
+        )
         messages.append(message)
         if finish == "stop" and not message["tool_calls"] and not message["tool_call_errors"]:
             stats["truncated"] = False  # the model answered: the one end that does not cut the conversation short
@@ -1010,16 +1419,22 @@ async def rollout(session, url, tok, row, args, ctx, policy, greedy=False):
         stats["tool_calls"] += len(results)
         stats["tool_failures"] += sum(not ok for _, ok in results)
         names = [c["function"]["name"] for c in message["tool_calls"]]
-        keys = [n if n in ctx["schemas_by_name"] else "unknown" for n in names] + ["malformed"] * len(message["tool_call_errors"])
+        keys = [n if n in ctx["schemas_by_name"] else "unknown" for n in names] + ["malformed"] * len(
+            message["tool_call_errors"]
+        )
         names += ["malformed"] * len(message["tool_call_errors"])
         for key, (_, ok) in zip(keys, results):
             counts = stats["per_tool"].setdefault(key, [0, 0])
             counts[0] += 1
             counts[1] += not ok
         # a lone surrogate in a tool's text (from its input, or bytes decoded with surrogateescape) fails the tokenizer
-        tool_messages = [{"role": "tool", "name": n, "content": r.encode(errors="replace").decode()}
-                         for n, (r, _) in zip(names, results)]
-        suffix = tool_result_ids(tok, row["prompt"] + messages, tool_messages, ctx["schemas"], ctx["turn_ends"], stopped)
+        tool_messages = [
+            {"role": "tool", "name": n, "content": r.encode(errors="replace").decode()}
+            for n, (r, _) in zip(names, results)
+        ]
+        suffix = tool_result_ids(
+            tok, row["prompt"] + messages, tool_messages, ctx["schemas"], ctx["turn_ends"], stopped
+        )
         messages += tool_messages
         if len(ids) + len(suffix) >= ctx["max_model_len"]:
             break  # no room left to answer: end here rather than send vLLM a request it rejects
@@ -1027,19 +1442,30 @@ async def rollout(session, url, tok, row, args, ctx, policy, greedy=False):
         mask += [0] * len(suffix)
         logprobs += [0.0] * len(suffix)
         versions += [version] * len(suffix)  # not trained on; kept so every per-token list has one length
-    return {"ids": ids, "n_prompt": n_prompt, "mask": mask, "logprobs": logprobs, "versions": versions,
-            "messages": messages, **stats}
+    return {
+        "ids": ids,
+        "n_prompt": n_prompt,
+        "mask": mask,
+        "logprobs": logprobs,
+        "versions": versions,
+        "messages": messages,
+        **stats,
+    }
 
 
 # --- Rewards and group-relative advantages ----------------------------------------------------------------------------
+
 
 async def score_group(samples, row, reward_weights):
     """Weighted sum of the reward functions over one group; also returns each function's values."""
     G = len(samples)
     kwargs = {k: [v] * G for k, v in row.items() if k not in ("prompt", "id")}
-    kwargs.update(prompts=[row["prompt"]] * G, completions=[s["messages"] for s in samples],  # the ROLLOUT_FIELDS
-                  completion_ids=[s["ids"][s["n_prompt"]:] for s in samples],
-                  **{k: [s[k] for s in samples] for k in ("tool_calls", "tool_failures", "truncated")})
+    kwargs.update(
+        prompts=[row["prompt"]] * G,
+        completions=[s["messages"] for s in samples],  # the ROLLOUT_FIELDS
+        completion_ids=[s["ids"][s["n_prompt"] :] for s in samples],
+        **{k: [s[k] for s in samples] for k in ("tool_calls", "tool_failures", "truncated")},
+    )
     total, parts = np.zeros(G), {}
     for name, weight in reward_weights.items():
         fn = rewards_module.REWARDS[name]
@@ -1059,6 +1485,7 @@ def group_advantages(rewards, scale=True, eps=1e-4):
 
 
 # --- The producer: a thread with its own asyncio loop that keeps the queue full ---------------------------------------
+
 
 async def all_or_none(coros):
     """asyncio.gather whose first error cancels the rest and waits for them: gather alone leaves them running against a
@@ -1083,9 +1510,18 @@ class Producer(threading.Thread):
         self.queue, self.ready = queue.Queue(), {}  # ready: finished groups by number, until their turn
         # next_index: the next group to hand out; skipped_groups: not trained (zero variance, too stale
         # or a failed reward); stale_samples, reward_failures: counters. A checkpoint saves them all.
-        self.cursor = {"next_index": 0, "skipped_groups": 0, "stale_samples": 0, "reward_failures": 0, **(cursor or {})}
+        self.cursor = {
+            "next_index": 0,
+            "skipped_groups": 0,
+            "stale_samples": 0,
+            "reward_failures": 0,
+            **(cursor or {}),
+        }
         self.failures_in_a_row, self.scoring = 0, 0  # scoring: groups whose rewards are being computed
-        self.error, self.loop = None, asyncio.new_event_loop()  # made here: stop() and evaluate() may use it before run()
+        self.error, self.loop = (
+            None,
+            asyncio.new_event_loop(),
+        )  # made here: stop() and evaluate() may use it before run()
 
     def run(self):
         try:
@@ -1124,7 +1560,9 @@ class Producer(threading.Thread):
                 for row in itertools.islice(self.prompt_order(), started, None):
                     while not self.admissible(started) or len(pending) * a.num_generations >= 2 * a.max_inflight:
                         if pending:
-                            done, pending = await asyncio.wait(pending, timeout=0.05, return_when=asyncio.FIRST_COMPLETED)
+                            done, pending = await asyncio.wait(
+                                pending, timeout=0.05, return_when=asyncio.FIRST_COMPLETED
+                            )
                             if errors := [e for task in done if not task.cancelled() and (e := task.exception())]:
                                 raise errors[0]  # stops the producer, loudly (each one retrieved: asyncio warns else)
                         else:
@@ -1139,8 +1577,9 @@ class Producer(threading.Thread):
         a, url = self.args, min(self.urls, key=self.running.get)
         self.running[url] += 1
         try:
-            samples = await all_or_none(rollout(session, url, self.tok, row, a, self.ctx, self.policy)
-                                        for _ in range(a.num_generations))
+            samples = await all_or_none(
+                rollout(session, url, self.tok, row, a, self.ctx, self.policy) for _ in range(a.num_generations)
+            )
         finally:
             self.running[url] -= 1
         try:
@@ -1153,8 +1592,12 @@ class Producer(threading.Thread):
             self.scoring -= 1
         advantages = group_advantages(rewards, scale=a.scale_rewards == "group")
         for i, sample in enumerate(samples):
-            sample.update(reward=float(rewards[i]), advantage=float(advantages[i]), prompt_id=row["id"],
-                          reward_parts={k: float(v[i]) for k, v in parts.items()})
+            sample.update(
+                reward=float(rewards[i]),
+                advantage=float(advantages[i]),
+                prompt_id=row["id"],
+                reward_parts={k: float(v[i]) for k, v in parts.items()},
+            )
         self.queue.put((index, samples))
 
     def take(self, n, timeout, interrupted=lambda: False):
@@ -1167,11 +1610,15 @@ class Producer(threading.Thread):
                 if isinstance(self.error, ConnectionError):  # a server's fault, which the message names
                     raise self.error
                 if self.error:
-                    raise RuntimeError(f"the producer thread failed:\n{''.join(traceback.format_exception(self.error))}")
+                    raise RuntimeError(
+                        f"the producer thread failed:\n{''.join(traceback.format_exception(self.error))}"
+                    )
                 if time.monotonic() > deadline:
-                    raise TimeoutError(f"no batch from the producer in {timeout} s (--data-timeout) from the vLLM server(s) "
-                                       f"{', '.join(self.urls)}; now {sum(self.running.values())} groups generate "
-                                       f"({self.policy.in_flight} requests in vLLM) and {self.scoring} are being scored")
+                    raise TimeoutError(
+                        f"no batch from the producer in {timeout} s (--data-timeout) from the vLLM server(s) "
+                        f"{', '.join(self.urls)}; now {sum(self.running.values())} groups generate "
+                        f"({self.policy.in_flight} requests in vLLM) and {self.scoring} are being scored"
+                    )
                 if interrupted():
                     raise KeyboardInterrupt("stopped while waiting for data")
                 with contextlib.suppress(queue.Empty):
@@ -1184,9 +1631,13 @@ class Producer(threading.Thread):
                 print(f"warning: dropped a group: {group}", flush=True)
                 c["reward_failures"] += 1
                 if self.failures_in_a_row >= 4 * self.args.prompts_per_step:
-                    raise RuntimeError(f"the rewards failed for {self.failures_in_a_row} groups in a row; the last: {group}")
-            elif (lag := self.policy.value - min((v for s in group for v, m in zip(s["versions"], s["mask"]) if m),
-                                                 default=self.policy.value)) > self.args.max_staleness:
+                    raise RuntimeError(
+                        f"the rewards failed for {self.failures_in_a_row} groups in a row; the last: {group}"
+                    )
+            elif (
+                lag := self.policy.value
+                - min((v for s in group for v, m in zip(s["versions"], s["mask"]) if m), default=self.policy.value)
+            ) > self.args.max_staleness:
                 print(f"warning: dropped a group {lag} versions old (--max-staleness)", flush=True)
                 c["stale_samples"] += len(group)
             elif not self.args.skip_zero_variance or len({s["reward"] for s in group}) > 1:
@@ -1198,6 +1649,7 @@ class Producer(threading.Thread):
 
 # --- The vLLM server: a child process in its own process group, stopped with everything it started --------------------
 
+
 def free_port():
     with socket.create_server(("127.0.0.1", 0)) as s:
         return s.getsockname()[1]
@@ -1207,16 +1659,22 @@ def http(url, payload=None, timeout=60, bound="its bound"):
     """One request to a server, bounded by `timeout` seconds (`bound`: the flag that sets them). A failure is a
     ConnectionError that names the server, what it was asked and what went wrong: a socket traceback says none of it."""
     data = None if payload is None else json.dumps(payload).encode()
-    request, t0 = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"}), time.monotonic()
+    request, t0 = (
+        urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"}),
+        time.monotonic(),
+    )
     try:
         with urllib.request.urlopen(request, timeout=timeout) as response:
             body = response.read()
     except urllib.error.HTTPError as e:
-        raise ConnectionError(f"{request.get_method()} {url} answered {e.code}: "
-                              f"{e.read()[:300].decode(errors='replace')}") from None
+        raise ConnectionError(
+            f"{request.get_method()} {url} answered {e.code}: {e.read()[:300].decode(errors='replace')}"
+        ) from None
     except (OSError, http_client.HTTPException) as e:  # refused, reset, or no answer in time
-        raise ConnectionError(f"{request.get_method()} {url} failed after {time.monotonic() - t0:.0f} s ({bound}: "
-                              f"{timeout:.0f} s): {getattr(e, 'reason', None) or e or type(e).__name__}") from None
+        raise ConnectionError(
+            f"{request.get_method()} {url} failed after {time.monotonic() - t0:.0f} s ({bound}: "
+            f"{timeout:.0f} s): {getattr(e, 'reason', None) or e or type(e).__name__}"
+        ) from None
     return json.loads(body) if body else None
 
 
@@ -1236,7 +1694,7 @@ def log_tail(proc, n=25):
         log.seek(proc.log_start)
         lines = log.read().decode(errors="replace").splitlines(keepends=True)
         first = next((i for i, line in enumerate(lines) if re.search(r" ERROR |Traceback|unexpectedly", line)), None)
-        return "".join(lines[-n:] if first is None else lines[max(0, first - 3):first + n - 3])
+        return "".join(lines[-n:] if first is None else lines[max(0, first - 3) : first + n - 3])
     return "(no log)"
 
 
@@ -1244,20 +1702,41 @@ def start_vllm(args, model_path, out_dir):
     """Start the `vllm serve` processes of the device plan (args.plan) with this file as their worker extension, each on
     its share of --vllm-gpus or on the CPU, and wait until all are healthy. Returns the processes (.url, .log_path)."""
     plan, n = args.plan, len(args.plan["servers"])
-    env = dict(os.environ, VLLM_SERVER_DEV_MODE="1",  # the /pause, /resume, /collective_rpc routes
-               PYTHONPATH=os.pathsep.join(filter(None, [str(HERE), os.environ.get("PYTHONPATH")])))
+    env = dict(
+        os.environ,
+        VLLM_SERVER_DEV_MODE="1",  # the /pause, /resume, /collective_rpc routes
+        PYTHONPATH=os.pathsep.join(filter(None, [str(HERE), os.environ.get("PYTHONPATH")])),
+    )
     if plan["cpu_server"]:
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; the default takes a large share of RAM
     procs, t0 = [], time.monotonic()
     try:
         for i, share in enumerate(plan["servers"]):
             port = args.vllm_port + i if args.vllm_port else free_port()
-            cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model_path, "--host", "127.0.0.1",
-                   "--port", str(port), "--seed", str(args.seed), "--served-model-name", SERVED_MODEL,
-                   "--worker-extension-cls", "async_grpo.WeightSyncExtension",
-                   "--logprobs-mode", "processed_logprobs"]  # log-probs after temperature/top-p: what was sampled from
-            optional = {"--max-model-len": args.max_model_len, "--tensor-parallel-size": share and len(share.split(",")),
-                        "--gpu-memory-utilization": plan["gpu_memory"]}
+            cmd = [
+                sys.executable,
+                "-m",
+                "vllm.entrypoints.openai.api_server",
+                "--model",
+                model_path,
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(port),
+                "--seed",
+                str(args.seed),
+                "--served-model-name",
+                SERVED_MODEL,
+                "--worker-extension-cls",
+                "async_grpo.WeightSyncExtension",
+                "--logprobs-mode",
+                "processed_logprobs",
+            ]  # log-probs after temperature/top-p: what was sampled from
+            optional = {
+                "--max-model-len": args.max_model_len,
+                "--tensor-parallel-size": share and len(share.split(",")),
+                "--gpu-memory-utilization": plan["gpu_memory"],
+            }
             cmd += [word for flag, value in optional.items() if value for word in (flag, str(value))]
             if plan["cpu_server"] and vllm_flag(args, "--dtype") is None:
                 # fp32 on CPU: bf16 arithmetic without AVX-512 is slow (a 25M-parameter model here generated 150 tokens/s
@@ -1276,8 +1755,15 @@ def start_vllm(args, model_path, out_dir):
             log_path = Path(out_dir) / ("vllm.log" if n == 1 else f"vllm-{i}.log")
             with open(log_path, "ab") as log:
                 log_start = log.tell()  # --resume appends to the log: what this server says begins here
-                proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
-                                        start_new_session=True, preexec_fn=functools.partial(_server_preexec, cores))
+                proc = subprocess.Popen(
+                    cmd,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    stdin=subprocess.DEVNULL,
+                    env=env,
+                    start_new_session=True,
+                    preexec_fn=functools.partial(_server_preexec, cores),
+                )
             proc.log_path, proc.log_start, proc.url = log_path, log_start, f"http://127.0.0.1:{port}"
             procs.append(proc)
             print(f"starting vLLM (pid {proc.pid}, log {log_path}): {shlex.join(cmd)}", flush=True)
@@ -1285,11 +1771,15 @@ def start_vllm(args, model_path, out_dir):
         while starting:
             for proc in list(starting):
                 if proc.poll() is not None:
-                    raise RuntimeError(f"the vLLM server {proc.url} exited with code {proc.returncode} during "
-                                       f"start-up. Its log, {proc.log_path}:\n{log_tail(proc)}")
+                    raise RuntimeError(
+                        f"the vLLM server {proc.url} exited with code {proc.returncode} during "
+                        f"start-up. Its log, {proc.log_path}:\n{log_tail(proc)}"
+                    )
                 if time.monotonic() > deadline:
-                    raise TimeoutError(f"the vLLM server {proc.url} was not healthy after {args.vllm_startup_timeout} s "
-                                       f"(--vllm-startup-timeout). Its log, {proc.log_path}:\n{log_tail(proc)}")
+                    raise TimeoutError(
+                        f"the vLLM server {proc.url} was not healthy after {args.vllm_startup_timeout} s "
+                        f"(--vllm-startup-timeout). Its log, {proc.log_path}:\n{log_tail(proc)}"
+                    )
                 with contextlib.suppress(OSError):
                     http(f"{proc.url}/health", timeout=5)
                     print(f"vLLM is up after {time.monotonic() - t0:.0f} s at {proc.url}", flush=True)
@@ -1297,7 +1787,10 @@ def start_vllm(args, model_path, out_dir):
             if starting:
                 time.sleep(1)
                 if time.monotonic() > report:  # a real model on CPU takes minutes: say that it is still coming
-                    print(f"waiting for vLLM ({time.monotonic() - t0:.0f} s; its log: {starting[0].log_path})", flush=True)
+                    print(
+                        f"waiting for vLLM ({time.monotonic() - t0:.0f} s; its log: {starting[0].log_path})",
+                        flush=True,
+                    )
                     report += 30
         return procs
     except BaseException:  # Ctrl-C included: the caller never got the handles, so stop them here
@@ -1361,8 +1854,10 @@ def watch_servers(run, every=1.0):
 
 def served_config(url):
     """(context length, dtype) of a server, checked to be one that start_vllm would start (--vllm-url may be anything)."""
-    how = (f"start it with --served-model-name {SERVED_MODEL} --worker-extension-cls async_grpo.WeightSyncExtension "
-           "--logprobs-mode processed_logprobs and VLLM_SERVER_DEV_MODE=1, as README.md shows")
+    how = (
+        f"start it with --served-model-name {SERVED_MODEL} --worker-extension-cls async_grpo.WeightSyncExtension "
+        "--logprobs-mode processed_logprobs and VLLM_SERVER_DEV_MODE=1, as README.md shows"
+    )
     try:
         models = {m["id"]: m for m in http(f"{url}/v1/models", timeout=30)["data"]}
     except (OSError, ValueError, KeyError, TypeError) as e:
@@ -1372,15 +1867,22 @@ def served_config(url):
     try:
         dtype, logprobs_mode = http(f"{url}/collective_rpc", {"method": "served_config"}, timeout=30)["results"][0]
     except (OSError, ValueError, KeyError, TypeError) as e:
-        raise SystemExit(f"--vllm-url {url}: its workers cannot take weights ({type(e).__name__}: {str(e)[:200]}): {how}")
-    if logprobs_mode != "processed_logprobs":  # raw log-probs ignore temperature and truncation: the ratios would be off
+        raise SystemExit(
+            f"--vllm-url {url}: its workers cannot take weights ({type(e).__name__}: {str(e)[:200]}): {how}"
+        )
+    if (
+        logprobs_mode != "processed_logprobs"
+    ):  # raw log-probs ignore temperature and truncation: the ratios would be off
         raise SystemExit(f"--vllm-url {url} returns {logprobs_mode}: {how}")
     return models[SERVED_MODEL]["max_model_len"], dtype
 
 
 # --- Weight sync: trainer rank 0 broadcasts packed buckets to every vLLM worker over its own group --------------------
 
-def local_address(host):  # this machine's address on its route to host: a UDP connect sends nothing, it picks the route
+
+def local_address(
+    host,
+):  # this machine's address on its route to host: a UDP connect sends nothing, it picks the route
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
         s.connect((host, 9))
         return s.getsockname()[0]
@@ -1398,7 +1900,9 @@ def sync_group(host, port, rank, world_size, backend, timeout, listener=None):
     world. Rank 0 hosts its store on `listener`, a socket it bound (torch's rendezvous would join torchrun's store). gloo
     takes CUDA tensors too, through pinned host memory: the path where a server shares the trainer's GPU."""
     timeout, gloo = timedelta(seconds=timeout), backend == "gloo"
-    store = dist.TCPStore(host, port, world_size, listener is not None, timeout, master_listen_fd=listener and listener.detach())
+    store = dist.TCPStore(
+        host, port, world_size, listener is not None, timeout, master_listen_fd=listener and listener.detach()
+    )
     options = dist.ProcessGroupGloo._Options() if gloo else dist.ProcessGroupNCCL.Options()
     options._timeout = timeout
     if gloo:
@@ -1416,7 +1920,9 @@ def sync_group(host, port, rank, world_size, backend, timeout, listener=None):
 class WeightSyncExtension:
     """Mixed into every vLLM worker (--worker-extension-cls); its methods run via /collective_rpc."""
 
-    def init_weight_sync(self, host, port, world_size, timeout, backend, first_rank=1):  # first_rank: this server's first
+    def init_weight_sync(
+        self, host, port, world_size, timeout, backend, first_rank=1
+    ):  # first_rank: this server's first
         self.weight_sync_group = sync_group(host, port, first_rank + self.rank, world_size, backend, timeout)
 
     def served_config(self):
@@ -1430,7 +1936,9 @@ class WeightSyncExtension:
         first sync: a wrong name would otherwise fail halfway through a load, or be silently dropped."""
         model = self.model_runner.get_model()
         mapper = getattr(model, "hf_to_vllm_mapper", None)
-        fused = {part: whole for whole, parts in getattr(model, "packed_modules_mapping", {}).items() for part in parts}
+        fused = {
+            part: whole for whole, parts in getattr(model, "packed_modules_mapping", {}).items() for part in parts
+        }
         known = {n for n, _ in model.named_parameters(remove_duplicate=False)}
 
         def served(name):
@@ -1440,8 +1948,13 @@ class WeightSyncExtension:
             module, _, leaf = name.rpartition(".")
             parent, _, last = module.rpartition(".")
             experts = re.sub(r"\.experts\.\d+\..*", ".experts.", name)  # MoE layers hold all experts in one tensor
-            return (name in known or f"{parent}.{fused.get(last, last)}.{leaf}" in known
-                    or experts != name and any(k.startswith(experts) for k in known))
+            return (
+                name in known
+                or f"{parent}.{fused.get(last, last)}.{leaf}" in known
+                or experts != name
+                and any(k.startswith(experts) for k in known)
+            )
+
         return [n for n in names if not served(n)]
 
     def receive_weights(self, buckets):
@@ -1458,11 +1971,13 @@ class WeightSyncExtension:
                     arriving = receive(buckets[k + 1])
                 parts = flat.split([math.prod(shape) for _, shape in bucket["params"]])
                 yield from ((name, part.view(shape)) for (name, shape), part in zip(bucket["params"], parts))
+
         # reload_weights, unlike plain load_weights, re-runs the post-load processing of each layer it loads...
         self.reload_weights(weights_iterator=tensors(), is_checkpoint_format=True)
         # ...but only of the layer that loaded a tied weight. A module sharing it (lm_head tied to the embedding) keeps
         # what it derived from the old values (on CPU, a pre-packed GEMM copy): vLLM would sample from the old head.
         from vllm.config import set_current_vllm_config
+
         model, owners = self.model_runner.get_model(), defaultdict(list)
         for name, param in model.named_parameters(remove_duplicate=False):
             owners[id(param)].append(model.get_submodule(name.rpartition(".")[0]))
@@ -1480,6 +1995,7 @@ def served_weights(model, every=False):
         yield from ((name, p, None) for name, p in model.named_parameters() if p.requires_grad)
         return
     from peft.tuners.lora import LoraLayer
+
     base = model.get_base_model()  # peft's names: ...q_proj.base_layer.weight (W), ...q_proj.lora_A.default.weight
     adapted = {name: m for name, m in base.named_modules() if isinstance(m, LoraLayer)}
     parents = {name.rpartition(".")[0] for name in adapted}
@@ -1546,8 +2062,13 @@ class WeightSync:
     def _rpc(self, url, method, **kwargs):
         """Call `method` on every worker of one server; a future. It runs on the pool's threads: the
         workers block in the collective until the trainer joins it."""
-        return self.pool.submit(http, f"{url}/collective_rpc", {"method": method, "kwargs": kwargs},
-                                self.args.sync_timeout, "--sync-timeout")
+        return self.pool.submit(
+            http,
+            f"{url}/collective_rpc",
+            {"method": method, "kwargs": kwargs},
+            self.args.sync_timeout,
+            "--sync-timeout",
+        )
 
     def _all(self, path):
         for url in self.urls:
@@ -1556,17 +2077,36 @@ class WeightSync:
     def _connect(self, model):
         """At the first sync: check that every server knows every name it will receive, then make the group."""
         names = [name for name, _, _ in served_weights(model, every=True)]
-        unknown = sorted({n for url in self.urls for worker in self._rpc(url, "unknown_weight_names", names=names)
-                          .result()["results"] for n in worker})
+        unknown = sorted(
+            {
+                n
+                for url in self.urls
+                for worker in self._rpc(url, "unknown_weight_names", names=names).result()["results"]
+                for n in worker
+            }
+        )
         if unknown:
-            raise ValueError(f"the vLLM server's model has no parameter for {len(unknown)} of the {len(names)} "
-                             f"trained weights, e.g. {unknown[:5]}: the trainer and the server do not hold the "
-                             "same architecture (an image-text checkpoint loaded as another class?)")
+            raise ValueError(
+                f"the vLLM server's model has no parameter for {len(unknown)} of the {len(names)} "
+                f"trained weights, e.g. {unknown[:5]}: the trainer and the server do not hold the "
+                "same architecture (an image-text checkpoint loaded as another class?)"
+            )
         sizes = [http(f"{url}/get_world_size")["world_size"] for url in self.urls]  # workers per server
         host, listener = sync_endpoint(self.urls, self.args.sync_host)
         port, backend, world_size = listener.getsockname()[1], self.args.plan["sync_backend"], 1 + sum(sizes)
-        joined = [self._rpc(url, "init_weight_sync", host=host, port=port, world_size=world_size, backend=backend,
-                            first_rank=1 + sum(sizes[:i]), timeout=self.args.sync_timeout) for i, url in enumerate(self.urls)]
+        joined = [
+            self._rpc(
+                url,
+                "init_weight_sync",
+                host=host,
+                port=port,
+                world_size=world_size,
+                backend=backend,
+                first_rank=1 + sum(sizes[:i]),
+                timeout=self.args.sync_timeout,
+            )
+            for i, url in enumerate(self.urls)
+        ]
         self.group = sync_group(host, port, 0, world_size, backend, self.args.sync_timeout, listener)
         for future in joined:
             future.result(self.args.sync_timeout)
@@ -1584,13 +2124,21 @@ class WeightSync:
         self._all(f"pause?mode={'wait' if self.args.sync_mode == 'wait' else 'abort'}")
         while self.policy.in_flight:  # a request that reached vLLM after the pause waits in its queue: stop it
             if time.monotonic() > deadline:
-                raise TimeoutError(f"{self.policy.in_flight} requests did not answer the pause in "
-                                   f"{self.args.sync_timeout} s (--sync-timeout)")
+                raise TimeoutError(
+                    f"{self.policy.in_flight} requests did not answer the pause in "
+                    f"{self.args.sync_timeout} s (--sync-timeout)"
+                )
             self._all("abort_requests")
             time.sleep(0.01)
         buckets = pack_buckets(model, self.args.sync_bucket_bytes, self.dtype, every)
-        meta = [{"dtype": str(self.dtype).removeprefix("torch."), "numel": sum(p.numel() for _, p, _ in b),
-                 "params": [(n, list(p.shape)) for n, p, _ in b]} for b in buckets]
+        meta = [
+            {
+                "dtype": str(self.dtype).removeprefix("torch."),
+                "numel": sum(p.numel() for _, p, _ in b),
+                "params": [(n, list(p.shape)) for n, p, _ in b],
+            }
+            for b in buckets
+        ]
         received = [self._rpc(url, "receive_weights", buckets=meta) for url in self.urls]
         send_weights(self.group, buckets, self.dtype, self.args.sync_timeout)
         for future in received:
@@ -1603,9 +2151,25 @@ class WeightSync:
 
 # --- The loss: clipped surrogate against the sampler's log-probs, normalised as --loss-type says ----------------------
 
+
 # FORK: change the loss (the terms are named as in the papers; train_step calls this)
-def grpo_loss(logp, sampler_logp, advantages, mask, epsilon, epsilon_high, loss_type="token", num_tokens=1, num_sequences=1,
-              max_tokens=1, is_correction="none", is_threshold=2.0, is_level="token", ref_logp=None, beta=0.0):
+def grpo_loss(
+    logp,
+    sampler_logp,
+    advantages,
+    mask,
+    epsilon,
+    epsilon_high,
+    loss_type="token",
+    num_tokens=1,
+    num_sequences=1,
+    max_tokens=1,
+    is_correction="none",
+    is_threshold=2.0,
+    is_level="token",
+    ref_logp=None,
+    beta=0.0,
+):
     """logp (the trainer's, with gradient), sampler_logp (vLLM's), mask (0 on tool-result and padding tokens): [B, T],
     per completion token; advantages: [B]. num_tokens and num_sequences count the whole step (all micro-batches, all ranks),
     so the result is a share of the step's loss. The importance weight w = pi_trainer / pi_sampler (no gradient) is how
@@ -1616,22 +2180,26 @@ def grpo_loss(logp, sampler_logp, advantages, mask, epsilon, epsilon_high, loss_
     def sequence_mean(x):  # [B, T] -> [B, 1]: mean over each sequence's loss tokens
         return (x * mask).sum(1, keepdim=True) / lengths
 
-    log_w = (logp.detach() - sampler_logp) * mask               # log pi_trainer / pi_sampler
+    log_w = (logp.detach() - sampler_logp) * mask  # log pi_trainer / pi_sampler
     # w per token, or per sequence: the geometric mean over its tokens (is_level sequence, and always for gspo)
     w = torch.exp(sequence_mean(log_w) if is_level == "sequence" or loss_type == "gspo" else log_w)
     if is_correction == "none":  # the clipped ratio is taken against the sampler's log-probs
         old_logp, weight = sampler_logp, torch.ones_like(w)
     else:  # tis, mis (decoupled PPO): the ratio is against the policy before this update (value 1, gradient of log pi)
         old_logp = logp.detach()
-        weight = w.clamp(max=is_threshold) if is_correction == "tis" else w * ((w >= 1 / is_threshold) & (w <= is_threshold))
-    log_ratio = (logp - old_logp) * mask                        # log pi_theta / pi_old
+        weight = (
+            w.clamp(max=is_threshold)
+            if is_correction == "tis"
+            else w * ((w >= 1 / is_threshold) & (w <= is_threshold))
+        )
+    log_ratio = (logp - old_logp) * mask  # log pi_theta / pi_old
     ratio = torch.exp(sequence_mean(log_ratio) if loss_type == "gspo" else log_ratio)  # [B, T] or [B, 1]
     clipped = torch.clamp(ratio, 1 - epsilon, 1 + epsilon_high)
     A = advantages[:, None]
     per_token = -weight * torch.minimum(ratio * A, clipped * A)  # the pessimistic surrogate, negated
     if beta:
         delta = ref_logp - logp
-        kl = torch.exp(delta) - delta - 1                       # k3: unbiased and never negative
+        kl = torch.exp(delta) - delta - 1  # k3: unbiased and never negative
         per_token = per_token + beta * (sequence_mean(kl) if loss_type == "gspo" else kl)
     if loss_type == "gspo":  # one ratio per sequence (the geometric mean of its token ratios), clipped per sequence
         loss = per_token.sum() / num_sequences
@@ -1646,10 +2214,14 @@ def grpo_loss(logp, sampler_logp, advantages, mask, epsilon, epsilon_high, loss_
 
         def share(x):  # mean over the loss tokens
             return (x * mask).sum() / n
-        stats = {"train/clip_fraction": share((ratio - clipped).abs() > 0), "is/ratio_mean": share(token_w),
-                 "is/mismatch_kl": share(token_w - 1 - log_w),  # k3 estimate of KL(pi_sampler || pi_trainer)
-                 "is/ratio_min": torch.where(tokens, token_w, torch.inf).min(),
-                 "is/ratio_max": torch.where(tokens, token_w, -torch.inf).max()}
+
+        stats = {
+            "train/clip_fraction": share((ratio - clipped).abs() > 0),
+            "is/ratio_mean": share(token_w),
+            "is/mismatch_kl": share(token_w - 1 - log_w),  # k3 estimate of KL(pi_sampler || pi_trainer)
+            "is/ratio_min": torch.where(tokens, token_w, torch.inf).min(),
+            "is/ratio_max": torch.where(tokens, token_w, -torch.inf).max(),
+        }
         if is_correction == "tis":
             stats["is/truncated_fraction"] = share(w > is_threshold)
         elif is_correction == "mis":
@@ -1671,15 +2243,19 @@ def collate(samples, pad_id, device, min_tokens=0, share=True, config=None):
     size) and adds attention over the row's c' completion tokens (~2 width a pair): 2 c c' < n (6 width + n) (always,
     without config). Per-token tensors are [B, T] over each sample's completion: its token t is predicted at
     logits[rows, cols[t]], the first at the prompt's last position."""
-    def padded(rows, dtype=torch.float, value=0):  # [B, the longest row]; one column at least: a completion may be empty
+
+    def padded(
+        rows, dtype=torch.float, value=0
+    ):  # [B, the longest row]; one column at least: a completion may be empty
         out = torch.full((len(rows), max(1, *map(len, rows))), value, dtype=dtype)
         for r, row in enumerate(rows):
-            out[r, :len(row)] = torch.tensor(row, dtype=dtype)
+            out[r, : len(row)] = torch.tensor(row, dtype=dtype)
         return out
+
     width, window = getattr(config, "hidden_size", None), getattr(config, "sliding_window", None)
     ids, segment, position, at, open_row = [], [], [], [], {}  # open_row: the row a prompt's next completion may join
     for i, s in enumerate(samples):
-        n, completion = s["n_prompt"], s["ids"][s["n_prompt"]:]
+        n, completion = s["n_prompt"], s["ids"][s["n_prompt"] :]
         r = open_row.get(key := tuple(s["ids"][:n]) if share else i)
         if r is None or width and 2 * len(completion) * (len(ids[r]) - n) >= n * (6 * width + n):
             open_row[key] = r = len(ids)
@@ -1691,23 +2267,40 @@ def collate(samples, pad_id, device, min_tokens=0, share=True, config=None):
         segment[r] += [i + 1] * len(completion)
         position[r] += range(n, n + len(completion))
     segment, position = padded(segment, torch.long, -1), padded(position, torch.long)  # -1: padding, which attends
-    causal = torch.ones(segment.shape[1], segment.shape[1], dtype=torch.bool).tril()  # to the prompt: no row all masked
+    causal = torch.ones(
+        segment.shape[1], segment.shape[1], dtype=torch.bool
+    ).tril()  # to the prompt: no row all masked
     attend = (causal & ((segment[:, None] == 0) | (segment[:, None] == segment[..., None])))[:, None]
-    if window:  # the model's sliding window, in the mask that replaces its own: over positions; per layer type if mixed
-        slid, types = attend & (position[:, None, :, None] - position[:, None, None, :] < window), \
-            set(getattr(config, "layer_types", None) or ["sliding_attention"])
-        attend = slid if types == {"sliding_attention"} else {t: (slid if t == "sliding_attention" else attend).to(device)
-                                                              for t in types}
+    if (
+        window
+    ):  # the model's sliding window, in the mask that replaces its own: over positions; per layer type if mixed
+        slid, types = (
+            attend & (position[:, None, :, None] - position[:, None, None, :] < window),
+            set(getattr(config, "layer_types", None) or ["sliding_attention"]),
+        )
+        attend = (
+            slid
+            if types == {"sliding_attention"}
+            else {t: (slid if t == "sliding_attention" else attend).to(device) for t in types}
+        )
     mask = padded([s["mask"] for s in samples])
     generated = mask.cumsum(1)  # a turn: a run of generated tokens; in_turn counts those of its turn up to here
     in_turn = generated - (generated * (1 - mask)).cummax(1).values  # vLLM held the stop tokens back for min_tokens
     first = min(s["n_prompt"] for s in samples) - 1  # no row needs logits before this position
-    batch = {"input_ids": padded(ids, torch.long, pad_id), "position_ids": position, "attention_mask": attend,
-             "rows": torch.tensor([[r] for r, _ in at]), "cols": padded([c for _, c in at], torch.long, first),
-             "first": first, "tokens": sum(map(len, ids)), "mask": mask,
-             "stop_masked": (0 < in_turn) & (in_turn <= min_tokens), "sampler_logp": padded([s["logprobs"] for s in samples]),
-             "targets": padded([s["ids"][s["n_prompt"]:] for s in samples], torch.long, pad_id),
-             "advantages": torch.tensor([s["advantage"] for s in samples], dtype=torch.float)}
+    batch = {
+        "input_ids": padded(ids, torch.long, pad_id),
+        "position_ids": position,
+        "attention_mask": attend,
+        "rows": torch.tensor([[r] for r, _ in at]),
+        "cols": padded([c for _, c in at], torch.long, first),
+        "first": first,
+        "tokens": sum(map(len, ids)),
+        "mask": mask,
+        "stop_masked": (0 < in_turn) & (in_turn <= min_tokens),
+        "sampler_logp": padded([s["logprobs"] for s in samples]),
+        "targets": padded([s["ids"][s["n_prompt"] :] for s in samples], torch.long, pad_id),
+        "advantages": torch.tensor([s["advantage"] for s in samples], dtype=torch.float),
+    }
     return {k: v.to(device) if torch.is_tensor(v) else v for k, v in batch.items()}
 
 
@@ -1733,14 +2326,29 @@ def kept_threshold(x, top_k=0, top_p=1.0, min_p=0.0):
 
 def token_logprobs(model, batch, temperature=1.0, **truncation):
     """[B, T] log-probs of the completions as vLLM sampled them (sampler_logprobs); logits only where they are used."""
-    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], position_ids=batch["position_ids"],
-                   logits_to_keep=batch["input_ids"].shape[1] - batch["first"], use_cache=False).logits
-    return sampler_logprobs(logits[batch["rows"], batch["cols"] - batch["first"]].float(), batch["targets"], temperature,
-                            **truncation)
+    logits = model(
+        input_ids=batch["input_ids"],
+        attention_mask=batch["attention_mask"],
+        position_ids=batch["position_ids"],
+        logits_to_keep=batch["input_ids"].shape[1] - batch["first"],
+        use_cache=False,
+    ).logits
+    return sampler_logprobs(
+        logits[batch["rows"], batch["cols"] - batch["first"]].float(), batch["targets"], temperature, **truncation
+    )
 
 
-def sampler_logprobs(logits, targets, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, stop_masked=None, stop_ids=(),
-                     served=torch.bfloat16):
+def sampler_logprobs(
+    logits,
+    targets,
+    temperature=1.0,
+    top_k=0,
+    top_p=1.0,
+    min_p=0.0,
+    stop_masked=None,
+    stop_ids=(),
+    served=torch.bfloat16,
+):
     """log pi(target) under the distribution vLLM sampled it from, its processed log-probs: logits [B, T, V] with the
     stop_ids masked where min_tokens held them back (stop_masked, [B, T]), / temperature, then min-p, top-k and top-p,
     renormalised over the tokens kept. The kept set is chosen on the logits rounded to `served`, the server's dtype:
@@ -1789,11 +2397,13 @@ def sharing_refused(model):
     """Why shared rows (collate) would not give this model's log-probs, or None. Sharing rests on the model attending as
     the 4D mask says at the positions given (a sliding window included: collate): linear attention, recurrent layers
     or a position scheme of its own do not. Checked on a probe group, in fp32."""
-    probe = [{"ids": [1, 2, 3] + c, "n_prompt": 3, "mask": c, "logprobs": c, "advantage": 0} for c in ([4, 5, 6], [7, 8])]
+    probe = [
+        {"ids": [1, 2, 3] + c, "n_prompt": 3, "mask": c, "logprobs": c, "advantage": 0} for c in ([4, 5, 6], [7, 8])
+    ]
     with torch.no_grad():
         shared, whole = (token_logprobs(model, collate(probe, 0, model.device, share=share))[0] for share in (1, 0))
     if hasattr(model, "reshard"):  # FSDP2 leaves the root's weights gathered after a forward (for the backward): the
-        model.reshard()            # optimizer, made next, must hold its shards
+        model.reshard()  # optimizer, made next, must hold its shards
     gap = (shared - whole).abs().max().item()
     return f"a probe's log-probs differ by {gap:.2g} shared" if gap > 1e-4 else None
 
@@ -1805,11 +2415,13 @@ def micro_batches(samples, size, count=1, share=True):
     loop's long tail (a few rollouts 5x the median) made padding most of a step's tokens: on the tool task here, 2.5x
     slower steps. The order is free: the loss is normalised over the whole step. At least `count` micro-batches (the
     largest halved until then): every rank must run as many."""
-    samples = sorted(samples, key=lambda s: (s["n_prompt"], s["ids"][:s["n_prompt"]], len(s["ids"])) if share else len(s["ids"]))
+    samples = sorted(
+        samples, key=lambda s: (s["n_prompt"], s["ids"][: s["n_prompt"]], len(s["ids"])) if share else len(s["ids"])
+    )
     budget = size * 1.25 * np.median([len(s["ids"]) for s in samples])
     batches, rows = [[]], {}  # the last micro-batch's rows: their lengths by prompt
     for s in samples:
-        key = tuple(s["ids"][:s["n_prompt"]]) if share else id(s)
+        key = tuple(s["ids"][: s["n_prompt"]]) if share else id(s)
         grown = {**rows, key: rows.get(key, s["n_prompt"]) + len(s["ids"]) - s["n_prompt"]}
         if batches[-1] and (len(batches[-1]) == size or len(grown) * max(grown.values()) > budget):
             batches.append([])
@@ -1817,19 +2429,36 @@ def micro_batches(samples, size, count=1, share=True):
         batches[-1].append(s)
         rows = grown
     while len(batches) < count:
-        i = max((i for i, b in enumerate(batches) if len(b) > 1), key=lambda i: len(batches[i]) * len(batches[i][-1]["ids"]))
-        batches[i:i + 1] = [batches[i][:len(batches[i]) // 2], batches[i][len(batches[i]) // 2:]]
+        i = max(
+            (i for i, b in enumerate(batches) if len(b) > 1),
+            key=lambda i: len(batches[i]) * len(batches[i][-1]["ids"]),
+        )
+        batches[i : i + 1] = [batches[i][: len(batches[i]) // 2], batches[i][len(batches[i]) // 2 :]]
     return batches
 
 
-def train_step(model, optimizer, samples, num_tokens, num_sequences, args, device, world_size, reference=None, stop_ids=(),
-               pad_id=0, served=torch.bfloat16):
+def train_step(
+    model,
+    optimizer,
+    samples,
+    num_tokens,
+    num_sequences,
+    args,
+    device,
+    world_size,
+    reference=None,
+    stop_ids=(),
+    pad_id=0,
+    served=torch.bfloat16,
+):
     """Gradient accumulation over micro-batches; DDP all-reduces on the last one only. FSDP reduce-scatters on each:
     skipping that (set_requires_gradient_sync) would hold the unsharded gradients of the whole model on every rank."""
     model.train()
     config = getattr(model, "module", model).config.get_text_config()  # its width and window shape the rows (collate)
     totals, micros, forwarded = {"loss": 0.0}, micro_batches(samples, args.micro_batch_size, 1, args.share_prefix), 0
-    if world_size > 1:  # every rank runs as many forwards and backwards, whatever its lengths: DDP and FSDP communicate in them
+    if (
+        world_size > 1
+    ):  # every rank runs as many forwards and backwards, whatever its lengths: DDP and FSDP communicate in them
         count = torch.tensor(len(micros), device=device)
         dist.all_reduce(count, op=dist.ReduceOp.MAX)
         if count > len(micros):  # this rank splits its largest micro-batches until it has as many
@@ -1838,17 +2467,40 @@ def train_step(model, optimizer, samples, num_tokens, num_sequences, args, devic
         batch = collate(micro, pad_id, device, args.sampling_args.get("min_tokens", 0), args.share_prefix, config)
         forwarded += batch["tokens"]
         # the distribution vLLM sampled from: the ratio against its log-probs measures the policy, not the truncation
-        sampling = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
-                        stop_masked=batch["stop_masked"], stop_ids=stop_ids, served=served)
-        with (model.no_sync() if i < len(micros) - 1 and hasattr(model, "no_sync") else contextlib.nullcontext()), \
-                torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
+        sampling = dict(
+            temperature=args.temperature,
+            top_k=args.top_k,
+            top_p=args.top_p,
+            min_p=args.min_p,
+            stop_masked=batch["stop_masked"],
+            stop_ids=stop_ids,
+            served=served,
+        )
+        with (
+            model.no_sync() if i < len(micros) - 1 and hasattr(model, "no_sync") else contextlib.nullcontext(),
+            torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"),
+        ):
             logp, removed = token_logprobs(model, batch, **sampling)
             with torch.no_grad():
                 ref_logp = token_logprobs(reference, batch, **sampling)[0] if reference else None
             mask = batch["mask"]
-            loss, stats = grpo_loss(logp, batch["sampler_logp"], batch["advantages"], mask, args.epsilon, args.epsilon_high,
-                                    args.loss_type, num_tokens, num_sequences, args.max_tokens, args.is_correction,
-                                    args.is_threshold, args.is_level, ref_logp, args.beta)
+            loss, stats = grpo_loss(
+                logp,
+                batch["sampler_logp"],
+                batch["advantages"],
+                mask,
+                args.epsilon,
+                args.epsilon_high,
+                args.loss_type,
+                num_tokens,
+                num_sequences,
+                args.max_tokens,
+                args.is_correction,
+                args.is_threshold,
+                args.is_level,
+                ref_logp,
+                args.beta,
+            )
             stats["is/truncated_mass"] = ((removed * mask).sum() / mask.sum().clamp(min=1)).item()
             (loss * world_size).backward()  # DDP and FSDP average over ranks; the loss is already a global mean
         totals["loss"] += loss.item()
@@ -1860,8 +2512,13 @@ def train_step(model, optimizer, samples, num_tokens, num_sequences, args, devic
     tokens = torch.tensor([forwarded, sum(len(s["ids"]) for s in samples)], dtype=torch.float64, device=device)
     if world_size > 1:
         dist.all_reduce(tokens)  # the step's, over every rank
-    totals.update({"train/tokens": tokens[0].item(), "train/tokens_unshared": tokens[1].item(),
-                   "train/tokens_saved": 1 - tokens[0].item() / tokens[1].item()})
+    totals.update(
+        {
+            "train/tokens": tokens[0].item(),
+            "train/tokens_unshared": tokens[1].item(),
+            "train/tokens_saved": 1 - tokens[0].item() / tokens[1].item(),
+        }
+    )
     totals["train/grad_norm"] = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm).item()
     if math.isfinite(totals["train/grad_norm"]):
         optimizer.step()
@@ -1873,17 +2530,23 @@ def train_step(model, optimizer, samples, num_tokens, num_sequences, args, devic
 
 # --- Evaluation and logging -------------------------------------------------------------------------------------------
 
+
 def evaluate(run):
     """Greedy rollouts on the held-out rows through the same servers and tool loop, on the producer's event loop."""
     p, rows, args = run.producer, run.eval_rows, run.args
 
     async def scored():
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=args.data_timeout)) as session:
-            samples = await all_or_none(rollout(session, p.urls[i % len(p.urls)], p.tok, row, args, p.ctx, p.policy,
-                                                greedy=True) for i, row in enumerate(rows))
+            samples = await all_or_none(
+                rollout(session, p.urls[i % len(p.urls)], p.tok, row, args, p.ctx, p.policy, greedy=True)
+                for i, row in enumerate(rows)
+            )
         return [await score_group([sample], row, args.reward_weights) for row, sample in zip(rows, samples)]
+
     results = asyncio.run_coroutine_threadsafe(scored(), p.loop).result()
-    return mean_over_union([{f"eval/{k}": v[0] for k, v in {"reward": total, **parts}.items()} for total, parts in results])
+    return mean_over_union(
+        [{f"eval/{k}": v[0] for k, v in {"reward": total, **parts}.items()} for total, parts in results]
+    )
 
 
 def mean_over_union(dicts):
@@ -1895,26 +2558,46 @@ def mean_over_union(dicts):
 def rollout_metrics(groups, version):
     """The step's rollouts; staleness is per trained token: the trainer's version minus the token's."""
     samples = [s for g in groups for s in g]
-    metrics = mean_over_union([{
-        "reward/mean": s["reward"], "rollout/completion_tokens": sum(s["mask"]), "rollout/sequence_tokens": len(s["ids"]),
-        "rollout/turns": s["turns"], "rollout/truncated": float(s["truncated"]), "rollout/interrupted": s["interrupted"],
-        "tools/call_frequency": float(s["tool_calls"] > 0), "tools/calls_per_rollout": s["tool_calls"],
-        "tools/seconds": s["tool_seconds"], "tools/failure_frequency": s["tool_failures"] / max(s["tool_calls"], 1),
-        **{f"reward/{k}": v for k, v in s["reward_parts"].items()}} for s in samples])
+    metrics = mean_over_union(
+        [
+            {
+                "reward/mean": s["reward"],
+                "rollout/completion_tokens": sum(s["mask"]),
+                "rollout/sequence_tokens": len(s["ids"]),
+                "rollout/turns": s["turns"],
+                "rollout/truncated": float(s["truncated"]),
+                "rollout/interrupted": s["interrupted"],
+                "tools/call_frequency": float(s["tool_calls"] > 0),
+                "tools/calls_per_rollout": s["tool_calls"],
+                "tools/seconds": s["tool_seconds"],
+                "tools/failure_frequency": s["tool_failures"] / max(s["tool_calls"], 1),
+                **{f"reward/{k}": v for k, v in s["reward_parts"].items()},
+            }
+            for s in samples
+        ]
+    )
     staleness = [version - v for s in samples for v, m in zip(s["versions"], s["mask"]) if m] or [0]
     values, counts = np.unique(staleness, return_counts=True)
-    metrics.update({"staleness/mean": float(np.mean(staleness)), "staleness/max": int(max(staleness)),
-                    **{f"staleness/tokens_{v}_behind": c / len(staleness) for v, c in zip(values, counts)}})
+    metrics.update(
+        {
+            "staleness/mean": float(np.mean(staleness)),
+            "staleness/max": int(max(staleness)),
+            **{f"staleness/tokens_{v}_behind": c / len(staleness) for v, c in zip(values, counts)},
+        }
+    )
     for s in samples:  # per-tool totals over the step
         for name, (calls, failures) in s["per_tool"].items():
             metrics[f"tools/{name}/calls"] = metrics.get(f"tools/{name}/calls", 0) + calls
             metrics[f"tools/{name}/failures"] = metrics.get(f"tools/{name}/failures", 0) + failures
     metrics["reward/std"] = float(np.std([s["reward"] for s in samples]))
-    metrics["rollout/zero_variance_groups"] = sum(float(np.std([s["reward"] for s in g]) == 0) for g in groups) / len(groups)
+    metrics["rollout/zero_variance_groups"] = sum(float(np.std([s["reward"] for s in g]) == 0) for g in groups) / len(
+        groups
+    )
     return metrics
 
 
 # --- Main: the run's phases in the order they run, and a teardown that leaves nothing running -------------------------
+
 
 def cpu_threads(world_size=1, reserve=1):
     """Torch threads per rank on CPU: every core but one a server here polls busy (reserve); a trainer thread there
@@ -1938,7 +2621,12 @@ def share_idle_core(model, version, idle_after=1.0):
         hidden = output[0] if isinstance(output, tuple) else output
         if hidden.requires_grad:
             hidden.register_hook(lambda grad: decide())
-    hooks = [h for m in decoder_layers(model) for h in (m.register_forward_pre_hook(decide), m.register_forward_hook(before_backward))]
+
+    hooks = [
+        h
+        for m in decoder_layers(model)
+        for h in (m.register_forward_pre_hook(decide), m.register_forward_hook(before_backward))
+    ]
     try:
         yield
     finally:
@@ -1952,10 +2640,13 @@ def load_policy(path, empty=False):
     prefix). Text-only RL trains its language model and output head; the vision tower and projector get no gradient from
     text, so they are frozen: not optimised, not synced. empty: only the shapes, on the meta device."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
+
     config = AutoConfig.from_pretrained(path)
     kind = AutoModelForImageTextToText if hasattr(config, "vision_config") else AutoModelForCausalLM
     with torch.device("meta") if empty else contextlib.nullcontext():
-        model = kind.from_config(config, dtype=torch.float32) if empty else kind.from_pretrained(path, dtype=torch.float32)
+        model = (
+            kind.from_config(config, dtype=torch.float32) if empty else kind.from_pretrained(path, dtype=torch.float32)
+        )
     if kind is AutoModelForImageTextToText:
         trained = {id(p) for m in (model.get_decoder(), model.get_output_embeddings()) for p in m.parameters()}
         for p in model.parameters():
@@ -1966,15 +2657,25 @@ def load_policy(path, empty=False):
 def with_lora(model, args, adapter=None):
     """--lora-rank: a LoRA adapter (peft) on the --lora-targets, B = 0, or the one saved in `adapter` (--resume)."""
     from peft import LoraConfig, PeftModel, get_peft_model
+
     if adapter:
         return PeftModel.from_pretrained(model, adapter, is_trainable=True)
-    linear = sorted({name.rpartition(".")[2] for layer in decoder_layers(model) for name, m in layer.named_modules()
-                     if isinstance(m, torch.nn.Linear) and m.weight.requires_grad})
+    linear = sorted(
+        {
+            name.rpartition(".")[2]
+            for layer in decoder_layers(model)
+            for name, m in layer.named_modules()
+            if isinstance(m, torch.nn.Linear) and m.weight.requires_grad
+        }
+    )
     targets = args.lora_targets.split(",") if args.lora_targets else linear
     if unknown := sorted(set(targets) - set(linear)):
-        raise SystemExit(f"--lora-targets: no Linear layer {unknown} in the decoder layers; theirs: {','.join(linear)}")
-    return get_peft_model(model, LoraConfig(r=args.lora_rank, lora_alpha=args.lora_alpha, target_modules=targets,
-                                            task_type="CAUSAL_LM"))
+        raise SystemExit(
+            f"--lora-targets: no Linear layer {unknown} in the decoder layers; theirs: {','.join(linear)}"
+        )
+    return get_peft_model(
+        model, LoraConfig(r=args.lora_rank, lora_alpha=args.lora_alpha, target_modules=targets, task_type="CAUSAL_LM")
+    )
 
 
 def load_sharded(path, device):
@@ -1982,8 +2683,11 @@ def load_sharded(path, device):
     meta device, shards it and receives its shards, a tensor at a time, and the buffers outside the state dict whole."""
     full = load_policy(path) if dist.get_rank() == 0 else None
     model = shard(load_policy(path, empty=True)).to_empty(device=device)
-    set_model_state_dict(model, full.state_dict() if full else {},
-                         options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    set_model_state_dict(
+        model,
+        full.state_dict() if full else {},
+        options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True),
+    )
     for name, buffer in model.named_buffers():
         if full:
             buffer.copy_(full.get_buffer(name))
@@ -1994,39 +2698,40 @@ def load_sharded(path, device):
 @dataclass
 class Run:
     """What lives through a run: main's phases fill it in order; rank 0 alone holds the servers, producer and logs."""
+
     args: argparse.Namespace
     rank: int
     world_size: int
     device: torch.device
     out_dir: Path
-    model_path: str = None       # what vLLM serves and the trainer loads: --model, the built-in model, or the checkpoint
-    initial_model: str = None    # the reference policy of --beta
-    resumed: dict = None         # the trainer state --resume continues from
+    model_path: str = None  # what vLLM serves and the trainer loads: --model, the built-in model, or the checkpoint
+    initial_model: str = None  # the reference policy of --beta
+    resumed: dict = None  # the trainer state --resume continues from
     tok: object = None
     pad_id: int = 0
-    ctx: dict = None             # what every rollout needs (rollout_context)
+    ctx: dict = None  # what every rollout needs (rollout_context)
     train_rows: list = None
     eval_rows: list = None
-    policy: object = None        # the bare module: what is synced and saved
-    model: object = None         # what is trained: the policy, or DDP around it
+    policy: object = None  # the bare module: what is synced and saved
+    model: object = None  # what is trained: the policy, or DDP around it
     reference: object = None
-    saved_with: object = None    # the tokenizer, or an image-text model's processor, saved next to the weights
+    saved_with: object = None  # the tokenizer, or an image-text model's processor, saved next to the weights
     optimizer: object = None
     scheduler: object = None
     start_step: int = 0
     servers: list = field(default_factory=list)  # the vLLM servers started here
-    urls: list = field(default_factory=list)     # every server's, started here or --vllm-url; watched
-    server_failure: str = None   # why a server failed, from watch_servers
-    served: object = None        # the dtype the servers compute in
-    version: object = None       # the PolicyVersion the weight sync advances
+    urls: list = field(default_factory=list)  # every server's, started here or --vllm-url; watched
+    server_failure: str = None  # why a server failed, from watch_servers
+    served: object = None  # the dtype the servers compute in
+    version: object = None  # the PolicyVersion the weight sync advances
     sync: object = None
     producer: object = None
     share_core: object = contextlib.nullcontext  # around a training step: share_idle_core on CPU
     logs: dict = field(default_factory=dict)  # metrics.jsonl, rollouts.jsonl, the wandb run
     stop: list = field(default_factory=list)  # a signal asked to stop after this step
-    updating: bool = False       # mid-update: the weights may be half-changed, so they are not saved
-    completed: int = 0           # steps finished
-    done_cursor: dict = None     # the producer's data cursor as of the last finished step: what a checkpoint saves
+    updating: bool = False  # mid-update: the weights may be half-changed, so they are not saved
+    completed: int = 0  # steps finished
+    done_cursor: dict = None  # the producer's data cursor as of the last finished step: what a checkpoint saves
     history: list = field(default_factory=list)
     clock: dict = field(default_factory=dict)
     is_main = property(lambda self: self.rank == 0)  # not a field: rank 0 does what only one process should
@@ -2041,13 +2746,16 @@ def set_up(argv):
     else:
         torch.set_num_threads(cpu_threads(world_size, reserve=int(args.plan["cpu_server"])))
     if world_size > 1:
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=timedelta(seconds=args.collective_timeout))
+        dist.init_process_group(
+            "nccl" if device.type == "cuda" else "gloo", timeout=timedelta(seconds=args.collective_timeout)
+        )
     for seed in (random.seed, np.random.seed, torch.manual_seed):
         seed(args.seed + rank)
     run = Run(args, rank, world_size, device, Path(args.output_dir), model_path=args.model)
     if not args.resume and (run.out_dir / "metrics.jsonl").exists():  # its checkpoints would collide with this run's
-        raise SystemExit(f"--output-dir {run.out_dir} holds a run already: continue it with --resume, or pass another "
-                         "--output-dir")
+        raise SystemExit(
+            f"--output-dir {run.out_dir} holds a run already: continue it with --resume, or pass another --output-dir"
+        )
     if run.is_main:
         try:
             run.out_dir.mkdir(parents=True, exist_ok=True)
@@ -2065,10 +2773,14 @@ def set_up(argv):
 
 def load_data(run):
     from transformers import AutoTokenizer
+
     args = run.args
     if run.model_path is None or run.model_path.endswith(".gguf"):  # rank 0 builds it; the others wait for its path
-        box = [build_tiny_model(args.cache_dir) if args.model is None else dequantise_gguf(args.model, args.cache_dir)
-               ] if run.is_main else [None]
+        box = (
+            [build_tiny_model(args.cache_dir) if args.model is None else dequantise_gguf(args.model, args.cache_dir)]
+            if run.is_main
+            else [None]
+        )
         if run.world_size > 1:
             dist.broadcast_object_list(box, 0)
         run.model_path = box[0]
@@ -2076,8 +2788,10 @@ def load_data(run):
     try:
         run.tok = tok = AutoTokenizer.from_pretrained(run.model_path)
     except Exception as e:
-        raise SystemExit(f"--model {run.model_path}: cannot load its tokenizer ({type(e).__name__}: {str(e)[:300]}); "
-                         "pass a local directory or hub name of a causal LM")
+        raise SystemExit(
+            f"--model {run.model_path}: cannot load its tokenizer ({type(e).__name__}: {str(e)[:300]}); "
+            "pass a local directory or hub name of a causal LM"
+        )
     run.pad_id = next((i for i in (tok.pad_token_id, tok.eos_token_id) if i is not None), 0)  # masked: any id does
     run.train_rows, run.eval_rows = load_rows(args)
     schemas, stop_ids = tool_schemas(args.tool_names) if args.tool_names else None, stop_token_ids(tok, run.model_path)
@@ -2089,15 +2803,20 @@ def load_data(run):
 
 def load_policy_and_optimizer(run):
     from transformers import AutoProcessor
+
     args, resumed = run.args, run.resumed
-    place = functools.partial(load_sharded, device=run.device) if args.fsdp else lambda p: load_policy(p).to(run.device)
+    place = (
+        functools.partial(load_sharded, device=run.device) if args.fsdp else lambda p: load_policy(p).to(run.device)
+    )
     if resumed and (saved := resumed.get("lora_rank", 0)) != args.lora_rank:
         raise SystemExit(f"--resume: this checkpoint was trained with --lora-rank {saved}; resume with it")
     try:  # a LoRA checkpoint holds merged weights (what vLLM serves): the trainer adds its adapter to the initial model
         model = place(run.initial_model if args.lora_rank and resumed else run.model_path)
     except Exception as e:
-        raise SystemExit(f"--model {run.model_path}: cannot load it as a causal or image-text LM "
-                         f"({type(e).__name__}: {str(e)[:300]})")
+        raise SystemExit(
+            f"--model {run.model_path}: cannot load it as a causal or image-text LM "
+            f"({type(e).__name__}: {str(e)[:300]})"
+        )
     if args.share_prefix and (why := sharing_refused(model)):
         args.share_prefix = False
         if run.is_main:
@@ -2107,26 +2826,40 @@ def load_policy_and_optimizer(run):
     context = args.max_model_len or getattr(model.config, "max_position_embeddings", None)
     too_long = [(i, len(ids)) for i, ids in run.ctx["prompt_ids"].items() if context and len(ids) >= context]
     if too_long:
-        raise SystemExit(f"{len(too_long)} prompts do not fit the context of {context} tokens (the first: row id "
-                         f"{too_long[0][0]}, {too_long[0][1]} tokens); shorten them in --dataset or raise --max-model-len")
+        raise SystemExit(
+            f"{len(too_long)} prompts do not fit the context of {context} tokens (the first: row id "
+            f"{too_long[0][0]}, {too_long[0][1]} tokens); shorten them in --dataset or raise --max-model-len"
+        )
     model = with_lora(model, args, resumed and Path(run.model_path) / "adapter") if args.lora_rank else model
     run.policy = run.model = model
     # vLLM serves an image-text checkpoint only with its image processor: checkpoints keep it (--resume).
-    run.saved_with = AutoProcessor.from_pretrained(run.model_path) if hasattr(model.config, "vision_config") else run.tok
+    run.saved_with = (
+        AutoProcessor.from_pretrained(run.model_path) if hasattr(model.config, "vision_config") else run.tok
+    )
     run.reference = place(run.initial_model).requires_grad_(False) if args.beta else None
     if run.world_size > 1 and not args.fsdp:
         run.model = torch.nn.parallel.DistributedDataParallel(
-            run.policy, device_ids=[run.device.index] if run.device.type == "cuda" else None)
-    run.optimizer = torch.optim.AdamW([p for p in run.policy.parameters() if p.requires_grad], lr=args.lr,
-                                      weight_decay=args.weight_decay)
-    run.scheduler = torch.optim.lr_scheduler.LambdaLR(run.optimizer, lambda s: min(1.0, (s + 1) / (args.warmup_steps + 1)))
+            run.policy, device_ids=[run.device.index] if run.device.type == "cuda" else None
+        )
+    run.optimizer = torch.optim.AdamW(
+        [p for p in run.policy.parameters() if p.requires_grad], lr=args.lr, weight_decay=args.weight_decay
+    )
+    run.scheduler = torch.optim.lr_scheduler.LambdaLR(
+        run.optimizer, lambda s: min(1.0, (s + 1) / (args.warmup_steps + 1))
+    )
     if resumed:
         if resumed.get("fsdp", False) != args.fsdp:
             saved = "with" if resumed.get("fsdp", False) else "without"
-            raise SystemExit(f"--resume: this checkpoint's optimizer state was saved {saved} --fsdp; resume {saved} it")
+            raise SystemExit(
+                f"--resume: this checkpoint's optimizer state was saved {saved} --fsdp; resume {saved} it"
+            )
         if args.fsdp:  # rank 0 reads the full state and sends each rank its shards
-            set_optimizer_state_dict(run.policy, run.optimizer, resumed["optimizer"] if run.is_main else {},
-                                     options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+            set_optimizer_state_dict(
+                run.policy,
+                run.optimizer,
+                resumed["optimizer"] if run.is_main else {},
+                options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True),
+            )
         else:  # each tensor to its parameter's device
             run.optimizer.load_state_dict(resumed["optimizer"])
         del resumed["optimizer"]  # applied: not held for the run
@@ -2137,8 +2870,11 @@ def load_policy_and_optimizer(run):
         if len(resumed["rng"]["cuda"]) == torch.cuda.device_count():  # one state per device
             torch.cuda.set_rng_state_all(resumed["rng"]["cuda"])
         elif run.is_main:  # resumed on another machine
-            print(f"warning: CUDA random states of {len(resumed['rng']['cuda'])} devices, {torch.cuda.device_count()} "
-                  "here: not restored", flush=True)
+            print(
+                f"warning: CUDA random states of {len(resumed['rng']['cuda'])} devices, {torch.cuda.device_count()} "
+                "here: not restored",
+                flush=True,
+            )
         run.start_step = run.completed = resumed["step"]
         if run.is_main:
             print(f"resuming at step {run.start_step} from {run.model_path}", flush=True)
@@ -2162,14 +2898,16 @@ def start_generation(run):
         if args.vllm_url:  # a server we did not start may hold other weights than the policy: all of them
             run.sync(run.policy, every=True)
         run.version.value = run.resumed["policy_version"] if run.resumed else 0
-        run.producer = Producer(args, run.tok, run.train_rows, urls, run.ctx, run.version,
-                                run.resumed and run.resumed["data"])
+        run.producer = Producer(
+            args, run.tok, run.train_rows, urls, run.ctx, run.version, run.resumed and run.resumed["data"]
+        )
         run.producer.start()
         if args.plan["cpu_server"] and run.world_size == 1:
             run.share_core = functools.partial(share_idle_core, run.policy, run.version)
         run.done_cursor = dict(run.producer.cursor)
         if args.wandb_project:
             import wandb
+
             run.logs["wandb"] = wandb.init(project=args.wandb_project, config=vars(args), dir=str(run.out_dir))
         run.logs.update({name: open(run.out_dir / f"{name}.jsonl", "a") for name in ("metrics", "rollouts")})
         if args.eval_every and not run.start_step:  # every curve starts at the model as loaded: step 0
@@ -2177,8 +2915,13 @@ def start_generation(run):
             print(f"step    0/{args.steps} | eval {metrics['eval/reward']:.3f}", flush=True)
     elif args.fsdp and args.vllm_url:  # rank 0's first sync gathers the weights from every rank's shards
         help_sync(run.policy, args, run.served)
-    run.clock = {"start": time.perf_counter(), "samples": 0, "waited": 0.0, "cpu_start": time.process_time(),
-                 "idle_start": run.version.idle() if run.is_main else 0.0}
+    run.clock = {
+        "start": time.perf_counter(),
+        "samples": 0,
+        "waited": 0.0,
+        "cpu_start": time.process_time(),
+        "idle_start": run.version.idle() if run.is_main else 0.0,
+    }
 
 
 def train_one_step(run, step):
@@ -2186,15 +2929,29 @@ def train_one_step(run, step):
     if run.is_main:  # rank 0 takes whole groups off the producer's queue and deals each rank an equal share of them
         groups = run.producer.take(args.prompts_per_step, args.data_timeout, interrupted=lambda: bool(run.stop))
         to_train = [{k: s[k] for k in ("ids", "n_prompt", "mask", "logprobs", "advantage")} for g in groups for s in g]
-        payload = [[to_train[r::run.world_size] for r in range(run.world_size)], sum(sum(s["mask"]) for s in to_train)]
+        payload = [
+            [to_train[r :: run.world_size] for r in range(run.world_size)],
+            sum(sum(s["mask"]) for s in to_train),
+        ]
     if run.world_size > 1:
         dist.broadcast_object_list(payload, 0)
     samples, num_tokens, wait_seconds = payload[0][run.rank], payload[1], time.perf_counter() - t_step
     run.updating = True  # an error in the update may leave the weights half-updated: not saved then
     with run.share_core():
-        metrics = train_step(run.model, run.optimizer, samples, max(num_tokens, 1), args.prompts_per_step *
-                             args.num_generations, args, run.device, run.world_size, run.reference, run.ctx["stop_ids"],
-                             run.pad_id, run.served)
+        metrics = train_step(
+            run.model,
+            run.optimizer,
+            samples,
+            max(num_tokens, 1),
+            args.prompts_per_step * args.num_generations,
+            args,
+            run.device,
+            run.world_size,
+            run.reference,
+            run.ctx["stop_ids"],
+            run.pad_id,
+            run.served,
+        )
     run.scheduler.step()
     run.updating, run.completed = False, step + 1
     trained_version, sync_seconds = run.version.value if run.is_main else None, 0.0
@@ -2208,17 +2965,26 @@ def train_one_step(run, step):
         if run.world_size > 1:
             dist.barrier()
     if run.is_main:
-        metrics.update({"train/loss_tokens": num_tokens, "perf/wait_seconds": wait_seconds, "sync/seconds": sync_seconds,
-                        "perf/step_seconds": time.perf_counter() - t_step})
+        metrics.update(
+            {
+                "train/loss_tokens": num_tokens,
+                "perf/wait_seconds": wait_seconds,
+                "sync/seconds": sync_seconds,
+                "perf/step_seconds": time.perf_counter() - t_step,
+            }
+        )
         log_step(run, step + 1, groups, metrics, trained_version)
-    due = [bool(args.save_every and (step + 1) % args.save_every == 0 or run.stop)]  # rank 0 decides: it gets the signals
+    due = [
+        bool(args.save_every and (step + 1) % args.save_every == 0 or run.stop)
+    ]  # rank 0 decides: it gets the signals
     if args.fsdp:
         dist.broadcast_object_list(due, 0)
     if due[0] and (run.is_main or args.fsdp):
         checkpoint(run, step + 1)
     if run.is_main and run.stop:  # torchrun's other ranks are stopped by torchrun when this one exits
-        raise SystemExit(f"stopped at step {step + 1} by signal {run.stop[0]}; continue with --resume --output-dir "
-                         f"{run.out_dir}")
+        raise SystemExit(
+            f"stopped at step {step + 1} by signal {run.stop[0]}; continue with --resume --output-dir {run.out_dir}"
+        )
 
 
 def log_step(run, step, groups, metrics, trained_version):
@@ -2229,25 +2995,48 @@ def log_step(run, step, groups, metrics, trained_version):
     clock["waited"] += metrics["perf/wait_seconds"]
     wall = time.perf_counter() - clock["start"]
     metrics.update(rollout_metrics(groups, trained_version))
-    metrics.update({"step": step, "policy_version": run.version.value, "train/lr": run.scheduler.get_last_lr()[0],
-                    "staleness/dropped_samples": cursor["stale_samples"], "rollout/skipped_groups": cursor["skipped_groups"],
-                    "rollout/reward_failures": cursor["reward_failures"], "perf/samples_per_second": clock["samples"] / wall,
-                    "perf/wall_seconds": wall, "perf/trainer_idle": clock["waited"] / wall,  # shares of the wall time
-                    "perf/generator_idle": (run.version.idle() - clock["idle_start"]) / wall,
-                    "perf/cpu_seconds": time.process_time() - clock["cpu_start"]})  # this process's, producer included
-    for s in samples[:args.log_rollouts]:
-        print(json.dumps({
-            "step": step, "trained_version": trained_version, "prompt_id": s["prompt_id"], "reward": s["reward"],
-            "advantage": s["advantage"], "completion": run.tok.decode(s["ids"][s["n_prompt"]:]),
-            "versions": [v for v, m in zip(s["versions"], s["mask"]) if m]}), file=run.logs["rollouts"], flush=True)
+    metrics.update(
+        {
+            "step": step,
+            "policy_version": run.version.value,
+            "train/lr": run.scheduler.get_last_lr()[0],
+            "staleness/dropped_samples": cursor["stale_samples"],
+            "rollout/skipped_groups": cursor["skipped_groups"],
+            "rollout/reward_failures": cursor["reward_failures"],
+            "perf/samples_per_second": clock["samples"] / wall,
+            "perf/wall_seconds": wall,
+            "perf/trainer_idle": clock["waited"] / wall,  # shares of the wall time
+            "perf/generator_idle": (run.version.idle() - clock["idle_start"]) / wall,
+            "perf/cpu_seconds": time.process_time() - clock["cpu_start"],
+        }
+    )  # this process's, producer included
+    for s in samples[: args.log_rollouts]:
+        print(
+            json.dumps(
+                {
+                    "step": step,
+                    "trained_version": trained_version,
+                    "prompt_id": s["prompt_id"],
+                    "reward": s["reward"],
+                    "advantage": s["advantage"],
+                    "completion": run.tok.decode(s["ids"][s["n_prompt"] :]),
+                    "versions": [v for v, m in zip(s["versions"], s["mask"]) if m],
+                }
+            ),
+            file=run.logs["rollouts"],
+            flush=True,
+        )
     if args.eval_every and step % args.eval_every == 0:
         metrics.update(evaluate(run))
     write_metrics(run, metrics)
     run.history.append(metrics)
-    print(f"step {step:4d}/{args.steps} | reward {metrics['reward/mean']:6.3f} | loss {metrics['loss']:+.4f} | "
-          f"{metrics['perf/samples_per_second']:6.1f} samples/s | staleness {metrics['staleness/mean']:.2f} | "
-          f"sync {metrics['sync/seconds']:.2f}s | tools {metrics['tools/call_frequency']:.2f}"
-          + (f" | eval {metrics['eval/reward']:.3f}" if "eval/reward" in metrics else ""), flush=True)
+    print(
+        f"step {step:4d}/{args.steps} | reward {metrics['reward/mean']:6.3f} | loss {metrics['loss']:+.4f} | "
+        f"{metrics['perf/samples_per_second']:6.1f} samples/s | staleness {metrics['staleness/mean']:.2f} | "
+        f"sync {metrics['sync/seconds']:.2f}s | tools {metrics['tools/call_frequency']:.2f}"
+        + (f" | eval {metrics['eval/reward']:.3f}" if "eval/reward" in metrics else ""),
+        flush=True,
+    )
 
 
 def write_metrics(run, metrics):
@@ -2268,16 +3057,24 @@ def finish(run):
         checkpoint(run, args.steps)
     if run.is_main:
         wall, history = time.perf_counter() - run.clock["start"], run.history
-        audit = {"mismatch_kl": float(np.mean([m["is/mismatch_kl"] for m in history])),
-                 "ratio_mean": float(np.mean([m["is/ratio_mean"] for m in history])),
-                 "ratio_min": min(m.get("is/ratio_min", 1.0) for m in history),
-                 "ratio_max": max(m.get("is/ratio_max", 1.0) for m in history)} if history else {}
+        audit = (
+            {
+                "mismatch_kl": float(np.mean([m["is/mismatch_kl"] for m in history])),
+                "ratio_mean": float(np.mean([m["is/ratio_mean"] for m in history])),
+                "ratio_min": min(m.get("is/ratio_min", 1.0) for m in history),
+                "ratio_max": max(m.get("is/ratio_max", 1.0) for m in history),
+            }
+            if history
+            else {}
+        )
         summary = {"steps": args.steps, "train_seconds": wall, "rank_checksums": checksums, "trainer_vs_vllm": audit}
         (run.out_dir / "summary.json").write_text(json.dumps(summary, indent=1))
         print(f"done: {args.steps} steps in {wall:.0f} s; model in {run.out_dir / 'checkpoint'}")
         if args.audit:
-            print("audit (trainer vs vLLM log-probs of the sampled tokens): " +
-                  ", ".join(f"{k} {v:.3g}" for k, v in audit.items()))
+            print(
+                "audit (trainer vs vLLM log-probs of the sampled tokens): "
+                + ", ".join(f"{k} {v:.3g}" for k, v in audit.items())
+            )
     if len(set(checksums)) > 1 and not args.fsdp:
         raise RuntimeError(f"ranks ended with different weights (checksums {checksums})")
 
@@ -2287,13 +3084,17 @@ def save_after_error(run, error):
     saving takes every rank, and the others may be gone or stuck). A failed server is named as the cause, with its log:
     the error itself is then only what it did to a request (a reset connection, a timeout)."""
     failure = run.server_failure or server_failure(run.urls, run.servers)
-    if not failure and isinstance(error, ConnectionError):  # an engine's death can fail a request before /health says it
+    if not failure and isinstance(
+        error, ConnectionError
+    ):  # an engine's death can fail a request before /health says it
         time.sleep(3)
         failure = run.server_failure or server_failure(run.urls, run.servers)
     if run.is_main and run.producer and not run.updating and run.completed > run.start_step and not run.args.fsdp:
         checkpoint(run, run.completed)
-        print(f"saved the checkpoint of step {run.completed} in {run.out_dir / 'checkpoint'}; continue with --resume",
-              flush=True)
+        print(
+            f"saved the checkpoint of step {run.completed} in {run.out_dir / 'checkpoint'}; continue with --resume",
+            flush=True,
+        )
     logs = f"the vLLM server logs: {', '.join(str(server.log_path) for server in run.servers)}" if run.servers else ""
     if failure or isinstance(error, (ConnectionError, TimeoutError)):  # a server failed, or did not answer in time
         seen = f" after {type(error).__name__}: {(str(error) or '-').splitlines()[0][:300]}" if failure else ""
@@ -2325,6 +3126,7 @@ def tear_down(run, handlers):
 
 # --- Checkpoints and signals ------------------------------------------------------------------------------------------
 
+
 def checkpoint(run, step):
     """checkpoint-<step>/: the model (safetensors), tokenizer and trainer state, written whole under a temporary name;
     then the `checkpoint` link is swapped to it in one rename, so a crash never leaves a broken latest checkpoint. Taken
@@ -2346,20 +3148,37 @@ def checkpoint(run, step):
             weights = {name: merged(p, lora).cpu() for name, p, lora in served_weights(run.policy, every=True)}
         (run.policy.get_base_model() if run.args.lora_rank else run.policy).save_pretrained(tmp, state_dict=weights)
         run.saved_with.save_pretrained(tmp)
-        rng = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
-               "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []}
-        torch.save({"step": step, "policy_version": run.version.value, "data": run.done_cursor, "rng": rng,
-                    "initial_model": run.initial_model, "optimizer": optim, "fsdp": run.args.fsdp,
-                    "lora_rank": run.args.lora_rank, "scheduler": run.scheduler.state_dict()}, tmp / "trainer_state.pt")
+        rng = {
+            "python": random.getstate(),
+            "numpy": np.random.get_state(),
+            "torch": torch.get_rng_state(),
+            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+        }
+        torch.save(
+            {
+                "step": step,
+                "policy_version": run.version.value,
+                "data": run.done_cursor,
+                "rng": rng,
+                "initial_model": run.initial_model,
+                "optimizer": optim,
+                "fsdp": run.args.fsdp,
+                "lora_rank": run.args.lora_rank,
+                "scheduler": run.scheduler.state_dict(),
+            },
+            tmp / "trainer_state.pt",
+        )
     except (OSError, RuntimeError) as e:  # a full disk: OSError from safetensors, RuntimeError from torch.save
         shutil.rmtree(tmp, ignore_errors=True)
         needed = 3 * sum(p.numel() * p.element_size() for p in run.policy.parameters()) / 2**20  # + AdamW's moments
         # SystemExit: the error handler does not catch it, so it does not write the same checkpoint again
-        raise SystemExit(f"error: could not write the checkpoint of step {step} in {run.out_dir} "
-                         f"({str(e).splitlines()[0][:200]}): it needs about {needed:.0f} MiB and "
-                         f"{shutil.disk_usage(run.out_dir).free / 2**20:.0f} MiB are free. The partial one is removed; "
-                         f"the last complete checkpoint: {run.out_dir / previous if previous else 'none'} (--resume "
-                         "continues from it)")
+        raise SystemExit(
+            f"error: could not write the checkpoint of step {step} in {run.out_dir} "
+            f"({str(e).splitlines()[0][:200]}): it needs about {needed:.0f} MiB and "
+            f"{shutil.disk_usage(run.out_dir).free / 2**20:.0f} MiB are free. The partial one is removed; "
+            f"the last complete checkpoint: {run.out_dir / previous if previous else 'none'} (--resume "
+            "continues from it)"
+        )
     os.replace(tmp, run.out_dir / name)
     (run.out_dir / "checkpoint.tmp").unlink(missing_ok=True)
     os.symlink(name, run.out_dir / "checkpoint.tmp")
@@ -2377,17 +3196,19 @@ def _stop_after_step(stop, signum, frame):
 
 
 def main(argv=None):
-    run = set_up(argv)                 # ranks, device, seeds, the output directory
-    load_data(run)                     # the model's files, tokenizer, rows; the chat template checked before vLLM starts
-    load_policy_and_optimizer(run)     # on its device, sharded or replicated; --resume's state
-    handlers = {sig: signal.signal(sig, functools.partial(_stop_after_step, [sig])) for sig in (signal.SIGINT, signal.SIGTERM)}
+    run = set_up(argv)  # ranks, device, seeds, the output directory
+    load_data(run)  # the model's files, tokenizer, rows; the chat template checked before vLLM starts
+    load_policy_and_optimizer(run)  # on its device, sharded or replicated; --resume's state
+    handlers = {
+        sig: signal.signal(sig, functools.partial(_stop_after_step, [sig])) for sig in (signal.SIGINT, signal.SIGTERM)
+    }
     try:
-        start_generation(run)          # rank 0: the vLLM servers, the weight sync, the producer thread
+        start_generation(run)  # rank 0: the vLLM servers, the weight sync, the producer thread
         for sig in handlers:  # from here a first Ctrl-C/SIGTERM finishes the step, saves a checkpoint and stops
             signal.signal(sig, functools.partial(_stop_after_step, run.stop))
         for step in range(run.start_step, run.args.steps):
             train_one_step(run, step)  # take a batch, update, sync the weights, log, checkpoint
-        finish(run)                    # the ranks' weights compared, the last checkpoint, summary.json
+        finish(run)  # the ranks' weights compared, the last checkpoint, summary.json
     except (Exception, KeyboardInterrupt) as e:
         save_after_error(run, e)
         raise

