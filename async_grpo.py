@@ -16,6 +16,12 @@ rank its share; the loss is the clipped surrogate against the sampler's log-prob
 pauses vLLM, broadcasts the weights over a process group of its own, resumes it, and the policy version grows.
 Generation never waits for training and training waits only for data, within one bound: the producer does not start a
 group whose tokens would be more than --max-staleness versions old when trained (0: synchronous, --sync).
+
+The file reads in the order a reader needs it: the algorithm first (the rollout and its tool loop; rewards and
+group-relative advantages; the producer and its staleness gate; the loss; the training step; the weight sync), then the
+run's phases (main, and what it calls in the order it calls them), then the machinery that supports both, in sections
+named as such (arguments and the device plan, data, models, chat templates, tool-call parsing, vLLM servers, the sync
+group). The places a forker edits are marked `# FORK:`; README.md lists them.
 """
 
 import argparse, asyncio, contextlib, ctypes, functools, http.client as http_client, inspect, itertools, json, math, os
@@ -56,88 +62,56 @@ SAMPLING_ARGS = {"min_tokens", "stop", "seed", "ignore_eos"}
 # --- The rollout: one conversation = generate, run its tool calls, append their results, generate again ---------------
 
 
+# FORK: the tool loop (what a turn may do, when a rollout ends); the tools themselves are in tools.py
 async def rollout(session, url, tok, row, args, ctx, policy, greedy=False):
-    """Sample one conversation. Keeps the exact token ids: prompt, then per turn the generated ids
-    (mask 1, with their log-probs and policy versions) and the tool-result ids (mask 0)."""
-    ids, mask, logprobs, versions, messages = list(ctx["prompt_ids"][row["id"]]), [], [], [], []
+    """Sample one conversation. Keeps the exact token ids: the prompt's, then per turn the generated ids (mask 1, with
+    their log-probs and the policy version that sampled each) and the tool-result ids (mask 0, context)."""
+    ids = list(ctx["prompt_ids"][row["id"]])
     n_prompt = len(ids)
-    stats = {
-        "tool_calls": 0,
-        "tool_failures": 0,
-        "tool_seconds": 0.0,
-        "turns": 0,
-        "truncated": True,  # until it answers
-        "interrupted": 0,
-        "per_tool": {},
-    }  # per_tool: name -> [calls, failures]
-    while (budget := min(args.max_tokens, ctx["max_model_len"] - len(ids))) > 0:
-        new, lps, new_versions, finish = [], [], [], "abort"
-        while finish == "abort" and len(new) < budget:  # a weight sync can stop a turn, more than once
-            async with policy.request() as version:
-                part, part_lps, finish = await generate(
-                    session, url, ids + new, budget - len(new), args, ctx["stop_ids"], greedy, len(new)
-                )
-                if finish == "abort" and policy.open:
-                    raise RuntimeError("vLLM aborted a request outside a weight sync: is another client using it?")
-            stats["interrupted"] += finish == "abort"
-            if finish == "abort" and args.sync_mode == "abort":  # restart the turn with the new weights
-                new, lps, new_versions = [], [], []
-                continue
-            new += part  # keep: the new weights continue from these tokens
-            lps += part_lps
-            new_versions += [version] * len(part)
-        ids += new
-        mask += [1] * len(new)
-        logprobs += lps
-        versions += new_versions
-        stats["turns"] += 1
-        stopped = (
-            finish == "stop" and bool(new) and new[-1] in ctx["stop_ids"]
-        )  # not on a stop string of --sampling-args
-        text = tok.decode(new[:-1] if stopped else new, skip_special_tokens=False)
-        # The parser runs only with tools: without them any template (or none) must train.
-        message = (
-            parse_assistant(text, tok, ids[: -len(new)], ctx["schemas_by_name"], ctx["format"], ctx["max_calls"])
-            if ctx["schemas"]
-            else {"role": "assistant", "content": text, "tool_calls": [], "tool_call_errors": []}
+    mask = []  # per token after the prompt: 1 generated (trained on), 0 a tool result
+    logprobs = []  # the sampler's log-prob of each token (0.0 for tool results)
+    versions = []  # the policy version that sampled each token
+    messages = []  # the turns, as the rewards see them
+    stats = {"tool_calls": 0, "tool_failures": 0, "tool_seconds": 0.0, "turns": 0, "interrupted": 0}
+    stats["truncated"] = True  # until the model answers
+    stats["per_tool"] = {}  # tool name -> [calls, failures]
+    while len(ids) < ctx["max_model_len"]:
+        budget = min(args.max_tokens, ctx["max_model_len"] - len(ids))
+        turn, finish, interruptions = await generate_turn(
+            session, url, ids, budget, policy, args=args, ctx=ctx, greedy=greedy
         )
+        new = [token for token, _, _ in turn]
+        ids += new
+        mask += [1] * len(turn)
+        logprobs += [logprob for _, logprob, _ in turn]
+        versions += [version for _, _, version in turn]
+        stats["turns"] += 1
+        stats["interrupted"] += interruptions
+        # Stopped on a stop token (not on a stop string of --sampling-args): the template's end of turn stands for it.
+        stopped = finish == "stop" and bool(new) and new[-1] in ctx["stop_ids"]
+        text = tok.decode(new[:-1] if stopped else new, skip_special_tokens=False)
+        if ctx["schemas"]:
+            message = parse_assistant(
+                text, tok, ids[: -len(new)], ctx["schemas_by_name"], ctx["format"], max_calls=ctx["max_calls"]
+            )
+        else:  # the parser runs only with tools: without them any template (or none) must train
+            message = {"role": "assistant", "content": text, "tool_calls": [], "tool_call_errors": []}
         messages.append(message)
         if finish == "stop" and not message["tool_calls"] and not message["tool_call_errors"]:
             stats["truncated"] = False  # the model answered: the one end that does not cut the conversation short
             break
         if finish != "stop" or stats["turns"] > args.max_tool_turns:  # out of tokens, or of tool turns
             break
-        start = time.perf_counter()
-        calls = [call_tool(c, ctx["schemas_by_name"], args.tool_timeout) for c in message["tool_calls"]]
-        results, _ = await asyncio.gather(asyncio.gather(*calls), asyncio.sleep(args.tool_latency))
-        results += [(f"Error: {error}", False) for error in message["tool_call_errors"]]  # the model sees each one
-        stats["tool_seconds"] += time.perf_counter() - start
-        stats["tool_calls"] += len(results)
-        stats["tool_failures"] += sum(not ok for _, ok in results)
-        names = [c["function"]["name"] for c in message["tool_calls"]]
-        keys = [n if n in ctx["schemas_by_name"] else "unknown" for n in names] + ["malformed"] * len(
-            message["tool_call_errors"]
-        )
-        names += ["malformed"] * len(message["tool_call_errors"])
-        for key, (_, ok) in zip(keys, results):
-            counts = stats["per_tool"].setdefault(key, [0, 0])
-            counts[0] += 1
-            counts[1] += not ok
-        # a lone surrogate in a tool's text (from its input, or bytes decoded with surrogateescape) fails the tokenizer
-        tool_messages = [
-            {"role": "tool", "name": n, "content": r.encode(errors="replace").decode()}
-            for n, (r, _) in zip(names, results)
-        ]
-        suffix = tool_result_ids(
-            tok, row["prompt"] + messages, tool_messages, ctx["schemas"], ctx["turn_ends"], stopped
-        )
+        tool_messages = await run_tool_calls(message, ctx, args, stats)
+        history = row["prompt"] + messages
+        suffix = tool_result_ids(tok, history, tool_messages, ctx["schemas"], ctx["turn_ends"], stopped=stopped)
         messages += tool_messages
         if len(ids) + len(suffix) >= ctx["max_model_len"]:
             break  # no room left to answer: end here rather than send vLLM a request it rejects
         ids += suffix
         mask += [0] * len(suffix)
         logprobs += [0.0] * len(suffix)
-        versions += [version] * len(suffix)  # not trained on; kept so every per-token list has one length
+        versions += [policy.value] * len(suffix)  # not trained on; kept so that every per-token list has one length
     return {
         "ids": ids,
         "n_prompt": n_prompt,
@@ -149,6 +123,37 @@ async def rollout(session, url, tok, row, args, ctx, policy, greedy=False):
     }
 
 
+async def generate_turn(session, url, ids, budget, policy, args, ctx, greedy):
+    """One assistant turn of at most `budget` tokens after `ids`: its (token id, log-prob, policy version) triples, why it
+    ended, and how often a weight sync stopped it. A stopped turn goes on from its tokens with the new weights, or
+    under --sync-mode abort starts over with them."""
+    turn = []
+    interruptions = 0
+    while True:
+        async with policy.request() as version:
+            new = [token for token, _, _ in turn]
+            part, part_logprobs, finish = await generate(
+                session,
+                url,
+                ids + new,
+                budget - len(turn),
+                args,
+                stop_ids=ctx["stop_ids"],
+                greedy=greedy,
+                generated=len(turn),
+            )
+            if finish == "abort" and policy.open:
+                raise RuntimeError("vLLM aborted a request outside a weight sync: is another client using it?")
+        if finish == "abort" and args.sync_mode == "abort":
+            turn = []
+        else:
+            turn += [(token, logprob, version) for token, logprob in zip(part, part_logprobs)]
+        interruptions += finish == "abort"
+        if finish != "abort" or len(turn) >= budget:
+            return turn, finish, interruptions
+
+
+# FORK: the sampling parameters (each one that shapes the distribution must also shape the trainer's: sampler_logprobs)
 async def generate(session, url, ids, max_tokens, args, stop_ids, greedy=False, generated=0):
     """One completion from vLLM: token ids in; sampled ids, their log-probs and why it ended out ('abort': a weight sync
     stopped it; the ids so far are kept). `generated`: tokens of this turn that a stopped request already produced."""
@@ -159,10 +164,10 @@ async def generate(session, url, ids, max_tokens, args, stop_ids, greedy=False, 
         "prompt": ids,
         "max_tokens": max_tokens,
         "logprobs": 0,
-        "temperature": 0.0 if greedy else args.temperature,
-        "top_p": 1.0 if greedy else args.top_p,
-        "top_k": 0 if greedy else args.top_k,
-        "min_p": 0.0 if greedy else args.min_p,
+        "temperature": args.temperature,
+        "top_p": args.top_p,
+        "top_k": args.top_k,
+        "min_p": args.min_p,
         "repetition_penalty": 1.0,
         "presence_penalty": 0.0,
         "frequency_penalty": 0.0,
@@ -171,6 +176,8 @@ async def generate(session, url, ids, max_tokens, args, stop_ids, greedy=False, 
         "skip_special_tokens": False,
         **args.sampling_args,
     }
+    if greedy:  # evaluation
+        payload.update(temperature=0.0, top_p=1.0, top_k=0, min_p=0.0)
     if "min_tokens" in payload:
         payload["min_tokens"] = max(0, payload["min_tokens"] - generated)
     for attempt in range(3):
@@ -194,20 +201,46 @@ async def generate(session, url, ids, max_tokens, args, stop_ids, greedy=False, 
             ) from None
 
 
+async def run_tool_calls(message, ctx, args, stats):
+    """The turn's well-formed calls, run concurrently, then an error for each call that did not parse: the tool
+    messages the model sees, in that order. Counted in stats (per tool: 'unknown' and 'malformed' apart)."""
+    start = time.perf_counter()
+    calls = [call_tool(call, ctx["schemas_by_name"], args.tool_timeout) for call in message["tool_calls"]]
+    results, _ = await asyncio.gather(asyncio.gather(*calls), asyncio.sleep(args.tool_latency))
+    results += [(f"Error: {error}", False) for error in message["tool_call_errors"]]
+    stats["tool_seconds"] += time.perf_counter() - start
+    stats["tool_calls"] += len(results)
+    stats["tool_failures"] += sum(not ok for _, ok in results)
+    names = [call["function"]["name"] for call in message["tool_calls"]]
+    keys = [name if name in ctx["schemas_by_name"] else "unknown" for name in names]
+    keys += ["malformed"] * len(message["tool_call_errors"])
+    names += ["malformed"] * len(message["tool_call_errors"])
+    for key, (_, ok) in zip(keys, results):
+        counts = stats["per_tool"].setdefault(key, [0, 0])
+        counts[0] += 1
+        counts[1] += not ok
+    # a lone surrogate in a tool's text (from its input, or bytes decoded with surrogateescape) fails the tokenizer
+    return [
+        {"role": "tool", "name": n, "content": r.encode(errors="replace").decode()}
+        for n, (r, _) in zip(names, results)
+    ]
+
+
 async def call_tool(call, schemas, timeout):
     """Run one well-formed call. Returns (result text for the model, ok); never raises."""
-    name, arguments = call["function"]["name"], call["function"]["arguments"]
+    name = call["function"]["name"]
+    arguments = call["function"]["arguments"]
     if name not in schemas:
         return f"Error: unknown tool {name!r}; the tools are {', '.join(schemas)}", False
-    if errors := argument_errors(schemas[name], arguments):
+    errors = argument_errors(schemas[name], arguments)
+    if errors:
         return f"Error: {name}: {'; '.join(errors)}", False
     fn = tools_module.TOOLS[name]
     try:
-        pending = (
-            fn(**arguments)
-            if inspect.iscoroutinefunction(fn)
-            else asyncio.get_running_loop().run_in_executor(TOOL_THREADS, functools.partial(fn, **arguments))
-        )
+        if inspect.iscoroutinefunction(fn):
+            pending = fn(**arguments)
+        else:
+            pending = asyncio.get_running_loop().run_in_executor(TOOL_THREADS, functools.partial(fn, **arguments))
         return str(await asyncio.wait_for(pending, timeout)), True
     except asyncio.TimeoutError:
         return f"Error: {name} timed out after {timeout} s", False
@@ -234,15 +267,21 @@ class PolicyVersion:
     (finished or stopped) before it changes the weights: the version stamped on a token sampled it."""
 
     def __init__(self, max_inflight=64):
-        self.value, self.open, self.in_flight, self.lock = 0, True, 0, threading.Lock()
+        self.value = 0
+        self.open = True
+        self.in_flight = 0
+        self.lock = threading.Lock()
         self.slots = asyncio.Semaphore(
             max_inflight
         )  # not the connection pool's: a request waiting there counts as sent
-        self.idle_seconds, self.idle_since = 0.0, time.perf_counter()  # vLLM is idle while nothing is in flight
+        self.idle_seconds = 0.0  # vLLM is idle while nothing is in flight
+        self.idle_since = time.perf_counter()
 
     def idle(self):
         """Seconds so far that vLLM had no request of ours (paused, or starved of work)."""
-        return self.idle_seconds + (time.perf_counter() - self.idle_since if not self.in_flight else 0.0)
+        if self.in_flight:
+            return self.idle_seconds
+        return self.idle_seconds + time.perf_counter() - self.idle_since
 
     @contextlib.asynccontextmanager
     async def request(self):
@@ -286,11 +325,13 @@ async def score_group(samples, row, reward_weights):
     return total, parts
 
 
+# FORK: change the advantages (a group's rewards in, one number per rollout out; the loss weighs its tokens by it)
 def group_advantages(rewards, scale=True, eps=1e-4):
     """GRPO: each rollout's reward relative to its group, in units of the group's spread (scale) or raw (Dr. GRPO:
     dividing by the spread over-weights groups nearly all right or wrong); all equal: zero advantages, no signal."""
     rewards = np.asarray(rewards, dtype=np.float64)
-    return (rewards - rewards.mean()) / (rewards.std() + eps) if scale else rewards - rewards.mean()
+    centred = rewards - rewards.mean()
+    return centred / (rewards.std() + eps) if scale else centred
 
 
 # --- The producer: a thread with its own asyncio loop that keeps the queue full, within the staleness bound -----------
@@ -303,11 +344,17 @@ class Producer(threading.Thread):
 
     def __init__(self, args, tok, rows, urls, ctx, policy, cursor=None):
         super().__init__(daemon=True, name="producer")
-        self.args, self.tok, self.rows, self.urls, self.ctx, self.policy = args, tok, rows, urls, ctx, policy
+        self.args = args
+        self.tok = tok
+        self.rows = rows
+        self.urls = urls
+        self.ctx = ctx
+        self.policy = policy
         self.running = dict.fromkeys(urls, 0)  # groups running on each server
-        self.queue, self.ready = queue.Queue(), {}  # ready: finished groups by number, until their turn
-        # next_index: the next group to hand out; skipped_groups: not trained (zero variance, too stale
-        # or a failed reward); stale_samples, reward_failures: counters. A checkpoint saves them all.
+        self.queue = queue.Queue()  # (number, scored group) as groups finish, or (number, why it was dropped)
+        self.ready = {}  # finished groups by number, until their turn
+        # next_index: the next group to hand out; skipped_groups: not trained (zero variance, too stale or a failed
+        # reward); stale_samples, reward_failures: counters. A checkpoint saves them all.
         self.cursor = {
             "next_index": 0,
             "skipped_groups": 0,
@@ -315,11 +362,10 @@ class Producer(threading.Thread):
             "reward_failures": 0,
             **(cursor or {}),
         }
-        self.failures_in_a_row, self.scoring = 0, 0  # scoring: groups whose rewards are being computed
-        self.error, self.loop = (
-            None,
-            asyncio.new_event_loop(),
-        )  # made here: stop() and evaluate() may use it before run()
+        self.failures_in_a_row = 0
+        self.scoring = 0  # groups whose rewards are being computed
+        self.error = None
+        self.loop = asyncio.new_event_loop()  # made here: stop() and evaluate() may use it before run()
 
     def run(self):
         try:
@@ -330,7 +376,7 @@ class Producer(threading.Thread):
 
     def stop(self, timeout=10):
         if self.is_alive():  # a callback queued before run() starts the loop runs once _produce's task exists
-            self.loop.call_soon_threadsafe(lambda: [task.cancel() for task in asyncio.all_tasks(self.loop)])
+            self.loop.call_soon_threadsafe(cancel_all, asyncio.all_tasks(self.loop))
             self.join(timeout)
 
     def prompt_order(self):
@@ -342,9 +388,9 @@ class Producer(threading.Thread):
             yield from rows
 
     def admissible(self, index):
-        """Admission control: group `index` is trained at step (index - groups skipped) // prompts_per_step
-        (at the latest: more skips make it earlier). Do not start it if the trainer will by then be more
-        than --max-staleness versions ahead of the weights that would generate it now."""
+        """The staleness gate. Group `index` is trained at step (index - groups skipped) // prompts_per_step (at the
+        latest: more skips make it earlier). Do not start it if the trainer will by then be more than --max-staleness
+        versions ahead of the weights that would generate it now."""
         train_step = (index - self.cursor["skipped_groups"]) // self.args.prompts_per_step
         return train_step // self.args.sync_every - self.policy.value <= self.args.max_staleness
 
@@ -353,31 +399,34 @@ class Producer(threading.Thread):
         connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=3)  # closed before vLLM closes them (5 s): no race
         timeout = aiohttp.ClientTimeout(total=a.data_timeout)  # one request longer than the trainer waits for data
         async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
-            pending, started = set(), self.cursor["next_index"]  # on --resume, groups not trained are redone
+            pending = set()
+            started = self.cursor["next_index"]  # on --resume, groups not trained are redone
             try:
                 for row in itertools.islice(self.prompt_order(), started, None):
                     while not self.admissible(started) or len(pending) * a.num_generations >= 2 * a.max_inflight:
-                        if pending:
-                            done, pending = await asyncio.wait(
-                                pending, timeout=0.05, return_when=asyncio.FIRST_COMPLETED
-                            )
-                            if errors := [e for task in done if not task.cancelled() and (e := task.exception())]:
-                                raise errors[0]  # stops the producer, loudly (each one retrieved: asyncio warns else)
-                        else:
+                        if not pending:
                             await asyncio.sleep(0.01)
+                            continue
+                        done, pending = await asyncio.wait(pending, timeout=0.05, return_when=asyncio.FIRST_COMPLETED)
+                        errors = [task.exception() for task in done if not task.cancelled() and task.exception()]
+                        if errors:
+                            raise errors[0]  # stops the producer, loudly (each one retrieved: asyncio warns else)
                     pending.add(asyncio.create_task(self._group(session, row, started)))
                     started += 1
             finally:  # on stop or error, no group is left running against a server that is going away
-                [task.cancel() for task in pending]
+                cancel_all(pending)
                 await asyncio.gather(*pending, return_exceptions=True)
 
     async def _group(self, session, row, index):
-        a, url = self.args, min(self.urls, key=self.running.get)
+        a = self.args
+        url = min(self.urls, key=self.running.get)
         self.running[url] += 1
         try:
-            samples = await all_or_none(
-                rollout(session, url, self.tok, row, a, self.ctx, self.policy) for _ in range(a.num_generations)
-            )
+            group = [
+                rollout(session, url, self.tok, row, a, ctx=self.ctx, policy=self.policy)
+                for _ in range(a.num_generations)
+            ]
+            samples = await all_or_none(group)
         finally:
             self.running[url] -= 1
         try:
@@ -390,59 +439,63 @@ class Producer(threading.Thread):
             self.scoring -= 1
         advantages = group_advantages(rewards, scale=a.scale_rewards == "group")
         for i, sample in enumerate(samples):
-            sample.update(
-                reward=float(rewards[i]),
-                advantage=float(advantages[i]),
-                prompt_id=row["id"],
-                reward_parts={k: float(v[i]) for k, v in parts.items()},
-            )
+            sample.update(reward=float(rewards[i]), advantage=float(advantages[i]), prompt_id=row["id"])
+            sample["reward_parts"] = {name: float(values[i]) for name, values in parts.items()}
         self.queue.put((index, samples))
 
     def take(self, n, timeout, interrupted=lambda: False):
         """The next n trainable groups in start order. Skips zero-variance groups with --skip-zero-variance, and drops
         (warned and counted) groups too stale to train (admission control should leave none) and groups whose rewards
         failed. Raises if the producer died, no batch came in time, every recent reward failed or interrupted()."""
-        groups, deadline, c = [], time.monotonic() + timeout, self.cursor
+        groups = []
+        deadline = time.monotonic() + timeout
         while len(groups) < n:
-            while c["next_index"] not in self.ready:  # groups finish out of order
-                if isinstance(self.error, ConnectionError):  # a server's fault, which the message names
-                    raise self.error
-                if self.error:
-                    raise RuntimeError(
-                        f"the producer thread failed:\n{''.join(traceback.format_exception(self.error))}"
-                    )
-                if time.monotonic() > deadline:
-                    raise TimeoutError(
-                        f"no batch from the producer in {timeout} s (--data-timeout) from the vLLM server(s) "
-                        f"{', '.join(self.urls)}; now {sum(self.running.values())} groups generate "
-                        f"({self.policy.in_flight} requests in vLLM) and {self.scoring} are being scored"
-                    )
-                if interrupted():
-                    raise KeyboardInterrupt("stopped while waiting for data")
-                with contextlib.suppress(queue.Empty):
-                    index, group = self.queue.get(timeout=0.1)
-                    self.ready[index] = group
-            group = self.ready.pop(c["next_index"])
-            c["next_index"] += 1
-            self.failures_in_a_row = self.failures_in_a_row + 1 if isinstance(group, str) else 0
-            if isinstance(group, str):
+            group = self._next_finished(deadline, timeout, interrupted)
+            self.cursor["next_index"] += 1
+            if isinstance(group, str):  # why its rewards failed
+                self.failures_in_a_row += 1
                 print(f"warning: dropped a group: {group}", flush=True)
-                c["reward_failures"] += 1
+                self.cursor["reward_failures"] += 1
                 if self.failures_in_a_row >= 4 * self.args.prompts_per_step:
                     raise RuntimeError(
                         f"the rewards failed for {self.failures_in_a_row} groups in a row; the last: {group}"
                     )
-            elif (
-                lag := self.policy.value
-                - min((v for s in group for v, m in zip(s["versions"], s["mask"]) if m), default=self.policy.value)
-            ) > self.args.max_staleness:
-                print(f"warning: dropped a group {lag} versions old (--max-staleness)", flush=True)
-                c["stale_samples"] += len(group)
-            elif not self.args.skip_zero_variance or len({s["reward"] for s in group}) > 1:
-                groups.append(group)
-                continue
-            c["skipped_groups"] += 1  # every group not trained: admissible() counts them
+            else:
+                self.failures_in_a_row = 0
+                lag = self.lag(group)
+                if lag > self.args.max_staleness:
+                    print(f"warning: dropped a group {lag} versions old (--max-staleness)", flush=True)
+                    self.cursor["stale_samples"] += len(group)
+                elif not self.args.skip_zero_variance or len({s["reward"] for s in group}) > 1:
+                    groups.append(group)
+                    continue
+            self.cursor["skipped_groups"] += 1  # every group not trained: admissible() counts them
         return groups
+
+    def lag(self, group):
+        """Policy versions between the trainer now and the group's oldest trained token."""
+        versions = [v for s in group for v, m in zip(s["versions"], s["mask"]) if m]
+        return self.policy.value - min(versions, default=self.policy.value)
+
+    def _next_finished(self, deadline, timeout, interrupted):
+        """The group numbered cursor['next_index'], once it has finished (groups finish out of order)."""
+        while self.cursor["next_index"] not in self.ready:
+            if isinstance(self.error, ConnectionError):  # a server's fault, which the message names
+                raise self.error
+            if self.error:
+                raise RuntimeError(f"the producer thread failed:\n{''.join(traceback.format_exception(self.error))}")
+            if time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"no batch from the producer in {timeout} s (--data-timeout) from the vLLM server(s) "
+                    f"{', '.join(self.urls)}; now {sum(self.running.values())} groups generate "
+                    f"({self.policy.in_flight} requests in vLLM) and {self.scoring} are being scored"
+                )
+            if interrupted():
+                raise KeyboardInterrupt("stopped while waiting for data")
+            with contextlib.suppress(queue.Empty):
+                index, group = self.queue.get(timeout=0.1)
+                self.ready[index] = group
+        return self.ready.pop(self.cursor["next_index"])
 
 
 async def all_or_none(coros):
@@ -452,8 +505,13 @@ async def all_or_none(coros):
     try:
         return await asyncio.gather(*tasks)
     finally:
-        [task.cancel() for task in tasks]
+        cancel_all(tasks)
         await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def cancel_all(tasks):
+    for task in tasks:
+        task.cancel()
 
 
 # --- The loss: clipped surrogate against the sampler's log-probs, normalised as --loss-type says ----------------------
@@ -490,15 +548,15 @@ def grpo_loss(
     log_w = (logp.detach() - sampler_logp) * mask  # log pi_trainer / pi_sampler
     # w per token, or per sequence: the geometric mean over its tokens (is_level sequence, and always for gspo)
     w = torch.exp(sequence_mean(log_w) if is_level == "sequence" or loss_type == "gspo" else log_w)
-    if is_correction == "none":  # the clipped ratio is taken against the sampler's log-probs
-        old_logp, weight = sampler_logp, torch.ones_like(w)
-    else:  # tis, mis (decoupled PPO): the ratio is against the policy before this update (value 1, gradient of log pi)
-        old_logp = logp.detach()
-        weight = (
-            w.clamp(max=is_threshold)
-            if is_correction == "tis"
-            else w * ((w >= 1 / is_threshold) & (w <= is_threshold))
-        )
+    # is_correction none: the clipped ratio is taken against the sampler's log-probs. tis, mis (decoupled PPO): against
+    # the policy before this update (value 1, gradient of log pi), weighted by w truncated or masked at the threshold.
+    old_logp = sampler_logp if is_correction == "none" else logp.detach()
+    if is_correction == "tis":
+        weight = w.clamp(max=is_threshold)
+    elif is_correction == "mis":
+        weight = w * ((w >= 1 / is_threshold) & (w <= is_threshold))
+    else:
+        weight = torch.ones_like(w)
     log_ratio = (logp - old_logp) * mask  # log pi_theta / pi_old
     ratio = torch.exp(sequence_mean(log_ratio) if loss_type == "gspo" else log_ratio)  # [B, T] or [B, 1]
     clipped = torch.clamp(ratio, 1 - epsilon, 1 + epsilon_high)
@@ -517,7 +575,9 @@ def grpo_loss(
     else:  # token (DAPO): every loss token of the step weighs the same
         loss = (per_token * mask).sum() / num_tokens
     with torch.no_grad():
-        n, tokens, token_w = mask.sum().clamp(min=1), mask.bool(), torch.exp(log_w)
+        n = mask.sum().clamp(min=1)
+        tokens = mask.bool()
+        token_w = torch.exp(log_w)
 
         def share(x):  # mean over the loss tokens
             return (x * mask).sum() / n
@@ -561,16 +621,18 @@ def train_step(
     skipping that (set_requires_gradient_sync) would hold the unsharded gradients of the whole model on every rank."""
     model.train()
     config = getattr(model, "module", model).config.get_text_config()  # its width and window shape the rows (collate)
-    totals, micros, forwarded = {"loss": 0.0}, micro_batches(samples, args.micro_batch_size, 1, args.share_prefix), 0
-    if (
-        world_size > 1
-    ):  # every rank runs as many forwards and backwards, whatever its lengths: DDP and FSDP communicate in them
+    totals = {"loss": 0.0}
+    forwarded = 0  # tokens through the model: each group's prompt once where it is shared
+    micros = micro_batches(samples, args.micro_batch_size, 1, args.share_prefix)
+    # Every rank runs as many forwards and backwards, whatever its lengths: DDP and FSDP communicate in them.
+    if world_size > 1:
         count = torch.tensor(len(micros), device=device)
         dist.all_reduce(count, op=dist.ReduceOp.MAX)
         if count > len(micros):  # this rank splits its largest micro-batches until it has as many
             micros = micro_batches(samples, args.micro_batch_size, int(count), args.share_prefix)
     for i, micro in enumerate(micros):
-        batch = collate(micro, pad_id, device, args.sampling_args.get("min_tokens", 0), args.share_prefix, config)
+        min_tokens = args.sampling_args.get("min_tokens", 0)
+        batch = collate(micro, pad_id, device, min_tokens, share=args.share_prefix, config=config)
         forwarded += batch["tokens"]
         # the distribution vLLM sampled from: the ratio against its log-probs measures the policy, not the truncation
         sampling = dict(
@@ -595,17 +657,17 @@ def train_step(
                 batch["sampler_logp"],
                 batch["advantages"],
                 mask,
-                args.epsilon,
-                args.epsilon_high,
-                args.loss_type,
-                num_tokens,
-                num_sequences,
-                args.max_tokens,
-                args.is_correction,
-                args.is_threshold,
-                args.is_level,
-                ref_logp,
-                args.beta,
+                epsilon=args.epsilon,
+                epsilon_high=args.epsilon_high,
+                loss_type=args.loss_type,
+                num_tokens=num_tokens,
+                num_sequences=num_sequences,
+                max_tokens=args.max_tokens,
+                is_correction=args.is_correction,
+                is_threshold=args.is_threshold,
+                is_level=args.is_level,
+                ref_logp=ref_logp,
+                beta=args.beta,
             )
             stats["is/truncated_mass"] = ((removed * mask).sum() / mask.sum().clamp(min=1)).item()
             (loss * world_size).backward()  # DDP and FSDP average over ranks; the loss is already a global mean
@@ -682,13 +744,21 @@ def collate(samples, pad_id, device, min_tokens=0, share=True, config=None):
             out[r, : len(row)] = torch.tensor(row, dtype=dtype)
         return out
 
-    width, window = getattr(config, "hidden_size", None), getattr(config, "sliding_window", None)
-    ids, segment, position, at, open_row = [], [], [], [], {}  # open_row: the row a prompt's next completion may join
+    width = getattr(config, "hidden_size", None)
+    window = getattr(config, "sliding_window", None)
+    ids = []  # per row: a prompt, then the completions that joined it
+    segment = []  # per row, per token: 0 the prompt, i + 1 sample i's completion
+    position = []
+    at = []  # per sample: (its row, the columns whose logits predict its tokens)
+    open_row = {}  # prompt -> the row its next completion may join
     for i, s in enumerate(samples):
-        n, completion = s["n_prompt"], s["ids"][s["n_prompt"] :]
-        r = open_row.get(key := tuple(s["ids"][:n]) if share else i)
+        n = s["n_prompt"]
+        completion = s["ids"][n:]
+        key = tuple(s["ids"][:n]) if share else i
+        r = open_row.get(key)
         if r is None or width and 2 * len(completion) * (len(ids[r]) - n) >= n * (6 * width + n):
-            open_row[key] = r = len(ids)
+            r = len(ids)
+            open_row[key] = r
             ids.append(s["ids"][:n])
             segment.append([0] * n)
             position.append(list(range(n)))
@@ -696,23 +766,19 @@ def collate(samples, pad_id, device, min_tokens=0, share=True, config=None):
         ids[r] += completion
         segment[r] += [i + 1] * len(completion)
         position[r] += range(n, n + len(completion))
-    segment, position = padded(segment, torch.long, -1), padded(position, torch.long)  # -1: padding, which attends
-    causal = torch.ones(
-        segment.shape[1], segment.shape[1], dtype=torch.bool
-    ).tril()  # to the prompt: no row all masked
+    segment = padded(segment, torch.long, -1)  # -1: padding, which attends to the prompt: no row is all masked
+    position = padded(position, torch.long)
+    causal = torch.ones(segment.shape[1], segment.shape[1], dtype=torch.bool).tril()
     attend = (causal & ((segment[:, None] == 0) | (segment[:, None] == segment[..., None])))[:, None]
     if (
         window
     ):  # the model's sliding window, in the mask that replaces its own: over positions; per layer type if mixed
-        slid, types = (
-            attend & (position[:, None, :, None] - position[:, None, None, :] < window),
-            set(getattr(config, "layer_types", None) or ["sliding_attention"]),
-        )
-        attend = (
-            slid
-            if types == {"sliding_attention"}
-            else {t: (slid if t == "sliding_attention" else attend).to(device) for t in types}
-        )
+        slid = attend & (position[:, None, :, None] - position[:, None, None, :] < window)
+        types = set(getattr(config, "layer_types", None) or ["sliding_attention"])
+        if types == {"sliding_attention"}:
+            attend = slid
+        else:
+            attend = {t: (slid if t == "sliding_attention" else attend).to(device) for t in types}
     mask = padded([s["mask"] for s in samples])
     generated = mask.cumsum(1)  # a turn: a run of generated tokens; in_turn counts those of its turn up to here
     in_turn = generated - (generated * (1 - mask)).cummax(1).values  # vLLM held the stop tokens back for min_tokens
@@ -819,19 +885,18 @@ class WeightSync:
     first sync and kept for the run."""
 
     def __init__(self, urls, args, dtype, policy):
-        self.urls, self.args, self.dtype, self.policy, self.group = urls, args, dtype, policy, None
+        self.urls = urls
+        self.args = args
+        self.dtype = dtype  # the servers' (served_config): the weights travel in it
+        self.policy = policy
+        self.group = None
         self.pool = ThreadPoolExecutor(len(urls))
 
     def _rpc(self, url, method, **kwargs):
         """Call `method` on every worker of one server; a future. It runs on the pool's threads: the
         workers block in the collective until the trainer joins it."""
-        return self.pool.submit(
-            http,
-            f"{url}/collective_rpc",
-            {"method": method, "kwargs": kwargs},
-            self.args.sync_timeout,
-            "--sync-timeout",
-        )
+        payload = {"method": method, "kwargs": kwargs}
+        return self.pool.submit(http, f"{url}/collective_rpc", payload, self.args.sync_timeout, "--sync-timeout")
 
     def _all(self, path):
         for url in self.urls:
@@ -840,14 +905,11 @@ class WeightSync:
     def _connect(self, model):
         """At the first sync: check that every server knows every name it will receive, then make the group."""
         names = [name for name, _, _ in served_weights(model, every=True)]
-        unknown = sorted(
-            {
-                n
-                for url in self.urls
-                for worker in self._rpc(url, "unknown_weight_names", names=names).result()["results"]
-                for n in worker
-            }
-        )
+        unknown = set()
+        for url in self.urls:
+            for worker in self._rpc(url, "unknown_weight_names", names=names).result()["results"]:
+                unknown.update(worker)
+        unknown = sorted(unknown)
         if unknown:
             raise ValueError(
                 f"the vLLM server's model has no parameter for {len(unknown)} of the {len(names)} "
@@ -856,7 +918,9 @@ class WeightSync:
             )
         sizes = [http(f"{url}/get_world_size")["world_size"] for url in self.urls]  # workers per server
         host, listener = sync_endpoint(self.urls, self.args.sync_host)
-        port, backend, world_size = listener.getsockname()[1], self.args.plan["sync_backend"], 1 + sum(sizes)
+        port = listener.getsockname()[1]
+        backend = self.args.plan["sync_backend"]
+        world_size = 1 + sum(sizes)
         joined = [
             self._rpc(
                 url,
@@ -870,7 +934,7 @@ class WeightSync:
             )
             for i, url in enumerate(self.urls)
         ]
-        self.group = sync_group(host, port, 0, world_size, backend, self.args.sync_timeout, listener)
+        self.group = sync_group(host, port, 0, world_size, backend, timeout=self.args.sync_timeout, listener=listener)
         for future in joined:
             future.result(self.args.sync_timeout)
 
@@ -914,11 +978,14 @@ class WeightSync:
 
 def pack_buckets(model, bucket_bytes, dtype, every=False):
     """Group the weights to send (served_weights) into flat buffers of about bucket_bytes: one broadcast each."""
-    buckets, current, size = [], [], 0
+    buckets = []
+    current = []  # the bucket being filled
+    size = 0  # its bytes
     for name, param, lora in served_weights(model, every):
         if current and size + param.numel() * dtype.itemsize > bucket_bytes:
             buckets.append(current)
-            current, size = [], 0
+            current = []
+            size = 0
         current.append((name, param, lora))
         size += param.numel() * dtype.itemsize
     return buckets + [current] if current else buckets
@@ -960,7 +1027,8 @@ def flatten(bucket, dtype):
 
 def send_weights(group, buckets, dtype, timeout):
     """Rank 0's broadcast of the buckets, one flat buffer each: bucket k+1 is gathered and packed while bucket k travels."""
-    timeout, sending = timedelta(seconds=timeout), None
+    timeout = timedelta(seconds=timeout)
+    sending = None  # (the buffer on its way, its broadcast)
     for bucket in buckets:
         flat = flatten(bucket, dtype)  # of detached weights: no autograd
         if sending:
@@ -978,10 +1046,9 @@ def help_sync(model, args, dtype):
 class WeightSyncExtension:
     """Mixed into every vLLM worker (--worker-extension-cls); its methods run via /collective_rpc."""
 
-    def init_weight_sync(
-        self, host, port, world_size, timeout, backend, first_rank=1
-    ):  # first_rank: this server's first
-        self.weight_sync_group = sync_group(host, port, first_rank + self.rank, world_size, backend, timeout)
+    def init_weight_sync(self, host, port, world_size, timeout, backend, first_rank=1):
+        """Join the sync group: this worker's rank is its server's first rank (1 for the first server) plus its own."""
+        self.weight_sync_group = sync_group(host, port, first_rank + self.rank, world_size, backend, timeout=timeout)
 
     def served_config(self):
         """(dtype, log-probs mode): the weights are sent in the server's dtype; the trainer rounds its logits to it."""
@@ -1006,12 +1073,9 @@ class WeightSyncExtension:
             module, _, leaf = name.rpartition(".")
             parent, _, last = module.rpartition(".")
             experts = re.sub(r"\.experts\.\d+\..*", ".experts.", name)  # MoE layers hold all experts in one tensor
-            return (
-                name in known
-                or f"{parent}.{fused.get(last, last)}.{leaf}" in known
-                or experts != name
-                and any(k.startswith(experts) for k in known)
-            )
+            if name in known or f"{parent}.{fused.get(last, last)}.{leaf}" in known:
+                return True
+            return experts != name and any(k.startswith(experts) for k in known)
 
         return [n for n in names if not served(n)]
 
@@ -1036,7 +1100,8 @@ class WeightSyncExtension:
         # what it derived from the old values (on CPU, a pre-packed GEMM copy): vLLM would sample from the old head.
         from vllm.config import set_current_vllm_config
 
-        model, owners = self.model_runner.get_model(), defaultdict(list)
+        model = self.model_runner.get_model()
+        owners = defaultdict(list)  # parameter -> the modules that hold it
         for name, param in model.named_parameters(remove_duplicate=False):
             owners[id(param)].append(model.get_submodule(name.rpartition(".")[0]))
         with set_current_vllm_config(self.vllm_config):
@@ -1052,13 +1117,10 @@ def main(argv=None):
     run = set_up(argv)  # ranks, device, seeds, the output directory
     load_data(run)  # the model's files, tokenizer, rows; the chat template checked before vLLM starts
     load_policy_and_optimizer(run)  # on its device, sharded or replicated; --resume's state
-    handlers = {
-        sig: signal.signal(sig, functools.partial(_stop_after_step, [sig])) for sig in (signal.SIGINT, signal.SIGTERM)
-    }
+    handlers = stop_on_signals(["before training"])  # until training starts, Ctrl-C/SIGTERM stop at once
     try:
         start_generation(run)  # rank 0: the vLLM servers, the weight sync, the producer thread
-        for sig in handlers:  # from here a first Ctrl-C/SIGTERM finishes the step, saves a checkpoint and stops
-            signal.signal(sig, functools.partial(_stop_after_step, run.stop))
+        stop_on_signals(run.stop)  # from here a first Ctrl-C/SIGTERM finishes the step, saves a checkpoint and stops
         for step in range(run.start_step, run.args.steps):
             train_one_step(run, step)  # take a batch, update, sync the weights, log, checkpoint
         finish(run)  # the ranks' weights compared, the last checkpoint, summary.json
@@ -1150,11 +1212,11 @@ def load_data(run):
 
     args = run.args
     if run.model_path is None or run.model_path.endswith(".gguf"):  # rank 0 builds it; the others wait for its path
-        box = (
-            [build_tiny_model(args.cache_dir) if args.model is None else dequantise_gguf(args.model, args.cache_dir)]
-            if run.is_main
-            else [None]
-        )
+        box = [None]
+        if run.is_main and args.model is None:
+            box = [build_tiny_model(args.cache_dir)]
+        elif run.is_main:
+            box = [dequantise_gguf(args.model, args.cache_dir)]
         if run.world_size > 1:
             dist.broadcast_object_list(box, 0)
         run.model_path = box[0]
@@ -1168,7 +1230,8 @@ def load_data(run):
         )
     run.pad_id = next((i for i in (tok.pad_token_id, tok.eos_token_id) if i is not None), 0)  # masked: any id does
     run.train_rows, run.eval_rows = load_rows(args)
-    schemas, stop_ids = tool_schemas(args.tool_names) if args.tool_names else None, stop_token_ids(tok, run.model_path)
+    schemas = tool_schemas(args.tool_names) if args.tool_names else None
+    stop_ids = stop_token_ids(tok, run.model_path)
     report = prepare_chat_template(tok, args, schemas, stop_ids, run.model_path)  # fails here, before vLLM starts
     if run.is_main:
         print(report, flush=True)
@@ -1178,12 +1241,16 @@ def load_data(run):
 def load_policy_and_optimizer(run):
     from transformers import AutoProcessor
 
-    args, resumed = run.args, run.resumed
-    place = (
-        functools.partial(load_sharded, device=run.device) if args.fsdp else lambda p: load_policy(p).to(run.device)
-    )
-    if resumed and (saved := resumed.get("lora_rank", 0)) != args.lora_rank:
-        raise SystemExit(f"--resume: this checkpoint was trained with --lora-rank {saved}; resume with it")
+    args = run.args
+    resumed = run.resumed
+
+    def place(path):  # on this rank's device: whole, or its shards
+        return load_sharded(path, run.device) if args.fsdp else load_policy(path).to(run.device)
+
+    if resumed and resumed.get("lora_rank", 0) != args.lora_rank:
+        raise SystemExit(
+            f"--resume: this checkpoint was trained with --lora-rank {resumed.get('lora_rank', 0)}; resume with it"
+        )
     try:  # a LoRA checkpoint holds merged weights (what vLLM serves): the trainer adds its adapter to the initial model
         model = place(run.initial_model if args.lora_rank and resumed else run.model_path)
     except Exception as e:
@@ -1191,7 +1258,8 @@ def load_policy_and_optimizer(run):
             f"--model {run.model_path}: cannot load it as a causal or image-text LM "
             f"({type(e).__name__}: {str(e)[:300]})"
         )
-    if args.share_prefix and (why := sharing_refused(model)):
+    why = args.share_prefix and sharing_refused(model)
+    if why:
         args.share_prefix = False
         if run.is_main:
             print(f"--share-prefix is off for {run.model_path}: {why}; every sequence is forwarded whole", flush=True)
@@ -1255,7 +1323,8 @@ def load_policy_and_optimizer(run):
 
 
 def start_generation(run):
-    args, served = run.args, [None]
+    args = run.args
+    served = [None]  # the servers' dtype, which rank 0 learns
     if run.is_main:
         run.servers = [] if args.vllm_url else start_vllm(args, run.model_path, run.out_dir)
         run.urls = urls = args.vllm_url.split(",") if args.vllm_url else [server.url for server in run.servers]
@@ -1272,9 +1341,8 @@ def start_generation(run):
         if args.vllm_url:  # a server we did not start may hold other weights than the policy: all of them
             run.sync(run.policy, every=True)
         run.version.value = run.resumed["policy_version"] if run.resumed else 0
-        run.producer = Producer(
-            args, run.tok, run.train_rows, urls, run.ctx, run.version, run.resumed and run.resumed["data"]
-        )
+        cursor = run.resumed and run.resumed["data"]
+        run.producer = Producer(args, run.tok, run.train_rows, urls, run.ctx, policy=run.version, cursor=cursor)
         run.producer.start()
         if args.plan["cpu_server"] and run.world_size == 1:
             run.share_core = functools.partial(share_idle_core, run.policy, run.version)
@@ -1285,7 +1353,8 @@ def start_generation(run):
             run.logs["wandb"] = wandb.init(project=args.wandb_project, config=vars(args), dir=str(run.out_dir))
         run.logs.update({name: open(run.out_dir / f"{name}.jsonl", "a") for name in ("metrics", "rollouts")})
         if args.eval_every and not run.start_step:  # every curve starts at the model as loaded: step 0
-            write_metrics(run, metrics := {"step": 0, "policy_version": 0, **evaluate(run)})
+            metrics = {"step": 0, "policy_version": 0, **evaluate(run)}
+            write_metrics(run, metrics)
             print(f"step    0/{args.steps} | eval {metrics['eval/reward']:.3f}", flush=True)
     elif args.fsdp and args.vllm_url:  # rank 0's first sync gathers the weights from every rank's shards
         help_sync(run.policy, args, run.served)
@@ -1299,7 +1368,10 @@ def start_generation(run):
 
 
 def train_one_step(run, step):
-    args, t_step, groups, payload = run.args, time.perf_counter(), None, [None, None]
+    args = run.args
+    t_step = time.perf_counter()
+    groups = None
+    payload = [None, None]  # each rank's samples, and the step's loss tokens
     if run.is_main:  # rank 0 takes whole groups off the producer's queue and deals each rank an equal share of them
         groups = run.producer.take(args.prompts_per_step, args.data_timeout, interrupted=lambda: bool(run.stop))
         to_train = [{k: s[k] for k in ("ids", "n_prompt", "mask", "logprobs", "advantage")} for g in groups for s in g]
@@ -1309,27 +1381,31 @@ def train_one_step(run, step):
         ]
     if run.world_size > 1:
         dist.broadcast_object_list(payload, 0)
-    samples, num_tokens, wait_seconds = payload[0][run.rank], payload[1], time.perf_counter() - t_step
+    samples = payload[0][run.rank]
+    num_tokens = payload[1]
+    wait_seconds = time.perf_counter() - t_step
     run.updating = True  # an error in the update may leave the weights half-updated: not saved then
     with run.share_core():
         metrics = train_step(
             run.model,
             run.optimizer,
             samples,
-            max(num_tokens, 1),
-            args.prompts_per_step * args.num_generations,
-            args,
-            run.device,
-            run.world_size,
-            run.reference,
-            run.ctx["stop_ids"],
-            run.pad_id,
-            run.served,
+            num_tokens=max(num_tokens, 1),
+            num_sequences=args.prompts_per_step * args.num_generations,
+            args=args,
+            device=run.device,
+            world_size=run.world_size,
+            reference=run.reference,
+            stop_ids=run.ctx["stop_ids"],
+            pad_id=run.pad_id,
+            served=run.served,
         )
     run.scheduler.step()
-    run.updating, run.completed = False, step + 1
-    trained_version, sync_seconds = run.version.value if run.is_main else None, 0.0
+    run.updating = False
+    run.completed = step + 1
+    sync_seconds = 0.0
     if run.is_main:
+        trained_version = run.version.value
         run.done_cursor = dict(run.producer.cursor)
     if (step + 1) % args.sync_every == 0:
         if run.is_main:
@@ -1348,9 +1424,7 @@ def train_one_step(run, step):
             }
         )
         log_step(run, step + 1, groups, metrics, trained_version)
-    due = [
-        bool(args.save_every and (step + 1) % args.save_every == 0 or run.stop)
-    ]  # rank 0 decides: it gets the signals
+    due = [bool(args.save_every and (step + 1) % args.save_every == 0 or run.stop)]  # rank 0 decides: it gets signals
     if args.fsdp:
         dist.broadcast_object_list(due, 0)
     if due[0] and (run.is_main or args.fsdp):
@@ -1363,7 +1437,9 @@ def train_one_step(run, step):
 
 def log_step(run, step, groups, metrics, trained_version):
     """metrics.jsonl (and wandb), a few rollouts in rollouts.jsonl, the evaluation when due, and one line printed."""
-    args, clock, cursor = run.args, run.clock, run.done_cursor
+    args = run.args
+    clock = run.clock
+    cursor = run.done_cursor
     samples = [s for g in groups for s in g]
     clock["samples"] += len(samples)
     clock["waited"] += metrics["perf/wait_seconds"]
@@ -1381,9 +1457,9 @@ def log_step(run, step, groups, metrics, trained_version):
             "perf/wall_seconds": wall,
             "perf/trainer_idle": clock["waited"] / wall,  # shares of the wall time
             "perf/generator_idle": (run.version.idle() - clock["idle_start"]) / wall,
-            "perf/cpu_seconds": time.process_time() - clock["cpu_start"],
+            "perf/cpu_seconds": time.process_time() - clock["cpu_start"],  # this process's, producer included
         }
-    )  # this process's, producer included
+    )
     for s in samples[: args.log_rollouts]:
         print(
             json.dumps(
@@ -1454,9 +1530,8 @@ def rollout_metrics(groups, version):
             metrics[f"tools/{name}/calls"] = metrics.get(f"tools/{name}/calls", 0) + calls
             metrics[f"tools/{name}/failures"] = metrics.get(f"tools/{name}/failures", 0) + failures
     metrics["reward/std"] = float(np.std([s["reward"] for s in samples]))
-    metrics["rollout/zero_variance_groups"] = sum(float(np.std([s["reward"] for s in g]) == 0) for g in groups) / len(
-        groups
-    )
+    zero_variance = [np.std([s["reward"] for s in g]) == 0 for g in groups]
+    metrics["rollout/zero_variance_groups"] = float(np.mean(zero_variance))
     return metrics
 
 
@@ -1468,12 +1543,14 @@ def mean_over_union(dicts):
 
 def evaluate(run):
     """Greedy rollouts on the held-out rows through the same servers and tool loop, on the producer's event loop."""
-    p, rows, args = run.producer, run.eval_rows, run.args
+    p = run.producer
+    rows = run.eval_rows
+    args = run.args
 
     async def scored():
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=args.data_timeout)) as session:
             samples = await all_or_none(
-                rollout(session, p.urls[i % len(p.urls)], p.tok, row, args, p.ctx, p.policy, greedy=True)
+                rollout(session, p.urls[i % len(p.urls)], p.tok, row, args, ctx=p.ctx, policy=p.policy, greedy=True)
                 for i, row in enumerate(rows)
             )
         return [await score_group([sample], row, args.reward_weights) for row, sample in zip(rows, samples)]
@@ -1576,7 +1653,8 @@ def checkpoint(run, step):
     name, link = f"checkpoint-{step:06d}", run.out_dir / "checkpoint"
     if not run.is_main or link.is_symlink() and os.readlink(link) == name:  # the other ranks' part ends here
         return
-    tmp, previous = run.out_dir / f"{name}.tmp", os.readlink(link) if link.is_symlink() else None
+    tmp = run.out_dir / f"{name}.tmp"
+    previous = os.readlink(link) if link.is_symlink() else None
     try:
         shutil.rmtree(tmp, ignore_errors=True)
         if run.args.lora_rank:  # merged weights; the adapter in adapter/ (from_pretrained applies one beside them)
@@ -1621,6 +1699,12 @@ def checkpoint(run, step):
     os.replace(run.out_dir / "checkpoint.tmp", link)
     if previous:
         shutil.rmtree(run.out_dir / previous, ignore_errors=True)
+
+
+def stop_on_signals(stop):
+    """SIGINT and SIGTERM ask to stop after this step (_stop_after_step appends to `stop`); returns their handlers."""
+    stopping = functools.partial(_stop_after_step, stop)
+    return {sig: signal.signal(sig, stopping) for sig in (signal.SIGINT, signal.SIGTERM)}
 
 
 def _stop_after_step(stop, signum, frame):
@@ -1964,13 +2048,11 @@ def parse_args(argv=None, world_size=1, cuda_count=None, local_ranks=None):
             "server would join the weight sync under the same ranks; start several servers instead, --vllm-servers N",
         ),
     ]
-    args.tool_names = (
-        []
-        if args.tools is None
-        else list(tools_module.TOOLS)
-        if args.tools == "all"
-        else [n.strip() for n in args.tools.split(",")]
-    )
+    args.tool_names = []
+    if args.tools == "all":
+        args.tool_names = list(tools_module.TOOLS)
+    elif args.tools is not None:
+        args.tool_names = [name.strip() for name in args.tools.split(",")]
     unknown = sorted(set(args.tool_names) - set(tools_module.TOOLS))
     checks.append((unknown, f"--tools: unknown tool(s) {unknown}; tools.py defines {sorted(tools_module.TOOLS)}"))
     args.rewards = args.rewards or (
@@ -1995,12 +2077,9 @@ def parse_args(argv=None, world_size=1, cuda_count=None, local_ranks=None):
     for failed, message in checks:
         if failed:
             p.error(message)
-    args.plan = plan_devices(
-        args,
-        torch.cuda.device_count() if cuda_count is None else cuda_count,  # local_ranks: on
-        local_ranks or int(os.environ.get("LOCAL_WORLD_SIZE", world_size)),
-        p.error,
-    )  # this node
+    cuda_count = torch.cuda.device_count() if cuda_count is None else cuda_count
+    local_ranks = local_ranks or int(os.environ.get("LOCAL_WORLD_SIZE", world_size))  # the trainer ranks on this node
+    args.plan = plan_devices(args, cuda_count, local_ranks, p.error)
     args.max_staleness = 0 if args.sync else args.max_staleness
     args.sync_bucket_bytes = int(args.sync_bucket_mb * 2**20)
     # The other ranks' bound in a collective while rank 0 alone starts vLLM, waits for data or syncs: not torch's (NCCL 10
@@ -2008,7 +2087,10 @@ def parse_args(argv=None, world_size=1, cuda_count=None, local_ranks=None):
     args.collective_timeout = 2 * (args.vllm_startup_timeout + args.data_timeout + args.sync_timeout)
     args.output_dir = args.output_dir or time.strftime("runs/%Y%m%d-%H%M%S")
     args.lora_alpha = 2.0 * args.lora_rank if args.lora_alpha is None else args.lora_alpha
-    args.lr = 0.0 if args.audit else (3e-4 if args.model is None else 1e-6) if args.lr is None else args.lr
+    if args.audit:
+        args.lr = 0.0
+    elif args.lr is None:
+        args.lr = 3e-4 if args.model is None else 1e-6
     return args
 
 
@@ -2022,8 +2104,13 @@ def plan_devices(args, cuda_count, local_ranks, fail):
     """Where everything runs, decided before anything loads: the trainer ranks on cuda:0..local_ranks-1 or the CPU, each
     server started here on its share of --vllm-gpus or the CPU, and the sync backend: NCCL between devices, else gloo
     (which takes CUDA tensors: NCCL refuses two ranks on one device). fail(message) for a plan that cannot work."""
-    n, url, free = args.vllm_servers, args.vllm_url, [str(d) for d in range(local_ranks, cuda_count)]
-    gpus = args.vllm_gpus.split(",") if args.vllm_gpus else [] if url else free[: len(free) // n * n]
+    n = args.vllm_servers
+    url = args.vllm_url
+    free = [str(d) for d in range(local_ranks, cuda_count)]  # the devices the trainer ranks leave free
+    if args.vllm_gpus:
+        gpus = args.vllm_gpus.split(",")
+    else:
+        gpus = [] if url else free[: len(free) // n * n]
     shared = bool(cuda_count and not url and not gpus)  # no device free: one server shares trainer rank 0's GPU
     instead = f"pass --vllm-gpus among {','.join(free)}" if free else "launch fewer ranks (torchrun --nproc-per-node)"
     for failed, message in [
@@ -2078,10 +2165,12 @@ def load_rows(args):
             5000 + args.eval_size, args.seed, args.task, args.max_operand, args.terms, args.operations
         )
     else:
-        rows, seen = [], {}  # seen: id -> line; a rollout finds its prompt by its row's id
+        rows = []
+        seen = {}  # id -> line; a rollout finds its prompt by its row's id
         for line_no, line in enumerate(Path(args.dataset).read_text().splitlines(), 1):
             if line.strip():
-                row = dataset_row(line, len(rows), where := f"--dataset {args.dataset}, line {line_no}")
+                where = f"--dataset {args.dataset}, line {line_no}"
+                row = dataset_row(line, len(rows), where)
                 if seen.setdefault(row["id"], line_no) != line_no:
                     raise SystemExit(
                         f"{where}: the id {row['id']!r} is line {seen[row['id']]}'s too; ids must be "
@@ -2114,7 +2203,8 @@ def dataset_row(line, index, where):
             f"{where}: each row needs a 'prompt' field, a string or a non-empty list of chat messages "
             '{"role": ..., "content": ...}'
         )
-    if shadowed := ROLLOUT_FIELDS & set(row):
+    shadowed = ROLLOUT_FIELDS & set(row)
+    if shadowed:
         raise SystemExit(f"{where}: the rewards get {sorted(shadowed)} from the rollouts; rename the column")
     if not isinstance(row.setdefault("id", index), (str, int)):
         raise SystemExit(f"{where}: the id {row['id']!r} is not a string or integer")
@@ -2159,7 +2249,8 @@ def with_lora(model, args, adapter=None):
         }
     )
     targets = args.lora_targets.split(",") if args.lora_targets else linear
-    if unknown := sorted(set(targets) - set(linear)):
+    unknown = sorted(set(targets) - set(linear))
+    if unknown:
         raise SystemExit(
             f"--lora-targets: no Linear layer {unknown} in the decoder layers; theirs: {','.join(linear)}"
         )
@@ -2289,9 +2380,12 @@ TINY_VERSION = "tiny-qwen3-v2"  # bump when the recipe below changes, so caches 
 def warm_start_conversations(n, seed):
     """Supervised conversations for the built-in model: answer directly (without tools), or, with tools offered (the
     calculator alone or all of them), call the calculator and copy its result."""
-    rng, plain, with_tools = random.Random(seed), [], []
+    rng = random.Random(seed)
+    plain = []  # (conversation, tool schemas): answered directly
+    with_tools = []  # answered with the calculator's result
     for row in rewards_module.task_rows(n, seed, max_operand=9):  # a wider range than the RL task: format, not facts
-        user, answer = {"role": "user", "content": row["prompt"]}, str(row["answer"])
+        user = {"role": "user", "content": row["prompt"]}
+        answer = str(row["answer"])
         plain.append(([user, {"role": "assistant", "content": answer}], None))
         call = {
             "type": "function",
@@ -2527,24 +2621,22 @@ def chat_format(tok, schemas, stop_ids):
             )
         turn_ends.add((text[at:], len(stop)))
         turns.append((text[len(prompt) : at], content, calls))  # the text the model would have generated
-    fmt = (
-        "transformers"
-        if getattr(tok, "response_template", None)
-        else "tagged"
-        if "<tool_call>" in turns[1][0]
-        else "mistral"
-        if "[TOOL_CALLS]" in turns[1][0]
-        else "json"
-        if re.match(r"\s*(<\|python_tag\|>|\{)", remove_think(turns[1][0], False)[1])
-        else None
-    )
-    if fmt is None:
-        raise ValueError(f"it writes tool calls in a format this parser does not read: {turns[1][0]!r}")
-    problems, by_name = [], {s["function"]["name"]: s["function"] for s in schemas}
+    with_calls = turns[1][0]
+    if getattr(tok, "response_template", None):
+        fmt = "transformers"
+    elif "<tool_call>" in with_calls:
+        fmt = "tagged"
+    elif "[TOOL_CALLS]" in with_calls:
+        fmt = "mistral"
+    elif re.match(r"\s*(<\|python_tag\|>|\{)", remove_think(with_calls, False)[1]):
+        fmt = "json"
+    else:
+        raise ValueError(f"it writes tool calls in a format this parser does not read: {with_calls!r}")
+    problems = []
+    by_name = {s["function"]["name"]: s["function"] for s in schemas}
+    prompt_ids = tok.encode(prompt, add_special_tokens=False)
     for generated, content, calls in turns[1:]:
-        message = parse_assistant(
-            generated, tok, tok.encode(prompt, add_special_tokens=False), by_name, fmt, max_calls
-        )
+        message = parse_assistant(generated, tok, prompt_ids, by_name, fmt, max_calls=max_calls)
         if message["tool_calls"] != calls or message["tool_call_errors"] or message["content"] not in ("", content):
             errors = message["tool_call_errors"]
             problems.append(
@@ -2622,7 +2714,8 @@ def parse_assistant(text, tok=None, prompt_ids=(), schemas=None, fmt="tagged", m
     """Generated text -> {'role', 'content', 'reasoning_content' (if any), 'tool_calls', 'tool_call_errors'}:
     well-formed calls in the OpenAI shape, and one message per call that did not parse (or that exceeds max_calls,
     which the template could not render). Never raises."""
-    schemas, message = schemas or {}, {"role": "assistant", "content": "", "tool_calls": [], "tool_call_errors": []}
+    schemas = schemas or {}
+    message = {"role": "assistant", "content": "", "tool_calls": [], "tool_call_errors": []}
     try:
         if fmt == "transformers":  # the tokenizer's own parser; the schemas type the arguments
             parsed = tok.parse_response(
@@ -2633,17 +2726,18 @@ def parse_assistant(text, tok=None, prompt_ids=(), schemas=None, fmt="tagged", m
             found = [
                 (c.get("function", c) if isinstance(c, dict) else c, str(c)) for c in parsed.get("tool_calls") or []
             ]
-            content, reasoning, errors = parsed.get("content") or "", parsed.get("reasoning_content"), []
+            content = parsed.get("content") or ""
+            reasoning = parsed.get("reasoning_content")
+            errors = []
         else:
             opened = bool(prompt_ids) and tok.decode(list(prompt_ids[-16:])).rstrip().endswith("<think>")
             reasoning, text = remove_think(text, opened)
-            content, found, errors = (
-                parse_tagged(text, schemas)
-                if fmt == "tagged"
-                else parse_mistral(text)
-                if fmt == "mistral"
-                else parse_bare_json(text)
-            )
+            if fmt == "tagged":
+                content, found, errors = parse_tagged(text, schemas)
+            elif fmt == "mistral":
+                content, found, errors = parse_mistral(text)
+            else:
+                content, found, errors = parse_bare_json(text)
         calls = []
         for value, quote in found:  # each call stands or fails alone: one bad call never costs the turn's others
             try:
@@ -2685,13 +2779,15 @@ def _no_constant(name):
 
 
 def _finite(text):
-    if not math.isfinite(value := float(text)):
+    value = float(text)
+    if not math.isfinite(value):
         raise ValueError(f"{text[:20]} is out of range")
     return value
 
 
 def _no_duplicates(pairs):
-    if len(obj := dict(pairs)) < len(pairs):
+    obj = dict(pairs)
+    if len(obj) < len(pairs):
         raise ValueError(f"duplicate key in {str(pairs)[:100]}")
     return obj
 
@@ -2761,11 +2857,13 @@ def parse_call(call):
 
 def argument_errors(schema, arguments):
     """What is wrong with a call's arguments against the tool's JSON schema (empty: nothing)."""
-    properties, required = schema["parameters"].get("properties", {}), schema["parameters"].get("required", [])
+    properties = schema["parameters"].get("properties", {})
+    required = schema["parameters"].get("required", [])
     errors = [f"missing argument {k!r}" for k in required if k not in arguments]
     errors += [f"unknown argument {k!r}" for k in arguments if k not in properties]
     for key, value in arguments.items():
-        if (types := schema_types(properties.get(key))) and not any(is_json_type(value, t) for t in types):
+        types = schema_types(properties.get(key))
+        if types and not any(is_json_type(value, t) for t in types):
             errors.append(f"argument {key!r} must be {' or '.join(types)}, got {json.dumps(value)[:50]}")
     return errors
 
@@ -2787,11 +2885,9 @@ def typed(value, schema):
 CLEAN = r"(?=(?:(?!</?tool_call>|</function>|</parameter>)[\s\S])*(?:<tool_call>|\Z))"
 
 
-XML_FUNCTION, XML_PARAMETER, XML_END = (
-    re.compile(r"\s*<function=([^>\n]+)>"),
-    re.compile(r"\s*<parameter=([^>\n]+)>"),
-    re.compile(r"\s*</function>\s*(?:</tool_call>|\Z)" + CLEAN),
-)
+XML_FUNCTION = re.compile(r"\s*<function=([^>\n]+)>")
+XML_PARAMETER = re.compile(r"\s*<parameter=([^>\n]+)>")
+XML_END = re.compile(r"\s*</function>\s*(?:</tool_call>|\Z)" + CLEAN)
 
 
 XML_CLOSE = re.compile(r"</parameter>(?=\s*<parameter=[^>\n]+>|" + XML_END.pattern + ")")
@@ -2830,36 +2926,40 @@ def parse_xml_call(text, start, schemas):
     """<function=NAME> <parameter=KEY>VALUE</parameter>... </function> at text[start:] (Qwen3.5, Qwen3-Coder) ->
     ({'name', 'arguments'}, end). Raises ValueError(message, how far the call's text reaches), also where a value holds
     <parameter=KEY> not yet given, or unbalanced a </tool_call> that could end the call: a missing </parameter>, or text?"""
-    if not (head := XML_FUNCTION.match(text, start)):
+    head = XML_FUNCTION.match(text, start)
+    if not head:
         raise ValueError("expected <function=NAME>", start)
-    name, arguments, error, pos = head.group(1), {}, None, head.end()
+    name = head.group(1)
+    arguments = {}
+    error = None  # the first thing wrong; the call is read to its end all the same
+    pos = head.end()
     keys = schemas[name].get("parameters", {}).get("properties", {}) if name in schemas else None
     while not XML_END.match(text, pos):
-        if not (param := XML_PARAMETER.match(text, pos)):
+        param = XML_PARAMETER.match(text, pos)
+        if not param:
             error = error or f"expected <parameter=KEY> or </function>, got {text[pos : pos + 40].strip()!r}"
-            value, opening = XML_PARAMETER.search(text, pos), text.find("<tool_call>", pos)
+            value = XML_PARAMETER.search(text, pos)
+            opening = text.find("<tool_call>", pos)
             if not value or 0 <= opening < value.start():  # no value begins before the next call: this one ends here
                 raise ValueError(error, pos)
             pos = value.start()  # read on from the next value: a call inside it is text, not a call to run
             continue
-        key, (close, balanced) = param.group(1), xml_value_end(text, param.end())
+        key = param.group(1)
+        close, balanced = xml_value_end(text, param.end())
         if not close:  # a value never closed runs to the end of the turn
             raise ValueError(
                 f"<parameter={key}> has no </parameter> that a parameter or the call's end follows", len(text)
             )
         for tag in itertools.takewhile(lambda t: t.start() < close.start(), XML_TAGS.finditer(text, param.end())):
-            if (
-                tag.group(1) not in (None, key, *arguments)
-                and (keys is None or tag.group(1) in keys)
-                or tag.group() == "</tool_call>"
-                and not balanced
-            ):
+            opens_another = tag.group(1) not in (None, key, *arguments) and (keys is None or tag.group(1) in keys)
+            if opens_another or (tag.group() == "</tool_call>" and not balanced):
                 error = (
                     error or f"the value of {key!r} holds {tag.group()!r}: a </parameter> missing before it, or text?"
                 )
         error = error or (key in arguments and f"parameter {key!r} given twice")
         value = re.sub(r"\A\n|\n\Z", "", text[param.end() : close.start()])  # the format puts it on lines of its own
-        arguments[key], pos = typed(value, (keys or {}).get(key)), close.end()
+        arguments[key] = typed(value, (keys or {}).get(key))
+        pos = close.end()
     end = text.index("</function>", pos) + len("</function>")
     if error:
         raise ValueError(error, end)
@@ -2870,21 +2970,28 @@ def parse_tagged(text, schemas):
     """<tool_call>BODY</tool_call>, any number, BODY JSON (Qwen/Hermes) or XML. JSON is decoded from the opening tag, so
     a '</tool_call>' inside a string does not end the call, and a call that does not parse ends at its closing tag or at
     the next opening one (not one inside its JSON strings or read in its XML values), never swallowing it."""
-    content, found, errors, pos = [], [], [], 0
+    content = []  # the text between the calls
+    found = []
+    errors = []
+    pos = 0
     while (start := text.find("<tool_call>", pos)) >= 0:
         content.append(text[pos:start])
         body = start + len("<tool_call>")
         xml = text[body:].lstrip().startswith("<function=")
         try:
             value, end = parse_xml_call(text, body, schemas) if xml else decode_json(text, body)
-            if not (close := TAGGED_CLOSE.match(text, end)):
+            close = TAGGED_CLOSE.match(text, end)
+            if not close:
                 raise ValueError(f"unexpected {text[end:].lstrip()[:40]!r} after the call", end)
             pos = close.end()
             found.append((value, text[start:pos]))
         except Exception as e:  # this call's error; the turn's other calls stand
             message, read = e.args if len(e.args) == 2 else (str(e), body)
             tag = next((t for t in TAGGED_END.finditer(text, read if xml else body) if t.group()[0] == "<"), None)
-            pos = len(text) if not tag else tag.end() if tag.group() == "</tool_call>" else tag.start()
+            if not tag:
+                pos = len(text)
+            else:
+                pos = tag.end() if tag.group() == "</tool_call>" else tag.start()
             errors.append(f"could not parse the tool call {text[start:pos][:200]!r}: {message}")
     content.append(text[pos:])
     return "".join(content), found, errors
@@ -2896,7 +3003,9 @@ def parse_mistral(text):
     start = text.find("[TOOL_CALLS]")
     if start < 0:
         return text, [], []
-    found, errors, pos = [], [], start
+    found = []
+    errors = []
+    pos = start
     while pos < len(text):
         at = pos
         try:
@@ -2906,7 +3015,8 @@ def parse_mistral(text):
             if text[pos:].lstrip()[:1] in ("[", "{"):
                 value, pos = decode_json(text, pos)
             else:
-                if not (head := MISTRAL_NAME.match(text, pos)):
+                head = MISTRAL_NAME.match(text, pos)
+                if not head:
                     raise ValueError("expected NAME[ARGS]{...}")
                 arguments, pos = decode_json(text, head.end())
                 value = {"name": head.group(1), "arguments": arguments}
@@ -3057,10 +3167,14 @@ def start_vllm(args, model_path, out_dir):
                     start_new_session=True,
                     preexec_fn=functools.partial(_server_preexec, cores),
                 )
-            proc.log_path, proc.log_start, proc.url = log_path, log_start, f"http://127.0.0.1:{port}"
+            proc.log_path = log_path
+            proc.log_start = log_start
+            proc.url = f"http://127.0.0.1:{port}"
             procs.append(proc)
             print(f"starting vLLM (pid {proc.pid}, log {log_path}): {shlex.join(cmd)}", flush=True)
-        deadline, starting, report = time.monotonic() + args.vllm_startup_timeout, list(procs), t0 + 30
+        deadline = time.monotonic() + args.vllm_startup_timeout
+        starting = list(procs)
+        report = t0 + 30  # when to say that it is still starting
         while starting:
             for proc in list(starting):
                 if proc.poll() is not None:
@@ -3138,7 +3252,8 @@ def watch_servers(run, every=1.0):
     it; the error handler (save_after_error) reports run.server_failure as the cause."""
     while not run.server_failure and run.urls:
         time.sleep(every)
-        if failure := server_failure(run.urls, run.servers):
+        failure = server_failure(run.urls, run.servers)
+        if failure:
             run.server_failure = failure
             for server in run.servers:  # SIGKILL: a graceful stop would wait for the requests that wait on it
                 with contextlib.suppress(ProcessLookupError):

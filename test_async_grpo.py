@@ -696,7 +696,7 @@ def test_async_grpo_has_no_compressed_constructs():
         "assignment",
         "parallel",
         "backslash",
-        "g()",
+        "with",
     ]
 
 
@@ -711,7 +711,8 @@ def test_async_grpo_stays_in_its_budget_with_the_algorithm_first():
     assert lines <= 3600 and main.end_lineno - main.lineno + 1 <= 20 and readme.count("\n") <= 260
     core = ["rollout", "Producer", "group_advantages", "grpo_loss", "train_step", "WeightSync"]
     assert all(defined[name].end_lineno <= lines / 3 for name in core), {n: defined[n].lineno for n in core}
-    markers = re.findall(r"# FORK: ([^(\n]+?)\s*(?:\(|$)", "".join(p.read_text() for p in HERE.glob("*.py")), re.M)
+    sources = "".join(path.read_text() for path in HERE.glob("*.py") if not path.name.startswith("test_"))
+    markers = re.findall(r"^# FORK: ([^(\n]+?)\s*(?:\(|$)", sources, re.M)
     assert len(markers) >= 8 and all(f"`# FORK: {m}`" in readme for m in markers), markers
 
 
