@@ -46,6 +46,8 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
+from torch.nn.attention.varlen import varlen_attn
+import torch.utils.checkpoint
 
 import rewards as rewards_module
 import tools as tools_module
@@ -57,6 +59,7 @@ TOOL_THREADS = ThreadPoolExecutor(64, thread_name_prefix="tool")  # a hung sync 
 # What --sampling-args may hold: parameters that end or seed a generation but leave its distribution as the trainer
 # computes it (min_tokens does change it: the trainer holds the stop tokens back in the same places).
 SAMPLING_ARGS = {"min_tokens", "stop", "seed", "ignore_eos"}
+MODEL_INPUTS = ("input_ids", "position_ids", "attention_mask", "segments")  # what a batch (collate) hands the model
 
 
 # --- The rollout: one conversation = generate, run its tool calls, append their results, generate again ---------------
@@ -623,27 +626,23 @@ def train_step(
     config = getattr(model, "module", model).config.get_text_config()  # its width and window shape the rows (collate)
     totals = {"loss": 0.0}
     forwarded = 0  # tokens through the model: each group's prompt once where it is shared
-    micros = micro_batches(samples, args.micro_batch_size, 1, args.share_prefix)
+    layout = dict(share=args.share_prefix, packed=args.packed)  # collate's rows, which micro_batches bounds
+    bound = dict(tokens=args.micro_batch_tokens, width=config.hidden_size, **layout)
+    micros = micro_batches(samples, args.micro_batch_size, 1, **bound)
     # Every rank runs as many forwards and backwards, whatever its lengths: DDP and FSDP communicate in them.
     if world_size > 1:
         count = torch.tensor(len(micros), device=device)
         dist.all_reduce(count, op=dist.ReduceOp.MAX)
         if count > len(micros):  # this rank splits its largest micro-batches until it has as many
-            micros = micro_batches(samples, args.micro_batch_size, int(count), args.share_prefix)
+            micros = micro_batches(samples, args.micro_batch_size, int(count), **bound)
+    min_tokens = args.sampling_args.get("min_tokens", 0)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32  # autocast's, below
+    # the distribution vLLM sampled from: the ratio against its log-probs measures the policy, not the truncation
+    sampling = {k: getattr(args, k) for k in ("temperature", "top_k", "top_p", "min_p")}
+    sampling |= {"stop_ids": stop_ids, "served": served}
     for i, micro in enumerate(micros):
-        min_tokens = args.sampling_args.get("min_tokens", 0)
-        batch = collate(micro, pad_id, device, min_tokens, share=args.share_prefix, config=config)
+        batch = collate(micro, pad_id, device, min_tokens, config=config, dtype=dtype, **layout)
         forwarded += batch["tokens"]
-        # the distribution vLLM sampled from: the ratio against its log-probs measures the policy, not the truncation
-        sampling = dict(
-            temperature=args.temperature,
-            top_k=args.top_k,
-            top_p=args.top_p,
-            min_p=args.min_p,
-            stop_masked=batch["stop_masked"],
-            stop_ids=stop_ids,
-            served=served,
-        )
         with (
             model.no_sync() if i < len(micros) - 1 and hasattr(model, "no_sync") else contextlib.nullcontext(),
             torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"),
@@ -680,13 +679,9 @@ def train_step(
     tokens = torch.tensor([forwarded, sum(len(s["ids"]) for s in samples)], dtype=torch.float64, device=device)
     if world_size > 1:
         dist.all_reduce(tokens)  # the step's, over every rank
-    totals.update(
-        {
-            "train/tokens": tokens[0].item(),
-            "train/tokens_unshared": tokens[1].item(),
-            "train/tokens_saved": 1 - tokens[0].item() / tokens[1].item(),
-        }
-    )
+    forwarded, unshared = tokens.tolist()
+    totals |= {"train/tokens": forwarded, "train/tokens_unshared": unshared}
+    totals["train/tokens_saved"] = 1 - forwarded / unshared
     totals["train/grad_norm"] = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm).item()
     if math.isfinite(totals["train/grad_norm"]):
         optimizer.step()
@@ -696,26 +691,24 @@ def train_step(
     return dict(totals)
 
 
-def micro_batches(samples, size, count=1, share=True):
-    """The step's samples in micro-batches of at most `size` sequences and at most `size` x 1.25 x the step's median
-    length in tokens forwarded, padding included (a sequence longer than that goes alone): shortest first, and with
-    share a prompt's samples together (they share a row: collate). A micro-batch pads to its longest row, and a tool
-    loop's long tail (a few rollouts 5x the median) made padding most of a step's tokens: on the tool task here, 2.5x
-    slower steps. The order is free: the loss is normalised over the whole step. At least `count` micro-batches (the
-    largest halved until then): every rank must run as many."""
+def micro_batches(samples, size, count=1, share=True, tokens=math.inf, width=None, packed=False):
+    """The step's samples in micro-batches of at most `size` sequences and `tokens` tokens forwarded (memory), padding
+    included, and unpacked at most `size` x 1.25 x the step's median length (a sequence longer goes alone): shortest
+    first, with share a prompt's samples together (rows_of). A micro-batch pads to its longest row, and a tool loop's
+    long tail (a few rollouts 5x the median) made padding most of a step's tokens: 2.5x slower steps on the tool task.
+    The order is free: the loss is normalised over the step. At least `count` (the largest halved): every rank runs as
+    many."""
     samples = sorted(
         samples, key=lambda s: (s["n_prompt"], s["ids"][: s["n_prompt"]], len(s["ids"])) if share else len(s["ids"])
     )
-    budget = size * 1.25 * np.median([len(s["ids"]) for s in samples])
-    batches, rows = [[]], {}  # the last micro-batch's rows: their lengths by prompt
+    padding = size * 1.25 * np.median([len(s["ids"]) for s in samples])
+    batches = [[]]
     for s in samples:
-        key = tuple(s["ids"][: s["n_prompt"]]) if share else id(s)
-        grown = {**rows, key: rows.get(key, s["n_prompt"]) + len(s["ids"]) - s["n_prompt"]}
-        if batches[-1] and (len(batches[-1]) == size or len(grown) * max(grown.values()) > budget):
+        rows = rows_of(batches[-1] + [s], share, None if packed else width)[1]  # their lengths
+        forwarded = sum(rows) if packed else len(rows) * max(rows)
+        if batches[-1] and (len(batches[-1]) == size or forwarded > min(tokens, math.inf if packed else padding)):
             batches.append([])
-            grown = {key: len(s["ids"])}
         batches[-1].append(s)
-        rows = grown
     while len(batches) < count:
         i = max(
             (i for i, b in enumerate(batches) if len(b) > 1),
@@ -725,71 +718,98 @@ def micro_batches(samples, size, count=1, share=True):
     return batches
 
 
-def collate(samples, pad_id, device, min_tokens=0, share=True, config=None):
-    """The micro-batch as the model takes it: rows that hold a prompt once and the completions of its samples after it
-    (samples with equal prompt tokens, a group's; with share off, a row per sample). The mask lets a completion attend
-    to the prompt and to itself only, and its positions count on from the prompt's end: each token sees what it would
-    alone (the same log-probs, to float rounding), and the prompt's activations get the gradients of all its
-    completions. A row's attention is dense, so a completion of c tokens joins its prompt's row only where that costs
-    less than a row of its own: it saves the prompt's n tokens (~12 width^2 multiply-adds each, width: config's hidden
-    size) and adds attention over the row's c' completion tokens (~2 width a pair): 2 c c' < n (6 width + n) (always,
-    without config). Per-token tensors are [B, T] over each sample's completion: its token t is predicted at
-    logits[rows, cols[t]], the first at the prompt's last position."""
-
-    def padded(
-        rows, dtype=torch.float, value=0
-    ):  # [B, the longest row]; one column at least: a completion may be empty
-        out = torch.full((len(rows), max(1, *map(len, rows))), value, dtype=dtype)
-        for r, row in enumerate(rows):
-            out[r, : len(row)] = torch.tensor(row, dtype=dtype)
-        return out
-
-    width = getattr(config, "hidden_size", None)
-    window = getattr(config, "sliding_window", None)
-    ids = []  # per row: a prompt, then the completions that joined it
-    segment = []  # per row, per token: 0 the prompt, i + 1 sample i's completion
-    position = []
-    at = []  # per sample: (its row, the columns whose logits predict its tokens)
+def rows_of(samples, share=True, width=None):
+    """collate's rows (lists of sample indices) and their lengths: a prompt once, then the completions of the samples
+    with its tokens (share; else a row each). A dense row (width: the hidden size) takes a completion of c tokens only
+    where that costs less than a row of its own: it saves n prompt tokens (~12 width^2 multiply-adds each) and adds
+    attention over the row's c' completion tokens (~2 width a pair): 2 c c' < n (6 width + n). Segments always do."""
+    rows = []
+    lengths = []
     open_row = {}  # prompt -> the row its next completion may join
     for i, s in enumerate(samples):
         n = s["n_prompt"]
-        completion = s["ids"][n:]
         key = tuple(s["ids"][:n]) if share else i
         r = open_row.get(key)
-        if r is None or width and 2 * len(completion) * (len(ids[r]) - n) >= n * (6 * width + n):
-            r = len(ids)
-            open_row[key] = r
-            ids.append(s["ids"][:n])
-            segment.append([0] * n)
-            position.append(list(range(n)))
-        at.append((r, [n - 1] + list(range(len(ids[r]), len(ids[r]) + len(completion) - 1))))
-        ids[r] += completion
-        segment[r] += [i + 1] * len(completion)
-        position[r] += range(n, n + len(completion))
-    segment = padded(segment, torch.long, -1)  # -1: padding, which attends to the prompt: no row is all masked
-    position = padded(position, torch.long)
-    causal = torch.ones(segment.shape[1], segment.shape[1], dtype=torch.bool).tril()
-    attend = (causal & ((segment[:, None] == 0) | (segment[:, None] == segment[..., None])))[:, None]
-    if (
-        window
-    ):  # the model's sliding window, in the mask that replaces its own: over positions; per layer type if mixed
-        slid = attend & (position[:, None, :, None] - position[:, None, None, :] < window)
-        types = set(getattr(config, "layer_types", None) or ["sliding_attention"])
-        if types == {"sliding_attention"}:
-            attend = slid
-        else:
-            attend = {t: (slid if t == "sliding_attention" else attend).to(device) for t in types}
+        if r is None or width and 2 * (len(s["ids"]) - n) * (lengths[r] - n) >= n * (6 * width + n):
+            r = open_row[key] = len(rows)
+            rows.append([])
+            lengths.append(n)
+        rows[r].append(i)
+        lengths[r] += len(s["ids"]) - n
+    return rows, lengths
+
+
+def collate(samples, pad_id, device, min_tokens=0, share=True, config=None, packed=False, dtype=torch.float32):
+    """The micro-batch as the model takes it: rows_of's rows, each token at its position alone (a completion's count on
+    from its prompt's end) and seeing what it sees alone, its prompt and its completion: the same log-probs (to float
+    rounding), and the prompt gets the gradients of all its completions. packed: one row of segments (a prompt, a
+    completion) for segment_attention. Else padded rows with, where completions share one, a 4D mask built on the
+    device (host work linear in T) as the float bias SDPA would make of it in every layer, once, in `dtype`. Per-token
+    tensors are [B, T] over each completion: token t is predicted at hidden[rows, cols[t]] (-1: padding)."""
+
+    def padded(rows, kind=torch.float, value=0):  # [B, the longest row]; one column at least: may be empty
+        out = torch.full((len(rows), max(1, *map(len, rows))), value, dtype=kind)
+        for r, row in enumerate(rows):
+            out[r, : len(row)] = torch.tensor(row, dtype=kind)
+        return out
+
+    rows = rows_of(samples, share, None if packed else getattr(config, "hidden_size", None))[0]
+    ids = []  # per row: a prompt, then the completions that joined it
+    segment = []  # per row, per token: 0 the prompt, i + 1 sample i's completion (the mask's)
+    position = []
+    segments = []  # packed: per segment, its query count and the columns of its keys
+    at = {}  # per sample: its row, and the columns whose hidden states predict its tokens
+    for members in rows:
+        n = samples[members[0]]["n_prompt"]
+        if not packed or not ids:
+            ids.append([])
+            segment.append([])
+            position.append([])
+        prompt = range(len(ids[-1]), len(ids[-1]) + n)
+        ids[-1] += samples[members[0]]["ids"][:n]
+        segment[-1] += [0] * n
+        position[-1] += range(n)
+        segments.append((n, prompt))
+        for i in members:
+            completion = samples[i]["ids"][n:]
+            own = range(len(ids[-1]), len(ids[-1]) + len(completion))
+            at[i] = (len(ids) - 1, [prompt[-1], *own[:-1]])
+            if own:
+                segments.append((len(own), [*prompt, *own]))
+            ids[-1] += completion
+            segment[-1] += [i + 1] * len(completion)
+            position[-1] += range(n, n + len(completion))
+    position = padded(position, torch.long).to(device)
+    batch = {"input_ids": padded(ids, torch.long, pad_id), "position_ids": position}  # what the model takes
+    if packed:
+        queries, keys = zip(*segments)
+        batch["segments"] = (
+            torch.tensor([0, *itertools.accumulate(queries)], dtype=torch.int32, device=device),
+            torch.tensor([0, *itertools.accumulate(map(len, keys))], dtype=torch.int32, device=device),
+            torch.tensor([column for k in keys for column in k], device=device),  # kv_index: each segment's keys
+            max(queries),
+            max(map(len, keys)),
+        )
+    elif any(len(members) > 1 for members in rows):
+        # -1: padding, which attends to the prompt: no row is all masked
+        segment = padded(segment, torch.long, -1).to(device)
+        causal = torch.ones(segment.shape[1], segment.shape[1], dtype=torch.bool, device=device).tril()
+        full = (causal & ((segment[:, None] == 0) | (segment[:, None] == segment[..., None])))[:, None]
+        attend = {"full_attention": full}
+        window = getattr(config, "sliding_window", None)
+        # the model's sliding window, in the mask that replaces its own: over positions; per layer type if mixed
+        if window:
+            distance = position[:, None, :, None] - position[:, None, None, :]
+            types = set(getattr(config, "layer_types", None) or ["sliding_attention"])
+            attend = {t: full & (distance < window) if t == "sliding_attention" else full for t in types}
+        bias = {t: torch.where(a, 0.0, -torch.inf).to(dtype) for t, a in attend.items()}
+        batch["attention_mask"] = bias if len(bias) > 1 else next(iter(bias.values()))
     mask = padded([s["mask"] for s in samples])
     generated = mask.cumsum(1)  # a turn: a run of generated tokens; in_turn counts those of its turn up to here
     in_turn = generated - (generated * (1 - mask)).cummax(1).values  # vLLM held the stop tokens back for min_tokens
-    first = min(s["n_prompt"] for s in samples) - 1  # no row needs logits before this position
-    batch = {
-        "input_ids": padded(ids, torch.long, pad_id),
-        "position_ids": position,
-        "attention_mask": attend,
-        "rows": torch.tensor([[r] for r, _ in at]),
-        "cols": padded([c for _, c in at], torch.long, first),
-        "first": first,
+    batch |= {
+        "rows": torch.tensor([[at[i][0]] for i in range(len(samples))]),
+        "cols": padded([at[i][1] for i in range(len(samples))], torch.long, -1),
         "tokens": sum(map(len, ids)),
         "mask": mask,
         "stop_masked": (0 < in_turn) & (in_turn <= min_tokens),
@@ -800,18 +820,34 @@ def collate(samples, pad_id, device, min_tokens=0, share=True, config=None):
     return {k: v.to(device) if torch.is_tensor(v) else v for k, v in batch.items()}
 
 
-def token_logprobs(model, batch, temperature=1.0, **truncation):
-    """[B, T] log-probs of the completions as vLLM sampled them (sampler_logprobs); logits only where they are used."""
-    logits = model(
-        input_ids=batch["input_ids"],
-        attention_mask=batch["attention_mask"],
-        position_ids=batch["position_ids"],
-        logits_to_keep=batch["input_ids"].shape[1] - batch["first"],
-        use_cache=False,
-    ).logits
-    return sampler_logprobs(
-        logits[batch["rows"], batch["cols"] - batch["first"]].float(), batch["targets"], temperature, **truncation
-    )
+def token_logprobs(model, batch, temperature=1.0, chunk=2**26, **truncation):
+    """[B, T] log-probs of the completions as vLLM sampled them and the mass truncation removed (sampler_logprobs): the
+    output layer on the completions' hidden states only, in chunks of ~`chunk` logits recomputed in backward, which
+    keeps a hidden state per token, not [tokens, V] logits (~2.4 MB a token at V = 151,936)."""
+    bare = getattr(model, "module", model)  # DDP's
+    head = bare.get_output_embeddings()
+    hidden = []  # what the forward hands its head, which then gets nothing (a new tensor: a view would keep them)
+    hook = head.register_forward_pre_hook(lambda head, args: hidden.append(args[0]) or (args[0][:, :0].clone(),))
+    try:
+        model(**{k: batch[k] for k in MODEL_INPUTS if k in batch}, use_cache=False)
+    finally:
+        hook.remove()
+    real = batch["cols"] >= 0  # [B, T]: the completions' tokens, not padding
+    states = hidden[0][batch["rows"].expand_as(real)[real], batch["cols"][real]]  # [tokens, width]
+    rows = max(1, chunk // head.out_features)
+    parts = zip(states.split(rows), batch["targets"][real].split(rows), batch["stop_masked"][real].split(rows))
+    softcap = getattr(bare.config.get_text_config(), "final_logit_softcapping", None)
+    chunk_logprobs = functools.partial(head_logprobs, head, softcap=softcap, temperature=temperature, **truncation)
+    per_token = [torch.utils.checkpoint.checkpoint(chunk_logprobs, *part, use_reentrant=False) for part in parts]
+    return [torch.zeros(real.shape, device=real.device).masked_scatter(real, torch.cat(x)) for x in zip(*per_token)]
+
+
+def head_logprobs(head, hidden, targets, stop_masked, softcap=None, **sampling):
+    """token_logprobs' chunk: [N, width] -> sampler_logprobs' [N] values (one more, an entropy say, comes back too)."""
+    logits = head(hidden).float()  # [N, V]
+    if softcap:  # Gemma's, which the model's forward applies after its head
+        logits = torch.tanh(logits / softcap) * softcap
+    return sampler_logprobs(logits, targets, stop_masked=stop_masked, **sampling)
 
 
 def sampler_logprobs(
@@ -841,7 +877,7 @@ def sampler_logprobs(
     scaled = logits / temperature
     if top_k > 0 or top_p < 1 or min_p > 0:
         with torch.no_grad():  # which tokens are kept is a choice, not differentiated; in chunks of rows, so that a
-            flat, cut = logits.detach().flatten(0, 1), []  # sort over a large vocabulary never holds all of them
+            flat, cut = logits.detach().flatten(0, -2), []  # sort over a large vocabulary never holds all of them
             for chunk in flat.split(max(1, 2**22 // flat.shape[-1])):
                 rounded = chunk.to(served).float() / temperature
                 cut.append(rounded < kept_threshold(rounded, top_k, top_p, min_p))
@@ -1265,6 +1301,10 @@ def load_policy_and_optimizer(run):
             print(f"--share-prefix is off for {run.model_path}: {why}; every sequence is forwarded whole", flush=True)
     if args.gradient_checkpointing:
         model.gradient_checkpointing_enable()
+    # packed rows (collate) where torch's varlen flash kernel runs (CUDA, compute capability 8+): without softcapping
+    config = model.config.get_text_config()
+    if args.share_prefix and run.device.type == "cuda" and not getattr(config, "attn_logit_softcapping", None):
+        args.packed = torch.cuda.get_device_capability(run.device) >= (8, 0) and use_segments(model)
     context = args.max_model_len or getattr(model.config, "max_position_embeddings", None)
     too_long = [(i, len(ids)) for i, ids in run.ctx["prompt_ids"].items() if context and len(ids) >= context]
     if too_long:
@@ -1279,6 +1319,8 @@ def load_policy_and_optimizer(run):
         AutoProcessor.from_pretrained(run.model_path) if hasattr(model.config, "vision_config") else run.tok
     )
     run.reference = place(run.initial_model).requires_grad_(False) if args.beta else None
+    if args.packed and run.reference:
+        use_segments(run.reference)
     if run.world_size > 1 and not args.fsdp:
         run.model = torch.nn.parallel.DistributedDataParallel(
             run.policy, device_ids=[run.device.index] if run.device.type == "cuda" else None
@@ -1859,7 +1901,16 @@ def parse_args(argv=None, world_size=1, cuda_count=None, local_ranks=None):
         "--no-share-prefix forwards every sequence whole",
     )
     g.add_argument(
-        "--gradient-checkpointing", action="store_true", help="recompute activations in backward to save memory"
+        "--micro-batch-tokens",
+        type=int,
+        default=32768,
+        help="most tokens forwarded per micro-batch, padding included (a longer sequence goes alone): they bound its "
+        "activations (with --gradient-checkpointing ~4 x hidden size x layers bytes a token) and a mask's size",
+    )
+    g.add_argument(
+        "--gradient-checkpointing",
+        action=argparse.BooleanOptionalAction,
+        help="recompute activations in backward to save memory (default: on with CUDA)",
     )
     g.add_argument(
         "--fsdp",
@@ -1981,6 +2032,7 @@ def parse_args(argv=None, world_size=1, cuda_count=None, local_ranks=None):
         "max_tokens": 1,
         "max_inflight": 1,
         "micro_batch_size": 1,
+        "micro_batch_tokens": 1,
         "sync_every": 1,
         "steps": 0,
         "eval_size": 0,
@@ -2080,6 +2132,9 @@ def parse_args(argv=None, world_size=1, cuda_count=None, local_ranks=None):
     cuda_count = torch.cuda.device_count() if cuda_count is None else cuda_count
     local_ranks = local_ranks or int(os.environ.get("LOCAL_WORLD_SIZE", world_size))  # the trainer ranks on this node
     args.plan = plan_devices(args, cuda_count, local_ranks, p.error)
+    if args.gradient_checkpointing is None:
+        args.gradient_checkpointing = bool(cuda_count)
+    args.packed = False  # load_policy_and_optimizer packs the rows where a varlen kernel runs
     args.max_staleness = 0 if args.sync else args.max_staleness
     args.sync_bucket_bytes = int(args.sync_bucket_mb * 2**20)
     # The other ranks' bound in a collective while rank 0 alone starts vLLM, waits for data or syncs: not torch's (NCCL 10
@@ -2293,15 +2348,59 @@ def sharing_refused(model):
     """Why shared rows (collate) would not give this model's log-probs, or None. Sharing rests on the model attending as
     the 4D mask says at the positions given (a sliding window included: collate): linear attention, recurrent layers
     or a position scheme of its own do not. Checked on a probe group, in fp32."""
+    config = model.config.get_text_config()  # its window
     probe = [
         {"ids": [1, 2, 3] + c, "n_prompt": 3, "mask": c, "logprobs": c, "advantage": 0} for c in ([4, 5, 6], [7, 8])
     ]
     with torch.no_grad():
-        shared, whole = (token_logprobs(model, collate(probe, 0, model.device, share=share))[0] for share in (1, 0))
+        shared, whole = (
+            token_logprobs(model, collate(probe, 0, model.device, share=share, config=config))[0] for share in (1, 0)
+        )
     if hasattr(model, "reshard"):  # FSDP2 leaves the root's weights gathered after a forward (for the backward): the
         model.reshard()  # optimizer, made next, must hold its shards
     gap = (shared - whole).abs().max().item()
     return f"a probe's log-probs differ by {gap:.2g} shared" if gap > 1e-4 else None
+
+
+def use_segments(model):
+    """The model's attention through segment_attention, for packed rows; False where it takes no registered function."""
+    from transformers import AttentionInterface, AttentionMaskInterface
+    from transformers.masking_utils import sdpa_mask
+
+    AttentionInterface.register("segments", segment_attention)
+    AttentionMaskInterface.register("segments", sdpa_mask)  # what masks SDPA gets where there are no segments
+    model.set_attn_implementation("segments")
+    return model.config.get_text_config()._attn_implementation == "segments"
+
+
+def segment_attention(
+    module, query, key, value, attention_mask, scaling=None, sliding_window=None, segments=None, **kw
+):
+    """Attention within collate's segments (query [1, heads, T, head_dim]): a segment's queries see its keys (kv_index:
+    a completion's prompt and itself, in position order) causally, aligned at the ends; on CUDA in one varlen flash
+    kernel (only the pairs needed), elsewhere through SDPA a segment at a time (the same metadata, tested on CPU)."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    if segments is None:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, **kw)
+    cu_q, cu_k, kv_index, max_q, max_k = segments
+    q = query[0].transpose(0, 1)  # [T, heads, head_dim]
+    k = key[0].transpose(0, 1)[kv_index]  # [every segment's keys, kv heads, head_dim]
+    v = value[0].transpose(0, 1)[kv_index]
+    if q.is_cuda:  # flash kernels take half precision (under autocast, rotary embeddings leave q and k in fp32)
+        half = torch.bfloat16 if q.dtype == torch.float32 else q.dtype
+        window = (sliding_window - 1 if sliding_window else -1, 0)  # (-1, 0): causal, aligned at the end
+        tensors = [x.to(half) for x in (q, k, v)]
+        out = varlen_attn(*tensors, cu_q, cu_k, max_q, max_k, scale=scaling, window_size=window, enable_gqa=True)
+        return out.to(q.dtype)[None], None
+    out = []
+    for a, b, c, d in zip(cu_q[:-1].tolist(), cu_q[1:].tolist(), cu_k[:-1].tolist(), cu_k[1:].tolist()):
+        behind = torch.arange(d - c - (b - a), d - c)[:, None] - torch.arange(d - c)  # [queries, keys]: how far back
+        seen = (behind >= 0) & (behind < (sliding_window or d - c))
+        qkv = [x.transpose(0, 1)[None] for x in (q[a:b], k[c:d], v[c:d])]  # 4D: SDPA's CPU flash kernel takes no other
+        part = torch.nn.functional.scaled_dot_product_attention(*qkv, attn_mask=seen, scale=scaling, enable_gqa=True)
+        out.append(part[0].transpose(0, 1))
+    return torch.cat(out)[None], None
 
 
 def dequantise_gguf(path, cache_dir):

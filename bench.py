@@ -6,6 +6,7 @@ with every figure, and a plot of reward against wall time.
     python bench.py --learn           # a real model learns: SmolLM2-135M-Instruct, three runs (about 30 minutes)
     python bench.py --prefix          # part 6 alone (prefix.json)
     python bench.py --lora            # part 7 alone (lora.json; no server)
+    python bench.py --trainer         # part 8 alone (trainer.json; no server): on CUDA where there is one
 
 1. async vs sync: the same run (prompts, samples, steps, seed) with --sync, without (async), and async with
    --max-staleness 2, on the tool task with a tool that takes --tool-latency seconds: wall time, samples/s,
@@ -22,6 +23,8 @@ with every figure, and a plot of reward against wall time.
    prompt and at the default task's shape, on the 25M model, and end to end at the long prompt.
 7. LoRA: the training step at --lora-rank 16 against full fine-tuning on the 25M model (seconds, the peak memory of a
    trainer process), and the bytes a weight sync sends.
+8. long rollouts, the trainer alone (synthetic rollouts, no server): the step's seconds and peak memory in the three
+   layouts (unshared, shared with a mask, packed segments), on CUDA a ~1.5B-shaped model at 8 x (1k + 8k) tokens.
 """
 
 import argparse
@@ -326,9 +329,8 @@ def trainer_throughput(args):
     def bare():
         for micro in ag.micro_batches(samples, run_args.micro_batch_size):  # the loop's micro-batches
             batch = ag.collate(micro, 0, torch.device("cpu"))
-            model(
-                **{k: batch[k] for k in ("input_ids", "attention_mask", "position_ids")}, use_cache=False
-            ).logits.float().mean().backward()
+            inputs = {k: batch[k] for k in ag.MODEL_INPUTS if k in batch}
+            model(**inputs, use_cache=False).logits.float().mean().backward()
         model.zero_grad(set_to_none=True)
 
     forward_backward = timed(bare, args.reps)
@@ -407,22 +409,38 @@ def memory_mb(field):
     return next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith(field)) / 1024
 
 
-def step_cost(model, samples, flags, reps):
-    """The training step on a batch: median seconds, and the peak resident memory above the step's start (Linux: the
-    high-water mark is reset through /proc/self/clear_refs before each step; tensors this large are mapped and unmapped
-    whole, so the mark follows them). lr 0: every repetition trains the same model."""
+def step_cost(model, samples, flags, reps, packed=False):
+    """The training step on a batch, on the model's device: median seconds, the peak memory above the step's start
+    (CUDA: the allocator's; CPU, Linux: the resident high-water mark, reset through /proc/self/clear_refs before each
+    step: tensors this large are mapped and unmapped whole, so the mark follows them), the loss and the tokens
+    forwarded. packed: collate's segments (the model routed through ag.segment_attention). lr 0: every repetition
+    trains the same model."""
+    device = next(model.parameters()).device
     run_args = ag.parse_args(["--output-dir", "unused", *flags])
+    run_args.packed = packed
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.0)
-    num_tokens, peaks = sum(len(s["mask"]) for s in samples), []
+    num_tokens, peaks, stats = sum(len(s["mask"]) for s in samples), [], []
 
     def step():
-        Path("/proc/self/clear_refs").write_text("5")
-        start = memory_mb("VmRSS")
-        ag.train_step(model, optimizer, samples, num_tokens, len(samples), run_args, torch.device("cpu"), 1)
-        peaks.append(memory_mb("VmHWM") - start)
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+            start = torch.cuda.memory_allocated(device)
+        else:
+            Path("/proc/self/clear_refs").write_text("5")
+            start = memory_mb("VmRSS")
+        stats.append(ag.train_step(model, optimizer, samples, num_tokens, len(samples), run_args, device, 1))
+        if device.type == "cuda":
+            peaks.append((torch.cuda.max_memory_allocated(device) - start) / 2**20)
+        else:
+            peaks.append(memory_mb("VmHWM") - start)
 
     seconds = timed(step, reps)
-    return {"seconds": seconds, "peak_mb": statistics.median(peaks[1:])}
+    return {
+        "seconds": seconds,
+        "peak_mb": statistics.median(peaks[1:]),
+        "loss": stats[-1]["loss"],
+        "tokens": stats[-1]["train/tokens"],
+    }
 
 
 def process_peak_mb(path, sample_args, flags, above_model=False):
@@ -462,6 +480,81 @@ def truncation_cost(args):
         for top_p in (1.0, 0.9):
             results[name][f"top_p_{top_p}"] = step_cost(model, samples, ["--top-p", str(top_p)], args.reps)
     return results
+
+
+# The trainer-only bench's shapes: Qwen2.5-1.5B's widths on CUDA (random weights) with the issue's 8 x (1k + 8k), a
+# small model on CPU where sharing pays (long prompt, short completions), and a tiny one for the test.
+TRAINER_SHAPES = {
+    "cuda": dict(hidden=1536, layers=28, heads=12, kv_heads=2, ffn=8960, vocab=151936, group=8, prompt=1024, new=8192),
+    "cpu": dict(hidden=256, layers=4, heads=4, kv_heads=2, ffn=704, vocab=32768, group=8, prompt=1024, new=256),
+    "tiny": dict(hidden=128, layers=2, heads=2, kv_heads=1, ffn=352, vocab=4096, group=4, prompt=48, new=32),
+}
+LAYOUTS = {"unshared": (["--no-share-prefix"], False), "shared": ([], False), "packed": ([], True)}
+
+
+def trainer_only(args):
+    """The training step alone on synthetic long rollouts (random weights and tokens; no vLLM), on CUDA if there is one,
+    in collate's three layouts: unshared (a row per sequence, no mask), shared (a group's prompt once in a row with a 4D
+    mask, where rows_of finds that cheaper than rows of their own) and packed (segments through segment_attention: one
+    varlen flash kernel on CUDA, SDPA a segment at a time elsewhere). Each: step_cost (seconds, peak memory, tokens
+    forwarded, and the loss, the same in every layout). Then collate's host seconds for one group at growing lengths."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    shape = dict(TRAINER_SHAPES["tiny" if args.tiny else device.type])
+    shape.update({k: getattr(args, k) for k in ("group", "prompt", "new") if getattr(args, k)})
+    config = Qwen3Config(
+        vocab_size=shape["vocab"],
+        hidden_size=shape["hidden"],
+        intermediate_size=shape["ffn"],
+        num_hidden_layers=shape["layers"],
+        num_attention_heads=shape["heads"],
+        num_key_value_heads=shape["kv_heads"],
+        head_dim=shape["hidden"] // shape["heads"],
+        max_position_embeddings=shape["prompt"] + 8 * shape["new"],
+        tie_word_embeddings=True,
+    )
+    torch.manual_seed(0)
+    with device:
+        model = Qwen3ForCausalLM(config)
+    if ag.parse_args(["--output-dir", "unused"]).gradient_checkpointing:  # on by default on CUDA, as in a run
+        model.gradient_checkpointing_enable()
+    new = (shape["new"], shape["new"] + 1)
+    samples = random_samples(shape["group"], shape["vocab"], shape["prompt"], new, shape["group"])
+    results = {"device": torch.cuda.get_device_name() if device.type == "cuda" else f"{os.cpu_count()} CPU cores"}
+    results |= {"shape": shape, "params": sum(p.numel() for p in model.parameters())}
+    for layout, (flags, packed) in LAYOUTS.items():
+        if packed:
+            ag.use_segments(
+                model
+            )  # without segments (the other layouts) it runs SDPA as before: done last all the same
+        results[layout] = step_cost(model, samples, flags, args.reps, packed=packed)
+        print(layout, results[layout], flush=True)
+    results["collate_host_seconds"] = {}
+    for n in (shape["new"] // 4, shape["new"] // 2, shape["new"], 2 * shape["new"]):
+        group = random_samples(shape["group"], shape["vocab"], shape["prompt"], (n, n + 1), shape["group"])
+        results["collate_host_seconds"][n] = {
+            layout: timed(lambda: ag.collate(group, 0, device, packed=packed, share=not flags), args.reps)
+            for layout, (flags, packed) in LAYOUTS.items()
+        }
+    return results
+
+
+def print_trainer(r):
+    s = r["shape"]
+    print(
+        f"trainer alone, {r['device']}, a {r['params'] / 1e6:.0f}M-parameter Qwen3 (hidden {s['hidden']}, {s['layers']} "
+        f"layers, vocabulary {s['vocab']}), {s['group']} x ({s['prompt']} + {s['new']}) tokens:"
+    )
+    for layout in LAYOUTS:
+        m = r[layout]
+        print(
+            f"  {layout:9s} step {m['seconds']:7.2f} s, peak {m['peak_mb']:8.0f} MB above the step's start, "
+            f"{m['tokens']:.0f} tokens forwarded, loss {m['loss']:.6f}"
+        )
+    print("  collate's host seconds (unshared / shared / packed) by completion length:")
+    for n, t in r["collate_host_seconds"].items():
+        print(f"    {n:6d}: " + " / ".join(f"{t[layout]:.4f}" for layout in LAYOUTS))
 
 
 def long_prompt_rows(path, n, tokens):
@@ -709,10 +802,24 @@ def main():
     p.add_argument("--learn", action="store_true", help="only the real-model learning runs (learn.json, learn.png)")
     p.add_argument("--prefix", action="store_true", help="only the shared-prefix measurements (prefix.json)")
     p.add_argument("--lora", action="store_true", help="only the LoRA measurements (lora.json)")
+    p.add_argument(
+        "--trainer",
+        action="store_true",
+        help="only the trainer on synthetic long rollouts, no vLLM (trainer.json): CUDA if there is one",
+    )
+    p.add_argument("--group", type=int, default=None, help="--trainer: rollouts per prompt (default: by device)")
+    p.add_argument("--prompt", type=int, default=None, help="--trainer: prompt tokens (default: by device)")
+    p.add_argument("--new", type=int, default=None, help="--trainer: completion tokens (default: by device)")
     args = p.parse_args()
     if args.learn:
         return learn(args, Path(args.output if args.output != "bench.json" else "learn.json").resolve())
     torch.set_num_threads(ag.cpu_threads())  # the trainer's side of every measurement here runs as in async_grpo.py
+    if args.trainer:
+        args.reps = args.reps or (1 if args.tiny else 3)
+        output = Path(args.output if args.output != "bench.json" else "trainer.json").resolve()
+        results = trainer_only(args)
+        output.write_text(json.dumps(results, indent=1))
+        return print_trainer(results)
     # the tiny configuration is the same measurements, smaller; not comparable figures
     args.steps = args.steps or (3 if args.tiny else 40)
     args.prompts_per_step, args.num_generations = (2, 4) if args.tiny else (4, 8)

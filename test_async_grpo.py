@@ -3933,9 +3933,9 @@ class GradientRecorder(torch.optim.Optimizer):
         )
 
 
-def shared_and_whole(model_path, samples, *flags, reference=None):
+def shared_and_whole(model_path, samples, *flags, reference=None, packed=False):
     """One train_step of a fresh fp32 copy of the checkpoint with --share-prefix, one with --no-share-prefix: (stats,
-    gradient) of each."""
+    gradient) of each. packed: the shared step in collate's segments, through ag.segment_attention."""
 
     def step(share):
         args = ag.parse_args(
@@ -3951,6 +3951,7 @@ def shared_and_whole(model_path, samples, *flags, reference=None):
         model = ag.load_policy(model_path)
         if args.gradient_checkpointing:
             model.gradient_checkpointing_enable()
+        args.packed = packed and share and ag.use_segments(model)
         optimizer = GradientRecorder(model.parameters())
         stats = ag.train_step(
             model,
@@ -3999,9 +4000,30 @@ def assert_shared_equals_whole(shared, whole, samples):
     ids=["default", "top_p_0.9", "micro_batch_4_of_a_group_of_6", "gradient_checkpointing", "kl_to_the_reference"],
 )
 def test_shared_prefix_training_equals_forwarding_every_sequence_whole(server, tool_args, tiny_model, flags):
-    """Real multi-turn tool rollouts of the built-in model (two groups of 6, completions of different lengths, tool
-    results masked), one sample's prompt changed by a token (it cannot share: a row of its own), fixed advantages: a
-    training step shares each prompt and gives what forwarding every sequence whole gives."""
+    """Real multi-turn tool rollouts of the built-in model (tool_rollout_samples): a training step shares each prompt
+    and gives what forwarding every sequence whole gives."""
+    samples = tool_rollout_samples(server, tool_args)
+    stats = shared_and_whole(tiny_model, samples, *flags, reference=tiny_model if "--beta" in flags else None)
+    assert_shared_equals_whole(*stats, samples)
+
+
+def test_segments_train_tool_rollouts_as_the_mask_path_and_whole_sequences_do(server, tool_args, tiny_model):
+    """collate's packed layout, through ag.segment_attention: on CPU, SDPA a segment at a time over the metadata that
+    CUDA's varlen kernel gets (cu_seq lengths, each segment's keys, its window). On the tool rollouts, under a token
+    budget that splits them into several micro-batches: the loss, statistics and gradient of forwarding every sequence
+    whole (assert_shared_equals_whole), and the gradient of the mask path, to fp32 rounding."""
+    samples = tool_rollout_samples(server, tool_args)
+    budget = ["--micro-batch-tokens", "400"]
+    packed, whole = shared_and_whole(tiny_model, samples, *budget, packed=True)
+    assert_shared_equals_whole(packed, whole, samples)
+    assert len(ag.micro_batches(samples, 16, tokens=400, packed=True)) > 1
+    masked, _ = shared_and_whole(tiny_model, samples, *budget)
+    torch.testing.assert_close(packed[1], masked[1], rtol=0, atol=2e-5 * masked[1].abs().max().item())
+
+
+def tool_rollout_samples(server, tool_args):
+    """Real multi-turn tool rollouts of the built-in model: two groups of 6, completions of different lengths, tool
+    results masked, one sample's prompt changed by a token (it cannot share: a row of its own), fixed advantages."""
     args, tok = tool_args
     samples = []
     for question in ("What is 3 + 4?", "What is 12 - 5 + 1?"):
@@ -4019,8 +4041,7 @@ def test_shared_prefix_training_equals_forwarding_every_sequence_whole(server, t
             )
     assert any(0 in s["mask"] for s in samples)  # tool results in some
     samples[-1]["ids"] = [samples[-1]["ids"][0] + 1] + samples[-1]["ids"][1:]  # a prompt no other sample has
-    stats = shared_and_whole(tiny_model, samples, *flags, reference=tiny_model if "--beta" in flags else None)
-    assert_shared_equals_whole(*stats, samples)
+    return samples
 
 
 def test_sharing_is_refused_where_the_model_would_not_attend_as_the_mask_says(tiny_model):
@@ -4131,3 +4152,244 @@ def test_a_completion_shares_its_prompts_row_only_where_that_costs_less_than_a_r
         shared = ag.token_logprobs(model, split)[0]
         alone = ag.token_logprobs(model, ag.collate(samples, 0, "cpu", share=False))[0]
     torch.testing.assert_close(shared, alone, rtol=0, atol=1e-4)
+
+
+def small_model(family="qwen3", vocab=64, window=None):
+    """A random-weight model of a real architecture, small: Qwen3 (no window), or a family whose layers slide over
+    `window` tokens (Mistral: every layer; Qwen2 and Gemma3: some)."""
+    from transformers import AutoModelForCausalLM, Gemma3TextConfig, MistralConfig, Qwen2Config, Qwen3Config
+
+    shape = dict(
+        vocab_size=vocab,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        attn_implementation="sdpa",
+    )
+    config = {
+        "qwen3": lambda: Qwen3Config(**shape),
+        "mistral": lambda: MistralConfig(sliding_window=window, **shape),
+        "qwen2": lambda: Qwen2Config(use_sliding_window=True, max_window_layers=1, sliding_window=window, **shape),
+        "gemma3": lambda: Gemma3TextConfig(sliding_window_pattern=2, sliding_window=window, **shape),
+    }[family]()
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(config)
+
+
+@pytest.mark.parametrize("family", ["qwen3", "mistral", "qwen2", "gemma3"])
+def test_segments_equal_the_mask_path_in_logprobs_and_gradients_with_sliding_windows(family):
+    """segment_attention on CPU (SDPA a segment at a time, over the metadata CUDA's varlen kernel gets: cu_seq lengths,
+    each segment's keys, aligned at their ends, the layer's window) against the mask path and against a row per
+    sequence (the model's own attention and window): two groups (one completion empty, one longer than the window of 4
+    many times over), at top-p 0.9. The same log-probs and the same gradient of every weight."""
+    model = small_model(family, window=4 if family != "qwen3" else None)
+    config = model.config
+    samples = [
+        {"ids": p + c, "n_prompt": len(p), "mask": [1] * len(c), "logprobs": [0.0] * len(c), "advantage": 1.0}
+        for p, c in [([1, 2, 3, 4, 5], list(range(6, 30))), ([1, 2, 3, 4, 5], [31, 32, 33]), ([1, 2, 3, 4, 5], [])]
+        + [([7, 8], [9, 10, 11, 12, 13, 14, 15]), ([7, 8], [16])]
+    ]
+    results = {}
+    for layout, share, packed in [("segments", True, True), ("mask", True, False), ("rows", False, False)]:
+        if packed:
+            assert ag.use_segments(model)
+        batch = ag.collate(samples, 0, "cpu", share=share, config=config, packed=packed)
+        assert ("segments" in batch, "attention_mask" in batch) == (packed, layout == "mask")
+        model.zero_grad()
+        logp, removed = ag.token_logprobs(model, batch, top_p=0.9, served=torch.float32)
+        weights = torch.randn(logp.shape, generator=torch.Generator().manual_seed(1)) * (batch["cols"] >= 0)
+        (logp * weights).sum().backward()
+        grad = torch.cat([p.grad.flatten() for p in model.parameters()])
+        results[layout] = (logp * (batch["cols"] >= 0), removed, grad, batch["tokens"])
+    assert results["segments"][3] == results["mask"][3] < results["rows"][3]  # each prompt once
+    for layout in ("mask", "rows"):
+        for got, expected in zip(results["segments"][:3], results[layout][:3]):
+            torch.testing.assert_close(got, expected, rtol=0, atol=2e-5 * max(1.0, expected.abs().max().item()))
+    assert results["segments"][2].abs().max() > 0 and results["segments"][1].max() > 0  # a gradient, a truncation
+
+
+def saved_by_backward(fn, model):
+    """fn()'s result, and the tensors autograd saved for its backward, one per storage, the model's weights left out
+    (they are held anyway): [(shape, bytes)]."""
+    saved, weights = {}, {p.untyped_storage().data_ptr() for p in model.parameters()}
+
+    def pack(t):
+        if t.untyped_storage().data_ptr() not in weights:
+            saved[t.untyped_storage().data_ptr()] = (tuple(t.shape), t.untyped_storage().nbytes())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        result = fn()
+    return result, list(saved.values())
+
+
+@pytest.mark.parametrize("top_p", [1.0, 0.9])
+def test_backward_keeps_the_mask_once_and_a_hidden_state_per_token_not_the_logits(top_p):
+    """What backward holds, seen by saved-tensor hooks. The mask path's mask: one [B, 1, T, T] float bias for every
+    layer (SDPA turned the boolean mask into one in each layer, each kept: measured, one a layer before). The log-probs:
+    the output layer in chunks, each recomputed in backward, keeps the hidden state of each completion token (4 x
+    width bytes), not [tokens, V] logits (at least 4 x V bytes a token, taken here as the full logits would be); the
+    same log-probs, truncated mass and gradient at top-p 1 and 0.9, to fp32 rounding."""
+    vocab = 4096
+    model = small_model("qwen3", vocab=vocab)
+    g = torch.Generator().manual_seed(0)
+    prompt = torch.randint(3, vocab, (20,), generator=g).tolist()
+    samples = [
+        {"ids": prompt + torch.randint(3, vocab, (n,), generator=g).tolist(), "n_prompt": 20, "mask": [1] * n}
+        for n in (40, 25, 33)
+    ]
+    for s in samples:
+        s["logprobs"], s["advantage"] = [0.0] * len(s["mask"]), 1.0
+    batch = ag.collate(samples, 0, "cpu", config=model.config)
+    T = batch["input_ids"].shape[1]
+    sampling = dict(top_p=top_p, served=torch.float32)
+    (logp, removed), saved = saved_by_backward(
+        lambda: ag.token_logprobs(model, batch, chunk=16 * vocab, **sampling), model
+    )
+    masks = [shape for shape, _ in saved if shape[-2:] == (T, T)]
+    assert len(masks) == 1 and masks[0][1:] == (1, T, T)  # one, whatever the number of layers (2)
+
+    inputs = {k: batch[k] for k in ag.MODEL_INPUTS if k in batch}
+    _, decoder = saved_by_backward(lambda: model.model(**inputs, use_cache=False), model)
+    tokens = int((batch["cols"] >= 0).sum())
+
+    def whole_logits():  # the log-probs from every position's logits at once
+        logits = model(**inputs, use_cache=False).logits[batch["rows"], batch["cols"]].float()
+        return ag.sampler_logprobs(logits, batch["targets"], **sampling)
+
+    (expected, expected_removed), whole = saved_by_backward(whole_logits, model)
+    per_token = [(sum(b for _, b in s) - sum(b for _, b in decoder)) / tokens for s in (saved, whole)]
+    print(f"saved per completion token beyond the decoder: {per_token[0]:.0f} bytes chunked, {per_token[1]:.0f} whole")
+    assert per_token[0] <= 4 * model.config.hidden_size + 64 and per_token[1] >= 4 * vocab
+    real = batch["cols"] >= 0
+    torch.testing.assert_close(logp[real], expected[real], rtol=0, atol=1e-6)
+    torch.testing.assert_close(removed[real], expected_removed[real], rtol=0, atol=1e-6)
+    grads = []
+    for values in (logp, expected):
+        model.zero_grad()
+        (values * real).sum().backward()
+        grads.append(torch.cat([p.grad.flatten() for p in model.parameters()]))
+    torch.testing.assert_close(grads[0], grads[1], rtol=0, atol=1e-5 * grads[1].abs().max().item())
+
+
+def test_long_rollouts_split_under_the_token_budget_and_collate_on_the_host_in_linear_space():
+    """A group of 8 x (1k prompt + 8k completion), at a 1.7B model's width (2,048): micro_batches keeps every
+    micro-batch under --micro-batch-tokens (tokens forwarded, padding included, as collate lays them out), packed
+    (the prompt shared in segments), in priced rows (a row each: a shared one would cost more) and in one shared row
+    with a mask; each sample once. collate goes to the "meta" device (a GPU's stand-in, where nothing is computed):
+    no host tensor is larger than a few per token (the mask is built on the device), where before it built the
+    [B, T, T] mask and a [T, T] causal one on the host."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    prompt = list(range(3, 1027))
+    samples = [
+        {"ids": prompt + [5 + (i * 7 + t) % 900 for t in range(8192)], "n_prompt": 1024, "mask": [1] * 8192}
+        for i in range(8)
+    ]
+    for s in samples:
+        s["logprobs"], s["advantage"] = [0.0] * 8192, 1.0
+    budget = ag.parse_args(["--output-dir", "unused"]).micro_batch_tokens
+
+    class LargestOnHost(TorchDispatchMode):
+        largest = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for t in out if isinstance(out, (tuple, list)) else [out]:
+                if isinstance(t, torch.Tensor) and t.device.type == "cpu":
+                    self.largest = max(self.largest, t.numel())
+            return out
+
+    forwarded = {}
+    for layout, width, packed in [("packed", 2048, True), ("rows", 2048, False), ("one_row", None, False)]:
+        micros = ag.micro_batches(
+            samples, 16, tokens=budget if layout != "one_row" else 40000, width=width, packed=packed
+        )
+        assert sorted(id(s) for m in micros for s in m) == sorted(map(id, samples))
+        forwarded[layout] = 0
+        for micro in micros:
+            config = transformers_config(width)
+            with LargestOnHost() as host:
+                batch = ag.collate(micro, 0, "meta", config=config, packed=packed)
+            rows, longest = batch["input_ids"].shape
+            assert rows * longest <= (budget if layout != "one_row" else 40000) or len(micro) == 1
+            assert ("attention_mask" in batch) == (layout == "one_row" and len(micro) > 1)
+            assert host.largest <= 4 * rows * longest, (layout, host.largest, rows, longest)
+            forwarded[layout] += batch["tokens"]
+    assert forwarded["packed"] < forwarded["rows"] == 8 * (1024 + 8192)
+
+
+def transformers_config(width):
+    """A config as collate reads it: its hidden size (None: unpriced rows), no window."""
+    return argparse.Namespace(hidden_size=width, sliding_window=None)
+
+
+@needs_cuda
+def test_segments_on_cuda_run_the_varlen_kernel_and_train_as_the_mask_path_does(tiny_model):
+    """The packed layout on cuda:0 as a GPU run trains it (bf16 autocast; segment_attention calls torch's varlen flash
+    kernel) against the mask path on the same device: the same loss and the same update, to bf16's precision; and with
+    a sliding window (Mistral, a window of 4), the same log-probs."""
+    args = ag.parse_args(["--output-dir", "unused", "--max-grad-norm", "1e9"])
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, 400, (n,), generator=g).tolist() for n in (12, 30)]
+    samples = [
+        {
+            "ids": prompts[n % 2] + torch.randint(3, 400, (n,), generator=g).tolist(),
+            "n_prompt": len(prompts[n % 2]),
+            "mask": [1] * n,
+            "logprobs": (-torch.rand(n, generator=g) * 3).tolist(),
+            "advantage": 1.0 - 2 * (n % 3 == 0),
+        }
+        for n in range(10, 90, 7)
+    ]
+    num_tokens, updates = sum(sum(s["mask"]) for s in samples), {}
+    for packed in (True, False):
+        model = ag.load_policy(tiny_model).to("cuda")
+        args.packed = packed and ag.use_segments(model)
+        optimizer = torch.optim.SGD(model.parameters(), lr=1.0)  # the step moves each weight by minus its gradient
+        before = [p.detach().clone() for p in model.parameters()]
+        stats = ag.train_step(model, optimizer, samples, num_tokens, len(samples), args, torch.device("cuda"), 1)
+        updates[packed] = (
+            torch.cat([(b - p.detach()).flatten().cpu() for b, p in zip(before, model.parameters())]),
+            stats,
+        )
+    assert updates[True][0].isfinite().all() and updates[True][0].abs().max() > 0
+    assert torch.nn.functional.cosine_similarity(updates[True][0], updates[False][0], dim=0) > 0.99
+    assert updates[True][1]["loss"] == pytest.approx(updates[False][1]["loss"], rel=0.02, abs=1e-3)
+    model = small_model("mistral", window=4).to("cuda")
+    logps = []
+    for packed in (False, True):
+        if packed:
+            ag.use_segments(model)
+        batch = ag.collate(samples[:6], 0, "cuda", config=model.config, packed=packed, dtype=torch.bfloat16)
+        with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
+            logps.append(ag.token_logprobs(model, batch)[0].cpu())
+    torch.testing.assert_close(logps[0], logps[1], rtol=0, atol=0.05)
+
+
+def test_bench_trainer_alone_runs_without_vllm_and_its_layouts_train_alike(tmp_path):
+    """bench.py --trainer --tiny as a user runs it (synthetic rollouts, no server): every figure of the three layouts
+    written, the same loss in each (they compute the same log-probs), the shared ones forwarding the prompt once, and
+    collate's host seconds at four lengths. It proves the benchmark runs, not how fast anything is."""
+    output = tmp_path / "trainer.json"
+    proc = subprocess.run(
+        [sys.executable, str(HERE / "bench.py"), "--trainer", "--tiny", "--output", str(output)],
+        cwd=HERE,
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    results = json.loads(output.read_text())
+    for layout in ("unshared", "shared", "packed"):
+        r = results[layout]
+        assert r.keys() == {"seconds", "peak_mb", "loss", "tokens"} and r["seconds"] > 0 and r["peak_mb"] >= 0
+        assert r["loss"] == pytest.approx(results["unshared"]["loss"], rel=1e-5)
+    assert results["packed"]["tokens"] == results["shared"]["tokens"] < results["unshared"]["tokens"]
+    assert len(results["collate_host_seconds"]) == 4
+    assert all(t.keys() == {"unshared", "shared", "packed"} for t in results["collate_host_seconds"].values())
+    assert "trainer alone" in proc.stdout and "collate's host seconds" in proc.stdout
