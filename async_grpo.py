@@ -706,7 +706,8 @@ def micro_batches(samples, size, count=1, share=True, tokens=math.inf, width=Non
     for s in samples:
         rows = rows_of(batches[-1] + [s], share, None if packed else width)[1]  # their lengths
         forwarded = sum(rows) if packed else len(rows) * max(rows)
-        if batches[-1] and (len(batches[-1]) == size or forwarded > min(tokens, math.inf if packed else padding)):
+        limit = tokens if packed else min(tokens, padding)
+        if batches[-1] and (len(batches[-1]) == size or forwarded > limit):
             batches.append([])
         batches[-1].append(s)
     while len(batches) < count:

@@ -419,9 +419,10 @@ def step_cost(model, samples, flags, reps, packed=False):
     run_args = ag.parse_args(["--output-dir", "unused", *flags])
     run_args.packed = packed
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.0)
-    num_tokens, peaks, stats = sum(len(s["mask"]) for s in samples), [], []
+    num_tokens, peaks, stats, cpu = sum(len(s["mask"]) for s in samples), [], [], []
 
     def step():
+        cpu.append(time.process_time())
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
             start = torch.cuda.memory_allocated(device)
@@ -433,10 +434,12 @@ def step_cost(model, samples, flags, reps, packed=False):
             peaks.append((torch.cuda.max_memory_allocated(device) - start) / 2**20)
         else:
             peaks.append(memory_mb("VmHWM") - start)
+        cpu[-1] = time.process_time() - cpu[-1]
 
     seconds = timed(step, reps)
     return {
         "seconds": seconds,
+        "cpu_seconds": statistics.median(cpu[1:]),  # this process's: steadier than the wall time on a loaded machine
         "peak_mb": statistics.median(peaks[1:]),
         "loss": stats[-1]["loss"],
         "tokens": stats[-1]["train/tokens"],
@@ -549,7 +552,7 @@ def print_trainer(r):
     for layout in LAYOUTS:
         m = r[layout]
         print(
-            f"  {layout:9s} step {m['seconds']:7.2f} s, peak {m['peak_mb']:8.0f} MB above the step's start, "
+            f"  {layout:9s} step {m['seconds']:7.2f} s ({m['cpu_seconds']:.2f} s of CPU), peak {m['peak_mb']:8.0f} MB above the step's start, "
             f"{m['tokens']:.0f} tokens forwarded, loss {m['loss']:.6f}"
         )
     print("  collate's host seconds (unshared / shared / packed) by completion length:")
