@@ -838,17 +838,15 @@ def token_logprobs(model, batch, temperature=1.0, chunk=2**26, **truncation):
     rows = max(1, chunk // head.out_features)
     parts = zip(states.split(rows), batch["targets"][real].split(rows), batch["stop_masked"][real].split(rows))
     softcap = getattr(bare.config.get_text_config(), "final_logit_softcapping", None)
-    chunk_logprobs = functools.partial(head_logprobs, head, softcap=softcap, temperature=temperature, **truncation)
+
+    def chunk_logprobs(hidden, targets, stop_masked):  # [N, width] -> sampler_logprobs' [N] values (another comes too)
+        logits = head(hidden).float()  # [N, V]
+        if softcap:  # Gemma's, which the model's forward applies after its head
+            logits = torch.tanh(logits / softcap) * softcap
+        return sampler_logprobs(logits, targets, temperature, stop_masked=stop_masked, **truncation)
+
     per_token = [torch.utils.checkpoint.checkpoint(chunk_logprobs, *part, use_reentrant=False) for part in parts]
     return [torch.zeros(real.shape, device=real.device).masked_scatter(real, torch.cat(x)) for x in zip(*per_token)]
-
-
-def head_logprobs(head, hidden, targets, stop_masked, softcap=None, **sampling):
-    """token_logprobs' chunk: [N, width] -> sampler_logprobs' [N] values (one more, an entropy say, comes back too)."""
-    logits = head(hidden).float()  # [N, V]
-    if softcap:  # Gemma's, which the model's forward applies after its head
-        logits = torch.tanh(logits / softcap) * softcap
-    return sampler_logprobs(logits, targets, stop_masked=stop_masked, **sampling)
 
 
 def sampler_logprobs(
@@ -2353,10 +2351,9 @@ def sharing_refused(model):
     probe = [
         {"ids": [1, 2, 3] + c, "n_prompt": 3, "mask": c, "logprobs": c, "advantage": 0} for c in ([4, 5, 6], [7, 8])
     ]
+    batches = [collate(probe, 0, model.device, share=share, config=config) for share in (True, False)]
     with torch.no_grad():
-        shared, whole = (
-            token_logprobs(model, collate(probe, 0, model.device, share=share, config=config))[0] for share in (1, 0)
-        )
+        shared, whole = (token_logprobs(model, batch)[0] for batch in batches)
     if hasattr(model, "reshard"):  # FSDP2 leaves the root's weights gathered after a forward (for the backward): the
         model.reshard()  # optimizer, made next, must hold its shards
     gap = (shared - whole).abs().max().item()
@@ -2374,16 +2371,14 @@ def use_segments(model):
     return model.config.get_text_config()._attn_implementation == "segments"
 
 
-def segment_attention(
-    module, query, key, value, attention_mask, scaling=None, sliding_window=None, segments=None, **kw
-):
+def segment_attention(module, query, key, value, mask, scaling=None, sliding_window=None, segments=None, **kw):
     """Attention within collate's segments (query [1, heads, T, head_dim]): a segment's queries see its keys (kv_index:
     a completion's prompt and itself, in position order) causally, aligned at the ends; on CUDA in one varlen flash
     kernel (only the pairs needed), elsewhere through SDPA a segment at a time (the same metadata, tested on CPU)."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     if segments is None:
-        return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, **kw)
+        return sdpa_attention_forward(module, query, key, value, mask, scaling=scaling, **kw)
     cu_q, cu_k, kv_index, max_q, max_k = segments
     q = query[0].transpose(0, 1)  # [T, heads, head_dim]
     k = key[0].transpose(0, 1)[kv_index]  # [every segment's keys, kv heads, head_dim]
