@@ -6,7 +6,7 @@ with every figure, and a plot of reward against wall time.
     python bench.py --learn           # a real model learns: SmolLM2-135M-Instruct, three runs (about 30 minutes)
     python bench.py --prefix          # part 6 alone (prefix.json)
     python bench.py --lora            # part 7 alone (lora.json; no server)
-    python bench.py --trainer         # part 8 alone (trainer.json; no server): on CUDA where there is one
+    python bench.py --trainer         # part 8, not in the runs above (trainer.json; no server; CUDA if any)
 
 1. async vs sync: the same run (prompts, samples, steps, seed) with --sync, without (async), and async with
    --max-staleness 2, on the tool task with a tool that takes --tool-latency seconds: wall time, samples/s,
