@@ -823,8 +823,8 @@ def collate(samples, pad_id, device, min_tokens=0, share=True, config=None, pack
 
 def token_logprobs(model, batch, temperature=1.0, chunk=2**26, **truncation):
     """[B, T] log-probs of the completions as vLLM sampled them and the mass truncation removed (sampler_logprobs): the
-    output layer on the completions' hidden states only, in chunks of ~`chunk` logits recomputed in backward, which
-    keeps a hidden state per token, not [tokens, V] logits (~2.4 MB a token at V = 151,936)."""
+    output layer on the completions' hidden states only, in chunks of ~`chunk` logits recomputed in backward (if more
+    than one), which keeps a hidden state per token, not [tokens, V] logits (~2.4 MB a token at V = 151,936)."""
     bare = getattr(model, "module", model)  # DDP's
     head = bare.get_output_embeddings()
     hidden = []  # what the forward hands its head, which then gets nothing (a new tensor: a view would keep them)
@@ -845,7 +845,10 @@ def token_logprobs(model, batch, temperature=1.0, chunk=2**26, **truncation):
             logits = torch.tanh(logits / softcap) * softcap
         return sampler_logprobs(logits, targets, temperature, stop_masked=stop_masked, **truncation)
 
-    per_token = [torch.utils.checkpoint.checkpoint(chunk_logprobs, *part, use_reentrant=False) for part in parts]
+    run = functools.partial(torch.utils.checkpoint.checkpoint, chunk_logprobs, use_reentrant=False)
+    if len(states) * head.out_features <= chunk:  # a single chunk is kept as it is: no second pass in backward
+        run = chunk_logprobs
+    per_token = [run(*part) for part in parts]
     return [torch.zeros(real.shape, device=real.device).masked_scatter(real, torch.cat(x)) for x in zip(*per_token)]
 
 
