@@ -58,7 +58,7 @@ ROLLOUT_FIELDS = {"prompts", "completions", "completion_ids", "tool_calls", "too
 TOOL_THREADS = ThreadPoolExecutor(64, thread_name_prefix="tool")  # a hung sync tool holds one thread, not the loop
 # What --sampling-args may hold: parameters that end or seed a generation but leave its distribution as the trainer
 # computes it (min_tokens does change it: the trainer holds the stop tokens back in the same places).
-SAMPLING_ARGS = {"min_tokens", "stop", "seed", "ignore_eos"}
+SAMPLING_ARGS = {"min_tokens", "stop", "ignore_eos"}  # (every request's seed comes from --seed: request_seed)
 MODEL_INPUTS = ("input_ids", "position_ids", "attention_mask", "segments")  # what a batch (collate) hands the model
 
 
@@ -66,9 +66,10 @@ MODEL_INPUTS = ("input_ids", "position_ids", "attention_mask", "segments")  # wh
 
 
 # FORK: the tool loop (what a turn may do, when a rollout ends); the tools themselves are in tools.py
-async def rollout(session, url, tok, row, args, ctx, policy, greedy=False):
+async def rollout(session, url, tok, row, args, ctx, policy, greedy=False, seed=()):
     """Sample one conversation. Keeps the exact token ids: the prompt's, then per turn the generated ids (mask 1, with
-    their log-probs and the policy version that sampled each) and the tool-result ids (mask 0, context)."""
+    their log-probs and the policy version that sampled each) and the tool-result ids (mask 0, context). `seed`: what
+    identifies this rollout in the run (its group and index), from which each request's seed derives."""
     ids = list(ctx["prompt_ids"][row["id"]])
     n_prompt = len(ids)
     mask = []  # per token after the prompt: 1 generated (trained on), 0 a tool result
@@ -81,7 +82,7 @@ async def rollout(session, url, tok, row, args, ctx, policy, greedy=False):
     while len(ids) < ctx["max_model_len"]:
         budget = min(args.max_tokens, ctx["max_model_len"] - len(ids))
         turn, finish, interruptions = await generate_turn(
-            session, url, ids, budget, policy, args=args, ctx=ctx, greedy=greedy
+            session, url, ids, budget, policy, args=args, ctx=ctx, greedy=greedy, seed=seed
         )
         new = [token for token, _, _ in turn]
         ids += new
@@ -126,7 +127,7 @@ async def rollout(session, url, tok, row, args, ctx, policy, greedy=False):
     }
 
 
-async def generate_turn(session, url, ids, budget, policy, args, ctx, greedy):
+async def generate_turn(session, url, ids, budget, policy, args, ctx, greedy, seed):
     """One assistant turn of at most `budget` tokens after `ids`: its (token id, log-prob, policy version) triples, why it
     ended, and how often a weight sync stopped it. A stopped turn goes on from its tokens with the new weights, or
     under --sync-mode abort starts over with them."""
@@ -144,6 +145,7 @@ async def generate_turn(session, url, ids, budget, policy, args, ctx, greedy):
                 stop_ids=ctx["stop_ids"],
                 greedy=greedy,
                 generated=len(turn),
+                seed=request_seed(*seed, len(ids) + len(turn)) if ctx.get("seeded") else None,
             )
             if finish == "abort" and policy.open:
                 raise RuntimeError("vLLM aborted a request outside a weight sync: is another client using it?")
@@ -157,7 +159,7 @@ async def generate_turn(session, url, ids, budget, policy, args, ctx, greedy):
 
 
 # FORK: the sampling parameters (each one that shapes the distribution must also shape the trainer's: sampler_logprobs)
-async def generate(session, url, ids, max_tokens, args, stop_ids, greedy=False, generated=0):
+async def generate(session, url, ids, max_tokens, args, stop_ids, greedy=False, generated=0, seed=None):
     """One completion from vLLM: token ids in; sampled ids, their log-probs and why it ended out ('abort': a weight sync
     stopped it; the ids so far are kept). `generated`: tokens of this turn that a stopped request already produced."""
     # Every parameter that shapes the distribution is sent: vLLM fills the missing ones from the checkpoint's
@@ -177,6 +179,7 @@ async def generate(session, url, ids, max_tokens, args, stop_ids, greedy=False, 
         "return_token_ids": True,
         "stop_token_ids": stop_ids,
         "skip_special_tokens": False,
+        "seed": seed,
         **args.sampling_args,
     }
     if greedy:  # evaluation
@@ -202,6 +205,13 @@ async def generate(session, url, ids, max_tokens, args, stop_ids, greedy=False, 
             raise ConnectionError(
                 f"the vLLM server {url} did not answer a generation request in {args.data_timeout} s (--data-timeout)"
             ) from None
+
+
+def request_seed(*key):
+    """A generation request's seed, from what identifies it in the run (--seed, its group, its sample, the position it
+    continues from): a run repeated with the same flags sends the same requests with the same seeds (README.md: when
+    that replays it sample for sample)."""
+    return random.Random(repr(key)).getrandbits(31)
 
 
 async def run_tool_calls(message, ctx, args, stats):
@@ -426,8 +436,8 @@ class Producer(threading.Thread):
         self.running[url] += 1
         try:
             group = [
-                rollout(session, url, self.tok, row, a, ctx=self.ctx, policy=self.policy)
-                for _ in range(a.num_generations)
+                rollout(session, url, self.tok, row, a, ctx=self.ctx, policy=self.policy, seed=(a.seed, index, i))
+                for i in range(a.num_generations)
             ]
             samples = await all_or_none(group)
         finally:
@@ -537,19 +547,27 @@ def grpo_loss(
     is_level="token",
     ref_logp=None,
     beta=0.0,
+    kl_correction=False,
+    off_policy_mask="none",
+    off_policy_threshold=0.5,
 ):
     """logp (the trainer's, with gradient), sampler_logp (vLLM's), mask (0 on tool-result and padding tokens): [B, T],
     per completion token; advantages: [B]. num_tokens and num_sequences count the whole step (all micro-batches, all ranks),
     so the result is a share of the step's loss. The importance weight w = pi_trainer / pi_sampler (no gradient) is how
     far the trainer's policy is from the one that sampled: numeric mismatch plus staleness. beta > 0 adds a KL penalty
-    to the reference, beta * KL(pi_theta || pi_ref) per token (k3 estimator), normalised as the surrogate is."""
+    to the reference, beta * KL(pi_theta || pi_ref) per token (k3 estimator), normalised as the surrogate is;
+    kl_correction weighs it by pi_theta / pi_sampler. off_policy_mask drops sequences or tokens that drifted past
+    off_policy_threshold from the loss."""
     lengths = mask.sum(1, keepdim=True).clamp(min=1)
 
     def sequence_mean(x):  # [B, T] -> [B, 1]: mean over each sequence's loss tokens
         return (x * mask).sum(1, keepdim=True) / lengths
 
     log_w = (logp.detach() - sampler_logp) * mask  # log pi_trainer / pi_sampler
-    # w per token, or per sequence: the geometric mean over its tokens (is_level sequence, and always for gspo)
+    # w per token, or per sequence (is_level sequence, and always for gspo): the geometric mean of its tokens' weights,
+    # not their product (the sequence's likelihood ratio, which TRL's and verl's sequence levels use). The product of a
+    # thousand token weights each within 1% of 1 lies anywhere in e^-10..e^10, and a threshold on it would truncate or
+    # mask long sequences for their length; the geometric mean is on the scale of one token's.
     w = torch.exp(sequence_mean(log_w) if is_level == "sequence" or loss_type == "gspo" else log_w)
     # is_correction none: the clipped ratio is taken against the sampler's log-probs. tis, mis (decoupled PPO): against
     # the policy before this update (value 1, gradient of log pi), weighted by w truncated or masked at the threshold.
@@ -564,18 +582,35 @@ def grpo_loss(
     ratio = torch.exp(sequence_mean(log_ratio) if loss_type == "gspo" else log_ratio)  # [B, T] or [B, 1]
     clipped = torch.clamp(ratio, 1 - epsilon, 1 + epsilon_high)
     A = advantages[:, None]
-    per_token = -weight * torch.minimum(ratio * A, clipped * A)  # the pessimistic surrogate, negated
+    if loss_type == "cispo":  # MiniMax-M1: the clipped ratio weighs the gradient of log pi (no gradient of its own),
+        per_token = -weight * clipped.detach() * A * logp  # so clipped tokens still contribute, at the clipped weight
+    else:
+        per_token = -weight * torch.minimum(ratio * A, clipped * A)  # the pessimistic surrogate, negated
     if beta:
         delta = ref_logp - logp
-        kl = torch.exp(delta) - delta - 1  # k3: unbiased and never negative
+        kl = torch.exp(delta) - delta - 1  # k3: unbiased under pi_theta and never negative
+        if (
+            kl_correction
+        ):  # the tokens come from pi_sampler: weighted by pi_theta / pi_sampler the estimate is unbiased
+            kl = torch.exp(logp - sampler_logp) * kl  # (DeepSeek-V3.2), gradient through the weight too
         per_token = per_token + beta * (sequence_mean(kl) if loss_type == "gspo" else kl)
+    # Off-policy masking drops from the loss what drifted too far from the sampler; the normalisers stay. Sequence
+    # (DeepSeek-V3.2): a negative advantage and a mean log(pi_sampler / pi_trainer) past the threshold, updates that push
+    # down tokens the trainer already finds less likely. Token (IcePop): |log w| past the threshold.
+    if off_policy_mask == "sequence":
+        kept = ~((sequence_mean(-log_w) > off_policy_threshold) & (A < 0))  # [B, 1]
+    elif off_policy_mask == "token":
+        kept = log_w.abs() <= off_policy_threshold  # [B, T]
+    else:
+        kept = torch.ones_like(A, dtype=torch.bool)
+    per_token = per_token * kept
     if loss_type == "gspo":  # one ratio per sequence (the geometric mean of its token ratios), clipped per sequence
-        loss = per_token.sum() / num_sequences
+        loss = (per_token * (mask.sum(1, keepdim=True) > 0)).sum() / num_sequences  # a sequence without loss tokens: 0
     elif loss_type == "sequence":  # the GRPO paper: mean over each sequence's tokens, then over sequences
         loss = sequence_mean(per_token).sum() / num_sequences
     elif loss_type == "constant":  # Dr. GRPO: a sequence's length does not change the weight of its tokens
         loss = (per_token * mask).sum() / (num_sequences * max_tokens)
-    else:  # token (DAPO): every loss token of the step weighs the same
+    else:  # token (DAPO), and cispo: every loss token of the step weighs the same
         loss = (per_token * mask).sum() / num_tokens
     with torch.no_grad():
         n = mask.sum().clamp(min=1)
@@ -591,6 +626,7 @@ def grpo_loss(
             "is/mismatch_kl": share(token_w - 1 - log_w),  # k3 estimate of KL(pi_sampler || pi_trainer)
             "is/ratio_min": torch.where(tokens, token_w, torch.inf).min(),
             "is/ratio_max": torch.where(tokens, token_w, -torch.inf).max(),
+            "is/off_policy_masked": share(~kept),
         }
         if is_correction == "tis":
             stats["is/truncated_fraction"] = share(w > is_threshold)
@@ -647,7 +683,7 @@ def train_step(
             model.no_sync() if i < len(micros) - 1 and hasattr(model, "no_sync") else contextlib.nullcontext(),
             torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"),
         ):
-            logp, removed = token_logprobs(model, batch, **sampling)
+            logp, removed, entropy = token_logprobs(model, batch, **sampling)
             with torch.no_grad():
                 ref_logp = token_logprobs(reference, batch, **sampling)[0] if reference else None
             mask = batch["mask"]
@@ -667,8 +703,12 @@ def train_step(
                 is_level=args.is_level,
                 ref_logp=ref_logp,
                 beta=args.beta,
+                kl_correction=args.kl_correction,
+                off_policy_mask=args.off_policy_mask,
+                off_policy_threshold=args.off_policy_threshold,
             )
             stats["is/truncated_mass"] = ((removed * mask).sum() / mask.sum().clamp(min=1)).item()
+            stats["train/entropy"] = ((entropy * mask).sum() / mask.sum().clamp(min=1)).item()
             (loss * world_size).backward()  # DDP and FSDP average over ranks; the loss is already a global mean
         totals["loss"] += loss.item()
         for k, v in stats.items():  # means over this rank's loss tokens, extremes over all of them
@@ -822,7 +862,7 @@ def collate(samples, pad_id, device, min_tokens=0, share=True, config=None, pack
 
 
 def token_logprobs(model, batch, temperature=1.0, chunk=2**26, **truncation):
-    """[B, T] log-probs of the completions as vLLM sampled them and the mass truncation removed (sampler_logprobs): the
+    """[B, T] log-probs of the completions as vLLM sampled them, the mass truncation removed and the entropy: the
     output layer on the completions' hidden states only, in chunks of ~`chunk` logits recomputed in backward (if more
     than one), which keeps a hidden state per token, not [tokens, V] logits (~2.4 MB a token at V = 151,936)."""
     bare = getattr(model, "module", model)  # DDP's
@@ -869,8 +909,8 @@ def sampler_logprobs(
     tokens that tie there tie for vLLM, and top-k keeps every tie (at a top-p boundary vLLM keeps an arbitrary part of a
     tied group, the trainer all of it). The target is always kept: where the trainer would cut it (a token at the
     boundary, the two sides' logits differing in the last bits, or a stale one), its log-prob is taken over the kept
-    set and itself: finite, and close to vLLM's at the boundary. Returns [B, T] log-probs (with gradient) and [B, T]
-    the probability mass the truncation removed."""
+    set and itself: finite, and close to vLLM's at the boundary. Returns [B, T] log-probs (with gradient), [B, T] the
+    probability mass the truncation removed, and [B, T] the entropy of the distribution sampled from (train/entropy)."""
     targets = targets[..., None]
     if stop_masked is not None and stop_masked.any():
         is_stop = torch.zeros(logits.shape[-1], dtype=torch.bool, device=logits.device)
@@ -891,7 +931,9 @@ def sampler_logprobs(
     else:  # nothing truncated: the log-softmax of the sampled tokens only
         log_kept = scaled.logsumexp(-1)
         removed = torch.zeros_like(log_kept)
-    return scaled.gather(-1, targets).squeeze(-1) - log_kept, removed
+    with torch.no_grad():  # what backward keeps is unchanged: these [B, T, V] temporaries are freed here
+        entropy = torch.special.entr((scaled - log_kept[..., None]).exp()).sum(-1)  # -sum p log p, 0 log 0 = 0
+    return scaled.gather(-1, targets).squeeze(-1) - log_kept, removed, entropy
 
 
 def kept_threshold(x, top_k=0, top_p=1.0, min_p=0.0):
@@ -1089,9 +1131,12 @@ class WeightSyncExtension:
         self.weight_sync_group = sync_group(host, port, first_rank + self.rank, world_size, backend, timeout=timeout)
 
     def served_config(self):
-        """(dtype, log-probs mode): the weights are sent in the server's dtype; the trainer rounds its logits to it."""
+        """(dtype, log-probs mode, whether it takes seeded requests): the weights are sent in the server's dtype, the
+        trainer rounds its logits to it. On CPU a seeded request whose prompt is prefilled in chunks kills the engine
+        (vLLM 0.32: "CPU Generator does not use offset"), so a CPU server takes seeds only without chunked prefill."""
         config = self.vllm_config.model_config
-        return str(config.dtype).removeprefix("torch."), config.logprobs_mode
+        seeds = self.device.type != "cpu" or not self.vllm_config.scheduler_config.enable_chunked_prefill
+        return str(config.dtype).removeprefix("torch."), config.logprobs_mode, seeds
 
     def unknown_weight_names(self, names):
         """The names among `names` that this server's model has no parameter for, after vLLM's own
@@ -1249,6 +1294,7 @@ def load_data(run):
     from transformers import AutoTokenizer
 
     args = run.args
+    run.train_rows, run.eval_rows = load_rows(args)  # checked before a model is built or loaded
     if run.model_path is None or run.model_path.endswith(".gguf"):  # rank 0 builds it; the others wait for its path
         box = [None]
         if run.is_main and args.model is None:
@@ -1267,7 +1313,6 @@ def load_data(run):
             "pass a local directory or hub name of a causal LM"
         )
     run.pad_id = next((i for i in (tok.pad_token_id, tok.eos_token_id) if i is not None), 0)  # masked: any id does
-    run.train_rows, run.eval_rows = load_rows(args)
     schemas = tool_schemas(args.tool_names) if args.tool_names else None
     stop_ids = stop_token_ids(tok, run.model_path)
     report = prepare_chat_template(tok, args, schemas, stop_ids, run.model_path)  # fails here, before vLLM starts
@@ -1374,8 +1419,15 @@ def start_generation(run):
         run.urls = urls = args.vllm_url.split(",") if args.vllm_url else [server.url for server in run.servers]
         threading.Thread(target=watch_servers, args=(run,), daemon=True, name="watch_servers").start()
         configs = [served_config(url) for url in urls]
-        run.ctx["max_model_len"] = min(length for length, _ in configs)
+        run.ctx["max_model_len"] = min(length for length, _, _ in configs)
+        run.ctx["seeded"] = all(seeds for _, _, seeds in configs)
         served = [configs[0][1]]
+        if not run.ctx["seeded"]:
+            print(
+                "warning: requests go unseeded, so a run does not replay: a CPU server with chunked prefill crashes on "
+                "seeded ones (vLLM 0.32); start it with --no-enable-chunked-prefill, as start_vllm does",
+                flush=True,
+            )
     if run.world_size > 1:  # every rank packs the weights and rounds the logits as the servers compute
         dist.broadcast_object_list(served, 0)
     run.served = getattr(torch, served[0])
@@ -1586,23 +1638,48 @@ def mean_over_union(dicts):
 
 
 def evaluate(run):
-    """Greedy rollouts on the held-out rows through the same servers and tool loop, on the producer's event loop."""
+    """A greedy rollout of each held-out row through the same servers and tool loop, on the producer's event loop; with
+    --eval-samples K also K sampled at the run's temperature, for pass@1 and pass@K of each reward (a sample passes a
+    reward whose value is positive: the built-in ones are 0 or 1)."""
     p = run.producer
     rows = run.eval_rows
     args = run.args
+    n = 1 + args.eval_samples  # rollouts per row, the greedy one first
 
     async def scored():
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=args.data_timeout)) as session:
             samples = await all_or_none(
-                rollout(session, p.urls[i % len(p.urls)], p.tok, row, args, ctx=p.ctx, policy=p.policy, greedy=True)
-                for i, row in enumerate(rows)
+                rollout(
+                    session,
+                    p.urls[i % len(p.urls)],
+                    p.tok,
+                    rows[i // n],
+                    args,
+                    ctx=p.ctx,
+                    policy=p.policy,
+                    greedy=i % n == 0,
+                    seed=(args.seed, "eval", i),  # the same at every evaluation: the checkpoints are compared alike
+                )
+                for i in range(len(rows) * n)
             )
-        return [await score_group([sample], row, args.reward_weights) for row, sample in zip(rows, samples)]
+        return [
+            await score_group(samples[j * n : (j + 1) * n], row, args.reward_weights) for j, row in enumerate(rows)
+        ]
 
-    results = asyncio.run_coroutine_threadsafe(scored(), p.loop).result()
-    return mean_over_union(
-        [{f"eval/{k}": v[0] for k, v in {"reward": total, **parts}.items()} for total, parts in results]
-    )
+    metrics = []
+    for total, parts in asyncio.run_coroutine_threadsafe(scored(), p.loop).result():
+        row = {f"eval/{name}": values[0] for name, values in {"reward": total, **parts}.items()}
+        for name, values in parts.items() if args.eval_samples else []:
+            passed = int((values[1:] > 0).sum())
+            row[f"eval/pass@1/{name}"] = pass_at_k(args.eval_samples, passed, 1)
+            row[f"eval/pass@{args.eval_samples}/{name}"] = pass_at_k(args.eval_samples, passed, args.eval_samples)
+        metrics.append(row)
+    return mean_over_union(metrics)
+
+
+def pass_at_k(n, c, k):
+    """The unbiased estimate of pass@k from n samples of which c passed (Chen et al., 2021): 1 - C(n - c, k) / C(n, k)."""
+    return 1.0 - math.comb(n - c, k) / math.comb(n, k)
 
 
 def finish(run):
@@ -1859,9 +1936,10 @@ def parse_args(argv=None, world_size=1, cuda_count=None, local_ranks=None):
     g.add_argument("--epsilon-high", type=float, default=0.28, help="upper clip range of the ratio: 1 + epsilon-high")
     g.add_argument(
         "--loss-type",
-        choices=["token", "sequence", "constant", "gspo"],
+        choices=["token", "sequence", "constant", "gspo", "cispo"],
         default="token",
-        help="token (DAPO), sequence (GRPO), constant (Dr. GRPO), gspo (one clipped ratio per sequence)",
+        help="token (DAPO), sequence (GRPO), constant (Dr. GRPO), gspo (one clipped ratio per sequence), cispo "
+        "(MiniMax-M1: the ratio clipped to [1 - epsilon, 1 + epsilon-high] weighs log pi, without gradient)",
     )
     g.add_argument(
         "--scale-rewards",
@@ -1883,10 +1961,26 @@ def parse_args(argv=None, world_size=1, cuda_count=None, local_ranks=None):
         "--is-level",
         choices=["token", "sequence"],
         default="token",
-        help="importance weight per token, or per sequence (geometric mean of its tokens'; always with gspo)",
+        help="importance weight per token, or per sequence: the geometric mean of its tokens' (always with gspo), "
+        "not their product, so that --is-threshold means the same for a sequence of any length",
     )
     g.add_argument(
+        "--off-policy-mask",
+        choices=["none", "sequence", "token"],
+        default="none",
+        help="drop from the loss what drifted past --off-policy-threshold from the sampler: sequences with a negative "
+        "advantage whose mean log(pi_sampler / pi_trainer) is past it (DeepSeek-V3.2), or tokens whose "
+        "|log(pi_trainer / pi_sampler)| is (IcePop)",
+    )
+    g.add_argument("--off-policy-threshold", type=float, default=0.5, help="the bound of --off-policy-mask, in nats")
+    g.add_argument(
         "--beta", type=float, default=0.0, help="weight of a KL penalty to the frozen initial policy (0: off)"
+    )
+    g.add_argument(
+        "--kl-correction",
+        action="store_true",
+        help="weigh the KL penalty's k3 estimate by pi_theta / pi_sampler, which makes it unbiased for tokens that an "
+        "older or different policy sampled (DeepSeek-V3.2; off by default, as in TRL)",
     )
     g.add_argument("--max-grad-norm", type=float, default=1.0, help="gradient clipping norm")
     g.add_argument(
@@ -2013,6 +2107,12 @@ def parse_args(argv=None, world_size=1, cuda_count=None, local_ranks=None):
         help="greedy evaluation on the held-out rows before the first step and every N steps (0: off)",
     )
     g.add_argument(
+        "--eval-samples",
+        type=int,
+        default=0,
+        help="also K samples per held-out row at the run's temperature: pass@1 and pass@K of each reward",
+    )
+    g.add_argument(
         "--save-every",
         type=int,
         default=0,
@@ -2042,6 +2142,7 @@ def parse_args(argv=None, world_size=1, cuda_count=None, local_ranks=None):
         "max_tool_turns": 0,
         "max_staleness": 0,
         "eval_every": 0,
+        "eval_samples": 0,
         "save_every": 0,
         "log_rollouts": 0,
         "tool_latency": 0,
@@ -2076,6 +2177,12 @@ def parse_args(argv=None, world_size=1, cuda_count=None, local_ranks=None):
             "--lora-alpha and --lora-targets need --lora-rank R > 0",
         ),
         (args.is_threshold <= 1, "--is-threshold must be > 1"),
+        (args.off_policy_threshold <= 0, "--off-policy-threshold must be > 0"),
+        (
+            args.off_policy_mask == "token" and args.loss_type == "gspo",
+            "--off-policy-mask token with --loss-type gspo: gspo has one ratio per sequence; use --off-policy-mask "
+            "sequence",
+        ),
         (
             args.temperature <= 0 or not 0 < args.top_p <= 1 or args.top_k < 0 or not 0 <= args.min_p < 1,
             "--temperature must be > 0, --top-p in (0, 1], --top-k >= 0 and --min-p in [0, 1)",
@@ -3243,6 +3350,11 @@ def start_vllm(args, model_path, out_dir):
                 # fp32 on CPU: bf16 arithmetic without AVX-512 is slow (a 25M-parameter model here generated 150 tokens/s
                 # in bf16, 680-780 in fp32), and an fp32 server holds exactly the trainer's weights
                 cmd += ["--dtype", "float32"]
+            if (
+                plan["cpu_server"]
+                and vllm_flag(args, "--enable-chunked-prefill", "--no-enable-chunked-prefill") is None
+            ):
+                cmd += ["--no-enable-chunked-prefill"]  # so that it takes seeded requests: served_config
             if share:
                 env["CUDA_VISIBLE_DEVICES"] = share
             # A CPU server takes one core, whole: its worker (which busy-polls for a second after each engine step)
@@ -3359,7 +3471,8 @@ def watch_servers(run, every=1.0):
 
 
 def served_config(url):
-    """(context length, dtype) of a server, checked to be one that start_vllm would start (--vllm-url may be anything)."""
+    """(context length, dtype, whether it takes seeded requests) of a server, checked to be one that start_vllm would
+    start (--vllm-url may be anything)."""
     how = (
         f"start it with --served-model-name {SERVED_MODEL} --worker-extension-cls async_grpo.WeightSyncExtension "
         "--logprobs-mode processed_logprobs and VLLM_SERVER_DEV_MODE=1, as README.md shows"
@@ -3371,16 +3484,16 @@ def served_config(url):
     if SERVED_MODEL not in models:
         raise SystemExit(f"--vllm-url {url} serves {sorted(models)}, not {SERVED_MODEL!r}: {how}")
     try:
-        dtype, logprobs_mode = http(f"{url}/collective_rpc", {"method": "served_config"}, timeout=30)["results"][0]
+        dtype, logprobs_mode, seeds = http(f"{url}/collective_rpc", {"method": "served_config"}, timeout=30)[
+            "results"
+        ][0]
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise SystemExit(
             f"--vllm-url {url}: its workers cannot take weights ({type(e).__name__}: {str(e)[:200]}): {how}"
         )
-    if (
-        logprobs_mode != "processed_logprobs"
-    ):  # raw log-probs ignore temperature and truncation: the ratios would be off
+    if logprobs_mode != "processed_logprobs":  # raw log-probs ignore temperature and truncation: ratios would be off
         raise SystemExit(f"--vllm-url {url} returns {logprobs_mode}: {how}")
-    return models[SERVED_MODEL]["max_model_len"], dtype
+    return models[SERVED_MODEL]["max_model_len"], dtype, seeds
 
 
 def cpu_threads(world_size=1, reserve=1):

@@ -215,6 +215,94 @@ def test_kl_penalty_to_the_reference_against_hand_computed_values():
     assert stats["train/kl"] == pytest.approx(kl / 5)
 
 
+def test_cispo_weighs_log_pi_by_the_clipped_ratio_without_its_gradient():
+    """CISPO (MiniMax-M1): -sg(clip(ratio)) * A * log pi per token, normalised over the step's tokens; every token keeps a
+    gradient, the clipped ones at the clipped weight (the surrogate's min zeroes theirs)."""
+    logp = torch.tensor([[-1.0, -0.5, -2.0], [-1.0, -3.0, -0.1]], requires_grad=True)
+    sampler_logp = torch.tensor([[-1.5, -0.5, -1.0], [-0.3, -3.0, -0.1]])
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0]])
+    loss, stats = ag.grpo_loss(
+        logp, sampler_logp, torch.tensor([1.0, -2.0]), mask, 0.2, 0.28, loss_type="cispo", num_tokens=5
+    )
+    # ratios e^0.5 -> clipped 1.28, 1.0 (A = +1); e^-0.7 = 0.4966 -> clipped 0.8, 1.0, 1.0 (A = -2)
+    clipped = [[1.28, 1.0], [0.8, 1.0, 1.0]]
+    expected = -(1.28 * 1 * -1.0 + 1.0 * 1 * -0.5 + 0.8 * -2 * -1.0 + 1.0 * -2 * -3.0 + 1.0 * -2 * -0.1) / 5
+    assert loss.item() == pytest.approx(expected, abs=1e-5) and stats["train/clip_fraction"] == pytest.approx(2 / 5)
+    loss.backward()
+    grad = [[-c * 1.0 / 5 for c in clipped[0]] + [0.0], [-c * -2.0 / 5 for c in clipped[1]]]
+    assert torch.allclose(logp.grad, torch.tensor(grad), atol=1e-6)
+
+
+def test_gspo_counts_nothing_for_a_sequence_without_loss_tokens():
+    """An empty completion (no loss token) with a nonzero advantage: no gradient, and no share of the loss's value
+    (it used to add -A / num_sequences to train/loss)."""
+    logp = torch.tensor([[-1.0, -0.5, -2.0], [-1.0, -3.0, -0.1], [-1.0, -1.0, -1.0]])
+    sampler_logp = torch.tensor([[-1.5, -0.5, -1.0], [-0.3, -3.0, -0.1], [-2.0, -2.0, -2.0]])
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0], [0.0, 0.0, 0.0]])
+    loss, _ = ag.grpo_loss(
+        logp, sampler_logp, torch.tensor([1.0, -2.0, 3.0]), mask, 0.2, 0.28, loss_type="gspo", num_sequences=3
+    )
+    assert loss.item() == pytest.approx(-(1.28 - 1.6) / 3, abs=1e-4)  # the two sequences of the GSPO case above
+
+
+def test_the_kl_correction_weighs_k3_by_the_ratio_to_the_sampler():
+    """--kl-correction: each token's k3 times pi_theta / pi_sampler (DeepSeek-V3.2), with the weight's gradient."""
+    logp = torch.tensor([[-1.0, -0.5, -2.0], [-1.0, -3.0, -0.1]], requires_grad=True)
+    sampler_logp = torch.tensor([[-1.5, -0.5, -1.0], [-0.3, -3.0, -0.1]])
+    ref_logp = torch.tensor([[-1.2, -0.5, -9.0], [-1.0, -2.0, -0.1]])
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0]])
+    loss, stats = ag.grpo_loss(
+        logp,
+        sampler_logp,
+        torch.tensor([0.0, 0.0]),  # no surrogate: the loss is the penalty alone
+        mask,
+        0.2,
+        0.28,
+        num_tokens=5,
+        ref_logp=ref_logp,
+        beta=0.1,
+        kl_correction=True,
+    )
+    # nonzero k3 on two tokens: d = -0.2 where logp - sampler = 0.5, and d = 1.0 where logp - sampler = 0
+    kl = math.exp(0.5) * (math.exp(-0.2) + 0.2 - 1) + math.exp(0.0) * (math.exp(1.0) - 1 - 1)
+    assert loss.item() == pytest.approx(0.1 * kl / 5, abs=1e-6) and stats["train/kl"] == pytest.approx(kl / 5)
+    loss.backward()
+    # d/dlogp [e^(logp - s) (e^(r - logp) - (r - logp) - 1)] = e^(logp - s) (k3 + 1 - e^(r - logp)), at r - logp = d
+    expected = 0.1 / 5 * math.exp(0.5) * ((math.exp(-0.2) + 0.2 - 1) + 1 - math.exp(-0.2))
+    assert logp.grad[0, 0].item() == pytest.approx(expected, abs=1e-6)
+
+
+@pytest.mark.parametrize(
+    "mode, threshold, kept, share",
+    [
+        # sequence: sequence 1 (A = -2) has a mean log(sampler / trainer) of 0.7 / 3 = 0.233; sequence 0's A is positive
+        ("sequence", 0.2, [[1.28, 1.0], [0.0, 0.0, 0.0]], 3 / 5),
+        ("sequence", 0.3, [[1.28, 1.0], [-1.6, -2.0, -2.0]], 0.0),
+        # token: |log w| is 0.5, 0 (sequence 0) and 0.7, 0, 0 (sequence 1)
+        ("token", 0.6, [[1.28, 1.0], [0.0, -2.0, -2.0]], 1 / 5),
+        ("token", 0.4, [[0.0, 1.0], [0.0, -2.0, -2.0]], 2 / 5),
+    ],
+)
+def test_off_policy_masking_drops_what_drifted_and_keeps_the_normalisers(mode, threshold, kept, share):
+    logp = torch.tensor([[-1.0, -0.5, -2.0], [-1.0, -3.0, -0.1]])
+    sampler_logp = torch.tensor([[-1.5, -0.5, -1.0], [-0.3, -3.0, -0.1]])
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0]])
+    loss, stats = ag.grpo_loss(
+        logp,
+        sampler_logp,
+        torch.tensor([1.0, -2.0]),
+        mask,
+        0.2,
+        0.28,
+        num_tokens=5,
+        off_policy_mask=mode,
+        off_policy_threshold=threshold,
+    )
+    # the token surrogates by hand (test_grpo_loss_against_hand_computed_values), those dropped set to 0
+    assert loss.item() == pytest.approx(-(sum(kept[0]) + sum(kept[1])) / 5, abs=1e-5)
+    assert stats["is/off_policy_masked"] == pytest.approx(share)
+
+
 @pytest.mark.parametrize(
     "values",
     [[1.0, float("nan")], [1.0, None], [float("inf"), 0.0], [1.0], [[1.0], [0.0]]],
@@ -268,6 +356,26 @@ def trainer_kept(rounded, target, **truncation):
     return {i for i, v in enumerate(rounded) if v >= smallest} | {target}
 
 
+def test_the_entropy_is_that_of_the_distribution_sampled_from():
+    """train/entropy: -sum p log p of the tokens the truncation keeps, renormalised, at the temperature; by hand."""
+    logits = torch.tensor([[[2.0, 1.0, 0.0, -1.0]]])
+
+    def entropy(kept):  # of the softmax over the kept tokens' logits
+        z = sum(math.exp(x) for x in kept)
+        return -sum(math.exp(x) / z * (x - math.log(z)) for x in kept)
+
+    for temperature, truncation, target, kept in [
+        (1.0, {}, 0, [2, 1, 0, -1]),
+        (2.0, {}, 0, [1, 0.5, 0, -0.5]),
+        (1.0, {"top_k": 2}, 0, [2, 1]),
+        (1.0, {"min_p": 0.2}, 0, [2, 1]),  # .087 < 0.2 * .644
+        (1.0, {"top_p": 0.5}, 0, [2]),  # one token left: 0
+        (1.0, {"top_p": 0.5}, 1, [2, 1]),  # the sampled token is always kept (sampler_logprobs)
+    ]:
+        _, _, got = ag.sampler_logprobs(logits, torch.tensor([[target]]), temperature, **truncation)
+        assert got.item() == pytest.approx(entropy(kept), abs=1e-6), (temperature, truncation)
+
+
 @pytest.mark.parametrize("temperature", [0.7, 1.0])
 def test_sampler_logprobs_against_hand_computed_values(temperature):
     # By hand, at temperature 1: logits 2, 1, 0, -1 have probabilities .644, .237, .087, .032.
@@ -281,7 +389,7 @@ def test_sampler_logprobs_against_hand_computed_values(temperature):
         (dict(), 3, -1 - math.log(e(2) + e(1) + e(0) + e(-1))),
     ]
     for truncation, target, expected in cases:
-        got, removed = ag.sampler_logprobs(logits, torch.tensor([[target] * 3]), 1.0, **truncation)
+        got, removed, _ = ag.sampler_logprobs(logits, torch.tensor([[target] * 3]), 1.0, **truncation)
         assert got[0, 0].item() == pytest.approx(expected, abs=1e-6), truncation
     # Every combination on random logits, against the definitions; the gradient is that of the renormalised log-prob
     for trial in range(40):
@@ -293,7 +401,7 @@ def test_sampler_logprobs_against_hand_computed_values(temperature):
             top_p=[1.0, 0.95, 0.6, 0.2][trial // 4 % 4],
             min_p=[0.0, 0.1][trial // 16 % 2],
         )
-        got, removed = ag.sampler_logprobs(logits, targets, temperature, **truncation)
+        got, removed, _ = ag.sampler_logprobs(logits, targets, temperature, **truncation)
         expected = [
             [
                 vllm_processed_logprob(logits[b, t].tolist(), int(targets[b, t]), temperature, **truncation)
@@ -314,7 +422,7 @@ def test_sampler_logprobs_against_hand_computed_values(temperature):
         assert 0 <= removed.min() and removed.max() < 1
     # min_tokens: where vLLM held the stop tokens back, they are out of the distribution
     logits, stop_masked = torch.tensor([[[2.0, 1.0, 0.0, -1.0]] * 2]), torch.tensor([[True, False]])
-    got, removed = ag.sampler_logprobs(logits, torch.tensor([[1, 1]]), 1.0, stop_masked=stop_masked, stop_ids=[0])
+    got, removed, _ = ag.sampler_logprobs(logits, torch.tensor([[1, 1]]), 1.0, stop_masked=stop_masked, stop_ids=[0])
     assert got.tolist()[0] == pytest.approx(
         [1 - math.log(e(1) + e(0) + e(-1)), 1 - math.log(e(2) + e(1) + e(0) + e(-1))]
     )
@@ -808,6 +916,11 @@ def test_bad_input_fails_before_vllm_starts(tmp_path, capsys):
     print("\n".join(report))
     code, out = run_cli("--model", str(tmp_path / "no_such_model"), timeout=60)  # and once as a user runs it
     assert code == 1 and "--model" in out and "starting vLLM" not in out
+    # on a fresh machine the data is read before the built-in model's one-minute build
+    code, out = run_cli(
+        "--dataset", str(tmp_path / "no_prompt.jsonl"), "--cache-dir", str(tmp_path / "fresh"), timeout=60
+    )
+    assert code == 1 and "each row needs a 'prompt' field" in out and "building the built-in model" not in out
 
 
 def plan_or_error(capsys, flags, cuda_count, local_ranks=1, nodes=1):
@@ -1474,6 +1587,36 @@ def test_learning_through_the_whole_loop(server, tmp_path, mode):
 
 def read_rollouts(out_dir):
     return [json.loads(line) for line in (Path(out_dir) / "rollouts.jsonl").read_text().splitlines()]
+
+
+def test_two_sync_runs_replay_sample_for_sample_and_evaluate_pass_at_k(server, tmp_path):
+    """Every request carries a seed derived from --seed, its group, its sample and the position it continues from
+    (request_seed): two --sync runs with the same flags write the same rollouts and the same metrics, timings apart,
+    and another --seed samples others. The evaluations (--eval-samples 3) report pass@1 and pass@3 of each reward."""
+    timings = ("sync/seconds", "tools/seconds", "train/lr")
+
+    def run(name, *flags):
+        out_dir = tmp_path / name
+        code, out = run_cli(
+            "--vllm-url", server.url, "--output-dir", str(out_dir), "--sync", "--steps", "3", "--tools",
+            "--prompts-per-step", "4", "--log-rollouts", "1000", "--eval-every", "3", "--eval-size", "8",
+            "--eval-samples", "3", *flags,
+        )  # fmt: skip
+        assert code == 0, out[-3000:]
+        metrics = [
+            {k: v for k, v in m.items() if not k.startswith("perf/") and k not in timings}
+            for m in read_metrics(out_dir)
+        ]
+        return read_rollouts(out_dir), metrics
+
+    first, again, other = run("first"), run("again"), run("other", "--seed", "1")
+    assert first == again
+    assert [r["completion"] for r in first[0]] != [r["completion"] for r in other[0]]
+    assert all(m["train/entropy"] > 0 for m in first[1][1:])  # the trained tokens' (the first line: step 0's eval)
+    for m in (first[1][0], first[1][-1]):  # before the first step and after the last
+        for reward in ("correct_answer", "format_reward"):
+            assert 0 <= m[f"eval/pass@1/{reward}"] <= m[f"eval/pass@3/{reward}"] <= 1, m
+    print({k: v for k, v in first[1][-1].items() if k.startswith("eval/")})
 
 
 def test_the_countdown_task_reaches_its_reward_with_its_columns(server, tmp_path):
@@ -4199,7 +4342,7 @@ def test_segments_equal_the_mask_path_in_logprobs_and_gradients_with_sliding_win
         batch = ag.collate(samples, 0, "cpu", share=share, config=config, packed=packed)
         assert ("segments" in batch, "attention_mask" in batch) == (packed, layout == "mask")
         model.zero_grad()
-        logp, removed = ag.token_logprobs(model, batch, top_p=0.9, served=torch.float32)
+        logp, removed, _ = ag.token_logprobs(model, batch, top_p=0.9, served=torch.float32)
         weights = torch.randn(logp.shape, generator=torch.Generator().manual_seed(1)) * (batch["cols"] >= 0)
         (logp * weights).sum().backward()
         grad = torch.cat([p.grad.flatten() for p in model.parameters()])
@@ -4246,7 +4389,7 @@ def test_backward_keeps_the_mask_once_and_a_hidden_state_per_token_not_the_logit
     batch = ag.collate(samples, 0, "cpu", config=model.config)
     T = batch["input_ids"].shape[1]
     sampling = dict(top_p=top_p, served=torch.float32)
-    (logp, removed), saved = saved_by_backward(
+    (logp, removed, _), saved = saved_by_backward(
         lambda: ag.token_logprobs(model, batch, chunk=16 * vocab, **sampling), model
     )
     masks = [shape for shape, _ in saved if shape[-2:] == (T, T)]
@@ -4260,7 +4403,7 @@ def test_backward_keeps_the_mask_once_and_a_hidden_state_per_token_not_the_logit
         logits = model(**inputs, use_cache=False).logits[batch["rows"], batch["cols"]].float()
         return ag.sampler_logprobs(logits, batch["targets"], **sampling)
 
-    (expected, expected_removed), whole = saved_by_backward(whole_logits, model)
+    (expected, expected_removed, _), whole = saved_by_backward(whole_logits, model)
     per_token = [(sum(b for _, b in s) - sum(b for _, b in decoder)) / tokens for s in (saved, whole)]
     print(f"saved per completion token beyond the decoder: {per_token[0]:.0f} bytes chunked, {per_token[1]:.0f} whole")
     assert per_token[0] <= 4 * model.config.hidden_size + 64 and per_token[1] >= 4 * vocab
