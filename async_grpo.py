@@ -882,13 +882,14 @@ def kept_threshold(x, top_k=0, top_p=1.0, min_p=0.0):
 class WeightSync:
     """Trainer side of the sync to every server in `urls`; advances `policy` (a PolicyVersion). One group (sync_group)
     holds the trainer (rank 0) and every worker of every server, so one broadcast reaches them all. It is made at the
-    first sync and kept for the run."""
+    first sync and kept for the run, unless a sync fails: then it is aborted, and the error names the server."""
 
-    def __init__(self, urls, args, dtype, policy):
+    def __init__(self, urls, args, dtype, policy, failure=lambda: None):
         self.urls = urls
         self.args = args
         self.dtype = dtype  # the servers' (served_config): the weights travel in it
         self.policy = policy
+        self.failure = failure  # why a server failed, from the watchdog (watch_servers), or None
         self.group = None
         self.pool = ThreadPoolExecutor(len(urls))
 
@@ -967,9 +968,18 @@ class WeightSync:
             for b in buckets
         ]
         received = [self._rpc(url, "receive_weights", buckets=meta) for url in self.urls]
-        send_weights(self.group, buckets, self.dtype, self.args.sync_timeout)
-        for future in received:
-            future.result(self.args.sync_timeout)
+
+        def failed():  # why the workers cannot finish: a server's error answer (it names the server), or the watchdog's
+            return next((f.exception() for f in received if f.done() and f.exception()), None) or self.failure()
+
+        try:
+            send_weights(self.group, buckets, self.dtype, deadline - time.monotonic(), failed)
+            for future in received:  # the last bucket loads: bounded by the request's own timeout (http)
+                future.result()
+        except Exception as e:  # the workers are out of step: the group is aborted (a next sync would make a new one)
+            self.group.abort()
+            self.group = None
+            raise ConnectionError(f"the weight sync to {', '.join(self.urls)} failed: {e}") from None
         self.policy.value += 1
         self._all("resume")
         self.policy.open = True
@@ -1025,16 +1035,30 @@ def flatten(bucket, dtype):
     return flat
 
 
-def send_weights(group, buckets, dtype, timeout):
-    """Rank 0's broadcast of the buckets, one flat buffer each: bucket k+1 is gathered and packed while bucket k travels."""
-    timeout = timedelta(seconds=timeout)
+def send_weights(group, buckets, dtype, timeout, failed=lambda: None):
+    """Rank 0's broadcast of the buckets, one flat buffer each: bucket k+1 is gathered and packed while bucket k travels.
+    Rank 0 never waits in a collective it cannot leave: it polls each broadcast while it watches failed() (why the
+    workers cannot finish, or None) and a bound of `timeout` seconds for all, and raises before the backend's own
+    timeout (sync_group: above this one), at which NCCL's watchdog would end the process with nothing saved."""
+    deadline = time.monotonic() + timeout
+
+    def wait(work):
+        while not work.is_completed():
+            why = failed()
+            if not why and time.monotonic() > deadline:
+                why = f"not all sent in the {timeout:.0f} s left of --sync-timeout"
+            if why:
+                raise ConnectionError(why)
+            time.sleep(0.001)
+        work.wait()  # raises the backend's error, if it failed
+
     sending = None  # (the buffer on its way, its broadcast)
     for bucket in buckets:
         flat = flatten(bucket, dtype)  # of detached weights: no autograd
         if sending:
-            sending[1].wait(timeout)
+            wait(sending[1])
         sending = flat, group.broadcast(flat, 0)
-    sending[1].wait(timeout)
+    wait(sending[1])
 
 
 def help_sync(model, args, dtype):
@@ -1095,7 +1119,11 @@ class WeightSyncExtension:
                 yield from ((name, part.view(shape)) for (name, shape), part in zip(bucket["params"], parts))
 
         # reload_weights, unlike plain load_weights, re-runs the post-load processing of each layer it loads...
-        self.reload_weights(weights_iterator=tensors(), is_checkpoint_format=True)
+        try:
+            self.reload_weights(weights_iterator=tensors(), is_checkpoint_format=True)
+        except BaseException:  # out of step with the trainer: aborted, or NCCL's watchdog would end this worker
+            self.weight_sync_group.abort()
+            raise
         # ...but only of the layer that loaded a tied weight. A module sharing it (lm_head tied to the embedding) keeps
         # what it derived from the old values (on CPU, a pre-packed GEMM copy): vLLM would sample from the old head.
         from vllm.config import set_current_vllm_config
@@ -1337,10 +1365,12 @@ def start_generation(run):
     run.served = getattr(torch, served[0])
     if run.is_main:
         run.version = PolicyVersion(args.max_inflight)
-        run.sync = WeightSync(urls, args, run.served, run.version)
+        run.sync = WeightSync(urls, args, run.served, run.version, failure=lambda: run.server_failure)
         if args.vllm_url:  # a server we did not start may hold other weights than the policy: all of them
             run.sync(run.policy, every=True)
-        run.version.value = run.resumed["policy_version"] if run.resumed else 0
+        # the servers hold the weights of the step the run starts at: those of the last finished sync, or newer where a
+        # sync failed mid-way (a count saved with them would lag, and the staleness gate would wait forever on --resume)
+        run.version.value = run.start_step // args.sync_every
         cursor = run.resumed and run.resumed["data"]
         run.producer = Producer(args, run.tok, run.train_rows, urls, run.ctx, policy=run.version, cursor=cursor)
         run.producer.start()
@@ -1671,7 +1701,6 @@ def checkpoint(run, step):
         torch.save(
             {
                 "step": step,
-                "policy_version": run.version.value,
                 "data": run.done_cursor,
                 "rng": rng,
                 "initial_model": run.initial_model,
@@ -3347,7 +3376,7 @@ def sync_group(host, port, rank, world_size, backend, timeout, listener=None):
         host, port, world_size, listener is not None, timeout, master_listen_fd=listener and listener.detach()
     )
     options = dist.ProcessGroupGloo._Options() if gloo else dist.ProcessGroupNCCL.Options()
-    options._timeout = timeout
+    options._timeout = 2 * timeout  # the backend's own bound, above send_weights': Python ends a failed sync first
     if gloo:
         options._devices = [dist.ProcessGroupGloo.create_device(hostname=local_address(host))]  # not the hostname's
     kind = dist.ProcessGroup.BackendType.GLOO if gloo else dist.ProcessGroup.BackendType.NCCL

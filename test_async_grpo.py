@@ -2164,10 +2164,11 @@ def test_a_run_with_its_own_server_serves_fp32_exactly_calls_tools_and_leaves_no
     assert processes_in_group(server_pid) == []
 
 
-def run_with_fault(out_dir, *flags, at="step", fault=None, victim="trainer"):
+def run_with_fault(out_dir, *flags, at="step", fault=None, victim="trainer", mid_sync=False, env=None):
     """Run the real script; at the first printed line that starts with `at`, send `fault` to the victim: 'trainer',
-    'api' (the last server's API process), 'engine' (its engine process, found in the server's process group).
-    -> (exit code, output, seconds from the fault to the exit, the servers' pids)."""
+    'api' (the last server's API process), 'engine' (its engine process) or 'worker' (its worker process: both found in
+    the server's process group); with mid_sync, at the next weight sync instead, once its server has paused (its log
+    says so) and its worker receives. -> (exit code, output, seconds from the fault to the exit, the servers' pids)."""
     proc = subprocess.Popen(
         [
             sys.executable,
@@ -2188,24 +2189,39 @@ def run_with_fault(out_dir, *flags, at="step", fault=None, victim="trainer"):
         text=True,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
-        env=dict(os.environ, PYTHONUNBUFFERED="1"),
+        env=dict(os.environ, PYTHONUNBUFFERED="1", **(env or {})),
     )
-    lines, sent, pids = [], None, []
+    lines, sent, pids, logs = [], [], [], []
+
+    def send():
+        if mid_sync:  # the server's log says that the pause ended: the trainer now sends, the worker receives
+            log = open(logs[-1])
+            log.seek(0, os.SEEK_END)
+            while "POST /pause" not in log.readline():
+                time.sleep(0.01)
+            time.sleep(0.1)
+        if victim in ("engine", "worker"):  # their process titles: VLLM::EngineCore, VLLM::Worker
+            name = {"engine": "EngineCor", "worker": "Worker"}[victim]
+            pid = next(p for p in processes_in_group(pids[-1]) if name in Path(f"/proc/{p}/comm").read_text())
+        else:
+            pid = {"trainer": proc.pid, "api": pids[-1]}[victim]
+        os.kill(pid, fault)
+        sent.append(time.monotonic())
+
     try:
         for line in proc.stdout:
             lines.append(line)
             if line.startswith("starting vLLM"):
                 pids.append(int(re.search(r"pid (\d+)", line).group(1)))
-            if line.startswith(at) and fault and sent is None:
-                engine = [
-                    p for p in processes_in_group(pids[-1]) if "EngineCor" in Path(f"/proc/{p}/comm").read_text()
-                ]
-                os.kill({"trainer": proc.pid, "api": pids[-1], "engine": engine[0]}[victim], fault)
-                sent = time.monotonic()
+                logs.append(re.search(r"log (\S+)\)", line).group(1))
+            if line.startswith(at) and fault and not sent:
+                sent.append(None)  # until the fault is sent
+                threading.Thread(target=send, daemon=True).start()
         proc.wait(120)
     finally:
         proc.kill()
-    return proc.returncode, "".join(lines), time.monotonic() - (sent or time.monotonic()), pids
+    seconds = time.monotonic() - sent[-1] if sent and sent[-1] else (math.inf if fault else 0.0)
+    return proc.returncode, "".join(lines), seconds, pids
 
 
 def test_faults_end_in_seconds_with_one_message_and_resume_continues(tmp_path, tiny_model):
@@ -2284,6 +2300,80 @@ def test_faults_end_in_seconds_with_one_message_and_resume_continues(tmp_path, t
     finally:
         subprocess.run(["umount", "-l", str(out)], capture_output=True) if not mounted.returncode else None
     print("steps trained by each run:", steps)
+
+
+FAULTY_RELOAD = """
+import time
+import async_grpo as ag
+
+
+class ReloadRaises(ag.WeightSyncExtension):
+    def receive_weights(self, buckets):  # the worker's reload takes a sync's first weight, then raises
+        def reload_weights(weights_iterator, **kwargs):
+            next(weights_iterator)
+            print(f"injected fault at {time.time()}: reload_weights raises", flush=True)
+            raise RuntimeError("injected fault: reload_weights failed")
+
+        self.reload_weights = reload_weights
+        return super().receive_weights(buckets)
+"""
+
+
+def test_a_sync_that_fails_midway_ends_the_run_in_seconds_saved_and_resume_continues(tmp_path):
+    """Two faults in the middle of a weight sync of a 25M-parameter model (about a second here, in many buckets), one
+    run after another in one output directory: the server's worker process killed while it receives (a worker that a
+    GPU out-of-memory takes down), then a worker whose reload raises (a stub for that fault: a subclass of the worker
+    extension, passed to the server by a later --worker-extension-cls, which vLLM's parser takes). The trainer waits
+    on each bucket while it watches the workers' answers and the watchdog, so each run ends within seconds, far inside
+    --sync-timeout (60 s), with one message naming the server; it saves the step whose weights it was sending, and the
+    next run resumes from it. Before, a worker that raised cost the whole --sync-timeout and ended in a traceback."""
+    import bench
+
+    model = bench.build_model(CACHE, 512, 8, intermediate=1536)  # built once, like the tiny model
+    (tmp_path / "faulty_reload.py").write_text(FAULTY_RELOAD)
+    out = tmp_path / "run"
+    flags = ["--model", model, "--steps", "4", "--sync-timeout", "60", "--sync-bucket-mb", "2", "--max-tokens", "4"]
+    flags += ["--num-generations", "2", "--prompts-per-step", "2"]
+    code, text, seconds, pids = run_with_fault(
+        out,
+        *flags,
+        "--vllm-args=--enforce-eager",
+        at="step    1/",
+        fault=signal.SIGKILL,
+        victim="worker",
+        mid_sync=True,
+    )
+    log = (out / "vllm.log").read_text()
+    print(f"worker killed mid-sync: exit {code} {seconds:.1f} s after the kill")
+    assert code != 0 and seconds < 20, text[-3000:]
+    # the kill came after the pause and before the worker had loaded the weights: in the middle of the sync
+    assert "Reloading and processing weights took" not in log.rpartition("POST /pause")[2], log[-3000:]
+    assert re.search(r"error: the vLLM server http://127.0.0.1:\d+ .*its engine died.*weight sync", text, re.S)
+    assert "saved the checkpoint of step 2" in text and not re.search("^Traceback", text, re.M), text[-3000:]
+    assert os.readlink(out / "checkpoint") == "checkpoint-000002"
+    assert all(processes_in_group(pid) == [] for pid in pids)
+
+    extension = "--vllm-args=--enforce-eager --worker-extension-cls faulty_reload.ReloadRaises"
+    code, text, _, pids = run_with_fault(out, *flags, "--resume", extension, env={"PYTHONPATH": str(tmp_path)})
+    ended, log = time.time(), (out / "vllm.log").read_text()
+    injected = float(re.findall(r"injected fault at ([\d.]+)", log)[-1])
+    print(f"a worker's reload raised: exit {code} {ended - injected:.1f} s after it raised")
+    assert "Injected <class 'faulty_reload.ReloadRaises'>" in log and "resuming at step 2" in text, text[-3000:]
+    assert code != 0 and ended - injected < 15, text[-3000:]
+    url = re.findall(r"--port (\d+)", text)[-1]
+    assert (
+        f"error: the weight sync to http://127.0.0.1:{url} failed: POST http://127.0.0.1:{url}/collective_rpc" in text
+    )
+    assert re.search(r"^error: the weight sync.* answered 500: .*injected fault", text, re.M), text[-3000:]
+    assert "saved the checkpoint of step 3" in text and not re.search("^Traceback", text, re.M), text[-3000:]
+    assert all(processes_in_group(pid) == [] for pid in pids)
+
+    # the servers serve the saved weights, which the failed sync did not finish: as new as the step says, or the producer
+    # would wait for a weight sync that the trainer, waiting for data, never makes
+    code, text = run_cli(
+        *flags, "--output-dir", str(out), "--resume", "--data-timeout", "60", "--vllm-args=--enforce-eager"
+    )
+    assert code == 0 and "resuming at step 3" in text and "step    4/4" in text, text[-3000:]
 
 
 def test_ctrl_c_during_server_start_leaves_nothing_behind(tmp_path, tiny_model):
