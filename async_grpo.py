@@ -1075,9 +1075,12 @@ class WeightSyncExtension:
         self.weight_sync_group = sync_group(host, port, first_rank + self.rank, world_size, backend, timeout=timeout)
 
     def served_config(self):
-        """(dtype, log-probs mode): the weights are sent in the server's dtype; the trainer rounds its logits to it."""
+        """(dtype, log-probs mode, device, pipeline stages): the weights travel in the server's dtype (the trainer rounds its
+        logits to it) over a backend that suits the device (a GPU's UUID, or 'cpu')."""
         config = self.vllm_config.model_config
-        return str(config.dtype).removeprefix("torch."), config.logprobs_mode
+        device = str(torch.cuda.get_device_properties(self.device).uuid) if self.device.type == "cuda" else "cpu"
+        stages = self.vllm_config.parallel_config.pipeline_parallel_size
+        return str(config.dtype).removeprefix("torch."), config.logprobs_mode, device, stages
 
     def unknown_weight_names(self, names):
         """The names among `names` that this server's model has no parameter for, after vLLM's own
@@ -1275,6 +1278,12 @@ def load_policy_and_optimizer(run):
     def place(path):  # on this rank's device: whole, or its shards
         return load_sharded(path, run.device) if args.fsdp else load_policy(path).to(run.device)
 
+    if run.is_main and args.plan["shared"]:  # the server shares this GPU: the trainer takes only what it leaves
+        shapes = load_policy(run.model_path, empty=True)  # on the meta device: nothing read or allocated
+        trained = 0 if args.lora_rank else sum(p.numel() for p in shapes.parameters() if p.requires_grad)
+        total = torch.cuda.get_device_properties(run.device).total_memory
+        share = memory_share(args, total, sum(p.numel() for p in shapes.parameters()), trained)
+        torch.cuda.set_per_process_memory_fraction(share, run.device)
     if resumed and resumed.get("lora_rank", 0) != args.lora_rank:
         raise SystemExit(
             f"--resume: this checkpoint was trained with --lora-rank {resumed.get('lora_rank', 0)}; resume with it"
@@ -1358,8 +1367,12 @@ def start_generation(run):
         run.urls = urls = args.vllm_url.split(",") if args.vllm_url else [server.url for server in run.servers]
         threading.Thread(target=watch_servers, args=(run,), daemon=True, name="watch_servers").start()
         configs = [served_config(url) for url in urls]
-        run.ctx["max_model_len"] = min(length for length, _ in configs)
+        run.ctx["max_model_len"] = min(length for length, _, _ in configs)
         served = [configs[0][1]]
+        if args.vllm_url:  # the sync's backend follows the devices these servers report (the plan could not know them)
+            ours = range(int(os.environ.get("LOCAL_WORLD_SIZE", 1))) if run.device.type == "cuda" else []
+            ours = [str(torch.cuda.get_device_properties(i).uuid) for i in ours]
+            args.plan["sync_backend"] = url_sync_backend(urls, [devices for _, _, devices in configs], ours)
     if run.world_size > 1:  # every rank packs the weights and rounds the logits as the servers compute
         dist.broadcast_object_list(served, 0)
     run.served = getattr(torch, served[0])
@@ -1754,7 +1767,7 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         return super()._get_help_string(action)
 
 
-def parse_args(argv=None, world_size=1, cuda_count=None, local_ranks=None):
+def parse_args(argv=None, world_size=1, cuda_count=None, local_ranks=None, heads=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=HelpFormatter)
     g = p.add_argument_group("model and data")
     g.add_argument(
@@ -1954,8 +1967,8 @@ def parse_args(argv=None, world_size=1, cuda_count=None, local_ranks=None):
     g.add_argument(
         "--vllm-servers",
         type=int,
-        default=1,
-        help="servers to start; each takes an equal share of --vllm-gpus (tensor parallel over its share)",
+        default=0,
+        help="servers to start, each on an equal share of --vllm-gpus (tensor parallel over its share; 0: one per GPU)",
     )
     g.add_argument(
         "--vllm-gpus",
@@ -2021,7 +2034,7 @@ def parse_args(argv=None, world_size=1, cuda_count=None, local_ranks=None):
         "log_rollouts": 0,
         "tool_latency": 0,
         "vllm_port": 0,
-        "vllm_servers": 1,
+        "vllm_servers": 0,
         "lora_rank": 0,
     }
     checks = [(getattr(args, k) < low, f"--{k.replace('_', '-')} must be >= {low}") for k, low in at_least.items()]
@@ -2072,9 +2085,10 @@ def parse_args(argv=None, world_size=1, cuda_count=None, local_ranks=None):
             "--vllm-args: pass the servers' memory share as --vllm-gpu-memory",
         ),
         (
-            vllm_flag(args, "--data-parallel-size", "-dp") not in (None, "1"),
-            "--vllm-args: the engines of a data-parallel "
-            "server would join the weight sync under the same ranks; start several servers instead, --vllm-servers N",
+            {vllm_flag(args, "--data-parallel-size", "-dp"), vllm_flag(args, "--pipeline-parallel-size", "-pp")}
+            - {None, "1"},
+            "--vllm-args: the engines of a data-parallel server would join the weight sync under the same ranks, and a "
+            "pipeline stage holds part of the weights a sync sends whole; start several servers instead, --vllm-servers N",
         ),
     ]
     args.tool_names = []
@@ -2108,7 +2122,7 @@ def parse_args(argv=None, world_size=1, cuda_count=None, local_ranks=None):
             p.error(message)
     cuda_count = torch.cuda.device_count() if cuda_count is None else cuda_count
     local_ranks = local_ranks or int(os.environ.get("LOCAL_WORLD_SIZE", world_size))  # the trainer ranks on this node
-    args.plan = plan_devices(args, cuda_count, local_ranks, p.error)
+    args.plan = plan_devices(args, cuda_count, local_ranks, p.error, heads)
     args.max_staleness = 0 if args.sync else args.max_staleness
     args.sync_bucket_bytes = int(args.sync_bucket_mb * 2**20)
     # The other ranks' bound in a collective while rank 0 alone starts vLLM, waits for data or syncs: not torch's (NCCL 10
@@ -2129,17 +2143,18 @@ def vllm_flag(args, *names):
     return next((words[i + 1] for i, w in enumerate(words[:-1]) if w.replace("_", "-") in names), None)
 
 
-def plan_devices(args, cuda_count, local_ranks, fail):
+def plan_devices(args, cuda_count, local_ranks, fail, heads=None):
     """Where everything runs, decided before anything loads: the trainer ranks on cuda:0..local_ranks-1 or the CPU, each
     server started here on its share of --vllm-gpus or the CPU, and the sync backend: NCCL between devices, else gloo
-    (which takes CUDA tensors: NCCL refuses two ranks on one device). fail(message) for a plan that cannot work."""
-    n = args.vllm_servers
+    (which takes CUDA tensors: NCCL refuses two ranks on one device). By default a server per GPU (README.md, "On
+    GPUs": why). heads: the model's (attention heads, KV heads), read where None. fail(message) for a bad plan."""
     url = args.vllm_url
     free = [str(d) for d in range(local_ranks, cuda_count)]  # the devices the trainer ranks leave free
     if args.vllm_gpus:
         gpus = args.vllm_gpus.split(",")
     else:
-        gpus = [] if url else free[: len(free) // n * n]
+        gpus = [] if url else free[: len(free) // max(1, args.vllm_servers) * max(1, args.vllm_servers)]
+    n = args.vllm_servers or max(1, len(gpus))
     shared = bool(cuda_count and not url and not gpus)  # no device free: one server shares trainer rank 0's GPU
     instead = f"pass --vllm-gpus among {','.join(free)}" if free else "launch fewer ranks (torchrun --nproc-per-node)"
     for failed, message in [
@@ -2168,6 +2183,18 @@ def plan_devices(args, cuda_count, local_ranks, fail):
     ]:
         if failed:
             fail(message)
+    tp = len(gpus) // n  # tensor parallel: each server's GPUs
+    if tp > 1:
+        try:
+            heads, kv_heads = heads or attention_heads(args.model)
+        except Exception as e:
+            fail(f"--model {args.model}: cannot read its config, which --vllm-servers {n} needs ({str(e)[:200]})")
+        # vLLM splits the attention heads over the GPUs, and the KV heads, or copies each onto several (layers/linear.py)
+        if heads % tp or (kv_heads % tp if kv_heads >= tp else tp % kv_heads):
+            fail(
+                f"--vllm-servers {n}: tensor parallel {tp} does not split the model's {heads} attention heads and {kv_heads} KV "
+                f"heads (vLLM refuses it): pass --vllm-servers {len(gpus)}, a server per GPU, or a count whose share does"
+            )
     physical = (os.environ.get("CUDA_VISIBLE_DEVICES") or ",".join(map(str, range(cuda_count)))).split(",")
     shares = [gpus[i * len(gpus) // n : (i + 1) * len(gpus) // n] for i in range(n)] if gpus else [["0"] * shared] * n
     return {
@@ -2175,12 +2202,44 @@ def plan_devices(args, cuda_count, local_ranks, fail):
         "sync_backend": "nccl" if cuda_count and not shared else "gloo",
         "servers": [] if url else [",".join(physical[int(g)] for g in share) for share in shares],  # as devices
         "gpu_memory": args.vllm_gpu_memory or (0.3 if shared else None),  # why 0.3: README.md, "On GPUs"
+        "shared": shared,  # the server on trainer rank 0's GPU: the trainer is held to what it leaves (memory_share)
         "cpu_server": not cuda_count
         and all(
             urllib.parse.urlparse(u).hostname in ("127.0.0.1", "localhost")
             for u in (url or "http://127.0.0.1").split(",")
         ),
     }  # tuned in start_vllm
+
+
+def attention_heads(model):
+    """(attention heads, KV heads) of --model from its config alone (a local folder's, a GGUF file's, the hub's); the
+    built-in model's are build_tiny_model's."""
+    from transformers import AutoConfig
+
+    if model is None:
+        return 4, 2
+    gguf = {"gguf_file": Path(model).name} if model.endswith(".gguf") else {}
+    config = AutoConfig.from_pretrained(Path(model).parent if gguf else model, **gguf).get_text_config()
+    return config.num_attention_heads, getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+
+
+def memory_share(args, total, params, trained):
+    """The share of one GPU (`total` bytes) that the trainer may take beside a server: what the server's share (its
+    weights, 2 bytes a parameter, in half; its KV cache) and a margin leave (the worker's two buckets in flight, CUDA
+    contexts and a reloaded layer: 1 GiB). The trainer holds 4 bytes a parameter, 12 more a trained one (gradient,
+    AdamW's moments), 4 for the --beta reference, and activations. A model that does not fit is refused here."""
+    server = args.plan["gpu_memory"]
+    share = 1 - server - (2 * args.sync_bucket_bytes + 2**30) / total
+    needed = 4 * params + 12 * trained + 4 * params * bool(args.beta)
+    if needed > share * total or 4 * params > server * total:
+        raise SystemExit(
+            f"one GPU of {total / 2**30:.0f} GiB cannot hold both: the trainer needs {needed / 2**30:.1f} GiB before "
+            f"activations ({params / 1e9:.2f}B parameters, {trained / 1e9:.2f}B of them trained) and gets "
+            f"{share * total / 2**30:.1f} GiB; vLLM's share (--vllm-gpu-memory {server}) is {server * total / 2**30:.1f} "
+            f"GiB, at least twice its {2 * params / 2**30:.1f} GiB of weights (the rest: its KV cache). Train a LoRA "
+            "adapter (--lora-rank 16), a smaller model, or give vLLM a GPU of its own (--vllm-gpus)"
+        )
+    return share
 
 
 # --- Machinery: data, the dataset or a built-in task ------------------------------------------------------------------
@@ -3290,7 +3349,8 @@ def watch_servers(run, every=1.0):
 
 
 def served_config(url):
-    """(context length, dtype) of a server, checked to be one that start_vllm would start (--vllm-url may be anything)."""
+    """(context length, dtype, its workers' devices) of a server, checked to be one that start_vllm would start (--vllm-url
+    may be anything): data-parallel engines would join the sync under the same ranks, pipeline stages fail its checks."""
     how = (
         f"start it with --served-model-name {SERVED_MODEL} --worker-extension-cls async_grpo.WeightSyncExtension "
         "--logprobs-mode processed_logprobs and VLLM_SERVER_DEV_MODE=1, as README.md shows"
@@ -3302,7 +3362,9 @@ def served_config(url):
     if SERVED_MODEL not in models:
         raise SystemExit(f"--vllm-url {url} serves {sorted(models)}, not {SERVED_MODEL!r}: {how}")
     try:
-        dtype, logprobs_mode = http(f"{url}/collective_rpc", {"method": "served_config"}, timeout=30)["results"][0]
+        workers = http(f"{url}/collective_rpc", {"method": "served_config"}, timeout=30)["results"]
+        dtype, logprobs_mode, _, stages = workers[0]
+        sizes = [http(f"{url}/get_world_size?include_dp={dp}", timeout=30)["world_size"] for dp in ("true", "false")]
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise SystemExit(
             f"--vllm-url {url}: its workers cannot take weights ({type(e).__name__}: {str(e)[:200]}): {how}"
@@ -3311,7 +3373,24 @@ def served_config(url):
         logprobs_mode != "processed_logprobs"
     ):  # raw log-probs ignore temperature and truncation: the ratios would be off
         raise SystemExit(f"--vllm-url {url} returns {logprobs_mode}: {how}")
-    return models[SERVED_MODEL]["max_model_len"], dtype
+    if sizes[0] != sizes[1] or stages > 1:
+        raise SystemExit(
+            f"--vllm-url {url} runs {sizes[0] // sizes[1]} data-parallel engines of {stages} pipeline stages: a weight "
+            "sync reaches one tensor-parallel engine whole; start a server per engine and list every URL"
+        )
+    return models[SERVED_MODEL]["max_model_len"], dtype, [device for _, _, device, _ in workers]
+
+
+def url_sync_backend(urls, devices, ours):
+    """The sync's backend for --vllm-url servers, from their workers' devices (served_config) and ours (the trainer
+    ranks' GPUs here): NCCL where all have GPUs, else gloo; a server on one of ours is refused (NCCL refuses it)."""
+    for url, found in zip(urls, devices):
+        if set(found) & set(ours):
+            raise SystemExit(
+                f"--vllm-url {url} runs on a GPU that a trainer rank uses: start it on another, or leave --vllm-url "
+                "out to share trainer rank 0's GPU with a server started here (its memory planned)"
+            )
+    return "nccl" if ours and all(d != "cpu" for found in devices for d in found) else "gloo"
 
 
 def cpu_threads(world_size=1, reserve=1):
