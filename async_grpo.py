@@ -1216,8 +1216,6 @@ def set_up(argv):
         dist.init_process_group(
             "nccl" if device.type == "cuda" else "gloo", timeout=timedelta(seconds=args.collective_timeout)
         )
-    for seed in (random.seed, np.random.seed, torch.manual_seed):
-        seed(args.seed + rank)
     run = Run(args, rank, world_size, device, Path(args.output_dir), model_path=args.model)
     if not args.resume and (run.out_dir / "metrics.jsonl").exists():  # its checkpoints would collide with this run's
         raise SystemExit(
@@ -1235,6 +1233,9 @@ def set_up(argv):
         run.model_path = str((run.out_dir / "checkpoint").resolve())
         # to CPU, whatever device wrote it; mapped, so that each rank reads only the tensors it uses
         run.resumed = torch.load(Path(run.model_path) / "trainer_state.pt", "cpu", mmap=True, weights_only=False)
+    # Each rank its own streams: seeded with its rank, and on --resume the step too, so that none repeats its draws
+    for seed in (random.seed, np.random.seed, torch.manual_seed):
+        seed(args.seed + rank + world_size * (run.resumed["step"] if run.resumed else 0))
     return run
 
 
@@ -1343,17 +1344,6 @@ def load_policy_and_optimizer(run):
             run.optimizer.load_state_dict(resumed["optimizer"])
         del resumed["optimizer"]  # applied: not held for the run
         run.scheduler.load_state_dict(resumed["scheduler"])
-        random.setstate(resumed["rng"]["python"])
-        np.random.set_state(resumed["rng"]["numpy"])
-        torch.set_rng_state(resumed["rng"]["torch"])
-        if len(resumed["rng"]["cuda"]) == torch.cuda.device_count():  # one state per device
-            torch.cuda.set_rng_state_all(resumed["rng"]["cuda"])
-        elif run.is_main:  # resumed on another machine
-            print(
-                f"warning: CUDA random states of {len(resumed['rng']['cuda'])} devices, {torch.cuda.device_count()} "
-                "here: not restored",
-                flush=True,
-            )
         run.start_step = run.completed = resumed["step"]
         if run.is_main:
             print(f"resuming at step {run.start_step} from {run.model_path}", flush=True)
@@ -1705,17 +1695,10 @@ def checkpoint(run, step):
             weights = {name: merged(p, lora).cpu() for name, p, lora in served_weights(run.policy, every=True)}
         (run.policy.get_base_model() if run.args.lora_rank else run.policy).save_pretrained(tmp, state_dict=weights)
         run.saved_with.save_pretrained(tmp)
-        rng = {
-            "python": random.getstate(),
-            "numpy": np.random.get_state(),
-            "torch": torch.get_rng_state(),
-            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
-        }
         torch.save(
             {
                 "step": step,
                 "data": run.done_cursor,
-                "rng": rng,
                 "initial_model": run.initial_model,
                 "optimizer": optim,
                 "fsdp": run.args.fsdp,
