@@ -1075,8 +1075,8 @@ class WeightSyncExtension:
         self.weight_sync_group = sync_group(host, port, first_rank + self.rank, world_size, backend, timeout=timeout)
 
     def served_config(self):
-        """(dtype, log-probs mode, device, pipeline stages): the weights travel in the server's dtype (the trainer rounds its
-        logits to it) over a backend that suits the device (a GPU's UUID, or 'cpu')."""
+        """(dtype, log-probs mode, device, pipeline stages): the weights travel in the server's dtype (the trainer
+        rounds its logits to it) over a backend that suits the device (a GPU's UUID, or 'cpu')."""
         config = self.vllm_config.model_config
         device = str(torch.cuda.get_device_properties(self.device).uuid) if self.device.type == "cuda" else "cpu"
         stages = self.vllm_config.parallel_config.pipeline_parallel_size
@@ -2070,8 +2070,9 @@ def parse_args(argv=None, world_size=1, cuda_count=None, local_ranks=None, heads
         (
             {vllm_flag(args, "--data-parallel-size", "-dp"), vllm_flag(args, "--pipeline-parallel-size", "-pp")}
             - {None, "1"},
-            "--vllm-args: the engines of a data-parallel server would join the weight sync under the same ranks, and a "
-            "pipeline stage holds part of the weights a sync sends whole; start several servers instead, --vllm-servers N",
+            "--vllm-args: the engines of a data-parallel server would join the weight sync under the same ranks, and "
+            "a pipeline stage holds part of the weights a sync sends whole; start several servers instead, "
+            "--vllm-servers N",
         ),
     ]
     args.tool_names = []
@@ -2172,11 +2173,12 @@ def plan_devices(args, cuda_count, local_ranks, fail, heads=None):
             heads, kv_heads = heads or attention_heads(args.model)
         except Exception as e:
             fail(f"--model {args.model}: cannot read its config, which --vllm-servers {n} needs ({str(e)[:200]})")
-        # vLLM splits the attention heads over the GPUs, and the KV heads, or copies each onto several (layers/linear.py)
+        # vLLM splits the attention heads over the GPUs, and the KV heads or copies of each (layers/linear.py)
         if heads % tp or (kv_heads % tp if kv_heads >= tp else tp % kv_heads):
             fail(
-                f"--vllm-servers {n}: tensor parallel {tp} does not split the model's {heads} attention heads and {kv_heads} KV "
-                f"heads (vLLM refuses it): pass --vllm-servers {len(gpus)}, a server per GPU, or a count whose share does"
+                f"--vllm-servers {n}: tensor parallel {tp} does not split the model's {heads} attention heads and "
+                f"{kv_heads} KV heads (vLLM refuses it): pass --vllm-servers {len(gpus)}, a server per GPU, or a count "
+                "whose share does"
             )
     physical = (os.environ.get("CUDA_VISIBLE_DEVICES") or ",".join(map(str, range(cuda_count)))).split(",")
     shares = [gpus[i * len(gpus) // n : (i + 1) * len(gpus) // n] for i in range(n)] if gpus else [["0"] * shared] * n
@@ -2218,9 +2220,10 @@ def memory_share(args, total, params, trained):
         raise SystemExit(
             f"one GPU of {total / 2**30:.0f} GiB cannot hold both: the trainer needs {needed / 2**30:.1f} GiB before "
             f"activations ({params / 1e9:.2f}B parameters, {trained / 1e9:.2f}B of them trained) and gets "
-            f"{share * total / 2**30:.1f} GiB; vLLM's share (--vllm-gpu-memory {server}) is {server * total / 2**30:.1f} "
-            f"GiB, at least twice its {2 * params / 2**30:.1f} GiB of weights (the rest: its KV cache). Train a LoRA "
-            "adapter (--lora-rank 16), a smaller model, or give vLLM a GPU of its own (--vllm-gpus)"
+            f"{share * total / 2**30:.1f} GiB; vLLM's share (--vllm-gpu-memory {server}) is "
+            f"{server * total / 2**30:.1f} GiB, at least twice its {2 * params / 2**30:.1f} GiB of weights (the "
+            "rest: its KV cache). Train a LoRA adapter (--lora-rank 16), a smaller model, or give vLLM a GPU of its "
+            "own (--vllm-gpus)"
         )
     return share
 
@@ -3332,8 +3335,9 @@ def watch_servers(run, every=1.0):
 
 
 def served_config(url):
-    """(context length, dtype, its workers' devices) of a server, checked to be one that start_vllm would start (--vllm-url
-    may be anything): data-parallel engines would join the sync under the same ranks, pipeline stages fail its checks."""
+    """(context length, dtype, its workers' devices) of a server, checked to be one that start_vllm would start
+    (--vllm-url may be anything): data-parallel engines would join the sync under the same ranks, and pipeline stages
+    hold part of the weights each."""
     how = (
         f"start it with --served-model-name {SERVED_MODEL} --worker-extension-cls async_grpo.WeightSyncExtension "
         "--logprobs-mode processed_logprobs and VLLM_SERVER_DEV_MODE=1, as README.md shows"
