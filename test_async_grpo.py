@@ -2389,11 +2389,13 @@ def run_with_fault(out_dir, *flags, at="step", fault=None, victim="trainer", mid
 
     def send():
         if mid_sync:  # the server's log says that the pause ended: the trainer now sends, the worker receives
-            log = open(logs[-1])
-            log.seek(0, os.SEEK_END)
-            while "POST /pause" not in log.readline():
-                time.sleep(0.01)
-            time.sleep(0.1)
+            with open(logs[-1]) as log:
+                log.seek(0, os.SEEK_END)
+                seen = ""
+                while "POST /pause" not in seen:
+                    time.sleep(0.005)
+                    seen += log.read()
+            time.sleep(0.02)  # a sync of the test's model takes 0.2-1 s here
         if victim in ("engine", "worker"):  # their process titles: VLLM::EngineCore, VLLM::Worker
             name = {"engine": "EngineCor", "worker": "Worker"}[victim]
             pid = next(p for p in processes_in_group(pids[-1]) if name in Path(f"/proc/{p}/comm").read_text())
@@ -2553,7 +2555,7 @@ def test_a_sync_that_fails_midway_ends_the_run_in_seconds_saved_and_resume_conti
     injected = float(re.findall(r"injected fault at ([\d.]+)", log)[-1])
     print(f"a worker's reload raised: exit {code} {ended - injected:.1f} s after it raised")
     assert "Injected <class 'faulty_reload.ReloadRaises'>" in log and "resuming at step 2" in text, text[-3000:]
-    assert code != 0 and ended - injected < 15, text[-3000:]
+    assert code != 0 and ended - injected < 20, text[-3000:]  # --sync-timeout is 60 s
     url = re.findall(r"--port (\d+)", text)[-1]
     assert (
         f"error: the weight sync to http://127.0.0.1:{url} failed: POST http://127.0.0.1:{url}/collective_rpc" in text
