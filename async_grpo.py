@@ -962,13 +962,14 @@ def kept_threshold(x, top_k=0, top_p=1.0, min_p=0.0):
 class WeightSync:
     """Trainer side of the sync to every server in `urls`; advances `policy` (a PolicyVersion). One group (sync_group)
     holds the trainer (rank 0) and every worker of every server, so one broadcast reaches them all. It is made at the
-    first sync and kept for the run."""
+    first sync and kept for the run, unless a sync fails: then it is aborted, and the error names the server."""
 
-    def __init__(self, urls, args, dtype, policy):
+    def __init__(self, urls, args, dtype, policy, failure=lambda: None):
         self.urls = urls
         self.args = args
         self.dtype = dtype  # the servers' (served_config): the weights travel in it
         self.policy = policy
+        self.failure = failure  # why a server failed, from the watchdog (watch_servers), or None
         self.group = None
         self.pool = ThreadPoolExecutor(len(urls))
 
@@ -1047,9 +1048,18 @@ class WeightSync:
             for b in buckets
         ]
         received = [self._rpc(url, "receive_weights", buckets=meta) for url in self.urls]
-        send_weights(self.group, buckets, self.dtype, self.args.sync_timeout)
-        for future in received:
-            future.result(self.args.sync_timeout)
+
+        def failed():  # why the workers cannot finish: a server's error answer (it names the server), or the watchdog's
+            return next((f.exception() for f in received if f.done() and f.exception()), None) or self.failure()
+
+        try:
+            send_weights(self.group, buckets, self.dtype, deadline - time.monotonic(), failed)
+            for future in received:  # the last bucket loads: bounded by the request's own timeout (http)
+                future.result()
+        except Exception as e:  # the workers are out of step: the group is aborted (a next sync would make a new one)
+            self.group.abort()
+            self.group = None
+            raise ConnectionError(f"the weight sync to {', '.join(self.urls)} failed: {e}") from None
         self.policy.value += 1
         self._all("resume")
         self.policy.open = True
@@ -1105,16 +1115,30 @@ def flatten(bucket, dtype):
     return flat
 
 
-def send_weights(group, buckets, dtype, timeout):
-    """Rank 0's broadcast of the buckets, one flat buffer each: bucket k+1 is gathered and packed while bucket k travels."""
-    timeout = timedelta(seconds=timeout)
+def send_weights(group, buckets, dtype, timeout, failed=lambda: None):
+    """Rank 0's broadcast of the buckets, one flat buffer each: bucket k+1 is gathered and packed while bucket k travels.
+    Rank 0 never waits in a collective it cannot leave: it polls each broadcast while it watches failed() (why the
+    workers cannot finish, or None) and a bound of `timeout` seconds for all, and raises before the backend's own
+    timeout (sync_group: above this one), at which NCCL's watchdog would end the process with nothing saved."""
+    deadline = time.monotonic() + timeout
+
+    def wait(work):
+        while not work.is_completed():
+            why = failed()
+            if not why and time.monotonic() > deadline:
+                why = f"not all sent in the {timeout:.0f} s left of --sync-timeout"
+            if why:
+                raise ConnectionError(why)
+            time.sleep(0.001)
+        work.wait()  # raises the backend's error, if it failed
+
     sending = None  # (the buffer on its way, its broadcast)
     for bucket in buckets:
         flat = flatten(bucket, dtype)  # of detached weights: no autograd
         if sending:
-            sending[1].wait(timeout)
+            wait(sending[1])
         sending = flat, group.broadcast(flat, 0)
-    sending[1].wait(timeout)
+    wait(sending[1])
 
 
 def help_sync(model, args, dtype):
@@ -1131,12 +1155,15 @@ class WeightSyncExtension:
         self.weight_sync_group = sync_group(host, port, first_rank + self.rank, world_size, backend, timeout=timeout)
 
     def served_config(self):
-        """(dtype, log-probs mode, whether it takes seeded requests): the weights are sent in the server's dtype, the
-        trainer rounds its logits to it. On CPU a seeded request whose prompt is prefilled in chunks kills the engine
-        (vLLM 0.32: "CPU Generator does not use offset"), so a CPU server takes seeds only without chunked prefill."""
+        """(dtype, log-probs mode, device, pipeline stages, whether it takes seeded requests): the weights travel in the
+        server's dtype (the trainer rounds its logits to it) over a backend that suits the device (a GPU's UUID, or
+        'cpu'). On CPU a seeded request whose prompt is prefilled in chunks kills the engine (vLLM 0.32: "CPU Generator
+        does not use offset"), so a CPU server takes seeds only without chunked prefill."""
         config = self.vllm_config.model_config
-        seeds = self.device.type != "cpu" or not self.vllm_config.scheduler_config.enable_chunked_prefill
-        return str(config.dtype).removeprefix("torch."), config.logprobs_mode, seeds
+        device = str(torch.cuda.get_device_properties(self.device).uuid) if self.device.type == "cuda" else "cpu"
+        stages = self.vllm_config.parallel_config.pipeline_parallel_size
+        seeds = device != "cpu" or not self.vllm_config.scheduler_config.enable_chunked_prefill
+        return str(config.dtype).removeprefix("torch."), config.logprobs_mode, device, stages, seeds
 
     def unknown_weight_names(self, names):
         """The names among `names` that this server's model has no parameter for, after vLLM's own
@@ -1178,7 +1205,11 @@ class WeightSyncExtension:
                 yield from ((name, part.view(shape)) for (name, shape), part in zip(bucket["params"], parts))
 
         # reload_weights, unlike plain load_weights, re-runs the post-load processing of each layer it loads...
-        self.reload_weights(weights_iterator=tensors(), is_checkpoint_format=True)
+        try:
+            self.reload_weights(weights_iterator=tensors(), is_checkpoint_format=True)
+        except BaseException:  # out of step with the trainer: aborted, or NCCL's watchdog would end this worker
+            self.weight_sync_group.abort()
+            raise
         # ...but only of the layer that loaded a tied weight. A module sharing it (lm_head tied to the embedding) keeps
         # what it derived from the old values (on CPU, a pre-packed GEMM copy): vLLM would sample from the old head.
         from vllm.config import set_current_vllm_config
@@ -1268,8 +1299,6 @@ def set_up(argv):
         dist.init_process_group(
             "nccl" if device.type == "cuda" else "gloo", timeout=timedelta(seconds=args.collective_timeout)
         )
-    for seed in (random.seed, np.random.seed, torch.manual_seed):
-        seed(args.seed + rank)
     run = Run(args, rank, world_size, device, Path(args.output_dir), model_path=args.model)
     if not args.resume and (run.out_dir / "metrics.jsonl").exists():  # its checkpoints would collide with this run's
         raise SystemExit(
@@ -1287,6 +1316,9 @@ def set_up(argv):
         run.model_path = str((run.out_dir / "checkpoint").resolve())
         # to CPU, whatever device wrote it; mapped, so that each rank reads only the tensors it uses
         run.resumed = torch.load(Path(run.model_path) / "trainer_state.pt", "cpu", mmap=True, weights_only=False)
+    # Each rank its own streams: seeded with its rank, and on --resume the step too, so that none repeats its draws
+    for seed in (random.seed, np.random.seed, torch.manual_seed):
+        seed(args.seed + rank + world_size * (run.resumed["step"] if run.resumed else 0))
     return run
 
 
@@ -1330,6 +1362,12 @@ def load_policy_and_optimizer(run):
     def place(path):  # on this rank's device: whole, or its shards
         return load_sharded(path, run.device) if args.fsdp else load_policy(path).to(run.device)
 
+    if run.is_main and args.plan["shared"]:  # the server shares this GPU: the trainer takes only what it leaves
+        shapes = load_policy(run.model_path, empty=True)  # on the meta device: nothing read or allocated
+        trained = 0 if args.lora_rank else sum(p.numel() for p in shapes.parameters() if p.requires_grad)
+        total = torch.cuda.get_device_properties(run.device).total_memory
+        share = memory_share(args, total, sum(p.numel() for p in shapes.parameters()), trained)
+        torch.cuda.set_per_process_memory_fraction(share, run.device)
     if resumed and resumed.get("lora_rank", 0) != args.lora_rank:
         raise SystemExit(
             f"--resume: this checkpoint was trained with --lora-rank {resumed.get('lora_rank', 0)}; resume with it"
@@ -1395,17 +1433,6 @@ def load_policy_and_optimizer(run):
             run.optimizer.load_state_dict(resumed["optimizer"])
         del resumed["optimizer"]  # applied: not held for the run
         run.scheduler.load_state_dict(resumed["scheduler"])
-        random.setstate(resumed["rng"]["python"])
-        np.random.set_state(resumed["rng"]["numpy"])
-        torch.set_rng_state(resumed["rng"]["torch"])
-        if len(resumed["rng"]["cuda"]) == torch.cuda.device_count():  # one state per device
-            torch.cuda.set_rng_state_all(resumed["rng"]["cuda"])
-        elif run.is_main:  # resumed on another machine
-            print(
-                f"warning: CUDA random states of {len(resumed['rng']['cuda'])} devices, {torch.cuda.device_count()} "
-                "here: not restored",
-                flush=True,
-            )
         run.start_step = run.completed = resumed["step"]
         if run.is_main:
             print(f"resuming at step {run.start_step} from {run.model_path}", flush=True)
@@ -1419,8 +1446,8 @@ def start_generation(run):
         run.urls = urls = args.vllm_url.split(",") if args.vllm_url else [server.url for server in run.servers]
         threading.Thread(target=watch_servers, args=(run,), daemon=True, name="watch_servers").start()
         configs = [served_config(url) for url in urls]
-        run.ctx["max_model_len"] = min(length for length, _, _ in configs)
-        run.ctx["seeded"] = all(seeds for _, _, seeds in configs)
+        run.ctx["max_model_len"] = min(length for length, _, _, _ in configs)
+        run.ctx["seeded"] = all(seeds for _, _, _, seeds in configs)
         served = [configs[0][1]]
         if not run.ctx["seeded"]:
             print(
@@ -1428,15 +1455,21 @@ def start_generation(run):
                 "seeded ones (vLLM 0.32); start it with --no-enable-chunked-prefill, as start_vllm does",
                 flush=True,
             )
+        if args.vllm_url:  # the sync's backend follows the devices these servers report (the plan could not know them)
+            ours = range(int(os.environ.get("LOCAL_WORLD_SIZE", 1))) if run.device.type == "cuda" else []
+            ours = [str(torch.cuda.get_device_properties(i).uuid) for i in ours]
+            args.plan["sync_backend"] = url_sync_backend(urls, [devices for _, _, devices, _ in configs], ours)
     if run.world_size > 1:  # every rank packs the weights and rounds the logits as the servers compute
         dist.broadcast_object_list(served, 0)
     run.served = getattr(torch, served[0])
     if run.is_main:
         run.version = PolicyVersion(args.max_inflight)
-        run.sync = WeightSync(urls, args, run.served, run.version)
+        run.sync = WeightSync(urls, args, run.served, run.version, failure=lambda: run.server_failure)
         if args.vllm_url:  # a server we did not start may hold other weights than the policy: all of them
             run.sync(run.policy, every=True)
-        run.version.value = run.resumed["policy_version"] if run.resumed else 0
+        # the servers hold the weights of the step the run starts at: those of the last finished sync, or newer where a
+        # sync failed mid-way (a count saved with them would lag, and the staleness gate would wait forever on --resume)
+        run.version.value = run.start_step // args.sync_every
         cursor = run.resumed and run.resumed["data"]
         run.producer = Producer(args, run.tok, run.train_rows, urls, run.ctx, policy=run.version, cursor=cursor)
         run.producer.start()
@@ -1783,18 +1816,10 @@ def checkpoint(run, step):
             weights = {name: merged(p, lora).cpu() for name, p, lora in served_weights(run.policy, every=True)}
         (run.policy.get_base_model() if run.args.lora_rank else run.policy).save_pretrained(tmp, state_dict=weights)
         run.saved_with.save_pretrained(tmp)
-        rng = {
-            "python": random.getstate(),
-            "numpy": np.random.get_state(),
-            "torch": torch.get_rng_state(),
-            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
-        }
         torch.save(
             {
                 "step": step,
-                "policy_version": run.version.value,
                 "data": run.done_cursor,
-                "rng": rng,
                 "initial_model": run.initial_model,
                 "optimizer": optim,
                 "fsdp": run.args.fsdp,
@@ -1846,7 +1871,7 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         return super()._get_help_string(action)
 
 
-def parse_args(argv=None, world_size=1, cuda_count=None, local_ranks=None):
+def parse_args(argv=None, world_size=1, cuda_count=None, local_ranks=None, heads=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=HelpFormatter)
     g = p.add_argument_group("model and data")
     g.add_argument(
@@ -2072,8 +2097,8 @@ def parse_args(argv=None, world_size=1, cuda_count=None, local_ranks=None):
     g.add_argument(
         "--vllm-servers",
         type=int,
-        default=1,
-        help="servers to start; each takes an equal share of --vllm-gpus (tensor parallel over its share)",
+        default=0,
+        help="servers to start, each on an equal share of --vllm-gpus (tensor parallel over its share; 0: one per GPU)",
     )
     g.add_argument(
         "--vllm-gpus",
@@ -2147,7 +2172,7 @@ def parse_args(argv=None, world_size=1, cuda_count=None, local_ranks=None):
         "log_rollouts": 0,
         "tool_latency": 0,
         "vllm_port": 0,
-        "vllm_servers": 1,
+        "vllm_servers": 0,
         "lora_rank": 0,
     }
     checks = [(getattr(args, k) < low, f"--{k.replace('_', '-')} must be >= {low}") for k, low in at_least.items()]
@@ -2204,9 +2229,11 @@ def parse_args(argv=None, world_size=1, cuda_count=None, local_ranks=None):
             "--vllm-args: pass the servers' memory share as --vllm-gpu-memory",
         ),
         (
-            vllm_flag(args, "--data-parallel-size", "-dp") not in (None, "1"),
-            "--vllm-args: the engines of a data-parallel "
-            "server would join the weight sync under the same ranks; start several servers instead, --vllm-servers N",
+            {vllm_flag(args, "--data-parallel-size", "-dp"), vllm_flag(args, "--pipeline-parallel-size", "-pp")}
+            - {None, "1"},
+            "--vllm-args: the engines of a data-parallel server would join the weight sync under the same ranks, and "
+            "a pipeline stage holds part of the weights a sync sends whole; start several servers instead, "
+            "--vllm-servers N",
         ),
     ]
     args.tool_names = []
@@ -2240,7 +2267,7 @@ def parse_args(argv=None, world_size=1, cuda_count=None, local_ranks=None):
             p.error(message)
     cuda_count = torch.cuda.device_count() if cuda_count is None else cuda_count
     local_ranks = local_ranks or int(os.environ.get("LOCAL_WORLD_SIZE", world_size))  # the trainer ranks on this node
-    args.plan = plan_devices(args, cuda_count, local_ranks, p.error)
+    args.plan = plan_devices(args, cuda_count, local_ranks, p.error, heads)
     if args.gradient_checkpointing is None:
         args.gradient_checkpointing = bool(cuda_count)
     args.packed = False  # load_policy_and_optimizer packs the rows where a varlen kernel runs
@@ -2264,17 +2291,18 @@ def vllm_flag(args, *names):
     return next((words[i + 1] for i, w in enumerate(words[:-1]) if w.replace("_", "-") in names), None)
 
 
-def plan_devices(args, cuda_count, local_ranks, fail):
+def plan_devices(args, cuda_count, local_ranks, fail, heads=None):
     """Where everything runs, decided before anything loads: the trainer ranks on cuda:0..local_ranks-1 or the CPU, each
     server started here on its share of --vllm-gpus or the CPU, and the sync backend: NCCL between devices, else gloo
-    (which takes CUDA tensors: NCCL refuses two ranks on one device). fail(message) for a plan that cannot work."""
-    n = args.vllm_servers
+    (which takes CUDA tensors: NCCL refuses two ranks on one device). By default a server per GPU (README.md, "On
+    GPUs": why). heads: the model's (attention heads, KV heads), read where None. fail(message) for a bad plan."""
     url = args.vllm_url
     free = [str(d) for d in range(local_ranks, cuda_count)]  # the devices the trainer ranks leave free
     if args.vllm_gpus:
         gpus = args.vllm_gpus.split(",")
     else:
-        gpus = [] if url else free[: len(free) // n * n]
+        gpus = [] if url else free[: len(free) // max(1, args.vllm_servers) * max(1, args.vllm_servers)]
+    n = args.vllm_servers or max(1, len(gpus))
     shared = bool(cuda_count and not url and not gpus)  # no device free: one server shares trainer rank 0's GPU
     instead = f"pass --vllm-gpus among {','.join(free)}" if free else "launch fewer ranks (torchrun --nproc-per-node)"
     for failed, message in [
@@ -2303,6 +2331,19 @@ def plan_devices(args, cuda_count, local_ranks, fail):
     ]:
         if failed:
             fail(message)
+    tp = len(gpus) // n  # tensor parallel: each server's GPUs
+    if tp > 1:
+        try:
+            heads, kv_heads = heads or attention_heads(args.model)
+        except Exception as e:
+            fail(f"--model {args.model}: cannot read its config, which --vllm-servers {n} needs ({str(e)[:200]})")
+        # vLLM splits the attention heads over the GPUs, and the KV heads or copies of each (layers/linear.py)
+        if heads % tp or (kv_heads % tp if kv_heads >= tp else tp % kv_heads):
+            fail(
+                f"--vllm-servers {n}: tensor parallel {tp} does not split the model's {heads} attention heads and "
+                f"{kv_heads} KV heads (vLLM refuses it): pass --vllm-servers {len(gpus)}, a server per GPU, or a count "
+                "whose share does"
+            )
     physical = (os.environ.get("CUDA_VISIBLE_DEVICES") or ",".join(map(str, range(cuda_count)))).split(",")
     shares = [gpus[i * len(gpus) // n : (i + 1) * len(gpus) // n] for i in range(n)] if gpus else [["0"] * shared] * n
     return {
@@ -2310,12 +2351,45 @@ def plan_devices(args, cuda_count, local_ranks, fail):
         "sync_backend": "nccl" if cuda_count and not shared else "gloo",
         "servers": [] if url else [",".join(physical[int(g)] for g in share) for share in shares],  # as devices
         "gpu_memory": args.vllm_gpu_memory or (0.3 if shared else None),  # why 0.3: README.md, "On GPUs"
+        "shared": shared,  # the server on trainer rank 0's GPU: the trainer is held to what it leaves (memory_share)
         "cpu_server": not cuda_count
         and all(
             urllib.parse.urlparse(u).hostname in ("127.0.0.1", "localhost")
             for u in (url or "http://127.0.0.1").split(",")
         ),
     }  # tuned in start_vllm
+
+
+def attention_heads(model):
+    """(attention heads, KV heads) of --model from its config alone (a local folder's, a GGUF file's, the hub's); the
+    built-in model's are build_tiny_model's."""
+    from transformers import AutoConfig
+
+    if model is None:
+        return 4, 2
+    gguf = {"gguf_file": Path(model).name} if model.endswith(".gguf") else {}
+    config = AutoConfig.from_pretrained(Path(model).parent if gguf else model, **gguf).get_text_config()
+    return config.num_attention_heads, getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+
+
+def memory_share(args, total, params, trained):
+    """The share of one GPU (`total` bytes) that the trainer may take beside a server: what the server's share (its
+    weights, 2 bytes a parameter, in half; its KV cache) and a margin leave (the worker's two buckets in flight, CUDA
+    contexts and a reloaded layer: 1 GiB). The trainer holds 4 bytes a parameter, 12 more a trained one (gradient,
+    AdamW's moments), 4 for the --beta reference, and activations. A model that does not fit is refused here."""
+    server = args.plan["gpu_memory"]
+    share = 1 - server - (2 * args.sync_bucket_bytes + 2**30) / total
+    needed = 4 * params + 12 * trained + 4 * params * bool(args.beta)
+    if needed > share * total or 4 * params > server * total:
+        raise SystemExit(
+            f"one GPU of {total / 2**30:.0f} GiB cannot hold both: the trainer needs {needed / 2**30:.1f} GiB before "
+            f"activations ({params / 1e9:.2f}B parameters, {trained / 1e9:.2f}B of them trained) and gets "
+            f"{share * total / 2**30:.1f} GiB; vLLM's share (--vllm-gpu-memory {server}) is "
+            f"{server * total / 2**30:.1f} GiB, at least twice its {2 * params / 2**30:.1f} GiB of weights (the "
+            "rest: its KV cache). Train a LoRA adapter (--lora-rank 16), a smaller model, or give vLLM a GPU of its "
+            "own (--vllm-gpus)"
+        )
+    return share
 
 
 # --- Machinery: data, the dataset or a built-in task ------------------------------------------------------------------
@@ -3471,8 +3545,9 @@ def watch_servers(run, every=1.0):
 
 
 def served_config(url):
-    """(context length, dtype, whether it takes seeded requests) of a server, checked to be one that start_vllm would
-    start (--vllm-url may be anything)."""
+    """(context length, dtype, its workers' devices, whether it takes seeded requests) of a server, checked to be one
+    that start_vllm would start (--vllm-url may be anything): data-parallel engines would join the sync under the same
+    ranks, and pipeline stages hold part of the weights each."""
     how = (
         f"start it with --served-model-name {SERVED_MODEL} --worker-extension-cls async_grpo.WeightSyncExtension "
         "--logprobs-mode processed_logprobs and VLLM_SERVER_DEV_MODE=1, as README.md shows"
@@ -3484,16 +3559,33 @@ def served_config(url):
     if SERVED_MODEL not in models:
         raise SystemExit(f"--vllm-url {url} serves {sorted(models)}, not {SERVED_MODEL!r}: {how}")
     try:
-        dtype, logprobs_mode, seeds = http(f"{url}/collective_rpc", {"method": "served_config"}, timeout=30)[
-            "results"
-        ][0]
+        workers = http(f"{url}/collective_rpc", {"method": "served_config"}, timeout=30)["results"]
+        dtype, logprobs_mode, _, stages, seeds = workers[0]
+        sizes = [http(f"{url}/get_world_size?include_dp={dp}", timeout=30)["world_size"] for dp in ("true", "false")]
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise SystemExit(
             f"--vllm-url {url}: its workers cannot take weights ({type(e).__name__}: {str(e)[:200]}): {how}"
         )
     if logprobs_mode != "processed_logprobs":  # raw log-probs ignore temperature and truncation: ratios would be off
         raise SystemExit(f"--vllm-url {url} returns {logprobs_mode}: {how}")
-    return models[SERVED_MODEL]["max_model_len"], dtype, seeds
+    if sizes[0] != sizes[1] or stages > 1:
+        raise SystemExit(
+            f"--vllm-url {url} runs {sizes[0] // sizes[1]} data-parallel engines of {stages} pipeline stages: a weight "
+            "sync reaches one tensor-parallel engine whole; start a server per engine and list every URL"
+        )
+    return models[SERVED_MODEL]["max_model_len"], dtype, [worker[2] for worker in workers], seeds
+
+
+def url_sync_backend(urls, devices, ours):
+    """The sync's backend for --vllm-url servers, from their workers' devices (served_config) and ours (the trainer
+    ranks' GPUs here): NCCL where all have GPUs, else gloo; a server on one of ours is refused (NCCL refuses it)."""
+    for url, found in zip(urls, devices):
+        if set(found) & set(ours):
+            raise SystemExit(
+                f"--vllm-url {url} runs on a GPU that a trainer rank uses: start it on another, or leave --vllm-url "
+                "out to share trainer rank 0's GPU with a server started here (its memory planned)"
+            )
+    return "nccl" if ours and all(d != "cpu" for found in devices for d in found) else "gloo"
 
 
 def cpu_threads(world_size=1, reserve=1):
@@ -3558,7 +3650,7 @@ def sync_group(host, port, rank, world_size, backend, timeout, listener=None):
         host, port, world_size, listener is not None, timeout, master_listen_fd=listener and listener.detach()
     )
     options = dist.ProcessGroupGloo._Options() if gloo else dist.ProcessGroupNCCL.Options()
-    options._timeout = timeout
+    options._timeout = 2 * timeout  # the backend's own bound, above send_weights': Python ends a failed sync first
     if gloo:
         options._devices = [dist.ProcessGroupGloo.create_device(hostname=local_address(host))]  # not the hostname's
     kind = dist.ProcessGroup.BackendType.GLOO if gloo else dist.ProcessGroup.BackendType.NCCL
