@@ -50,6 +50,7 @@ from torch.nn.attention.varlen import varlen_attn
 import torch.utils.checkpoint
 
 import rewards as rewards_module
+import tiny_model
 import tools as tools_module
 
 HERE = Path(__file__).resolve().parent
@@ -1330,7 +1331,7 @@ def load_data(run):
     if run.model_path is None or run.model_path.endswith(".gguf"):  # rank 0 builds it; the others wait for its path
         box = [None]
         if run.is_main and args.model is None:
-            box = [build_tiny_model(args.cache_dir)]
+            box = [tiny_model.build(args.cache_dir)]
         elif run.is_main:
             box = [dequantise_gguf(args.model, args.cache_dir)]
         if run.world_size > 1:
@@ -2362,7 +2363,7 @@ def plan_devices(args, cuda_count, local_ranks, fail, heads=None):
 
 def attention_heads(model):
     """(attention heads, KV heads) of --model from its config alone (a local folder's, a GGUF file's, the hub's); the
-    built-in model's are build_tiny_model's."""
+    built-in model's are tiny_model.py's."""
     from transformers import AutoConfig
 
     if model is None:
@@ -2449,7 +2450,7 @@ def dataset_row(line, index, where):
     return row
 
 
-# --- Machinery: models: loading, LoRA, FSDP, the built-in tiny model, GGUF --------------------------------------------
+# --- Machinery: models: loading, LoRA, FSDP, GGUF (the built-in model is tiny_model.py's) -----------------------------
 
 
 def load_policy(path, empty=False):
@@ -2615,135 +2616,6 @@ def save_whole(path, *parts):
         part.save_pretrained(tmp)
     os.replace(tmp, path)
     return str(path)
-
-
-# The built-in model, for the default run and the tests: a ~0.5M-parameter Qwen3 that runs anywhere, no network.
-# Its template: ChatML with Qwen-style tool calls, so the same parser serves this model and Qwen models. Tools are
-# listed as `name(arg, ...)`: full JSON schemas would make a tiny model's prompts ten times longer.
-TINY_CHAT_TEMPLATE = (
-    "{%- if tools %}<|im_start|>system\n"
-    "{%- if messages[0].role == 'system' %}{{ messages[0].content }}\n{% endif %}"
-    "Tools:\n{% for tool in tools %}{% set f = tool.function if tool.function is defined else tool %}"
-    "{{ f.name }}({{ f.parameters.properties | join(', ') }})\n{% endfor %}"
-    'Call one as <tool_call>{"name": NAME, "arguments": {...}}</tool_call><|im_end|>\n'
-    "{%- elif messages[0].role == 'system' %}<|im_start|>system\n{{ messages[0].content }}<|im_end|>\n{% endif %}"
-    "{%- for m in messages %}{%- if m.role == 'user' %}<|im_start|>user\n{{ m.content }}<|im_end|>\n"
-    "{%- elif m.role == 'assistant' %}<|im_start|>assistant\n{{ m.content or '' }}"
-    "{%- for call in m.tool_calls or [] %}{% set f = call.function if call.function is defined else call %}"
-    '<tool_call>{"name": "{{ f.name }}", "arguments": '
-    "{{ f.arguments if f.arguments is string else f.arguments | tojson }}}</tool_call>{% endfor %}<|im_end|>\n"
-    "{%- elif m.role == 'tool' %}"
-    "{%- if loop.first or messages[loop.index0 - 1].role != 'tool' %}<|im_start|>user{% endif %}"
-    "\n<tool_response>{{ m.content }}</tool_response>"
-    "{%- if loop.last or messages[loop.index0 + 1].role != 'tool' %}<|im_end|>\n{% endif %}"
-    "{%- endif %}{%- endfor %}{%- if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
-
-
-TINY_SPECIAL_TOKENS = [
-    "<|endoftext|>",
-    "<|im_start|>",
-    "<|im_end|>",
-    "<tool_call>",
-    "</tool_call>",
-    "<tool_response>",
-    "</tool_response>",
-    "<think>",
-    "</think>",
-]
-
-
-TINY_VERSION = "tiny-qwen3-v2"  # bump when the recipe below changes, so caches rebuild
-
-
-def warm_start_conversations(n, seed):
-    """Supervised conversations for the built-in model: answer directly (without tools), or, with tools offered (the
-    calculator alone or all of them), call the calculator and copy its result."""
-    rng = random.Random(seed)
-    plain = []  # (conversation, tool schemas): answered directly
-    with_tools = []  # answered with the calculator's result
-    for row in rewards_module.task_rows(n, seed, max_operand=9):  # a wider range than the RL task: format, not facts
-        user = {"role": "user", "content": row["prompt"]}
-        answer = str(row["answer"])
-        plain.append(([user, {"role": "assistant", "content": answer}], None))
-        call = {
-            "type": "function",
-            "function": {"name": "calculator", "arguments": {"expression": row["prompt"][8:-1]}},
-        }
-        with_tools.append(
-            (
-                [
-                    user,
-                    {"role": "assistant", "content": "", "tool_calls": [call]},
-                    {"role": "tool", "name": "calculator", "content": answer},
-                    {"role": "assistant", "content": answer},
-                ],
-                tool_schemas(rng.choice([["calculator"], list(tools_module.TOOLS)])),
-            )
-        )
-    return plain, with_tools
-
-
-def build_tiny_model(cache_dir, warm_start_steps=400):
-    """Build (once) a ~0.5M-parameter Qwen3 model and a byte-level BPE tokenizer trained on the task. Random weights
-    would give every rollout the same zero reward, hence no signal. A few hundred supervised steps teach the answer
-    format and the tool-call syntax, and leave the arithmetic mostly unlearned (~25% greedy accuracy without tools)."""
-    path = Path(cache_dir) / f"{TINY_VERSION}-ws{warm_start_steps}"
-    if (path / "config.json").exists():
-        return str(path)
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
-
-    print(f"building the built-in model into {path} (once, about a minute)", flush=True)
-    torch.manual_seed(0)
-    plain, with_tools = warm_start_conversations(4000, seed=12345)
-    bpe = Tokenizer(models.BPE())
-    bpe.pre_tokenizer = pre_tokenizers.Sequence(
-        [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)]
-    )
-    bpe.decoder = decoders.ByteLevel()
-    corpus = [json.dumps(c) for c, _ in with_tools[:500]] + [json.dumps(tool_schemas(list(tools_module.TOOLS)))]
-    bpe.train_from_iterator(
-        corpus,
-        trainers.BpeTrainer(
-            vocab_size=512, special_tokens=TINY_SPECIAL_TOKENS, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
-        ),
-    )
-    tok = PreTrainedTokenizerFast(
-        tokenizer_object=bpe, eos_token="<|im_end|>", pad_token="<|endoftext|>", chat_template=TINY_CHAT_TEMPLATE
-    )
-    config = Qwen3Config(
-        vocab_size=len(tok),
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=64,  # vLLM's CPU attention needs 64
-        max_position_embeddings=1024,
-        tie_word_embeddings=True,
-        eos_token_id=tok.eos_token_id,
-        pad_token_id=tok.pad_token_id,
-        bos_token_id=None,
-    )
-    model = Qwen3ForCausalLM(config)
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    for step in range(warm_start_steps):
-        # Alternate plain and tool batches: padding a plain batch to tool length would waste most of it.
-        batch = random.Random(step).sample(plain if step % 2 == 0 else with_tools, 32)
-        batch = tok(
-            [tok.apply_chat_template(c, tools=t, tokenize=False) for c, t in batch],
-            return_tensors="pt",
-            padding=True,
-            add_special_tokens=False,
-        )
-        loss = model(**batch, labels=batch.input_ids.masked_fill(batch.attention_mask == 0, -100)).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        if step % 100 == 0 or step == warm_start_steps - 1:
-            print(f"  warm start {step:4d}/{warm_start_steps} loss {loss.item():.3f}", flush=True)
-    return save_whole(path, model, tok)
 
 
 # --- Machinery: chat templates: rendering, the start-up checks, the exact tool-result tokens --------------------------

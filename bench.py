@@ -42,6 +42,7 @@ import torch
 
 import async_grpo as ag
 import rewards
+import tiny_model as tiny
 
 
 def serve(path, out_dir):
@@ -193,7 +194,7 @@ def build_model(cache_dir, hidden, layers, vocab_size=None, intermediate=None, c
     )
     if (path / "config.json").exists():
         return str(path)
-    tok = AutoTokenizer.from_pretrained(ag.build_tiny_model(cache_dir))
+    tok = AutoTokenizer.from_pretrained(tiny.build(cache_dir))
     config = Qwen3Config(
         vocab_size=vocab_size or len(tok),
         hidden_size=hidden,
@@ -314,7 +315,7 @@ def trainer_throughput(args):
     a bare forward+backward of the same batch: what everything around the model costs."""
     from transformers import AutoModelForCausalLM
 
-    path = ag.build_tiny_model(args.cache_dir)
+    path = tiny.build(args.cache_dir)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     run_args = ag.parse_args(["--output-dir", "unused"])
     samples = random_samples(args.train_samples, 512)
@@ -473,7 +474,7 @@ def truncation_cost(args):
 
     results = {}
     for name, path in [
-        ("builtin", ag.build_tiny_model(args.cache_dir)),
+        ("builtin", tiny.build(args.cache_dir)),
         ("vocab_151669", build_model(args.cache_dir, 128, 2, vocab_size=151669)),
     ]:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
@@ -843,7 +844,7 @@ def main():
     out_dir = output.parent / "bench_runs"
     out_dir.mkdir(parents=True, exist_ok=True)
     results = {"config": vars(args)}
-    tiny_model = ag.build_tiny_model(args.cache_dir)
+    tiny_model = tiny.build(args.cache_dir)
     prefix_model = tiny_model if args.tiny else build_model(args.cache_dir, 512, 8, intermediate=1536, context=2048)
     if args.prefix:
         results["prefix"] = served(

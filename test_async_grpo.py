@@ -36,6 +36,7 @@ import torch
 
 import async_grpo as ag
 import rewards
+import tiny_model as tiny
 import tools
 
 HERE = Path(__file__).resolve().parent
@@ -1220,7 +1221,7 @@ def test_the_one_gpu_memory_plan_on_cuda_holds_the_trainer_and_refuses_a_model_t
 
 @pytest.fixture(scope="session")
 def tiny_model():
-    return ag.build_tiny_model(CACHE)
+    return tiny.build(CACHE)
 
 
 def serve(model_path, out, vllm_args=""):
@@ -2760,7 +2761,7 @@ def build_tiny_image_text_model(cache_dir, warm_start_steps=150):
     path = Path(cache_dir) / f"tiny-idefics3-v1-ws{warm_start_steps}"
     if (path / "config.json").exists():
         return str(path)
-    tok = AutoTokenizer.from_pretrained(ag.build_tiny_model(cache_dir))
+    tok = AutoTokenizer.from_pretrained(tiny.build(cache_dir))
     tok.add_special_tokens(
         {"additional_special_tokens": ["<fake_token_around_image>", "<image>", "<end_of_utterance>", "<global-img>"]}
     )
@@ -2801,7 +2802,7 @@ def build_tiny_image_text_model(cache_dir, warm_start_steps=150):
     )
     torch.manual_seed(0)
     model = Idefics3ForConditionalGeneration(config)
-    plain, _ = ag.warm_start_conversations(2000, seed=12345)
+    plain, _ = tiny.warm_start_conversations(2000, seed=12345)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     for step in range(warm_start_steps):
         batch = tok(
@@ -3304,12 +3305,12 @@ def edited(template, old, new):
 
 # Templates that render tool calls in a way that does not come back as the same calls
 TINY_CALL = "{{ f.arguments if f.arguments is string else f.arguments | tojson }}}</tool_call>{% endfor %}<|im_end|>"
-PYTHON_REPR = edited(ag.TINY_CHAT_TEMPLATE, "f.arguments | tojson", "f.arguments")  # Python's repr: 'quotes', True
+PYTHON_REPR = edited(tiny.CHAT_TEMPLATE, "f.arguments | tojson", "f.arguments")  # Python's repr: 'quotes', True
 FIRST_CALL_ONLY = edited(XML_TEMPLATE, "m.tool_calls or []", "(m.tool_calls or [])[:1]")
 UNTYPED_XML = edited(XML_TEMPLATE, "{{ value(v) }}", "{{ v | string }}")  # True, None, single-quoted lists
-NO_STOP_TOKEN = edited(ag.TINY_CHAT_TEMPLATE, TINY_CALL, TINY_CALL.replace("<|im_end|>", "\n"))
+NO_STOP_TOKEN = edited(tiny.CHAT_TEMPLATE, TINY_CALL, TINY_CALL.replace("<|im_end|>", "\n"))
 OTHER_FORMAT = edited(
-    edited(ag.TINY_CHAT_TEMPLATE, '<tool_call>{"name": "{{ f.name }}", "arguments": ', "CALL {{ f.name }} "),
+    edited(tiny.CHAT_TEMPLATE, '<tool_call>{"name": "{{ f.name }}", "arguments": ', "CALL {{ f.name }} "),
     TINY_CALL,
     TINY_CALL.replace("}</tool_call>", " END"),
 )
