@@ -3615,7 +3615,7 @@ def fixed_generations(monkeypatch, *texts, tok, stop_id=None):
     Everything after the generation (parsing, tools, the template's tool-result tokens) is the real code."""
     turns = iter(texts)
 
-    async def generate(session, url, ids, max_tokens, args, stop_ids, greedy=False, generated=0):
+    async def generate(session, url, ids, max_tokens, args, stop_ids, greedy=False, generated=0, seed=None):
         new = tok.encode(next(turns), add_special_tokens=False) + [tok.eos_token_id if stop_id is None else stop_id]
         return new, [-1.0] * len(new), "stop"
 
