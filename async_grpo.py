@@ -53,7 +53,12 @@ import tools as tools_module
 HERE = Path(__file__).resolve().parent
 SERVED_MODEL = "policy"  # the name the servers started here serve the weights under, whatever the checkpoint
 ROLLOUT_FIELDS = {"prompts", "completions", "completion_ids", "tool_calls", "tool_failures", "truncated"}
-TOOL_THREADS = ThreadPoolExecutor(64, thread_name_prefix="tool")  # a hung sync tool holds one thread, not the loop
+TOOL_THREADS = ThreadPoolExecutor(64, thread_name_prefix="tool")  # a sync tool that waits holds a thread, not the loop
+# A slot per thread, held until its call returns, late or never (Python cannot stop a thread): a call that finds none
+# free is refused at once and counted (tools/refused), not queued behind hung ones to time out unseen. What a sync
+# tool may do (computing holds the interpreter, not a thread): tools.py.
+TOOL_SLOTS = threading.BoundedSemaphore(64)
+TOOLS_REFUSED = [0]  # calls refused so far
 # What --sampling-args may hold: parameters that end or seed a generation but leave its distribution as the trainer
 # computes it (min_tokens does change it: the trainer holds the stop tokens back in the same places).
 SAMPLING_ARGS = {"min_tokens", "stop", "seed", "ignore_eos"}
@@ -239,8 +244,15 @@ async def call_tool(call, schemas, timeout):
     try:
         if inspect.iscoroutinefunction(fn):
             pending = fn(**arguments)
+        elif TOOL_SLOTS.acquire(blocking=False):
+            running = TOOL_THREADS.submit(fn, **arguments)
+            running.add_done_callback(lambda _: TOOL_SLOTS.release())  # once it returns, however late
+            pending = asyncio.wrap_future(running)
         else:
-            pending = asyncio.get_running_loop().run_in_executor(TOOL_THREADS, functools.partial(fn, **arguments))
+            TOOLS_REFUSED[0] += 1
+            if TOOLS_REFUSED[0] == 1:  # the first; tools/refused counts them all
+                print("warning: a tool call refused: every tool thread is held by a call still running", flush=True)
+            return f"Error: {name} not run: every tool thread is held by a call that has not returned", False
         return str(await asyncio.wait_for(pending, timeout)), True
     except asyncio.TimeoutError:
         return f"Error: {name} timed out after {timeout} s", False
@@ -1458,6 +1470,7 @@ def log_step(run, step, groups, metrics, trained_version):
             "perf/trainer_idle": clock["waited"] / wall,  # shares of the wall time
             "perf/generator_idle": (run.version.idle() - clock["idle_start"]) / wall,
             "perf/cpu_seconds": time.process_time() - clock["cpu_start"],  # this process's, producer included
+            "tools/refused": TOOLS_REFUSED[0],  # so far: calls that found every tool thread held (call_tool)
         }
     )
     for s in samples[: args.log_rollouts]:

@@ -577,6 +577,73 @@ def test_calculator_is_exact_and_refuses_code():
         tools.calculator("__import__('os').system('true')")
 
 
+def test_nested_powers_return_an_error_at_once_and_the_event_loop_keeps_ticking():
+    """A sync tool runs on a thread, but a C-level operation holds the interpreter lock for its whole length: one power of
+    a huge number froze the producer's loop, its timeouts and the signal handlers (the first expression here for 13 s,
+    the second for hours). The calculator refuses such numbers before computing them; the loop ticks meanwhile."""
+    schemas = {s["function"]["name"]: s["function"] for s in ag.tool_schemas(["calculator"])}
+    gaps = []
+
+    async def ticking(expression):
+        async def tick():
+            last = time.perf_counter()
+            while True:
+                await asyncio.sleep(0.001)
+                gaps.append(time.perf_counter() - last)
+                last = time.perf_counter()
+
+        ticker = asyncio.create_task(tick())
+        await asyncio.sleep(0.05)
+        t0 = time.perf_counter()
+        call = {"function": {"name": "calculator", "arguments": {"expression": expression}}}
+        result = await ag.call_tool(call, schemas, timeout=600)
+        seconds = time.perf_counter() - t0
+        await asyncio.sleep(0.05)
+        ticker.cancel()
+        return result, seconds
+
+    for expression in ["(((9**64)**64)**64)**64", "((((9**64)**64)**64)**64)**64", "(9**64)**20 * (9**64)**20"]:
+        gaps.clear()
+        (text, ok), seconds = asyncio.run(ticking(expression))
+        print(f"{expression}: {text} in {seconds * 1e3:.1f} ms; the loop's longest gap {max(gaps) * 1e3:.1f} ms")
+        assert not ok and text == "Error: ValueError: numbers of more than 4096 bits are not supported"
+        assert max(gaps) < 1.0  # a fault bound, not a speed target: the old calculator held the loop 13 s
+    assert tools.calculator("(2 ** 64) ** 63") == str(2**4032) and tools.calculator("3 ** -2 * 9") == "1"
+
+
+def test_a_full_tool_pool_refuses_a_call_at_once_and_counts_it(monkeypatch):
+    """Fault injection (a stub: a tool stuck in I/O without a timeout of its own cannot be had otherwise): a calculator
+    that never returns. Each call times out for the model but holds its thread; once every thread is held, a call is
+    refused at once with its own error and counted (tools/refused), not queued behind the others to time out unseen;
+    the threads serve again once their calls return."""
+    release = threading.Event()
+    monkeypatch.setitem(
+        tools.TOOLS, "calculator", functools.wraps(tools.calculator)(lambda expression: release.wait())
+    )
+    schemas = {s["function"]["name"]: s["function"] for s in ag.tool_schemas(["calculator"])}
+    call = {"function": {"name": "calculator", "arguments": {"expression": "1 + 1"}}}
+    held, results = 0, []
+    try:
+        for _ in range(100):
+            t0 = time.monotonic()
+            results.append(asyncio.run(ag.call_tool(call, schemas, timeout=0.05)) + (time.monotonic() - t0,))
+            if results[-1][0] != "Error: calculator timed out after 0.05 s":
+                break
+            held += 1
+        text, ok, seconds = results[-1]
+        print(f"{held} calls held the tool threads; the next: {text!r} after {seconds * 1e3:.1f} ms")
+        assert 0 < held <= 64 and not ok and "not run: every tool thread is held" in text
+        refused = ag.TOOLS_REFUSED[0]
+        assert asyncio.run(ag.call_tool(call, schemas, timeout=0.05))[0] == text and ag.TOOLS_REFUSED[0] == refused + 1
+    finally:
+        release.set()
+    monkeypatch.setitem(tools.TOOLS, "calculator", tools.calculator)
+    deadline = time.monotonic() + 30
+    while asyncio.run(ag.call_tool(call, schemas, timeout=5)) != ("2", True):
+        assert time.monotonic() < deadline, "the tool threads did not come back once their calls returned"
+        time.sleep(0.1)
+
+
 def countdown_solutions(numbers):
     """Every value reachable from `numbers` (each used once, any order and nesting, + - * /), with an expression
     for it: a brute-force search, independent of how task_rows builds its problems."""
