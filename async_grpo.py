@@ -461,8 +461,28 @@ class Producer(threading.Thread):
         failed. Raises if the producer died, no batch came in time, every recent reward failed or interrupted()."""
         groups = []
         deadline = time.monotonic() + timeout
+        equal = 0  # groups skipped for equal rewards, which a timeout's message counts
+
+        def late():
+            skipped = f"; {equal} groups finished with equal rewards, skipped (--skip-zero-variance)" if equal else ""
+            return (
+                f"no batch from the producer in {timeout} s (--data-timeout) from the vLLM server(s) "
+                f"{', '.join(self.urls)}; now {sum(self.running.values())} groups generate "
+                f"({self.policy.in_flight} requests in vLLM) and {self.scoring} are being scored{skipped}"
+            )
+
+        def arrived():  # has the group numbered cursor['next_index'] finished? (groups finish out of order)
+            until = time.monotonic() + 0.1
+            with contextlib.suppress(queue.Empty):
+                while self.cursor["next_index"] not in self.ready:
+                    index, group = self.queue.get(timeout=max(0.0, until - time.monotonic()))
+                    self.ready[index] = group
+            return self.cursor["next_index"] in self.ready
+
         while len(groups) < n:
-            group = self._next_finished(deadline, timeout, interrupted)
+            if not self.wait(arrived, deadline, interrupted, late):
+                raise KeyboardInterrupt("stopped while waiting for data")
+            group = self.ready.pop(self.cursor["next_index"])
             self.cursor["next_index"] += 1
             if isinstance(group, str):  # why its rewards failed
                 self.failures_in_a_row += 1
@@ -481,6 +501,8 @@ class Producer(threading.Thread):
                 elif not self.args.skip_zero_variance or len({s["reward"] for s in group}) > 1:
                     groups.append(group)
                     continue
+                else:
+                    equal += 1
             self.cursor["skipped_groups"] += 1  # every group not trained: admissible() counts them
         return groups
 
@@ -489,25 +511,22 @@ class Producer(threading.Thread):
         versions = [v for s in group for v, m in zip(s["versions"], s["mask"]) if m]
         return self.policy.value - min(versions, default=self.policy.value)
 
-    def _next_finished(self, deadline, timeout, interrupted):
-        """The group numbered cursor['next_index'], once it has finished (groups finish out of order)."""
-        while self.cursor["next_index"] not in self.ready:
+    def wait(self, ready, deadline, interrupted, late):
+        """Every wait of the trainer on the producer (data, evaluation): until ready(), which may block for 0.1 s. Raises
+        once the producer thread has ended, with its error (its loop has stopped: nothing submitted to it will finish),
+        or at the deadline, with late() as the message; returns False if interrupted() (a stop signal) first."""
+        while not ready():
+            ended = not self.is_alive()  # read before the error, which the thread sets before it ends
             if isinstance(self.error, ConnectionError):  # a server's fault, which the message names
                 raise self.error
-            if self.error:
-                raise RuntimeError(f"the producer thread failed:\n{''.join(traceback.format_exception(self.error))}")
+            if self.error or ended:
+                why = "".join(traceback.format_exception(self.error)) if self.error else "stopped"
+                raise RuntimeError(f"the producer thread failed:\n{why}")
             if time.monotonic() > deadline:
-                raise TimeoutError(
-                    f"no batch from the producer in {timeout} s (--data-timeout) from the vLLM server(s) "
-                    f"{', '.join(self.urls)}; now {sum(self.running.values())} groups generate "
-                    f"({self.policy.in_flight} requests in vLLM) and {self.scoring} are being scored"
-                )
+                raise TimeoutError(late())
             if interrupted():
-                raise KeyboardInterrupt("stopped while waiting for data")
-            with contextlib.suppress(queue.Empty):
-                index, group = self.queue.get(timeout=0.1)
-                self.ready[index] = group
-        return self.ready.pop(self.cursor["next_index"])
+                return False
+        return True
 
 
 async def all_or_none(coros):
@@ -1555,7 +1574,8 @@ def mean_over_union(dicts):
 
 
 def evaluate(run):
-    """Greedy rollouts on the held-out rows through the same servers and tool loop, on the producer's event loop."""
+    """Greedy rollouts on the held-out rows through the same servers and tool loop, on the producer's event loop: a wait
+    as bounded as the data's (Producer.wait, --data-timeout); none ({}) once a stop signal came: the checkpoint first."""
     p = run.producer
     rows = run.eval_rows
     args = run.args
@@ -1568,7 +1588,17 @@ def evaluate(run):
             )
         return [await score_group([sample], row, args.reward_weights) for row, sample in zip(rows, samples)]
 
-    results = asyncio.run_coroutine_threadsafe(scored(), p.loop).result()
+    future = asyncio.run_coroutine_threadsafe(scored(), p.loop)
+    finished = threading.Event()
+    future.add_done_callback(lambda _: finished.set())
+    deadline = time.monotonic() + args.data_timeout
+    late = f"the evaluation did not end in {args.data_timeout} s (--data-timeout)"
+    try:
+        if not p.wait(lambda: finished.wait(0.1), deadline, lambda: bool(run.stop), lambda: late):
+            return {}
+        results = future.result()
+    finally:
+        future.cancel()  # its rollouts end with it, on whatever error ended the wait
     return mean_over_union(
         [{f"eval/{k}": v[0] for k, v in {"reward": total, **parts}.items()} for total, parts in results]
     )
@@ -1922,7 +1952,7 @@ def parse_args(argv=None, world_size=1, cuda_count=None, local_ranks=None):
         "--sync-timeout", type=float, default=300, help="seconds a weight sync may take before the run fails"
     )
     g.add_argument(
-        "--data-timeout", type=float, default=600, help="seconds the trainer waits for a batch before failing"
+        "--data-timeout", type=float, default=600, help="seconds the trainer waits for a batch or an evaluation"
     )
     g.add_argument(
         "--sync-host",

@@ -1484,6 +1484,47 @@ def test_a_data_timeout_says_where_the_groups_wait(server, tiny_model, monkeypat
     assert not producer.is_alive() and producer.error is None
 
 
+@pytest.mark.filterwarnings("ignore:coroutine .* was never awaited")  # the evaluation sent to the stopped loop
+def test_the_trainers_waits_end_on_a_stop_signal_and_once_the_producer_has_stopped(tiny_model, tmp_path):
+    """A server that takes requests and never answers (an engine stopped): the evaluation ends with nothing at a stop
+    signal, not when its requests time out (it waited for them before the checkpoint). Then the server goes away and
+    the producer fails (its requests' connections reset, then refused): an evaluation started after that, as one after
+    take() may, ends at once with the producer's error; it waited forever on a loop that no longer ran."""
+    from transformers import AutoTokenizer
+
+    silent = socket.create_server(("127.0.0.1", 0))  # listens, never accepts
+    tok = AutoTokenizer.from_pretrained(tiny_model)
+    args = ag.parse_args(["--output-dir", str(tmp_path), "--data-timeout", "20", "--prompts-per-step", "1"])
+    rows = [{**row, "prompt": [{"role": "user", "content": row["prompt"]}]} for row in rewards.task_rows(12, seed=3)]
+    ctx = ag.rollout_context(tok, None, rows, max_model_len=512)
+    urls = [f"http://127.0.0.1:{silent.getsockname()[1]}"]
+    producer = ag.Producer(args, tok, rows[4:], urls, ctx, ag.PolicyVersion())
+    run = ag.Run(args, 0, 1, torch.device("cpu"), tmp_path, eval_rows=rows[:4], producer=producer)
+    producer.start()
+    try:
+        threading.Timer(1.0, run.stop.append, [signal.SIGTERM]).start()
+        t0 = time.monotonic()
+        assert ag.evaluate(run) == {}
+        print(f"the evaluation ended {time.monotonic() - t0 - 1:.2f} s after the signal")
+        run.stop.clear()
+        silent.close()
+        producer.join(30)
+        assert isinstance(producer.error, ConnectionError) and not producer.is_alive()
+        for wait in (lambda: ag.evaluate(run), lambda: producer.take(1, timeout=60)):
+            ended = []
+            waiting = threading.Thread(
+                target=lambda w, e: e.append(pytest.raises(ConnectionError, w)), args=(wait, ended), daemon=True
+            )
+            waiting.start()
+            waiting.join(30)  # a fault bound; it ends in milliseconds
+            assert ended and "dropped a generation request 3 times" in str(ended[0].value)
+    finally:
+        producer.stop()
+        silent.close()
+        if not producer.is_alive():
+            producer.loop.close()  # here, not when collected: the evaluation it never ran is warned of now
+
+
 # top-p at lr 5e-4: once the policy is sure of one answer, the nucleus holds it alone and the group's variance is 0; at
 # 1e-3 that happened before it found 7 for 1 seed in 6 (measured), at 5e-4 for none of 6. LoRA (rank 16, alpha 32) at
 # lr 3e-3, top-p 0.9, seeds 0/1/2: reward +0.72/+0.69/+0.44, eval 0.03 -> 1.0/1.0/0.94; at 1e-2 (rank 8) it rose less,
