@@ -1223,6 +1223,15 @@ def set_up(argv):
         raise SystemExit(
             f"--output-dir {run.out_dir} holds a run already: continue it with --resume, or pass another --output-dir"
         )
+    if run.is_main and args.resume and (run.out_dir / "args.json").exists():
+        was, now = json.loads((run.out_dir / "args.json").read_text()), vars(args)
+        order = "seed dataset task max_operand terms operations eval_size prompts_per_step sync_every".split()
+        changed = [f"--{k.replace('_', '-')} {was[k]}" for k in order if was.get(k, now[k]) != now[k]]
+        if changed:
+            raise SystemExit(
+                f"--resume: the run in {run.out_dir} was started with {', '.join(changed)}: its data cursor and "
+                "staleness gate count prompts in the order and steps these flags make; resume with the same ones"
+            )
     if run.is_main:
         try:
             run.out_dir.mkdir(parents=True, exist_ok=True)
@@ -1382,7 +1391,9 @@ def start_generation(run):
             import wandb
 
             run.logs["wandb"] = wandb.init(project=args.wandb_project, config=vars(args), dir=str(run.out_dir))
-        run.logs.update({name: open(run.out_dir / f"{name}.jsonl", "a") for name in ("metrics", "rollouts")})
+        for name in ("metrics", "rollouts"):
+            cut_back(run.out_dir / f"{name}.jsonl", run.start_step)  # --resume: the steps after the checkpoint again
+            run.logs[name] = open(run.out_dir / f"{name}.jsonl", "a")
         if args.eval_every and not run.start_step:  # every curve starts at the model as loaded: step 0
             metrics = {"step": 0, "policy_version": 0, **evaluate(run)}
             write_metrics(run, metrics)
@@ -1432,12 +1443,12 @@ def train_one_step(run, step):
             served=run.served,
         )
     run.scheduler.step()
-    run.updating = False
-    run.completed = step + 1
-    sync_seconds = 0.0
     if run.is_main:
         trained_version = run.version.value
         run.done_cursor = dict(run.producer.cursor)
+    run.completed = step + 1  # with the cursor, both while `updating`: no save pairs one step's weights with another's
+    run.updating = False
+    sync_seconds = 0.0
     if (step + 1) % args.sync_every == 0:
         if run.is_main:
             sync_seconds = run.sync(run.policy)
@@ -1454,13 +1465,14 @@ def train_one_step(run, step):
                 "perf/step_seconds": time.perf_counter() - t_step,
             }
         )
-        log_step(run, step + 1, groups, metrics, trained_version)
-    due = [bool(args.save_every and (step + 1) % args.save_every == 0 or run.stop)]  # rank 0 decides: it gets signals
+        log_step(run, step + 1, groups, metrics, trained_version)  # before the checkpoint: a saved step has its line
+    stopping = bool(run.stop)  # read once: the checkpoint and the exit agree; a later signal stops the next step
+    due = [bool(args.save_every and (step + 1) % args.save_every == 0 or stopping)]  # rank 0 decides: it gets signals
     if args.fsdp:
         dist.broadcast_object_list(due, 0)
     if due[0] and (run.is_main or args.fsdp):
         checkpoint(run, step + 1)
-    if run.is_main and run.stop:  # torchrun's other ranks are stopped by torchrun when this one exits
+    if run.is_main and stopping:  # torchrun's other ranks are stopped by torchrun when this one exits
         raise SystemExit(
             f"stopped at step {step + 1} by signal {run.stop[0]}; continue with --resume --output-dir {run.out_dir}"
         )
@@ -1508,7 +1520,7 @@ def log_step(run, step, groups, metrics, trained_version):
             file=run.logs["rollouts"],
             flush=True,
         )
-    if args.eval_every and step % args.eval_every == 0:
+    if args.eval_every and step % args.eval_every == 0 and not run.stop:  # a stop signal: the checkpoint first
         metrics.update(evaluate(run))
     write_metrics(run, metrics)
     run.history.append(metrics)
@@ -1519,6 +1531,15 @@ def log_step(run, step, groups, metrics, trained_version):
         + (f" | eval {metrics['eval/reward']:.3f}" if "eval/reward" in metrics else ""),
         flush=True,
     )
+
+
+def cut_back(log, step):
+    """A log's lines up to `step` (they are in step order), and none cut short by a crash."""
+    with contextlib.suppress(FileNotFoundError), open(log, "rb+") as lines:
+        for line in iter(lines.readline, b""):
+            if not line.endswith(b"\n") or json.loads(line)["step"] > step:
+                lines.truncate(lines.tell() - len(line))
+                break
 
 
 def write_metrics(run, metrics):
@@ -1643,9 +1664,7 @@ def save_after_error(run, error):
     saving takes every rank, and the others may be gone or stuck). A failed server is named as the cause, with its log:
     the error itself is then only what it did to a request (a reset connection, a timeout)."""
     failure = run.server_failure or server_failure(run.urls, run.servers)
-    if not failure and isinstance(
-        error, ConnectionError
-    ):  # an engine's death can fail a request before /health says it
+    if not failure and isinstance(error, ConnectionError):  # an engine's death fails requests before /health says it
         time.sleep(3)
         failure = run.server_failure or server_failure(run.urls, run.servers)
     if run.is_main and run.producer and not run.updating and run.completed > run.start_step and not run.args.fsdp:
@@ -1714,7 +1733,7 @@ def checkpoint(run, step):
         torch.save(
             {
                 "step": step,
-                "policy_version": run.version.value,
+                "policy_version": step // run.args.sync_every,  # the weights' once served: a failed sync's step too
                 "data": run.done_cursor,
                 "rng": rng,
                 "initial_model": run.initial_model,
@@ -1725,8 +1744,15 @@ def checkpoint(run, step):
             },
             tmp / "trainer_state.pt",
         )
-    except (OSError, RuntimeError) as e:  # a full disk: OSError from safetensors, RuntimeError from torch.save
+        shutil.rmtree(run.out_dir / name, ignore_errors=True)  # a save of this step cut off before its link swap
+        os.replace(tmp, run.out_dir / name)
+        (run.out_dir / "checkpoint.tmp").unlink(missing_ok=True)
+        os.symlink(name, run.out_dir / "checkpoint.tmp")
+        os.replace(run.out_dir / "checkpoint.tmp", link)
+    except BaseException as e:  # a full disk (OSError from safetensors, RuntimeError from torch.save), or a signal
         shutil.rmtree(tmp, ignore_errors=True)
+        if not isinstance(e, (OSError, RuntimeError)):
+            raise
         needed = 3 * sum(p.numel() * p.element_size() for p in run.policy.parameters()) / 2**20  # + AdamW's moments
         # SystemExit: the error handler does not catch it, so it does not write the same checkpoint again
         raise SystemExit(
@@ -1736,10 +1762,6 @@ def checkpoint(run, step):
             f"the last complete checkpoint: {run.out_dir / previous if previous else 'none'} (--resume "
             "continues from it)"
         )
-    os.replace(tmp, run.out_dir / name)
-    (run.out_dir / "checkpoint.tmp").unlink(missing_ok=True)
-    os.symlink(name, run.out_dir / "checkpoint.tmp")
-    os.replace(run.out_dir / "checkpoint.tmp", link)
     if previous:
         shutil.rmtree(run.out_dir / previous, ignore_errors=True)
 
@@ -1751,11 +1773,11 @@ def stop_on_signals(stop):
 
 
 def _stop_after_step(stop, signum, frame):
-    """A signal asks to stop after this step; one that finds `stop` set already (a second, or any before training) at once."""
+    """A signal asks to stop after this step; one that finds `stop` set already (a second, or any before training) at
+    once. Silent: a print here, run while the main thread is inside one, raises "reentrant call" (watch_servers says)."""
     if stop:
         raise KeyboardInterrupt(f"signal {signum}")
     stop.append(signum)
-    print(f"signal {signum}: stopping after this step with a checkpoint (again to stop at once)", flush=True)
 
 
 # --- Machinery: arguments and the device plan -------------------------------------------------------------------------
@@ -3293,8 +3315,12 @@ def watch_servers(run, every=1.0):
     """Rank 0's watchdog thread: a server that fails is noticed within seconds wherever the run is (generating, waiting
     for data, syncing, evaluating). One started here is then killed, which fails at once every request that waits on
     it; the error handler (save_after_error) reports run.server_failure as the cause."""
+    stop_seen = False
     while not run.server_failure and run.urls:
         time.sleep(every)
+        if run.stop and not stop_seen:  # said here: the signal handler cannot print (_stop_after_step)
+            print(f"signal {run.stop[0]}: stopping after this step, with a checkpoint (again: at once)", flush=True)
+            stop_seen = True
         failure = server_failure(run.urls, run.servers)
         if failure:
             run.server_failure = failure

