@@ -1693,13 +1693,20 @@ def tear_down(run, handlers):
         run.logs["wandb"].finish()
     if run.world_size > 1 and dist.is_initialized():
         dist.destroy_process_group()
-    # A finished run ends here, not in the interpreter's teardown, where freeing DDP's reducer can deadlock (its gloo
-    # destructor joins a thread that waits for the GIL; seen on rank 1) and the sync group's objects can abort the
+    # The run ends here, finished or failed, not in the interpreter's teardown, which waits for every tool and reward
+    # thread (one stuck in I/O would keep the process and its GPUs alive), where freeing DDP's reducer can deadlock (its
+    # gloo destructor joins a thread that waits for the GIL; seen on rank 1) and the sync group's objects can abort the
     # process ("terminate called without an active exception", exit -6, seen twice after a finished --vllm-url run)
-    if sys.exc_info()[0] is None and __name__ == "__main__":
+    if __name__ == "__main__":
+        # printed as the interpreter would, and the run's own errors (SystemExit, a message) without a traceback
+        error = sys.exc_info()[1]
+        if isinstance(error, SystemExit):
+            print(error, file=sys.stderr)
+        elif error is not None:
+            traceback.print_exception(error)
         sys.stdout.flush()
         sys.stderr.flush()
-        os._exit(0)
+        os._exit(int(error is not None))
 
 
 def checkpoint(run, step):

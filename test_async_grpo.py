@@ -2383,13 +2383,27 @@ def test_a_run_with_its_own_server_serves_fp32_exactly_calls_tools_and_leaves_no
     assert processes_in_group(server_pid) == []
 
 
-def run_with_fault(out_dir, *flags, at="step", fault=None, victim="trainer"):
-    """Run the real script; at the first printed line that starts with `at`, send `fault` to the victim: 'trainer',
-    'api' (the last server's API process), 'engine' (its engine process, found in the server's process group).
-    -> (exit code, output, seconds from the fault to the exit, the servers' pids)."""
+# The script run with a calculator that never returns (a tool stuck in I/O without a timeout of its own): a stub, as
+# such a tool cannot be had otherwise; the run imports the tools module this one changed.
+HUNG_CALCULATOR = (
+    sys.executable,
+    "-c",
+    (
+        "import functools, runpy, sys, threading, tools\n"
+        "tools.TOOLS['calculator'] = functools.wraps(tools.calculator)(lambda expression: threading.Event().wait())\n"
+        "sys.argv = sys.argv[1:]\n"
+        "runpy.run_path(sys.argv[0], run_name='__main__')\n"
+    ),
+)
+
+
+def run_with_fault(out_dir, *flags, at="step", fault=None, victim="trainer", delay=0.0, launcher=(sys.executable,)):
+    """Run the real script; `delay` seconds after the first printed line that starts with `at`, send `fault` to the
+    victim: 'trainer', 'api' (the last server's API process), 'engine' (its engine process, found in the server's
+    process group). -> (exit code, output, seconds from the fault to the exit, the servers' pids)."""
     proc = subprocess.Popen(
         [
-            sys.executable,
+            *launcher,
             str(HERE / "async_grpo.py"),
             "--cache-dir",
             CACHE,
@@ -2401,6 +2415,8 @@ def run_with_fault(out_dir, *flags, at="step", fault=None, victim="trainer"):
             "15",
             "--sync-timeout",
             "15",
+            "--eval-size",
+            "16",
             *flags,
         ],
         cwd=HERE,
@@ -2410,19 +2426,23 @@ def run_with_fault(out_dir, *flags, at="step", fault=None, victim="trainer"):
         env=dict(os.environ, PYTHONUNBUFFERED="1"),
     )
     lines, sent, pids = [], None, []
+    hung = threading.Timer(120, proc.kill)  # a run that does not end after its fault fails its bound, here
     try:
         for line in proc.stdout:
             lines.append(line)
             if line.startswith("starting vLLM"):
                 pids.append(int(re.search(r"pid (\d+)", line).group(1)))
             if line.startswith(at) and fault and sent is None:
+                time.sleep(delay)
                 engine = [
                     p for p in processes_in_group(pids[-1]) if "EngineCor" in Path(f"/proc/{p}/comm").read_text()
                 ]
                 os.kill({"trainer": proc.pid, "api": pids[-1], "engine": engine[0]}[victim], fault)
                 sent = time.monotonic()
+                hung.start()
         proc.wait(120)
     finally:
+        hung.cancel()
         proc.kill()
     return proc.returncode, "".join(lines), time.monotonic() - (sent or time.monotonic()), pids
 
@@ -2431,9 +2451,13 @@ def test_faults_end_in_seconds_with_one_message_and_resume_continues(tmp_path, t
     """Real faults, one after another in one output directory, each run resuming from what the last one saved: the
     engine process killed (what a GPU out-of-memory does: vLLM's API server stays up), the engine stopped (SIGSTOP: it
     answers nothing), one of two servers' API process killed, a disk too small for a checkpoint (a tmpfs, where the
-    test may mount one), a scheduler's SIGTERM. Each run ends within its bound with one message naming the cause,
-    leaves no process behind, and the next run continues at the step after the last complete checkpoint."""
-    out, bound = tmp_path / "run", {"engine": 20, "stop": 15 + 30, "api": 20, "disk": 60, "term": 30}
+    test may mount one), the engine killed during an evaluation (its rollouts wait out a tool's latency, so the
+    producer fails first: its loop stops under the evaluation), a scheduler's SIGTERM with a tool stuck in I/O (the
+    step's evaluation is skipped, the exit does not wait for the tool's threads, a full tool pool is said and counted).
+    Each run ends within its bound with one message naming the cause, leaves no process behind, and the next run
+    continues at the step after the last complete checkpoint."""
+    out = tmp_path / "run"
+    bound = {"engine": 20, "stop": 15 + 30, "api": 20, "disk": 60, "eval": 20, "term": 30}
     out.mkdir()
     mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64m", "tmpfs", str(out)], capture_output=True)
     steps, saved = [], [0]  # the steps each run trained, and the last complete checkpoint's step after it
@@ -2446,6 +2470,7 @@ def test_faults_end_in_seconds_with_one_message_and_resume_continues(tmp_path, t
         saved.append(int(os.readlink(out / "checkpoint").rsplit("-", 1)[1]))
 
     try:
+        eval_tools = ("--resume", "--eval-every", "1", "--tools")
         for name, flags, fault, victim, message in [
             (
                 "engine",
@@ -2473,9 +2498,10 @@ def test_faults_end_in_seconds_with_one_message_and_resume_continues(tmp_path, t
                 "\\d+ MiB and \\d+ MiB are free. The partial one is removed; the last complete checkpoint: .*"
                 "checkpoint-0*(\\d+) ",
             ),
+            ("eval", (*eval_tools, "--tool-latency", "3"), signal.SIGKILL, "engine", "its engine died.*Its log"),
             (
                 "term",
-                ("--resume",),
+                (*eval_tools, "--tool-timeout", "1"),
                 signal.SIGTERM,
                 "trainer",
                 "stopped at step \\d+ by signal 15; continue with --resume",
@@ -2487,7 +2513,15 @@ def test_faults_end_in_seconds_with_one_message_and_resume_continues(tmp_path, t
             if name == "disk":  # leave less room than one checkpoint
                 ballast = out / "ballast"
                 ballast.write_bytes(b"x" * (shutil.disk_usage(out).free - 3 * 2**20))
-            code, text, seconds, pids = run_with_fault(out, *flags, at="step ", fault=fault, victim=victim)
+            code, text, seconds, pids = run_with_fault(
+                out,
+                *flags,
+                at="step ",
+                fault=fault,
+                victim=victim,
+                delay=2.0 if name == "eval" else 0.0,  # into the next evaluation's tool latency
+                launcher=HUNG_CALCULATOR if name == "term" else (sys.executable,),
+            )
             print(f"{name}: exit {code} {seconds:.1f} s after the fault")
             url = re.findall(r"--port (\d+)", text)[-1]
             assert code != 0 and seconds < bound[name], text[-3000:]
@@ -2500,6 +2534,10 @@ def test_faults_end_in_seconds_with_one_message_and_resume_continues(tmp_path, t
             resumed_and_saved(text)
             if name == "api":  # both servers took requests before one died
                 assert all("POST /v1/completions" in (out / f"vllm-{i}.log").read_text() for i in range(2))
+            if name == "term":  # the stopped step saved without its evaluation; calls refused once every thread hung
+                *_, before, last = read_metrics(out)
+                assert last["step"] == saved[-1] and "eval/reward" not in last and "eval/reward" in before
+                assert last["tools/refused"] > 0 and "warning: a tool call refused" in text
     finally:
         subprocess.run(["umount", "-l", str(out)], capture_output=True) if not mounted.returncode else None
     print("steps trained by each run:", steps)
