@@ -56,7 +56,12 @@ import tools as tools_module
 HERE = Path(__file__).resolve().parent
 SERVED_MODEL = "policy"  # the name the servers started here serve the weights under, whatever the checkpoint
 ROLLOUT_FIELDS = {"prompts", "completions", "completion_ids", "tool_calls", "tool_failures", "truncated"}
-TOOL_THREADS = ThreadPoolExecutor(64, thread_name_prefix="tool")  # a hung sync tool holds one thread, not the loop
+TOOL_THREADS = ThreadPoolExecutor(64, thread_name_prefix="tool")  # a sync tool that waits holds a thread, not the loop
+# A slot per thread, held until its call returns, late or never (Python cannot stop a thread): a call that finds none
+# free is refused at once and counted (tools/refused), not queued behind hung ones to time out unseen. What a sync
+# tool may do (computing holds the interpreter, not a thread): tools.py.
+TOOL_SLOTS = threading.BoundedSemaphore(64)
+TOOLS_REFUSED = [0]  # calls refused so far
 # What --sampling-args may hold: parameters that end or seed a generation but leave its distribution as the trainer
 # computes it (min_tokens does change it: the trainer holds the stop tokens back in the same places).
 SAMPLING_ARGS = {"min_tokens", "stop", "ignore_eos"}  # (every request's seed comes from --seed: request_seed)
@@ -253,8 +258,15 @@ async def call_tool(call, schemas, timeout):
     try:
         if inspect.iscoroutinefunction(fn):
             pending = fn(**arguments)
+        elif TOOL_SLOTS.acquire(blocking=False):
+            running = TOOL_THREADS.submit(fn, **arguments)
+            running.add_done_callback(lambda _: TOOL_SLOTS.release())  # once it returns, however late
+            pending = asyncio.wrap_future(running)
         else:
-            pending = asyncio.get_running_loop().run_in_executor(TOOL_THREADS, functools.partial(fn, **arguments))
+            TOOLS_REFUSED[0] += 1
+            if TOOLS_REFUSED[0] == 1:  # the first; tools/refused counts them all
+                print("warning: a tool call refused: every tool thread is held by a call still running", flush=True)
+            return f"Error: {name} not run: every tool thread is held by a call that has not returned", False
         return str(await asyncio.wait_for(pending, timeout)), True
     except asyncio.TimeoutError:
         return f"Error: {name} timed out after {timeout} s", False
@@ -463,8 +475,28 @@ class Producer(threading.Thread):
         failed. Raises if the producer died, no batch came in time, every recent reward failed or interrupted()."""
         groups = []
         deadline = time.monotonic() + timeout
+        equal = 0  # groups skipped for equal rewards, which a timeout's message counts
+
+        def late():
+            skipped = f"; {equal} groups finished with equal rewards, skipped (--skip-zero-variance)" if equal else ""
+            return (
+                f"no batch from the producer in {timeout} s (--data-timeout) from the vLLM server(s) "
+                f"{', '.join(self.urls)}; now {sum(self.running.values())} groups generate "
+                f"({self.policy.in_flight} requests in vLLM) and {self.scoring} are being scored{skipped}"
+            )
+
+        def arrived():  # has the group numbered cursor['next_index'] finished? (groups finish out of order)
+            until = time.monotonic() + 0.1
+            with contextlib.suppress(queue.Empty):
+                while self.cursor["next_index"] not in self.ready:
+                    index, group = self.queue.get(timeout=max(0.0, until - time.monotonic()))
+                    self.ready[index] = group
+            return self.cursor["next_index"] in self.ready
+
         while len(groups) < n:
-            group = self._next_finished(deadline, timeout, interrupted)
+            if not self.wait(arrived, deadline, interrupted, late):
+                raise KeyboardInterrupt("stopped while waiting for data")
+            group = self.ready.pop(self.cursor["next_index"])
             self.cursor["next_index"] += 1
             if isinstance(group, str):  # why its rewards failed
                 self.failures_in_a_row += 1
@@ -483,6 +515,8 @@ class Producer(threading.Thread):
                 elif not self.args.skip_zero_variance or len({s["reward"] for s in group}) > 1:
                     groups.append(group)
                     continue
+                else:
+                    equal += 1
             self.cursor["skipped_groups"] += 1  # every group not trained: admissible() counts them
         return groups
 
@@ -491,25 +525,22 @@ class Producer(threading.Thread):
         versions = [v for s in group for v, m in zip(s["versions"], s["mask"]) if m]
         return self.policy.value - min(versions, default=self.policy.value)
 
-    def _next_finished(self, deadline, timeout, interrupted):
-        """The group numbered cursor['next_index'], once it has finished (groups finish out of order)."""
-        while self.cursor["next_index"] not in self.ready:
+    def wait(self, ready, deadline, interrupted, late):
+        """Every wait of the trainer on the producer (data, evaluation): until ready(), which may block for 0.1 s. Raises
+        once the producer thread has ended, with its error (its loop has stopped: nothing submitted to it will finish),
+        or at the deadline, with late() as the message; returns False if interrupted() (a stop signal) first."""
+        while not ready():
+            ended = not self.is_alive()  # read before the error, which the thread sets before it ends
             if isinstance(self.error, ConnectionError):  # a server's fault, which the message names
                 raise self.error
-            if self.error:
-                raise RuntimeError(f"the producer thread failed:\n{''.join(traceback.format_exception(self.error))}")
+            if self.error or ended:
+                why = "".join(traceback.format_exception(self.error)) if self.error else "stopped"
+                raise RuntimeError(f"the producer thread failed:\n{why}")
             if time.monotonic() > deadline:
-                raise TimeoutError(
-                    f"no batch from the producer in {timeout} s (--data-timeout) from the vLLM server(s) "
-                    f"{', '.join(self.urls)}; now {sum(self.running.values())} groups generate "
-                    f"({self.policy.in_flight} requests in vLLM) and {self.scoring} are being scored"
-                )
+                raise TimeoutError(late())
             if interrupted():
-                raise KeyboardInterrupt("stopped while waiting for data")
-            with contextlib.suppress(queue.Empty):
-                index, group = self.queue.get(timeout=0.1)
-                self.ready[index] = group
-        return self.ready.pop(self.cursor["next_index"])
+                return False
+        return True
 
 
 async def all_or_none(coros):
@@ -1305,6 +1336,15 @@ def set_up(argv):
         raise SystemExit(
             f"--output-dir {run.out_dir} holds a run already: continue it with --resume, or pass another --output-dir"
         )
+    if run.is_main and args.resume and (run.out_dir / "args.json").exists():
+        was, now = json.loads((run.out_dir / "args.json").read_text()), vars(args)
+        order = "seed dataset task max_operand terms operations eval_size prompts_per_step sync_every".split()
+        changed = [f"--{k.replace('_', '-')} {was[k]}" for k in order if was.get(k, now[k]) != now[k]]
+        if changed:
+            raise SystemExit(
+                f"--resume: the run in {run.out_dir} was started with {', '.join(changed)}: its data cursor and "
+                "staleness gate count prompts in the order and steps these flags make; resume with the same ones"
+            )
     if run.is_main:
         try:
             run.out_dir.mkdir(parents=True, exist_ok=True)
@@ -1481,7 +1521,9 @@ def start_generation(run):
             import wandb
 
             run.logs["wandb"] = wandb.init(project=args.wandb_project, config=vars(args), dir=str(run.out_dir))
-        run.logs.update({name: open(run.out_dir / f"{name}.jsonl", "a") for name in ("metrics", "rollouts")})
+        for name in ("metrics", "rollouts"):
+            cut_back(run.out_dir / f"{name}.jsonl", run.start_step)  # --resume: the steps after the checkpoint again
+            run.logs[name] = open(run.out_dir / f"{name}.jsonl", "a")
         if args.eval_every and not run.start_step:  # every curve starts at the model as loaded: step 0
             metrics = {"step": 0, "policy_version": 0, **evaluate(run)}
             write_metrics(run, metrics)
@@ -1531,12 +1573,12 @@ def train_one_step(run, step):
             served=run.served,
         )
     run.scheduler.step()
-    run.updating = False
-    run.completed = step + 1
-    sync_seconds = 0.0
     if run.is_main:
         trained_version = run.version.value
         run.done_cursor = dict(run.producer.cursor)
+    run.completed = step + 1  # with the cursor, both while `updating`: no save pairs one step's weights with another's
+    run.updating = False
+    sync_seconds = 0.0
     if (step + 1) % args.sync_every == 0:
         if run.is_main:
             sync_seconds = run.sync(run.policy)
@@ -1553,13 +1595,14 @@ def train_one_step(run, step):
                 "perf/step_seconds": time.perf_counter() - t_step,
             }
         )
-        log_step(run, step + 1, groups, metrics, trained_version)
-    due = [bool(args.save_every and (step + 1) % args.save_every == 0 or run.stop)]  # rank 0 decides: it gets signals
+        log_step(run, step + 1, groups, metrics, trained_version)  # before the checkpoint: a saved step has its line
+    stopping = bool(run.stop)  # read once: the checkpoint and the exit agree; a later signal stops the next step
+    due = [bool(args.save_every and (step + 1) % args.save_every == 0 or stopping)]  # rank 0 decides: it gets signals
     if args.fsdp:
         dist.broadcast_object_list(due, 0)
     if due[0] and (run.is_main or args.fsdp):
         checkpoint(run, step + 1)
-    if run.is_main and run.stop:  # torchrun's other ranks are stopped by torchrun when this one exits
+    if run.is_main and stopping:  # torchrun's other ranks are stopped by torchrun when this one exits
         raise SystemExit(
             f"stopped at step {step + 1} by signal {run.stop[0]}; continue with --resume --output-dir {run.out_dir}"
         )
@@ -1588,6 +1631,7 @@ def log_step(run, step, groups, metrics, trained_version):
             "perf/trainer_idle": clock["waited"] / wall,  # shares of the wall time
             "perf/generator_idle": (run.version.idle() - clock["idle_start"]) / wall,
             "perf/cpu_seconds": time.process_time() - clock["cpu_start"],  # this process's, producer included
+            "tools/refused": TOOLS_REFUSED[0],  # so far: calls that found every tool thread held (call_tool)
         }
     )
     for s in samples[: args.log_rollouts]:
@@ -1606,7 +1650,7 @@ def log_step(run, step, groups, metrics, trained_version):
             file=run.logs["rollouts"],
             flush=True,
         )
-    if args.eval_every and step % args.eval_every == 0:
+    if args.eval_every and step % args.eval_every == 0 and not run.stop:  # a stop signal: the checkpoint first
         metrics.update(evaluate(run))
     write_metrics(run, metrics)
     run.history.append(metrics)
@@ -1617,6 +1661,15 @@ def log_step(run, step, groups, metrics, trained_version):
         + (f" | eval {metrics['eval/reward']:.3f}" if "eval/reward" in metrics else ""),
         flush=True,
     )
+
+
+def cut_back(log, step):
+    """A log's lines up to `step` (they are in step order), and none cut short by a crash."""
+    with contextlib.suppress(FileNotFoundError), open(log, "rb+") as lines:
+        for line in iter(lines.readline, b""):
+            if not line.endswith(b"\n") or json.loads(line)["step"] > step:
+                lines.truncate(lines.tell() - len(line))
+                break
 
 
 def write_metrics(run, metrics):
@@ -1674,7 +1727,8 @@ def mean_over_union(dicts):
 def evaluate(run):
     """A greedy rollout of each held-out row through the same servers and tool loop, on the producer's event loop; with
     --eval-samples K also K sampled at the run's temperature, for pass@1 and pass@K of each reward (a sample passes a
-    reward whose value is positive: the built-in ones are 0 or 1)."""
+    reward whose value is positive: the built-in ones are 0 or 1). A wait as bounded as the data's (Producer.wait,
+    --data-timeout); none ({}) once a stop signal came: the checkpoint first."""
     p = run.producer
     rows = run.eval_rows
     args = run.args
@@ -1700,8 +1754,19 @@ def evaluate(run):
             await score_group(samples[j * n : (j + 1) * n], row, args.reward_weights) for j, row in enumerate(rows)
         ]
 
+    future = asyncio.run_coroutine_threadsafe(scored(), p.loop)
+    finished = threading.Event()
+    future.add_done_callback(lambda _: finished.set())
+    deadline = time.monotonic() + args.data_timeout
+    late = f"the evaluation did not end in {args.data_timeout} s (--data-timeout)"
+    try:
+        if not p.wait(lambda: finished.wait(0.1), deadline, lambda: bool(run.stop), lambda: late):
+            return {}
+        results = future.result()
+    finally:
+        future.cancel()  # its rollouts end with it, on whatever error ended the wait
     metrics = []
-    for total, parts in asyncio.run_coroutine_threadsafe(scored(), p.loop).result():
+    for total, parts in results:
         row = {f"eval/{name}": values[0] for name, values in {"reward": total, **parts}.items()}
         for name, values in parts.items() if args.eval_samples else []:
             passed = int((values[1:] > 0).sum())
@@ -1755,9 +1820,7 @@ def save_after_error(run, error):
     saving takes every rank, and the others may be gone or stuck). A failed server is named as the cause, with its log:
     the error itself is then only what it did to a request (a reset connection, a timeout)."""
     failure = run.server_failure or server_failure(run.urls, run.servers)
-    if not failure and isinstance(
-        error, ConnectionError
-    ):  # an engine's death can fail a request before /health says it
+    if not failure and isinstance(error, ConnectionError):  # an engine's death fails requests before /health says it
         time.sleep(3)
         failure = run.server_failure or server_failure(run.urls, run.servers)
     if run.is_main and run.producer and not run.updating and run.completed > run.start_step and not run.args.fsdp:
@@ -1786,13 +1849,20 @@ def tear_down(run, handlers):
         run.logs["wandb"].finish()
     if run.world_size > 1 and dist.is_initialized():
         dist.destroy_process_group()
-    # A finished run ends here, not in the interpreter's teardown, where freeing DDP's reducer can deadlock (its gloo
-    # destructor joins a thread that waits for the GIL; seen on rank 1) and the sync group's objects can abort the
+    # The run ends here, finished or failed, not in the interpreter's teardown, which waits for every tool and reward
+    # thread (one stuck in I/O would keep the process and its GPUs alive), where freeing DDP's reducer can deadlock (its
+    # gloo destructor joins a thread that waits for the GIL; seen on rank 1) and the sync group's objects can abort the
     # process ("terminate called without an active exception", exit -6, seen twice after a finished --vllm-url run)
-    if sys.exc_info()[0] is None and __name__ == "__main__":
+    if __name__ == "__main__":
+        # printed as the interpreter would, and the run's own errors (SystemExit, a message) without a traceback
+        error = sys.exc_info()[1]
+        if isinstance(error, SystemExit):
+            print(error, file=sys.stderr)
+        elif error is not None:
+            traceback.print_exception(error)
         sys.stdout.flush()
         sys.stderr.flush()
-        os._exit(0)
+        os._exit(int(error is not None))
 
 
 def checkpoint(run, step):
@@ -1829,8 +1899,15 @@ def checkpoint(run, step):
             },
             tmp / "trainer_state.pt",
         )
-    except (OSError, RuntimeError) as e:  # a full disk: OSError from safetensors, RuntimeError from torch.save
+        shutil.rmtree(run.out_dir / name, ignore_errors=True)  # a save of this step cut off before its link swap
+        os.replace(tmp, run.out_dir / name)
+        (run.out_dir / "checkpoint.tmp").unlink(missing_ok=True)
+        os.symlink(name, run.out_dir / "checkpoint.tmp")
+        os.replace(run.out_dir / "checkpoint.tmp", link)
+    except BaseException as e:  # a full disk (OSError from safetensors, RuntimeError from torch.save), or a signal
         shutil.rmtree(tmp, ignore_errors=True)
+        if not isinstance(e, (OSError, RuntimeError)):
+            raise
         needed = 3 * sum(p.numel() * p.element_size() for p in run.policy.parameters()) / 2**20  # + AdamW's moments
         # SystemExit: the error handler does not catch it, so it does not write the same checkpoint again
         raise SystemExit(
@@ -1840,10 +1917,6 @@ def checkpoint(run, step):
             f"the last complete checkpoint: {run.out_dir / previous if previous else 'none'} (--resume "
             "continues from it)"
         )
-    os.replace(tmp, run.out_dir / name)
-    (run.out_dir / "checkpoint.tmp").unlink(missing_ok=True)
-    os.symlink(name, run.out_dir / "checkpoint.tmp")
-    os.replace(run.out_dir / "checkpoint.tmp", link)
     if previous:
         shutil.rmtree(run.out_dir / previous, ignore_errors=True)
 
@@ -1855,11 +1928,11 @@ def stop_on_signals(stop):
 
 
 def _stop_after_step(stop, signum, frame):
-    """A signal asks to stop after this step; one that finds `stop` set already (a second, or any before training) at once."""
+    """A signal asks to stop after this step; one that finds `stop` set already (a second, or any before training) at
+    once. Silent: a print here, run while the main thread is inside one, raises "reentrant call" (watch_servers says)."""
     if stop:
         raise KeyboardInterrupt(f"signal {signum}")
     stop.append(signum)
-    print(f"signal {signum}: stopping after this step with a checkpoint (again to stop at once)", flush=True)
 
 
 # --- Machinery: arguments and the device plan -------------------------------------------------------------------------
@@ -2082,7 +2155,7 @@ def parse_args(argv=None, world_size=1, cuda_count=None, local_ranks=None, heads
         "--sync-timeout", type=float, default=300, help="seconds a weight sync may take before the run fails"
     )
     g.add_argument(
-        "--data-timeout", type=float, default=600, help="seconds the trainer waits for a batch before failing"
+        "--data-timeout", type=float, default=600, help="seconds the trainer waits for a batch or an evaluation"
     )
     g.add_argument(
         "--sync-host",
@@ -3406,8 +3479,12 @@ def watch_servers(run, every=1.0):
     """Rank 0's watchdog thread: a server that fails is noticed within seconds wherever the run is (generating, waiting
     for data, syncing, evaluating). One started here is then killed, which fails at once every request that waits on
     it; the error handler (save_after_error) reports run.server_failure as the cause."""
+    stop_seen = False
     while not run.server_failure and run.urls:
         time.sleep(every)
+        if run.stop and not stop_seen:  # said here: the signal handler cannot print (_stop_after_step)
+            print(f"signal {run.stop[0]}: stopping after this step, with a checkpoint (again: at once)", flush=True)
+            stop_seen = True
         failure = server_failure(run.urls, run.servers)
         if failure:
             run.server_failure = failure

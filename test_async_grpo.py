@@ -11,6 +11,7 @@ import contextlib
 import copy
 import functools
 import http.server
+import inspect
 import io
 import itertools
 import json
@@ -684,6 +685,84 @@ def test_calculator_is_exact_and_refuses_code():
     assert tools.calculator("1 / 3").startswith("1/3")
     with pytest.raises(ValueError):
         tools.calculator("__import__('os').system('true')")
+
+
+def test_nested_powers_return_an_error_at_once_and_the_event_loop_keeps_ticking():
+    """A sync tool runs on a thread, but a C-level operation holds the interpreter lock for its whole length: one power of
+    a huge number froze the producer's loop, its timeouts and the signal handlers (the first expression here for 13 s,
+    the second for hours). The calculator refuses such numbers before computing them; the loop ticks meanwhile."""
+    schemas = {s["function"]["name"]: s["function"] for s in ag.tool_schemas(["calculator"])}
+    gaps = []
+
+    async def ticking(expression):
+        async def tick():
+            last = time.perf_counter()
+            while True:
+                await asyncio.sleep(0.001)
+                gaps.append(time.perf_counter() - last)
+                last = time.perf_counter()
+
+        ticker = asyncio.create_task(tick())
+        await asyncio.sleep(0.05)
+        t0 = time.perf_counter()
+        call = {"function": {"name": "calculator", "arguments": {"expression": expression}}}
+        result = await ag.call_tool(call, schemas, timeout=600)
+        seconds = time.perf_counter() - t0
+        await asyncio.sleep(0.05)
+        ticker.cancel()
+        return result, seconds
+
+    for expression in ["(((9**64)**64)**64)**64", "((((9**64)**64)**64)**64)**64", "(9**64)**20 * (9**64)**20"]:
+        gaps.clear()
+        (text, ok), seconds = asyncio.run(ticking(expression))
+        print(f"{expression}: {text} in {seconds * 1e3:.1f} ms; the loop's longest gap {max(gaps) * 1e3:.1f} ms")
+        assert not ok and text == "Error: ValueError: numbers of more than 4096 bits are not supported"
+        assert max(gaps) < 1.0  # a fault bound, not a speed target: the old calculator held the loop 13 s
+    assert tools.calculator("(2 ** 64) ** 63") == str(2**4032) and tools.calculator("3 ** -2 * 9") == "1"
+
+
+def test_a_full_tool_pool_refuses_a_call_at_once_and_counts_it(monkeypatch):
+    """Fault injection (a stub: a tool stuck in I/O without a timeout of its own cannot be had otherwise): a calculator
+    that never returns. Each call times out for the model but holds its thread; once every thread is held, a call is
+    refused at once with its own error and counted (tools/refused), not queued behind the others to time out unseen;
+    the threads serve again once their calls return."""
+    release = threading.Event()
+    monkeypatch.setitem(
+        tools.TOOLS, "calculator", functools.wraps(tools.calculator)(lambda expression: release.wait())
+    )
+    schemas = {s["function"]["name"]: s["function"] for s in ag.tool_schemas(["calculator"])}
+    call = {"function": {"name": "calculator", "arguments": {"expression": "1 + 1"}}}
+    held, results = 0, []
+    try:
+        for _ in range(100):
+            t0 = time.monotonic()
+            results.append(asyncio.run(ag.call_tool(call, schemas, timeout=0.05)) + (time.monotonic() - t0,))
+            if results[-1][0] != "Error: calculator timed out after 0.05 s":
+                break
+            held += 1
+        text, ok, seconds = results[-1]
+        print(f"{held} calls held the tool threads; the next: {text!r} after {seconds * 1e3:.1f} ms")
+        assert 0 < held <= 64 and not ok and "not run: every tool thread is held" in text
+        refused = ag.TOOLS_REFUSED[0]
+        assert asyncio.run(ag.call_tool(call, schemas, timeout=0.05))[0] == text and ag.TOOLS_REFUSED[0] == refused + 1
+    finally:
+        release.set()
+    monkeypatch.setitem(tools.TOOLS, "calculator", tools.calculator)
+    deadline = time.monotonic() + 30
+    while asyncio.run(ag.call_tool(call, schemas, timeout=5)) != ("2", True):
+        assert time.monotonic() < deadline, "the tool threads did not come back once their calls returned"
+        time.sleep(0.1)
+
+
+def test_a_stop_signals_handler_only_records_it():
+    """A print in a signal handler, run while the main thread is inside a print (stdout a full pipe), raises "reentrant
+    call" there: the handler records the signal, or raises on a second one, and says nothing (watch_servers says it)."""
+    stop, out = [], io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
+        ag._stop_after_step(stop, signal.SIGTERM, None)
+        with pytest.raises(KeyboardInterrupt, match="signal 2"):
+            ag._stop_after_step(stop, signal.SIGINT, None)
+    assert stop == [signal.SIGTERM] and out.getvalue() == ""
 
 
 def countdown_solutions(numbers):
@@ -1702,6 +1781,47 @@ def test_a_data_timeout_says_where_the_groups_wait(server, tiny_model, monkeypat
     assert not producer.is_alive() and producer.error is None
 
 
+@pytest.mark.filterwarnings("ignore:coroutine .* was never awaited")  # the evaluation sent to the stopped loop
+def test_the_trainers_waits_end_on_a_stop_signal_and_once_the_producer_has_stopped(tiny_model, tmp_path):
+    """A server that takes requests and never answers (an engine stopped): the evaluation ends with nothing at a stop
+    signal, not when its requests time out (it waited for them before the checkpoint). Then the server goes away and
+    the producer fails (its requests' connections reset, then refused): an evaluation started after that, as one after
+    take() may, ends at once with the producer's error; it waited forever on a loop that no longer ran."""
+    from transformers import AutoTokenizer
+
+    silent = socket.create_server(("127.0.0.1", 0))  # listens, never accepts
+    tok = AutoTokenizer.from_pretrained(tiny_model)
+    args = ag.parse_args(["--output-dir", str(tmp_path), "--data-timeout", "20", "--prompts-per-step", "1"])
+    rows = [{**row, "prompt": [{"role": "user", "content": row["prompt"]}]} for row in rewards.task_rows(12, seed=3)]
+    ctx = ag.rollout_context(tok, None, rows, max_model_len=512)
+    urls = [f"http://127.0.0.1:{silent.getsockname()[1]}"]
+    producer = ag.Producer(args, tok, rows[4:], urls, ctx, ag.PolicyVersion())
+    run = ag.Run(args, 0, 1, torch.device("cpu"), tmp_path, eval_rows=rows[:4], producer=producer)
+    producer.start()
+    try:
+        threading.Timer(1.0, run.stop.append, [signal.SIGTERM]).start()
+        t0 = time.monotonic()
+        assert ag.evaluate(run) == {}
+        print(f"the evaluation ended {time.monotonic() - t0 - 1:.2f} s after the signal")
+        run.stop.clear()
+        silent.close()
+        producer.join(30)
+        assert isinstance(producer.error, ConnectionError) and not producer.is_alive()
+        for wait in (lambda: ag.evaluate(run), lambda: producer.take(1, timeout=60)):
+            ended = []
+            waiting = threading.Thread(
+                target=lambda w, e: e.append(pytest.raises(ConnectionError, w)), args=(wait, ended), daemon=True
+            )
+            waiting.start()
+            waiting.join(30)  # a fault bound; it ends in milliseconds
+            assert ended and "dropped a generation request 3 times" in str(ended[0].value)
+    finally:
+        producer.stop()
+        silent.close()
+        if not producer.is_alive():
+            producer.loop.close()  # here, not when collected: the evaluation it never ran is warned of now
+
+
 # top-p at lr 5e-4: once the policy is sure of one answer, the nucleus holds it alone and the group's variance is 0; at
 # 1e-3 that happened before it found 7 for 1 seed in 6 (measured), at 5e-4 for none of 6. LoRA (rank 16, alpha 32) at
 # lr 3e-3, top-p 0.9, seeds 0/1/2: reward +0.72/+0.69/+0.44, eval 0.03 -> 1.0/1.0/0.94; at 1e-2 (rank 8) it rose less,
@@ -2123,6 +2243,104 @@ def test_a_lora_checkpoint_resumes_its_adapter_on_the_initial_model(tiny_model, 
         ag.load_policy_and_optimizer(resumed())
 
 
+def test_a_signal_at_any_line_of_a_step_saves_it_whole_or_not_at_all_and_resume_cuts_the_logs_back(server, tmp_path):
+    """A signal's handler runs between any two lines of the main thread, which no test can time from outside: here a
+    line tracer runs the real handler (_stop_after_step) at each line of train_one_step from the end of the update on,
+    as a run's first signal, then as a second one (which interrupts). Whatever the line: a step that stops ("stopped at
+    step N") has its checkpoint and its metrics line, without an evaluation if the signal came before it; an interrupted
+    one saves (save_after_error, as main) a step whose weights and data cursor belong together; a checkpoint-N left by a
+    save cut off before its link swap is replaced. --resume then cuts the logs back to the checkpoint's step, and
+    refuses a change of the flags the data order depends on."""
+    flags = ["--vllm-url", server.url, "--output-dir", str(tmp_path), "--cache-dir", CACHE, "--steps", "1000"]
+    flags += ["--eval-every", "1", "--eval-size", "4", "--prompts-per-step", "2", "--num-generations", "2"]
+    flags += ["--max-tokens", "8", "--data-timeout", "60", "--max-staleness", "1000"]  # a step interrupted here would
+    # end a run; this one goes on, and the groups it took but did not train would make the staleness gate wait forever
+    threads = torch.get_num_threads()
+    run = ag.set_up(flags)
+    ag.load_data(run)
+    ag.load_policy_and_optimizer(run)
+    cursors = {}  # step -> the data cursor once its groups were taken
+
+    def take(*args, **kwargs):
+        groups = ag.Producer.take(run.producer, *args, **kwargs)
+        cursors[run.completed + 1] = dict(run.producer.cursor)
+        return groups
+
+    source, first = inspect.getsourcelines(ag.train_one_step)
+    update_end = first + next(i for i, line in enumerate(source) if "run.scheduler.step()" in line)
+    evaluation = first + next(i for i, line in enumerate(source) if "log_step(run" in line)
+    lines = sorted({n for _, _, n in ag.train_one_step.__code__.co_lines() if n and n >= update_end})
+    left = tmp_path / "checkpoint-000001" / "left by a save cut off"
+    left.parent.mkdir()
+    left.write_text("")
+    outcomes = []
+
+    def signal_at(line):
+        fired = []
+
+        def trace_line(frame, event, arg):
+            if event == "line" and frame.f_lineno == line and not fired:
+                fired.append(line)
+                ag._stop_after_step(run.stop, signal.SIGTERM, frame)
+            return trace_line
+
+        return lambda frame, event, arg: trace_line if frame.f_code is ag.train_one_step.__code__ else None
+
+    try:
+        ag.start_generation(run)
+        run.producer.take = take
+        for line in lines:
+            for second in (False, True):
+                run.stop[:] = [signal.SIGTERM] * second
+                sys.settrace(signal_at(line))
+                try:
+                    ag.train_one_step(run, run.completed)
+                    outcome = "went on"
+                except SystemExit as stopped:
+                    outcome = str(stopped)
+                except KeyboardInterrupt as interrupted:
+                    ag.save_after_error(run, interrupted)
+                    outcome = "interrupted"
+                finally:
+                    sys.settrace(None)
+                state = torch.load(tmp_path / "checkpoint" / "trainer_state.pt", weights_only=False)
+                assert state["data"] == cursors[state["step"]], (line, second, outcome)
+                assert not left.exists()
+                if outcome.startswith("stopped at step"):
+                    metrics = {m["step"]: m for m in read_metrics(tmp_path)}[run.completed]
+                    assert state["step"] == run.completed and int(outcome.split()[3]) == run.completed
+                    assert ("eval/reward" in metrics) == (line > evaluation and not second), (line, second)
+                outcomes.append(outcome.split(" by ")[0].rstrip("0123456789"))
+        run.stop.clear()
+        sys.settrace(signal_at(update_end))  # a first signal, once the step has its data
+        with pytest.raises(SystemExit, match=f"stopped at step {run.completed + 1} by signal 15"):
+            ag.train_one_step(run, run.completed)
+        sys.settrace(None)
+        run.stop.clear()
+        ag.train_one_step(run, run.completed)  # no checkpoint (--save-every 0): its lines are cut back
+    finally:
+        sys.settrace(None)
+        ag.tear_down(run, {})
+        torch.set_num_threads(threads)
+    print(f"{len(lines)} lines, {len(outcomes)} steps:", {o: outcomes.count(o) for o in set(outcomes)})
+    assert {"stopped at step ", "interrupted", "went on"} <= set(outcomes)
+    with pytest.raises(SystemExit, match="was started with --seed 0, --prompts-per-step 2: its data cursor"):
+        ag.set_up(flags + ["--resume", "--seed", "1", "--prompts-per-step", "3"])
+    again = ag.set_up(flags + ["--resume"])
+    try:
+        ag.load_data(again)
+        ag.load_policy_and_optimizer(again)
+        ag.start_generation(again)
+        assert [m["step"] for m in read_metrics(tmp_path)][-1] == again.start_step == run.completed - 1
+        assert max(r["step"] for r in read_rollouts(tmp_path)) == again.start_step
+        ag.train_one_step(again, again.start_step)
+    finally:
+        ag.tear_down(again, {})
+        torch.set_num_threads(threads)
+    steps = [m["step"] for m in read_metrics(tmp_path)]
+    assert steps == sorted(set(steps)) and steps[-1] == again.start_step + 1
+
+
 @pytest.mark.parametrize("lora", [[], ["--lora-rank", "4"]], ids=["full", "lora"])
 def test_ctrl_c_then_resume_trains_every_prompt_once(server, tiny_model, tmp_path, lora):
     """With --lora-rank the checkpoint holds the merged model (what vLLM and from_pretrained load) and the adapter in
@@ -2503,14 +2721,39 @@ def test_a_run_with_its_own_server_serves_fp32_exactly_calls_tools_and_leaves_no
     assert processes_in_group(server_pid) == []
 
 
-def run_with_fault(out_dir, *flags, at="step", fault=None, victim="trainer", mid_sync=False, env=None):
-    """Run the real script; at the first printed line that starts with `at`, send `fault` to the victim: 'trainer',
-    'api' (the last server's API process), 'engine' (its engine process) or 'worker' (its worker process: both found in
-    the server's process group); with mid_sync, at the next weight sync instead, once its server has paused (its log
-    says so) and its worker receives. -> (exit code, output, seconds from the fault to the exit, the servers' pids)."""
+# The script run with a calculator that never returns (a tool stuck in I/O without a timeout of its own): a stub, as
+# such a tool cannot be had otherwise; the run imports the tools module this one changed.
+HUNG_CALCULATOR = (
+    sys.executable,
+    "-c",
+    (
+        "import functools, runpy, sys, threading, tools\n"
+        "tools.TOOLS['calculator'] = functools.wraps(tools.calculator)(lambda expression: threading.Event().wait())\n"
+        "sys.argv = sys.argv[1:]\n"
+        "runpy.run_path(sys.argv[0], run_name='__main__')\n"
+    ),
+)
+
+
+def run_with_fault(
+    out_dir,
+    *flags,
+    at="step",
+    fault=None,
+    victim="trainer",
+    delay=0.0,
+    mid_sync=False,
+    env=None,
+    launcher=(sys.executable,),
+):
+    """Run the real script; `delay` seconds after the first printed line that starts with `at`, send `fault` to the
+    victim: 'trainer', 'api' (the last server's API process), 'engine' (its engine process) or 'worker' (its worker
+    process: both found in the server's process group); with mid_sync, at the next weight sync instead, once its server
+    has paused (its log says so) and its worker receives. A run still alive 120 s after its fault is killed: it fails
+    its bound. -> (exit code, output, seconds from the fault to the exit, the servers' pids)."""
     proc = subprocess.Popen(
         [
-            sys.executable,
+            *launcher,
             str(HERE / "async_grpo.py"),
             "--cache-dir",
             CACHE,
@@ -2522,6 +2765,8 @@ def run_with_fault(out_dir, *flags, at="step", fault=None, victim="trainer", mid
             "15",
             "--sync-timeout",
             "15",
+            "--eval-size",
+            "16",
             *flags,
         ],
         cwd=HERE,
@@ -2531,8 +2776,10 @@ def run_with_fault(out_dir, *flags, at="step", fault=None, victim="trainer", mid
         env=dict(os.environ, PYTHONUNBUFFERED="1", **(env or {})),
     )
     lines, sent, pids, logs = [], [], [], []
+    hung = threading.Timer(120, proc.kill)  # a run that does not end after its fault fails its bound, here
 
     def send():
+        time.sleep(delay)
         if mid_sync:  # the server's log says that the pause ended: the trainer now sends, the worker receives
             with open(logs[-1]) as log:
                 log.seek(0, os.SEEK_END)
@@ -2548,6 +2795,7 @@ def run_with_fault(out_dir, *flags, at="step", fault=None, victim="trainer", mid
             pid = {"trainer": proc.pid, "api": pids[-1]}[victim]
         os.kill(pid, fault)
         sent.append(time.monotonic())
+        hung.start()
 
     try:
         for line in proc.stdout:
@@ -2560,6 +2808,7 @@ def run_with_fault(out_dir, *flags, at="step", fault=None, victim="trainer", mid
                 threading.Thread(target=send, daemon=True).start()
         proc.wait(120)
     finally:
+        hung.cancel()
         proc.kill()
     seconds = time.monotonic() - sent[-1] if sent and sent[-1] else (math.inf if fault else 0.0)
     return proc.returncode, "".join(lines), seconds, pids
@@ -2569,9 +2818,13 @@ def test_faults_end_in_seconds_with_one_message_and_resume_continues(tmp_path, t
     """Real faults, one after another in one output directory, each run resuming from what the last one saved: the
     engine process killed (what a GPU out-of-memory does: vLLM's API server stays up), the engine stopped (SIGSTOP: it
     answers nothing), one of two servers' API process killed, a disk too small for a checkpoint (a tmpfs, where the
-    test may mount one), a scheduler's SIGTERM. Each run ends within its bound with one message naming the cause,
-    leaves no process behind, and the next run continues at the step after the last complete checkpoint."""
-    out, bound = tmp_path / "run", {"engine": 20, "stop": 15 + 30, "api": 20, "disk": 60, "term": 30}
+    test may mount one), the engine killed during an evaluation (its rollouts wait out a tool's latency, so the
+    producer fails first: its loop stops under the evaluation), a scheduler's SIGTERM with a tool stuck in I/O (the
+    step's evaluation is skipped, the exit does not wait for the tool's threads, a full tool pool is said and counted).
+    Each run ends within its bound with one message naming the cause, leaves no process behind, and the next run
+    continues at the step after the last complete checkpoint."""
+    out = tmp_path / "run"
+    bound = {"engine": 20, "stop": 15 + 30, "api": 20, "disk": 60, "eval": 20, "term": 30}
     out.mkdir()
     mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64m", "tmpfs", str(out)], capture_output=True)
     steps, saved = [], [0]  # the steps each run trained, and the last complete checkpoint's step after it
@@ -2584,6 +2837,7 @@ def test_faults_end_in_seconds_with_one_message_and_resume_continues(tmp_path, t
         saved.append(int(os.readlink(out / "checkpoint").rsplit("-", 1)[1]))
 
     try:
+        eval_tools = ("--resume", "--eval-every", "1", "--tools")
         for name, flags, fault, victim, message in [
             (
                 "engine",
@@ -2611,9 +2865,10 @@ def test_faults_end_in_seconds_with_one_message_and_resume_continues(tmp_path, t
                 "\\d+ MiB and \\d+ MiB are free. The partial one is removed; the last complete checkpoint: .*"
                 "checkpoint-0*(\\d+) ",
             ),
+            ("eval", (*eval_tools, "--tool-latency", "3"), signal.SIGKILL, "engine", "its engine died.*Its log"),
             (
                 "term",
-                ("--resume",),
+                (*eval_tools, "--tool-timeout", "1"),
                 signal.SIGTERM,
                 "trainer",
                 "stopped at step \\d+ by signal 15; continue with --resume",
@@ -2625,7 +2880,15 @@ def test_faults_end_in_seconds_with_one_message_and_resume_continues(tmp_path, t
             if name == "disk":  # leave less room than one checkpoint
                 ballast = out / "ballast"
                 ballast.write_bytes(b"x" * (shutil.disk_usage(out).free - 3 * 2**20))
-            code, text, seconds, pids = run_with_fault(out, *flags, at="step ", fault=fault, victim=victim)
+            code, text, seconds, pids = run_with_fault(
+                out,
+                *flags,
+                at="step ",
+                fault=fault,
+                victim=victim,
+                delay=2.0 if name == "eval" else 0.0,  # into the next evaluation's tool latency
+                launcher=HUNG_CALCULATOR if name == "term" else (sys.executable,),
+            )
             print(f"{name}: exit {code} {seconds:.1f} s after the fault")
             url = re.findall(r"--port (\d+)", text)[-1]
             assert code != 0 and seconds < bound[name], text[-3000:]
@@ -2638,6 +2901,10 @@ def test_faults_end_in_seconds_with_one_message_and_resume_continues(tmp_path, t
             resumed_and_saved(text)
             if name == "api":  # both servers took requests before one died
                 assert all("POST /v1/completions" in (out / f"vllm-{i}.log").read_text() for i in range(2))
+            if name == "term":  # the stopped step saved without its evaluation; calls refused once every thread hung
+                *_, before, last = read_metrics(out)
+                assert last["step"] == saved[-1] and "eval/reward" not in last and "eval/reward" in before
+                assert last["tools/refused"] > 0 and "warning: a tool call refused" in text
     finally:
         subprocess.run(["umount", "-l", str(out)], capture_output=True) if not mounted.returncode else None
     print("steps trained by each run:", steps)

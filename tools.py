@@ -4,6 +4,14 @@ by transformers' `get_json_schema`, so the description the model sees is the one
 
 Sync tools run in a thread pool, `async def` tools are awaited; both get `--tool-timeout`. A tool
 signals bad input by raising: the message goes back to the model and the call counts as a failure.
+
+What a tool may do, since its arguments are whatever the model wrote: a sync tool may wait (I/O, a lock), better with
+a timeout of its own: at `--tool-timeout` the model gets an error, but Python cannot stop the thread, which stays
+held until the call returns; a call that finds all 64 threads held is refused at once and counted (`tools/refused`).
+It may not compute for long: CPU-bound work holds the interpreter lock (a C-level operation on a huge number holds it
+for its whole length), which stops the run's event loop, its timeouts and its signal handlers. Bound the work by the
+size of the input, as the calculator bounds its numbers, or run it in a process of its own, as a code interpreter
+must (generated code is hostile input). An `async def` tool runs on the run's event loop: it must never block.
 """
 
 import ast
@@ -21,6 +29,11 @@ _BINARY = {
     ast.FloorDiv: operator.floordiv,
 }
 _UNARY = {ast.UAdd: operator.pos, ast.USub: operator.neg}
+MAX_BITS = 4096  # of a numerator or denominator (1,233 digits): (9**64)**64 alone would take 13,000
+
+
+def _bits(value):
+    return max(value.numerator.bit_length(), value.denominator.bit_length())
 
 
 def _evaluate(node):
@@ -33,6 +46,16 @@ def _evaluate(node):
         left, right = _evaluate(node.left), _evaluate(node.right)
         if isinstance(node.op, ast.Pow) and (right.denominator != 1 or abs(right) > 64):
             raise ValueError("exponents must be integers of at most 64")
+        # A product's size is bounded before it is computed: one power of a huge number is a single C call that holds
+        # the interpreter lock for hours ((((9**64)**64)**64)**64 took 13 s), and no timeout can interrupt it.
+        if isinstance(node.op, ast.Pow):
+            size = _bits(left) * abs(right)
+        elif isinstance(node.op, (ast.Mult, ast.Div)):
+            size = _bits(left) + _bits(right)
+        else:  # + - % // add their operands' sizes at most, which the expression's 200 characters bound
+            size = 0
+        if size > MAX_BITS:
+            raise ValueError(f"numbers of more than {MAX_BITS} bits are not supported")
         return _BINARY[type(node.op)](left, right)
     if isinstance(node, ast.UnaryOp) and type(node.op) in _UNARY:
         return _UNARY[type(node.op)](_evaluate(node.operand))
