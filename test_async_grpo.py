@@ -4711,10 +4711,11 @@ def test_segments_train_tool_rollouts_as_the_mask_path_and_whole_sequences_do(se
     budget that splits them into several micro-batches: the loss, statistics and gradient of forwarding every sequence
     whole (assert_shared_equals_whole), and the gradient of the mask path, to fp32 rounding."""
     samples = tool_rollout_samples(server, tool_args)
-    budget = ["--micro-batch-tokens", "400"]
+    tokens = 2 * max(len(s["ids"]) for s in samples)  # what the sampled lengths give: a few micro-batches
+    budget = ["--micro-batch-tokens", str(tokens)]
     packed, whole = shared_and_whole(tiny_model, samples, *budget, packed=True)
     assert_shared_equals_whole(packed, whole, samples)
-    assert len(ag.micro_batches(samples, 16, tokens=400, packed=True)) > 1
+    assert len(ag.micro_batches(samples, 16, tokens=tokens, packed=True)) > 1
     masked, _ = shared_and_whole(tiny_model, samples, *budget)
     torch.testing.assert_close(packed[1], masked[1], rtol=0, atol=2e-5 * masked[1].abs().max().item())
 
