@@ -3464,8 +3464,12 @@ def server_failure(urls, servers):
             urllib.request.urlopen(f"{url}/health", timeout=10).close()
         except urllib.error.HTTPError as e:
             cause = f"answers /health with {e.code}"
-        except (OSError, http_client.HTTPException) as e:
-            cause = "refuses connections" if isinstance(getattr(e, "reason", None), ConnectionRefusedError) else None
+        except (OSError, http_client.HTTPException) as e:  # one shutting down after its engine died resets them
+            reason = getattr(e, "reason", e)
+            if isinstance(reason, ConnectionRefusedError):
+                cause = "refuses connections"
+            elif not isinstance(reason, TimeoutError):  # no answer in time: left to the bound of what waits on it
+                cause = f"drops connections ({type(reason).__name__})"
         if proc is not None and proc.poll() is not None:
             cause = f"exited with code {proc.returncode}"
         log = log_tail(proc) if proc and cause else ""

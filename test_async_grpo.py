@@ -2844,7 +2844,7 @@ def test_faults_end_in_seconds_with_one_message_and_resume_continues(tmp_path, t
                 (),
                 signal.SIGKILL,
                 "engine",
-                "(answers /health with 503|refuses connections): its engine died.*Its log",
+                "(answers /health with 503|refuses connections|drops connections .*): its engine died.*Its log",
             ),
             (
                 "stop",
