@@ -262,7 +262,7 @@ async def call_function(fn, arguments, name, timeout):
     """(fn(**arguments), True) within `timeout` seconds, or (the error for the model, False). Raises only EnvironmentGone:
     an environment that cannot go on ends the run (tools.py)."""
     try:
-        return await bounded(fn, timeout, **arguments), True
+        return await bounded(fn, arguments, timeout), True
     except asyncio.TimeoutError:
         return f"Error: {name} timed out after {timeout} s", False
     except tools_module.EnvironmentGone:
@@ -271,9 +271,9 @@ async def call_function(fn, arguments, name, timeout):
         return f"Error: {type(e).__name__}: {e}", False
 
 
-async def bounded(fn, timeout, **arguments):
-    """fn(**arguments) within `timeout` seconds: awaited if async, else in a thread of TOOL_THREADS, where it goes on
-    after a timeout (its environment instance, if a method, is then not reused: HUNG)."""
+async def bounded(fn, arguments, timeout):
+    """fn(**arguments) within `timeout` seconds (arguments a dict: one may be called fn): awaited if async, else in a
+    thread of TOOL_THREADS, where it goes on after a timeout (its environment instance, if a method, is not reused)."""
     if inspect.iscoroutinefunction(fn):
         pending = fn(**arguments)
     else:
@@ -305,7 +305,7 @@ async def environments(ctx, tok, row, n, timeout):
             while len(envs) < n:  # on the loop, not in a thread: each instance made is one that is closed at the end
                 ctx["alive"].append(ctx["environments"][name]())
                 envs.append(ctx["alive"][-1])
-            said = await all_or_none(bounded(env.reset, timeout, **row) for env in envs)
+            said = await all_or_none(bounded(env.reset, row, timeout) for env in envs)
         except tools_module.EnvironmentGone:
             raise
         except Exception as e:
@@ -324,7 +324,7 @@ async def environments(ctx, tok, row, n, timeout):
 
 async def close_environments(ctx, timeout):
     """close() every instance made, once, each within `timeout` seconds, however the run ends."""
-    closing = [bounded(env.close, timeout) for env in ctx["alive"] if hasattr(env, "close")]
+    closing = [bounded(env.close, {}, timeout) for env in ctx["alive"] if hasattr(env, "close")]
     ctx["alive"].clear()
     await asyncio.gather(*closing, return_exceptions=True)
 
