@@ -24,8 +24,8 @@ named as such (arguments and the device plan, data, models, chat templates, tool
 group). The places a forker edits are marked `# FORK:`; README.md lists them.
 """
 
-import argparse, asyncio, contextlib, ctypes, functools, http.client as http_client, importlib.util, inspect, itertools
-import json, math, os, queue, random, re, shlex, shutil, signal, socket, subprocess, sys, threading, time, traceback
+import argparse, asyncio, contextlib, ctypes, functools, http.client as http_client, inspect, itertools, json, math, os
+import queue, random, re, shlex, shutil, signal, socket, subprocess, sys, threading, time, traceback
 import urllib.error, urllib.parse, urllib.request
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -81,7 +81,8 @@ async def rollout(session, url, tok, row, args, ctx, policy, greedy=False, env=N
     schemas = ctx["offered"][environment_of(row, ctx["environments"])]  # --tools, and the environment's
     by_name = {s["function"]["name"]: s["function"] for s in schemas}
     functions = {name: tools_module.TOOLS[name] for name in ctx["schemas_by_name"]}
-    functions.update({name: getattr(env, name) for name in environment_tools(type(env))})  # none if env is None
+    if env is not None:  # its tools: its methods, bound to this rollout's instance
+        functions.update({name: getattr(env, name) for name in tools_module.environment_tools(type(env))})
     while len(ids) < ctx["max_model_len"]:
         budget = min(args.max_tokens, ctx["max_model_len"] - len(ids))
         turn, finish, interruptions = await generate_turn(
@@ -335,7 +336,9 @@ def rollout_context(tok, schemas, rows, max_model_len=None, stop_ids=None, envir
     stop_ids = stop_ids or stop_token_ids(tok)
     environments = environments or {}
     offered = {None: schemas or []}  # the tools of the rows of each environment (None: rows without one)
-    offered.update({name: (schemas or []) + environment_schemas(cls) for name, cls in environments.items()})
+    offered.update(
+        {name: (schemas or []) + tools_module.environment_schemas(cls) for name, cls in environments.items()}
+    )
     every = every_tool(schemas, environments)
     talks = any(hasattr(cls, "respond") for cls in environments.values())  # a user turn after the model's
     return {
@@ -2339,15 +2342,10 @@ def load_environments(args, log=None):
     server's (its tools listed now; `log`: a started server's stderr). Checked here, before vLLM starts."""
     environments = {}
     for spec in args.env_names:
-        cls = tools_module.ENVIRONMENTS.get(spec)
-        path, _, name = spec.rpartition(":")
         try:
-            if cls is None:
-                module = importlib.util.module_from_spec(importlib.util.spec_from_file_location(Path(path).stem, path))
-                module.__spec__.loader.exec_module(module)
-                cls = getattr(module, name)
+            cls = tools_module.environment_class(spec)
             environments[cls.__name__] = cls
-            environment_schemas(cls)
+            tools_module.environment_schemas(cls)
         except Exception as e:
             raise SystemExit(f"--env {spec}: cannot load it, or its tools' schemas ({type(e).__name__}: {e})")
     if args.mcp:
@@ -2356,7 +2354,7 @@ def load_environments(args, log=None):
         except Exception as e:
             raise SystemExit(f"--mcp {args.mcp}: cannot list its tools ({e})")
     for name, cls in environments.items():
-        clash = sorted(set(environment_tools(cls)) & set(args.tool_names))
+        clash = sorted(set(tools_module.environment_tools(cls)) & set(args.tool_names))
         if clash or not hasattr(cls, "reset"):
             raise SystemExit(f"--env {name}: needs a reset(**row) method, and tools not named as --tools' {clash}")
     return environments
@@ -2642,23 +2640,10 @@ def tool_schemas(names):
     return [get_json_schema(tools_module.TOOLS[n]) for n in names]
 
 
-def environment_tools(cls):
-    """{name: method} of the tools an environment class offers: its public methods but the contract's (tools.py)."""
-    names = [n for n in dir(cls) if not n.startswith("_") and n not in ("reset", "respond", "reward", "close")]
-    return {name: getattr(cls, name) for name in names if callable(getattr(cls, name))}
-
-
 def every_tool(schemas, environments):
     """The schemas of --tools and of every environment's tools, once each."""
-    every = (schemas or []) + [s for cls in environments.values() for s in environment_schemas(cls)]
+    every = (schemas or []) + [s for cls in environments.values() for s in tools_module.environment_schemas(cls)]
     return list({s["function"]["name"]: s for s in every}.values())
-
-
-def environment_schemas(cls):
-    """The schemas of its tools, from their signatures and docstrings, or their own (`schema`: an MCP server's)."""
-    from transformers.utils import get_json_schema
-
-    return [getattr(fn, "schema", None) or get_json_schema(fn) for fn in environment_tools(cls).values()]
 
 
 def environment_of(row, environments):

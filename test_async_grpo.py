@@ -809,7 +809,7 @@ def test_the_readmes_environment_is_one_the_run_loads_and_plays_as_it_says(tmp_p
     (tmp_path / "counter.py").write_text(readme_environment())
     args = ag.parse_args(["--output-dir", "unused", "--env", f"{tmp_path / 'counter.py'}:Counter"])
     cls = ag.load_environments(args)["Counter"]
-    assert [s["function"]["name"] for s in ag.environment_schemas(cls)] == ["increment"]
+    assert [s["function"]["name"] for s in tools.environment_schemas(cls)] == ["increment"]
     counter = cls()
     counter.reset(id=0, prompt=[], target=2)
     said = [counter.respond({"role": "assistant", "content": "Done."})]
@@ -3963,8 +3963,11 @@ def test_environments_are_per_rollout_reused_after_reset_routed_by_row_and_their
         monkeypatch.setattr(Tally, "calculator", method)
         samples, envs = play(server.url, tok, ctx, tally, args)
         called = [s for s in samples if "calculator" in s["per_tool"]]
-        assert called and all(s["per_tool"]["calculator"] == [s["tool_calls"], s["tool_failures"]] for s in called)
-        assert all(m["content"].startswith(error) for s in called for m in s["messages"] if m["role"] == "tool")
+        assert called and all(s["per_tool"]["calculator"][0] == s["per_tool"]["calculator"][1] > 0 for s in called)
+        assert all(s["tool_failures"] >= s["per_tool"]["calculator"][1] for s in called)  # counted as failures
+        assert all(
+            m["content"].startswith(error) for s in called for m in s["messages"] if m.get("name") == "calculator"
+        )
     hung = {id(e) for s, e in zip(samples, envs) if "calculator" in s["per_tool"]}
     assert hung and not hung & {id(e) for e in ctx["idle"]["Tally"]}  # a thread may still be in them: not reused
     monkeypatch.setattr(Tally, "reset", lambda self, **row: " Or say 7.")  # what reset says ends the prompt
@@ -4179,7 +4182,7 @@ def test_an_mcp_server_is_an_environment_whose_instances_hold_a_session_each(tmp
     with mcp_server(tmp_path) as (url, command, calls, proc):
         for spec in (url, command):
             cls = tools.mcp_environment(spec, tmp_path / "mcp.log")
-            (schema,) = ag.environment_schemas(cls)
+            (schema,) = tools.environment_schemas(cls)
             assert schema["function"]["parameters"]["properties"]["expression"]["type"] == "string"
             by_name = {"calculator": schema["function"]}
 

@@ -24,11 +24,13 @@ A method that raises or hangs is an error message to the model and a counted fai
 
 import ast
 import asyncio
+import importlib.util
 import logging
 import operator
 import re
 import shlex
 from fractions import Fraction
+from pathlib import Path
 
 _BINARY = {
     ast.Add: operator.add,
@@ -293,3 +295,26 @@ def mcp_environment(server, log=None):
 
 # FORK: add an environment (a class above, its name here; --env NAME picks it)
 ENVIRONMENTS = {cls.__name__: cls for cls in (GuessNumber,)}
+
+
+def environment_class(spec):
+    """The class `--env spec` names: one of ENVIRONMENTS, or path/to/file.py:Class."""
+    if spec in ENVIRONMENTS:
+        return ENVIRONMENTS[spec]
+    path, _, name = spec.rpartition(":")
+    module = importlib.util.module_from_spec(importlib.util.spec_from_file_location(Path(path).stem, path))
+    module.__spec__.loader.exec_module(module)
+    return getattr(module, name)
+
+
+def environment_tools(cls):
+    """{name: method}: the tools of an environment class, its public methods but the contract's."""
+    names = [n for n in dir(cls) if not n.startswith("_") and n not in ("reset", "respond", "reward", "close")]
+    return {name: getattr(cls, name) for name in names if callable(getattr(cls, name))}
+
+
+def environment_schemas(cls):
+    """Their schemas, by transformers' get_json_schema as for TOOLS, or their own (`schema`: an MCP server's)."""
+    from transformers.utils import get_json_schema
+
+    return [getattr(fn, "schema", None) or get_json_schema(fn) for fn in environment_tools(cls).values()]
