@@ -336,9 +336,8 @@ def rollout_context(tok, schemas, rows, max_model_len=None, stop_ids=None, envir
     stop_ids = stop_ids or stop_token_ids(tok)
     environments = environments or {}
     offered = {None: schemas or []}  # the tools of the rows of each environment (None: rows without one)
-    offered.update(
-        {name: (schemas or []) + tools_module.environment_schemas(cls) for name, cls in environments.items()}
-    )
+    for name, cls in environments.items():
+        offered[name] = (schemas or []) + tools_module.environment_schemas(cls)
     every = every_tool(schemas, environments)
     talks = any(hasattr(cls, "respond") for cls in environments.values())  # a user turn after the model's
     return {

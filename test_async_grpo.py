@@ -3950,6 +3950,8 @@ def test_environments_are_per_rollout_reused_after_reset_routed_by_row_and_their
         assert rendered[: len(s["ids"])] == [tok.eos_token_id if i in ends else t for i, t in enumerate(s["ids"])]
         appended = tok.decode([t for t, m in zip(s["ids"][s["n_prompt"] :], s["mask"]) if not m])
         assert appended == "".join(f"<|im_start|>user\n{u}<|im_end|><|im_start|>assistant\n" for u in said)
+    trained = [{**s, "advantage": (-1.0) ** i} for i, s in enumerate(samples)]  # the game's turns share their prompt
+    assert_shared_equals_whole(*shared_and_whole(tiny_model, trained), trained)
 
     def broken(self, expression: str) -> str:
         raise RuntimeError("the tool broke")
