@@ -2178,8 +2178,6 @@ def parse_args(argv=None, world_size=1, cuda_count=None, local_ranks=None):
     checks.append(
         (unknown, f"--env: {unknown} neither in {sorted(tools_module.ENVIRONMENTS)} nor path/to/file.py:Class")
     )
-    needs = "env_reward" in (args.rewards or "") and not args.env_names and not args.mcp
-    checks.append((needs, "--rewards env_reward: no environment (--env, --task guess) to score"))
     args.rewards = args.rewards or {"countdown": "countdown:1.0", "guess": "env_reward:1.0"}.get(
         args.task, "correct_answer:1.0,format_reward:0.2"
     )
@@ -2349,13 +2347,15 @@ def load_environments(args, log=None):
             raise SystemExit(f"--env {spec}: cannot load it, or its tools' schemas ({type(e).__name__}: {e})")
     if args.mcp:
         try:
-            environments["mcp"] = tools_module.mcp_environment(args.mcp, log)
+            environments["mcp"] = tools_module.mcp_environment(args.mcp, log, args.tool_timeout)
         except Exception as e:
             raise SystemExit(f"--mcp {args.mcp}: cannot list its tools ({e})")
     for name, cls in environments.items():
         clash = sorted(set(tools_module.environment_tools(cls)) & set(args.tool_names))
         if clash or not hasattr(cls, "reset"):
             raise SystemExit(f"--env {name}: needs a reset(**row) method, and tools not named as --tools' {clash}")
+    if "env_reward" in args.reward_weights and not all([hasattr(c, "reward") for c in environments.values()] or [0]):
+        raise SystemExit("--rewards env_reward: it is every row's environment's reward() (--env, --task guess)")
     return environments
 
 

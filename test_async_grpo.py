@@ -794,7 +794,8 @@ def bad_inputs(tmp):
         (["--env", f"GuessNumber,{tmp / 'counter.py'}:Counter"], "row 64: its column `env` must name one of"),
         (["--tools", "--env", f"{tmp / 'clash.py'}:Clash"], "tools not named as --tools' ['calculator']"),
         (["--mcp", f"http://127.0.0.1:{ag.free_port()}/mcp"], "cannot list its tools (--mcp http"),
-        (["--rewards", "env_reward"], "--rewards env_reward: no environment (--env, --task guess) to score"),
+        (["--rewards", "env_reward"], "--rewards env_reward: it is every row's environment's reward()"),
+        (["--mcp", "sleep 600", "--rewards", "env_reward", "--tool-timeout", "1"], "--mcp sleep 600: cannot list its"),
     ]
 
 

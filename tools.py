@@ -199,6 +199,7 @@ class MCPSession:
 
     server = None  # the --mcp value
     log = None  # a started server's stderr goes there
+    timeout = 10.0  # seconds a request may take (--tool-timeout): cancelling one does not stop the mcp package
 
     async def reset(self, **row):
         if getattr(self, "session", None) and not self.used:
@@ -224,7 +225,7 @@ class MCPSession:
                     command, *args = shlex.split(self.server)
                     transport = stdio_client(StdioServerParameters(command=command, args=args), errlog=log)
                 # the handshake protocol: its sessions (Mcp-Session-Id) are what a server keeps state in
-                async with mcp.Client(transport, mode="legacy") as client:
+                async with mcp.Client(transport, mode="legacy", read_timeout_seconds=self.timeout) as client:
                     opened.set_result(client)
                     await self.closing.wait()
         except Exception as e:
@@ -251,14 +252,15 @@ class MCPSession:
 
     async def close(self):
         if getattr(self, "session", None):
-            self.closing.set()
+            self.closing.set()  # an open session closes itself, in its task; one opening ends within `timeout`
             await asyncio.gather(self.session, return_exceptions=True)
             self.session = None
 
 
-def mcp_environment(server, log=None):
-    """The environment class of `--mcp server`: a method per tool the server lists now, its schema the server's."""
-    cls = type("mcp", (MCPSession,), {"server": server, "log": log})
+def mcp_environment(server, log=None, timeout=10.0):
+    """The environment class of `--mcp server`: a method per tool the server lists now, its schema the server's;
+    `timeout`: the seconds a request may take."""
+    cls = type("mcp", (MCPSession,), {"server": server, "log": log, "timeout": timeout})
     # its warnings (a session that could not be closed on a dead server, one per rollout) would bury the one message
     # that ends the run: what goes wrong reaches the run as exceptions
     logging.getLogger("mcp").setLevel(logging.CRITICAL)
