@@ -2,6 +2,7 @@
 
     python async_grpo.py                          # CPU, no network: tiny built-in model + arithmetic task
     python async_grpo.py --tools                  # the same task, with a calculator the model can call
+    python async_grpo.py --task guess             # a game, an environment (tools.py) that answers each guess
     python async_grpo.py --model Qwen/Qwen3-0.6B --tools                        # 1 GPU: vLLM shares it
     python async_grpo.py --model Qwen/Qwen3-0.6B --tools --vllm-gpus 1          # 2 GPUs: 1 trains, 1 serves
     torchrun --nproc-per-node 4 async_grpo.py --model Qwen/Qwen3-0.6B --tools --vllm-gpus 4,5,6,7
@@ -10,12 +11,13 @@
 
 The shape of a run: rank 0 starts a vLLM server and a producer thread. The producer, on its own asyncio loop, samples G
 rollouts per prompt from the server (token ids in, token ids and log-probs out, each token stamped with the policy
-version that sampled it), runs tool calls, scores each group with the reward functions, computes group-relative
-advantages, and queues the group. Every rank trains: rank 0 takes the groups in the order they started and hands each
-rank its share; the loss is the clipped surrogate against the sampler's log-probs. Every --sync-every steps rank 0
-pauses vLLM, broadcasts the weights over a process group of its own, resumes it, and the policy version grows.
-Generation never waits for training and training waits only for data, within one bound: the producer does not start a
-group whose tokens would be more than --max-staleness versions old when trained (0: synchronous, --sync).
+version that sampled it), runs tool calls (and an environment's turns), scores each group with the reward functions,
+computes group-relative advantages, and queues the group. Every rank trains: rank 0 takes the groups in the order they
+started and hands each rank its share; the loss is the clipped surrogate against the sampler's log-probs. Every
+--sync-every steps rank 0 pauses vLLM, broadcasts the weights over a process group of its own, resumes it, and the
+policy version grows. Generation never waits for training and training waits only for data, within one bound: the
+producer does not start a group whose tokens would be more than --max-staleness versions old when trained (0:
+synchronous, --sync).
 
 The file reads in the order a reader needs it: the algorithm first (the rollout and its tool loop; rewards and
 group-relative advantages; the producer and its staleness gate; the loss; the training step; the weight sync), then the
@@ -66,7 +68,7 @@ SAMPLING_ARGS = {"min_tokens", "stop", "seed", "ignore_eos"}
 # FORK: the tool loop (what a turn may do, when a rollout ends); the tools and environments themselves are in tools.py
 async def rollout(session, url, tok, row, args, ctx, policy, greedy=False, env=None, prompt_ids=None):
     """Sample one conversation, in `env` if the row has an environment (an instance, reset: environments()). Keeps the
-    exact token ids: the prompt's (prompt_ids, if reset added to it), then per turn the generated ids (mask 1, with their
+    exact token ids: the prompt's (prompt_ids if reset added to it), then per turn the generated ids (mask 1, with their
     log-probs and the policy version that sampled each) and those of the tool results or the environment's user turn
     (mask 0, context)."""
     ids = list(prompt_ids or ctx["prompt_ids"][row["id"]])
@@ -260,8 +262,8 @@ async def call_tool(call, schemas, timeout, functions=tools_module.TOOLS):
 
 
 async def call_function(fn, arguments, name, timeout):
-    """(fn(**arguments), True) within `timeout` seconds, or (the error for the model, False). Raises only EnvironmentGone:
-    an environment that cannot go on ends the run (tools.py)."""
+    """(fn(**arguments), True) within `timeout` seconds, or (the error for the model, False). Raises EnvironmentGone
+    alone: an environment that cannot go on ends the run (tools.py)."""
     try:
         return await bounded(fn, arguments, timeout), True
     except asyncio.TimeoutError:

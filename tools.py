@@ -151,6 +151,9 @@ async def lookup(topic: str) -> str:
 TOOLS = {fn.__name__: fn for fn in (calculator, convert_units, lookup)}
 
 
+# --- Environments: their contract is this file's docstring ------------------------------------------------------------
+
+
 class EnvironmentGone(ConnectionError):
     """Raised by an environment that cannot go on (its server or process is gone): the run ends with this message, its
     last finished step saved, where any other error would only be the model's to see, call after call."""
@@ -269,9 +272,8 @@ def mcp_environment(server, log=None, timeout=10.0):
         async def call(self, **arguments):
             return await self._call(tool.name, arguments)
 
-        description = tool.description or ""
-        call.schema = {"type": "function", "function": {"name": tool.name, "description": description}}
-        call.schema["function"]["parameters"] = tool.input_schema
+        function = {"name": tool.name, "description": tool.description or "", "parameters": tool.input_schema}
+        call.schema = {"type": "function", "function": function}  # what environment_schemas() takes for this tool
         return call
 
     async def listed():
