@@ -4080,6 +4080,7 @@ def test_every_environment_instance_is_closed_once_after_ctrl_c_and_a_crash(serv
     flags = ("--vllm-url", server.url, "--task", "guess", "--env", env, "--steps", "100", "--max-tokens", "8")
     code, out, seconds, _ = run_with_fault(tmp_path / "run", *flags, at="step    2/", fault=action)
     message = "stopped at step [23] by signal 2" if fault == "ctrl_c" else "error: the game's server is gone\n"
+    print(f"{fault}: the run ended {seconds:.1f} s after it")
     assert code != 0 and seconds < 30 and re.search(message, out) and "Traceback" not in out, out[-3000:]
     assert int(os.readlink(tmp_path / "run" / "checkpoint").rsplit("-", 1)[1]) >= 2
     made = events()["made"]
@@ -4254,6 +4255,7 @@ def test_a_run_whose_mcp_server_dies_ends_in_seconds_with_one_message_and_its_la
         code, out, seconds, _ = run_with_fault(
             tmp_path / "run", *flags, at="step    3/", fault=lambda: os.killpg(proc.pid, signal.SIGKILL)
         )
+    print(f"the run ended {seconds:.1f} s after the MCP server was killed")
     assert code != 0 and seconds < 30 and "Traceback" not in out and "Session termination" not in out, out[-3000:]
     assert re.search(f"error: (the MCP server {url} is gone|--mcp {url}: no session)", out), out[-3000:]
     assert int(os.readlink(tmp_path / "run" / "checkpoint").rsplit("-", 1)[1]) >= 3
