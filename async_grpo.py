@@ -2,6 +2,7 @@
 
     python async_grpo.py                          # CPU, no network: tiny built-in model + arithmetic task
     python async_grpo.py --tools                  # the same task, with a calculator the model can call
+    python async_grpo.py --task guess             # a game, an environment (tools.py) that answers each guess
     python async_grpo.py --model Qwen/Qwen3-0.6B --tools                        # 1 GPU: vLLM shares it
     python async_grpo.py --model Qwen/Qwen3-0.6B --tools --vllm-gpus 1          # 2 GPUs: 1 trains, 1 serves
     torchrun --nproc-per-node 4 async_grpo.py --model Qwen/Qwen3-0.6B --tools --vllm-gpus 4,5,6,7
@@ -10,12 +11,13 @@
 
 The shape of a run: rank 0 starts a vLLM server and a producer thread. The producer, on its own asyncio loop, samples G
 rollouts per prompt from the server (token ids in, token ids and log-probs out, each token stamped with the policy
-version that sampled it), runs tool calls, scores each group with the reward functions, computes group-relative
-advantages, and queues the group. Every rank trains: rank 0 takes the groups in the order they started and hands each
-rank its share; the loss is the clipped surrogate against the sampler's log-probs. Every --sync-every steps rank 0
-pauses vLLM, broadcasts the weights over a process group of its own, resumes it, and the policy version grows.
-Generation never waits for training and training waits only for data, within one bound: the producer does not start a
-group whose tokens would be more than --max-staleness versions old when trained (0: synchronous, --sync).
+version that sampled it), runs tool calls (and an environment's turns), scores each group with the reward functions,
+computes group-relative advantages, and queues the group. Every rank trains: rank 0 takes the groups in the order they
+started and hands each rank its share; the loss is the clipped surrogate against the sampler's log-probs. Every
+--sync-every steps rank 0 pauses vLLM, broadcasts the weights over a process group of its own, resumes it, and the
+policy version grows. Generation never waits for training and training waits only for data, within one bound: the
+producer does not start a group whose tokens would be more than --max-staleness versions old when trained (0:
+synchronous, --sync).
 
 The file reads in the order a reader needs it: the algorithm first (the rollout and its tool loop; rewards and
 group-relative advantages; the producer and its staleness gate; the loss; the training step; the weight sync), then the
@@ -55,13 +57,14 @@ import tools as tools_module
 
 HERE = Path(__file__).resolve().parent
 SERVED_MODEL = "policy"  # the name the servers started here serve the weights under, whatever the checkpoint
-ROLLOUT_FIELDS = {"prompts", "completions", "completion_ids", "tool_calls", "tool_failures", "truncated"}
+ROLLOUT_FIELDS = set("prompts completions completion_ids tool_calls tool_failures truncated environments".split())
 TOOL_THREADS = ThreadPoolExecutor(64, thread_name_prefix="tool")  # a sync tool that waits holds a thread, not the loop
 # A slot per thread, held until its call returns, late or never (Python cannot stop a thread): a call that finds none
 # free is refused at once and counted (tools/refused), not queued behind hung ones to time out unseen. What a sync
 # tool may do (computing holds the interpreter, not a thread): tools.py.
 TOOL_SLOTS = threading.BoundedSemaphore(64)
 TOOLS_REFUSED = [0]  # calls refused so far
+HUNG = set()  # ids of the environment instances whose sync call went on past its timeout: never reused (environments)
 # What --sampling-args may hold: parameters that end or seed a generation but leave its distribution as the trainer
 # computes it (min_tokens does change it: the trainer holds the stop tokens back in the same places).
 SAMPLING_ARGS = {"min_tokens", "stop", "ignore_eos"}  # (every request's seed comes from --seed: request_seed)
@@ -71,12 +74,13 @@ MODEL_INPUTS = ("input_ids", "position_ids", "attention_mask", "segments")  # wh
 # --- The rollout: one conversation = generate, run its tool calls, append their results, generate again ---------------
 
 
-# FORK: the tool loop (what a turn may do, when a rollout ends); the tools themselves are in tools.py
-async def rollout(session, url, tok, row, args, ctx, policy, greedy=False, seed=()):
-    """Sample one conversation. Keeps the exact token ids: the prompt's, then per turn the generated ids (mask 1, with
-    their log-probs and the policy version that sampled each) and the tool-result ids (mask 0, context). `seed`: what
-    identifies this rollout in the run (its group and index), from which each request's seed derives."""
-    ids = list(ctx["prompt_ids"][row["id"]])
+# FORK: the tool loop (what a turn may do, when a rollout ends); the tools and environments themselves are in tools.py
+async def rollout(session, url, tok, row, args, ctx, policy, greedy=False, seed=(), env=None, prompt_ids=None):
+    """Sample one conversation, in `env` if the row has an environment (an instance, reset: environments()). Keeps the
+    exact token ids: the prompt's (prompt_ids if reset added to it), then per turn the generated ids (mask 1, with their
+    log-probs and the policy version that sampled each) and those of the tool results or the environment's user turn
+    (mask 0, context). `seed`: what identifies this rollout in the run (its group and index): each request's derives."""
+    ids = list(prompt_ids or ctx["prompt_ids"][row["id"]])
     n_prompt = len(ids)
     mask = []  # per token after the prompt: 1 generated (trained on), 0 a tool result
     logprobs = []  # the sampler's log-prob of each token (0.0 for tool results)
@@ -85,6 +89,11 @@ async def rollout(session, url, tok, row, args, ctx, policy, greedy=False, seed=
     stats = {"tool_calls": 0, "tool_failures": 0, "tool_seconds": 0.0, "turns": 0, "interrupted": 0}
     stats["truncated"] = True  # until the model answers
     stats["per_tool"] = {}  # tool name -> [calls, failures]
+    schemas = ctx["offered"][environment_of(row, ctx["environments"])]  # --tools, and the environment's
+    by_name = {s["function"]["name"]: s["function"] for s in schemas}
+    functions = {name: tools_module.TOOLS[name] for name in ctx["schemas_by_name"]}
+    if env is not None:  # its tools: its methods, bound to this rollout's instance
+        functions.update({name: getattr(env, name) for name in tools_module.environment_tools(type(env))})
     while len(ids) < ctx["max_model_len"]:
         budget = min(args.max_tokens, ctx["max_model_len"] - len(ids))
         turn, finish, interruptions = await generate_turn(
@@ -100,22 +109,22 @@ async def rollout(session, url, tok, row, args, ctx, policy, greedy=False, seed=
         # Stopped on a stop token (not on a stop string of --sampling-args): the template's end of turn stands for it.
         stopped = finish == "stop" and bool(new) and new[-1] in ctx["stop_ids"]
         text = tok.decode(new[:-1] if stopped else new, skip_special_tokens=False)
-        if ctx["schemas"]:
-            message = parse_assistant(
-                text, tok, ids[: -len(new)], ctx["schemas_by_name"], ctx["format"], max_calls=ctx["max_calls"]
-            )
+        if schemas:
+            message = parse_assistant(text, tok, ids[: -len(new)], by_name, ctx["format"], max_calls=ctx["max_calls"])
         else:  # the parser runs only with tools: without them any template (or none) must train
             message = {"role": "assistant", "content": text, "tool_calls": [], "tool_call_errors": []}
         messages.append(message)
-        if finish == "stop" and not message["tool_calls"] and not message["tool_call_errors"]:
+        answered = finish == "stop" and not message["tool_calls"] and not message["tool_call_errors"]
+        reply = await env_reply(env, message, args, stats) if answered else None
+        if answered and reply is None:
             stats["truncated"] = False  # the model answered: the one end that does not cut the conversation short
             break
-        if finish != "stop" or stats["turns"] > args.max_tool_turns:  # out of tokens, or of tool turns
+        if finish != "stop" or stats["turns"] > args.max_tool_turns:  # out of tokens, or of turns
             break
-        tool_messages = await run_tool_calls(message, ctx, args, stats)
+        added = [reply] if answered else await run_tool_calls(message, by_name, functions, args, stats)
         history = row["prompt"] + messages
-        suffix = tool_result_ids(tok, history, tool_messages, ctx["schemas"], ctx["turn_ends"], stopped=stopped)
-        messages += tool_messages
+        suffix = tool_result_ids(tok, history, added, schemas, ctx["turn_ends"], stopped=stopped)
+        messages += added
         if len(ids) + len(suffix) >= ctx["max_model_len"]:
             break  # no room left to answer: end here rather than send vLLM a request it rejects
         ids += suffix
@@ -220,18 +229,18 @@ def request_seed(*key):
     return random.Random(repr(key)).getrandbits(31)
 
 
-async def run_tool_calls(message, ctx, args, stats):
+async def run_tool_calls(message, schemas, functions, args, stats):
     """The turn's well-formed calls, run concurrently, then an error for each call that did not parse: the tool
     messages the model sees, in that order. Counted in stats (per tool: 'unknown' and 'malformed' apart)."""
     start = time.perf_counter()
-    calls = [call_tool(call, ctx["schemas_by_name"], args.tool_timeout) for call in message["tool_calls"]]
+    calls = [call_tool(call, schemas, args.tool_timeout, functions) for call in message["tool_calls"]]
     results, _ = await asyncio.gather(asyncio.gather(*calls), asyncio.sleep(args.tool_latency))
     results += [(f"Error: {error}", False) for error in message["tool_call_errors"]]
     stats["tool_seconds"] += time.perf_counter() - start
     stats["tool_calls"] += len(results)
     stats["tool_failures"] += sum(not ok for _, ok in results)
     names = [call["function"]["name"] for call in message["tool_calls"]]
-    keys = [name if name in ctx["schemas_by_name"] else "unknown" for name in names]
+    keys = [name if name in schemas else "unknown" for name in names]
     keys += ["malformed"] * len(message["tool_call_errors"])
     names += ["malformed"] * len(message["tool_call_errors"])
     for key, (_, ok) in zip(keys, results):
@@ -240,13 +249,26 @@ async def run_tool_calls(message, ctx, args, stats):
         counts[1] += not ok
     # a lone surrogate in a tool's text (from its input, or bytes decoded with surrogateescape) fails the tokenizer
     return [
-        {"role": "tool", "name": n, "content": r.encode(errors="replace").decode()}
+        {"role": "tool", "name": n, "content": str(r).encode(errors="replace").decode()}
         for n, (r, _) in zip(names, results)
     ]
 
 
-async def call_tool(call, schemas, timeout):
-    """Run one well-formed call. Returns (result text for the model, ok); never raises."""
+async def env_reply(env, message, args, stats):
+    """The user turn the environment answers a turn without tool calls with (respond), or None: none, the rollout ends.
+    A respond that raises or hangs answers with its error, a failure counted as respond's."""
+    if not hasattr(env, "respond"):
+        return None
+    reply = call_function(env.respond, {"message": message}, "respond", args.tool_timeout)
+    (reply, ok), _ = await asyncio.gather(reply, asyncio.sleep(args.tool_latency))
+    counts = stats["per_tool"].setdefault("respond", [0, 0])
+    counts[0] += 1
+    counts[1] += not ok
+    return None if reply is None else {"role": "user", "content": str(reply).encode(errors="replace").decode()}
+
+
+async def call_tool(call, schemas, timeout, functions=tools_module.TOOLS):
+    """Run one well-formed call. Returns (result for the model, ok); never raises but EnvironmentGone."""
     name = call["function"]["name"]
     arguments = call["function"]["arguments"]
     if name not in schemas:
@@ -254,36 +276,112 @@ async def call_tool(call, schemas, timeout):
     errors = argument_errors(schemas[name], arguments)
     if errors:
         return f"Error: {name}: {'; '.join(errors)}", False
-    fn = tools_module.TOOLS[name]
+    return await call_function(functions[name], arguments, name, timeout)
+
+
+async def call_function(fn, arguments, name, timeout):
+    """(fn(**arguments), True) within `timeout` seconds, or (the error for the model, False). Raises EnvironmentGone
+    alone: an environment that cannot go on ends the run (tools.py)."""
     try:
-        if inspect.iscoroutinefunction(fn):
-            pending = fn(**arguments)
-        elif TOOL_SLOTS.acquire(blocking=False):
-            running = TOOL_THREADS.submit(fn, **arguments)
-            running.add_done_callback(lambda _: TOOL_SLOTS.release())  # once it returns, however late
-            pending = asyncio.wrap_future(running)
-        else:
-            TOOLS_REFUSED[0] += 1
-            if TOOLS_REFUSED[0] == 1:  # the first; tools/refused counts them all
-                print("warning: a tool call refused: every tool thread is held by a call still running", flush=True)
-            return f"Error: {name} not run: every tool thread is held by a call that has not returned", False
-        return str(await asyncio.wait_for(pending, timeout)), True
+        return await bounded(fn, arguments, timeout), True
     except asyncio.TimeoutError:
         return f"Error: {name} timed out after {timeout} s", False
+    except tools_module.EnvironmentGone:
+        raise
     except Exception as e:  # a tool's bug is the model's problem to route around, not the run's
         return f"Error: {type(e).__name__}: {e}", False
 
 
-def rollout_context(tok, schemas, rows, max_model_len=None, stop_ids=None):
-    """What every rollout needs, computed once; max_model_len is the server's context length, known once it is up."""
+async def bounded(fn, arguments, timeout):
+    """fn(**arguments) within `timeout` seconds (arguments a dict: one may be called fn): awaited if async, else in a
+    thread of TOOL_THREADS holding a slot (TOOL_SLOTS), refused at once if none is free; there it goes on after a
+    timeout (its environment instance, if a method, is not reused)."""
+    if inspect.iscoroutinefunction(fn):
+        pending = fn(**arguments)
+    elif TOOL_SLOTS.acquire(blocking=False):
+        running = TOOL_THREADS.submit(fn, **arguments)
+        running.add_done_callback(lambda _: TOOL_SLOTS.release())  # once it returns, however late
+        pending = asyncio.wrap_future(running)
+    else:
+        TOOLS_REFUSED[0] += 1
+        if TOOLS_REFUSED[0] == 1:  # the first; tools/refused counts them all
+            print("warning: a tool call refused: every tool thread is held by a call still running", flush=True)
+        raise RuntimeError("not run: every tool thread is held by a call that has not returned")
+    try:
+        return await asyncio.wait_for(pending, timeout)
+    except asyncio.TimeoutError:
+        HUNG.add(id(getattr(fn, "__self__", None)))
+        raise
+
+
+class Dropped(Exception):
+    """Why a group is not trained (its environment did not reset, its rewards failed): take() reports and counts it."""
+
+
+@contextlib.asynccontextmanager
+async def environments(ctx, tok, row, n, timeout):
+    """n instances of the row's environment (None without one), idle ones reused, reset to the row; the row as its
+    rollouts see it (its prompt with what reset said) and its prompt's ids. They are idle again once the group is done.
+    Raises Dropped where a reset fails or the resets say different things: a group answers one task."""
+    name = environment_of(row, ctx["environments"])
+    if name is None:
+        yield [None] * n, row, ctx["prompt_ids"][row["id"]]
+        return
+    idle = ctx["idle"][name]
+    envs = [idle.pop() for _ in range(min(n, len(idle)))]
+    try:
+        try:
+            while len(envs) < n:  # on the loop, not in a thread: each instance made is one that is closed at the end
+                ctx["alive"].append(ctx["environments"][name]())
+                envs.append(ctx["alive"][-1])
+            said = await all_or_none(bounded(env.reset, row, timeout) for env in envs)
+        except tools_module.EnvironmentGone:
+            raise
+        except Exception as e:
+            raise Dropped(f"--env {name}: a reset to prompt {row['id']} failed: {type(e).__name__}: {e}") from None
+        if any(text != said[0] for text in said):
+            raise Dropped(f"--env {name}: reset said different things to a group, {said[0]!r} and others")
+        prompt_ids = ctx["prompt_ids"][row["id"]]
+        if said[0]:  # appended to the prompt's last message
+            last = {**row["prompt"][-1], "content": row["prompt"][-1]["content"] + str(said[0])}
+            row = {**row, "prompt": row["prompt"][:-1] + [last]}
+            prompt_ids = render_prompt(tok, row["prompt"], ctx["offered"][name], row["id"])
+        yield envs, row, prompt_ids
+    finally:
+        idle += [env for env in envs if id(env) not in HUNG]
+
+
+async def close_environments(ctx, timeout):
+    """close() every instance made, once, each within `timeout` seconds, however the run ends."""
+    closing = [bounded(env.close, {}, timeout) for env in ctx["alive"] if hasattr(env, "close")]
+    ctx["alive"].clear()
+    await asyncio.gather(*closing, return_exceptions=True)
+
+
+def rollout_context(tok, schemas, rows, max_model_len=None, stop_ids=None, environments=None):
+    """What every rollout needs, computed once; max_model_len is the server's context length, known once it is up.
+    environments: {name: class} of --env and --mcp; their instances are made and kept here too (environments())."""
     stop_ids = stop_ids or stop_token_ids(tok)
+    environments = environments or {}
+    offered = {None: schemas or []}  # the tools of the rows of each environment (None: rows without one)
+    for name, cls in environments.items():
+        offered[name] = (schemas or []) + tools_module.environment_schemas(cls)
+    every = every_tool(schemas, environments)
+    talks = any(hasattr(cls, "respond") for cls in environments.values())  # a user turn after the model's
     return {
         "schemas": schemas,
         "schemas_by_name": {s["function"]["name"]: s["function"] for s in schemas or []},
+        "environments": environments,
+        "offered": offered,
+        "idle": {name: [] for name in environments},  # instances between groups
+        "alive": [],  # every instance made: close_environments closes them
         "stop_ids": stop_ids,
         "max_model_len": max_model_len,
-        **(chat_format(tok, schemas, stop_ids) if schemas else {}),
-        "prompt_ids": {row["id"]: render_prompt(tok, row["prompt"], schemas, row["id"]) for row in rows},
+        **(chat_format(tok, every, stop_ids) if every or talks else {}),
+        "prompt_ids": {
+            row["id"]: render_prompt(tok, row["prompt"], offered[environment_of(row, environments)], row["id"])
+            for row in rows
+        },
     }
 
 
@@ -330,7 +428,7 @@ class PolicyVersion:
 # --- Rewards and group-relative advantages ----------------------------------------------------------------------------
 
 
-async def score_group(samples, row, reward_weights):
+async def score_group(samples, row, reward_weights, environments=None):
     """Weighted sum of the reward functions over one group; also returns each function's values."""
     G = len(samples)
     kwargs = {k: [v] * G for k, v in row.items() if k not in ("prompt", "id")}
@@ -338,6 +436,7 @@ async def score_group(samples, row, reward_weights):
         prompts=[row["prompt"]] * G,
         completions=[s["messages"] for s in samples],  # the ROLLOUT_FIELDS
         completion_ids=[s["ids"][s["n_prompt"] :] for s in samples],
+        environments=environments or [None] * G,
         **{k: [s[k] for s in samples] for k in ("tool_calls", "tool_failures", "truncated")},
     )
     total, parts = np.zeros(G), {}
@@ -442,27 +541,43 @@ class Producer(threading.Thread):
             finally:  # on stop or error, no group is left running against a server that is going away
                 cancel_all(pending)
                 await asyncio.gather(*pending, return_exceptions=True)
+                await close_environments(self.ctx, a.tool_timeout)
 
     async def _group(self, session, row, index):
         a = self.args
         url = min(self.urls, key=self.running.get)
-        self.running[url] += 1
         try:
-            group = [
-                rollout(session, url, self.tok, row, a, ctx=self.ctx, policy=self.policy, seed=(a.seed, index, i))
-                for i in range(a.num_generations)
-            ]
-            samples = await all_or_none(group)
-        finally:
-            self.running[url] -= 1
-        try:
-            self.scoring += 1
-            rewards, parts = await score_group(samples, row, a.reward_weights)
-        except Exception as e:  # the group is dropped (take() reports it), the run goes on
-            self.queue.put((index, f"the rewards of prompt {row['id']} failed: {type(e).__name__}: {e}"))
+            async with environments(self.ctx, self.tok, row, a.num_generations, a.tool_timeout) as (envs, row, ids):
+                self.running[url] += 1
+                try:
+                    group = [
+                        rollout(
+                            session,
+                            url,
+                            self.tok,
+                            row,
+                            a,
+                            ctx=self.ctx,
+                            policy=self.policy,
+                            seed=(a.seed, index, i),
+                            env=env,
+                            prompt_ids=ids,
+                        )
+                        for i, env in enumerate(envs)
+                    ]
+                    samples = await all_or_none(group)
+                finally:
+                    self.running[url] -= 1
+                try:
+                    self.scoring += 1
+                    rewards, parts = await score_group(samples, row, a.reward_weights, envs)
+                except Exception as e:
+                    raise Dropped(f"the rewards of prompt {row['id']} failed: {type(e).__name__}: {e}") from None
+                finally:
+                    self.scoring -= 1
+        except Dropped as e:  # the group is not trained (take() reports it), the run goes on
+            self.queue.put((index, str(e)))
             return
-        finally:
-            self.scoring -= 1
         advantages = group_advantages(rewards, scale=a.scale_rewards == "group")
         for i, sample in enumerate(samples):
             sample.update(reward=float(rewards[i]), advantage=float(advantages[i]), prompt_id=row["id"])
@@ -1387,11 +1502,14 @@ def load_data(run):
         )
     run.pad_id = next((i for i in (tok.pad_token_id, tok.eos_token_id) if i is not None), 0)  # masked: any id does
     schemas = tool_schemas(args.tool_names) if args.tool_names else None
+    environments = load_environments(args, run.out_dir / "mcp.log" if run.is_main else None)
     stop_ids = stop_token_ids(tok, run.model_path)
-    report = prepare_chat_template(tok, args, schemas, stop_ids, run.model_path)  # fails here, before vLLM starts
+    # fails here, before vLLM starts
+    report = prepare_chat_template(tok, args, schemas, stop_ids, run.model_path, environments=environments)
     if run.is_main:
         print(report, flush=True)
-    run.ctx = rollout_context(tok, schemas, run.train_rows + run.eval_rows, stop_ids=stop_ids)
+    rows = run.train_rows + run.eval_rows
+    run.ctx = rollout_context(tok, schemas, rows, stop_ids=stop_ids, environments=environments)
 
 
 def load_policy_and_optimizer(run):
@@ -1734,27 +1852,35 @@ def evaluate(run):
     args = run.args
     n = 1 + args.eval_samples  # rollouts per row, the greedy one first
 
-    async def scored():
-        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=args.data_timeout)) as session:
+    async def scored(session, i):  # row i's greedy rollout and samples; the servers in turn
+        with contextlib.suppress(Dropped):  # its environment did not reset: the row is not scored, as in training
+            return await scored_row(session, i)
+
+    async def scored_row(session, i):
+        async with environments(p.ctx, p.tok, rows[i], n, args.tool_timeout) as (envs, row, ids):
             samples = await all_or_none(
                 rollout(
                     session,
-                    p.urls[i % len(p.urls)],
+                    p.urls[(i * n + k) % len(p.urls)],
                     p.tok,
-                    rows[i // n],
+                    row,
                     args,
                     ctx=p.ctx,
                     policy=p.policy,
-                    greedy=i % n == 0,
-                    seed=(args.seed, "eval", i),  # the same at every evaluation: the checkpoints are compared alike
+                    greedy=k == 0,
+                    seed=(args.seed, "eval", i, k),  # the same at every evaluation: the checkpoints are compared alike
+                    env=env,
+                    prompt_ids=ids,
                 )
-                for i in range(len(rows) * n)
+                for k, env in enumerate(envs)
             )
-        return [
-            await score_group(samples[j * n : (j + 1) * n], row, args.reward_weights) for j, row in enumerate(rows)
-        ]
+            return await score_group(samples, row, args.reward_weights, envs)
 
-    future = asyncio.run_coroutine_threadsafe(scored(), p.loop)
+    async def every():
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=args.data_timeout)) as session:
+            return await all_or_none(scored(session, i) for i in range(len(rows)))
+
+    future = asyncio.run_coroutine_threadsafe(every(), p.loop)
     finished = threading.Event()
     future.add_done_callback(lambda _: finished.set())
     deadline = time.monotonic() + args.data_timeout
@@ -1766,7 +1892,7 @@ def evaluate(run):
     finally:
         future.cancel()  # its rollouts end with it, on whatever error ended the wait
     metrics = []
-    for total, parts in results:
+    for total, parts in filter(None, results):
         row = {f"eval/{name}": values[0] for name, values in {"reward": total, **parts}.items()}
         for name, values in parts.items() if args.eval_samples else []:
             passed = int((values[1:] > 0).sum())
@@ -1961,9 +2087,10 @@ def parse_args(argv=None, world_size=1, cuda_count=None, local_ranks=None, heads
     )
     g.add_argument(
         "--task",
-        choices=["arithmetic", "countdown"],
+        choices=["arithmetic", "countdown", "guess"],
         default="arithmetic",
-        help="built-in task without --dataset: 'What is 3 + 4?', or reach a target from given numbers",
+        help="built-in task without --dataset: 'What is 3 + 4?', reach a target from given numbers, or guess a number "
+        "told higher or lower (the environment GuessNumber)",
     )
     g.add_argument("--max-operand", type=int, default=4, help="built-in task: the largest operand")
     g.add_argument("--terms", type=int, default=2, help="built-in task: operands per problem")
@@ -2002,7 +2129,14 @@ def parse_args(argv=None, world_size=1, cuda_count=None, local_ranks=None, heads
         default=None,
         help=f"offer tools to the model: 'all' (the bare flag) or a comma list of {sorted(tools_module.TOOLS)}",
     )
-    g.add_argument("--max-tool-turns", type=int, default=3, help="most assistant turns that may call tools")
+    g.add_argument("--env", help="environments (tools.py), a comma list of names or path/to/file.py:Class; see README")
+    g.add_argument("--mcp", help="an MCP server as the environment `mcp`: a command line (stdio) or a URL; see README")
+    g.add_argument(
+        "--max-tool-turns",
+        type=int,
+        default=3,
+        help="most assistant turns that may call tools or an environment answers",
+    )
     g.add_argument("--tool-timeout", type=float, default=10.0, help="seconds one tool call may take")
     g.add_argument(
         "--tool-latency",
@@ -2015,8 +2149,8 @@ def parse_args(argv=None, world_size=1, cuda_count=None, local_ranks=None, heads
     g.add_argument(
         "--rewards",
         default=None,
-        help=f"comma list of NAME[:WEIGHT] of {sorted(rewards_module.REWARDS)}; "
-        "default: correct_answer:1.0,format_reward:0.2, or countdown:1.0 for --task countdown",
+        help=f"comma list of NAME[:WEIGHT] of {sorted(rewards_module.REWARDS)}; default: correct_answer:1.0,"
+        "format_reward:0.2, or countdown:1.0 for --task countdown, env_reward:1.0 for --task guess",
     )
     g.add_argument(
         "--skip-zero-variance",
@@ -2317,8 +2451,13 @@ def parse_args(argv=None, world_size=1, cuda_count=None, local_ranks=None, heads
         args.tool_names = [name.strip() for name in args.tools.split(",")]
     unknown = sorted(set(args.tool_names) - set(tools_module.TOOLS))
     checks.append((unknown, f"--tools: unknown tool(s) {unknown}; tools.py defines {sorted(tools_module.TOOLS)}"))
-    args.rewards = args.rewards or (
-        "countdown:1.0" if args.task == "countdown" else "correct_answer:1.0,format_reward:0.2"
+    args.env_names = args.env.split(",") if args.env else ["GuessNumber"] * (args.task == "guess")
+    unknown = [n for n in args.env_names if n not in tools_module.ENVIRONMENTS and not os.path.isfile(n.split(":")[0])]
+    checks.append(
+        (unknown, f"--env: {unknown} neither in {sorted(tools_module.ENVIRONMENTS)} nor path/to/file.py:Class")
+    )
+    args.rewards = args.rewards or {"countdown": "countdown:1.0", "guess": "env_reward:1.0"}.get(
+        args.task, "correct_answer:1.0,format_reward:0.2"
     )
     try:
         args.reward_weights = {
@@ -2523,6 +2662,31 @@ def dataset_row(line, index, where):
     return row
 
 
+def load_environments(args, log=None):
+    """--env and --mcp as {name: class}: from tools.ENVIRONMENTS, from a file (path/to/file.py:Class), or an MCP
+    server's (its tools listed now; `log`: a started server's stderr). Checked here, before vLLM starts."""
+    environments = {}
+    for spec in args.env_names:
+        try:
+            cls = tools_module.environment_class(spec)
+            environments[cls.__name__] = cls
+            tools_module.environment_schemas(cls)
+        except Exception as e:
+            raise SystemExit(f"--env {spec}: cannot load it, or its tools' schemas ({type(e).__name__}: {e})")
+    if args.mcp:
+        try:
+            environments["mcp"] = tools_module.mcp_environment(args.mcp, log, args.tool_timeout)
+        except Exception as e:
+            raise SystemExit(f"--mcp {args.mcp}: cannot list its tools ({e})")
+    for name, cls in environments.items():
+        clash = sorted(set(tools_module.environment_tools(cls)) & set(args.tool_names))
+        if clash or not hasattr(cls, "reset"):
+            raise SystemExit(f"--env {name}: needs a reset(**row) method, and tools not named as --tools' {clash}")
+    if "env_reward" in args.reward_weights and not all([hasattr(c, "reward") for c in environments.values()] or [0]):
+        raise SystemExit("--rewards env_reward: it is every row's environment's reward() (--env, --task guess)")
+    return environments
+
+
 # --- Machinery: models: loading, LoRA, FSDP, GGUF (the built-in model is tiny_model.py's) -----------------------------
 
 
@@ -2701,6 +2865,22 @@ def tool_schemas(names):
     return [get_json_schema(tools_module.TOOLS[n]) for n in names]
 
 
+def every_tool(schemas, environments):
+    """The schemas of --tools and of every environment's tools, once each."""
+    every = (schemas or []) + [s for cls in environments.values() for s in tools_module.environment_schemas(cls)]
+    return list({s["function"]["name"]: s for s in every}.values())
+
+
+def environment_of(row, environments):
+    """The name of a row's environment: its column `env`, else the one environment of the run (None without any)."""
+    if not environments:
+        return None
+    name = row.get("env", next(iter(environments)) if len(environments) == 1 else None)
+    if name not in environments:
+        raise SystemExit(f"row {row['id']!r}: its column `env` must name one of --env {','.join(environments)}")
+    return name
+
+
 def render(tok, messages, schemas=None, generation_prompt=False):
     """Conversation -> text. A tokenizer without a chat template (a base model) gets the contents
     one per line: enough to train without tools, which is all such a model can do here."""
@@ -2754,36 +2934,40 @@ def stop_token_ids(tok, model_path=None):
     return sorted(ids - {None})
 
 
-def prepare_chat_template(tok, args, schemas, stop_ids, model=None):
+def prepare_chat_template(tok, args, schemas, stop_ids, model=None, environments=None):
     """Check, before vLLM starts, that the chat template can do what the run needs; pick the training template if
-    the original is not prefix-preserving. Returns a line for the log. model: the checkpoint's path (default --model)."""
+    the original is not prefix-preserving. Returns a line for the log. model: the checkpoint's path (default --model).
+    environments: {name: class}, whose tools it must render too, and a user turn after the model's if one answers."""
     model = model or args.model
     source = f"--chat-template {args.chat_template}" if args.chat_template else f"the template of {model}"
     if args.chat_template:
         tok.chat_template = Path(args.chat_template).read_text()
-    if not schemas:  # no tools: any template (or none) renders prompts; nothing is parsed
+    schemas = every_tool(schemas, environments or {})
+    talks = any(hasattr(cls, "respond") for cls in (environments or {}).values())
+    if not schemas and not talks:  # any template (or none) renders prompts; nothing is parsed
         return f"chat template: {source if tok.chat_template else 'none (plain text prompts)'}"
     fix = "pass a Jinja template that renders `tools`, assistant `tool_calls` and `tool` messages with --chat-template PATH"
     if tok.chat_template is None:
-        raise SystemExit(f"--tools needs a chat template, and {model} has none: {fix}")
-    try:
-        text, ignores_tools = (
-            render(tok, PROBE[:3], schemas),
-            render(tok, PROBE[:1], schemas) == render(tok, PROBE[:1]),
-        )
-    except Exception as e:
-        raise SystemExit(f"{source} cannot render tool calls ({type(e).__name__}: {e}): {fix}")
-    missing = [
-        what
-        for what, absent in [
-            ("the tools", ignores_tools),
-            ("the tool call", "6 * 7" not in text),
-            ("the tool result", "42" not in text),
+        raise SystemExit(f"--tools, --env and --mcp need a chat template, and {model} has none: {fix}")
+    if schemas:  # the tools, a call and a result rendered
+        try:
+            text, ignores_tools = (
+                render(tok, PROBE[:3], schemas),
+                render(tok, PROBE[:1], schemas) == render(tok, PROBE[:1]),
+            )
+        except Exception as e:
+            raise SystemExit(f"{source} cannot render tool calls ({type(e).__name__}: {e}): {fix}")
+        missing = [
+            what
+            for what, absent in [
+                ("the tools", ignores_tools),
+                ("the tool call", "6 * 7" not in text),
+                ("the tool result", "42" not in text),
+            ]
+            if absent
         ]
-        if absent
-    ]
-    if missing:
-        raise SystemExit(f"{source} does not render {', '.join(missing)}: {fix}")
+        if missing:
+            raise SystemExit(f"{source} does not render {', '.join(missing)}: {fix}")
     report = f"chat template: {source} (prefix-preserving)"
     if not prefix_preserving(tok, schemas):
         original, tok.chat_template = tok.chat_template, training_template(tok.chat_template)
@@ -2798,13 +2982,17 @@ def prepare_chat_template(tok, args, schemas, stop_ids, model=None):
         chat = chat_format(tok, schemas, stop_ids)
     except ValueError as e:
         raise SystemExit(f"{source}: {e}\n{fix}, in a format listed in the README (Tools and chat templates)")
+    if not schemas:
+        return f"{report}; an environment's user turns appended exactly"
     return f"{report}; tool calls: {chat['format']}{', one per turn' if chat['max_calls'] else ''}, round trip exact"
 
 
 def prefix_preserving(tok, schemas):
     """True if rendering a conversation one message longer only ever appends tokens. The tool loop
-    relies on it: it tokenises only what the template adds after the model's own tokens."""
-    renders = (tok.encode(render(tok, PROBE[:n], schemas), add_special_tokens=False) for n in range(1, len(PROBE) + 1))
+    relies on it: it tokenises only what the template adds after the model's own tokens. Without tools, the
+    probe's turns without them: what an environment's user turns need."""
+    probe = PROBE if schemas else [m for m in PROBE if m["role"] != "tool" and not m.get("tool_calls")]
+    renders = (tok.encode(render(tok, probe[:n], schemas), add_special_tokens=False) for n in range(1, len(probe) + 1))
     return all(longer[: len(shorter)] == shorter for shorter, longer in itertools.pairwise(renders))
 
 
@@ -2823,8 +3011,10 @@ def chat_format(tok, schemas, stop_ids):
                  length of that stop token: a generated stop token, whichever it is, stands for it
       max_calls  1 if it refuses to render several calls in one turn (Llama 3's templates), else None
     and the round trip: the probe turns' calls, cut out of the render as the model would have generated them and
-    parsed back, must come back equal, with their types. Raises ValueError saying what went wrong."""
-    schemas = (schemas or []) + [ROUND_TRIP_TOOL]
+    parsed back, must come back equal, with their types. Raises ValueError saying what went wrong. Without schemas (an
+    environment that answers the model, and no tools): turn_ends alone."""
+    tools = bool(schemas)
+    schemas = (schemas or []) + [ROUND_TRIP_TOOL] if tools else None
     user, stops = [{"role": "user", "content": "Use the tools."}], [tok.decode([i]) for i in stop_ids]
     prompt = render(tok, user, schemas, generation_prompt=True)
     try:
@@ -2833,7 +3023,7 @@ def chat_format(tok, schemas, stop_ids):
     except Exception:
         max_calls = 1
     turns, turn_ends = [], set()
-    for content, calls in [("4wq8z", [])] + ROUND_TRIP[:max_calls]:  # and a text-only turn: most end alike
+    for content, calls in [("4wq8z", [])] + (ROUND_TRIP[:max_calls] if tools else []):  # a text turn: most end alike
         text = render(tok, user + [{"role": "assistant", "content": content, "tool_calls": calls}], schemas)
         stop, at = max(((s, text.rfind(s)) for s in stops if s), key=lambda x: x[1], default=("", -1))
         last = "round_trip_probe" if calls else content  # the stop token must come after the turn's last call
@@ -2845,6 +3035,8 @@ def chat_format(tok, schemas, stop_ids):
             )
         turn_ends.add((text[at:], len(stop)))
         turns.append((text[len(prompt) : at], content, calls))  # the text the model would have generated
+    if not tools:
+        return {"format": None, "turn_ends": sorted(turn_ends), "max_calls": None}
     with_calls = turns[1][0]
     if getattr(tok, "response_template", None):
         fmt = "transformers"

@@ -7,6 +7,7 @@ with every figure, and a plot of reward against wall time.
     python bench.py --prefix          # part 6 alone (prefix.json)
     python bench.py --lora            # part 7 alone (lora.json; no server)
     python bench.py --trainer         # part 8, not in the runs above (trainer.json; no server; CUDA if any)
+    python bench.py --env             # part 9 alone (env.json)
 
 1. async vs sync: the same run (prompts, samples, steps, seed) with --sync, without (async), and async with
    --max-staleness 2, on the tool task with a tool that takes --tool-latency seconds: wall time, samples/s,
@@ -25,6 +26,8 @@ with every figure, and a plot of reward against wall time.
    trainer process), and the bytes a weight sync sends.
 8. long rollouts, the trainer alone (synthetic rollouts, no server): the step's seconds and peak memory in the three
    layouts (unshared, shared with a mask, packed segments), on CUDA a ~1.5B-shaped model at 8 x (1k + 8k) tokens.
+9. an environment: the built-in game (--task guess), its every answer waiting --tool-latency seconds as a remote
+   environment's would: samples/s with --sync and async.
 """
 
 import argparse
@@ -138,6 +141,52 @@ def async_vs_sync(args, server, out_dir):
     results["speedup_staleness_2"] = results["async_staleness_2"]["samples_per_s"] / results["sync"]["samples_per_s"]
     results["ratio"] = results["async"]["samples_per_s"] / results["bound_samples_per_s"]
     return results
+
+
+def environment(args, server, out_dir):
+    """Part 8: the game of tools.GuessNumber, in which every turn of the model is answered by the environment (respond)
+    after --tool-latency seconds, with --sync and async."""
+    results = {"tool_latency": args.tool_latency}
+    for mode in ("sync", "async"):
+        flags = [
+            "--task",
+            "guess",
+            "--tool-latency",
+            str(args.tool_latency),
+            "--steps",
+            str(args.steps),
+            "--prompts-per-step",
+            str(args.prompts_per_step),
+            "--num-generations",
+            str(args.num_generations),
+            *MODES[mode],
+        ]
+        metrics, _ = run(f"env-{mode}", flags, args, server.url, server.pid, out_dir)
+        k = max(1, len(metrics) // 4)
+        results[mode] = {
+            "wall_seconds": metrics[-1]["perf/wall_seconds"],
+            "samples_per_s": metrics[-1]["perf/samples_per_second"],
+            "answers_per_sample": statistics.mean(m["tools/respond/calls"] for m in metrics)
+            / (args.prompts_per_step * args.num_generations),
+            "reward_first": statistics.mean(m["reward/mean"] for m in metrics[:k]),
+            "reward_last": statistics.mean(m["reward/mean"] for m in metrics[-k:]),
+        }
+    results["speedup"] = results["async"]["samples_per_s"] / results["sync"]["samples_per_s"]
+    return results
+
+
+def print_environment(r, args):
+    print(
+        f"the built-in game (--task guess), {args.steps} steps x {args.prompts_per_step * args.num_generations} "
+        f"samples, each answer after {r['tool_latency']} s ({r['async']['answers_per_sample']:.2f} per sample):"
+    )
+    for mode in ("sync", "async"):
+        m = r[mode]
+        print(
+            f"  {LABELS[mode]:7s} {m['samples_per_s']:6.2f} samples/s, {m['wall_seconds']:.1f} s, reward "
+            f"{m['reward_first']:.3f} -> {m['reward_last']:.3f}"
+        )
+    print(f"  async is {r['speedup']:.2f}x the samples/s of --sync")
 
 
 def plot(results, path):
@@ -814,6 +863,7 @@ def main():
     p.add_argument("--group", type=int, default=None, help="--trainer: rollouts per prompt (default: by device)")
     p.add_argument("--prompt", type=int, default=None, help="--trainer: prompt tokens (default: by device)")
     p.add_argument("--new", type=int, default=None, help="--trainer: completion tokens (default: by device)")
+    p.add_argument("--env", action="store_true", help="only the environment measurements (env.json)")
     args = p.parse_args()
     if args.learn:
         return learn(args, Path(args.output if args.output != "bench.json" else "learn.json").resolve())
@@ -834,13 +884,8 @@ def main():
     args.prefix_prompt, args.prefix_new, args.prefix_groups = (200, 16, 1) if args.tiny else (1024, 128, 1)
     args.prefix_steps = 2 if args.tiny else 6
     args.prefix_reps = 1 if args.tiny else 3
-    output = Path(
-        args.output
-        if args.output != "bench.json" or not (args.prefix or args.lora)
-        else "prefix.json"
-        if args.prefix
-        else "lora.json"
-    ).resolve()
+    alone = [name for name in ("prefix", "lora", "env") if getattr(args, name)]  # one part alone: its own file
+    output = Path(f"{alone[0]}.json" if alone and args.output == "bench.json" else args.output).resolve()
     out_dir = output.parent / "bench_runs"
     out_dir.mkdir(parents=True, exist_ok=True)
     results = {"config": vars(args)}
@@ -856,9 +901,14 @@ def main():
         results["lora"] = lora_cost(args, prefix_model)
         output.write_text(json.dumps(results, indent=1))
         return print_lora(results["lora"])
+    if args.env:
+        results["environment"] = served(tiny_model, out_dir, lambda server: environment(args, server, out_dir))
+        output.write_text(json.dumps(results, indent=1))
+        return print_environment(results["environment"], args)
 
     def on_tiny(server):  # the tiny configuration syncs and runs the built-in model: one server in all
         results["async_vs_sync"] = async_vs_sync(args, server, out_dir)
+        results["environment"] = environment(args, server, out_dir)
         if args.tiny:
             results["weight_sync"] = weight_sync(args, server.url, tiny_model)
             results["mid_model"] = mid_model(args, tiny_model, server.url, server.pid, out_dir)
@@ -944,6 +994,7 @@ def main():
         )
     print_prefix(results["prefix"])
     print_lora(results["lora"])
+    print_environment(results["environment"], args)
     print(f"JSON: {output}\nplot: {output.with_suffix('.png')}")
 
 

@@ -3,7 +3,7 @@
 Every reward function is called once per group with keyword arguments, each a list with one entry
 per rollout of the group, and returns one float per rollout (`async def` works too):
     prompts         the prompt as chat messages
-    completions     the messages the rollout added: assistant turns, and tool results with --tools.
+    completions     the messages the rollout added: assistant turns, tool results, an environment's user turns.
                     An assistant turn is {"role": "assistant", "content": str, "tool_calls": [...],
                     "tool_call_errors": [...]} (and "reasoning_content": str if it had a think block):
                     tool_calls holds only the well-formed calls, each {"type": "function", "function":
@@ -13,7 +13,8 @@ per rollout of the group, and returns one float per rollout (`async def` works t
     tool_calls      number of tool calls the rollout made, malformed ones included
     tool_failures   number of those calls that failed (malformed, unknown tool, bad arguments, error,
                     timeout)
-    truncated       True if the rollout ran out of tokens or context before it finished
+    truncated       True if the rollout ran out of tokens, context or turns before it finished
+    environments    each rollout's environment instance (tools.py), or None for rows without one
     <column>        every other column of the dataset row (e.g. `answer` for the built-in task)
 Accept **kwargs so that new arguments never break an old function.
 
@@ -21,11 +22,12 @@ task_rows, at the end, builds the rows of the built-in tasks (--task) with the c
 """
 
 import contextlib
+import inspect
 import itertools
 import random
 import re
 
-from tools import calculator
+from tools import GuessNumber, calculator
 
 _NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
 _EXPRESSION = re.compile(r"[\d\s+\-*/()]+")
@@ -75,8 +77,14 @@ def tool_use(tool_calls, tool_failures, **kwargs):
     return [float(calls > 0 and fails == 0) - 0.5 * fails for calls, fails in zip(tool_calls, tool_failures)]
 
 
+async def env_reward(environments, **kwargs):
+    """Each rollout's environment's score of its final state: its reward() method (tools.py)."""
+    values = [environment.reward() for environment in environments]
+    return [await value if inspect.isawaitable(value) else value for value in values]
+
+
 # FORK: add a reward (a function above, its name here; --rewards NAME:WEIGHT picks it)
-REWARDS = {fn.__name__: fn for fn in (correct_answer, format_reward, countdown, tool_use)}
+REWARDS = {fn.__name__: fn for fn in (correct_answer, format_reward, countdown, tool_use, env_reward)}
 
 
 # FORK: add a task (its rows here, its reward above and in REWARDS)
@@ -84,8 +92,12 @@ def task_rows(n, seed, task="arithmetic", max_operand=4, terms=2, operations="+-
     """The built-in tasks, as dataset rows with the columns their rewards read. arithmetic: 'What is 3 + 4?', the
     answer a column (reward correct_answer); with the defaults, 50 distinct problems, few enough for the tiny model to
     learn in a few dozen steps. countdown: reach a target from given numbers, each used once (reward countdown): a
-    search, not a recall. `terms` operands up to max_operand, operators drawn from `operations`."""
+    search, not a recall. `terms` operands up to max_operand, operators drawn from `operations`. guess: the game of
+    tools.GuessNumber, the number to find a column (reward env_reward)."""
     rng, rows = random.Random(seed), []
+    if task == "guess":
+        game = f"Guess my number from 1 to {GuessNumber.largest}. If wrong, I say higher or lower and what is left."
+        return [{"id": i, "prompt": game, "secret": rng.randint(1, GuessNumber.largest)} for i in range(n)]
     for attempt in itertools.count():
         if len(rows) == n:
             return rows

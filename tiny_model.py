@@ -56,15 +56,27 @@ SPECIAL_TOKENS = [
 ]
 
 
-VERSION = "tiny-qwen3-v2"  # bump when the recipe below changes, so caches rebuild
+VERSION = "tiny-qwen3-v3"  # bump when the recipe below changes, so caches rebuild
 
 
 def warm_start_conversations(n, seed):
     """Supervised conversations for the built-in model: answer directly (without tools), or, with tools offered (the
-    calculator alone or all of them), call the calculator and copy its result."""
+    calculator alone or all of them), call the calculator and copy its result; and games of --task guess, each guess
+    anywhere the answers so far leave possible: the moves, not the halving that wins every game."""
     rng = random.Random(seed)
     plain = []  # (conversation, tool schemas): answered directly
     with_tools = []  # answered with the calculator's result
+    games = []
+    for row in rewards.task_rows(n, seed + 1, task="guess"):  # not rng's seed: its guesses would be the numbers
+        game = tools.GuessNumber()
+        game.reset(**row)
+        conversation = [{"role": "user", "content": row["prompt"]}]
+        said = ""
+        while said is not None:
+            conversation.append({"role": "assistant", "content": str(rng.randint(game.low, game.high))})
+            said = game.respond(conversation[-1])
+            conversation += [{"role": "user", "content": said}] if said else []
+        games.append((conversation, None))
     for row in rewards.task_rows(n, seed, max_operand=9):  # a wider range than the RL task: format, not facts
         user = {"role": "user", "content": row["prompt"]}
         answer = str(row["answer"])
@@ -84,10 +96,10 @@ def warm_start_conversations(n, seed):
                 schemas(rng.choice([["calculator"], list(tools.TOOLS)])),
             )
         )
-    return plain, with_tools
+    return plain, with_tools, games
 
 
-def build(cache_dir, warm_start_steps=400):
+def build(cache_dir, warm_start_steps=600):
     """Build (once) a ~0.5M-parameter Qwen3 model and a byte-level BPE tokenizer trained on the task. Random weights
     would give every rollout the same zero reward, hence no signal. A few hundred supervised steps teach the answer
     format and the tool-call syntax, and leave the arithmetic mostly unlearned (~25% greedy accuracy without tools)."""
@@ -99,13 +111,13 @@ def build(cache_dir, warm_start_steps=400):
 
     print(f"building the built-in model into {path} (once, about a minute)", flush=True)
     torch.manual_seed(0)
-    plain, with_tools = warm_start_conversations(4000, seed=12345)
+    kinds = warm_start_conversations(4000, seed=12345)  # plain, with tools, games
     bpe = Tokenizer(models.BPE())
     bpe.pre_tokenizer = pre_tokenizers.Sequence(
         [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)]
     )
     bpe.decoder = decoders.ByteLevel()
-    corpus = [json.dumps(c) for c, _ in with_tools[:500]] + [json.dumps(schemas(list(tools.TOOLS)))]
+    corpus = [json.dumps(c) for kind in kinds[1:] for c, _ in kind[:500]] + [json.dumps(schemas(list(tools.TOOLS)))]
     bpe.train_from_iterator(
         corpus,
         trainers.BpeTrainer(
@@ -132,8 +144,8 @@ def build(cache_dir, warm_start_steps=400):
     model = Qwen3ForCausalLM(config)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     for step in range(warm_start_steps):
-        # Alternate plain and tool batches: padding a plain batch to tool length would waste most of it.
-        batch = random.Random(step).sample(plain if step % 2 == 0 else with_tools, 32)
+        # Take turns: padding a plain batch to tool length would waste most of it.
+        batch = random.Random(step).sample(kinds[step % 3], 32)
         batch = tok(
             [tok.apply_chat_template(c, tools=t, tokenize=False) for c, t in batch],
             return_tensors="pt",

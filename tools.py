@@ -1,9 +1,25 @@
-"""Example tools: add a function with type hints and a Google-style docstring, register it in TOOLS
-below, and `--tools NAME` offers it to the model. Its JSON schema is derived from the signature and docstring
-by transformers' `get_json_schema`, so the description the model sees is the one written here.
+"""Tools and environments the model can use.
 
-Sync tools run in a thread pool, `async def` tools are awaited; both get `--tool-timeout`. A tool
-signals bad input by raising: the message goes back to the model and the call counts as a failure.
+Tools: add a function with type hints and a Google-style docstring, register it in TOOLS below, and `--tools NAME`
+offers it to the model. Its JSON schema is derived from the signature and docstring by transformers' `get_json_schema`,
+so the description the model sees is the one written here. Sync tools run in a thread pool, `async def` tools are
+awaited; both get `--tool-timeout`. A tool signals bad input by raising: the message goes back to the model and the call
+counts as a failure.
+
+Environments: a class, registered in ENVIRONMENTS below (`--env NAME`) or anywhere (`--env path/to/file.py:Class`). Each
+rollout has an instance of its own, never shared by two in flight; an instance is reused after a reset, so no more exist
+than rollouts in flight. Every method may be sync (run in the thread pool) or `async def`, bounded by --tool-timeout:
+    reset(**row)      the dataset row, every column. Returns None, or text appended to the prompt's last message: the
+                      same for the G rollouts of a group (they answer one task), else the group is dropped
+    public methods    typed and documented as tools are: the tools the model sees in this environment's rows
+    respond(message)  optional: the model ended a turn without a tool call (message: that turn, as the rewards see it).
+                      Text is the user's next turn; None ends the rollout. Turns are bounded by --max-tool-turns
+    reward()          optional: its score of its final state, the reward `env_reward`; every reward function gets the
+                      instances as `environments`
+    close()           optional: called once per instance at the end of the run, also after an error or Ctrl-C
+A method that raises or hangs is an error message to the model and a counted failure; a reset that does drops its group
+(counted). One that raises EnvironmentGone (its server or process is gone) ends the run, the last finished step saved.
+--mcp makes an environment of an MCP server (MCPSession); with several environments, a row's column `env` names its own.
 
 What a tool may do, since its arguments are whatever the model wrote: a sync tool may wait (I/O, a lock), better with
 a timeout of its own: at `--tool-timeout` the model gets an error, but Python cannot stop the thread, which stays
@@ -16,8 +32,13 @@ must (generated code is hostile input). An `async def` tool runs on the run's ev
 
 import ast
 import asyncio
+import importlib.util
+import logging
 import operator
+import re
+import shlex
 from fractions import Fraction
+from pathlib import Path
 
 _BINARY = {
     ast.Add: operator.add,
@@ -151,3 +172,176 @@ async def lookup(topic: str) -> str:
 
 # FORK: add a tool (a function above, its name here; --tools NAME offers it)
 TOOLS = {fn.__name__: fn for fn in (calculator, convert_units, lookup)}
+
+
+# --- Environments: their contract is this file's docstring ------------------------------------------------------------
+
+
+class EnvironmentGone(ConnectionError):
+    """Raised by an environment that cannot go on (its server or process is gone): the run ends with this message, its
+    last finished step saved, where any other error would only be the model's to see, call after call."""
+
+
+class GuessNumber:
+    """A game whose next observation depends on the last guess: find a whole number from 1 to 7 in 3 guesses, told after
+    a wrong one "Higher" or "Lower" and what is left ("Higher: 5 to 7."). The rows of --task guess hold the number; the
+    reward is 1 for a win. Halving what is left always wins; guessing anywhere in it, 2 games in 3."""
+
+    largest = 7
+    guesses = 3
+
+    def reset(self, secret, **row):
+        self.secret = secret
+        self.low = 1
+        self.high = self.largest
+        self.tries = 0
+        self.solved = False
+
+    def respond(self, message):
+        """The game's answer to the last number in the model's turn; None once the game is over."""
+        numbers = re.findall(r"\d+", message["content"])
+        guess = int(numbers[-1]) if numbers and len(numbers[-1]) < 20 else None  # not a million digits
+        self.tries += 1
+        self.solved = guess == self.secret
+        if self.solved or self.tries == self.guesses:
+            return None
+        if guess is None:
+            return f"Say a number from {self.low} to {self.high}."
+        if guess < self.secret:
+            self.low = max(self.low, guess + 1)
+            return f"Higher: {self.low} to {self.high}."
+        self.high = min(self.high, guess - 1)
+        return f"Lower: {self.low} to {self.high}."
+
+    def reward(self):
+        return float(self.solved)
+
+
+class MCPSession:
+    """The tools of an MCP server as an environment (--mcp), through the official `mcp` package. An instance holds one
+    session: to a URL over streamable HTTP, or with a process of its own started from a command line (stdio). A rollout
+    that called a tool may have changed its session's state, so the next reset opens a new session. mcp_environment()
+    makes the subclass whose methods are the server's tools."""
+
+    server = None  # the --mcp value
+    log = None  # a started server's stderr goes there
+    timeout = 10.0  # seconds a request may take (--tool-timeout): cancelling one does not stop the mcp package
+
+    async def reset(self, **row):
+        if getattr(self, "session", None) and not self.used:
+            return
+        await self.close()
+        self.used = True  # until a session is open
+        self.closing = asyncio.Event()
+        opened = asyncio.get_running_loop().create_future()
+        self.session = asyncio.create_task(self._hold(opened))
+        self.client = await opened
+        self.used = False
+
+    async def _hold(self, opened):
+        # anyio, under mcp, closes a session in the task that opened it: this one, which lives as long as the session
+        import mcp
+        from mcp.client.stdio import StdioServerParameters, stdio_client
+
+        try:
+            with open(self.log or "/dev/null", "ab") as log:
+                if re.match(r"https?://", self.server):
+                    transport = self.server
+                else:
+                    command, *args = shlex.split(self.server)
+                    transport = stdio_client(StdioServerParameters(command=command, args=args), errlog=log)
+                # the handshake protocol: its sessions (Mcp-Session-Id) are what a server keeps state in
+                async with mcp.Client(transport, mode="legacy", read_timeout_seconds=self.timeout) as client:
+                    opened.set_result(client)
+                    await self.closing.wait()
+        except Exception as e:
+            while getattr(e, "exceptions", None):  # anyio's task groups wrap the cause in groups
+                e = e.exceptions[0]
+            if not opened.done():
+                opened.set_exception(EnvironmentGone(f"--mcp {self.server}: no session ({type(e).__name__}: {e})"))
+
+    async def _call(self, name, arguments):
+        from mcp import MCPError
+        from mcp_types import CONNECTION_CLOSED
+
+        self.used = True
+        try:
+            result = await self.client.call_tool(name, arguments)
+        except MCPError as e:
+            if e.code == CONNECTION_CLOSED:
+                raise EnvironmentGone(f"the MCP server {self.server} is gone: {e}") from None
+            raise
+        text = "\n".join(getattr(part, "text", f"[{part.type}]") for part in result.content)
+        if result.is_error:
+            raise RuntimeError(text)
+        return text
+
+    async def close(self):
+        if getattr(self, "session", None):
+            self.closing.set()  # an open session closes itself, in its task; one opening ends within `timeout`
+            await asyncio.gather(self.session, return_exceptions=True)
+            self.session = None
+
+
+def mcp_environment(server, log=None, timeout=10.0):
+    """The environment class of `--mcp server`: a method per tool the server lists now, its schema the server's;
+    `timeout`: the seconds a request may take."""
+    cls = type("mcp", (MCPSession,), {"server": server, "log": log, "timeout": timeout})
+    # its warnings (a session that could not be closed on a dead server, one per rollout) would bury the one message
+    # that ends the run: what goes wrong reaches the run as exceptions
+    logging.getLogger("mcp").setLevel(logging.CRITICAL)
+
+    def method(tool):
+        async def call(self, **arguments):
+            return await self._call(tool.name, arguments)
+
+        function = {"name": tool.name, "description": tool.description or "", "parameters": tool.input_schema}
+        call.schema = {"type": "function", "function": function}  # what environment_schemas() takes for this tool
+        return call
+
+    async def listed():
+        probe = cls()
+        try:
+            await probe.reset()
+            page = await probe.client.list_tools()
+            tools = list(page.tools)
+            for _ in range(100):  # pages, a bound that a server paging forever cannot pass
+                if page.next_cursor:
+                    page = await probe.client.list_tools(cursor=page.next_cursor)
+                    tools += page.tools
+        finally:
+            await probe.close()
+        return tools
+
+    for tool in asyncio.run(listed()):
+        if hasattr(cls, tool.name) or tool.name.startswith("_"):
+            raise ValueError(f"its tool {tool.name!r} has the name of a method of MCPSession; rename it")
+        setattr(cls, tool.name, method(tool))
+    return cls
+
+
+# FORK: add an environment (a class above, its name here; --env NAME picks it)
+ENVIRONMENTS = {cls.__name__: cls for cls in (GuessNumber,)}
+
+
+def environment_class(spec):
+    """The class `--env spec` names: one of ENVIRONMENTS, or path/to/file.py:Class."""
+    if spec in ENVIRONMENTS:
+        return ENVIRONMENTS[spec]
+    path, _, name = spec.rpartition(":")
+    module = importlib.util.module_from_spec(importlib.util.spec_from_file_location(Path(path).stem, path))
+    module.__spec__.loader.exec_module(module)
+    return getattr(module, name)
+
+
+def environment_tools(cls):
+    """{name: method}: the tools of an environment class, its public methods but the contract's."""
+    names = [n for n in dir(cls) if not n.startswith("_") and n not in ("reset", "respond", "reward", "close")]
+    return {name: getattr(cls, name) for name in names if callable(getattr(cls, name))}
+
+
+def environment_schemas(cls):
+    """Their schemas, by transformers' get_json_schema as for TOOLS, or their own (`schema`: an MCP server's)."""
+    from transformers.utils import get_json_schema
+
+    return [getattr(fn, "schema", None) or get_json_schema(fn) for fn in environment_tools(cls).values()]
