@@ -22,12 +22,14 @@ synchronous, --sync).
 The file reads in the order a reader needs it: the algorithm first (the rollout and its tool loop; rewards and
 group-relative advantages; the producer and its staleness gate; the loss; the training step; the weight sync), then the
 run's phases (main, and what it calls in the order it calls them), then the machinery that supports both, in sections
-named as such (arguments and the device plan, data, models, chat templates, tool-call parsing, vLLM servers, the sync
-group). The places a forker edits are marked `# FORK:`; README.md lists them.
+named as such (arguments and devices, data, tools and environments at work, models, chat templates, tool-call parsing,
+vLLM servers, the sync group). Beside it: tools.py (tools and environments), rewards.py (rewards, built-in tasks),
+tiny_model.py (the built-in model), vllm_server.py (starting and stopping servers). `# FORK:` marks where a forker
+edits (README.md lists them).
 """
 
-import argparse, asyncio, contextlib, ctypes, functools, http.client as http_client, inspect, itertools, json, math, os
-import queue, random, re, shlex, shutil, signal, socket, subprocess, sys, threading, time, traceback
+import argparse, asyncio, contextlib, functools, http.client as http_client, inspect, itertools, json, math, os, queue
+import random, re, shutil, signal, socket, sys, threading, time, traceback
 import urllib.error, urllib.parse, urllib.request
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -54,9 +56,9 @@ import torch.utils.checkpoint
 import rewards as rewards_module
 import tiny_model
 import tools as tools_module
+from vllm_server import SERVED_MODEL, server_failure, start_vllm, stop_vllm, vllm_flag
 
 HERE = Path(__file__).resolve().parent
-SERVED_MODEL = "policy"  # the name the servers started here serve the weights under, whatever the checkpoint
 ROLLOUT_FIELDS = set("prompts completions completion_ids tool_calls tool_failures truncated environments".split())
 TOOL_THREADS = ThreadPoolExecutor(64, thread_name_prefix="tool")  # a sync tool that waits holds a thread, not the loop
 # A slot per thread, held until its call returns, late or never (Python cannot stop a thread): a call that finds none
@@ -89,7 +91,7 @@ async def rollout(session, url, tok, row, args, ctx, policy, greedy=False, seed=
     stats = {"tool_calls": 0, "tool_failures": 0, "tool_seconds": 0.0, "turns": 0, "interrupted": 0}
     stats["truncated"] = True  # until the model answers
     stats["per_tool"] = {}  # tool name -> [calls, failures]
-    schemas = ctx["offered"][environment_of(row, ctx["environments"])]  # --tools, and the environment's
+    schemas = ctx["offered"][tools_module.environment_of(row, ctx["environments"])]  # --tools, and the environment's
     by_name = {s["function"]["name"]: s["function"] for s in schemas}
     functions = {name: tools_module.TOOLS[name] for name in ctx["schemas_by_name"]}
     if env is not None:  # its tools: its methods, bound to this rollout's instance
@@ -279,85 +281,6 @@ async def call_tool(call, schemas, timeout, functions=tools_module.TOOLS):
     return await call_function(functions[name], arguments, name, timeout)
 
 
-async def call_function(fn, arguments, name, timeout):
-    """(fn(**arguments), True) within `timeout` seconds, or (the error for the model, False). Raises EnvironmentGone
-    alone: an environment that cannot go on ends the run (tools.py)."""
-    try:
-        return await bounded(fn, arguments, timeout), True
-    except asyncio.TimeoutError:
-        return f"Error: {name} timed out after {timeout} s", False
-    except tools_module.EnvironmentGone:
-        raise
-    except Exception as e:  # a tool's bug is the model's problem to route around, not the run's
-        return f"Error: {type(e).__name__}: {e}", False
-
-
-async def bounded(fn, arguments, timeout):
-    """fn(**arguments) within `timeout` seconds (arguments a dict: one may be called fn): awaited if async, else in a
-    thread of TOOL_THREADS holding a slot (TOOL_SLOTS), refused at once if none is free; there it goes on after a
-    timeout (its environment instance, if a method, is not reused)."""
-    if inspect.iscoroutinefunction(fn):
-        pending = fn(**arguments)
-    elif TOOL_SLOTS.acquire(blocking=False):
-        running = TOOL_THREADS.submit(fn, **arguments)
-        running.add_done_callback(lambda _: TOOL_SLOTS.release())  # once it returns, however late
-        pending = asyncio.wrap_future(running)
-    else:
-        TOOLS_REFUSED[0] += 1
-        if TOOLS_REFUSED[0] == 1:  # the first; tools/refused counts them all
-            print("warning: a tool call refused: every tool thread is held by a call still running", flush=True)
-        raise RuntimeError("not run: every tool thread is held by a call that has not returned")
-    try:
-        return await asyncio.wait_for(pending, timeout)
-    except asyncio.TimeoutError:
-        HUNG.add(id(getattr(fn, "__self__", None)))
-        raise
-
-
-class Dropped(Exception):
-    """Why a group is not trained (its environment did not reset, its rewards failed): take() reports and counts it."""
-
-
-@contextlib.asynccontextmanager
-async def environments(ctx, tok, row, n, timeout):
-    """n instances of the row's environment (None without one), idle ones reused, reset to the row; the row as its
-    rollouts see it (its prompt with what reset said) and its prompt's ids. They are idle again once the group is done.
-    Raises Dropped where a reset fails or the resets say different things: a group answers one task."""
-    name = environment_of(row, ctx["environments"])
-    if name is None:
-        yield [None] * n, row, ctx["prompt_ids"][row["id"]]
-        return
-    idle = ctx["idle"][name]
-    envs = [idle.pop() for _ in range(min(n, len(idle)))]
-    try:
-        try:
-            while len(envs) < n:  # on the loop, not in a thread: each instance made is one that is closed at the end
-                ctx["alive"].append(ctx["environments"][name]())
-                envs.append(ctx["alive"][-1])
-            said = await all_or_none(bounded(env.reset, row, timeout) for env in envs)
-        except tools_module.EnvironmentGone:
-            raise
-        except Exception as e:
-            raise Dropped(f"--env {name}: a reset to prompt {row['id']} failed: {type(e).__name__}: {e}") from None
-        if any(text != said[0] for text in said):
-            raise Dropped(f"--env {name}: reset said different things to a group, {said[0]!r} and others")
-        prompt_ids = ctx["prompt_ids"][row["id"]]
-        if said[0]:  # appended to the prompt's last message
-            last = {**row["prompt"][-1], "content": row["prompt"][-1]["content"] + str(said[0])}
-            row = {**row, "prompt": row["prompt"][:-1] + [last]}
-            prompt_ids = render_prompt(tok, row["prompt"], ctx["offered"][name], row["id"])
-        yield envs, row, prompt_ids
-    finally:
-        idle += [env for env in envs if id(env) not in HUNG]
-
-
-async def close_environments(ctx, timeout):
-    """close() every instance made, once, each within `timeout` seconds, however the run ends."""
-    closing = [bounded(env.close, {}, timeout) for env in ctx["alive"] if hasattr(env, "close")]
-    ctx["alive"].clear()
-    await asyncio.gather(*closing, return_exceptions=True)
-
-
 def rollout_context(tok, schemas, rows, max_model_len=None, stop_ids=None, environments=None):
     """What every rollout needs, computed once; max_model_len is the server's context length, known once it is up.
     environments: {name: class} of --env and --mcp; their instances are made and kept here too (environments())."""
@@ -366,7 +289,7 @@ def rollout_context(tok, schemas, rows, max_model_len=None, stop_ids=None, envir
     offered = {None: schemas or []}  # the tools of the rows of each environment (None: rows without one)
     for name, cls in environments.items():
         offered[name] = (schemas or []) + tools_module.environment_schemas(cls)
-    every = every_tool(schemas, environments)
+    every = tools_module.every_tool(schemas, environments)
     talks = any(hasattr(cls, "respond") for cls in environments.values())  # a user turn after the model's
     return {
         "schemas": schemas,
@@ -379,7 +302,9 @@ def rollout_context(tok, schemas, rows, max_model_len=None, stop_ids=None, envir
         "max_model_len": max_model_len,
         **(chat_format(tok, every, stop_ids) if every or talks else {}),
         "prompt_ids": {
-            row["id"]: render_prompt(tok, row["prompt"], offered[environment_of(row, environments)], row["id"])
+            row["id"]: render_prompt(
+                tok, row["prompt"], offered[tools_module.environment_of(row, environments)], row["id"]
+            )
             for row in rows
         },
     }
@@ -1502,7 +1427,7 @@ def load_data(run):
         )
     run.pad_id = next((i for i in (tok.pad_token_id, tok.eos_token_id) if i is not None), 0)  # masked: any id does
     schemas = tool_schemas(args.tool_names) if args.tool_names else None
-    environments = load_environments(args, run.out_dir / "mcp.log" if run.is_main else None)
+    environments = tools_module.load_environments(args, run.out_dir / "mcp.log" if run.is_main else None)
     stop_ids = stop_token_ids(tok, run.model_path)
     # fails here, before vLLM starts
     report = prepare_chat_template(tok, args, schemas, stop_ids, run.model_path, environments=environments)
@@ -2498,12 +2423,6 @@ def parse_args(argv=None, world_size=1, cuda_count=None, local_ranks=None, heads
     return args
 
 
-def vllm_flag(args, *names):
-    """The value that --vllm-args gives one of these vLLM flags ('' for a bare one), or None."""
-    words = [w for word in shlex.split(args.vllm_args) for w in word.split("=", 1)] + [""]
-    return next((words[i + 1] for i, w in enumerate(words[:-1]) if w.replace("_", "-") in names), None)
-
-
 def plan_devices(args, cuda_count, local_ranks, fail, heads=None):
     """Where everything runs, decided before anything loads: the trainer ranks on cuda:0..local_ranks-1 or the CPU, each
     server started here on its share of --vllm-gpus or the CPU, and the sync backend: NCCL between devices, else gloo
@@ -2662,29 +2581,86 @@ def dataset_row(line, index, where):
     return row
 
 
-def load_environments(args, log=None):
-    """--env and --mcp as {name: class}: from tools.ENVIRONMENTS, from a file (path/to/file.py:Class), or an MCP
-    server's (its tools listed now; `log`: a started server's stderr). Checked here, before vLLM starts."""
-    environments = {}
-    for spec in args.env_names:
+# --- Machinery: tools and environments at work: timeouts, threads, instances ------------------------------------------
+
+
+async def call_function(fn, arguments, name, timeout):
+    """(fn(**arguments), True) within `timeout` seconds, or (the error for the model, False). Raises EnvironmentGone
+    alone: an environment that cannot go on ends the run (tools.py)."""
+    try:
+        return await bounded(fn, arguments, timeout), True
+    except asyncio.TimeoutError:
+        return f"Error: {name} timed out after {timeout} s", False
+    except tools_module.EnvironmentGone:
+        raise
+    except Exception as e:  # a tool's bug is the model's problem to route around, not the run's
+        return f"Error: {type(e).__name__}: {e}", False
+
+
+async def bounded(fn, arguments, timeout):
+    """fn(**arguments) within `timeout` seconds (arguments a dict: one may be called fn): awaited if async, else in a
+    thread of TOOL_THREADS holding a slot (TOOL_SLOTS), refused at once if none is free; there it goes on after a
+    timeout (its environment instance, if a method, is not reused)."""
+    if inspect.iscoroutinefunction(fn):
+        pending = fn(**arguments)
+    elif TOOL_SLOTS.acquire(blocking=False):
+        running = TOOL_THREADS.submit(fn, **arguments)
+        running.add_done_callback(lambda _: TOOL_SLOTS.release())  # once it returns, however late
+        pending = asyncio.wrap_future(running)
+    else:
+        TOOLS_REFUSED[0] += 1
+        if TOOLS_REFUSED[0] == 1:  # the first; tools/refused counts them all
+            print("warning: a tool call refused: every tool thread is held by a call still running", flush=True)
+        raise RuntimeError("not run: every tool thread is held by a call that has not returned")
+    try:
+        return await asyncio.wait_for(pending, timeout)
+    except asyncio.TimeoutError:
+        HUNG.add(id(getattr(fn, "__self__", None)))
+        raise
+
+
+class Dropped(Exception):
+    """Why a group is not trained (its environment did not reset, its rewards failed): take() reports and counts it."""
+
+
+@contextlib.asynccontextmanager
+async def environments(ctx, tok, row, n, timeout):
+    """n instances of the row's environment (None without one), idle ones reused, reset to the row; the row as its
+    rollouts see it (its prompt with what reset said) and its prompt's ids. They are idle again once the group is done.
+    Raises Dropped where a reset fails or the resets say different things: a group answers one task."""
+    name = tools_module.environment_of(row, ctx["environments"])
+    if name is None:
+        yield [None] * n, row, ctx["prompt_ids"][row["id"]]
+        return
+    idle = ctx["idle"][name]
+    envs = [idle.pop() for _ in range(min(n, len(idle)))]
+    try:
         try:
-            cls = tools_module.environment_class(spec)
-            environments[cls.__name__] = cls
-            tools_module.environment_schemas(cls)
+            while len(envs) < n:  # on the loop, not in a thread: each instance made is one that is closed at the end
+                ctx["alive"].append(ctx["environments"][name]())
+                envs.append(ctx["alive"][-1])
+            said = await all_or_none(bounded(env.reset, row, timeout) for env in envs)
+        except tools_module.EnvironmentGone:
+            raise
         except Exception as e:
-            raise SystemExit(f"--env {spec}: cannot load it, or its tools' schemas ({type(e).__name__}: {e})")
-    if args.mcp:
-        try:
-            environments["mcp"] = tools_module.mcp_environment(args.mcp, log, args.tool_timeout)
-        except Exception as e:
-            raise SystemExit(f"--mcp {args.mcp}: cannot list its tools ({e})")
-    for name, cls in environments.items():
-        clash = sorted(set(tools_module.environment_tools(cls)) & set(args.tool_names))
-        if clash or not hasattr(cls, "reset"):
-            raise SystemExit(f"--env {name}: needs a reset(**row) method, and tools not named as --tools' {clash}")
-    if "env_reward" in args.reward_weights and not all([hasattr(c, "reward") for c in environments.values()] or [0]):
-        raise SystemExit("--rewards env_reward: it is every row's environment's reward() (--env, --task guess)")
-    return environments
+            raise Dropped(f"--env {name}: a reset to prompt {row['id']} failed: {type(e).__name__}: {e}") from None
+        if any(text != said[0] for text in said):
+            raise Dropped(f"--env {name}: reset said different things to a group, {said[0]!r} and others")
+        prompt_ids = ctx["prompt_ids"][row["id"]]
+        if said[0]:  # appended to the prompt's last message
+            last = {**row["prompt"][-1], "content": row["prompt"][-1]["content"] + str(said[0])}
+            row = {**row, "prompt": row["prompt"][:-1] + [last]}
+            prompt_ids = render_prompt(tok, row["prompt"], ctx["offered"][name], row["id"])
+        yield envs, row, prompt_ids
+    finally:
+        idle += [env for env in envs if id(env) not in HUNG]
+
+
+async def close_environments(ctx, timeout):
+    """close() every instance made, once, each within `timeout` seconds, however the run ends."""
+    closing = [bounded(env.close, {}, timeout) for env in ctx["alive"] if hasattr(env, "close")]
+    ctx["alive"].clear()
+    await asyncio.gather(*closing, return_exceptions=True)
 
 
 # --- Machinery: models: loading, LoRA, FSDP, GGUF (the built-in model is tiny_model.py's) -----------------------------
@@ -2865,22 +2841,6 @@ def tool_schemas(names):
     return [get_json_schema(tools_module.TOOLS[n]) for n in names]
 
 
-def every_tool(schemas, environments):
-    """The schemas of --tools and of every environment's tools, once each."""
-    every = (schemas or []) + [s for cls in environments.values() for s in tools_module.environment_schemas(cls)]
-    return list({s["function"]["name"]: s for s in every}.values())
-
-
-def environment_of(row, environments):
-    """The name of a row's environment: its column `env`, else the one environment of the run (None without any)."""
-    if not environments:
-        return None
-    name = row.get("env", next(iter(environments)) if len(environments) == 1 else None)
-    if name not in environments:
-        raise SystemExit(f"row {row['id']!r}: its column `env` must name one of --env {','.join(environments)}")
-    return name
-
-
 def render(tok, messages, schemas=None, generation_prompt=False):
     """Conversation -> text. A tokenizer without a chat template (a base model) gets the contents
     one per line: enough to train without tools, which is all such a model can do here."""
@@ -2942,7 +2902,7 @@ def prepare_chat_template(tok, args, schemas, stop_ids, model=None, environments
     source = f"--chat-template {args.chat_template}" if args.chat_template else f"the template of {model}"
     if args.chat_template:
         tok.chat_template = Path(args.chat_template).read_text()
-    schemas = every_tool(schemas, environments or {})
+    schemas = tools_module.every_tool(schemas, environments or {})
     talks = any(hasattr(cls, "respond") for cls in (environments or {}).values())
     if not schemas and not talks:  # any template (or none) renders prompts; nothing is parsed
         return f"chat template: {source if tok.chat_template else 'none (plain text prompts)'}"
@@ -3466,12 +3426,7 @@ def parse_bare_json(text):
     return "", found, []
 
 
-# --- Machinery: vLLM servers, each in its own process group, watched, stopped with everything they started ------------
-
-
-def free_port():
-    with socket.create_server(("127.0.0.1", 0)) as s:
-        return s.getsockname()[1]
+# --- Machinery: the vLLM servers, checked and watched (vllm_server.py starts and stops them); CPU cores ---------------
 
 
 def http(url, payload=None, timeout=60, bound="its bound"):
@@ -3495,180 +3450,6 @@ def http(url, payload=None, timeout=60, bound="its bound"):
             f"{timeout:.0f} s): {getattr(e, 'reason', None) or e or type(e).__name__}"
         ) from None
     return json.loads(body) if body else None
-
-
-def _server_preexec(cores=None):
-    # If the trainer is killed outright (SIGKILL), the server still gets SIGTERM from the kernel.
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    if cores:
-        os.sched_setaffinity(0, cores)
-
-
-def log_tail(proc, n=25):
-    """What a server's log says of why it failed: the n lines from just before the first error this run's server logged
-    (the cause: the engine's own traceback, or that it exited; then come the errors of every request it failed), or
-    else its last n lines."""
-    with contextlib.suppress(OSError), open(proc.log_path, "rb") as log:
-        log.seek(proc.log_start)
-        lines = log.read().decode(errors="replace").splitlines(keepends=True)
-        first = next((i for i, line in enumerate(lines) if re.search(r" ERROR |Traceback|unexpectedly", line)), None)
-        return "".join(lines[-n:] if first is None else lines[max(0, first - 3) : first + n - 3])
-    return "(no log)"
-
-
-def start_vllm(args, model_path, out_dir):
-    """Start the `vllm serve` processes of the device plan (args.plan) with this file as their worker extension, each on
-    its share of --vllm-gpus or on the CPU, and wait until all are healthy. Returns the processes (.url, .log_path)."""
-    plan, n = args.plan, len(args.plan["servers"])
-    env = dict(
-        os.environ,
-        VLLM_SERVER_DEV_MODE="1",  # the /pause, /resume, /collective_rpc routes
-        PYTHONPATH=os.pathsep.join(filter(None, [str(HERE), os.environ.get("PYTHONPATH")])),
-    )
-    if plan["cpu_server"]:
-        env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; the default takes a large share of RAM
-    procs, t0 = [], time.monotonic()
-    try:
-        for i, share in enumerate(plan["servers"]):
-            port = args.vllm_port + i if args.vllm_port else free_port()
-            cmd = [
-                sys.executable,
-                "-m",
-                "vllm.entrypoints.openai.api_server",
-                "--model",
-                model_path,
-                "--host",
-                "127.0.0.1",
-                "--port",
-                str(port),
-                "--seed",
-                str(args.seed),
-                "--served-model-name",
-                SERVED_MODEL,
-                "--worker-extension-cls",
-                "async_grpo.WeightSyncExtension",
-                "--logprobs-mode",
-                "processed_logprobs",
-            ]  # log-probs after temperature/top-p: what was sampled from
-            optional = {
-                "--max-model-len": args.max_model_len,
-                "--tensor-parallel-size": share and len(share.split(",")),
-                "--gpu-memory-utilization": plan["gpu_memory"],
-            }
-            cmd += [word for flag, value in optional.items() if value for word in (flag, str(value))]
-            if plan["cpu_server"] and vllm_flag(args, "--dtype") is None:
-                # fp32 on CPU: bf16 arithmetic without AVX-512 is slow (a 25M-parameter model here generated 150 tokens/s
-                # in bf16, 680-780 in fp32), and an fp32 server holds exactly the trainer's weights
-                cmd += ["--dtype", "float32"]
-            if (
-                plan["cpu_server"]
-                and vllm_flag(args, "--enable-chunked-prefill", "--no-enable-chunked-prefill") is None
-            ):
-                cmd += ["--no-enable-chunked-prefill"]  # so that it takes seeded requests: served_config
-            if share:
-                env["CUDA_VISIBLE_DEVICES"] = share
-            # A CPU server takes one core, whole: its worker (which busy-polls for a second after each engine step)
-            # and its HTTP and engine front end, which would otherwise preempt the trainer on the other cores
-            # (measured on 2 cores: async 1.15x -> 1.62x the samples/s of --sync on average; --sync itself unchanged).
-            cores = None
-            if plan["cpu_server"] and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
-                cores = {i % (os.cpu_count() or 1)}
-                env["VLLM_CPU_OMP_THREADS_BIND"] = str(*cores)
-            cmd += shlex.split(args.vllm_args)
-            log_path = Path(out_dir) / ("vllm.log" if n == 1 else f"vllm-{i}.log")
-            with open(log_path, "ab") as log:
-                log_start = log.tell()  # --resume appends to the log: what this server says begins here
-                proc = subprocess.Popen(
-                    cmd,
-                    stdout=log,
-                    stderr=subprocess.STDOUT,
-                    stdin=subprocess.DEVNULL,
-                    env=env,
-                    start_new_session=True,
-                    preexec_fn=functools.partial(_server_preexec, cores),
-                )
-            proc.log_path = log_path
-            proc.log_start = log_start
-            proc.url = f"http://127.0.0.1:{port}"
-            procs.append(proc)
-            print(f"starting vLLM (pid {proc.pid}, log {log_path}): {shlex.join(cmd)}", flush=True)
-        deadline = time.monotonic() + args.vllm_startup_timeout
-        starting = list(procs)
-        report = t0 + 30  # when to say that it is still starting
-        while starting:
-            for proc in list(starting):
-                if proc.poll() is not None:
-                    raise RuntimeError(
-                        f"the vLLM server {proc.url} exited with code {proc.returncode} during "
-                        f"start-up. Its log, {proc.log_path}:\n{log_tail(proc)}"
-                    )
-                if time.monotonic() > deadline:
-                    raise TimeoutError(
-                        f"the vLLM server {proc.url} was not healthy after {args.vllm_startup_timeout} s "
-                        f"(--vllm-startup-timeout). Its log, {proc.log_path}:\n{log_tail(proc)}"
-                    )
-                with contextlib.suppress(OSError):
-                    http(f"{proc.url}/health", timeout=5)
-                    print(f"vLLM is up after {time.monotonic() - t0:.0f} s at {proc.url}", flush=True)
-                    starting.remove(proc)
-            if starting:
-                time.sleep(1)
-                if time.monotonic() > report:  # a real model on CPU takes minutes: say that it is still coming
-                    print(
-                        f"waiting for vLLM ({time.monotonic() - t0:.0f} s; its log: {starting[0].log_path})",
-                        flush=True,
-                    )
-                    report += 30
-        return procs
-    except BaseException:  # Ctrl-C included: the caller never got the handles, so stop them here
-        for proc in procs:
-            stop_vllm(proc)
-        raise
-
-
-def stop_vllm(proc, grace=15):
-    """SIGTERM to the server's whole process group (its engine and workers too), SIGKILL if needed."""
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(proc.pid, signal.SIGTERM)
-        os.killpg(proc.pid, signal.SIGCONT)  # a stopped server could not act on the SIGTERM
-    with contextlib.suppress(subprocess.TimeoutExpired):
-        proc.wait(grace)
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(proc.pid, signal.SIGKILL)  # workers that outlived the parent share its group
-    proc.wait()
-    for _ in range(100):  # SIGKILL is delivered asynchronously: return once the group is really empty
-        try:
-            os.killpg(proc.pid, 0)
-        except ProcessLookupError:
-            return
-        time.sleep(0.1)
-
-
-def server_failure(urls, servers):
-    """Why a server is gone, or None: its process exited (servers: those started here), or its engine died. vLLM's API
-    server outlives a dead engine (a GPU out-of-memory, say), answering /health with 503 and waiting for the open
-    connections to close; a server that merely does not answer in time is left to the bound of whatever waits on it."""
-    procs = {server.url: server for server in servers}
-    for url in urls:
-        proc, cause = procs.get(url), None
-        try:
-            urllib.request.urlopen(f"{url}/health", timeout=10).close()
-        except urllib.error.HTTPError as e:
-            cause = f"answers /health with {e.code}"
-        except (OSError, http_client.HTTPException) as e:  # one shutting down after its engine died resets them
-            reason = getattr(e, "reason", e)
-            if isinstance(reason, ConnectionRefusedError):
-                cause = "refuses connections"
-            elif not isinstance(reason, TimeoutError):  # no answer in time: left to the bound of what waits on it
-                cause = f"drops connections ({type(reason).__name__})"
-        if proc is not None and proc.poll() is not None:
-            cause = f"exited with code {proc.returncode}"
-        log = log_tail(proc) if proc and cause else ""
-        if cause and (cause.endswith("503") or re.search("EngineDeadError|engine core exited unexpectedly", log)):
-            cause += ": its engine died"
-        if cause:
-            return f"the vLLM server {url} {cause}." + (f" Its log, {proc.log_path}:\n{log}" if proc else "")
 
 
 def watch_servers(run, every=1.0):

@@ -40,6 +40,7 @@ import async_grpo as ag
 import rewards
 import tiny_model as tiny
 import tools
+import vllm_server
 
 HERE = Path(__file__).resolve().parent
 CACHE = os.environ.get("ASYNC_GRPO_CACHE", os.path.expanduser("~/.cache/async_grpo"))
@@ -940,7 +941,7 @@ def bad_inputs(tmp):
         (["--dataset", str(tmp / "shadowing.jsonl")], "line 1: the rewards get ['completions'] from the rollouts"),
         (["--dataset", str(tmp / "list_id.jsonl")], "line 1: the id [7] is not a string or integer"),
         (
-            ["--vllm-url", f"http://127.0.0.1:{ag.free_port()}", "--output-dir", str(tmp / "closed_port")],
+            ["--vllm-url", f"http://127.0.0.1:{vllm_server.free_port()}", "--output-dir", str(tmp / "closed_port")],
             "no vLLM server answers there",
         ),
         (["--tools", "nope"], "unknown tool"),
@@ -980,7 +981,7 @@ def bad_inputs(tmp):
         (["--env", f"{tmp / 'a_file'}:Missing"], "cannot load it, or its tools' schemas (AttributeError"),
         (["--env", f"GuessNumber,{tmp / 'counter.py'}:Counter"], "row 64: its column `env` must name one of"),
         (["--tools", "--env", f"{tmp / 'clash.py'}:Clash"], "tools not named as --tools' ['calculator']"),
-        (["--mcp", f"http://127.0.0.1:{ag.free_port()}/mcp"], "cannot list its tools (--mcp http"),
+        (["--mcp", f"http://127.0.0.1:{vllm_server.free_port()}/mcp"], "cannot list its tools (--mcp http"),
         (["--rewards", "env_reward"], "--rewards env_reward: it is every row's environment's reward()"),
         (["--mcp", "sleep 600", "--rewards", "env_reward", "--tool-timeout", "1"], "--mcp sleep 600: cannot list its"),
     ]
@@ -996,7 +997,7 @@ def test_the_readmes_environment_is_one_the_run_loads_and_plays_as_it_says(tmp_p
     schema of its signature and docstring; reset, respond and reward do what the README says."""
     (tmp_path / "counter.py").write_text(readme_environment())
     args = ag.parse_args(["--output-dir", "unused", "--env", f"{tmp_path / 'counter.py'}:Counter"])
-    cls = ag.load_environments(args)["Counter"]
+    cls = tools.load_environments(args)["Counter"]
     assert [s["function"]["name"] for s in tools.environment_schemas(cls)] == ["increment"]
     counter = cls()
     counter.reset(id=0, prompt=[], target=2)
@@ -4726,6 +4727,7 @@ is there, a reset raises EnvironmentGone, as an environment whose server died do
 import json, os
 
 import tools
+import vllm_server
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -4841,7 +4843,7 @@ else:
 def mcp_server(tmp_path):
     """The MCP_SERVER script started over HTTP on a free port: (its URL, the stdio command line, the calls' log path,
     the process); killed afterwards."""
-    script, calls, port = tmp_path / "mcp_server.py", tmp_path / "calls.jsonl", ag.free_port()
+    script, calls, port = tmp_path / "mcp_server.py", tmp_path / "calls.jsonl", vllm_server.free_port()
     script.write_text(MCP_SERVER)
     proc = subprocess.Popen(
         [sys.executable, str(script), str(calls), str(port)],
@@ -4919,7 +4921,7 @@ def test_an_mcp_server_is_an_environment_whose_instances_hold_a_session_each(tmp
         with pytest.raises(tools.EnvironmentGone, match=f"the MCP server {url} is gone"):
             asyncio.run(dies())
         with pytest.raises(SystemExit, match=f"--mcp {url}: cannot list its tools"):
-            ag.load_environments(ag.parse_args(["--output-dir", "unused", "--mcp", url]))
+            tools.load_environments(ag.parse_args(["--output-dir", "unused", "--mcp", url]))
 
 
 def test_a_run_whose_mcp_server_dies_ends_in_seconds_with_one_message_and_its_last_step_saved(server, tmp_path):

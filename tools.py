@@ -345,3 +345,44 @@ def environment_schemas(cls):
     from transformers.utils import get_json_schema
 
     return [getattr(fn, "schema", None) or get_json_schema(fn) for fn in environment_tools(cls).values()]
+
+
+def load_environments(args, log=None):
+    """--env and --mcp as {name: class}: from tools.ENVIRONMENTS, from a file (path/to/file.py:Class), or an MCP
+    server's (its tools listed now; `log`: a started server's stderr). Checked here, before vLLM starts."""
+    environments = {}
+    for spec in args.env_names:
+        try:
+            cls = environment_class(spec)
+            environments[cls.__name__] = cls
+            environment_schemas(cls)
+        except Exception as e:
+            raise SystemExit(f"--env {spec}: cannot load it, or its tools' schemas ({type(e).__name__}: {e})")
+    if args.mcp:
+        try:
+            environments["mcp"] = mcp_environment(args.mcp, log, args.tool_timeout)
+        except Exception as e:
+            raise SystemExit(f"--mcp {args.mcp}: cannot list its tools ({e})")
+    for name, cls in environments.items():
+        clash = sorted(set(environment_tools(cls)) & set(args.tool_names))
+        if clash or not hasattr(cls, "reset"):
+            raise SystemExit(f"--env {name}: needs a reset(**row) method, and tools not named as --tools' {clash}")
+    if "env_reward" in args.reward_weights and not all([hasattr(c, "reward") for c in environments.values()] or [0]):
+        raise SystemExit("--rewards env_reward: it is every row's environment's reward() (--env, --task guess)")
+    return environments
+
+
+def every_tool(schemas, environments):
+    """The schemas of --tools and of every environment's tools, once each."""
+    every = (schemas or []) + [s for cls in environments.values() for s in environment_schemas(cls)]
+    return list({s["function"]["name"]: s for s in every}.values())
+
+
+def environment_of(row, environments):
+    """The name of a row's environment: its column `env`, else the one environment of the run (None without any)."""
+    if not environments:
+        return None
+    name = row.get("env", next(iter(environments)) if len(environments) == 1 else None)
+    if name not in environments:
+        raise SystemExit(f"row {row['id']!r}: its column `env` must name one of --env {','.join(environments)}")
+    return name
