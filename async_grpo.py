@@ -61,9 +61,9 @@ from vllm_server import SERVED_MODEL, server_failure, start_vllm, stop_vllm, vll
 HERE = Path(__file__).resolve().parent
 ROLLOUT_FIELDS = set("prompts completions completion_ids tool_calls tool_failures truncated environments".split())
 TOOL_THREADS = ThreadPoolExecutor(64, thread_name_prefix="tool")  # a sync tool that waits holds a thread, not the loop
-# A slot per thread, held until its call returns, late or never (Python cannot stop a thread): a call that finds none
-# free is refused at once and counted (tools/refused), not queued behind hung ones to time out unseen. What a sync
-# tool may do (computing holds the interpreter, not a thread): tools.py.
+# A slot per thread, taken by a call past its timeout until it returns, late or never (Python cannot stop a thread):
+# with every thread so held, a call is refused at once and counted (tools/refused), not queued behind them to time out
+# unseen; calls merely busy queue. What a sync tool may do (computing holds the interpreter, not a thread): tools.py.
 TOOL_SLOTS = threading.BoundedSemaphore(64)
 TOOLS_REFUSED = [0]  # calls refused so far
 HUNG = set()  # ids of the environment instances whose sync call went on past its timeout: never reused (environments)
@@ -2599,13 +2599,14 @@ async def call_function(fn, arguments, name, timeout):
 
 async def bounded(fn, arguments, timeout):
     """fn(**arguments) within `timeout` seconds (arguments a dict: one may be called fn): awaited if async, else in a
-    thread of TOOL_THREADS holding a slot (TOOL_SLOTS), refused at once if none is free; there it goes on after a
-    timeout (its environment instance, if a method, is not reused)."""
+    thread of TOOL_THREADS, where after a timeout it goes on holding a slot (TOOL_SLOTS) and its environment instance,
+    if a method, is not reused; refused at once while every slot is held."""
+    running = None
     if inspect.iscoroutinefunction(fn):
         pending = fn(**arguments)
-    elif TOOL_SLOTS.acquire(blocking=False):
+    elif TOOL_SLOTS.acquire(blocking=False):  # a look: some thread is not held by a call past its timeout
+        TOOL_SLOTS.release()
         running = TOOL_THREADS.submit(fn, **arguments)
-        running.add_done_callback(lambda _: TOOL_SLOTS.release())  # once it returns, however late
         pending = asyncio.wrap_future(running)
     else:
         TOOLS_REFUSED[0] += 1
@@ -2614,8 +2615,12 @@ async def bounded(fn, arguments, timeout):
         raise RuntimeError("not run: every tool thread is held by a call that has not returned")
     try:
         return await asyncio.wait_for(pending, timeout)
-    except asyncio.TimeoutError:
+    except (
+        asyncio.TimeoutError
+    ):  # one still queued was cancelled with it; one running holds its thread until it returns
         HUNG.add(id(getattr(fn, "__self__", None)))
+        if running is not None and running.running() and TOOL_SLOTS.acquire(blocking=False):
+            running.add_done_callback(lambda _: TOOL_SLOTS.release())
         raise
 
 

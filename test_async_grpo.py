@@ -2828,8 +2828,8 @@ def run_with_fault(
             os.kill(
                 next(p for p in processes_in_group(pids[-1]) if name in Path(f"/proc/{p}/comm").read_text()), fault
             )
-        else:
-            os.kill({"trainer": proc.pid, "api": pids[-1]}[victim], fault)
+        else:  # with --vllm-url no server was started here: the trainer alone
+            os.kill(proc.pid if victim == "trainer" else pids[-1], fault)
         sent.append(time.monotonic())
         hung.start()
 
@@ -3015,8 +3015,16 @@ def test_a_sync_that_fails_midway_ends_the_run_in_seconds_saved_and_resume_conti
     # the servers serve the saved weights, which the failed sync did not finish: as new as the step says, or the producer
     # would wait for a weight sync that the trainer, waiting for data, never makes
     code, text = run_cli(
-        *flags, "--output-dir", str(out), "--resume", "--data-timeout", "60", "--vllm-args=--enforce-eager"
-    )
+        *flags,
+        "--output-dir",
+        str(out),
+        "--resume",
+        "--data-timeout",
+        "60",
+        "--eval-size",
+        "16",
+        "--vllm-args=--enforce-eager",
+    )  # --eval-size: run_with_fault's, which a resume keeps
     assert code == 0 and "resuming at step 3" in text and "step    4/4" in text, text[-3000:]
 
 
