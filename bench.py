@@ -587,7 +587,9 @@ def trainer_only(args):
     for n in (shape["new"] // 4, shape["new"] // 2, shape["new"], 2 * shape["new"]):
         group = random_samples(shape["group"], shape["vocab"], shape["prompt"], (n, n + 1), shape["group"])
         results["collate_host_seconds"][n] = {
-            layout: timed(lambda: ag.collate(group, 0, device, packed=packed, share=not flags), args.reps)
+            layout: timed(
+                lambda: ag.collate(group, 0, device, share=not flags, config=config, packed=packed), args.reps
+            )
             for layout, (flags, packed) in LAYOUTS.items()
         }
     return results

@@ -5516,7 +5516,7 @@ def test_segments_on_cuda_run_the_varlen_kernel_and_train_as_the_mask_path_does(
     assert updates[True][0].isfinite().all() and updates[True][0].abs().max() > 0
     assert torch.nn.functional.cosine_similarity(updates[True][0], updates[False][0], dim=0) > 0.99
     assert updates[True][1]["loss"] == pytest.approx(updates[False][1]["loss"], rel=0.02, abs=1e-3)
-    model = small_model("mistral", window=4).to("cuda")
+    model = small_model("mistral", vocab=400, window=4).to("cuda")  # the samples' tokens run to 399
     logps = []
     for packed in (False, True):
         if packed:
