@@ -347,7 +347,10 @@ async def environments(ctx, tok, row, n, timeout):
             row = {**row, "prompt": row["prompt"][:-1] + [last]}
             prompt_ids = render_prompt(tok, row["prompt"], ctx["offered"][name], row["id"])
         yield envs, row, prompt_ids
-    finally:
+    finally:  # the group is done: what an instance holds until its next reset may go (tools.py: release)
+        await asyncio.gather(
+            *[bounded(e.release, {}, timeout) for e in envs if hasattr(e, "release")], return_exceptions=True
+        )
         idle += [env for env in envs if id(env) not in HUNG]
 
 
@@ -2138,6 +2141,14 @@ def parse_args(argv=None, world_size=1, cuda_count=None, local_ranks=None, heads
         help="most assistant turns that may call tools or an environment answers",
     )
     g.add_argument("--tool-timeout", type=float, default=10.0, help="seconds one tool call may take")
+    g.add_argument("--python-memory", type=int, default=512, help="--env python: MiB each process of it may map")
+    g.add_argument(
+        "--python-sandbox",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="--env python's interpreters in namespaces (sandbox.py); --no-python-sandbox where user namespaces are "
+        "disabled: limits only, and the start-up message lists what is then not isolated",
+    )
     g.add_argument(
         "--tool-latency",
         type=float,
@@ -2382,6 +2393,7 @@ def parse_args(argv=None, world_size=1, cuda_count=None, local_ranks=None, heads
         "vllm_port": 0,
         "vllm_servers": 0,
         "lora_rank": 0,
+        "python_memory": 64,
     }
     checks = [(getattr(args, k) < low, f"--{k.replace('_', '-')} must be >= {low}") for k, low in at_least.items()]
     checks += [
@@ -2669,6 +2681,7 @@ def load_environments(args, log=None):
     for spec in args.env_names:
         try:
             cls = tools_module.environment_class(spec)
+            cls = cls.configured(args) if hasattr(cls, "configured") else cls  # its flags; it may refuse the run
             environments[cls.__name__] = cls
             tools_module.environment_schemas(cls)
         except Exception as e:
