@@ -38,6 +38,7 @@ import torch
 
 import async_grpo as ag
 import rewards
+import sandbox
 import tiny_model as tiny
 import tools
 
@@ -4956,6 +4957,227 @@ def test_a_run_whose_mcp_server_dies_ends_in_seconds_with_one_message_and_its_la
     for line in calls.read_text().splitlines():
         sessions[json.loads(line)["session"]].append(json.loads(line)["call"])
     assert len(sessions) >= 24 and all(n == list(range(1, len(n) + 1)) and len(n) <= 6 for n in sessions.values())
+
+
+# ------------------------------------------------------------------------------------------------
+# The code interpreter: --env python, in the sandbox of sandbox.py
+# ------------------------------------------------------------------------------------------------
+
+
+def python_environment(*flags):
+    """tools.Python as a run configures it (sandbox.check first: the start-up refusal), and a reset instance maker."""
+    cls = tools.Python.configured(ag.parse_args(["--output-dir", "unused", "--env", "python", *flags]))
+
+    def instance():
+        env = cls()
+        env.reset(id=0)
+        return env
+
+    return cls, instance
+
+
+def interpreter_processes(since):
+    """PIDs of live processes that run the sandbox's interpreter (or bwrap around one) started after `since` (a
+    process's start time in clock ticks since boot, /proc/PID/stat's 22nd field), zombies aside."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError):
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            cmdline = (stat.parent / "cmdline").read_bytes()
+            if fields[0] != "Z" and int(fields[19]) >= since and b"serve(" in cmdline and b"-I\0-S\0-c" in cmdline:
+                found.append(int(stat.parent.name))
+    return found
+
+
+def ticks_since_boot():
+    return int(float(Path("/proc/uptime").read_text().split()[0]) * os.sysconf("SC_CLK_TCK"))
+
+
+def namespace_of(env):
+    """The PID namespace of an instance's interpreter: its bwrap's first child is the namespace's process 1."""
+    bwrap = env.interpreter.proc.pid
+    for _ in range(100):
+        children = [int(p) for p in Path(f"/proc/{bwrap}/task/{bwrap}/children").read_text().split()]
+        if children:
+            return os.readlink(f"/proc/{children[0]}/ns/pid")
+        time.sleep(0.01)
+    raise AssertionError("no sandbox started")
+
+
+def in_namespace(ns):
+    """Live processes in that PID namespace, zombies aside, once the kernel has ended them (it may take a moment)."""
+    for _ in range(200):
+        found = []
+        for link in Path("/proc").glob("[0-9]*/ns/pid"):
+            with contextlib.suppress(OSError):
+                if (
+                    os.readlink(link) == ns
+                    and (link.parent.parent / "stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+                ):
+                    found.append(int(link.parent.parent.name))
+        if not found:
+            return []
+        time.sleep(0.05)
+    return found
+
+
+def test_python_cells_run_as_a_notebooks_in_an_interpreter_of_each_rollouts_own():
+    """The tool as the model calls it: state (variables, imports, files) persists from call to call, a cell shows what
+    it prints and its last expression's value, or the traceback; another rollout's interpreter sees none of it, nor its
+    files; a reset starts afresh; the tool's description states the output bound that sandbox.py applies."""
+    cls, instance = python_environment()
+    (schema,) = tools.environment_schemas(cls)
+    assert f"{sandbox.OUTPUT_CHARS} characters" in schema["function"]["description"] and cls.__name__ == "python"
+    a, b = instance(), instance()
+    try:
+        assert a.python("import math\nx = math.factorial(5)\nprint('five', x)\nx + 1") == "five 120\n121"
+        assert a.python("open('notes.txt', 'w').write('kept'); x") == "120"
+        assert a.python("print(open('notes.txt').read(), os.getcwd())").startswith("Traceback")  # os was not imported
+        assert a.python("import os; open('notes.txt').read(), os.getcwd()") == "('kept', '/tmp')"
+        assert a.python("x = 1") == "(no output)" and a.python("1 / 0").endswith("ZeroDivisionError: division by zero")
+        assert a.python("def f(:").endswith("SyntaxError: invalid syntax") and a.python("x") == "1"
+        seen = b.python("import os; print(os.listdir('/tmp'), 'x' in dir())\nopen('/tmp/notes.txt').read()")
+        assert seen.startswith("[] False\nTraceback") and seen.endswith("No such file or directory: '/tmp/notes.txt'")
+        a.reset(id=1)
+        assert a.python("import os; os.listdir('.'), 'x' in dir()") == "([], False)"
+    finally:
+        a.close()
+        b.close()
+
+
+def test_code_the_model_writes_cannot_escape_the_sandbox(server, tmp_path, monkeypatch):
+    """Each attack of the issue, written as generated code would be, through the real tool. In the sandbox every one
+    fails; run once more with --no-python-sandbox (limits only: what the sandbox adds removed), those that namespaces
+    stop succeed, which shows that each attack is real. Harmless if the isolation failed: bounded floods and
+    allocations (untouched pages), signals only to a sleeping process the test started, writes only into tmp_path."""
+    listener = socket.create_server(("127.0.0.1", 0))  # stands in for the sync group's store, also on 127.0.0.1
+    victim = subprocess.Popen(["sleep", "300"])
+    dataset, checkpoint = tmp_path / "answers.jsonl", tmp_path / "run" / "checkpoint" / "trainer_state.pt"
+    dataset.write_text('{"prompt": "What is 3 + 4?", "answer": 7}\n')
+    checkpoint.parent.mkdir(parents=True)
+    checkpoint.write_text("weights")
+    for name in ("WANDB_API_KEY", "HF_TOKEN", "VLLM_SERVER_DEV_MODE", "MASTER_ADDR"):
+        monkeypatch.setenv(name, f"secret-{name}")
+    ports = [int(server.url.rsplit(":", 1)[1]), listener.getsockname()[1]]
+    readable = [dataset, HERE / "rewards.py", HERE / "tools.py", checkpoint, Path(CACHE)]
+    attacks = {
+        "network": f"""
+import socket
+for port in {ports}:
+    try:
+        socket.create_connection(("127.0.0.1", port), timeout=2).close()
+        print("connected", port)
+    except OSError as e:
+        print("refused", port)
+print(socket.if_nameindex())""",
+        "files": f"""
+import os
+for path in {[str(p) for p in readable]}:
+    try:
+        print("read", path, len(open(path).read()) if os.path.isfile(path) else os.listdir(path))
+    except OSError as e:
+        print("no", path, type(e).__name__)
+try:
+    open({str(tmp_path / "written.txt")!r}, "w").write("the reward is mine")
+    print("wrote")
+except OSError as e:
+    print("no write", type(e).__name__)
+os.listdir(os.path.expanduser({str(Path.home())!r})) if os.path.isdir({str(Path.home())!r}) else []""",
+        "signals": f"""
+import ctypes, os, signal
+for pid in ({os.getpid()}, {server.pid}, {victim.pid}):
+    try:
+        os.kill(pid, 0)
+        print("sees", pid)
+    except OSError:
+        print("no", pid)
+libc = ctypes.CDLL(None, use_errno=True)
+print("traced" if libc.ptrace(16, {victim.pid}, 0, 0) == 0 else "not traced")
+try:
+    os.kill({victim.pid}, signal.SIGKILL)
+    print("killed")
+except OSError:
+    print("not killed")""",
+        "flood": """
+import os
+started = 0
+try:
+    for _ in range(1000):
+        os.posix_spawn("/usr/bin/sleep", ["sleep", "30"], {})
+        started += 1
+except OSError as e:
+    print(type(e).__name__)
+started""",
+        "daemon": """
+import os
+r, w = os.pipe()
+if os.fork() == 0:
+    os.setsid()
+    child = os.fork()
+    if child == 0:
+        os.execv("/usr/bin/sleep", ["sleep", "120"])
+    os.write(w, str(child).encode())
+    os._exit(0)
+os.wait()
+int(os.read(r, 20))""",
+        "memory": "x = bytearray(4 * 2**30)",  # calloc: untouched pages, harmless where it succeeds
+        "environment": """
+import os
+seen = " ".join(os.environ.values())
+for pid in filter(str.isdigit, os.listdir("/proc")):
+    try:
+        seen += open(f"/proc/{pid}/environ").read()
+    except OSError:
+        pass
+sorted(os.environ), "secret" in seen""",
+        "output": "print('x' * 10**8)",
+    }
+    order = ["network", "files", "signals", "daemon", "memory", "environment", "output", "flood"]  # the flood last
+    results = {}
+    try:
+        for sandboxed in (True, False):
+            _, instance = python_environment("--tool-timeout", "3", *[] if sandboxed else ["--no-python-sandbox"])
+            env = instance()
+            out = {}
+            for name in order:
+                cpu = time.process_time()
+                out[name] = env.python(attacks[name])
+                out[f"{name}_trainer_cpu_seconds"] = time.process_time() - cpu
+            ns = namespace_of(env) if sandboxed else None
+            start = time.monotonic()
+            with pytest.raises(RuntimeError, match="past the time limit of 2.7 s and was stopped. It was restarted"):
+                env.python("while True: pass")
+            out["time"] = time.monotonic() - start
+            out["after_time"] = env.python("x")  # a fresh interpreter: the state is lost
+            env.release()  # the rollout is over
+            daemon = int(out["daemon"])
+            out["survivors"] = in_namespace(ns) if sandboxed else [daemon] * os.path.exists(f"/proc/{daemon}")
+            out["victim"] = victim.poll() if sandboxed else victim.wait(5)
+            out["written"] = (tmp_path / "written.txt").exists()
+            results[sandboxed] = out
+            print(f"sandboxed {sandboxed}:", json.dumps(out, indent=1)[:8000])
+    finally:
+        for pid in results.get(False, {}).get("survivors", []):
+            os.kill(pid, signal.SIGKILL)
+        victim.kill()
+        listener.close()
+    inside, outside = results[True], results[False]
+    assert "connected" not in inside["network"] and inside["network"].endswith("[(1, 'lo')]")  # no route out either
+    assert all(f"connected {port}" in outside["network"] for port in ports)
+    assert "read " not in inside["files"] and "no write" in inside["files"]
+    python = Path(sys.base_prefix).resolve()
+    python_top = python.relative_to(Path.home()).parts[:1] if python.is_relative_to(Path.home()) else ()
+    assert set(ast.literal_eval(inside["files"].splitlines()[-1])) <= set(python_top)  # of the home: Python's install
+    assert outside["files"].count("read ") == len(readable) and "wrote" in outside["files"] and outside["written"]
+    assert not inside["written"] and inside["signals"].count("no ") == 3 and "not killed" in inside["signals"]
+    assert "not traced" in inside["signals"] and inside["victim"] is None and outside["victim"] == -signal.SIGKILL
+    assert int(inside["flood"].splitlines()[-1]) < sandbox.PROCESSES and outside["flood"] == "1000"
+    assert inside["survivors"] == [] and len(outside["survivors"]) == 1
+    assert inside["environment"] == "(['HOME', 'LC_CTYPE', 'PATH', 'PWD'], False)"
+    for out in (inside, outside):  # kept by the limits alone too: each checked by removing it from sandbox.py once
+        assert out["memory"].endswith("MemoryError") and len(out["output"]) < sandbox.OUTPUT_CHARS + 60
+        assert out["output"].endswith(f"\n[... {10**8 + 1 - sandbox.OUTPUT_CHARS} more characters not shown]")
+        assert out["time"] < 3 and out["after_time"].endswith("NameError: name 'x' is not defined")
 
 
 def test_bench_tiny_runs_every_part_and_writes_every_field(tmp_path):
