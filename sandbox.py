@@ -30,6 +30,7 @@ boundary). Memory is bounded per process: PROCESSES x --python-memory at most fo
 memory, time, output and environment only.
 """
 
+import asyncio
 import contextlib
 import inspect
 import json
@@ -41,7 +42,6 @@ import signal
 import subprocess
 import sys
 import tempfile
-import time
 
 OUTPUT_CHARS = 1000  # of a call's output: the rest is cut (the tool's description says so)
 SCRATCH_MB = 64  # the tmpfs at /tmp: the files the code writes, all of them
@@ -124,22 +124,29 @@ class Interpreter:
             env={"PATH": "/usr/bin:/bin", "HOME": self.scratch or "/tmp"},  # bwrap's own: /proc/1/environ inside
             start_new_session=True,  # a Ctrl-C to the run's terminal is the run's to handle, not the interpreters'
         )
+        os.set_blocking(self.proc.stdin.fileno(), False)
+        os.set_blocking(self.proc.stdout.fileno(), False)
 
-    def run(self, code, timeout):
+    async def run(self, code, timeout):
         """The cell's output (stdout and stderr, the last expression's value, or the traceback), cut at OUTPUT_CHARS.
         Raises RuntimeError, the interpreter restarted, if it did not answer within `timeout` seconds, exited, or its
-        answer was not its own (the code wrote over it)."""
+        answer was not its own (the code wrote over it). Never blocks the event loop: runs alongside other calls."""
         try:
-            self.proc.stdin.write(json.dumps({"code": code}).encode() + b"\n")
-            self.proc.stdin.flush()
-            answer = read_line(self.proc.stdout.fileno(), time.monotonic() + timeout, 8 * OUTPUT_CHARS + 1000)
+            request = json.dumps({"code": code}).encode() + b"\n"
+            if os.write(self.proc.stdin.fileno(), request) < len(request):  # non-blocking: a full pipe is not read
+                raise OSError("the interpreter does not read")
+            answer = await read_line(self.proc.stdout.fileno(), timeout, 8 * OUTPUT_CHARS + 1000)
             return str(json.loads(answer)["output"])
-        except TimeoutError:
+        except asyncio.TimeoutError:
             lost = f"the code ran past the time limit of {timeout:.3g} s and was stopped"
-        except OSError:  # a closed pipe: it exited
+        except OSError:  # a closed pipe, or a full one: it exited, or does not read
             lost = "the interpreter exited"
         except (ValueError, KeyError, TypeError):
             lost = "the interpreter's answer was overwritten by the code"
+        except asyncio.CancelledError:  # an answer still to come would be taken for the next call's
+            self.stop()
+            self.start()
+            raise
         said = self.stop()
         self.start()
         raise RuntimeError(
@@ -168,20 +175,28 @@ class Interpreter:
         return said.decode(errors="replace").strip()
 
 
-def read_line(fd, deadline, limit):
-    """One line from fd by the deadline (TimeoutError), of at most `limit` bytes (ValueError); EOF: OSError."""
-    data = b""
-    while not data.endswith(b"\n"):
-        left = deadline - time.monotonic()
-        if left <= 0 or not select.select([fd], [], [], left)[0]:
-            raise TimeoutError
+async def read_line(fd, timeout, limit):
+    """One line from fd (non-blocking) within `timeout` seconds (asyncio.TimeoutError), of at most `limit` bytes and
+    nothing after it (ValueError); end of file: OSError."""
+    loop = asyncio.get_running_loop()
+    done = loop.create_future()
+    data = bytearray()
+
+    def readable():
         chunk = os.read(fd, 65536)
-        if not chunk:
+        data.extend(chunk)
+        if (not chunk or b"\n" in chunk or len(data) > limit) and not done.done():
+            done.set_result(bool(chunk))
+
+    loop.add_reader(fd, readable)
+    try:
+        if not await asyncio.wait_for(done, timeout):
             raise OSError("end of file")
-        data += chunk
-        if len(data) > limit or b"\n" in data[:-1]:
-            raise ValueError("not one answer")
-    return data
+    finally:
+        loop.remove_reader(fd)
+    if len(data) > limit or not data.endswith(b"\n") or b"\n" in data[:-1]:
+        raise ValueError("not one answer")
+    return bytes(data)
 
 
 def check(memory_mb, sandboxed=True):
@@ -202,7 +217,7 @@ def check(memory_mb, sandboxed=True):
         )
     interpreter = Interpreter(memory_mb, sandboxed)
     try:
-        said = interpreter.run("1 + 1", 30)
+        said = asyncio.run(interpreter.run("1 + 1", 30))
     except RuntimeError as e:
         said = str(e)
     why = interpreter.stop()

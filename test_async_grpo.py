@@ -4965,15 +4965,20 @@ def test_a_run_whose_mcp_server_dies_ends_in_seconds_with_one_message_and_its_la
 
 
 def python_environment(*flags):
-    """tools.Python as a run configures it (sandbox.check first: the start-up refusal), and a reset instance maker."""
+    """tools.Python as a run configures it (sandbox.check first: the start-up refusal), and a function that makes an
+    instance, reset, whose (async) methods it runs to their end: instance().python(code) -> the tool's answer."""
     cls = tools.Python.configured(ag.parse_args(["--output-dir", "unused", "--env", "python", *flags]))
 
-    def instance():
-        env = cls()
-        env.reset(id=0)
-        return env
+    class Called:
+        def __init__(self):
+            self.env = cls()
+            self.reset(id=0)
 
-    return cls, instance
+        def __getattr__(self, name):
+            method = getattr(self.env, name)
+            return lambda *args, **kwargs: asyncio.run(method(*args, **kwargs))
+
+    return cls, Called
 
 
 def interpreter_processes(since):
@@ -4995,7 +5000,7 @@ def ticks_since_boot():
 
 def namespace_of(env):
     """The PID namespace of an instance's interpreter: its bwrap's first child is the namespace's process 1."""
-    bwrap = env.interpreter.proc.pid
+    bwrap = env.env.interpreter.proc.pid
     for _ in range(100):
         children = [int(p) for p in Path(f"/proc/{bwrap}/task/{bwrap}/children").read_text().split()]
         if children:
@@ -5178,6 +5183,54 @@ sorted(os.environ), "secret" in seen""",
         assert out["memory"].endswith("MemoryError") and len(out["output"]) < sandbox.OUTPUT_CHARS + 60
         assert out["output"].endswith(f"\n[... {10**8 + 1 - sandbox.OUTPUT_CHARS} more characters not shown]")
         assert out["time"] < 3 and out["after_time"].endswith("NameError: name 'x' is not defined")
+
+
+# Measured on seeds 0/1/2, 30 steps on --max-operand 9 (the warm start's range): training reward of the first 5 steps ->
+# the last 5, 0.54 -> 0.63, 0.53 -> 0.63, 0.48 -> 0.59, a call in 99.5% of the rollouts; greedy held-out accuracy is
+# 0.94-1.0 from the start (the model copies what the interpreter prints), so the sampled reward is what rises. At lr 1e-3
+# it fell instead (measured).
+def test_the_python_environment_is_learned_through_the_whole_loop_and_leaves_nothing_behind(server, tmp_path):
+    """--env python on the arithmetic task: every rollout has an interpreter of its own, the model runs its code there
+    (call frequency near 1) and copies what it prints, and the reward rises; once the run has ended no interpreter
+    process is left (each is released with its group; nothing of the sandbox lives on the host's disk)."""
+    since = ticks_since_boot()
+    flags = ["--vllm-url", server.url, "--env", "python", "--steps", "30", "--max-operand", "9"]
+    code, out = run_cli(*flags, "--rewards", "correct_answer", "--output-dir", str(tmp_path / "run"))
+    assert code == 0, out[-3000:]
+    metrics = read_metrics(tmp_path / "run")
+    first = np.mean([m["reward/mean"] for m in metrics[:5]])
+    last = np.mean([m["reward/mean"] for m in metrics[-5:]])
+    calls = np.mean([m["tools/call_frequency"] for m in metrics])
+    failed = sum(m["tools/python/failures"] for m in metrics) / sum(m["tools/python/calls"] for m in metrics)
+    print(f"reward first 5 steps {first:.3f}, last 5 {last:.3f}; call frequency {calls:.3f}, failed {failed:.3f}")
+    assert last > first + 0.04 and calls > 0.95 and failed < 0.05
+    assert interpreter_processes(since) == []
+
+
+@pytest.mark.parametrize("fault", [signal.SIGINT, signal.SIGKILL], ids=["ctrl_c", "killed"])
+def test_no_interpreter_outlives_a_run_stopped_by_ctrl_c_or_killed(server, tmp_path, fault):
+    """Ctrl-C stops the run after its step (the groups in flight are cancelled, their instances closed); SIGKILL ends
+    the trainer at once, with no code of its own run after it: then bwrap, told of its parent's death by the kernel
+    (--die-with-parent), ends, and with it each interpreter's PID namespace. Either way none is left."""
+    since, alive = ticks_since_boot(), []
+
+    def stop():  # the trainer: the process whose command line names the run's directory
+        alive.extend(interpreter_processes(since))
+        for pid in running(tmp_path / "run"):
+            os.kill(pid, fault)
+
+    flags = ("--vllm-url", server.url, "--env", "python", "--steps", "100", "--tool-latency", "1")  # calls in flight
+    code, out, seconds, _ = run_with_fault(tmp_path / "run", *flags, at="step    1/", fault=stop)
+    left = interpreter_processes(since)
+    for _ in range(50):  # the kernel ends them as it delivers the parent's death
+        if not left:
+            break
+        time.sleep(0.1)
+        left = interpreter_processes(since)
+    print(f"{len(alive)} interpreter processes when the run was stopped; the run ended {seconds:.1f} s after it")
+    assert code != 0 and alive and left == [], out[-3000:]
+    if fault == signal.SIGINT:
+        assert re.search("stopped at step [12] by signal 2", out), out[-3000:]
 
 
 def test_bench_tiny_runs_every_part_and_writes_every_field(tmp_path):

@@ -328,7 +328,8 @@ def mcp_environment(server, log=None, timeout=10.0):
 class Python:
     """--env python: a code interpreter per rollout, each in a sandbox of its own (sandbox.py: what it isolates, and how).
     reset starts the rollout's interpreter, which boots while the model writes its first turn; release ends it and all
-    it started (its scratch directory too)."""
+    it started (its scratch directory too). Its methods are async: a call waits on the event loop, not in one of the
+    64 tool threads, so that every rollout in flight may run code at once."""
 
     timeout = 10.0  # --tool-timeout: a call gets 0.9 of it, so that the model sees the interpreter's own error
     memory_mb = 512  # --python-memory
@@ -341,20 +342,20 @@ class Python:
         flags = {"timeout": args.tool_timeout, "memory_mb": args.python_memory, "sandboxed": args.python_sandbox}
         return type("python", (cls,), flags)
 
-    def reset(self, **row):
-        self.release()
+    async def reset(self, **row):
+        await self.release()
         self.interpreter = sandbox.Interpreter(self.memory_mb, self.sandboxed)
 
-    def python(self, code: str) -> str:
+    async def python(self, code: str) -> str:
         """Run Python code in your own interpreter, as a notebook cell: variables, imports and files stay from call to
         call. Shows what it prints and its last expression's value, or the traceback, cut at 1000 characters.
 
         Args:
             code: Python source, e.g. "print(3 + 4)".
         """
-        return self.interpreter.run(code, 0.9 * self.timeout)
+        return await self.interpreter.run(code, 0.9 * self.timeout)
 
-    def release(self):
+    async def release(self):
         if self.interpreter is not None:
             self.interpreter.stop()
             self.interpreter = None
