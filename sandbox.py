@@ -46,6 +46,7 @@ import tempfile
 OUTPUT_CHARS = 1000  # of a call's output: the rest is cut (the tool's description says so)
 SCRATCH_MB = 64  # the tmpfs at /tmp: the files the code writes, all of them
 PROCESSES = 32  # processes and threads an interpreter may have at once
+RESTARTED = "It was restarted: its variables, imports and files are gone."
 
 
 def bwrap():
@@ -149,9 +150,7 @@ class Interpreter:
             raise
         said = self.stop()
         self.start()
-        raise RuntimeError(
-            f"{lost}{f' ({said})' if said else ''}. It was restarted: its variables, imports and files are gone."
-        )
+        raise RuntimeError(f"{lost}{f' ({said})' if said else ''}. {RESTARTED}")
 
     def stop(self):
         """Ends it and everything it started; returns what it said on stderr (bwrap's reason to fail), if anything."""
@@ -219,11 +218,11 @@ def check(memory_mb, sandboxed=True):
     try:
         said = asyncio.run(interpreter.run("1 + 1", 30))
     except RuntimeError as e:
-        said = str(e)
-    why = interpreter.stop()
+        said = str(e).removesuffix(f". {RESTARTED}")
+    interpreter.stop()
     if said != "2":
         raise SystemExit(
-            f"--env python: the sandbox cannot start ({why or said}). It needs user namespaces (/proc/sys/user/"
+            f"--env python: the sandbox cannot start ({said}). It needs user namespaces (/proc/sys/user/"
             "max_user_namespaces 0 disables them, as do kernel.unprivileged_userns_clone=0 and AppArmor's "
             "kernel.apparmor_restrict_unprivileged_userns=1; a container's seccomp profile may forbid them): ask an "
             "administrator to allow them, or run where they are; --no-python-sandbox runs without isolation but "

