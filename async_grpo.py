@@ -3,6 +3,7 @@
     python async_grpo.py                          # CPU, no network: tiny built-in model + arithmetic task
     python async_grpo.py --tools                  # the same task, with a calculator the model can call
     python async_grpo.py --task guess             # a game, an environment (tools.py) that answers each guess
+    python async_grpo.py --env python             # a code interpreter per rollout, in a sandbox (sandbox.py)
     python async_grpo.py --model Qwen/Qwen3-0.6B --tools                        # 1 GPU: vLLM shares it
     python async_grpo.py --model Qwen/Qwen3-0.6B --tools --vllm-gpus 1          # 2 GPUs: 1 trains, 1 serves
     torchrun --nproc-per-node 4 async_grpo.py --model Qwen/Qwen3-0.6B --tools --vllm-gpus 4,5,6,7
@@ -24,8 +25,8 @@ group-relative advantages; the producer and its staleness gate; the loss; the tr
 run's phases (main, and what it calls in the order it calls them), then the machinery that supports both, in sections
 named as such (arguments and devices, data, tools and environments at work, models, chat templates, tool-call parsing,
 vLLM servers, the sync group). Beside it: tools.py (tools and environments), rewards.py (rewards, built-in tasks),
-tiny_model.py (the built-in model), vllm_server.py (starting and stopping servers). `# FORK:` marks where a forker
-edits (README.md lists them).
+tiny_model.py (the built-in model), vllm_server.py (starting and stopping servers), sandbox.py (the interpreter's
+sandbox). `# FORK:` marks where a forker edits (README.md lists them).
 """
 
 import argparse, asyncio, contextlib, functools, http.client as http_client, inspect, itertools, json, math, os, queue

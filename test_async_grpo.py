@@ -979,7 +979,7 @@ def bad_inputs(tmp):
         (["--terms", "1"], "--terms >= 2"),
         (["--model", str(tmp / "missing.gguf")], "--model: no file"),
         (["--model", str(tmp / "a_file.gguf")], "cannot read it as a GGUF causal LM"),
-        (["--env", "nope"], "--env: ['nope'] neither in ['GuessNumber'] nor path/to/file.py:Class"),
+        (["--env", "nope"], "--env: ['nope'] neither in ['GuessNumber', 'python'] nor path/to/file.py:Class"),
         (["--env", f"{tmp / 'a_file'}:Missing"], "cannot load it, or its tools' schemas (AttributeError"),
         (["--env", f"GuessNumber,{tmp / 'counter.py'}:Counter"], "row 64: its column `env` must name one of"),
         (["--tools", "--env", f"{tmp / 'clash.py'}:Clash"], "tools not named as --tools' ['calculator']"),
