@@ -5277,7 +5277,11 @@ def test_no_interpreter_outlives_a_run_stopped_by_ctrl_c_or_killed(server, tmp_p
     since, alive = ticks_since_boot(), []
 
     def stop():  # the trainer: the process whose command line names the run's directory
-        alive.extend(interpreter_processes(since))
+        for _ in range(400):  # at a moment with groups in flight (between steps, all of them may be done)
+            alive.extend(interpreter_processes(since))
+            if alive:
+                break
+            time.sleep(0.02)
         for pid in running(tmp_path / "run"):
             os.kill(pid, fault)
 
@@ -5292,7 +5296,7 @@ def test_no_interpreter_outlives_a_run_stopped_by_ctrl_c_or_killed(server, tmp_p
     print(f"{len(alive)} interpreter processes when the run was stopped; the run ended {seconds:.1f} s after it")
     assert code != 0 and alive and left == [], out[-3000:]
     if fault == signal.SIGINT:
-        assert re.search("stopped at step [12] by signal 2", out), out[-3000:]
+        assert re.search(r"stopped at step \d+ by signal 2", out), out[-3000:]
 
 
 def test_bench_tiny_runs_every_part_and_writes_every_field(tmp_path):
