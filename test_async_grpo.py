@@ -1703,8 +1703,9 @@ def logprob_gaps(server, tok, model, **truncation):
     ids=["top_p_0.8", "top_k_5", "min_p_0.1", "top_p_0.9+top_k_20"],
 )
 def test_trainer_logprobs_are_vllms_processed_logprobs_under_truncation(server, tiny_model, truncation):
-    """The server holds the built-in model's weights (bf16); the trainer computes the log-probs of the tokens vLLM
-    sampled on the same weights (fp32) over the tokens the same truncation keeps. They differ by bf16's rounding, as
+    """The server is given the built-in model's weights (bf16: a test that ran before may have trained them); the
+    trainer computes the log-probs of the tokens vLLM sampled on the same weights (fp32) over the tokens the same
+    truncation keeps. They differ by bf16's rounding, as
     the trainer's own model in bf16 does from it (logprob_gaps), truncation and all: where two tokens at the boundary
     of the kept set are within rounding of each other (4 of 128 tokens at top-p 0.8 here) either side may keep either,
     which makes the few largest gaps larger than at top-p 1 for both. The bounds are multiples of that rounding,
@@ -1716,6 +1717,7 @@ def test_trainer_logprobs_are_vllms_processed_logprobs_under_truncation(server, 
         AutoTokenizer.from_pretrained(tiny_model),
         AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32),
     )
+    ag.WeightSync([server.url], ag.parse_args(["--output-dir", "unused"]), torch.bfloat16, ag.PolicyVersion())(model)
     baseline, _, _ = logprob_gaps(server, tok, model)
     gaps, rounding, untruncated = logprob_gaps(server, tok, model, **truncation)
     print(
