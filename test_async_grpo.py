@@ -1351,8 +1351,21 @@ def serve(model_path, out, vllm_args=""):
 
 
 @pytest.fixture(scope="session")
-def server(tiny_model, tmp_path_factory):
+def shared_server(tiny_model, tmp_path_factory):
     yield from serve(tiny_model, tmp_path_factory.mktemp("server"))
+
+
+@pytest.fixture
+def server(shared_server, tiny_model):
+    """The shared server, given the built-in model's weights again before each test: a test before it may have trained
+    them (a run with --vllm-url), and the tests pass in any order (a shuffled run found two that needed the built-in
+    weights: a log-prob comparison, and tool rollouts that a trained model no longer made)."""
+    from transformers import AutoModelForCausalLM
+
+    args = ag.parse_args(["--output-dir", "unused"])
+    sync = ag.WeightSync([shared_server.url], args, torch.bfloat16, ag.PolicyVersion())
+    sync(AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32))
+    return shared_server
 
 
 def perturbed(model):
@@ -1378,16 +1391,13 @@ def test_weight_sync_is_exact(server, tiny_model):
     model = perturbed(AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32))
     sync = ag.WeightSync([server.url], ag.parse_args(["--output-dir", "unused"]), torch.bfloat16, ag.PolicyVersion())
     assert sync(model) > 0
-    try:
-        check_vllm_matches(server, tok, model)
-        # The bound guards what it is for: the served weights with one tensor the sync could have missed (the final
-        # norm: a mean gap of 0.07 against 0.01 for bf16's rounding) fail the check.
-        missed = copy.deepcopy(model)
-        missed.model.norm.weight.data.copy_(AutoModelForCausalLM.from_pretrained(tiny_model).model.norm.weight)
-        with pytest.raises(AssertionError, match="mean gap"):
-            check_vllm_matches(server, tok, missed)
-    finally:  # the other tests expect the server to hold the built-in model's weights
-        sync(AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32))
+    check_vllm_matches(server, tok, model)
+    # The bound guards what it is for: the served weights with one tensor the sync could have missed (the final
+    # norm: a mean gap of 0.07 against 0.01 for bf16's rounding) fail the check.
+    missed = copy.deepcopy(model)
+    missed.model.norm.weight.data.copy_(AutoModelForCausalLM.from_pretrained(tiny_model).model.norm.weight)
+    with pytest.raises(AssertionError, match="mean gap"):
+        check_vllm_matches(server, tok, missed)
 
 
 def test_lora_sync_is_exact_and_sends_only_the_modules_an_adapter_can_change(server, tiny_model, monkeypatch):
@@ -1412,28 +1422,23 @@ def test_lora_sync_is_exact_and_sends_only_the_modules_an_adapter_can_change(ser
         ),
     )
     sync = ag.WeightSync([server.url], args, torch.bfloat16, ag.PolicyVersion())
-    try:
-        sync(model, every=True)  # what --vllm-url does first: the server may hold another test's weights
-        torch.manual_seed(0)
-        with (
-            torch.no_grad()
-        ):  # the adapter moved as training moves it (B = 0 until then: the merged model is the base)
-            for p in (p for p in model.parameters() if p.requires_grad):
-                p.add_(torch.randn_like(p) * 0.3)
-        sync(model)
-        check_vllm_matches(server, tok, model)
-        prompt, completion = (
-            ag.render_prompt(tok, [{"role": "user", "content": "What is 3 + 4?"}], None),
-            tok.encode("7"),
-        )
-        with torch.no_grad():  # the adapter moves the log-probs far beyond the check's bound
-            with model.disable_adapter():
-                unadapted = completion_logprobs(model, prompt, completion + completion)
-            assert (completion_logprobs(model, prompt, completion + completion) - unadapted).abs().max() > 0.5
-    finally:  # the other tests expect the server to hold the built-in model's weights
-        sync(AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32))
+    sync(model, every=True)  # what --vllm-url does first: the server may hold another test's weights
+    torch.manual_seed(0)
+    with torch.no_grad():  # the adapter moved as training moves it (B = 0 until then: the merged model is the base)
+        for p in (p for p in model.parameters() if p.requires_grad):
+            p.add_(torch.randn_like(p) * 0.3)
+    sync(model)
+    check_vllm_matches(server, tok, model)
+    prompt, completion = (
+        ag.render_prompt(tok, [{"role": "user", "content": "What is 3 + 4?"}], None),
+        tok.encode("7"),
+    )
+    with torch.no_grad():  # the adapter moves the log-probs far beyond the check's bound
+        with model.disable_adapter():
+            unadapted = completion_logprobs(model, prompt, completion + completion)
+        assert (completion_logprobs(model, prompt, completion + completion) - unadapted).abs().max() > 0.5
     adapted = {name for name in base if ".self_attn." in name or ".mlp." in name}
-    assert set(sent[0]) == set(base) and set(sent[1]) == adapted and sync.policy.value == 3
+    assert set(sent[0]) == set(base) and set(sent[1]) == adapted and sync.policy.value == 2
     assert (
         "model.layers.0.self_attn.k_proj.weight" in adapted and "model.layers.0.input_layernorm.weight" not in adapted
     )
@@ -1703,9 +1708,8 @@ def logprob_gaps(server, tok, model, **truncation):
     ids=["top_p_0.8", "top_k_5", "min_p_0.1", "top_p_0.9+top_k_20"],
 )
 def test_trainer_logprobs_are_vllms_processed_logprobs_under_truncation(server, tiny_model, truncation):
-    """The server is given the built-in model's weights (bf16: a test that ran before may have trained them); the
-    trainer computes the log-probs of the tokens vLLM sampled on the same weights (fp32) over the tokens the same
-    truncation keeps. They differ by bf16's rounding, as
+    """The server holds the built-in model's weights (bf16); the trainer computes the log-probs of the tokens vLLM
+    sampled on the same weights (fp32) over the tokens the same truncation keeps. They differ by bf16's rounding, as
     the trainer's own model in bf16 does from it (logprob_gaps), truncation and all: where two tokens at the boundary
     of the kept set are within rounding of each other (4 of 128 tokens at top-p 0.8 here) either side may keep either,
     which makes the few largest gaps larger than at top-p 1 for both. The bounds are multiples of that rounding,
@@ -1717,7 +1721,6 @@ def test_trainer_logprobs_are_vllms_processed_logprobs_under_truncation(server, 
         AutoTokenizer.from_pretrained(tiny_model),
         AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32),
     )
-    ag.WeightSync([server.url], ag.parse_args(["--output-dir", "unused"]), torch.bfloat16, ag.PolicyVersion())(model)
     baseline, _, _ = logprob_gaps(server, tok, model)
     gaps, rounding, untruncated = logprob_gaps(server, tok, model, **truncation)
     print(
@@ -2107,7 +2110,6 @@ def test_sync_modes_with_generations_spanning_a_sync(server, tiny_model, mode):
         samples = [s for g in producer.take(4, timeout=120) for s in g]
     finally:
         producer.stop()
-        sync(models[0])  # the other tests expect the built-in model's weights
     versions = [[v for v, m in zip(s["versions"], s["mask"]) if m] for s in samples]
     assert all(len(v) == 600 and v == sorted(v) and set(v) <= {0, 1} for v in versions)
     if mode == "keep":  # turns that were cut went on from their tokens with the new weights
@@ -2706,27 +2708,24 @@ def test_fsdp_two_ranks_sync_the_gathered_weights_and_resume(server, tiny_model,
     )
     launcher = (sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2")
     sync = ag.WeightSync([server.url], ag.parse_args(["--output-dir", "unused"]), torch.bfloat16, ag.PolicyVersion())
-    try:
-        code, out = run_cli(*flags, "--steps", "2", timeout=300, launcher=launcher)
-        assert code == 0, out[-3000:]
-        code, out = run_cli(*flags, "--steps", "3", "--resume", timeout=300, launcher=launcher)
-        assert code == 0 and "resuming at step 2" in out, out[-3000:]
-        model = AutoModelForCausalLM.from_pretrained(tmp_path / "checkpoint", dtype=torch.float32)
-        initial = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
-        assert all(not torch.equal(p, q) for p, q in zip(model.parameters(), initial.parameters()))  # all trained
-        # The optimizer state is whole (both shards) and was restored: Adam counts 3 steps, not 1.
-        optimizer = torch.load(tmp_path / "checkpoint" / "trainer_state.pt", weights_only=False)["optimizer"]["state"]
-        for name, p in model.named_parameters():
-            assert optimizer[name]["exp_avg"].shape == p.shape and optimizer[name]["step"] == 3, name
-        assert read_metrics(tmp_path)[-1]["train/kl"] > 0  # the sharded reference model is used
-        # The gathered weights that vLLM got from the last sync are the saved ones, to the bit: sending the checkpoint
-        # through the unsharded sync (exact, test_weight_sync_is_exact) changes no token and no log-prob.
-        tok = AutoTokenizer.from_pretrained(tiny_model)
-        synced_by_fsdp = served_outputs(server, tok)
-        sync(model)
-        assert served_outputs(server, tok) == synced_by_fsdp
-    finally:  # the other tests expect the server to hold the built-in model's weights
-        sync(AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32))
+    code, out = run_cli(*flags, "--steps", "2", timeout=300, launcher=launcher)
+    assert code == 0, out[-3000:]
+    code, out = run_cli(*flags, "--steps", "3", "--resume", timeout=300, launcher=launcher)
+    assert code == 0 and "resuming at step 2" in out, out[-3000:]
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "checkpoint", dtype=torch.float32)
+    initial = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
+    assert all(not torch.equal(p, q) for p, q in zip(model.parameters(), initial.parameters()))  # all trained
+    # The optimizer state is whole (both shards) and was restored: Adam counts 3 steps, not 1.
+    optimizer = torch.load(tmp_path / "checkpoint" / "trainer_state.pt", weights_only=False)["optimizer"]["state"]
+    for name, p in model.named_parameters():
+        assert optimizer[name]["exp_avg"].shape == p.shape and optimizer[name]["step"] == 3, name
+    assert read_metrics(tmp_path)[-1]["train/kl"] > 0  # the sharded reference model is used
+    # The gathered weights that vLLM got from the last sync are the saved ones, to the bit: sending the checkpoint
+    # through the unsharded sync (exact, test_weight_sync_is_exact) changes no token and no log-prob.
+    tok = AutoTokenizer.from_pretrained(tiny_model)
+    synced_by_fsdp = served_outputs(server, tok)
+    sync(model)
+    assert served_outputs(server, tok) == synced_by_fsdp
 
 
 def test_a_run_with_its_own_server_serves_fp32_exactly_calls_tools_and_leaves_nothing_behind(tmp_path):
