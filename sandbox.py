@@ -163,11 +163,11 @@ class Interpreter:
         """Ends it and everything it started; returns what it said on stderr (bwrap's reason to fail), if anything."""
         if self.proc is None:
             return ""
-        if self.sandboxed:  # its PID namespace ends with bwrap (--die-with-parent): every process in it
-            self.proc.kill()
-        else:  # without namespaces, a process that left its session stays: README.md says so
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.proc.pid, signal.SIGKILL)
+        # Its process group: bwrap and the namespace's first process, whose end ends every process in the namespace (one
+        # killed before it had set its own parent-death signal was left waiting forever: seen once). Without
+        # namespaces, a process that left the session stays: README.md says so.
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
         self.proc.wait()
         said = b""
         if select.select([self.proc.stderr], [], [], 0)[0]:  # written before it exited, if at all
