@@ -1885,6 +1885,10 @@ def save_after_error(run, error):
     if failure or isinstance(error, (ConnectionError, TimeoutError)):  # a server failed, or did not answer in time
         seen = f" after {type(error).__name__}: {(str(error) or '-').splitlines()[0][:300]}" if failure else ""
         raise SystemExit(f"error: {failure or error}\nThe run stopped at step {run.completed}{seen}. {logs}")
+    if isinstance(error, KeyboardInterrupt) and run.stop:  # it came as the trainer waited for data, or came twice
+        saved = (run.out_dir / "checkpoint").exists()
+        resume = f"; continue with --resume --output-dir {run.out_dir}" if saved else " (no checkpoint to resume from)"
+        raise SystemExit(f"stopped at step {run.completed} by signal {run.stop[0]}{resume}")
     if logs:
         print(logs, flush=True)
 

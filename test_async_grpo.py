@@ -2757,18 +2757,32 @@ def test_a_run_with_its_own_server_serves_fp32_exactly_calls_tools_and_leaves_no
     assert processes_in_group(server_pid) == []
 
 
-# The script run with a calculator that never returns (a tool stuck in I/O without a timeout of its own): a stub, as
-# such a tool cannot be had otherwise; the run imports the tools module this one changed.
-HUNG_CALCULATOR = (
-    sys.executable,
-    "-c",
-    (
-        "import functools, runpy, sys, threading, tools\n"
-        "tools.TOOLS['calculator'] = functools.wraps(tools.calculator)(lambda expression: threading.Event().wait())\n"
-        "sys.argv = sys.argv[1:]\n"
-        "runpy.run_path(sys.argv[0], run_name='__main__')\n"
-    ),
-)
+# Stubs for faults that cannot be had otherwise: a calculator that never returns (a tool stuck in I/O without a timeout
+# of its own; the run imports the tools module the launcher changed), and a hook that times the run's own signal.
+def signalling_itself(sig, at_call, nth, hang_calculator=False):
+    """A launcher of the real script that sends itself the real signal `sig` as its main thread calls the function
+    `at_call` for the nth time (a profile hook), after printing 'sending the signal': a chosen point of a step, which a
+    signal from outside does not reliably hit (one meant to come mid-step once came between two steps of a CI run).
+    With hang_calculator the calculator tool blocks forever: a tool stuck in I/O."""
+    hung = "tools.TOOLS['calculator'] = functools.wraps(tools.calculator)(lambda expression: threading.Event().wait())"
+    return (
+        sys.executable,
+        "-c",
+        (
+            "import functools, os, runpy, sys, threading, tools\n"
+            f"{hung if hang_calculator else ''}\n"
+            "calls = []\n"
+            "def hook(frame, event, arg):\n"
+            f"    if event == 'call' and frame.f_code.co_name == {at_call!r}:\n"
+            "        calls.append(event)\n"
+            f"        if len(calls) == {nth}:\n"
+            "            print('sending the signal', flush=True)\n"
+            f"            os.kill(os.getpid(), {int(sig)})\n"
+            "sys.setprofile(hook)\n"
+            "sys.argv = sys.argv[1:]\n"
+            "runpy.run_path(sys.argv[0], run_name='__main__')\n"
+        ),
+    )
 
 
 def run_with_fault(
@@ -2858,8 +2872,9 @@ def test_faults_end_in_seconds_with_one_message_and_resume_continues(tmp_path, t
     engine process killed (what a GPU out-of-memory does: vLLM's API server stays up), the engine stopped (SIGSTOP: it
     answers nothing), one of two servers' API process killed, a disk too small for a checkpoint (a tmpfs, where the
     test may mount one), the engine killed during an evaluation (its rollouts wait out a tool's latency, so the
-    producer fails first: its loop stops under the evaluation), a scheduler's SIGTERM with a tool stuck in I/O (the
-    step's evaluation is skipped, the exit does not wait for the tool's threads, a full tool pool is said and counted).
+    producer fails first: its loop stops under the evaluation), a scheduler's SIGTERM with a tool stuck in I/O, as the
+    run's second step trains (the step's evaluation is skipped, the exit does not wait for the tool's threads, a full
+    tool pool is said and counted).
     Each run ends within its bound with one message naming the cause, leaves no process behind, and the next run
     continues at the step after the last complete checkpoint."""
     out = tmp_path / "run"
@@ -2908,7 +2923,7 @@ def test_faults_end_in_seconds_with_one_message_and_resume_continues(tmp_path, t
             (
                 "term",
                 (*eval_tools, "--tool-timeout", "1"),
-                signal.SIGTERM,
+                lambda: None,  # its launcher sends the run SIGTERM as the run's second step trains
                 "trainer",
                 "stopped at step \\d+ by signal 15; continue with --resume",
             ),
@@ -2922,11 +2937,13 @@ def test_faults_end_in_seconds_with_one_message_and_resume_continues(tmp_path, t
             code, text, seconds, pids = run_with_fault(
                 out,
                 *flags,
-                at="step ",
+                at="sending the signal" if name == "term" else "step ",
                 fault=fault,
                 victim=victim,
                 delay=2.0 if name == "eval" else 0.0,  # into the next evaluation's tool latency
-                launcher=HUNG_CALCULATOR if name == "term" else (sys.executable,),
+                launcher=signalling_itself(signal.SIGTERM, "train_step", 2, hang_calculator=True)
+                if name == "term"
+                else (sys.executable,),
             )
             print(f"{name}: exit {code} {seconds:.1f} s after the fault")
             url = re.findall(r"--port (\d+)", text)[-1]
@@ -2947,6 +2964,30 @@ def test_faults_end_in_seconds_with_one_message_and_resume_continues(tmp_path, t
     finally:
         subprocess.run(["umount", "-l", str(out)], capture_output=True) if not mounted.returncode else None
     print("steps trained by each run:", steps)
+
+
+@pytest.mark.parametrize("nth", [1, 2])
+def test_a_stop_signal_while_the_trainer_waits_for_data_saves_and_ends_with_one_message(server, tmp_path, nth):
+    """Ctrl-C as the trainer calls for its first or second batch, which it then waits for: under --sync the next group
+    starts after the last sync, and its 8 rollouts of 64 tokens one at a time take about 0.9 s here (measured), 9 times
+    the trainer's first look (0.1 s). The run ends with the message of a stop after a step, saying whether there is a
+    checkpoint to resume from, not with a traceback; after the first step, that step's checkpoint is saved
+    (--save-every would not have saved it)."""
+    flags = ("--vllm-url", server.url, "--sync", "--max-inflight", "1", "--steps", "5", "--save-every", "100")
+    flags += ("--prompts-per-step", "1", "--max-tokens", "64", "--sampling-args", '{"min_tokens": 64}')
+    launcher = signalling_itself(signal.SIGINT, "take", nth)
+    code, out, seconds, _ = run_with_fault(
+        tmp_path / "run", *flags, at="sending the signal", launcher=launcher, fault=lambda: None
+    )
+    print(f"the run ended {seconds:.1f} s after the signal")
+    assert code != 0 and seconds < 30 and "Traceback" not in out, out[-3000:]
+    if nth == 1:
+        assert "stopped at step 0 by signal 2 (no checkpoint to resume from)" in out, out[-3000:]
+        assert not (tmp_path / "run" / "checkpoint").exists()
+    else:
+        assert re.search("stopped at step 1 by signal 2; continue with --resume --output-dir .*run$", out, re.M), out
+        assert os.readlink(tmp_path / "run" / "checkpoint") == "checkpoint-000001"
+        assert [m["step"] for m in read_metrics(tmp_path / "run")] == [1]
 
 
 FAULTY_RELOAD = """
