@@ -1352,6 +1352,7 @@ class Run:
     share_core: object = contextlib.nullcontext  # around a training step: share_idle_core on CPU
     logs: dict = field(default_factory=dict)  # metrics.jsonl, rollouts.jsonl, the wandb run
     stop: list = field(default_factory=list)  # a signal asked to stop after this step
+    unlogged: list = None  # log_step's arguments for the last trained step, until its line is written
     updating: bool = False  # mid-update: the weights may be half-changed, so they are not saved
     completed: int = 0  # steps finished
     done_cursor: dict = None  # the producer's data cursor as of the last finished step: what a checkpoint saves
@@ -1622,24 +1623,22 @@ def train_one_step(run, step):
         run.done_cursor = dict(run.producer.cursor)
     run.completed = step + 1  # with the cursor, both while `updating`: no save pairs one step's weights with another's
     run.updating = False
-    sync_seconds = 0.0
+    if run.is_main:  # a saved step has its line: if its sync or evaluation fails, save_after_error writes it
+        metrics.update({"train/loss_tokens": num_tokens, "perf/wait_seconds": wait_seconds, "sync/seconds": 0.0})
+        metrics["perf/step_seconds"] = time.perf_counter() - t_step
+        run.unlogged = [step + 1, groups, metrics, trained_version]
     if (step + 1) % args.sync_every == 0:
         if run.is_main:
-            sync_seconds = run.sync(run.policy)
+            metrics["sync/seconds"] = run.sync(run.policy)
         elif args.fsdp:
             help_sync(run.policy, args, run.served)
         if run.world_size > 1:
             dist.barrier()
     if run.is_main:
-        metrics.update(
-            {
-                "train/loss_tokens": num_tokens,
-                "perf/wait_seconds": wait_seconds,
-                "sync/seconds": sync_seconds,
-                "perf/step_seconds": time.perf_counter() - t_step,
-            }
-        )
-        log_step(run, step + 1, groups, metrics, trained_version)  # before the checkpoint: a saved step has its line
+        metrics["perf/step_seconds"] = time.perf_counter() - t_step
+        if args.eval_every and (step + 1) % args.eval_every == 0 and not run.stop:  # a stop signal: checkpoint first
+            metrics.update(evaluate(run))
+        log_step(run, *run.unlogged)  # before the checkpoint
     stopping = bool(run.stop)  # read once: the checkpoint and the exit agree; a later signal stops the next step
     due = [bool(args.save_every and (step + 1) % args.save_every == 0 or stopping)]  # rank 0 decides: it gets signals
     if args.fsdp:
@@ -1653,7 +1652,8 @@ def train_one_step(run, step):
 
 
 def log_step(run, step, groups, metrics, trained_version):
-    """metrics.jsonl (and wandb), a few rollouts in rollouts.jsonl, the evaluation when due, and one line printed."""
+    """metrics.jsonl (and wandb), a few rollouts in rollouts.jsonl, and one line printed."""
+    run.unlogged = None
     args = run.args
     clock = run.clock
     cursor = run.done_cursor
@@ -1694,8 +1694,6 @@ def log_step(run, step, groups, metrics, trained_version):
             file=run.logs["rollouts"],
             flush=True,
         )
-    if args.eval_every and step % args.eval_every == 0 and not run.stop:  # a stop signal: the checkpoint first
-        metrics.update(evaluate(run))
     write_metrics(run, metrics)
     run.history.append(metrics)
     print(
@@ -1876,6 +1874,8 @@ def save_after_error(run, error):
         time.sleep(3)
         failure = run.server_failure or server_failure(run.urls, run.servers)
     if run.is_main and run.producer and not run.updating and run.completed > run.start_step and not run.args.fsdp:
+        if run.unlogged:  # its sync or evaluation failed (sync/seconds 0, no eval/ metrics)
+            log_step(run, *run.unlogged)
         checkpoint(run, run.completed)
         print(
             f"saved the checkpoint of step {run.completed} in {run.out_dir / 'checkpoint'}; continue with --resume",

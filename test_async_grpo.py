@@ -2961,6 +2961,8 @@ def test_faults_end_in_seconds_with_one_message_and_resume_continues(tmp_path, t
                 *_, before, last = read_metrics(out)
                 assert last["step"] == saved[-1] and "eval/reward" not in last and "eval/reward" in before
                 assert last["tools/refused"] > 0 and "warning: a tool call refused" in text
+        # every saved step has one line, whatever ended its run (a failed sync or evaluation after it trained included)
+        assert [m["step"] for m in read_metrics(out)] == list(range(1, saved[-1] + 1)), steps
     finally:
         subprocess.run(["umount", "-l", str(out)], capture_output=True) if not mounted.returncode else None
     print("steps trained by each run:", steps)
@@ -3070,6 +3072,10 @@ def test_a_sync_that_fails_midway_ends_the_run_in_seconds_saved_and_resume_conti
         "--vllm-args=--enforce-eager",
     )  # --eval-size: run_with_fault's, which a resume keeps
     assert code == 0 and "resuming at step 3" in text and "step    4/4" in text, text[-3000:]
+    metrics = read_metrics(out)  # the two steps saved after their failed syncs have their lines too
+    assert [m["step"] for m in metrics] == [1, 2, 3, 4] and metrics[1]["sync/seconds"] == metrics[2][
+        "sync/seconds"
+    ] == 0
 
 
 def test_ctrl_c_during_server_start_leaves_nothing_behind(tmp_path, tiny_model):
