@@ -1621,12 +1621,11 @@ def train_one_step(run, step):
     if run.is_main:
         trained_version = run.version.value
         run.done_cursor = dict(run.producer.cursor)
-    run.completed = step + 1  # with the cursor, both while `updating`: no save pairs one step's weights with another's
-    run.updating = False
-    if run.is_main:  # a saved step has its line: if its sync or evaluation fails, save_after_error writes it
         metrics.update({"train/loss_tokens": num_tokens, "perf/wait_seconds": wait_seconds, "sync/seconds": 0.0})
         metrics["perf/step_seconds"] = time.perf_counter() - t_step
-        run.unlogged = [step + 1, groups, metrics, trained_version]
+        run.unlogged = [step + 1, groups, metrics, trained_version]  # save_after_error writes it if sync or eval fails
+    run.completed = step + 1  # with the cursor and the line, while `updating`: a save pairs a step's weights with both
+    run.updating = False
     if (step + 1) % args.sync_every == 0:
         if run.is_main:
             metrics["sync/seconds"] = run.sync(run.policy)
@@ -1636,7 +1635,7 @@ def train_one_step(run, step):
             dist.barrier()
     if run.is_main:
         metrics["perf/step_seconds"] = time.perf_counter() - t_step
-        if args.eval_every and (step + 1) % args.eval_every == 0 and not run.stop:  # a stop signal: checkpoint first
+        if args.eval_every and (step + 1) % args.eval_every == 0:
             metrics.update(evaluate(run))
         log_step(run, *run.unlogged)  # before the checkpoint
     stopping = bool(run.stop)  # read once: the checkpoint and the exit agree; a later signal stops the next step
@@ -1771,6 +1770,8 @@ def evaluate(run):
     --eval-samples K also K sampled at the run's temperature, for pass@1 and pass@K of each reward (a sample passes a
     reward whose value is positive: the built-in ones are 0 or 1). A wait as bounded as the data's (Producer.wait,
     --data-timeout); none ({}) once a stop signal came: the checkpoint first."""
+    if run.stop:
+        return {}
     p = run.producer
     rows = run.eval_rows
     args = run.args

@@ -2287,8 +2287,8 @@ def test_a_signal_at_any_line_of_a_step_saves_it_whole_or_not_at_all_and_resume_
     line tracer runs the real handler (_stop_after_step) at each line of train_one_step from the end of the update on,
     as a run's first signal, then as a second one (which interrupts). Whatever the line: a step that stops ("stopped at
     step N") has its checkpoint and its metrics line, without an evaluation if the signal came before it; an interrupted
-    one saves (save_after_error, as main) a step whose weights and data cursor belong together; a checkpoint-N left by a
-    save cut off before its link swap is replaced. --resume then cuts the logs back to the checkpoint's step, and
+    one saves (save_after_error, as main) a step whose weights, data cursor and metrics line belong together, and ends
+    with the stop's message; a checkpoint-N left by a save cut off before its link swap is replaced. --resume then cuts the logs back to the checkpoint's step, and
     refuses a change of the flags the data order depends on."""
     flags = ["--vllm-url", server.url, "--output-dir", str(tmp_path), "--cache-dir", CACHE, "--steps", "1000"]
     flags += ["--eval-every", "1", "--eval-size", "4", "--prompts-per-step", "2", "--num-generations", "2"]
@@ -2307,7 +2307,7 @@ def test_a_signal_at_any_line_of_a_step_saves_it_whole_or_not_at_all_and_resume_
 
     source, first = inspect.getsourcelines(ag.train_one_step)
     update_end = first + next(i for i, line in enumerate(source) if "run.scheduler.step()" in line)
-    evaluation = first + next(i for i, line in enumerate(source) if "log_step(run" in line)
+    evaluation = first + next(i for i, line in enumerate(source) if "evaluate(run)" in line)
     lines = sorted({n for _, _, n in ag.train_one_step.__code__.co_lines() if n and n >= update_end})
     left = tmp_path / "checkpoint-000001" / "left by a save cut off"
     left.parent.mkdir()
@@ -2338,12 +2338,14 @@ def test_a_signal_at_any_line_of_a_step_saves_it_whole_or_not_at_all_and_resume_
                 except SystemExit as stopped:
                     outcome = str(stopped)
                 except KeyboardInterrupt as interrupted:
-                    ag.save_after_error(run, interrupted)
+                    with pytest.raises(SystemExit, match=f"^stopped at step {run.completed} by signal 15; continue"):
+                        ag.save_after_error(run, interrupted)
                     outcome = "interrupted"
                 finally:
                     sys.settrace(None)
                 state = torch.load(tmp_path / "checkpoint" / "trainer_state.pt", weights_only=False)
                 assert state["data"] == cursors[state["step"]], (line, second, outcome)
+                assert state["step"] in [m["step"] for m in read_metrics(tmp_path)], (line, second, outcome)
                 assert not left.exists()
                 if outcome.startswith("stopped at step"):
                     metrics = {m["step"]: m for m in read_metrics(tmp_path)}[run.completed]
