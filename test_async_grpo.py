@@ -2289,8 +2289,8 @@ def test_a_signal_at_any_line_of_a_step_saves_it_whole_or_not_at_all_and_resume_
     as a run's first signal, then as a second one (which interrupts). Whatever the line: a step that stops ("stopped at
     step N") has its checkpoint and its metrics line, without an evaluation if the signal came before it; an interrupted
     one saves (save_after_error, as main) a step whose weights, data cursor and metrics line belong together, and ends
-    with the stop's message; a checkpoint-N left by a save cut off before its link swap is replaced. --resume then cuts the logs back to the checkpoint's step, and
-    refuses a change of the flags the data order depends on."""
+    with the stop's message; a checkpoint-N left by a save cut off before its link swap is replaced. --resume then cuts
+    the logs back to the checkpoint's step, and refuses a change of the flags the data order depends on."""
     flags = ["--vllm-url", server.url, "--output-dir", str(tmp_path), "--cache-dir", CACHE, "--steps", "1000"]
     flags += ["--eval-every", "1", "--eval-size", "4", "--prompts-per-step", "2", "--num-generations", "2"]
     flags += ["--max-tokens", "8", "--data-timeout", "60", "--max-staleness", "1000"]  # a step interrupted here would
@@ -3076,9 +3076,8 @@ def test_a_sync_that_fails_midway_ends_the_run_in_seconds_saved_and_resume_conti
     )  # --eval-size: run_with_fault's, which a resume keeps
     assert code == 0 and "resuming at step 3" in text and "step    4/4" in text, text[-3000:]
     metrics = read_metrics(out)  # the two steps saved after their failed syncs have their lines too
-    assert [m["step"] for m in metrics] == [1, 2, 3, 4] and metrics[1]["sync/seconds"] == metrics[2][
-        "sync/seconds"
-    ] == 0
+    assert [m["step"] for m in metrics] == [1, 2, 3, 4]
+    assert metrics[1]["sync/seconds"] == metrics[2]["sync/seconds"] == 0
 
 
 def test_ctrl_c_during_server_start_leaves_nothing_behind(tmp_path, tiny_model):
