@@ -49,6 +49,7 @@ import torch
 import async_grpo as ag
 import rewards
 import tiny_model as tiny
+import vllm_server
 
 
 def serve(path, out_dir):
@@ -276,7 +277,7 @@ def plot(results, path):
     fig.savefig(path, dpi=100)
 
 
-class BenchExtension(ag.WeightSyncExtension):
+class BenchExtension(vllm_server.WeightSyncExtension):
     """The script's worker extension plus a receive that does nothing with the bytes (the ceiling),
     and vLLM's load of weights already in memory (what loading costs without any transfer)."""
 

@@ -1513,7 +1513,7 @@ def test_the_sync_group_meets_at_an_address_a_remote_server_reaches(tmp_path, mo
     at the hostname's lookup (127.0.1.1 on Debian/Ubuntu, often), and listens on every interface: a receiver that is
     given only that address joins, and the weights arrive over it. --sync-host (or its variable) overrides it."""
     try:
-        address = ag.local_address("198.51.100.1")  # TEST-NET-2: the default route's address; connecting sends nothing
+        address = vllm_server.local_address("198.51.100.1")  # TEST-NET-2: the default route's address; connecting sends nothing
     except OSError:
         pytest.skip("this machine has no route off itself")
     if address.startswith("127."):
@@ -1610,7 +1610,7 @@ def test_url_servers_are_checked_as_started_ones_are_and_the_sync_backend_follow
                 answer["results"] = [[*worker[:3], stages, *worker[4:]] for worker in answer["results"]]
             return answer
 
-        monkeypatch.setattr(ag, "http", reported)
+        monkeypatch.setattr(vllm_server, "http", reported)
         with pytest.raises(SystemExit, match=f"runs {engines} data-parallel engines of {stages} pipeline stages"):
             ag.served_config(server.url)
 
@@ -2997,10 +2997,10 @@ def test_a_stop_signal_while_the_trainer_waits_for_data_saves_and_ends_with_one_
 
 FAULTY_RELOAD = """
 import time
-import async_grpo as ag
+import vllm_server
 
 
-class ReloadRaises(ag.WeightSyncExtension):
+class ReloadRaises(vllm_server.WeightSyncExtension):
     def receive_weights(self, buckets):  # the worker's reload takes a sync's first weight, then raises
         def reload_weights(weights_iterator, **kwargs):
             next(weights_iterator)
