@@ -29,7 +29,7 @@ tiny_model.py (the built-in model), vllm_server.py (starting and stopping server
 sandbox). `# FORK:` marks where a forker edits (README.md lists them).
 """
 
-import argparse, asyncio, contextlib, functools, inspect, itertools, json, math, os, queue, random, re, shutil, signal
+import argparse, asyncio, contextlib, dataclasses, functools, inspect, itertools, json, math, os, queue, random, re, shutil, signal
 import sys, threading, time, traceback
 import urllib.error, urllib.parse, urllib.request
 from dataclasses import dataclass, field
@@ -57,7 +57,16 @@ import rewards as rewards_module
 import tiny_model
 import tools as tools_module
 from vllm_server import SERVED_MODEL, cpu_threads, served_config, server_failure, share_idle_core
-from vllm_server import start_vllm, stop_vllm, sync_endpoint, sync_group, url_sync_backend, vllm_flag, watch_servers, http
+from vllm_server import (
+    start_vllm,
+    stop_vllm,
+    sync_endpoint,
+    sync_group,
+    url_sync_backend,
+    vllm_flag,
+    watch_servers,
+    http,
+)
 
 HERE = Path(__file__).resolve().parent
 ROLLOUT_FIELDS = set("prompts completions completion_ids tool_calls tool_failures truncated environments".split())
@@ -71,69 +80,116 @@ HUNG = set()  # ids of the environment instances whose sync call went on past it
 # What --sampling-args may hold: parameters that end or seed a generation but leave its distribution as the trainer
 # computes it (min_tokens does change it: the trainer holds the stop tokens back in the same places).
 SAMPLING_ARGS = {"min_tokens", "stop", "ignore_eos"}  # (every request's seed comes from --seed: request_seed)
-MODEL_INPUTS = ("input_ids", "position_ids", "attention_mask", "segments")  # what a batch (collate) hands the model
 
 
 # --- The rollout: one conversation = generate, run its tool calls, append their results, generate again ---------------
 
 
+@dataclass
+class RolloutContext:
+    """What every rollout needs, computed once before vLLM starts (rollout_context), and the servers' limits once they
+    are up (start_generation)."""
+
+    # --tools' schemas (None: no tools), and their functions' schemas by name
+    schemas: list
+    tools_by_name: dict
+    # {name: class} of --env and --mcp; the schemas offered to each one's rows (None: rows without an environment)
+    environments: dict
+    offered: dict
+    # per row id, the prompt's token ids as the chat template renders it with the tools its row is offered
+    prompt_ids: dict
+    # the token ids a generation stops on (stop_token_ids)
+    stop_ids: list
+    # how the template writes tool calls (chat_format): the parser's format, the texts that end an assistant turn,
+    # how many calls a turn may hold
+    format: str = None
+    turn_ends: list = ()
+    max_calls: int = None
+    # the servers' context length, and whether they take seeded requests (served_config)
+    max_model_len: int = None
+    seeded: bool = False
+    # environment instances: those between groups, per environment; every one made (close_environments closes them)
+    idle: dict = field(default_factory=dict)
+    alive: list = field(default_factory=list)
+
+
 # FORK: the tool loop (what a turn may do, when a rollout ends); the tools and environments themselves are in tools.py
-async def rollout(session, url, tok, row, args, ctx, policy, greedy=False, seed=(), env=None, prompt_ids=None):
+async def rollout(session, url, tok, row, args, ctx, version, greedy=False, seed=(), env=None, prompt_ids=None):
     """Sample one conversation, in `env` if the row has an environment (an instance, reset: environments()). Keeps the
     exact token ids: the prompt's (prompt_ids if reset added to it), then per turn the generated ids (mask 1, with their
     log-probs and the policy version that sampled each) and those of the tool results or the environment's user turn
     (mask 0, context). `seed`: what identifies this rollout in the run (its group and index): each request's derives."""
-    ids = list(prompt_ids or ctx["prompt_ids"][row["id"]])
+    ids = list(prompt_ids or ctx.prompt_ids[row["id"]])
     n_prompt = len(ids)
-    mask = []  # per token after the prompt: 1 generated (trained on), 0 a tool result
-    logprobs = []  # the sampler's log-prob of each token (0.0 for tool results)
-    versions = []  # the policy version that sampled each token
-    messages = []  # the turns, as the rewards see them
+    # per token after the prompt: 1 generated (trained on), 0 a tool result
+    mask = []
+    # the sampler's log-prob of each token (0.0 for tool results)
+    logprobs = []
+    # the policy version that sampled each token
+    versions = []
+    # the turns, as the rewards see them
+    messages = []
     stats = {"tool_calls": 0, "tool_failures": 0, "tool_seconds": 0.0, "turns": 0, "interrupted": 0}
-    stats["truncated"] = True  # until the model answers
-    stats["per_tool"] = {}  # tool name -> [calls, failures]
-    schemas = ctx["offered"][tools_module.environment_of(row, ctx["environments"])]  # --tools, and the environment's
+    # until the model answers
+    stats["truncated"] = True
+    # tool name -> [calls, failures]
+    stats["per_tool"] = {}
+    # --tools, and the environment's
+    schemas = ctx.offered[tools_module.environment_of(row, ctx.environments)]
     by_name = {s["function"]["name"]: s["function"] for s in schemas}
-    functions = {name: tools_module.TOOLS[name] for name in ctx["schemas_by_name"]}
-    if env is not None:  # its tools: its methods, bound to this rollout's instance
+    functions = {name: tools_module.TOOLS[name] for name in ctx.tools_by_name}
+    if env is not None:
+        # its tools: its methods, bound to this rollout's instance
         functions.update({name: getattr(env, name) for name in tools_module.environment_tools(type(env))})
-    while len(ids) < ctx["max_model_len"]:
-        budget = min(args.max_tokens, ctx["max_model_len"] - len(ids))
+    while len(ids) < ctx.max_model_len:
+        budget = min(args.max_tokens, ctx.max_model_len - len(ids))
         turn, finish, interruptions = await generate_turn(
-            session, url, ids, budget, policy, args=args, ctx=ctx, greedy=greedy, seed=seed
+            session, url, ids, budget, version, args=args, ctx=ctx, greedy=greedy, seed=seed
         )
         new = [token for token, _, _ in turn]
         ids += new
         mask += [1] * len(turn)
         logprobs += [logprob for _, logprob, _ in turn]
-        versions += [version for _, _, version in turn]
+        versions += [sampled_by for _, _, sampled_by in turn]
         stats["turns"] += 1
         stats["interrupted"] += interruptions
         # Stopped on a stop token (not on a stop string of --sampling-args): the template's end of turn stands for it.
-        stopped = finish == "stop" and bool(new) and new[-1] in ctx["stop_ids"]
+        stopped = finish == "stop" and bool(new) and new[-1] in ctx.stop_ids
         text = tok.decode(new[:-1] if stopped else new, skip_special_tokens=False)
         if schemas:
-            message = parse_assistant(text, tok, ids[: -len(new)], by_name, ctx["format"], max_calls=ctx["max_calls"])
-        else:  # the parser runs only with tools: without them any template (or none) must train
+            message = parse_assistant(text, tok, ids[: -len(new)], by_name, ctx.format, max_calls=ctx.max_calls)
+        else:
+            # the parser runs only with tools: without them any template (or none) must train
             message = {"role": "assistant", "content": text, "tool_calls": [], "tool_call_errors": []}
         messages.append(message)
-        answered = finish == "stop" and not message["tool_calls"] and not message["tool_call_errors"]
-        reply = await env_reply(env, message, args, stats) if answered else None
-        if answered and reply is None:
-            stats["truncated"] = False  # the model answered: the one end that does not cut the conversation short
+        # How the turn ends: out of tokens; with tool calls, run unless out of turns; or an answer, which ends the
+        # rollout unless the environment answers it with a user turn.
+        if finish != "stop":
             break
-        if finish != "stop" or stats["turns"] > args.max_tool_turns:  # out of tokens, or of turns
-            break
-        added = [reply] if answered else await run_tool_calls(message, by_name, functions, args, stats)
+        if message["tool_calls"] or message["tool_call_errors"]:
+            if stats["turns"] > args.max_tool_turns:
+                break
+            added = await run_tool_calls(message, by_name, functions, args, stats)
+        else:
+            reply = await env_reply(env, message, args, stats)
+            if reply is None:
+                # the model answered: the one end that does not cut the conversation short
+                stats["truncated"] = False
+                break
+            if stats["turns"] > args.max_tool_turns:
+                break
+            added = [reply]
         history = row["prompt"] + messages
-        suffix = tool_result_ids(tok, history, added, schemas, ctx["turn_ends"], stopped=stopped)
+        suffix = tool_result_ids(tok, history, added, schemas, ctx.turn_ends, stopped=stopped)
         messages += added
-        if len(ids) + len(suffix) >= ctx["max_model_len"]:
-            break  # no room left to answer: end here rather than send vLLM a request it rejects
+        if len(ids) + len(suffix) >= ctx.max_model_len:
+            # no room left to answer: end here rather than send vLLM a request it rejects
+            break
         ids += suffix
         mask += [0] * len(suffix)
         logprobs += [0.0] * len(suffix)
-        versions += [policy.value] * len(suffix)  # not trained on; kept so that every per-token list has one length
+        # not trained on; kept so that every per-token list has one length
+        versions += [version.value] * len(suffix)
     return {
         "ids": ids,
         "n_prompt": n_prompt,
@@ -145,14 +201,14 @@ async def rollout(session, url, tok, row, args, ctx, policy, greedy=False, seed=
     }
 
 
-async def generate_turn(session, url, ids, budget, policy, args, ctx, greedy, seed):
+async def generate_turn(session, url, ids, budget, version, args, ctx, greedy, seed):
     """One assistant turn of at most `budget` tokens after `ids`: its (token id, log-prob, policy version) triples, why it
     ended, and how often a weight sync stopped it. A stopped turn goes on from its tokens with the new weights, or
     under --sync-mode abort starts over with them."""
     turn = []
     interruptions = 0
     while True:
-        async with policy.request() as version:
+        async with version.request() as sampled_by:
             new = [token for token, _, _ in turn]
             part, part_logprobs, finish = await generate(
                 session,
@@ -160,17 +216,17 @@ async def generate_turn(session, url, ids, budget, policy, args, ctx, greedy, se
                 ids + new,
                 budget - len(turn),
                 args,
-                stop_ids=ctx["stop_ids"],
+                stop_ids=ctx.stop_ids,
                 greedy=greedy,
                 generated=len(turn),
-                seed=request_seed(*seed, len(ids) + len(turn)) if ctx.get("seeded") else None,
+                seed=request_seed(*seed, len(ids) + len(turn)) if ctx.seeded else None,
             )
-            if finish == "abort" and policy.open:
+            if finish == "abort" and version.open:
                 raise RuntimeError("vLLM aborted a request outside a weight sync: is another client using it?")
         if finish == "abort" and args.sync_mode == "abort":
             turn = []
         else:
-            turn += [(token, logprob, version) for token, logprob in zip(part, part_logprobs)]
+            turn += [(token, logprob, sampled_by) for token, logprob in zip(part, part_logprobs)]
         interruptions += finish == "abort"
         if finish != "abort" or len(turn) >= budget:
             return turn, finish, interruptions
@@ -283,32 +339,31 @@ async def call_tool(call, schemas, timeout, functions=tools_module.TOOLS):
 
 
 def rollout_context(tok, schemas, rows, max_model_len=None, stop_ids=None, environments=None):
-    """What every rollout needs, computed once; max_model_len is the server's context length, known once it is up.
-    environments: {name: class} of --env and --mcp; their instances are made and kept here too (environments())."""
+    """The RolloutContext of a run; max_model_len is the server's context length, known once it is up.
+    environments: {name: class} of --env and --mcp; their instances are made and kept there too (environments())."""
     stop_ids = stop_ids or stop_token_ids(tok)
     environments = environments or {}
-    offered = {None: schemas or []}  # the tools of the rows of each environment (None: rows without one)
+    offered = {None: schemas or []}
     for name, cls in environments.items():
         offered[name] = (schemas or []) + tools_module.environment_schemas(cls)
-    every = tools_module.every_tool(schemas, environments)
-    talks = any(hasattr(cls, "respond") for cls in environments.values())  # a user turn after the model's
-    return {
-        "schemas": schemas,
-        "schemas_by_name": {s["function"]["name"]: s["function"] for s in schemas or []},
-        "environments": environments,
-        "offered": offered,
-        "idle": {name: [] for name in environments},  # instances between groups
-        "alive": [],  # every instance made: close_environments closes them
-        "stop_ids": stop_ids,
-        "max_model_len": max_model_len,
-        **(chat_format(tok, every, stop_ids) if every or talks else {}),
-        "prompt_ids": {
-            row["id"]: render_prompt(
-                tok, row["prompt"], offered[tools_module.environment_of(row, environments)], row["id"]
-            )
-            for row in rows
-        },
-    }
+    all_tools = tools_module.every_tool(schemas, environments)
+    # an environment that answers the model with a user turn needs the template's turn ends too
+    talks = any(hasattr(cls, "respond") for cls in environments.values())
+    prompt_ids = {}
+    for row in rows:
+        row_tools = offered[tools_module.environment_of(row, environments)]
+        prompt_ids[row["id"]] = render_prompt(tok, row["prompt"], row_tools, row["id"])
+    return RolloutContext(
+        schemas=schemas,
+        tools_by_name={s["function"]["name"]: s["function"] for s in schemas or []},
+        environments=environments,
+        offered=offered,
+        prompt_ids=prompt_ids,
+        stop_ids=stop_ids,
+        max_model_len=max_model_len,
+        idle={name: [] for name in environments},
+        **(chat_format(tok, all_tools, stop_ids) if all_tools or talks else {}),
+    )
 
 
 class PolicyVersion:
@@ -388,21 +443,37 @@ def group_advantages(rewards, scale=True, eps=1e-4):
 # --- The producer: a thread with its own asyncio loop that keeps the queue full, within the staleness bound -----------
 
 
+@dataclass
+class ScoredGroup:
+    # its number, in the order groups started
+    index: int
+    # its rollouts, each with its reward and advantage
+    samples: list
+
+
+@dataclass
+class DroppedGroup:
+    index: int
+    # why it is not trained: its environment or its rewards failed
+    why: str
+
+
 class Producer(threading.Thread):
     """Streams scored groups to the trainer, numbered in the order they start; the trainer takes them in that order
     (`take`), which lets admission control know when a group will be trained. With several servers (`urls`), each group
     goes to the one with the fewest groups running: its rollouts share the cached prompt."""
 
-    def __init__(self, args, tok, rows, urls, ctx, policy, cursor=None):
+    def __init__(self, args, tok, rows, urls, ctx, version, cursor=None):
         super().__init__(daemon=True, name="producer")
         self.args = args
         self.tok = tok
         self.rows = rows
         self.urls = urls
         self.ctx = ctx
-        self.policy = policy
+        self.version = version
         self.running = dict.fromkeys(urls, 0)  # groups running on each server
-        self.queue = queue.Queue()  # (number, scored group) as groups finish, or (number, why it was dropped)
+        # a ScoredGroup or a DroppedGroup as each group finishes
+        self.queue = queue.Queue()
         self.ready = {}  # finished groups by number, until their turn
         # next_index: the next group to hand out; skipped_groups: not trained (zero variance, too stale or a failed
         # reward); stale_samples, reward_failures: counters. A checkpoint saves them all.
@@ -442,8 +513,8 @@ class Producer(threading.Thread):
         """The staleness gate. Group `index` is trained at step (index - groups skipped) // prompts_per_step (at the
         latest: more skips make it earlier). Do not start it if the trainer will by then be more than --max-staleness
         versions ahead of the weights that would generate it now."""
-        train_step = (index - self.cursor["skipped_groups"]) // self.args.prompts_per_step
-        return train_step // self.args.sync_every - self.policy.value <= self.args.max_staleness
+        trained_at = (index - self.cursor["skipped_groups"]) // self.args.prompts_per_step
+        return trained_at // self.args.sync_every - self.version.value <= self.args.max_staleness
 
     async def _produce(self):
         a = self.args
@@ -484,7 +555,7 @@ class Producer(threading.Thread):
                             row,
                             a,
                             ctx=self.ctx,
-                            policy=self.policy,
+                            version=self.version,
                             seed=(a.seed, index, i),
                             env=env,
                             prompt_ids=ids,
@@ -501,14 +572,15 @@ class Producer(threading.Thread):
                     raise Dropped(f"the rewards of prompt {row['id']} failed: {type(e).__name__}: {e}") from None
                 finally:
                     self.scoring -= 1
-        except Dropped as e:  # the group is not trained (take() reports it), the run goes on
-            self.queue.put((index, str(e)))
+        except Dropped as e:
+            # the group is not trained (take() reports it), the run goes on
+            self.queue.put(DroppedGroup(index, str(e)))
             return
         advantages = group_advantages(rewards, scale=a.scale_rewards == "group")
         for i, sample in enumerate(samples):
             sample.update(reward=float(rewards[i]), advantage=float(advantages[i]), prompt_id=row["id"])
             sample["reward_parts"] = {name: float(values[i]) for name, values in parts.items()}
-        self.queue.put((index, samples))
+        self.queue.put(ScoredGroup(index, samples))
 
     def take(self, n, timeout, interrupted=lambda: False):
         """The next n trainable groups in start order. Skips zero-variance groups with --skip-zero-variance, and drops
@@ -523,48 +595,56 @@ class Producer(threading.Thread):
             return (
                 f"no batch from the producer in {timeout} s (--data-timeout) from the vLLM server(s) "
                 f"{', '.join(self.urls)}; now {sum(self.running.values())} groups generate "
-                f"({self.policy.in_flight} requests in vLLM) and {self.scoring} are being scored{skipped}"
+                f"({self.version.in_flight} requests in vLLM) and {self.scoring} are being scored{skipped}"
             )
 
         def arrived():  # has the group numbered cursor['next_index'] finished? (groups finish out of order)
             until = time.monotonic() + 0.1
             with contextlib.suppress(queue.Empty):
                 while self.cursor["next_index"] not in self.ready:
-                    index, group = self.queue.get(timeout=max(0.0, until - time.monotonic()))
-                    self.ready[index] = group
+                    item = self.queue.get(timeout=max(0.0, until - time.monotonic()))
+                    self.ready[item.index] = item
             return self.cursor["next_index"] in self.ready
 
         while len(groups) < n:
             if not self.wait(arrived, deadline, interrupted, late):
                 raise KeyboardInterrupt("stopped while waiting for data")
-            group = self.ready.pop(self.cursor["next_index"])
+            item = self.ready.pop(self.cursor["next_index"])
             self.cursor["next_index"] += 1
-            if isinstance(group, str):  # why its rewards failed
-                self.failures_in_a_row += 1
-                print(f"warning: dropped a group: {group}", flush=True)
-                self.cursor["reward_failures"] += 1
-                if self.failures_in_a_row >= 4 * self.args.prompts_per_step:
-                    raise RuntimeError(
-                        f"the rewards failed for {self.failures_in_a_row} groups in a row; the last: {group}"
-                    )
+            why_not = self.why_not_trained(item)
+            if why_not is None:
+                groups.append(item.samples)
             else:
-                self.failures_in_a_row = 0
-                lag = self.lag(group)
-                if lag > self.args.max_staleness:
-                    print(f"warning: dropped a group {lag} versions old (--max-staleness)", flush=True)
-                    self.cursor["stale_samples"] += len(group)
-                elif not self.args.skip_zero_variance or len({s["reward"] for s in group}) > 1:
-                    groups.append(group)
-                    continue
-                else:
-                    equal += 1
-            self.cursor["skipped_groups"] += 1  # every group not trained: admissible() counts them
+                # admissible() counts every group not trained
+                self.cursor["skipped_groups"] += 1
+                equal += why_not == "equal rewards"
         return groups
+
+    def why_not_trained(self, item):
+        """None for a group to train; else why not, warned about and counted."""
+        if isinstance(item, DroppedGroup):
+            self.failures_in_a_row += 1
+            self.cursor["reward_failures"] += 1
+            print(f"warning: dropped a group: {item.why}", flush=True)
+            if self.failures_in_a_row >= 4 * self.args.prompts_per_step:
+                raise RuntimeError(
+                    f"the rewards failed for {self.failures_in_a_row} groups in a row; the last: {item.why}"
+                )
+            return "failed"
+        self.failures_in_a_row = 0
+        lag = self.lag(item.samples)
+        if lag > self.args.max_staleness:
+            print(f"warning: dropped a group {lag} versions old (--max-staleness)", flush=True)
+            self.cursor["stale_samples"] += len(item.samples)
+            return "too stale"
+        if self.args.skip_zero_variance and len({s["reward"] for s in item.samples}) == 1:
+            return "equal rewards"
+        return None
 
     def lag(self, group):
         """Policy versions between the trainer now and the group's oldest trained token."""
         versions = [v for s in group for v, m in zip(s["versions"], s["mask"]) if m]
-        return self.policy.value - min(versions, default=self.policy.value)
+        return self.version.value - min(versions, default=self.version.value)
 
     def wait(self, ready, deadline, interrupted, late):
         """Every wait of the trainer on the producer (data, evaluation): until ready(), which may block for 0.1 s. Raises
@@ -603,116 +683,171 @@ def cancel_all(tasks):
 # --- The loss: clipped surrogate against the sampler's log-probs, normalised as --loss-type says ----------------------
 
 
+@dataclass(frozen=True)
+class LossSettings:
+    """The loss's flags, one object for the step (loss_settings makes it from the arguments)."""
+
+    # the clip range of the ratio: [1 - epsilon, 1 + epsilon_high]
+    epsilon: float = 0.2
+    epsilon_high: float = 0.28
+    # how per-token terms become the loss: token (DAPO), sequence (GRPO), constant (Dr. GRPO), gspo, cispo
+    loss_type: str = "token"
+    # Dr. GRPO's constant: the generation budget every sequence is divided by (--max-tokens)
+    constant_length: int = 1
+    # the correction for the sampler's drift: none, tis (truncated), mis (masked); where it cuts; per token or sequence
+    is_correction: str = "none"
+    is_threshold: float = 2.0
+    is_level: str = "token"
+    # the KL penalty to the reference policy, and whether pi_theta / pi_sampler weighs it
+    beta: float = 0.0
+    kl_correction: bool = False
+    # what drifted too far from the sampler leaves the loss: none, sequence, token; how far is too far
+    off_policy_mask: str = "none"
+    off_policy_threshold: float = 0.5
+
+
+def loss_settings(args):
+    names = [f.name for f in dataclasses.fields(LossSettings) if f.name != "constant_length"]
+    return LossSettings(constant_length=args.max_tokens, **{name: getattr(args, name) for name in names})
+
+
 # FORK: change the loss (the terms are named as in the papers; train_step calls this)
-def grpo_loss(
-    logp,
-    sampler_logp,
-    advantages,
-    mask,
-    epsilon,
-    epsilon_high,
-    loss_type="token",
-    num_tokens=1,
-    num_sequences=1,
-    max_tokens=1,
-    is_correction="none",
-    is_threshold=2.0,
-    is_level="token",
-    ref_logp=None,
-    beta=0.0,
-    kl_correction=False,
-    off_policy_mask="none",
-    off_policy_threshold=0.5,
-):
-    """logp (the trainer's, with gradient), sampler_logp (vLLM's), mask (0 on tool-result and padding tokens): [B, T],
-    per completion token; advantages: [B]. num_tokens and num_sequences count the whole step (all micro-batches, all ranks),
-    so the result is a share of the step's loss. The importance weight w = pi_trainer / pi_sampler (no gradient) is how
-    far the trainer's policy is from the one that sampled: numeric mismatch plus staleness. beta > 0 adds a KL penalty
-    to the reference, beta * KL(pi_theta || pi_ref) per token (k3 estimator), normalised as the surrogate is;
-    kl_correction weighs it by pi_theta / pi_sampler. off_policy_mask drops sequences or tokens that drifted past
-    off_policy_threshold from the loss."""
-    lengths = mask.sum(1, keepdim=True).clamp(min=1)
+def grpo_loss(logp, sampler_logp, advantages, mask, settings, num_tokens=1, num_sequences=1, ref_logp=None):
+    """The negated objective of one micro-batch, as a share of the step's:
 
-    def sequence_mean(x):  # [B, T] -> [B, 1]: mean over each sequence's loss tokens
-        return (x * mask).sum(1, keepdim=True) / lengths
+        J(theta) = 1/Z sum_i sum_t  m_it w_it min(r_it A_i, clip(r_it, 1 - eps, 1 + eps_high) A_i)
+                   - beta KL(pi_theta || pi_ref)
 
-    log_w = (logp.detach() - sampler_logp) * mask  # log pi_trainer / pi_sampler
-    # w per token, or per sequence (is_level sequence, and always for gspo): the geometric mean of its tokens' weights,
-    # not their product (the sequence's likelihood ratio, which TRL's and verl's sequence levels use). The product of a
-    # thousand token weights each within 1% of 1 lies anywhere in e^-10..e^10, and a threshold on it would truncate or
-    # mask long sequences for their length; the geometric mean is on the scale of one token's.
-    w = torch.exp(sequence_mean(log_w) if is_level == "sequence" or loss_type == "gspo" else log_w)
-    # is_correction none: the clipped ratio is taken against the sampler's log-probs. tis, mis (decoupled PPO): against
-    # the policy before this update (value 1, gradient of log pi), weighted by w truncated or masked at the threshold.
-    old_logp = sampler_logp if is_correction == "none" else logp.detach()
-    if is_correction == "tis":
-        weight = w.clamp(max=is_threshold)
-    elif is_correction == "mis":
-        weight = w * ((w >= 1 / is_threshold) & (w <= is_threshold))
-    else:
-        weight = torch.ones_like(w)
-    log_ratio = (logp - old_logp) * mask  # log pi_theta / pi_old
-    ratio = torch.exp(sequence_mean(log_ratio) if loss_type == "gspo" else log_ratio)  # [B, T] or [B, 1]
-    clipped = torch.clamp(ratio, 1 - epsilon, 1 + epsilon_high)
+    r = pi_theta / pi_old, the ratio the clip bounds: pi_old is the sampler (vLLM's log-probs), or with --is-correction
+    the policy before this update. w = the importance weight of that correction (1 without it). m = the off-policy mask
+    (1 without it). A_i = the group-relative advantage of sequence i. Z = the normaliser of --loss-type.
+    gspo takes one r per sequence, the geometric mean of its tokens'; cispo maximises sg(clip(r)) A log pi instead.
+
+    logp (the trainer's, with gradient), sampler_logp (vLLM's), mask (0 on tool-result and padding tokens): [B, T],
+    per completion token; advantages: [B]. num_tokens and num_sequences count the whole step (every micro-batch and
+    rank), so that the micro-batches' losses add up to the step's."""
+    s = settings
+    per_sequence = s.loss_type == "gspo"
+    # log pi_trainer / pi_sampler, without gradient: the numeric mismatch plus the staleness
+    log_is_ratio = (logp.detach() - sampler_logp) * mask
+    is_ratio, is_weight = importance_weights(log_is_ratio, mask, s)
+    old_logp = sampler_logp if s.is_correction == "none" else logp.detach()
+    log_ratio = (logp - old_logp) * mask
+    # [B, T], or [B, 1] for gspo
+    ratio = torch.exp(sequence_mean(log_ratio, mask) if per_sequence else log_ratio)
+    clipped = torch.clamp(ratio, 1 - s.epsilon, 1 + s.epsilon_high)
     A = advantages[:, None]
-    if loss_type == "cispo":  # MiniMax-M1: the clipped ratio weighs the gradient of log pi (no gradient of its own),
-        per_token = -weight * clipped.detach() * A * logp  # so clipped tokens still contribute, at the clipped weight
+    if s.loss_type == "cispo":
+        # MiniMax-M1: the clipped ratio weighs the gradient of log pi without a gradient of its own, so that clipped
+        # tokens still contribute, at the clipped weight
+        surrogate = clipped.detach() * A * logp
     else:
-        per_token = -weight * torch.minimum(ratio * A, clipped * A)  # the pessimistic surrogate, negated
-    if beta:
-        delta = ref_logp - logp
-        kl = torch.exp(delta) - delta - 1  # k3: unbiased under pi_theta and never negative
-        if (
-            kl_correction
-        ):  # the tokens come from pi_sampler: weighted by pi_theta / pi_sampler the estimate is unbiased
-            kl = torch.exp(logp - sampler_logp) * kl  # (DeepSeek-V3.2), gradient through the weight too
-        per_token = per_token + beta * (sequence_mean(kl) if loss_type == "gspo" else kl)
-    # Off-policy masking drops from the loss what drifted too far from the sampler; the normalisers stay. Sequence
-    # (DeepSeek-V3.2): a negative advantage and a mean log(pi_sampler / pi_trainer) past the threshold, updates that push
-    # down tokens the trainer already finds less likely. Token (IcePop): |log w| past the threshold.
-    if off_policy_mask == "sequence":
-        kept = ~((sequence_mean(-log_w) > off_policy_threshold) & (A < 0))  # [B, 1]
-    elif off_policy_mask == "token":
-        kept = log_w.abs() <= off_policy_threshold  # [B, T]
+        # PPO's pessimistic bound: the clipped term wherever it is lower
+        surrogate = torch.minimum(ratio * A, clipped * A)
+    per_token = -is_weight * surrogate
+    kl = None
+    if s.beta:
+        kl = kl_to_reference(logp, ref_logp, sampler_logp, s.kl_correction)
+        per_token = per_token + s.beta * (sequence_mean(kl, mask) if per_sequence else kl)
+    # What drifted too far leaves the loss; the normalisers below still count it
+    keep = off_policy_keep(log_is_ratio, A, mask, s)
+    per_token = per_token * keep
+    if s.loss_type == "gspo":
+        # one clipped ratio per sequence; a sequence without loss tokens counts 0
+        loss = (per_token * (mask.sum(1, keepdim=True) > 0)).sum() / num_sequences
+    elif s.loss_type == "sequence":
+        # the GRPO paper: the mean over each sequence's tokens, then over the sequences
+        loss = sequence_mean(per_token, mask).sum() / num_sequences
+    elif s.loss_type == "constant":
+        # Dr. GRPO: a sequence's length does not change the weight of its tokens
+        loss = (per_token * mask).sum() / (num_sequences * s.constant_length)
     else:
-        kept = torch.ones_like(A, dtype=torch.bool)
-    per_token = per_token * kept
-    if loss_type == "gspo":  # one ratio per sequence (the geometric mean of its token ratios), clipped per sequence
-        loss = (per_token * (mask.sum(1, keepdim=True) > 0)).sum() / num_sequences  # a sequence without loss tokens: 0
-    elif loss_type == "sequence":  # the GRPO paper: mean over each sequence's tokens, then over sequences
-        loss = sequence_mean(per_token).sum() / num_sequences
-    elif loss_type == "constant":  # Dr. GRPO: a sequence's length does not change the weight of its tokens
-        loss = (per_token * mask).sum() / (num_sequences * max_tokens)
-    else:  # token (DAPO), and cispo: every loss token of the step weighs the same
+        # token (DAPO), and cispo: every loss token of the step weighs the same
         loss = (per_token * mask).sum() / num_tokens
-    with torch.no_grad():
-        n = mask.sum().clamp(min=1)
-        tokens = mask.bool()
-        token_w = torch.exp(log_w)
-
-        def share(x):  # mean over the loss tokens
-            return (x * mask).sum() / n
-
-        stats = {
-            "train/clip_fraction": share((ratio - clipped).abs() > 0),
-            "is/ratio_mean": share(token_w),
-            "is/mismatch_kl": share(token_w - 1 - log_w),  # k3 estimate of KL(pi_sampler || pi_trainer)
-            "is/ratio_min": torch.where(tokens, token_w, torch.inf).min(),
-            "is/ratio_max": torch.where(tokens, token_w, -torch.inf).max(),
-            "is/off_policy_masked": share(~kept),
-        }
-        if is_correction == "tis":
-            stats["is/truncated_fraction"] = share(w > is_threshold)
-        elif is_correction == "mis":
-            stats["is/masked_fraction"] = share(weight == 0)
-        if beta:
-            stats["train/kl"] = share(kl)
-        # one device-to-host copy for all of them; extremes of a micro-batch without loss tokens are dropped
-        stats = {k: v for k, v in zip(stats, torch.stack(list(stats.values())).tolist()) if math.isfinite(v)}
-    return loss, stats
+    terms = dict(ratio=ratio, clipped=clipped, log_is_ratio=log_is_ratio, is_ratio=is_ratio, is_weight=is_weight)
+    return loss, loss_statistics(mask, s, keep=keep, kl=kl, **terms)
 
 
-# --- The training step: micro-batches, a group's prompt once, the log-probs of the distribution vLLM sampled ----------
+def sequence_mean(x, mask):
+    """[B, T] -> [B, 1]: the mean over each sequence's loss tokens."""
+    return (x * mask).sum(1, keepdim=True) / mask.sum(1, keepdim=True).clamp(min=1)
+
+
+def importance_weights(log_is_ratio, mask, settings):
+    """The importance ratio w = pi_trainer / pi_sampler, and the weight the correction makes of it: w truncated at the
+    threshold (tis), w masked outside [1 / threshold, threshold] (mis, decoupled PPO), or 1 (none).
+
+    Per sequence (--is-level sequence, and always for gspo) w is the geometric mean of its tokens' ratios, not their
+    product (the sequence's likelihood ratio, which TRL's and verl's sequence levels use): the product of a thousand
+    token ratios each within 1% of 1 lies anywhere in e^-10..e^10, and a threshold on it would cut long sequences for
+    their length; the geometric mean is on the scale of one token's."""
+    s = settings
+    per_sequence = s.is_level == "sequence" or s.loss_type == "gspo"
+    is_ratio = torch.exp(sequence_mean(log_is_ratio, mask) if per_sequence else log_is_ratio)
+    if s.is_correction == "tis":
+        return is_ratio, is_ratio.clamp(max=s.is_threshold)
+    if s.is_correction == "mis":
+        inside = (is_ratio >= 1 / s.is_threshold) & (is_ratio <= s.is_threshold)
+        return is_ratio, is_ratio * inside
+    return is_ratio, torch.ones_like(is_ratio)
+
+
+def kl_to_reference(logp, ref_logp, sampler_logp, corrected):
+    """Per token, KL(pi_theta || pi_ref) by the k3 estimator: unbiased under pi_theta and never negative. The tokens
+    come from pi_sampler: corrected (--kl-correction, DeepSeek-V3.2) weighs each by pi_theta / pi_sampler, which makes
+    the estimate unbiased, with the weight's gradient too."""
+    delta = ref_logp - logp
+    kl = torch.exp(delta) - delta - 1
+    if corrected:
+        kl = torch.exp(logp - sampler_logp) * kl
+    return kl
+
+
+def off_policy_keep(log_is_ratio, A, mask, settings):
+    """True where the loss keeps a token. sequence (DeepSeek-V3.2) drops a sequence with a negative advantage whose
+    mean log(pi_sampler / pi_trainer) is past the threshold: updates that push down tokens the trainer already finds
+    less likely. token (IcePop) drops a token whose |log w| is past it."""
+    s = settings
+    if s.off_policy_mask == "sequence":
+        # [B, 1]
+        return ~((sequence_mean(-log_is_ratio, mask) > s.off_policy_threshold) & (A < 0))
+    if s.off_policy_mask == "token":
+        # [B, T]
+        return log_is_ratio.abs() <= s.off_policy_threshold
+    return torch.ones_like(A, dtype=torch.bool)
+
+
+@torch.no_grad()
+def loss_statistics(mask, settings, ratio, clipped, log_is_ratio, is_ratio, is_weight, keep, kl):
+    """The loss's figures: means over the loss tokens, extremes of the token ratios to the sampler."""
+    n = mask.sum().clamp(min=1)
+    tokens = mask.bool()
+    token_w = torch.exp(log_is_ratio)
+
+    def share(x):
+        return (x * mask).sum() / n
+
+    stats = {
+        "train/clip_fraction": share((ratio - clipped).abs() > 0),
+        "is/ratio_mean": share(token_w),
+        # the k3 estimate of KL(pi_sampler || pi_trainer)
+        "is/mismatch_kl": share(token_w - 1 - log_is_ratio),
+        "is/ratio_min": torch.where(tokens, token_w, torch.inf).min(),
+        "is/ratio_max": torch.where(tokens, token_w, -torch.inf).max(),
+        "is/off_policy_masked": share(~keep),
+    }
+    if settings.is_correction == "tis":
+        stats["is/truncated_fraction"] = share(is_ratio > settings.is_threshold)
+    elif settings.is_correction == "mis":
+        stats["is/masked_fraction"] = share(is_weight == 0)
+    if kl is not None:
+        stats["train/kl"] = share(kl)
+    # One device-to-host copy for all of them; the extremes of a micro-batch without loss tokens are dropped
+    values = torch.stack(list(stats.values())).tolist()
+    return {k: v for k, v in zip(stats, values) if math.isfinite(v)}
+
+
+# --- The training step: micro-batches, each group's prompt once, the log-probs of what vLLM sampled --------------
 
 
 def train_step(
@@ -727,15 +862,18 @@ def train_step(
     reference=None,
     stop_ids=(),
     pad_id=0,
-    served=torch.bfloat16,
+    served_dtype=torch.bfloat16,
+    layout=None,
 ):
-    """Gradient accumulation over micro-batches; DDP all-reduces on the last one only. FSDP reduce-scatters on each:
-    skipping that (set_requires_gradient_sync) would hold the unsharded gradients of the whole model on every rank."""
+    """One optimizer step on this rank's samples: gradient accumulation over micro-batches. DDP all-reduces on the last
+    one only. FSDP reduce-scatters on each: skipping that (set_requires_gradient_sync) would hold the unsharded
+    gradients of the whole model on every rank. layout: collate's rows, as the run chose them (Run.layout)."""
     model.train()
     config = getattr(model, "module", model).config.get_text_config()  # its width and window shape the rows (collate)
     totals = {"loss": 0.0}
     forwarded = 0  # tokens through the model: each group's prompt once where it is shared
-    layout = dict(share=args.share_prefix, packed=args.packed)  # collate's rows, which micro_batches bounds
+    layout = layout or {"share": args.share_prefix, "packed": False}
+    settings = loss_settings(args)
     bound = dict(tokens=args.micro_batch_tokens, width=config.hidden_size, **layout)
     micros = micro_batches(samples, args.micro_batch_size, 1, **bound)
     # Every rank runs as many forwards and backwards, whatever its lengths: DDP and FSDP communicate in them.
@@ -748,7 +886,7 @@ def train_step(
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32  # autocast's, below
     # the distribution vLLM sampled from: the ratio against its log-probs measures the policy, not the truncation
     sampling = {k: getattr(args, k) for k in ("temperature", "top_k", "top_p", "min_p")}
-    sampling |= {"stop_ids": stop_ids, "served": served}
+    sampling |= {"stop_ids": stop_ids, "served_dtype": served_dtype}
     for i, micro in enumerate(micros):
         batch = collate(micro, pad_id, device, min_tokens, config=config, dtype=dtype, **layout)
         forwarded += batch["tokens"]
@@ -760,25 +898,9 @@ def train_step(
             with torch.no_grad():
                 ref_logp = token_logprobs(reference, batch, **sampling)[0] if reference else None
             mask = batch["mask"]
+            normalisers = dict(num_tokens=num_tokens, num_sequences=num_sequences)
             loss, stats = grpo_loss(
-                logp,
-                batch["sampler_logp"],
-                batch["advantages"],
-                mask,
-                epsilon=args.epsilon,
-                epsilon_high=args.epsilon_high,
-                loss_type=args.loss_type,
-                num_tokens=num_tokens,
-                num_sequences=num_sequences,
-                max_tokens=args.max_tokens,
-                is_correction=args.is_correction,
-                is_threshold=args.is_threshold,
-                is_level=args.is_level,
-                ref_logp=ref_logp,
-                beta=args.beta,
-                kl_correction=args.kl_correction,
-                off_policy_mask=args.off_policy_mask,
-                off_policy_threshold=args.off_policy_threshold,
+                logp, batch["sampler_logp"], batch["advantages"], mask, settings, ref_logp=ref_logp, **normalisers
             )
             stats["is/truncated_mass"] = ((removed * mask).sum() / mask.sum().clamp(min=1)).item()
             stats["train/entropy"] = ((entropy * mask).sum() / mask.sum().clamp(min=1)).item()
@@ -804,244 +926,21 @@ def train_step(
     return dict(totals)
 
 
-def micro_batches(samples, size, count=1, share=True, tokens=math.inf, width=None, packed=False):
-    """The step's samples in micro-batches of at most `size` sequences and `tokens` tokens forwarded (memory), padding
-    included, and unpacked at most `size` x 1.25 x the step's median length (a sequence longer goes alone): shortest
-    first, with share a prompt's samples together (rows_of). A micro-batch pads to its longest row, and a tool loop's
-    long tail (a few rollouts 5x the median) made padding most of a step's tokens: 2.5x slower steps on the tool task.
-    The order is free: the loss is normalised over the step. At least `count` (the largest halved): every rank runs as
-    many."""
-    samples = sorted(
-        samples, key=lambda s: (s["n_prompt"], s["ids"][: s["n_prompt"]], len(s["ids"])) if share else len(s["ids"])
-    )
-    padding = size * 1.25 * np.median([len(s["ids"]) for s in samples])
-    batches = [[]]
-    for s in samples:
-        rows = rows_of(batches[-1] + [s], share, None if packed else width)[1]  # their lengths
-        forwarded = sum(rows) if packed else len(rows) * max(rows)
-        limit = tokens if packed else min(tokens, padding)
-        if batches[-1] and (len(batches[-1]) == size or forwarded > limit):
-            batches.append([])
-        batches[-1].append(s)
-    while len(batches) < count:
-        i = max(
-            (i for i, b in enumerate(batches) if len(b) > 1),
-            key=lambda i: len(batches[i]) * len(batches[i][-1]["ids"]),
-        )
-        batches[i : i + 1] = [batches[i][: len(batches[i]) // 2], batches[i][len(batches[i]) // 2 :]]
-    return batches
-
-
-def rows_of(samples, share=True, width=None):
-    """collate's rows (lists of sample indices) and their lengths: a prompt once, then the completions of the samples
-    with its tokens (share; else a row each). A dense row (width: the hidden size) takes a completion of c tokens only
-    where that costs less than a row of its own: it saves n prompt tokens (~12 width^2 multiply-adds each) and adds
-    attention over the row's c' completion tokens (~2 width a pair): 2 c c' < n (6 width + n). Segments always do."""
-    rows = []
-    lengths = []
-    open_row = {}  # prompt -> the row its next completion may join
-    for i, s in enumerate(samples):
-        n = s["n_prompt"]
-        key = tuple(s["ids"][:n]) if share else i
-        r = open_row.get(key)
-        if r is None or width and 2 * (len(s["ids"]) - n) * (lengths[r] - n) >= n * (6 * width + n):
-            r = open_row[key] = len(rows)
-            rows.append([])
-            lengths.append(n)
-        rows[r].append(i)
-        lengths[r] += len(s["ids"]) - n
-    return rows, lengths
-
-
-def collate(samples, pad_id, device, min_tokens=0, share=True, config=None, packed=False, dtype=torch.float32):
-    """The micro-batch as the model takes it: rows_of's rows, each token at its position alone (a completion's count on
-    from its prompt's end) and seeing what it sees alone, its prompt and its completion: the same log-probs (to float
-    rounding), and the prompt gets the gradients of all its completions. packed: one row of segments (a prompt, a
-    completion) for segment_attention. Else padded rows with, where completions share one, a 4D mask built on the
-    device (host work linear in T) as the float bias SDPA would make of it in every layer, once, in `dtype`. Per-token
-    tensors are [B, T] over each completion: token t is predicted at hidden[rows, cols[t]] (-1: padding)."""
-
-    def padded(rows, kind=torch.float, value=0):  # [B, the longest row]; one column at least: may be empty
-        out = torch.full((len(rows), max(1, *map(len, rows))), value, dtype=kind)
-        for r, row in enumerate(rows):
-            out[r, : len(row)] = torch.tensor(row, dtype=kind)
-        return out
-
-    rows = rows_of(samples, share, None if packed else getattr(config, "hidden_size", None))[0]
-    ids = []  # per row: a prompt, then the completions that joined it
-    segment = []  # per row, per token: 0 the prompt, i + 1 sample i's completion (the mask's)
-    position = []
-    segments = []  # packed: per segment, its query count and the columns of its keys
-    at = {}  # per sample: its row, and the columns whose hidden states predict its tokens
-    for members in rows:
-        n = samples[members[0]]["n_prompt"]
-        if not packed or not ids:
-            ids.append([])
-            segment.append([])
-            position.append([])
-        prompt = range(len(ids[-1]), len(ids[-1]) + n)
-        ids[-1] += samples[members[0]]["ids"][:n]
-        segment[-1] += [0] * n
-        position[-1] += range(n)
-        segments.append((n, prompt))
-        for i in members:
-            completion = samples[i]["ids"][n:]
-            own = range(len(ids[-1]), len(ids[-1]) + len(completion))
-            at[i] = (len(ids) - 1, [prompt[-1], *own[:-1]])
-            if own:
-                segments.append((len(own), [*prompt, *own]))
-            ids[-1] += completion
-            segment[-1] += [i + 1] * len(completion)
-            position[-1] += range(n, n + len(completion))
-    position = padded(position, torch.long).to(device)
-    batch = {"input_ids": padded(ids, torch.long, pad_id), "position_ids": position}  # what the model takes
-    if packed:
-        queries, keys = zip(*segments)
-        batch["segments"] = (
-            torch.tensor([0, *itertools.accumulate(queries)], dtype=torch.int32, device=device),
-            torch.tensor([0, *itertools.accumulate(map(len, keys))], dtype=torch.int32, device=device),
-            torch.tensor([column for k in keys for column in k], device=device),  # kv_index: each segment's keys
-            max(queries),
-            max(map(len, keys)),
-        )
-    elif any(len(members) > 1 for members in rows):
-        # -1: padding, which attends to the prompt: no row is all masked
-        segment = padded(segment, torch.long, -1).to(device)
-        causal = torch.ones(segment.shape[1], segment.shape[1], dtype=torch.bool, device=device).tril()
-        full = (causal & ((segment[:, None] == 0) | (segment[:, None] == segment[..., None])))[:, None]
-        attend = {"full_attention": full}
-        window = getattr(config, "sliding_window", None)
-        # the model's sliding window, in the mask that replaces its own: over positions; per layer type if mixed
-        if window:
-            distance = position[:, None, :, None] - position[:, None, None, :]
-            types = set(getattr(config, "layer_types", None) or ["sliding_attention"])
-            attend = {t: full & (distance < window) if t == "sliding_attention" else full for t in types}
-        bias = {t: torch.where(a, 0.0, -torch.inf).to(dtype) for t, a in attend.items()}
-        batch["attention_mask"] = bias if len(bias) > 1 else next(iter(bias.values()))
-    mask = padded([s["mask"] for s in samples])
-    generated = mask.cumsum(1)  # a turn: a run of generated tokens; in_turn counts those of its turn up to here
-    in_turn = generated - (generated * (1 - mask)).cummax(1).values  # vLLM held the stop tokens back for min_tokens
-    batch |= {
-        "rows": torch.tensor([[at[i][0]] for i in range(len(samples))]),
-        "cols": padded([at[i][1] for i in range(len(samples))], torch.long, -1),
-        "tokens": sum(map(len, ids)),
-        "mask": mask,
-        "stop_masked": (0 < in_turn) & (in_turn <= min_tokens),
-        "sampler_logp": padded([s["logprobs"] for s in samples]),
-        "targets": padded([s["ids"][s["n_prompt"] :] for s in samples], torch.long, pad_id),
-        "advantages": torch.tensor([s["advantage"] for s in samples], dtype=torch.float),
-    }
-    return {k: v.to(device) if torch.is_tensor(v) else v for k, v in batch.items()}
-
-
-def token_logprobs(model, batch, temperature=1.0, chunk=2**26, **truncation):
-    """[B, T] log-probs of the completions as vLLM sampled them, the mass truncation removed and the entropy: the
-    output layer on the completions' hidden states only, in chunks of ~`chunk` logits recomputed in backward (if more
-    than one), which keeps a hidden state per token, not [tokens, V] logits (~2.4 MB a token at V = 151,936)."""
-    bare = getattr(model, "module", model)  # DDP's
-    head = bare.get_output_embeddings()
-    hidden = []  # what the forward hands its head, which then gets nothing (a new tensor: a view would keep them)
-    hook = head.register_forward_pre_hook(lambda head, args: hidden.append(args[0]) or (args[0][:, :0].clone(),))
-    try:
-        model(**{k: batch[k] for k in MODEL_INPUTS if k in batch}, use_cache=False)
-    finally:
-        hook.remove()
-    real = batch["cols"] >= 0  # [B, T]: the completions' tokens, not padding
-    states = hidden[0][batch["rows"].expand_as(real)[real], batch["cols"][real]]  # [tokens, width]
-    rows = max(1, chunk // head.out_features)
-    parts = zip(states.split(rows), batch["targets"][real].split(rows), batch["stop_masked"][real].split(rows))
-    softcap = getattr(bare.config.get_text_config(), "final_logit_softcapping", None)
-
-    def chunk_logprobs(hidden, targets, stop_masked):  # [N, width] -> sampler_logprobs' [N] values (another comes too)
-        logits = head(hidden).float()  # [N, V]
-        if softcap:  # Gemma's, which the model's forward applies after its head
-            logits = torch.tanh(logits / softcap) * softcap
-        return sampler_logprobs(logits, targets, temperature, stop_masked=stop_masked, **truncation)
-
-    run = functools.partial(torch.utils.checkpoint.checkpoint, chunk_logprobs, use_reentrant=False)
-    if len(states) * head.out_features <= chunk:  # a single chunk is kept as it is: no second pass in backward
-        run = chunk_logprobs
-    per_token = [run(*part) for part in parts]
-    return [torch.zeros(real.shape, device=real.device).masked_scatter(real, torch.cat(x)) for x in zip(*per_token)]
-
-
-def sampler_logprobs(
-    logits,
-    targets,
-    temperature=1.0,
-    top_k=0,
-    top_p=1.0,
-    min_p=0.0,
-    stop_masked=None,
-    stop_ids=(),
-    served=torch.bfloat16,
-):
-    """log pi(target) under the distribution vLLM sampled it from, its processed log-probs: logits [B, T, V] with the
-    stop_ids masked where min_tokens held them back (stop_masked, [B, T]), / temperature, then min-p, top-k and top-p,
-    renormalised over the tokens kept. The kept set is chosen on the logits rounded to `served`, the server's dtype:
-    tokens that tie there tie for vLLM, and top-k keeps every tie (at a top-p boundary vLLM keeps an arbitrary part of a
-    tied group, the trainer all of it). The target is always kept: where the trainer would cut it (a token at the
-    boundary, the two sides' logits differing in the last bits, or a stale one), its log-prob is taken over the kept
-    set and itself: finite, and close to vLLM's at the boundary. Returns [B, T] log-probs (with gradient), [B, T] the
-    probability mass the truncation removed, and [B, T] the entropy of the distribution sampled from (train/entropy)."""
-    targets = targets[..., None]
-    if stop_masked is not None and stop_masked.any():
-        is_stop = torch.zeros(logits.shape[-1], dtype=torch.bool, device=logits.device)
-        is_stop[list(stop_ids)] = True
-        logits = logits.masked_fill(stop_masked[..., None] & is_stop & ~is_stop[targets], -torch.inf)
-    scaled = logits / temperature
-    if top_k > 0 or top_p < 1 or min_p > 0:
-        with torch.no_grad():  # which tokens are kept is a choice, not differentiated; in chunks of rows, so that a
-            flat, cut = logits.detach().flatten(0, -2), []  # sort over a large vocabulary never holds all of them
-            for chunk in flat.split(max(1, 2**22 // flat.shape[-1])):
-                rounded = chunk.to(served).float() / temperature
-                cut.append(rounded < kept_threshold(rounded, top_k, top_p, min_p))
-            cut = torch.cat(cut).view_as(logits).scatter_(-1, targets, False)
-        log_total = scaled.detach().logsumexp(-1)
-        scaled = scaled.masked_fill(cut, -torch.inf)  # the one more [B, T, V] tensor this takes
-        log_kept = scaled.logsumexp(-1)
-        removed = 1 - (log_kept.detach() - log_total).exp()
-    else:  # nothing truncated: the log-softmax of the sampled tokens only
-        log_kept = scaled.logsumexp(-1)
-        removed = torch.zeros_like(log_kept)
-    with torch.no_grad():  # what backward keeps is unchanged: these [B, T, V] temporaries are freed here
-        entropy = torch.special.entr((scaled - log_kept[..., None]).exp()).sum(-1)  # -sum p log p, 0 log 0 = 0
-    return scaled.gather(-1, targets).squeeze(-1) - log_kept, removed, entropy
-
-
-def kept_threshold(x, top_k=0, top_p=1.0, min_p=0.0):
-    """x: [N, V] logits after temperature -> [N, 1]: the smallest logit each row keeps, truncated in vLLM's order."""
-    threshold = torch.full_like(x[:, :1], -torch.inf)
-    if min_p > 0:  # tokens with at least min_p times the top token's probability
-        threshold = x.max(-1, keepdim=True).values + math.log(min_p)
-    if 0 < top_k < x.shape[-1]:  # the k largest, ties kept
-        threshold = torch.maximum(threshold, x.topk(top_k, -1).values[:, -1:])
-    if top_p < 1:  # the most likely tokens whose probability mass before them is below top_p
-        x = x.masked_fill(x < threshold, -torch.inf)
-        log_total = x.logsumexp(-1, keepdim=True)
-        for k in (min(1024, x.shape[-1]), x.shape[-1]):  # the nucleus is usually small: a full sort only if it is not
-            top = x.topk(k, -1).values  # [N, k], descending
-            probs = (top - log_total).exp()
-            kept = ((probs.cumsum(-1) - probs) < top_p).sum(-1, keepdim=True)
-            if (kept < k).all() or k == x.shape[-1]:
-                break
-        threshold = torch.maximum(threshold, top.gather(-1, kept - 1))
-    return threshold
-
-
 # --- The weight sync: rank 0 pauses vLLM, broadcasts packed buckets to every worker, resumes --------------------------
 
 
 class WeightSync:
-    """Trainer side of the sync to every server in `urls`; advances `policy` (a PolicyVersion). One group (sync_group)
+    """Trainer side of the sync to every server in `urls`; advances `version` (a PolicyVersion). One group (sync_group)
     holds the trainer (rank 0) and every worker of every server, so one broadcast reaches them all. It is made at the
     first sync and kept for the run, unless a sync fails: then it is aborted, and the error names the server."""
 
-    def __init__(self, urls, args, dtype, policy, failure=lambda: None):
+    def __init__(self, urls, args, dtype, version, failure=lambda: None, backend=None):
         self.urls = urls
         self.args = args
         self.dtype = dtype  # the servers' (served_config): the weights travel in it
-        self.policy = policy
+        self.version = version
+        # gloo or nccl: the device plan's, unless the run learnt better from --vllm-url servers (Run.sync_backend)
+        self.backend = backend or args.plan["sync_backend"]
         self.failure = failure  # why a server failed, from the watchdog (watch_servers), or None
         self.group = None
         self.pool = ThreadPoolExecutor(len(urls))
@@ -1058,7 +957,7 @@ class WeightSync:
 
     def _connect(self, model):
         """At the first sync: check that every server knows every name it will receive, then make the group."""
-        names = [name for name, _, _ in served_weights(model, every=True)]
+        names = [name for name, _, _ in served_weights(model, include_frozen=True)]
         unknown = set()
         for url in self.urls:
             for worker in self._rpc(url, "unknown_weight_names", names=names).result()["results"]:
@@ -1073,7 +972,7 @@ class WeightSync:
         sizes = [http(f"{url}/get_world_size")["world_size"] for url in self.urls]  # workers per server
         host, listener = sync_endpoint(self.urls, self.args.sync_host)
         port = listener.getsockname()[1]
-        backend = self.args.plan["sync_backend"]
+        backend = self.backend
         world_size = 1 + sum(sizes)
         joined = [
             self._rpc(
@@ -1092,26 +991,26 @@ class WeightSync:
         for future in joined:
             future.result(self.args.sync_timeout)
 
-    def __call__(self, model, every=False):  # every: the frozen weights too (served_weights)
+    def __call__(self, model, include_frozen=False):
         t0 = time.perf_counter()
         if self.group is None:
             self._connect(model)
         deadline = time.monotonic() + self.args.sync_timeout
-        with self.policy.lock:
-            self.policy.open = False  # no request is sent from here until the new weights serve
+        with self.version.lock:
+            self.version.open = False  # no request is sent from here until the new weights serve
         # keep and abort both stop the requests in flight (vLLM returns what they generated so far);
         # rollout() then continues them with the new weights (keep) or starts their turn over (abort).
         # Pausing also clears vLLM's caches, whose keys/values the old weights computed.
         self._all(f"pause?mode={'wait' if self.args.sync_mode == 'wait' else 'abort'}")
-        while self.policy.in_flight:  # a request that reached vLLM after the pause waits in its queue: stop it
+        while self.version.in_flight:  # a request that reached vLLM after the pause waits in its queue: stop it
             if time.monotonic() > deadline:
                 raise TimeoutError(
-                    f"{self.policy.in_flight} requests did not answer the pause in "
+                    f"{self.version.in_flight} requests did not answer the pause in "
                     f"{self.args.sync_timeout} s (--sync-timeout)"
                 )
             self._all("abort_requests")
             time.sleep(0.01)
-        buckets = pack_buckets(model, self.args.sync_bucket_bytes, self.dtype, every)
+        buckets = pack_buckets(model, self.args.sync_bucket_bytes, self.dtype, include_frozen)
         meta = [
             {
                 "dtype": str(self.dtype).removeprefix("torch."),
@@ -1133,18 +1032,18 @@ class WeightSync:
             self.group.abort()
             self.group = None
             raise ConnectionError(f"the weight sync to {', '.join(self.urls)} failed: {e}") from None
-        self.policy.value += 1
+        self.version.value += 1
         self._all("resume")
-        self.policy.open = True
+        self.version.open = True
         return time.perf_counter() - t0
 
 
-def pack_buckets(model, bucket_bytes, dtype, every=False):
+def pack_buckets(model, bucket_bytes, dtype, include_frozen=False):
     """Group the weights to send (served_weights) into flat buffers of about bucket_bytes: one broadcast each."""
     buckets = []
     current = []  # the bucket being filled
     size = 0  # its bytes
-    for name, param, lora in served_weights(model, every):
+    for name, param, lora in served_weights(model, include_frozen):
         if current and size + param.numel() * dtype.itemsize > bucket_bytes:
             buckets.append(current)
             current = []
@@ -1154,10 +1053,10 @@ def pack_buckets(model, bucket_bytes, dtype, every=False):
     return buckets + [current] if current else buckets
 
 
-def served_weights(model, every=False):
+def served_weights(model, include_frozen=False):
     """(name as vLLM knows it, weight, its LoRA layer or None) for each weight a sync sends: the trained ones (a frozen
     vision tower: vLLM holds it already); --lora-rank: those of the modules holding an adapted layer and no other, as
-    none can have changed (siblings: vLLM fuses q/k/v into qkv_proj, reloads it whole), or with every all of them."""
+    none can have changed (siblings: vLLM fuses q/k/v into qkv_proj, reloads it whole), or with include_frozen all of them."""
     if not hasattr(model, "peft_config"):
         yield from ((name, p, None) for name, p in model.named_parameters() if p.requires_grad)
         return
@@ -1168,7 +1067,7 @@ def served_weights(model, every=False):
     parents = {name.rpartition(".")[0] for name in adapted}
     for name, p in base.named_parameters():
         module, _, leaf = name.replace(".base_layer", "").rpartition(".")
-        if ".lora_" not in name and (every or module.rpartition(".")[0] in parents):
+        if ".lora_" not in name and (include_frozen or module.rpartition(".")[0] in parents):
             yield f"{module}.{leaf}", p, adapted.get(module) if leaf == "weight" else None
 
 
@@ -1220,8 +1119,6 @@ def help_sync(model, args, dtype):
         flatten(bucket, dtype)
 
 
-
-
 # --- The run: main's phases in the order they run, and a teardown that leaves nothing running -------------------------
 
 
@@ -1257,7 +1154,7 @@ class Run:
     resumed: dict = None  # the trainer state --resume continues from
     tok: object = None
     pad_id: int = 0
-    ctx: dict = None  # what every rollout needs (rollout_context)
+    ctx: RolloutContext = None
     train_rows: list = None
     eval_rows: list = None
     policy: object = None  # the bare module: what is synced and saved
@@ -1270,7 +1167,11 @@ class Run:
     servers: list = field(default_factory=list)  # the vLLM servers started here
     urls: list = field(default_factory=list)  # every server's, started here or --vllm-url; watched
     server_failure: str = None  # why a server failed, from watch_servers
-    served: object = None  # the dtype the servers compute in
+    # collate's rows: a group's prompt once (share: --share-prefix, unless the model refuses it), packed in segments
+    # where a varlen kernel runs (load_policy_and_optimizer decides)
+    layout: dict = None
+    served_dtype: object = None  # the dtype the servers compute in
+    sync_backend: str = None  # the weight sync's: the device plan's, or what --vllm-url servers' devices allow
     version: object = None  # the PolicyVersion the weight sync advances
     sync: object = None
     producer: object = None
@@ -1391,18 +1292,18 @@ def load_policy_and_optimizer(run):
             f"({type(e).__name__}: {str(e)[:300]})"
         )
     why = args.share_prefix and sharing_refused(model)
+    run.layout = {"share": args.share_prefix and not why, "packed": False}
     if why:
-        args.share_prefix = False
         if run.is_main:
             print(f"--share-prefix is off for {run.model_path}: {why}; every sequence is forwarded whole", flush=True)
     if args.gradient_checkpointing:
         model.gradient_checkpointing_enable()
     # packed rows (collate) where torch's varlen flash kernel runs (CUDA, compute capability 8+): without softcapping
     config = model.config.get_text_config()
-    if args.share_prefix and run.device.type == "cuda" and not getattr(config, "attn_logit_softcapping", None):
-        args.packed = torch.cuda.get_device_capability(run.device) >= (8, 0) and use_segments(model)
+    if run.layout["share"] and run.device.type == "cuda" and not getattr(config, "attn_logit_softcapping", None):
+        run.layout["packed"] = torch.cuda.get_device_capability(run.device) >= (8, 0) and use_segments(model)
     context = args.max_model_len or getattr(model.config, "max_position_embeddings", None)
-    too_long = [(i, len(ids)) for i, ids in run.ctx["prompt_ids"].items() if context and len(ids) >= context]
+    too_long = [(i, len(ids)) for i, ids in run.ctx.prompt_ids.items() if context and len(ids) >= context]
     if too_long:
         raise SystemExit(
             f"{len(too_long)} prompts do not fit the context of {context} tokens (the first: row id "
@@ -1415,7 +1316,7 @@ def load_policy_and_optimizer(run):
         AutoProcessor.from_pretrained(run.model_path) if hasattr(model.config, "vision_config") else run.tok
     )
     run.reference = place(run.initial_model).requires_grad_(False) if args.beta else None
-    if args.packed and run.reference:
+    if run.layout["packed"] and run.reference:
         use_segments(run.reference)
     if run.world_size > 1 and not args.fsdp:
         run.model = torch.nn.parallel.DistributedDataParallel(
@@ -1451,16 +1352,17 @@ def load_policy_and_optimizer(run):
 
 def start_generation(run):
     args = run.args
-    served = [None]  # the servers' dtype, which rank 0 learns
+    # the servers' dtype, which rank 0 learns
+    dtype = [None]
     if run.is_main:
         run.servers = [] if args.vllm_url else start_vllm(args, run.model_path, run.out_dir)
         run.urls = urls = args.vllm_url.split(",") if args.vllm_url else [server.url for server in run.servers]
         threading.Thread(target=watch_servers, args=(run,), daemon=True, name="watch_servers").start()
         configs = [served_config(url) for url in urls]
-        run.ctx["max_model_len"] = min(length for length, _, _, _ in configs)
-        run.ctx["seeded"] = all(seeds for _, _, _, seeds in configs)
-        served = [configs[0][1]]
-        if not run.ctx["seeded"]:
+        run.ctx.max_model_len = min(length for length, _, _, _ in configs)
+        run.ctx.seeded = all(seeds for _, _, _, seeds in configs)
+        dtype = [configs[0][1]]
+        if not run.ctx.seeded:
             print(
                 "warning: requests go unseeded, so a run does not replay: a CPU server with chunked prefill crashes on "
                 "seeded ones (vLLM 0.32); start it with --no-enable-chunked-prefill, as start_vllm does",
@@ -1469,20 +1371,21 @@ def start_generation(run):
         if args.vllm_url:  # the sync's backend follows the devices these servers report (the plan could not know them)
             ours = range(int(os.environ.get("LOCAL_WORLD_SIZE", 1))) if run.device.type == "cuda" else []
             ours = [str(torch.cuda.get_device_properties(i).uuid) for i in ours]
-            args.plan["sync_backend"] = url_sync_backend(urls, [devices for _, _, devices, _ in configs], ours)
+            run.sync_backend = url_sync_backend(urls, [devices for _, _, devices, _ in configs], ours)
     if run.world_size > 1:  # every rank packs the weights and rounds the logits as the servers compute
-        dist.broadcast_object_list(served, 0)
-    run.served = getattr(torch, served[0])
+        dist.broadcast_object_list(dtype, 0)
+    run.served_dtype = getattr(torch, dtype[0])
     if run.is_main:
         run.version = PolicyVersion(args.max_inflight)
-        run.sync = WeightSync(urls, args, run.served, run.version, failure=lambda: run.server_failure)
+        failure = functools.partial(getattr, run, "server_failure")
+        run.sync = WeightSync(urls, args, run.served_dtype, run.version, failure, backend=run.sync_backend)
         if args.vllm_url:  # a server we did not start may hold other weights than the policy: all of them
-            run.sync(run.policy, every=True)
+            run.sync(run.policy, include_frozen=True)
         # the servers hold the weights of the step the run starts at: those of the last finished sync, or newer where a
         # sync failed mid-way (a count saved with them would lag, and the staleness gate would wait forever on --resume)
         run.version.value = run.start_step // args.sync_every
         cursor = run.resumed and run.resumed["data"]
-        run.producer = Producer(args, run.tok, run.train_rows, urls, run.ctx, policy=run.version, cursor=cursor)
+        run.producer = Producer(args, run.tok, run.train_rows, urls, run.ctx, version=run.version, cursor=cursor)
         run.producer.start()
         if args.plan["cpu_server"] and run.world_size == 1:
             run.share_core = functools.partial(share_idle_core, decoder_layers(run.policy), run.version)
@@ -1499,7 +1402,7 @@ def start_generation(run):
             write_metrics(run, metrics)
             print(f"step    0/{args.steps} | eval {metrics['eval/reward']:.3f}", flush=True)
     elif args.fsdp and args.vllm_url:  # rank 0's first sync gathers the weights from every rank's shards
-        help_sync(run.policy, args, run.served)
+        help_sync(run.policy, args, run.served_dtype)
     run.clock = {
         "start": time.perf_counter(),
         "samples": 0,
@@ -1510,23 +1413,15 @@ def start_generation(run):
 
 
 def train_one_step(run, step):
+    """One step, in phases: take a batch, update the weights, sync them to vLLM, evaluate, log, checkpoint. What a save
+    pairs (the weights, the step count, the data cursor, the step's line) is set together while run.updating marks the
+    update, so that a signal or an error at any line saves the last finished step whole (save_after_error)."""
     args = run.args
     t_step = time.perf_counter()
-    groups = None
-    payload = [None, None]  # each rank's samples, and the step's loss tokens
-    if run.is_main:  # rank 0 takes whole groups off the producer's queue and deals each rank an equal share of them
-        groups = run.producer.take(args.prompts_per_step, args.data_timeout, interrupted=lambda: bool(run.stop))
-        to_train = [{k: s[k] for k in ("ids", "n_prompt", "mask", "logprobs", "advantage")} for g in groups for s in g]
-        payload = [
-            [to_train[r :: run.world_size] for r in range(run.world_size)],
-            sum(sum(s["mask"]) for s in to_train),
-        ]
-    if run.world_size > 1:
-        dist.broadcast_object_list(payload, 0)
-    samples = payload[0][run.rank]
-    num_tokens = payload[1]
+    groups, samples, num_tokens = take_batch(run)
     wait_seconds = time.perf_counter() - t_step
-    run.updating = True  # an error in the update may leave the weights half-updated: not saved then
+    # An error in the update may leave the weights half-changed: they are not saved while `updating`
+    run.updating = True
     with run.share_core():
         metrics = train_step(
             run.model,
@@ -1538,41 +1433,67 @@ def train_one_step(run, step):
             device=run.device,
             world_size=run.world_size,
             reference=run.reference,
-            stop_ids=run.ctx["stop_ids"],
+            stop_ids=run.ctx.stop_ids,
             pad_id=run.pad_id,
-            served=run.served,
+            served_dtype=run.served_dtype,
+            layout=run.layout,
         )
     run.scheduler.step()
     if run.is_main:
-        trained_version = run.version.value
         run.done_cursor = dict(run.producer.cursor)
         metrics.update({"train/loss_tokens": num_tokens, "perf/wait_seconds": wait_seconds, "sync/seconds": 0.0})
         metrics["perf/step_seconds"] = time.perf_counter() - t_step
-        run.unlogged = [step + 1, groups, metrics, trained_version]  # save_after_error writes it if sync or eval fails
-    run.completed = step + 1  # with the cursor and the line, while `updating`: a save pairs a step's weights with both
+        # save_after_error writes this line if the sync or the evaluation fails
+        run.unlogged = [step + 1, groups, metrics, run.version.value]
+    run.completed = step + 1
     run.updating = False
     if (step + 1) % args.sync_every == 0:
-        if run.is_main:
-            metrics["sync/seconds"] = run.sync(run.policy)
-        elif args.fsdp:
-            help_sync(run.policy, args, run.served)
-        if run.world_size > 1:
-            dist.barrier()
+        sync_weights(run, metrics)
     if run.is_main:
         metrics["perf/step_seconds"] = time.perf_counter() - t_step
         if args.eval_every and (step + 1) % args.eval_every == 0:
             metrics.update(evaluate(run))
-        log_step(run, *run.unlogged)  # before the checkpoint
-    stopping = bool(run.stop)  # read once: the checkpoint and the exit agree; a later signal stops the next step
-    due = [bool(args.save_every and (step + 1) % args.save_every == 0 or stopping)]  # rank 0 decides: it gets signals
+        # the line before the checkpoint: a saved step has its line
+        log_step(run, *run.unlogged)
+    # Read once, so that the checkpoint and the exit agree; a later signal stops the next step. Rank 0 decides: it
+    # gets the signals.
+    stopping = bool(run.stop)
+    due = [bool(args.save_every and (step + 1) % args.save_every == 0 or stopping)]
     if args.fsdp:
         dist.broadcast_object_list(due, 0)
     if due[0] and (run.is_main or args.fsdp):
         checkpoint(run, step + 1)
-    if run.is_main and stopping:  # torchrun's other ranks are stopped by torchrun when this one exits
+    if run.is_main and stopping:
+        # torchrun stops the other ranks when this one exits
         raise SystemExit(
             f"stopped at step {step + 1} by signal {run.stop[0]}; continue with --resume --output-dir {run.out_dir}"
         )
+
+
+def take_batch(run):
+    """Rank 0 takes whole groups off the producer's queue and deals each rank an equal share of their samples. Returns
+    the groups (rank 0's, for the log), this rank's samples and the step's loss tokens, over every rank."""
+    groups = None
+    payload = [None, None]
+    if run.is_main:
+        groups = run.producer.take(run.args.prompts_per_step, run.args.data_timeout, lambda: bool(run.stop))
+        fields = ("ids", "n_prompt", "mask", "logprobs", "advantage")
+        to_train = [{k: s[k] for k in fields} for group in groups for s in group]
+        shares = [to_train[r :: run.world_size] for r in range(run.world_size)]
+        payload = [shares, sum(sum(s["mask"]) for s in to_train)]
+    if run.world_size > 1:
+        dist.broadcast_object_list(payload, 0)
+    return groups, payload[0][run.rank], payload[1]
+
+
+def sync_weights(run, metrics):
+    """Rank 0 sends the weights to every server (WeightSync); under --fsdp every rank gathers its shards with it."""
+    if run.is_main:
+        metrics["sync/seconds"] = run.sync(run.policy)
+    elif run.args.fsdp:
+        help_sync(run.policy, run.args, run.served_dtype)
+    if run.world_size > 1:
+        dist.barrier()
 
 
 def log_step(run, step, groups, metrics, trained_version):
@@ -1716,7 +1637,7 @@ def evaluate(run):
                     row,
                     args,
                     ctx=p.ctx,
-                    policy=p.policy,
+                    version=p.version,
                     greedy=k == 0,
                     seed=(args.seed, "eval", i, k),  # the same at every evaluation: the checkpoints are compared alike
                     env=env,
@@ -1866,7 +1787,9 @@ def checkpoint(run, step):
         shutil.rmtree(tmp, ignore_errors=True)
         if run.args.lora_rank:  # merged weights; the adapter in adapter/ (from_pretrained applies one beside them)
             run.policy.save_pretrained(tmp / "adapter", save_embedding_layers=False)  # ("auto" asks the hub)
-            weights = {name: merged(p, lora).cpu() for name, p, lora in served_weights(run.policy, every=True)}
+            weights = {
+                name: merged(p, lora).cpu() for name, p, lora in served_weights(run.policy, include_frozen=True)
+            }
         (run.policy.get_base_model() if run.args.lora_rank else run.policy).save_pretrained(tmp, state_dict=weights)
         run.saved_with.save_pretrained(tmp)
         torch.save(
@@ -1915,6 +1838,238 @@ def _stop_after_step(stop, signum, frame):
     if stop:
         raise KeyboardInterrupt(f"signal {signum}")
     stop.append(signum)
+
+
+# --- Machinery: batches and log-probs: collate's rows, the output layer in chunks, vLLM's truncation ----------------
+
+
+def micro_batches(samples, size, count=1, share=True, tokens=math.inf, width=None, packed=False):
+    """The step's samples in micro-batches of at most `size` sequences and `tokens` tokens forwarded (memory), padding
+    included, and unpacked at most `size` x 1.25 x the step's median length (a sequence longer goes alone): shortest
+    first, with share a prompt's samples together (rows_of). A micro-batch pads to its longest row, and a tool loop's
+    long tail (a few rollouts 5x the median) made padding most of a step's tokens: 2.5x slower steps on the tool task.
+    The order is free: the loss is normalised over the step. At least `count` (the largest halved): every rank runs as
+    many."""
+    samples = sorted(
+        samples, key=lambda s: (s["n_prompt"], s["ids"][: s["n_prompt"]], len(s["ids"])) if share else len(s["ids"])
+    )
+    padding = size * 1.25 * np.median([len(s["ids"]) for s in samples])
+    batches = [[]]
+    for s in samples:
+        rows = rows_of(batches[-1] + [s], share, None if packed else width)[1]  # their lengths
+        forwarded = sum(rows) if packed else len(rows) * max(rows)
+        limit = tokens if packed else min(tokens, padding)
+        if batches[-1] and (len(batches[-1]) == size or forwarded > limit):
+            batches.append([])
+        batches[-1].append(s)
+    while len(batches) < count:
+        i = max(
+            (i for i, b in enumerate(batches) if len(b) > 1),
+            key=lambda i: len(batches[i]) * len(batches[i][-1]["ids"]),
+        )
+        batches[i : i + 1] = [batches[i][: len(batches[i]) // 2], batches[i][len(batches[i]) // 2 :]]
+    return batches
+
+
+def rows_of(samples, share=True, width=None):
+    """collate's rows (lists of sample indices) and their lengths: a prompt once, then the completions of the samples
+    with its tokens (share; else a row each). A dense row (width: the hidden size) takes a completion of c tokens only
+    where that costs less than a row of its own: it saves n prompt tokens (~12 width^2 multiply-adds each) and adds
+    attention over the row's c' completion tokens (~2 width a pair): 2 c c' < n (6 width + n). Segments always do."""
+    rows = []
+    lengths = []
+    open_row = {}  # prompt -> the row its next completion may join
+    for i, s in enumerate(samples):
+        n = s["n_prompt"]
+        key = tuple(s["ids"][:n]) if share else i
+        r = open_row.get(key)
+        if r is None or width and 2 * (len(s["ids"]) - n) * (lengths[r] - n) >= n * (6 * width + n):
+            r = open_row[key] = len(rows)
+            rows.append([])
+            lengths.append(n)
+        rows[r].append(i)
+        lengths[r] += len(s["ids"]) - n
+    return rows, lengths
+
+
+def collate(samples, pad_id, device, min_tokens=0, share=True, config=None, packed=False, dtype=torch.float32):
+    """The micro-batch as the model takes it: rows_of's rows, each token at its position alone (a completion's count on
+    from its prompt's end) and seeing what it sees alone, its prompt and its completion: the same log-probs (to float
+    rounding), and the prompt gets the gradients of all its completions. packed: one row of segments (a prompt, a
+    completion) for segment_attention. Else padded rows with, where completions share one, a 4D mask built on the
+    device (host work linear in T) as the float bias SDPA would make of it in every layer, once, in `dtype`. Per-token
+    tensors are [B, T] over each completion: token t is predicted at hidden[rows, cols[t]] (-1: padding)."""
+
+    def padded(rows, kind=torch.float, value=0):  # [B, the longest row]; one column at least: may be empty
+        out = torch.full((len(rows), max(1, *map(len, rows))), value, dtype=kind)
+        for r, row in enumerate(rows):
+            out[r, : len(row)] = torch.tensor(row, dtype=kind)
+        return out
+
+    rows = rows_of(samples, share, None if packed else getattr(config, "hidden_size", None))[0]
+    ids = []  # per row: a prompt, then the completions that joined it
+    segment = []  # per row, per token: 0 the prompt, i + 1 sample i's completion (the mask's)
+    position = []
+    segments = []  # packed: per segment, its query count and the columns of its keys
+    at = {}  # per sample: its row, and the columns whose hidden states predict its tokens
+    for members in rows:
+        n = samples[members[0]]["n_prompt"]
+        if not packed or not ids:
+            ids.append([])
+            segment.append([])
+            position.append([])
+        prompt = range(len(ids[-1]), len(ids[-1]) + n)
+        ids[-1] += samples[members[0]]["ids"][:n]
+        segment[-1] += [0] * n
+        position[-1] += range(n)
+        segments.append((n, prompt))
+        for i in members:
+            completion = samples[i]["ids"][n:]
+            own = range(len(ids[-1]), len(ids[-1]) + len(completion))
+            at[i] = (len(ids) - 1, [prompt[-1], *own[:-1]])
+            if own:
+                segments.append((len(own), [*prompt, *own]))
+            ids[-1] += completion
+            segment[-1] += [i + 1] * len(completion)
+            position[-1] += range(n, n + len(completion))
+    position = padded(position, torch.long).to(device)
+    batch = {"input_ids": padded(ids, torch.long, pad_id), "position_ids": position}  # what the model takes
+    if packed:
+        queries, keys = zip(*segments)
+        batch["segments"] = (
+            torch.tensor([0, *itertools.accumulate(queries)], dtype=torch.int32, device=device),
+            torch.tensor([0, *itertools.accumulate(map(len, keys))], dtype=torch.int32, device=device),
+            torch.tensor([column for k in keys for column in k], device=device),  # kv_index: each segment's keys
+            max(queries),
+            max(map(len, keys)),
+        )
+    elif any(len(members) > 1 for members in rows):
+        # -1: padding, which attends to the prompt: no row is all masked
+        segment = padded(segment, torch.long, -1).to(device)
+        causal = torch.ones(segment.shape[1], segment.shape[1], dtype=torch.bool, device=device).tril()
+        full = (causal & ((segment[:, None] == 0) | (segment[:, None] == segment[..., None])))[:, None]
+        attend = {"full_attention": full}
+        window = getattr(config, "sliding_window", None)
+        # the model's sliding window, in the mask that replaces its own: over positions; per layer type if mixed
+        if window:
+            distance = position[:, None, :, None] - position[:, None, None, :]
+            types = set(getattr(config, "layer_types", None) or ["sliding_attention"])
+            attend = {t: full & (distance < window) if t == "sliding_attention" else full for t in types}
+        bias = {t: torch.where(a, 0.0, -torch.inf).to(dtype) for t, a in attend.items()}
+        batch["attention_mask"] = bias if len(bias) > 1 else next(iter(bias.values()))
+    mask = padded([s["mask"] for s in samples])
+    generated = mask.cumsum(1)  # a turn: a run of generated tokens; in_turn counts those of its turn up to here
+    in_turn = generated - (generated * (1 - mask)).cummax(1).values  # vLLM held the stop tokens back for min_tokens
+    batch |= {
+        "rows": torch.tensor([[at[i][0]] for i in range(len(samples))]),
+        "cols": padded([at[i][1] for i in range(len(samples))], torch.long, -1),
+        "tokens": sum(map(len, ids)),
+        "mask": mask,
+        "stop_masked": (0 < in_turn) & (in_turn <= min_tokens),
+        "sampler_logp": padded([s["logprobs"] for s in samples]),
+        "targets": padded([s["ids"][s["n_prompt"] :] for s in samples], torch.long, pad_id),
+        "advantages": torch.tensor([s["advantage"] for s in samples], dtype=torch.float),
+    }
+    return {k: v.to(device) if torch.is_tensor(v) else v for k, v in batch.items()}
+
+
+# what a batch (collate) hands the model
+MODEL_INPUTS = ("input_ids", "position_ids", "attention_mask", "segments")
+
+
+def token_logprobs(model, batch, temperature=1.0, chunk=2**26, **truncation):
+    """[B, T] log-probs of the completions as vLLM sampled them, the mass truncation removed and the entropy: the
+    output layer on the completions' hidden states only, in chunks of ~`chunk` logits recomputed in backward (if more
+    than one), which keeps a hidden state per token, not [tokens, V] logits (~2.4 MB a token at V = 151,936)."""
+    bare = getattr(model, "module", model)  # DDP's
+    head = bare.get_output_embeddings()
+    hidden = []  # what the forward hands its head, which then gets nothing (a new tensor: a view would keep them)
+    hook = head.register_forward_pre_hook(lambda head, args: hidden.append(args[0]) or (args[0][:, :0].clone(),))
+    try:
+        model(**{k: batch[k] for k in MODEL_INPUTS if k in batch}, use_cache=False)
+    finally:
+        hook.remove()
+    real = batch["cols"] >= 0  # [B, T]: the completions' tokens, not padding
+    states = hidden[0][batch["rows"].expand_as(real)[real], batch["cols"][real]]  # [tokens, width]
+    rows = max(1, chunk // head.out_features)
+    parts = zip(states.split(rows), batch["targets"][real].split(rows), batch["stop_masked"][real].split(rows))
+    softcap = getattr(bare.config.get_text_config(), "final_logit_softcapping", None)
+
+    def chunk_logprobs(hidden, targets, stop_masked):  # [N, width] -> sampler_logprobs' [N] values (another comes too)
+        logits = head(hidden).float()  # [N, V]
+        if softcap:  # Gemma's, which the model's forward applies after its head
+            logits = torch.tanh(logits / softcap) * softcap
+        return sampler_logprobs(logits, targets, temperature, stop_masked=stop_masked, **truncation)
+
+    run = functools.partial(torch.utils.checkpoint.checkpoint, chunk_logprobs, use_reentrant=False)
+    if len(states) * head.out_features <= chunk:  # a single chunk is kept as it is: no second pass in backward
+        run = chunk_logprobs
+    per_token = [run(*part) for part in parts]
+    return [torch.zeros(real.shape, device=real.device).masked_scatter(real, torch.cat(x)) for x in zip(*per_token)]
+
+
+def sampler_logprobs(
+    logits,
+    targets,
+    temperature=1.0,
+    top_k=0,
+    top_p=1.0,
+    min_p=0.0,
+    stop_masked=None,
+    stop_ids=(),
+    served_dtype=torch.bfloat16,
+):
+    """log pi(target) under the distribution vLLM sampled it from, its processed log-probs: logits [B, T, V] with the
+    stop_ids masked where min_tokens held them back (stop_masked, [B, T]), / temperature, then min-p, top-k and top-p,
+    renormalised over the tokens kept. The kept set is chosen on the logits rounded to `served_dtype`, the server's:
+    tokens that tie there tie for vLLM, and top-k keeps every tie (at a top-p boundary vLLM keeps an arbitrary part of a
+    tied group, the trainer all of it). The target is always kept: where the trainer would cut it (a token at the
+    boundary, the two sides' logits differing in the last bits, or a stale one), its log-prob is taken over the kept
+    set and itself: finite, and close to vLLM's at the boundary. Returns [B, T] log-probs (with gradient), [B, T] the
+    probability mass the truncation removed, and [B, T] the entropy of the distribution sampled from (train/entropy)."""
+    targets = targets[..., None]
+    if stop_masked is not None and stop_masked.any():
+        is_stop = torch.zeros(logits.shape[-1], dtype=torch.bool, device=logits.device)
+        is_stop[list(stop_ids)] = True
+        logits = logits.masked_fill(stop_masked[..., None] & is_stop & ~is_stop[targets], -torch.inf)
+    scaled = logits / temperature
+    if top_k > 0 or top_p < 1 or min_p > 0:
+        with torch.no_grad():  # which tokens are kept is a choice, not differentiated; in chunks of rows, so that a
+            flat, cut = logits.detach().flatten(0, -2), []  # sort over a large vocabulary never holds all of them
+            for chunk in flat.split(max(1, 2**22 // flat.shape[-1])):
+                rounded = chunk.to(served_dtype).float() / temperature
+                cut.append(rounded < kept_threshold(rounded, top_k, top_p, min_p))
+            cut = torch.cat(cut).view_as(logits).scatter_(-1, targets, False)
+        log_total = scaled.detach().logsumexp(-1)
+        scaled = scaled.masked_fill(cut, -torch.inf)  # the one more [B, T, V] tensor this takes
+        log_kept = scaled.logsumexp(-1)
+        removed = 1 - (log_kept.detach() - log_total).exp()
+    else:  # nothing truncated: the log-softmax of the sampled tokens only
+        log_kept = scaled.logsumexp(-1)
+        removed = torch.zeros_like(log_kept)
+    with torch.no_grad():  # what backward keeps is unchanged: these [B, T, V] temporaries are freed here
+        entropy = torch.special.entr((scaled - log_kept[..., None]).exp()).sum(-1)  # -sum p log p, 0 log 0 = 0
+    return scaled.gather(-1, targets).squeeze(-1) - log_kept, removed, entropy
+
+
+def kept_threshold(x, top_k=0, top_p=1.0, min_p=0.0):
+    """x: [N, V] logits after temperature -> [N, 1]: the smallest logit each row keeps, truncated in vLLM's order."""
+    threshold = torch.full_like(x[:, :1], -torch.inf)
+    if min_p > 0:  # tokens with at least min_p times the top token's probability
+        threshold = x.max(-1, keepdim=True).values + math.log(min_p)
+    if 0 < top_k < x.shape[-1]:  # the k largest, ties kept
+        threshold = torch.maximum(threshold, x.topk(top_k, -1).values[:, -1:])
+    if top_p < 1:  # the most likely tokens whose probability mass before them is below top_p
+        x = x.masked_fill(x < threshold, -torch.inf)
+        log_total = x.logsumexp(-1, keepdim=True)
+        for k in (min(1024, x.shape[-1]), x.shape[-1]):  # the nucleus is usually small: a full sort only if it is not
+            top = x.topk(k, -1).values  # [N, k], descending
+            probs = (top - log_total).exp()
+            kept = ((probs.cumsum(-1) - probs) < top_p).sum(-1, keepdim=True)
+            if (kept < k).all() or k == x.shape[-1]:
+                break
+        threshold = torch.maximum(threshold, top.gather(-1, kept - 1))
+    return threshold
 
 
 # --- Machinery: arguments and the device plan -------------------------------------------------------------------------
@@ -2348,7 +2503,6 @@ def parse_args(argv=None, world_size=1, cuda_count=None, local_ranks=None, heads
     args.plan = plan_devices(args, cuda_count, local_ranks, p.error, heads)
     if args.gradient_checkpointing is None:
         args.gradient_checkpointing = bool(cuda_count)
-    args.packed = False  # load_policy_and_optimizer packs the rows where a varlen kernel runs
     args.max_staleness = 0 if args.sync else args.max_staleness
     args.sync_bucket_bytes = int(args.sync_bucket_mb * 2**20)
     # The other ranks' bound in a collective while rank 0 alone starts vLLM, waits for data or syncs: not torch's (NCCL 10
@@ -2573,17 +2727,17 @@ async def environments(ctx, tok, row, n, timeout):
     """n instances of the row's environment (None without one), idle ones reused, reset to the row; the row as its
     rollouts see it (its prompt with what reset said) and its prompt's ids. They are idle again once the group is done.
     Raises Dropped where a reset fails or the resets say different things: a group answers one task."""
-    name = tools_module.environment_of(row, ctx["environments"])
+    name = tools_module.environment_of(row, ctx.environments)
     if name is None:
-        yield [None] * n, row, ctx["prompt_ids"][row["id"]]
+        yield [None] * n, row, ctx.prompt_ids[row["id"]]
         return
-    idle = ctx["idle"][name]
+    idle = ctx.idle[name]
     envs = [idle.pop() for _ in range(min(n, len(idle)))]
     try:
         try:
             while len(envs) < n:  # on the loop, not in a thread: each instance made is one that is closed at the end
-                ctx["alive"].append(ctx["environments"][name]())
-                envs.append(ctx["alive"][-1])
+                ctx.alive.append(ctx.environments[name]())
+                envs.append(ctx.alive[-1])
             said = await all_or_none(bounded(env.reset, row, timeout) for env in envs)
         except tools_module.EnvironmentGone:
             raise
@@ -2591,11 +2745,11 @@ async def environments(ctx, tok, row, n, timeout):
             raise Dropped(f"--env {name}: a reset to prompt {row['id']} failed: {type(e).__name__}: {e}") from None
         if any(text != said[0] for text in said):
             raise Dropped(f"--env {name}: reset said different things to a group, {said[0]!r} and others")
-        prompt_ids = ctx["prompt_ids"][row["id"]]
+        prompt_ids = ctx.prompt_ids[row["id"]]
         if said[0]:  # appended to the prompt's last message
             last = {**row["prompt"][-1], "content": row["prompt"][-1]["content"] + str(said[0])}
             row = {**row, "prompt": row["prompt"][:-1] + [last]}
-            prompt_ids = render_prompt(tok, row["prompt"], ctx["offered"][name], row["id"])
+            prompt_ids = render_prompt(tok, row["prompt"], ctx.offered[name], row["id"])
         yield envs, row, prompt_ids
     finally:  # the group is done: what an instance holds until its next reset may go (tools.py: release)
         await asyncio.gather(
@@ -2606,8 +2760,8 @@ async def environments(ctx, tok, row, n, timeout):
 
 async def close_environments(ctx, timeout):
     """close() every instance made, once, each within `timeout` seconds, however the run ends."""
-    closing = [bounded(env.close, {}, timeout) for env in ctx["alive"] if hasattr(env, "close")]
-    ctx["alive"].clear()
+    closing = [bounded(env.close, {}, timeout) for env in ctx.alive if hasattr(env, "close")]
+    ctx.alive.clear()
     await asyncio.gather(*closing, return_exceptions=True)
 
 
@@ -3372,24 +3526,6 @@ def parse_bare_json(text):
             return "", found, [f"ignored the text after a tool call, {rest[:200]!r}: only calls may follow one"]
         pos = len(body) - len(rest.removeprefix(";").lstrip())
     return "", found, []
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
 
 
 if __name__ == "__main__":

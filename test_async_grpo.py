@@ -1411,7 +1411,7 @@ def test_lora_sync_is_exact_and_sends_only_the_modules_an_adapter_can_change(ser
     args = ag.parse_args(["--output-dir", "unused", "--lora-rank", "4", "--lora-targets", "q_proj,gate_proj"])
     torch.manual_seed(0)  # the adapter's initial A, whatever earlier tests drew from the global stream
     model = ag.with_lora(ag.load_policy(tiny_model), args)
-    base = {name: p.detach().clone() for name, p, _ in ag.served_weights(model, every=True)}
+    base = {name: p.detach().clone() for name, p, _ in ag.served_weights(model, include_frozen=True)}
     sent, send = [], ag.send_weights
     monkeypatch.setattr(
         ag,
@@ -1422,7 +1422,7 @@ def test_lora_sync_is_exact_and_sends_only_the_modules_an_adapter_can_change(ser
         ),
     )
     sync = ag.WeightSync([server.url], args, torch.bfloat16, ag.PolicyVersion())
-    sync(model, every=True)  # what --vllm-url does first: the server may hold another test's weights
+    sync(model, include_frozen=True)  # what --vllm-url does first: the server may hold another test's weights
     torch.manual_seed(0)
     with torch.no_grad():  # the adapter moved as training moves it (B = 0 until then: the merged model is the base)
         for p in (p for p in model.parameters() if p.requires_grad):
@@ -1442,7 +1442,7 @@ def test_lora_sync_is_exact_and_sends_only_the_modules_an_adapter_can_change(ser
     assert (
         "model.layers.0.self_attn.k_proj.weight" in adapted and "model.layers.0.input_layernorm.weight" not in adapted
     )
-    assert all(torch.equal(p, base[name]) for name, p, _ in ag.served_weights(model, every=True))  # W as it was
+    assert all(torch.equal(p, base[name]) for name, p, _ in ag.served_weights(model, include_frozen=True))  # W as it was
     print(f"a LoRA sync sends {sum(sent[1].values())} of the {sum(sent[0].values())} weights")
 
 
@@ -2431,7 +2431,7 @@ def test_ctrl_c_then_resume_trains_every_prompt_once(server, tiny_model, tmp_pat
         adapter = tmp_path / "parts" / "checkpoint" / "adapter"
         assert {"adapter_model.safetensors", "adapter_config.json"} <= set(os.listdir(adapter))
         adapted = PeftModel.from_pretrained(ag.load_policy(tiny_model), adapter)
-        merged = {name: ag.merged(p, layer) for name, p, layer in ag.served_weights(adapted, every=True)}
+        merged = {name: ag.merged(p, layer) for name, p, layer in ag.served_weights(adapted, include_frozen=True)}
         assert merged.keys() == dict(saved.named_parameters()).keys()
         assert all(torch.allclose(p, merged[name], atol=1e-6) for name, p in saved.named_parameters())
         assert any(not torch.equal(p, q) for p, q in zip(saved.parameters(), ag.load_policy(tiny_model).parameters()))
