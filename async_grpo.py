@@ -10,28 +10,27 @@
     torchrun --nproc-per-node 4 async_grpo.py --model Qwen/Qwen3-8B --fsdp --vllm-gpus 4,5  # sharded, not copied
     python async_grpo.py --model M --vllm-url http://host:8000   # servers started as README.md shows
 
-The shape of a run: rank 0 starts a vLLM server and a producer thread. The producer, on its own asyncio loop, samples G
-rollouts per prompt from the server (token ids in, token ids and log-probs out, each token stamped with the policy
-version that sampled it), runs tool calls (and an environment's turns), scores each group with the reward functions,
-computes group-relative advantages, and queues the group. Every rank trains: rank 0 takes the groups in the order they
-started and hands each rank its share; the loss is the clipped surrogate against the sampler's log-probs. Every
---sync-every steps rank 0 pauses vLLM, broadcasts the weights over a process group of its own, resumes it, and the
-policy version grows. Generation never waits for training and training waits only for data, within one bound: the
-producer does not start a group whose tokens would be more than --max-staleness versions old when trained (0:
-synchronous, --sync).
+The shape of a run: rank 0 starts a vLLM server and a producer thread. The producer, on its own asyncio loop,
+samples G rollouts per prompt from the server (token ids in, token ids and log-probs out, each token stamped
+with the policy version that sampled it), runs tool calls (and an environment's turns), scores each group with
+the reward functions, computes group-relative advantages, and queues the group. Every rank trains: rank 0
+takes the groups in the order they started and hands each rank its share; the loss is the clipped surrogate
+against the sampler's log-probs. Every --sync-every steps rank 0 pauses vLLM, broadcasts the weights over a
+process group of its own, resumes it, and the policy version grows. Generation never waits for training and
+training waits only for data, within one bound: the producer does not start a group whose tokens would be more
+than --max-staleness versions old when trained (0: synchronous, --sync).
 
 The file reads in the order a reader needs it: the algorithm first (the rollout and its tool loop; rewards and
-group-relative advantages; the producer and its staleness gate; the loss; the training step; the weight sync), then the
-run's phases (main, and what it calls in the order it calls them), then the machinery that supports both, in sections
-named as such (arguments and devices, data, tools and environments at work, models, chat templates, tool-call parsing,
-vLLM servers, the sync group). Beside it: tools.py (tools and environments), rewards.py (rewards, built-in tasks),
-tiny_model.py (the built-in model), vllm_server.py (starting and stopping servers), sandbox.py (the interpreter's
-sandbox). `# FORK:` marks where a forker edits (README.md lists them).
-"""
+group-relative advantages; the producer and its staleness gate; the loss; the training step; the weight sync),
+then the run's phases (main, and what it calls in the order it calls them), then the machinery that supports
+both, in sections named as such (batches and log-probs, arguments, data, tools and environments at work,
+models, chat templates, tool-call parsing). Beside it: tools.py (tools and environments), rewards.py (rewards,
+built-in tasks), tiny_model.py (the built-in model), vllm_server.py (the vLLM servers, the device plan, the sync
+group and its receiving end in each worker), sandbox.py (the interpreter's sandbox). `# FORK:` marks where a
+forker edits (README.md lists them)."""
 
-import argparse, asyncio, contextlib, dataclasses, functools, inspect, itertools, json, math, os, queue, random, re, shutil, signal
-import sys, threading, time, traceback
-import urllib.error, urllib.parse, urllib.request
+import argparse, asyncio, contextlib, dataclasses, functools, inspect, itertools, json, math, os, queue, random
+import re, shutil, signal, sys, threading, time, traceback
 from dataclasses import dataclass, field
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
@@ -56,69 +55,70 @@ import torch.utils.checkpoint
 import rewards as rewards_module
 import tiny_model
 import tools as tools_module
-from vllm_server import SERVED_MODEL, cpu_threads, served_config, server_failure, share_idle_core
-from vllm_server import (
-    start_vllm,
-    stop_vllm,
-    sync_endpoint,
-    sync_group,
-    url_sync_backend,
-    vllm_flag,
-    watch_servers,
-    http,
-)
+
+# vllm_server.py: the servers (started, checked, watched), the device plan, the sync group
+from vllm_server import SERVED_MODEL, cpu_threads, http, memory_share, plan_devices, served_config, server_failure
+from vllm_server import share_idle_core, start_vllm, stop_vllm, sync_endpoint, sync_group, url_sync_backend, vllm_flag
+from vllm_server import watch_servers
 
 HERE = Path(__file__).resolve().parent
 ROLLOUT_FIELDS = set("prompts completions completion_ids tool_calls tool_failures truncated environments".split())
-TOOL_THREADS = ThreadPoolExecutor(64, thread_name_prefix="tool")  # a sync tool that waits holds a thread, not the loop
-# A slot per thread, taken by a call past its timeout until it returns, late or never (Python cannot stop a thread):
-# with every thread so held, a call is refused at once and counted (tools/refused), not queued behind them to time out
-# unseen; calls merely busy queue. What a sync tool may do (computing holds the interpreter, not a thread): tools.py.
+# a sync tool that waits holds a thread, not the loop
+TOOL_THREADS = ThreadPoolExecutor(64, thread_name_prefix="tool")
+# A slot per thread, taken by a call past its timeout until it returns, late or never (Python cannot stop a
+# thread): with every thread so held, a call is refused at once and counted (tools/refused), not queued behind
+# them to time out unseen; calls merely busy queue. What a sync tool may do (computing holds the interpreter,
+# not a thread): tools.py.
 TOOL_SLOTS = threading.BoundedSemaphore(64)
 TOOLS_REFUSED = [0]  # calls refused so far
-HUNG = set()  # ids of the environment instances whose sync call went on past its timeout: never reused (environments)
-# What --sampling-args may hold: parameters that end or seed a generation but leave its distribution as the trainer
-# computes it (min_tokens does change it: the trainer holds the stop tokens back in the same places).
-SAMPLING_ARGS = {"min_tokens", "stop", "ignore_eos"}  # (every request's seed comes from --seed: request_seed)
+# ids of the environment instances whose sync call went on past its timeout: never reused (environments)
+HUNG = set()
+# What --sampling-args may hold: parameters that end or seed a generation but leave its distribution as the
+# trainer computes it (min_tokens does change it: the trainer holds the stop tokens back in the same places).
+# (every request's seed comes from --seed: request_seed)
+SAMPLING_ARGS = {"min_tokens", "stop", "ignore_eos"}
 
 
-# --- The rollout: one conversation = generate, run its tool calls, append their results, generate again ---------------
+# --- The rollout: one conversation = generate, run its tool calls, append their results, generate again -----
 
 
 @dataclass
 class RolloutContext:
-    """What every rollout needs, computed once before vLLM starts (rollout_context), and the servers' limits once they
-    are up (start_generation)."""
+    """What every rollout needs, computed once before vLLM starts (rollout_context), and the servers' limits
+    once they are up (start_generation)."""
 
     # --tools' schemas (None: no tools), and their functions' schemas by name
     schemas: list
     tools_by_name: dict
-    # {name: class} of --env and --mcp; the schemas offered to each one's rows (None: rows without an environment)
+    # {name: class} of --env and --mcp; the schemas offered to each one's rows (None: rows without an
+    # environment)
     environments: dict
     offered: dict
     # per row id, the prompt's token ids as the chat template renders it with the tools its row is offered
     prompt_ids: dict
     # the token ids a generation stops on (stop_token_ids)
     stop_ids: list
-    # how the template writes tool calls (chat_format): the parser's format, the texts that end an assistant turn,
-    # how many calls a turn may hold
+    # how the template writes tool calls (chat_format): the parser's format, the texts that end an assistant
+    # turn, how many calls a turn may hold
     format: str = None
     turn_ends: list = ()
     max_calls: int = None
     # the servers' context length, and whether they take seeded requests (served_config)
     max_model_len: int = None
     seeded: bool = False
-    # environment instances: those between groups, per environment; every one made (close_environments closes them)
+    # environment instances: those between groups, per environment; every one made (close_environments closes
+    # them)
     idle: dict = field(default_factory=dict)
     alive: list = field(default_factory=list)
 
 
 # FORK: the tool loop (what a turn may do, when a rollout ends); the tools and environments themselves are in tools.py
 async def rollout(session, url, tok, row, args, ctx, version, greedy=False, seed=(), env=None, prompt_ids=None):
-    """Sample one conversation, in `env` if the row has an environment (an instance, reset: environments()). Keeps the
-    exact token ids: the prompt's (prompt_ids if reset added to it), then per turn the generated ids (mask 1, with their
-    log-probs and the policy version that sampled each) and those of the tool results or the environment's user turn
-    (mask 0, context). `seed`: what identifies this rollout in the run (its group and index): each request's derives."""
+    """Sample one conversation, in `env` if the row has an environment (an instance, reset: environment_instances()).
+    Keeps the exact token ids: the prompt's (prompt_ids if reset added to it), then per turn the generated ids
+    (mask 1, with their log-probs and the policy version that sampled each) and those of the tool results or
+    the environment's user turn (mask 0, context). `seed`: what identifies this rollout in the run (its group
+    and index): each request's derives."""
     ids = list(prompt_ids or ctx.prompt_ids[row["id"]])
     n_prompt = len(ids)
     # per token after the prompt: 1 generated (trained on), 0 a tool result
@@ -143,7 +143,7 @@ async def rollout(session, url, tok, row, args, ctx, version, greedy=False, seed
         functions.update({name: getattr(env, name) for name in tools_module.environment_tools(type(env))})
     while len(ids) < ctx.max_model_len:
         budget = min(args.max_tokens, ctx.max_model_len - len(ids))
-        turn, finish, interruptions = await generate_turn(
+        turn, finish_reason, interruptions = await generate_turn(
             session, url, ids, budget, version, args=args, ctx=ctx, greedy=greedy, seed=seed
         )
         new = [token for token, _, _ in turn]
@@ -153,8 +153,9 @@ async def rollout(session, url, tok, row, args, ctx, version, greedy=False, seed
         versions += [sampled_by for _, _, sampled_by in turn]
         stats["turns"] += 1
         stats["interrupted"] += interruptions
-        # Stopped on a stop token (not on a stop string of --sampling-args): the template's end of turn stands for it.
-        stopped = finish == "stop" and bool(new) and new[-1] in ctx.stop_ids
+        # Stopped on a stop token (not on a stop string of --sampling-args): the template's end of turn stands
+        # for it.
+        stopped = finish_reason == "stop" and bool(new) and new[-1] in ctx.stop_ids
         text = tok.decode(new[:-1] if stopped else new, skip_special_tokens=False)
         if schemas:
             message = parse_assistant(text, tok, ids[: -len(new)], by_name, ctx.format, max_calls=ctx.max_calls)
@@ -162,9 +163,9 @@ async def rollout(session, url, tok, row, args, ctx, version, greedy=False, seed
             # the parser runs only with tools: without them any template (or none) must train
             message = {"role": "assistant", "content": text, "tool_calls": [], "tool_call_errors": []}
         messages.append(message)
-        # How the turn ends: out of tokens; with tool calls, run unless out of turns; or an answer, which ends the
-        # rollout unless the environment answers it with a user turn.
-        if finish != "stop":
+        # How the turn ends: out of tokens; with tool calls, run unless out of turns; or an answer, which ends
+        # the rollout unless the environment answers it with a user turn.
+        if finish_reason != "stop":
             break
         if message["tool_calls"] or message["tool_call_errors"]:
             if stats["turns"] > args.max_tool_turns:
@@ -202,15 +203,15 @@ async def rollout(session, url, tok, row, args, ctx, version, greedy=False, seed
 
 
 async def generate_turn(session, url, ids, budget, version, args, ctx, greedy, seed):
-    """One assistant turn of at most `budget` tokens after `ids`: its (token id, log-prob, policy version) triples, why it
-    ended, and how often a weight sync stopped it. A stopped turn goes on from its tokens with the new weights, or
-    under --sync-mode abort starts over with them."""
+    """One assistant turn of at most `budget` tokens after `ids`: its (token id, log-prob, policy version)
+    triples, why it ended, and how often a weight sync stopped it. A stopped turn goes on from its tokens with
+    the new weights, or under --sync-mode abort starts over with them."""
     turn = []
     interruptions = 0
     while True:
         async with version.request() as sampled_by:
             new = [token for token, _, _ in turn]
-            part, part_logprobs, finish = await generate(
+            part, part_logprobs, finish_reason = await generate(
                 session,
                 url,
                 ids + new,
@@ -221,21 +222,22 @@ async def generate_turn(session, url, ids, budget, version, args, ctx, greedy, s
                 generated=len(turn),
                 seed=request_seed(*seed, len(ids) + len(turn)) if ctx.seeded else None,
             )
-            if finish == "abort" and version.open:
+            if finish_reason == "abort" and version.open:
                 raise RuntimeError("vLLM aborted a request outside a weight sync: is another client using it?")
-        if finish == "abort" and args.sync_mode == "abort":
+        if finish_reason == "abort" and args.sync_mode == "abort":
             turn = []
         else:
             turn += [(token, logprob, sampled_by) for token, logprob in zip(part, part_logprobs)]
-        interruptions += finish == "abort"
-        if finish != "abort" or len(turn) >= budget:
-            return turn, finish, interruptions
+        interruptions += finish_reason == "abort"
+        if finish_reason != "abort" or len(turn) >= budget:
+            return turn, finish_reason, interruptions
 
 
 # FORK: the sampling parameters (each one that shapes the distribution must also shape the trainer's: sampler_logprobs)
 async def generate(session, url, ids, max_tokens, args, stop_ids, greedy=False, generated=0, seed=None):
-    """One completion from vLLM: token ids in; sampled ids, their log-probs and why it ended out ('abort': a weight sync
-    stopped it; the ids so far are kept). `generated`: tokens of this turn that a stopped request already produced."""
+    """One completion from vLLM: token ids in; sampled ids, their log-probs and why it ended out ('abort': a
+    weight sync stopped it; the ids so far are kept). `generated`: tokens of this turn that a stopped request
+    already produced."""
     # Every parameter that shapes the distribution is sent: vLLM fills the missing ones from the checkpoint's
     # generation_config.json (Qwen3's says top_k 20), and the trainer would not know.
     payload = {
@@ -271,7 +273,8 @@ async def generate(session, url, ids, max_tokens, args, stop_ids, greedy=False, 
                 choice = (await response.json())["choices"][0]
             return choice["token_ids"], choice["logprobs"]["token_logprobs"], choice["finish_reason"]
         except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as e:
-            # a pooled keep-alive connection the server closed just then: the request holds all its state, so resend it
+            # a pooled keep-alive connection the server closed just then: the request holds all its state, so
+            # resend it
             if attempt == 2:
                 raise ConnectionError(f"the vLLM server {url} dropped a generation request 3 times ({e})") from None
             await asyncio.sleep(0.5 * 2**attempt)
@@ -282,15 +285,15 @@ async def generate(session, url, ids, max_tokens, args, stop_ids, greedy=False, 
 
 
 def request_seed(*key):
-    """A generation request's seed, from what identifies it in the run (--seed, its group, its sample, the position it
-    continues from): a run repeated with the same flags sends the same requests with the same seeds (README.md: when
-    that replays it sample for sample)."""
+    """A generation request's seed, from what identifies it in the run (--seed, its group, its sample, the
+    position it continues from): a run repeated with the same flags sends the same requests with the same
+    seeds (README.md: when that replays it sample for sample)."""
     return random.Random(repr(key)).getrandbits(31)
 
 
 async def run_tool_calls(message, schemas, functions, args, stats):
-    """The turn's well-formed calls, run concurrently, then an error for each call that did not parse: the tool
-    messages the model sees, in that order. Counted in stats (per tool: 'unknown' and 'malformed' apart)."""
+    """The turn's well-formed calls, run concurrently, then an error for each call that did not parse: the
+    tool messages the model sees, in that order. Counted in stats (per tool: 'unknown' and 'malformed' apart)."""
     start = time.perf_counter()
     calls = [call_tool(call, schemas, args.tool_timeout, functions) for call in message["tool_calls"]]
     results, _ = await asyncio.gather(asyncio.gather(*calls), asyncio.sleep(args.tool_latency))
@@ -306,7 +309,8 @@ async def run_tool_calls(message, schemas, functions, args, stats):
         counts = stats["per_tool"].setdefault(key, [0, 0])
         counts[0] += 1
         counts[1] += not ok
-    # a lone surrogate in a tool's text (from its input, or bytes decoded with surrogateescape) fails the tokenizer
+    # a lone surrogate in a tool's text (from its input, or bytes decoded with surrogateescape) fails the
+    # tokenizer
     return [
         {"role": "tool", "name": n, "content": str(r).encode(errors="replace").decode()}
         for n, (r, _) in zip(names, results)
@@ -314,8 +318,8 @@ async def run_tool_calls(message, schemas, functions, args, stats):
 
 
 async def env_reply(env, message, args, stats):
-    """The user turn the environment answers a turn without tool calls with (respond), or None: none, the rollout ends.
-    A respond that raises or hangs answers with its error, a failure counted as respond's."""
+    """The user turn the environment answers a turn without tool calls with (respond), or None: none, the
+    rollout ends. A respond that raises or hangs answers with its error, a failure counted as respond's."""
     if not hasattr(env, "respond"):
         return None
     reply = call_function(env.respond, {"message": message}, "respond", args.tool_timeout)
@@ -340,7 +344,8 @@ async def call_tool(call, schemas, timeout, functions=tools_module.TOOLS):
 
 def rollout_context(tok, schemas, rows, max_model_len=None, stop_ids=None, environments=None):
     """The RolloutContext of a run; max_model_len is the server's context length, known once it is up.
-    environments: {name: class} of --env and --mcp; their instances are made and kept there too (environments())."""
+    environments: {name: class} of --env and --mcp; their instances are made and kept there too
+    (environment_instances())."""
     stop_ids = stop_ids or stop_token_ids(tok)
     environments = environments or {}
     offered = {None: schemas or []}
@@ -367,18 +372,18 @@ def rollout_context(tok, schemas, rows, max_model_len=None, stop_ids=None, envir
 
 
 class PolicyVersion:
-    """Which weights vLLM serves: a count the weight sync advances, a gate it closes meanwhile, and the requests in
-    flight (at most max_inflight). The sync closes the gate, pauses vLLM and waits for every request in flight to answer
-    (finished or stopped) before it changes the weights: the version stamped on a token sampled it."""
+    """Which weights vLLM serves: a count the weight sync advances, a gate it closes meanwhile, and the
+    requests in flight (at most max_inflight). The sync closes the gate, pauses vLLM and waits for every
+    request in flight to answer (finished or stopped) before it changes the weights: the version stamped on a
+    token sampled it."""
 
     def __init__(self, max_inflight=64):
         self.value = 0
         self.open = True
         self.in_flight = 0
         self.lock = threading.Lock()
-        self.slots = asyncio.Semaphore(
-            max_inflight
-        )  # not the connection pool's: a request waiting there counts as sent
+        # a bound of our own, not the connection pool's: a request waiting there counts as sent
+        self.slots = asyncio.Semaphore(max_inflight)
         self.idle_seconds = 0.0  # vLLM is idle while nothing is in flight
         self.idle_since = time.perf_counter()
 
@@ -392,7 +397,8 @@ class PolicyVersion:
     async def request(self):
         async with self.slots:
             while True:
-                with self.lock:  # the sync closes the gate under the same lock: no request slips past it
+                # the sync closes the gate under the same lock: no request slips past it
+                with self.lock:
                     if self.open:
                         self.idle_seconds = self.idle()
                         self.in_flight += 1
@@ -406,7 +412,7 @@ class PolicyVersion:
                     self.idle_since = time.perf_counter()
 
 
-# --- Rewards and group-relative advantages ----------------------------------------------------------------------------
+# --- Rewards and group-relative advantages ------------------------------------------------------------------
 
 
 async def score_group(samples, row, reward_weights, environments=None):
@@ -424,7 +430,8 @@ async def score_group(samples, row, reward_weights, environments=None):
     for name, weight in reward_weights.items():
         fn = rewards_module.REWARDS[name]
         values = await fn(**kwargs) if inspect.iscoroutinefunction(fn) else await asyncio.to_thread(fn, **kwargs)
-        parts[name] = np.asarray(values, dtype=np.float64)  # None becomes NaN, which would poison the whole update
+        # None becomes NaN, which would poison the whole update
+        parts[name] = np.asarray(values, dtype=np.float64)
         if parts[name].shape != (G,) or not np.isfinite(parts[name]).all():
             raise ValueError(f"reward {name} returned {str(values)[:200]} for a group of {G}: one finite number each")
         total += weight * parts[name]
@@ -433,14 +440,15 @@ async def score_group(samples, row, reward_weights, environments=None):
 
 # FORK: change the advantages (a group's rewards in, one number per rollout out; the loss weighs its tokens by it)
 def group_advantages(rewards, scale=True, eps=1e-4):
-    """GRPO: each rollout's reward relative to its group, in units of the group's spread (scale) or raw (Dr. GRPO:
-    dividing by the spread over-weights groups nearly all right or wrong); all equal: zero advantages, no signal."""
+    """GRPO: each rollout's reward relative to its group, in units of the group's spread (scale) or raw (Dr.
+    GRPO: dividing by the spread over-weights groups nearly all right or wrong); all equal: zero advantages,
+    no signal."""
     rewards = np.asarray(rewards, dtype=np.float64)
     centred = rewards - rewards.mean()
     return centred / (rewards.std() + eps) if scale else centred
 
 
-# --- The producer: a thread with its own asyncio loop that keeps the queue full, within the staleness bound -----------
+# --- The producer: a thread with its own asyncio loop that keeps the queue full, within the staleness bound ---
 
 
 @dataclass
@@ -459,9 +467,9 @@ class DroppedGroup:
 
 
 class Producer(threading.Thread):
-    """Streams scored groups to the trainer, numbered in the order they start; the trainer takes them in that order
-    (`take`), which lets admission control know when a group will be trained. With several servers (`urls`), each group
-    goes to the one with the fewest groups running: its rollouts share the cached prompt."""
+    """Streams scored groups to the trainer, numbered in the order they start; the trainer takes them in that
+    order (`take`), which lets admission control know when a group will be trained. With several servers
+    (`urls`), each group goes to the one with the fewest groups running: its rollouts share the cached prompt."""
 
     def __init__(self, args, tok, rows, urls, ctx, version, cursor=None):
         super().__init__(daemon=True, name="producer")
@@ -475,8 +483,8 @@ class Producer(threading.Thread):
         # a ScoredGroup or a DroppedGroup as each group finishes
         self.queue = queue.Queue()
         self.ready = {}  # finished groups by number, until their turn
-        # next_index: the next group to hand out; skipped_groups: not trained (zero variance, too stale or a failed
-        # reward); stale_samples, reward_failures: counters. A checkpoint saves them all.
+        # next_index: the next group to hand out; skipped_groups: not trained (zero variance, too stale or a
+        # failed reward); stale_samples, reward_failures: counters. A checkpoint saves them all.
         self.cursor = {
             "next_index": 0,
             "skipped_groups": 0,
@@ -487,7 +495,8 @@ class Producer(threading.Thread):
         self.failures_in_a_row = 0
         self.scoring = 0  # groups whose rewards are being computed
         self.error = None
-        self.loop = asyncio.new_event_loop()  # made here: stop() and evaluate() may use it before run()
+        # made here: stop() and evaluate() may use it before run()
+        self.loop = asyncio.new_event_loop()
 
     def run(self):
         try:
@@ -497,7 +506,8 @@ class Producer(threading.Thread):
             self.error = e
 
     def stop(self, timeout=10):
-        if self.is_alive():  # a callback queued before run() starts the loop runs once _produce's task exists
+        # a callback queued before run() starts the loop runs once _produce's task exists
+        if self.is_alive():
             self.loop.call_soon_threadsafe(cancel_all, asyncio.all_tasks(self.loop))
             self.join(timeout)
 
@@ -510,19 +520,22 @@ class Producer(threading.Thread):
             yield from rows
 
     def admissible(self, index):
-        """The staleness gate. Group `index` is trained at step (index - groups skipped) // prompts_per_step (at the
-        latest: more skips make it earlier). Do not start it if the trainer will by then be more than --max-staleness
-        versions ahead of the weights that would generate it now."""
+        """The staleness gate. Group `index` is trained at step (index - groups skipped) // prompts_per_step
+        (at the latest: more skips make it earlier). Do not start it if the trainer will by then be more than
+        --max-staleness versions ahead of the weights that would generate it now."""
         trained_at = (index - self.cursor["skipped_groups"]) // self.args.prompts_per_step
         return trained_at // self.args.sync_every - self.version.value <= self.args.max_staleness
 
     async def _produce(self):
         a = self.args
-        connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=3)  # closed before vLLM closes them (5 s): no race
-        timeout = aiohttp.ClientTimeout(total=a.data_timeout)  # one request longer than the trainer waits for data
+        # closed before vLLM closes them (5 s): no race
+        connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=3)
+        # one request longer than the trainer waits for data
+        timeout = aiohttp.ClientTimeout(total=a.data_timeout)
         async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
             pending = set()
-            started = self.cursor["next_index"]  # on --resume, groups not trained are redone
+            # on --resume, groups not trained are redone
+            started = self.cursor["next_index"]
             try:
                 for row in itertools.islice(self.prompt_order(), started, None):
                     while not self.admissible(started) or len(pending) * a.num_generations >= 2 * a.max_inflight:
@@ -532,10 +545,12 @@ class Producer(threading.Thread):
                         done, pending = await asyncio.wait(pending, timeout=0.05, return_when=asyncio.FIRST_COMPLETED)
                         errors = [task.exception() for task in done if not task.cancelled() and task.exception()]
                         if errors:
-                            raise errors[0]  # stops the producer, loudly (each one retrieved: asyncio warns else)
+                            # stops the producer, loudly (each one retrieved: asyncio warns else)
+                            raise errors[0]
                     pending.add(asyncio.create_task(self._group(session, row, started)))
                     started += 1
-            finally:  # on stop or error, no group is left running against a server that is going away
+            finally:
+                # on stop or error, no group is left running against a server that is going away
                 cancel_all(pending)
                 await asyncio.gather(*pending, return_exceptions=True)
                 await close_environments(self.ctx, a.tool_timeout)
@@ -544,7 +559,11 @@ class Producer(threading.Thread):
         a = self.args
         url = min(self.urls, key=self.running.get)
         try:
-            async with environments(self.ctx, self.tok, row, a.num_generations, a.tool_timeout) as (envs, row, ids):
+            async with environment_instances(self.ctx, self.tok, row, a.num_generations, a.tool_timeout) as (
+                envs,
+                row,
+                ids,
+            ):
                 self.running[url] += 1
                 try:
                     group = [
@@ -583,12 +602,14 @@ class Producer(threading.Thread):
         self.queue.put(ScoredGroup(index, samples))
 
     def take(self, n, timeout, interrupted=lambda: False):
-        """The next n trainable groups in start order. Skips zero-variance groups with --skip-zero-variance, and drops
-        (warned and counted) groups too stale to train (admission control should leave none) and groups whose rewards
-        failed. Raises if the producer died, no batch came in time, every recent reward failed or interrupted()."""
+        """The next n trainable groups in start order. Skips zero-variance groups with --skip-zero-variance,
+        and drops (warned and counted) groups too stale to train (admission control should leave none) and
+        groups whose rewards failed. Raises if the producer died, no batch came in time, every recent reward
+        failed or interrupted()."""
         groups = []
         deadline = time.monotonic() + timeout
-        equal = 0  # groups skipped for equal rewards, which a timeout's message counts
+        # groups skipped for equal rewards, which a timeout's message counts
+        equal = 0
 
         def late():
             skipped = f"; {equal} groups finished with equal rewards, skipped (--skip-zero-variance)" if equal else ""
@@ -598,7 +619,8 @@ class Producer(threading.Thread):
                 f"({self.version.in_flight} requests in vLLM) and {self.scoring} are being scored{skipped}"
             )
 
-        def arrived():  # has the group numbered cursor['next_index'] finished? (groups finish out of order)
+        # has the group numbered cursor['next_index'] finished? (groups finish out of order)
+        def arrived():
             until = time.monotonic() + 0.1
             with contextlib.suppress(queue.Empty):
                 while self.cursor["next_index"] not in self.ready:
@@ -647,12 +669,15 @@ class Producer(threading.Thread):
         return self.version.value - min(versions, default=self.version.value)
 
     def wait(self, ready, deadline, interrupted, late):
-        """Every wait of the trainer on the producer (data, evaluation): until ready(), which may block for 0.1 s. Raises
-        once the producer thread has ended, with its error (its loop has stopped: nothing submitted to it will finish),
-        or at the deadline, with late() as the message; returns False if interrupted() (a stop signal) first."""
+        """Every wait of the trainer on the producer (data, evaluation): until ready(), which may block for
+        0.1 s. Raises once the producer thread has ended, with its error (its loop has stopped: nothing
+        submitted to it will finish), or at the deadline, with late() as the message; returns False if
+        interrupted() (a stop signal) first."""
         while not ready():
-            ended = not self.is_alive()  # read before the error, which the thread sets before it ends
-            if isinstance(self.error, ConnectionError):  # a server's fault, which the message names
+            # read before the error, which the thread sets before it ends
+            ended = not self.is_alive()
+            # a server's fault, which the message names
+            if isinstance(self.error, ConnectionError):
                 raise self.error
             if self.error or ended:
                 why = "".join(traceback.format_exception(self.error)) if self.error else "stopped"
@@ -665,8 +690,9 @@ class Producer(threading.Thread):
 
 
 async def all_or_none(coros):
-    """asyncio.gather whose first error cancels the rest and waits for them: gather alone leaves them running against a
-    session about to close, each to fail later with an error that asyncio prints as a traceback nobody retrieved."""
+    """asyncio.gather whose first error cancels the rest and waits for them: gather alone leaves them running
+    against a session about to close, each to fail later with an error that asyncio prints as a traceback
+    nobody retrieved."""
     tasks = [asyncio.ensure_future(c) for c in coros]
     try:
         return await asyncio.gather(*tasks)
@@ -680,7 +706,7 @@ def cancel_all(tasks):
         task.cancel()
 
 
-# --- The loss: clipped surrogate against the sampler's log-probs, normalised as --loss-type says ----------------------
+# --- The loss: clipped surrogate against the sampler's log-probs, normalised as --loss-type says ------------
 
 
 @dataclass(frozen=True)
@@ -694,7 +720,8 @@ class LossSettings:
     loss_type: str = "token"
     # Dr. GRPO's constant: the generation budget every sequence is divided by (--max-tokens)
     constant_length: int = 1
-    # the correction for the sampler's drift: none, tis (truncated), mis (masked); where it cuts; per token or sequence
+    # the correction for the sampler's drift: none, tis (truncated), mis (masked); where it cuts; per token or
+    # sequence
     is_correction: str = "none"
     is_threshold: float = 2.0
     is_level: str = "token"
@@ -718,14 +745,15 @@ def grpo_loss(logp, sampler_logp, advantages, mask, settings, num_tokens=1, num_
         J(theta) = 1/Z sum_i sum_t  m_it w_it min(r_it A_i, clip(r_it, 1 - eps, 1 + eps_high) A_i)
                    - beta KL(pi_theta || pi_ref)
 
-    r = pi_theta / pi_old, the ratio the clip bounds: pi_old is the sampler (vLLM's log-probs), or with --is-correction
-    the policy before this update. w = the importance weight of that correction (1 without it). m = the off-policy mask
-    (1 without it). A_i = the group-relative advantage of sequence i. Z = the normaliser of --loss-type.
-    gspo takes one r per sequence, the geometric mean of its tokens'; cispo maximises sg(clip(r)) A log pi instead.
+    r = pi_theta / pi_old, the ratio the clip bounds: pi_old is the sampler (vLLM's log-probs), or with
+    --is-correction the policy before this update. w = the importance weight of that correction (1 without
+    it). m = the off-policy mask (1 without it). A_i = the group-relative advantage of sequence i. Z = the
+    normaliser of --loss-type. gspo takes one r per sequence, the geometric mean of its tokens'; cispo
+    maximises sg(clip(r)) A log pi instead.
 
-    logp (the trainer's, with gradient), sampler_logp (vLLM's), mask (0 on tool-result and padding tokens): [B, T],
-    per completion token; advantages: [B]. num_tokens and num_sequences count the whole step (every micro-batch and
-    rank), so that the micro-batches' losses add up to the step's."""
+    logp (the trainer's, with gradient), sampler_logp (vLLM's), mask (0 on tool-result and padding tokens):
+    [B, T], per completion token; advantages: [B]. num_tokens and num_sequences count the whole step (every
+    micro-batch and rank), so that the micro-batches' losses add up to the step's."""
     s = settings
     per_sequence = s.loss_type == "gspo"
     # log pi_trainer / pi_sampler, without gradient: the numeric mismatch plus the staleness
@@ -738,8 +766,8 @@ def grpo_loss(logp, sampler_logp, advantages, mask, settings, num_tokens=1, num_
     clipped = torch.clamp(ratio, 1 - s.epsilon, 1 + s.epsilon_high)
     A = advantages[:, None]
     if s.loss_type == "cispo":
-        # MiniMax-M1: the clipped ratio weighs the gradient of log pi without a gradient of its own, so that clipped
-        # tokens still contribute, at the clipped weight
+        # MiniMax-M1: the clipped ratio weighs the gradient of log pi without a gradient of its own, so that
+        # clipped tokens still contribute, at the clipped weight
         surrogate = clipped.detach() * A * logp
     else:
         # PPO's pessimistic bound: the clipped term wherever it is lower
@@ -774,13 +802,14 @@ def sequence_mean(x, mask):
 
 
 def importance_weights(log_is_ratio, mask, settings):
-    """The importance ratio w = pi_trainer / pi_sampler, and the weight the correction makes of it: w truncated at the
-    threshold (tis), w masked outside [1 / threshold, threshold] (mis, decoupled PPO), or 1 (none).
+    """The importance ratio w = pi_trainer / pi_sampler, and the weight the correction makes of it: w
+    truncated at the threshold (tis), w masked outside [1 / threshold, threshold] (mis, decoupled PPO), or 1
+    (none).
 
-    Per sequence (--is-level sequence, and always for gspo) w is the geometric mean of its tokens' ratios, not their
-    product (the sequence's likelihood ratio, which TRL's and verl's sequence levels use): the product of a thousand
-    token ratios each within 1% of 1 lies anywhere in e^-10..e^10, and a threshold on it would cut long sequences for
-    their length; the geometric mean is on the scale of one token's."""
+    Per sequence (--is-level sequence, and always for gspo) w is the geometric mean of its tokens' ratios, not
+    their product (the sequence's likelihood ratio, which TRL's and verl's sequence levels use): the product
+    of a thousand token ratios each within 1% of 1 lies anywhere in e^-10..e^10, and a threshold on it would
+    cut long sequences for their length; the geometric mean is on the scale of one token's."""
     s = settings
     per_sequence = s.is_level == "sequence" or s.loss_type == "gspo"
     is_ratio = torch.exp(sequence_mean(log_is_ratio, mask) if per_sequence else log_is_ratio)
@@ -793,9 +822,9 @@ def importance_weights(log_is_ratio, mask, settings):
 
 
 def kl_to_reference(logp, ref_logp, sampler_logp, corrected):
-    """Per token, KL(pi_theta || pi_ref) by the k3 estimator: unbiased under pi_theta and never negative. The tokens
-    come from pi_sampler: corrected (--kl-correction, DeepSeek-V3.2) weighs each by pi_theta / pi_sampler, which makes
-    the estimate unbiased, with the weight's gradient too."""
+    """Per token, KL(pi_theta || pi_ref) by the k3 estimator: unbiased under pi_theta and never negative. The
+    tokens come from pi_sampler: corrected (--kl-correction, DeepSeek-V3.2) weighs each by pi_theta /
+    pi_sampler, which makes the estimate unbiased, with the weight's gradient too."""
     delta = ref_logp - logp
     kl = torch.exp(delta) - delta - 1
     if corrected:
@@ -804,9 +833,9 @@ def kl_to_reference(logp, ref_logp, sampler_logp, corrected):
 
 
 def off_policy_keep(log_is_ratio, A, mask, settings):
-    """True where the loss keeps a token. sequence (DeepSeek-V3.2) drops a sequence with a negative advantage whose
-    mean log(pi_sampler / pi_trainer) is past the threshold: updates that push down tokens the trainer already finds
-    less likely. token (IcePop) drops a token whose |log w| is past it."""
+    """True where the loss keeps a token. sequence (DeepSeek-V3.2) drops a sequence with a negative advantage
+    whose mean log(pi_sampler / pi_trainer) is past the threshold: updates that push down tokens the trainer
+    already finds less likely. token (IcePop) drops a token whose |log w| is past it."""
     s = settings
     if s.off_policy_mask == "sequence":
         # [B, 1]
@@ -847,7 +876,7 @@ def loss_statistics(mask, settings, ratio, clipped, log_is_ratio, is_ratio, is_w
     return {k: v for k, v in zip(stats, values) if math.isfinite(v)}
 
 
-# --- The training step: micro-batches, each group's prompt once, the log-probs of what vLLM sampled --------------
+# --- The training step: micro-batches, each group's prompt once, the log-probs of what vLLM sampled ---------
 
 
 def train_step(
@@ -865,13 +894,16 @@ def train_step(
     served_dtype=torch.bfloat16,
     layout=None,
 ):
-    """One optimizer step on this rank's samples: gradient accumulation over micro-batches. DDP all-reduces on the last
-    one only. FSDP reduce-scatters on each: skipping that (set_requires_gradient_sync) would hold the unsharded
-    gradients of the whole model on every rank. layout: collate's rows, as the run chose them (Run.layout)."""
+    """One optimizer step on this rank's samples: gradient accumulation over micro-batches. DDP all-reduces on
+    the last one only. FSDP reduce-scatters on each: skipping that (set_requires_gradient_sync) would hold the
+    unsharded gradients of the whole model on every rank. layout: collate's rows, as the run chose them
+    (Run.layout)."""
     model.train()
-    config = getattr(model, "module", model).config.get_text_config()  # its width and window shape the rows (collate)
+    # its width and window shape the rows (collate)
+    config = getattr(model, "module", model).config.get_text_config()
     totals = {"loss": 0.0}
-    forwarded = 0  # tokens through the model: each group's prompt once where it is shared
+    # tokens through the model: each group's prompt once where it is shared
+    forwarded = 0
     layout = layout or {"share": args.share_prefix, "packed": False}
     settings = loss_settings(args)
     bound = dict(tokens=args.micro_batch_tokens, width=config.hidden_size, **layout)
@@ -880,11 +912,14 @@ def train_step(
     if world_size > 1:
         count = torch.tensor(len(micros), device=device)
         dist.all_reduce(count, op=dist.ReduceOp.MAX)
-        if count > len(micros):  # this rank splits its largest micro-batches until it has as many
+        # this rank splits its largest micro-batches until it has as many
+        if count > len(micros):
             micros = micro_batches(samples, args.micro_batch_size, int(count), **bound)
     min_tokens = args.sampling_args.get("min_tokens", 0)
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32  # autocast's, below
-    # the distribution vLLM sampled from: the ratio against its log-probs measures the policy, not the truncation
+    # autocast's, below
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    # the distribution vLLM sampled from: the ratio against its log-probs measures the policy, not the
+    # truncation
     sampling = {k: getattr(args, k) for k in ("temperature", "top_k", "top_p", "min_p")}
     sampling |= {"stop_ids": stop_ids, "served_dtype": served_dtype}
     for i, micro in enumerate(micros):
@@ -904,9 +939,11 @@ def train_step(
             )
             stats["is/truncated_mass"] = ((removed * mask).sum() / mask.sum().clamp(min=1)).item()
             stats["train/entropy"] = ((entropy * mask).sum() / mask.sum().clamp(min=1)).item()
-            (loss * world_size).backward()  # DDP and FSDP average over ranks; the loss is already a global mean
+            # DDP and FSDP average over ranks; the loss is already a global mean
+            (loss * world_size).backward()
         totals["loss"] += loss.item()
-        for k, v in stats.items():  # means over this rank's loss tokens, extremes over all of them
+        # means over this rank's loss tokens, extremes over all of them
+        for k, v in stats.items():
             if k.endswith(("_min", "_max")):
                 totals[k] = (min if k.endswith("_min") else max)(totals.get(k, v), v)
             else:
@@ -920,28 +957,33 @@ def train_step(
     totals["train/grad_norm"] = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm).item()
     if math.isfinite(totals["train/grad_norm"]):
         optimizer.step()
-    else:  # one NaN or inf would make every weight NaN, then synced and saved: the update is skipped instead
+    else:
+        # one NaN or inf would make every weight NaN, then synced and saved: the update is skipped instead
         print(f"warning: skipped an update whose gradient norm is {totals['train/grad_norm']}", flush=True)
     optimizer.zero_grad(set_to_none=True)
     return dict(totals)
 
 
-# --- The weight sync: rank 0 pauses vLLM, broadcasts packed buckets to every worker, resumes --------------------------
+# --- The weight sync: rank 0 pauses vLLM, broadcasts packed buckets to every worker, resumes ----------------
 
 
 class WeightSync:
-    """Trainer side of the sync to every server in `urls`; advances `version` (a PolicyVersion). One group (sync_group)
-    holds the trainer (rank 0) and every worker of every server, so one broadcast reaches them all. It is made at the
-    first sync and kept for the run, unless a sync fails: then it is aborted, and the error names the server."""
+    """Trainer side of the sync to every server in `urls`; advances `version` (a PolicyVersion). One group
+    (sync_group) holds the trainer (rank 0) and every worker of every server, so one broadcast reaches them
+    all. It is made at the first sync and kept for the run, unless a sync fails: then it is aborted, and the
+    error names the server."""
 
     def __init__(self, urls, args, dtype, version, failure=lambda: None, backend=None):
         self.urls = urls
         self.args = args
-        self.dtype = dtype  # the servers' (served_config): the weights travel in it
+        # the servers' (served_config): the weights travel in it
+        self.dtype = dtype
         self.version = version
-        # gloo or nccl: the device plan's, unless the run learnt better from --vllm-url servers (Run.sync_backend)
+        # gloo or nccl: the device plan's, unless the run learnt better from --vllm-url servers
+        # (Run.sync_backend)
         self.backend = backend or args.plan["sync_backend"]
-        self.failure = failure  # why a server failed, from the watchdog (watch_servers), or None
+        # why a server failed, from the watchdog (watch_servers), or None
+        self.failure = failure
         self.group = None
         self.pool = ThreadPoolExecutor(len(urls))
 
@@ -969,7 +1011,8 @@ class WeightSync:
                 f"trained weights, e.g. {unknown[:5]}: the trainer and the server do not hold the "
                 "same architecture (an image-text checkpoint loaded as another class?)"
             )
-        sizes = [http(f"{url}/get_world_size")["world_size"] for url in self.urls]  # workers per server
+        # workers per server
+        sizes = [http(f"{url}/get_world_size")["world_size"] for url in self.urls]
         host, listener = sync_endpoint(self.urls, self.args.sync_host)
         port = listener.getsockname()[1]
         backend = self.backend
@@ -997,12 +1040,14 @@ class WeightSync:
             self._connect(model)
         deadline = time.monotonic() + self.args.sync_timeout
         with self.version.lock:
-            self.version.open = False  # no request is sent from here until the new weights serve
+            # no request is sent from here until the new weights serve
+            self.version.open = False
         # keep and abort both stop the requests in flight (vLLM returns what they generated so far);
         # rollout() then continues them with the new weights (keep) or starts their turn over (abort).
         # Pausing also clears vLLM's caches, whose keys/values the old weights computed.
         self._all(f"pause?mode={'wait' if self.args.sync_mode == 'wait' else 'abort'}")
-        while self.version.in_flight:  # a request that reached vLLM after the pause waits in its queue: stop it
+        # a request that reached vLLM after the pause waits in its queue: stop it
+        while self.version.in_flight:
             if time.monotonic() > deadline:
                 raise TimeoutError(
                     f"{self.version.in_flight} requests did not answer the pause in "
@@ -1021,14 +1066,17 @@ class WeightSync:
         ]
         received = [self._rpc(url, "receive_weights", buckets=meta) for url in self.urls]
 
-        def failed():  # why the workers cannot finish: a server's error answer (it names the server), or the watchdog's
+        # why the workers cannot finish: a server's error answer (it names the server), or the watchdog's
+        def failed():
             return next((f.exception() for f in received if f.done() and f.exception()), None) or self.failure()
 
         try:
             send_weights(self.group, buckets, self.dtype, deadline - time.monotonic(), failed)
-            for future in received:  # the last bucket loads: bounded by the request's own timeout (http)
+            # the last bucket loads: bounded by the request's own timeout (http)
+            for future in received:
                 future.result()
-        except Exception as e:  # the workers are out of step: the group is aborted (a next sync would make a new one)
+        except Exception as e:
+            # the workers are out of step: the group is aborted (a next sync would make a new one)
             self.group.abort()
             self.group = None
             raise ConnectionError(f"the weight sync to {', '.join(self.urls)} failed: {e}") from None
@@ -1054,15 +1102,17 @@ def pack_buckets(model, bucket_bytes, dtype, include_frozen=False):
 
 
 def served_weights(model, include_frozen=False):
-    """(name as vLLM knows it, weight, its LoRA layer or None) for each weight a sync sends: the trained ones (a frozen
-    vision tower: vLLM holds it already); --lora-rank: those of the modules holding an adapted layer and no other, as
-    none can have changed (siblings: vLLM fuses q/k/v into qkv_proj, reloads it whole), or with include_frozen all of them."""
+    """(name as vLLM knows it, weight, its LoRA layer or None) for each weight a sync sends: the trained ones
+    (a frozen vision tower: vLLM holds it already); --lora-rank: those of the modules holding an adapted layer
+    and no other, as none can have changed (siblings: vLLM fuses q/k/v into qkv_proj, reloads it whole), or
+    with include_frozen all of them."""
     if not hasattr(model, "peft_config"):
         yield from ((name, p, None) for name, p in model.named_parameters() if p.requires_grad)
         return
     from peft.tuners.lora import LoraLayer
 
-    base = model.get_base_model()  # peft's names: ...q_proj.base_layer.weight (W), ...q_proj.lora_A.default.weight
+    # peft's names: ...q_proj.base_layer.weight (W), ...q_proj.lora_A.default.weight
+    base = model.get_base_model()
     adapted = {name: m for name, m in base.named_modules() if isinstance(m, LoraLayer)}
     parents = {name.rpartition(".")[0] for name in adapted}
     for name, p in base.named_parameters():
@@ -1072,15 +1122,16 @@ def served_weights(model, include_frozen=False):
 
 
 @torch.no_grad()
-def merged(p, lora):  # the weight vLLM serves: p (gathered under --fsdp), or W + scale * B @ A, a new tensor (W stays)
+# the weight vLLM serves: p (gathered under --fsdp), or W + scale * B @ A, a new tensor (W stays)
+def merged(p, lora):
     p = p.detach().full_tensor() if isinstance(p, DTensor) else p.detach()
     return p + lora.get_delta_weight("default") if lora else p
 
 
 def flatten(bucket, dtype):
-    """One bucket's full weights in one buffer. Under --fsdp, full_tensor() gathers a parameter from every rank's
-    shard, a collective: all ranks flatten the same buckets in the same order (help_sync), and the full weights
-    exist one bucket at a time, never whole on one device."""
+    """One bucket's full weights in one buffer. Under --fsdp, full_tensor() gathers a parameter from every
+    rank's shard, a collective: all ranks flatten the same buckets in the same order (help_sync), and the full
+    weights exist one bucket at a time, never whole on one device."""
     flat = torch.empty(sum(p.numel() for _, p, _ in bucket), dtype=dtype, device=bucket[0][1].device)
     for (_, p, lora), part in zip(bucket, flat.split([p.numel() for _, p, _ in bucket])):
         part.copy_(merged(p, lora).flatten())  # casts in the same pass
@@ -1088,10 +1139,11 @@ def flatten(bucket, dtype):
 
 
 def send_weights(group, buckets, dtype, timeout, failed=lambda: None):
-    """Rank 0's broadcast of the buckets, one flat buffer each: bucket k+1 is gathered and packed while bucket k travels.
-    Rank 0 never waits in a collective it cannot leave: it polls each broadcast while it watches failed() (why the
-    workers cannot finish, or None) and a bound of `timeout` seconds for all, and raises before the backend's own
-    timeout (sync_group: above this one), at which NCCL's watchdog would end the process with nothing saved."""
+    """Rank 0's broadcast of the buckets, one flat buffer each: bucket k+1 is gathered and packed while bucket
+    k travels. Rank 0 never waits in a collective it cannot leave: it polls each broadcast while it watches
+    failed() (why the workers cannot finish, or None) and a bound of `timeout` seconds for all, and raises
+    before the backend's own timeout (sync_group: above this one), at which NCCL's watchdog would end the
+    process with nothing saved."""
     deadline = time.monotonic() + timeout
 
     def wait(work):
@@ -1119,7 +1171,7 @@ def help_sync(model, args, dtype):
         flatten(bucket, dtype)
 
 
-# --- The run: main's phases in the order they run, and a teardown that leaves nothing running -------------------------
+# --- The run: main's phases in the order they run, and a teardown that leaves nothing running ---------------
 
 
 def main(argv=None):
@@ -1142,7 +1194,8 @@ def main(argv=None):
 
 @dataclass
 class Run:
-    """What lives through a run: main's phases fill it in order; rank 0 alone holds the servers, producer and logs."""
+    """What lives through a run: main's phases fill it in order; rank 0 alone holds the servers, producer and
+    logs."""
 
     args: argparse.Namespace
     rank: int
@@ -1167,8 +1220,8 @@ class Run:
     servers: list = field(default_factory=list)  # the vLLM servers started here
     urls: list = field(default_factory=list)  # every server's, started here or --vllm-url; watched
     server_failure: str = None  # why a server failed, from watch_servers
-    # collate's rows: a group's prompt once (share: --share-prefix, unless the model refuses it), packed in segments
-    # where a varlen kernel runs (load_policy_and_optimizer decides)
+    # collate's rows: a group's prompt once (share: --share-prefix, unless the model refuses it), packed in
+    # segments where a varlen kernel runs (load_policy_and_optimizer decides)
     layout: dict = None
     served_dtype: object = None  # the dtype the servers compute in
     sync_backend: str = None  # the weight sync's: the device plan's, or what --vllm-url servers' devices allow
@@ -1189,7 +1242,8 @@ class Run:
 
 def set_up(argv):
     rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
-    args = parse_args(argv, world_size)  # and the device plan, checked before anything loads
+    # and the device plan, checked before anything loads
+    args = parse_args(argv, world_size)
     device = torch.device(f"cuda:{os.environ.get('LOCAL_RANK', 0)}" if args.plan["trainer"] == "cuda" else "cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
@@ -1200,7 +1254,8 @@ def set_up(argv):
             "nccl" if device.type == "cuda" else "gloo", timeout=timedelta(seconds=args.collective_timeout)
         )
     run = Run(args, rank, world_size, device, Path(args.output_dir), model_path=args.model)
-    if not args.resume and (run.out_dir / "metrics.jsonl").exists():  # its checkpoints would collide with this run's
+    # its checkpoints would collide with this run's
+    if not args.resume and (run.out_dir / "metrics.jsonl").exists():
         raise SystemExit(
             f"--output-dir {run.out_dir} holds a run already: continue it with --resume, or pass another --output-dir"
         )
@@ -1219,13 +1274,15 @@ def set_up(argv):
             (run.out_dir / "args.json").write_text(json.dumps(vars(args), indent=1))
         except OSError as e:
             raise SystemExit(f"--output-dir {run.out_dir} is not writable ({e}); pass a directory you can write to")
-    if args.resume:  # the checkpoint holds the model and tokenizer too: both vLLM and the trainer load it
+    # the checkpoint holds the model and tokenizer too: both vLLM and the trainer load it
+    if args.resume:
         if not (run.out_dir / "checkpoint" / "trainer_state.pt").exists():
             raise SystemExit(f"--resume: no checkpoint in {run.out_dir / 'checkpoint'}")
         run.model_path = str((run.out_dir / "checkpoint").resolve())
         # to CPU, whatever device wrote it; mapped, so that each rank reads only the tensors it uses
         run.resumed = torch.load(Path(run.model_path) / "trainer_state.pt", "cpu", mmap=True, weights_only=False)
-    # Each rank its own streams: seeded with its rank, and on --resume the step too, so that none repeats its draws
+    # Each rank its own streams: seeded with its rank, and on --resume the step too, so that none repeats its
+    # draws
     for seed in (random.seed, np.random.seed, torch.manual_seed):
         seed(args.seed + rank + world_size * (run.resumed["step"] if run.resumed else 0))
     return run
@@ -1235,8 +1292,10 @@ def load_data(run):
     from transformers import AutoTokenizer
 
     args = run.args
-    run.train_rows, run.eval_rows = load_rows(args)  # checked before a model is built or loaded
-    if run.model_path is None or run.model_path.endswith(".gguf"):  # rank 0 builds it; the others wait for its path
+    # checked before a model is built or loaded
+    run.train_rows, run.eval_rows = load_rows(args)
+    # rank 0 builds it; the others wait for its path
+    if run.model_path is None or run.model_path.endswith(".gguf"):
         box = [None]
         if run.is_main and args.model is None:
             box = [tiny_model.build(args.cache_dir)]
@@ -1253,7 +1312,8 @@ def load_data(run):
             f"--model {run.model_path}: cannot load its tokenizer ({type(e).__name__}: {str(e)[:300]}); "
             "pass a local directory or hub name of a causal LM"
         )
-    run.pad_id = next((i for i in (tok.pad_token_id, tok.eos_token_id) if i is not None), 0)  # masked: any id does
+    # masked: any id does
+    run.pad_id = next((i for i in (tok.pad_token_id, tok.eos_token_id) if i is not None), 0)
     schemas = tool_schemas(args.tool_names) if args.tool_names else None
     environments = tools_module.load_environments(args, run.out_dir / "mcp.log" if run.is_main else None)
     stop_ids = stop_token_ids(tok, run.model_path)
@@ -1274,8 +1334,10 @@ def load_policy_and_optimizer(run):
     def place(path):  # on this rank's device: whole, or its shards
         return load_sharded(path, run.device) if args.fsdp else load_policy(path).to(run.device)
 
-    if run.is_main and args.plan["shared"]:  # the server shares this GPU: the trainer takes only what it leaves
-        shapes = load_policy(run.model_path, empty=True)  # on the meta device: nothing read or allocated
+    # the server shares this GPU: the trainer takes only what it leaves
+    if run.is_main and args.plan["shared"]:
+        # on the meta device: nothing read or allocated
+        shapes = load_policy(run.model_path, empty=True)
         trained = 0 if args.lora_rank else sum(p.numel() for p in shapes.parameters() if p.requires_grad)
         total = torch.cuda.get_device_properties(run.device).total_memory
         share = memory_share(args, total, sum(p.numel() for p in shapes.parameters()), trained)
@@ -1284,7 +1346,9 @@ def load_policy_and_optimizer(run):
         raise SystemExit(
             f"--resume: this checkpoint was trained with --lora-rank {resumed.get('lora_rank', 0)}; resume with it"
         )
-    try:  # a LoRA checkpoint holds merged weights (what vLLM serves): the trainer adds its adapter to the initial model
+    try:
+        # a LoRA checkpoint holds merged weights (what vLLM serves): the trainer adds its adapter to the
+        # initial model
         model = place(run.initial_model if args.lora_rank and resumed else run.model_path)
     except Exception as e:
         raise SystemExit(
@@ -1298,7 +1362,8 @@ def load_policy_and_optimizer(run):
             print(f"--share-prefix is off for {run.model_path}: {why}; every sequence is forwarded whole", flush=True)
     if args.gradient_checkpointing:
         model.gradient_checkpointing_enable()
-    # packed rows (collate) where torch's varlen flash kernel runs (CUDA, compute capability 8+): without softcapping
+    # packed rows (collate) where torch's varlen flash kernel runs (CUDA, compute capability 8+): without
+    # softcapping
     config = model.config.get_text_config()
     if run.layout["share"] and run.device.type == "cuda" and not getattr(config, "attn_logit_softcapping", None):
         run.layout["packed"] = torch.cuda.get_device_capability(run.device) >= (8, 0) and use_segments(model)
@@ -1334,7 +1399,8 @@ def load_policy_and_optimizer(run):
             raise SystemExit(
                 f"--resume: this checkpoint's optimizer state was saved {saved} --fsdp; resume {saved} it"
             )
-        if args.fsdp:  # rank 0 reads the full state and sends each rank its shards
+        # rank 0 reads the full state and sends each rank its shards
+        if args.fsdp:
             set_optimizer_state_dict(
                 run.policy,
                 run.optimizer,
@@ -1368,21 +1434,25 @@ def start_generation(run):
                 "seeded ones (vLLM 0.32); start it with --no-enable-chunked-prefill, as start_vllm does",
                 flush=True,
             )
-        if args.vllm_url:  # the sync's backend follows the devices these servers report (the plan could not know them)
+        # the sync's backend follows the devices these servers report (the plan could not know them)
+        if args.vllm_url:
             ours = range(int(os.environ.get("LOCAL_WORLD_SIZE", 1))) if run.device.type == "cuda" else []
             ours = [str(torch.cuda.get_device_properties(i).uuid) for i in ours]
             run.sync_backend = url_sync_backend(urls, [devices for _, _, devices, _ in configs], ours)
-    if run.world_size > 1:  # every rank packs the weights and rounds the logits as the servers compute
+    # every rank packs the weights and rounds the logits as the servers compute
+    if run.world_size > 1:
         dist.broadcast_object_list(dtype, 0)
     run.served_dtype = getattr(torch, dtype[0])
     if run.is_main:
         run.version = PolicyVersion(args.max_inflight)
         failure = functools.partial(getattr, run, "server_failure")
         run.sync = WeightSync(urls, args, run.served_dtype, run.version, failure, backend=run.sync_backend)
-        if args.vllm_url:  # a server we did not start may hold other weights than the policy: all of them
+        # a server we did not start may hold other weights than the policy: all of them
+        if args.vllm_url:
             run.sync(run.policy, include_frozen=True)
-        # the servers hold the weights of the step the run starts at: those of the last finished sync, or newer where a
-        # sync failed mid-way (a count saved with them would lag, and the staleness gate would wait forever on --resume)
+        # the servers hold the weights of the step the run starts at: those of the last finished sync, or
+        # newer where a sync failed mid-way (a count saved with them would lag, and the staleness gate would
+        # wait forever on --resume)
         run.version.value = run.start_step // args.sync_every
         cursor = run.resumed and run.resumed["data"]
         run.producer = Producer(args, run.tok, run.train_rows, urls, run.ctx, version=run.version, cursor=cursor)
@@ -1395,13 +1465,16 @@ def start_generation(run):
 
             run.logs["wandb"] = wandb.init(project=args.wandb_project, config=vars(args), dir=str(run.out_dir))
         for name in ("metrics", "rollouts"):
-            cut_back(run.out_dir / f"{name}.jsonl", run.start_step)  # --resume: the steps after the checkpoint again
+            # --resume: the steps after the checkpoint again
+            cut_back(run.out_dir / f"{name}.jsonl", run.start_step)
             run.logs[name] = open(run.out_dir / f"{name}.jsonl", "a")
-        if args.eval_every and not run.start_step:  # every curve starts at the model as loaded: step 0
+        # every curve starts at the model as loaded: step 0
+        if args.eval_every and not run.start_step:
             metrics = {"step": 0, "policy_version": 0, **evaluate(run)}
             write_metrics(run, metrics)
             print(f"step    0/{args.steps} | eval {metrics['eval/reward']:.3f}", flush=True)
-    elif args.fsdp and args.vllm_url:  # rank 0's first sync gathers the weights from every rank's shards
+    elif args.fsdp and args.vllm_url:
+        # rank 0's first sync gathers the weights from every rank's shards
         help_sync(run.policy, args, run.served_dtype)
     run.clock = {
         "start": time.perf_counter(),
@@ -1413,9 +1486,10 @@ def start_generation(run):
 
 
 def train_one_step(run, step):
-    """One step, in phases: take a batch, update the weights, sync them to vLLM, evaluate, log, checkpoint. What a save
-    pairs (the weights, the step count, the data cursor, the step's line) is set together while run.updating marks the
-    update, so that a signal or an error at any line saves the last finished step whole (save_after_error)."""
+    """One step, in phases: take a batch, update the weights, sync them to vLLM, evaluate, log, checkpoint.
+    What a save pairs (the weights, the step count, the data cursor, the step's line) is set together while
+    run.updating marks the update, so that a signal or an error at any line saves the last finished step whole
+    (save_after_error)."""
     args = run.args
     t_step = time.perf_counter()
     groups, samples, num_tokens = take_batch(run)
@@ -1455,8 +1529,8 @@ def train_one_step(run, step):
             metrics.update(evaluate(run))
         # the line before the checkpoint: a saved step has its line
         log_step(run, *run.unlogged)
-    # Read once, so that the checkpoint and the exit agree; a later signal stops the next step. Rank 0 decides: it
-    # gets the signals.
+    # Read once, so that the checkpoint and the exit agree; a later signal stops the next step. Rank 0
+    # decides: it gets the signals.
     stopping = bool(run.stop)
     due = [bool(args.save_every and (step + 1) % args.save_every == 0 or stopping)]
     if args.fsdp:
@@ -1471,8 +1545,9 @@ def train_one_step(run, step):
 
 
 def take_batch(run):
-    """Rank 0 takes whole groups off the producer's queue and deals each rank an equal share of their samples. Returns
-    the groups (rank 0's, for the log), this rank's samples and the step's loss tokens, over every rank."""
+    """Rank 0 takes whole groups off the producer's queue and deals each rank an equal share of their samples.
+    Returns the groups (rank 0's, for the log), this rank's samples and the step's loss tokens, over every
+    rank."""
     groups = None
     payload = [None, None]
     if run.is_main:
@@ -1487,7 +1562,8 @@ def take_batch(run):
 
 
 def sync_weights(run, metrics):
-    """Rank 0 sends the weights to every server (WeightSync); under --fsdp every rank gathers its shards with it."""
+    """Rank 0 sends the weights to every server (WeightSync); under --fsdp every rank gathers its shards with
+    it."""
     if run.is_main:
         metrics["sync/seconds"] = run.sync(run.policy)
     elif run.args.fsdp:
@@ -1517,10 +1593,13 @@ def log_step(run, step, groups, metrics, trained_version):
             "rollout/reward_failures": cursor["reward_failures"],
             "perf/samples_per_second": clock["samples"] / wall,
             "perf/wall_seconds": wall,
-            "perf/trainer_idle": clock["waited"] / wall,  # shares of the wall time
+            # shares of the wall time
+            "perf/trainer_idle": clock["waited"] / wall,
             "perf/generator_idle": (run.version.idle() - clock["idle_start"]) / wall,
-            "perf/cpu_seconds": time.process_time() - clock["cpu_start"],  # this process's, producer included
-            "tools/refused": TOOLS_REFUSED[0],  # so far: calls that found every tool thread held (call_tool)
+            # this process's, producer included
+            "perf/cpu_seconds": time.process_time() - clock["cpu_start"],
+            # so far: calls that found every tool thread held (call_tool)
+            "tools/refused": TOOLS_REFUSED[0],
         }
     )
     for s in samples[: args.log_rollouts]:
@@ -1612,10 +1691,10 @@ def mean_over_union(dicts):
 
 
 def evaluate(run):
-    """A greedy rollout of each held-out row through the same servers and tool loop, on the producer's event loop; with
-    --eval-samples K also K sampled at the run's temperature, for pass@1 and pass@K of each reward (a sample passes a
-    reward whose value is positive: the built-in ones are 0 or 1). A wait as bounded as the data's (Producer.wait,
-    --data-timeout); none ({}) once a stop signal came: the checkpoint first."""
+    """A greedy rollout of each held-out row through the same servers and tool loop, on the producer's event
+    loop; with --eval-samples K also K sampled at the run's temperature, for pass@1 and pass@K of each reward
+    (a sample passes a reward whose value is positive: the built-in ones are 0 or 1). A wait as bounded as the
+    data's (Producer.wait, --data-timeout); none ({}) once a stop signal came: the checkpoint first."""
     if run.stop:
         return {}
     p = run.producer
@@ -1623,12 +1702,14 @@ def evaluate(run):
     args = run.args
     n = 1 + args.eval_samples  # rollouts per row, the greedy one first
 
-    async def scored(session, i):  # row i's greedy rollout and samples; the servers in turn
-        with contextlib.suppress(Dropped):  # its environment did not reset: the row is not scored, as in training
+    # row i's greedy rollout and samples; the servers in turn
+    async def scored(session, i):
+        # its environment did not reset: the row is not scored, as in training
+        with contextlib.suppress(Dropped):
             return await scored_row(session, i)
 
     async def scored_row(session, i):
-        async with environments(p.ctx, p.tok, rows[i], n, args.tool_timeout) as (envs, row, ids):
+        async with environment_instances(p.ctx, p.tok, rows[i], n, args.tool_timeout) as (envs, row, ids):
             samples = await all_or_none(
                 rollout(
                     session,
@@ -1639,7 +1720,8 @@ def evaluate(run):
                     ctx=p.ctx,
                     version=p.version,
                     greedy=k == 0,
-                    seed=(args.seed, "eval", i, k),  # the same at every evaluation: the checkpoints are compared alike
+                    # the same at every evaluation: the checkpoints are compared alike
+                    seed=(args.seed, "eval", i, k),
                     env=env,
                     prompt_ids=ids,
                 )
@@ -1661,7 +1743,8 @@ def evaluate(run):
             return {}
         results = future.result()
     finally:
-        future.cancel()  # its rollouts end with it, on whatever error ended the wait
+        # its rollouts end with it, on whatever error ended the wait
+        future.cancel()
     metrics = []
     for total, parts in filter(None, results):
         row = {f"eval/{name}": values[0] for name, values in {"reward": total, **parts}.items()}
@@ -1674,14 +1757,15 @@ def evaluate(run):
 
 
 def pass_at_k(n, c, k):
-    """The unbiased estimate of pass@k from n samples of which c passed (Chen et al., 2021): 1 - C(n - c, k) / C(n, k)."""
+    """The unbiased estimate of pass@k from n samples of which c passed (Chen et al., 2021): 1 - C(n - c, k) /
+    C(n, k)."""
     return 1.0 - math.comb(n - c, k) / math.comb(n, k)
 
 
 def finish(run):
     args = run.args
-    # DDP ranks must hold identical weights; a silent divergence (a missed all-reduce) fails here. FSDP ranks hold
-    # different shards by design: their checksums are recorded, not compared.
+    # DDP ranks must hold identical weights; a silent divergence (a missed all-reduce) fails here. FSDP ranks
+    # hold different shards by design: their checksums are recorded, not compared.
     checksum = [sum((p.to_local() if args.fsdp else p).double().sum().item() for p in run.policy.parameters())]
     checksums = checksum * run.world_size
     if run.world_size > 1:
@@ -1713,15 +1797,18 @@ def finish(run):
 
 
 def save_after_error(run, error):
-    """Nothing is lost: the last finished step is saved, unless the error came mid-update (or under --fsdp, where
-    saving takes every rank, and the others may be gone or stuck). A failed server is named as the cause, with its log:
-    the error itself is then only what it did to a request (a reset connection, a timeout)."""
+    """Nothing is lost: the last finished step is saved, unless the error came mid-update (or under --fsdp,
+    where saving takes every rank, and the others may be gone or stuck). A failed server is named as the
+    cause, with its log: the error itself is then only what it did to a request (a reset connection, a
+    timeout)."""
     failure = run.server_failure or server_failure(run.urls, run.servers)
-    if not failure and isinstance(error, ConnectionError):  # an engine's death fails requests before /health says it
+    # an engine's death fails requests before /health says it
+    if not failure and isinstance(error, ConnectionError):
         time.sleep(3)
         failure = run.server_failure or server_failure(run.urls, run.servers)
     if run.is_main and run.producer and not run.updating and run.completed > run.start_step and not run.args.fsdp:
-        if run.unlogged:  # its sync or evaluation failed (sync/seconds 0, no eval/ metrics)
+        # its sync or evaluation failed (sync/seconds 0, no eval/ metrics)
+        if run.unlogged:
             log_step(run, *run.unlogged)
         checkpoint(run, run.completed)
         print(
@@ -1729,10 +1816,12 @@ def save_after_error(run, error):
             flush=True,
         )
     logs = f"the vLLM server logs: {', '.join(str(server.log_path) for server in run.servers)}" if run.servers else ""
-    if failure or isinstance(error, (ConnectionError, TimeoutError)):  # a server failed, or did not answer in time
+    # a server failed, or did not answer in time
+    if failure or isinstance(error, (ConnectionError, TimeoutError)):
         seen = f" after {type(error).__name__}: {(str(error) or '-').splitlines()[0][:300]}" if failure else ""
         raise SystemExit(f"error: {failure or error}\nThe run stopped at step {run.completed}{seen}. {logs}")
-    if isinstance(error, KeyboardInterrupt) and run.stop:  # it came as the trainer waited for data, or came twice
+    # it came as the trainer waited for data, or came twice
+    if isinstance(error, KeyboardInterrupt) and run.stop:
         saved = (run.out_dir / "checkpoint").exists()
         resume = f"; continue with --resume --output-dir {run.out_dir}" if saved else " (no checkpoint to resume from)"
         raise SystemExit(f"stopped at step {run.completed} by signal {run.stop[0]}{resume}")
@@ -1743,7 +1832,8 @@ def save_after_error(run, error):
 def tear_down(run, handlers):
     for sig, handler in handlers.items():
         signal.signal(sig, handler)
-    run.urls = []  # ends watch_servers: the servers are stopped next, which is not a failure
+    # ends watch_servers: the servers are stopped next, which is not a failure
+    run.urls = []
     if run.producer is not None:
         run.producer.stop()
     for server in run.servers:
@@ -1752,12 +1842,14 @@ def tear_down(run, handlers):
         run.logs["wandb"].finish()
     if run.world_size > 1 and dist.is_initialized():
         dist.destroy_process_group()
-    # The run ends here, finished or failed, not in the interpreter's teardown, which waits for every tool and reward
-    # thread (one stuck in I/O would keep the process and its GPUs alive), where freeing DDP's reducer can deadlock (its
-    # gloo destructor joins a thread that waits for the GIL; seen on rank 1) and the sync group's objects can abort the
-    # process ("terminate called without an active exception", exit -6, seen twice after a finished --vllm-url run)
+    # The run ends here, finished or failed, not in the interpreter's teardown, which waits for every tool and
+    # reward thread (one stuck in I/O would keep the process and its GPUs alive), where freeing DDP's reducer
+    # can deadlock (its gloo destructor joins a thread that waits for the GIL; seen on rank 1) and the sync
+    # group's objects can abort the process ("terminate called without an active exception", exit -6, seen
+    # twice after a finished --vllm-url run)
     if __name__ == "__main__":
-        # printed as the interpreter would, and the run's own errors (SystemExit, a message) without a traceback
+        # printed as the interpreter would, and the run's own errors (SystemExit, a message) without a
+        # traceback
         error = sys.exc_info()[1]
         if isinstance(error, SystemExit):
             print(error, file=sys.stderr)
@@ -1769,24 +1861,28 @@ def tear_down(run, handlers):
 
 
 def checkpoint(run, step):
-    """checkpoint-<step>/: the model (safetensors), tokenizer and trainer state, written whole under a temporary name;
-    then the `checkpoint` link is swapped to it in one rename, so a crash never leaves a broken latest checkpoint. Taken
-    between steps: the data cursor is the last finished step's, and --resume regenerates every group after it (those
-    in flight now are redone). Under --fsdp every rank sends its shards, a tensor at a time, to rank 0's CPU memory."""
+    """checkpoint-<step>/: the model (safetensors), tokenizer and trainer state, written whole under a
+    temporary name; then the `checkpoint` link is swapped to it in one rename, so a crash never leaves a
+    broken latest checkpoint. Taken between steps: the data cursor is the last finished step's, and --resume
+    regenerates every group after it (those in flight now are redone). Under --fsdp every rank sends its
+    shards, a tensor at a time, to rank 0's CPU memory."""
     weights, optim = None, run.optimizer.state_dict()
     if run.args.fsdp:
         options = StateDictOptions(full_state_dict=True, cpu_offload=True)
         weights = get_model_state_dict(run.policy, options=options)
         optim = get_optimizer_state_dict(run.policy, run.optimizer, options=options)
     name, link = f"checkpoint-{step:06d}", run.out_dir / "checkpoint"
-    if not run.is_main or link.is_symlink() and os.readlink(link) == name:  # the other ranks' part ends here
+    # the other ranks' part ends here
+    if not run.is_main or link.is_symlink() and os.readlink(link) == name:
         return
     tmp = run.out_dir / f"{name}.tmp"
     previous = os.readlink(link) if link.is_symlink() else None
     try:
         shutil.rmtree(tmp, ignore_errors=True)
-        if run.args.lora_rank:  # merged weights; the adapter in adapter/ (from_pretrained applies one beside them)
-            run.policy.save_pretrained(tmp / "adapter", save_embedding_layers=False)  # ("auto" asks the hub)
+        # merged weights; the adapter in adapter/ (from_pretrained applies one beside them)
+        if run.args.lora_rank:
+            # ("auto" asks the hub)
+            run.policy.save_pretrained(tmp / "adapter", save_embedding_layers=False)
             weights = {
                 name: merged(p, lora).cpu() for name, p, lora in served_weights(run.policy, include_frozen=True)
             }
@@ -1804,16 +1900,19 @@ def checkpoint(run, step):
             },
             tmp / "trainer_state.pt",
         )
-        shutil.rmtree(run.out_dir / name, ignore_errors=True)  # a save of this step cut off before its link swap
+        # a save of this step cut off before its link swap
+        shutil.rmtree(run.out_dir / name, ignore_errors=True)
         os.replace(tmp, run.out_dir / name)
         (run.out_dir / "checkpoint.tmp").unlink(missing_ok=True)
         os.symlink(name, run.out_dir / "checkpoint.tmp")
         os.replace(run.out_dir / "checkpoint.tmp", link)
-    except BaseException as e:  # a full disk (OSError from safetensors, RuntimeError from torch.save), or a signal
+    except BaseException as e:
+        # a full disk (OSError from safetensors, RuntimeError from torch.save), or a signal
         shutil.rmtree(tmp, ignore_errors=True)
         if not isinstance(e, (OSError, RuntimeError)):
             raise
-        needed = 3 * sum(p.numel() * p.element_size() for p in run.policy.parameters()) / 2**20  # + AdamW's moments
+        # + AdamW's moments
+        needed = 3 * sum(p.numel() * p.element_size() for p in run.policy.parameters()) / 2**20
         # SystemExit: the error handler does not catch it, so it does not write the same checkpoint again
         raise SystemExit(
             f"error: could not write the checkpoint of step {step} in {run.out_dir} "
@@ -1827,36 +1926,38 @@ def checkpoint(run, step):
 
 
 def stop_on_signals(stop):
-    """SIGINT and SIGTERM ask to stop after this step (_stop_after_step appends to `stop`); returns their handlers."""
+    """SIGINT and SIGTERM ask to stop after this step (_stop_after_step appends to `stop`); returns their
+    handlers."""
     stopping = functools.partial(_stop_after_step, stop)
     return {sig: signal.signal(sig, stopping) for sig in (signal.SIGINT, signal.SIGTERM)}
 
 
 def _stop_after_step(stop, signum, frame):
-    """A signal asks to stop after this step; one that finds `stop` set already (a second, or any before training) at
-    once. Silent: a print here, run while the main thread is inside one, raises "reentrant call" (watch_servers says)."""
+    """A signal asks to stop after this step; one that finds `stop` set already (a second, or any before
+    training) at once. Silent: a print here, run while the main thread is inside one, raises "reentrant call"
+    (watch_servers says)."""
     if stop:
         raise KeyboardInterrupt(f"signal {signum}")
     stop.append(signum)
 
 
-# --- Machinery: batches and log-probs: collate's rows, the output layer in chunks, vLLM's truncation ----------------
+# --- Machinery: batches and log-probs: collate's rows, the output layer in chunks, vLLM's truncation --------
 
 
 def micro_batches(samples, size, count=1, share=True, tokens=math.inf, width=None, packed=False):
-    """The step's samples in micro-batches of at most `size` sequences and `tokens` tokens forwarded (memory), padding
-    included, and unpacked at most `size` x 1.25 x the step's median length (a sequence longer goes alone): shortest
-    first, with share a prompt's samples together (rows_of). A micro-batch pads to its longest row, and a tool loop's
-    long tail (a few rollouts 5x the median) made padding most of a step's tokens: 2.5x slower steps on the tool task.
-    The order is free: the loss is normalised over the step. At least `count` (the largest halved): every rank runs as
-    many."""
+    """The step's samples in micro-batches of at most `size` sequences and `tokens` tokens forwarded (memory),
+    padding included, and unpacked at most `size` x 1.25 x the step's median length (a sequence longer goes
+    alone), so that a tool loop's long tail does not make padding most of a step (docs/performance.md): shortest
+    first, with share a prompt's samples together (rows_of). The order is free: the loss is normalised over the
+    step. At least `count` (the largest halved): every rank runs as many."""
     samples = sorted(
         samples, key=lambda s: (s["n_prompt"], s["ids"][: s["n_prompt"]], len(s["ids"])) if share else len(s["ids"])
     )
     padding = size * 1.25 * np.median([len(s["ids"]) for s in samples])
     batches = [[]]
     for s in samples:
-        rows = rows_of(batches[-1] + [s], share, None if packed else width)[1]  # their lengths
+        # their lengths
+        rows = rows_of(batches[-1] + [s], share, None if packed else width)[1]
         forwarded = sum(rows) if packed else len(rows) * max(rows)
         limit = tokens if packed else min(tokens, padding)
         if batches[-1] and (len(batches[-1]) == size or forwarded > limit):
@@ -1872,10 +1973,11 @@ def micro_batches(samples, size, count=1, share=True, tokens=math.inf, width=Non
 
 
 def rows_of(samples, share=True, width=None):
-    """collate's rows (lists of sample indices) and their lengths: a prompt once, then the completions of the samples
-    with its tokens (share; else a row each). A dense row (width: the hidden size) takes a completion of c tokens only
-    where that costs less than a row of its own: it saves n prompt tokens (~12 width^2 multiply-adds each) and adds
-    attention over the row's c' completion tokens (~2 width a pair): 2 c c' < n (6 width + n). Segments always do."""
+    """collate's rows (lists of sample indices) and their lengths: a prompt once, then the completions of the
+    samples with its tokens (share; else a row each). A dense row (width: the hidden size) takes a completion
+    of c tokens only where that costs less than a row of its own: it saves n prompt tokens (~12 width^2
+    multiply-adds each) and adds attention over the row's c' completion tokens (~2 width a pair): 2 c c' < n
+    (6 width + n). Segments always do."""
     rows = []
     lengths = []
     open_row = {}  # prompt -> the row its next completion may join
@@ -1893,14 +1995,24 @@ def rows_of(samples, share=True, width=None):
 
 
 def collate(samples, pad_id, device, min_tokens=0, share=True, config=None, packed=False, dtype=torch.float32):
-    """The micro-batch as the model takes it: rows_of's rows, each token at its position alone (a completion's count on
-    from its prompt's end) and seeing what it sees alone, its prompt and its completion: the same log-probs (to float
-    rounding), and the prompt gets the gradients of all its completions. packed: one row of segments (a prompt, a
-    completion) for segment_attention. Else padded rows with, where completions share one, a 4D mask built on the
-    device (host work linear in T) as the float bias SDPA would make of it in every layer, once, in `dtype`. Per-token
-    tensors are [B, T] over each completion: token t is predicted at hidden[rows, cols[t]] (-1: padding)."""
+    """The micro-batch as the model takes it: rows_of's rows, each token at its position alone (a completion's
+    count on from its prompt's end) and seeing what it sees alone, its prompt and its completion: the same
+    log-probs (to float rounding), and the prompt gets the gradients of all its completions. One group, a prompt
+    p0 p1 p2 and two completions a0 a1 and b0 b1 b2, in one row:
 
-    def padded(rows, kind=torch.float, value=0):  # [B, the longest row]; one column at least: may be empty
+        input_ids     p0 p1 p2 a0 a1 b0 b1 b2
+        position_ids   0  1  2  3  4  3  4  5
+        segment        0  0  0  1  1  2  2  2    (a token sees segment 0 and its own, causally)
+        cols          a: [2, 3]   b: [2, 5, 6]   (the columns whose hidden states predict each token)
+
+    packed: the micro-batch's rows as one, with segments for segment_attention, each (its query count, the
+    columns of its keys): (3, [0 1 2]), (2, [0 1 2 3 4]), (3, [0 1 2 5 6 7]). Else padded rows with, where
+    completions share one, a 4D mask built on the device (host work linear in T) as the float bias SDPA would
+    make of it in every layer, once, in `dtype`. Per-token tensors are [B, T] over each completion: token t is
+    predicted at hidden[rows, cols[t]] (-1: padding)."""
+
+    # [B, the longest row]; one column at least: may be empty
+    def padded(rows, kind=torch.float, value=0):
         out = torch.full((len(rows), max(1, *map(len, rows))), value, dtype=kind)
         for r, row in enumerate(rows):
             out[r, : len(row)] = torch.tensor(row, dtype=kind)
@@ -1908,10 +2020,13 @@ def collate(samples, pad_id, device, min_tokens=0, share=True, config=None, pack
 
     rows = rows_of(samples, share, None if packed else getattr(config, "hidden_size", None))[0]
     ids = []  # per row: a prompt, then the completions that joined it
-    segment = []  # per row, per token: 0 the prompt, i + 1 sample i's completion (the mask's)
+    # per row, per token: 0 the prompt, i + 1 sample i's completion (the mask's)
+    segment = []
     position = []
-    segments = []  # packed: per segment, its query count and the columns of its keys
-    at = {}  # per sample: its row, and the columns whose hidden states predict its tokens
+    # packed: per segment, its query count and the columns of its keys
+    segments = []
+    # per sample: its row, and the columns whose hidden states predict its tokens
+    at = {}
     for members in rows:
         n = samples[members[0]]["n_prompt"]
         if not packed or not ids:
@@ -1933,13 +2048,15 @@ def collate(samples, pad_id, device, min_tokens=0, share=True, config=None, pack
             segment[-1] += [i + 1] * len(completion)
             position[-1] += range(n, n + len(completion))
     position = padded(position, torch.long).to(device)
-    batch = {"input_ids": padded(ids, torch.long, pad_id), "position_ids": position}  # what the model takes
+    # what the model takes
+    batch = {"input_ids": padded(ids, torch.long, pad_id), "position_ids": position}
     if packed:
         queries, keys = zip(*segments)
         batch["segments"] = (
             torch.tensor([0, *itertools.accumulate(queries)], dtype=torch.int32, device=device),
             torch.tensor([0, *itertools.accumulate(map(len, keys))], dtype=torch.int32, device=device),
-            torch.tensor([column for k in keys for column in k], device=device),  # kv_index: each segment's keys
+            # kv_index: each segment's keys
+            torch.tensor([column for k in keys for column in k], device=device),
             max(queries),
             max(map(len, keys)),
         )
@@ -1950,7 +2067,8 @@ def collate(samples, pad_id, device, min_tokens=0, share=True, config=None, pack
         full = (causal & ((segment[:, None] == 0) | (segment[:, None] == segment[..., None])))[:, None]
         attend = {"full_attention": full}
         window = getattr(config, "sliding_window", None)
-        # the model's sliding window, in the mask that replaces its own: over positions; per layer type if mixed
+        # the model's sliding window, in the mask that replaces its own: over positions; per layer type if
+        # mixed
         if window:
             distance = position[:, None, :, None] - position[:, None, None, :]
             types = set(getattr(config, "layer_types", None) or ["sliding_attention"])
@@ -1958,8 +2076,10 @@ def collate(samples, pad_id, device, min_tokens=0, share=True, config=None, pack
         bias = {t: torch.where(a, 0.0, -torch.inf).to(dtype) for t, a in attend.items()}
         batch["attention_mask"] = bias if len(bias) > 1 else next(iter(bias.values()))
     mask = padded([s["mask"] for s in samples])
-    generated = mask.cumsum(1)  # a turn: a run of generated tokens; in_turn counts those of its turn up to here
-    in_turn = generated - (generated * (1 - mask)).cummax(1).values  # vLLM held the stop tokens back for min_tokens
+    # a turn: a run of generated tokens; in_turn counts those of its turn up to here
+    generated = mask.cumsum(1)
+    # vLLM held the stop tokens back for min_tokens
+    in_turn = generated - (generated * (1 - mask)).cummax(1).values
     batch |= {
         "rows": torch.tensor([[at[i][0]] for i in range(len(samples))]),
         "cols": padded([at[i][1] for i in range(len(samples))], torch.long, -1),
@@ -1978,31 +2098,36 @@ MODEL_INPUTS = ("input_ids", "position_ids", "attention_mask", "segments")
 
 
 def token_logprobs(model, batch, temperature=1.0, chunk=2**26, **truncation):
-    """[B, T] log-probs of the completions as vLLM sampled them, the mass truncation removed and the entropy: the
-    output layer on the completions' hidden states only, in chunks of ~`chunk` logits recomputed in backward (if more
-    than one), which keeps a hidden state per token, not [tokens, V] logits (~2.4 MB a token at V = 151,936)."""
+    """[B, T] log-probs of the completions as vLLM sampled them, the mass truncation removed and the entropy:
+    the output layer on the completions' hidden states only, in chunks of ~`chunk` logits recomputed in
+    backward (if more than one), which keeps a hidden state per token, not [tokens, V] logits (~2.4 MB a token
+    at V = 151,936)."""
     bare = getattr(model, "module", model)  # DDP's
     head = bare.get_output_embeddings()
-    hidden = []  # what the forward hands its head, which then gets nothing (a new tensor: a view would keep them)
+    # what the forward hands its head, which then gets nothing (a new tensor: a view would keep them)
+    hidden = []
     hook = head.register_forward_pre_hook(lambda head, args: hidden.append(args[0]) or (args[0][:, :0].clone(),))
     try:
         model(**{k: batch[k] for k in MODEL_INPUTS if k in batch}, use_cache=False)
     finally:
         hook.remove()
     real = batch["cols"] >= 0  # [B, T]: the completions' tokens, not padding
-    states = hidden[0][batch["rows"].expand_as(real)[real], batch["cols"][real]]  # [tokens, width]
+    # [tokens, width]
+    states = hidden[0][batch["rows"].expand_as(real)[real], batch["cols"][real]]
     rows = max(1, chunk // head.out_features)
     parts = zip(states.split(rows), batch["targets"][real].split(rows), batch["stop_masked"][real].split(rows))
     softcap = getattr(bare.config.get_text_config(), "final_logit_softcapping", None)
 
-    def chunk_logprobs(hidden, targets, stop_masked):  # [N, width] -> sampler_logprobs' [N] values (another comes too)
+    # [N, width] -> sampler_logprobs' [N] values (another comes too)
+    def chunk_logprobs(hidden, targets, stop_masked):
         logits = head(hidden).float()  # [N, V]
         if softcap:  # Gemma's, which the model's forward applies after its head
             logits = torch.tanh(logits / softcap) * softcap
         return sampler_logprobs(logits, targets, temperature, stop_masked=stop_masked, **truncation)
 
     run = functools.partial(torch.utils.checkpoint.checkpoint, chunk_logprobs, use_reentrant=False)
-    if len(states) * head.out_features <= chunk:  # a single chunk is kept as it is: no second pass in backward
+    # a single chunk is kept as it is: no second pass in backward
+    if len(states) * head.out_features <= chunk:
         run = chunk_logprobs
     per_token = [run(*part) for part in parts]
     return [torch.zeros(real.shape, device=real.device).masked_scatter(real, torch.cat(x)) for x in zip(*per_token)]
@@ -2019,14 +2144,15 @@ def sampler_logprobs(
     stop_ids=(),
     served_dtype=torch.bfloat16,
 ):
-    """log pi(target) under the distribution vLLM sampled it from, its processed log-probs: logits [B, T, V] with the
-    stop_ids masked where min_tokens held them back (stop_masked, [B, T]), / temperature, then min-p, top-k and top-p,
-    renormalised over the tokens kept. The kept set is chosen on the logits rounded to `served_dtype`, the server's:
-    tokens that tie there tie for vLLM, and top-k keeps every tie (at a top-p boundary vLLM keeps an arbitrary part of a
-    tied group, the trainer all of it). The target is always kept: where the trainer would cut it (a token at the
-    boundary, the two sides' logits differing in the last bits, or a stale one), its log-prob is taken over the kept
-    set and itself: finite, and close to vLLM's at the boundary. Returns [B, T] log-probs (with gradient), [B, T] the
-    probability mass the truncation removed, and [B, T] the entropy of the distribution sampled from (train/entropy)."""
+    """log pi(target) under the distribution vLLM sampled it from, its processed log-probs: logits [B, T, V]
+    with the stop_ids masked where min_tokens held them back (stop_masked, [B, T]), / temperature, then min-p,
+    top-k and top-p, renormalised over the tokens kept. The kept set is chosen on the logits rounded to
+    `served_dtype`, the server's: tokens that tie there tie for vLLM, and top-k keeps every tie (at a top-p
+    boundary vLLM keeps an arbitrary part of a tied group, the trainer all of it). The target is always kept:
+    where the trainer would cut it (a token at the boundary, the two sides' logits differing in the last bits,
+    or a stale one), its log-prob is taken over the kept set and itself: finite, and close to vLLM's at the
+    boundary. Returns [B, T] log-probs (with gradient), [B, T] the probability mass the truncation removed,
+    and [B, T] the entropy of the distribution sampled from (train/entropy)."""
     targets = targets[..., None]
     if stop_masked is not None and stop_masked.any():
         is_stop = torch.zeros(logits.shape[-1], dtype=torch.bool, device=logits.device)
@@ -2034,35 +2160,44 @@ def sampler_logprobs(
         logits = logits.masked_fill(stop_masked[..., None] & is_stop & ~is_stop[targets], -torch.inf)
     scaled = logits / temperature
     if top_k > 0 or top_p < 1 or min_p > 0:
-        with torch.no_grad():  # which tokens are kept is a choice, not differentiated; in chunks of rows, so that a
-            flat, cut = logits.detach().flatten(0, -2), []  # sort over a large vocabulary never holds all of them
+        # which tokens are kept is a choice, not differentiated; in chunks of rows, so that a
+        with torch.no_grad():
+            # sort over a large vocabulary never holds all of them
+            flat, cut = logits.detach().flatten(0, -2), []
             for chunk in flat.split(max(1, 2**22 // flat.shape[-1])):
                 rounded = chunk.to(served_dtype).float() / temperature
                 cut.append(rounded < kept_threshold(rounded, top_k, top_p, min_p))
             cut = torch.cat(cut).view_as(logits).scatter_(-1, targets, False)
         log_total = scaled.detach().logsumexp(-1)
-        scaled = scaled.masked_fill(cut, -torch.inf)  # the one more [B, T, V] tensor this takes
+        # the one more [B, T, V] tensor this takes
+        scaled = scaled.masked_fill(cut, -torch.inf)
         log_kept = scaled.logsumexp(-1)
         removed = 1 - (log_kept.detach() - log_total).exp()
     else:  # nothing truncated: the log-softmax of the sampled tokens only
         log_kept = scaled.logsumexp(-1)
         removed = torch.zeros_like(log_kept)
-    with torch.no_grad():  # what backward keeps is unchanged: these [B, T, V] temporaries are freed here
-        entropy = torch.special.entr((scaled - log_kept[..., None]).exp()).sum(-1)  # -sum p log p, 0 log 0 = 0
+    # what backward keeps is unchanged: these [B, T, V] temporaries are freed here
+    with torch.no_grad():
+        # -sum p log p, 0 log 0 = 0
+        entropy = torch.special.entr((scaled - log_kept[..., None]).exp()).sum(-1)
     return scaled.gather(-1, targets).squeeze(-1) - log_kept, removed, entropy
 
 
 def kept_threshold(x, top_k=0, top_p=1.0, min_p=0.0):
-    """x: [N, V] logits after temperature -> [N, 1]: the smallest logit each row keeps, truncated in vLLM's order."""
+    """x: [N, V] logits after temperature -> [N, 1]: the smallest logit each row keeps, truncated in vLLM's
+    order."""
     threshold = torch.full_like(x[:, :1], -torch.inf)
-    if min_p > 0:  # tokens with at least min_p times the top token's probability
+    # tokens with at least min_p times the top token's probability
+    if min_p > 0:
         threshold = x.max(-1, keepdim=True).values + math.log(min_p)
     if 0 < top_k < x.shape[-1]:  # the k largest, ties kept
         threshold = torch.maximum(threshold, x.topk(top_k, -1).values[:, -1:])
-    if top_p < 1:  # the most likely tokens whose probability mass before them is below top_p
+    # the most likely tokens whose probability mass before them is below top_p
+    if top_p < 1:
         x = x.masked_fill(x < threshold, -torch.inf)
         log_total = x.logsumexp(-1, keepdim=True)
-        for k in (min(1024, x.shape[-1]), x.shape[-1]):  # the nucleus is usually small: a full sort only if it is not
+        # the nucleus is usually small: a full sort only if it is not
+        for k in (min(1024, x.shape[-1]), x.shape[-1]):
             top = x.topk(k, -1).values  # [N, k], descending
             probs = (top - log_total).exp()
             kept = ((probs.cumsum(-1) - probs) < top_p).sum(-1, keepdim=True)
@@ -2072,11 +2207,12 @@ def kept_threshold(x, top_k=0, top_p=1.0, min_p=0.0):
     return threshold
 
 
-# --- Machinery: arguments and the device plan -------------------------------------------------------------------------
+# --- Machinery: arguments, checked before anything loads (the device plan: vllm_server.py) ------------------
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    def _get_help_string(self, action):  # "(default: X)", unless the help says it or there is none to say
+    # "(default: X)", unless the help says it or there is none to say
+    def _get_help_string(self, action):
         if action.default is None or action.default is False or action.default == "" or "default" in action.help:
             return action.help
         return super()._get_help_string(action)
@@ -2499,14 +2635,16 @@ def parse_args(argv=None, world_size=1, cuda_count=None, local_ranks=None, heads
         if failed:
             p.error(message)
     cuda_count = torch.cuda.device_count() if cuda_count is None else cuda_count
-    local_ranks = local_ranks or int(os.environ.get("LOCAL_WORLD_SIZE", world_size))  # the trainer ranks on this node
+    # the trainer ranks on this node
+    local_ranks = local_ranks or int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
     args.plan = plan_devices(args, cuda_count, local_ranks, p.error, heads)
     if args.gradient_checkpointing is None:
         args.gradient_checkpointing = bool(cuda_count)
     args.max_staleness = 0 if args.sync else args.max_staleness
     args.sync_bucket_bytes = int(args.sync_bucket_mb * 2**20)
-    # The other ranks' bound in a collective while rank 0 alone starts vLLM, waits for data or syncs: not torch's (NCCL 10
-    # min, gloo 30) but twice the sum of rank 0's bounds (building the model, evaluation and checkpoints have none)
+    # The other ranks' bound in a collective while rank 0 alone starts vLLM, waits for data or syncs: not
+    # torch's (NCCL 10 min, gloo 30) but twice the sum of rank 0's bounds (building the model, evaluation and
+    # checkpoints have none)
     args.collective_timeout = 2 * (args.vllm_startup_timeout + args.data_timeout + args.sync_timeout)
     args.output_dir = args.output_dir or time.strftime("runs/%Y%m%d-%H%M%S")
     args.lora_alpha = 2.0 * args.lora_rank if args.lora_alpha is None else args.lora_alpha
@@ -2517,108 +2655,7 @@ def parse_args(argv=None, world_size=1, cuda_count=None, local_ranks=None, heads
     return args
 
 
-def plan_devices(args, cuda_count, local_ranks, fail, heads=None):
-    """Where everything runs, decided before anything loads: the trainer ranks on cuda:0..local_ranks-1 or the CPU, each
-    server started here on its share of --vllm-gpus or the CPU, and the sync backend: NCCL between devices, else gloo
-    (which takes CUDA tensors: NCCL refuses two ranks on one device). By default a server per GPU (README.md, "On
-    GPUs": why). heads: the model's (attention heads, KV heads), read where None. fail(message) for a bad plan."""
-    url = args.vllm_url
-    free = [str(d) for d in range(local_ranks, cuda_count)]  # the devices the trainer ranks leave free
-    if args.vllm_gpus:
-        gpus = args.vllm_gpus.split(",")
-    else:
-        gpus = [] if url else free[: len(free) // max(1, args.vllm_servers) * max(1, args.vllm_servers)]
-    n = args.vllm_servers or max(1, len(gpus))
-    shared = bool(cuda_count and not url and not gpus)  # no device free: one server shares trainer rank 0's GPU
-    instead = f"pass --vllm-gpus among {','.join(free)}" if free else "launch fewer ranks (torchrun --nproc-per-node)"
-    for failed, message in [
-        (url and args.vllm_gpus, "--vllm-gpus places servers started here, and --vllm-url starts none: drop one"),
-        (len(gpus) % n, f"--vllm-servers {n} must divide the --vllm-gpus {args.vllm_gpus} evenly"),
-        (
-            cuda_count and local_ranks > cuda_count,
-            f"{local_ranks} trainer ranks on this node, {cuda_count} CUDA devices: "
-            f"launch torchrun with --nproc-per-node {cuda_count} or fewer",
-        ),
-        (
-            not all(g.isdigit() and local_ranks <= int(g) < cuda_count for g in gpus) or len(set(gpus)) < len(gpus),
-            f"--vllm-gpus {args.vllm_gpus}: not distinct CUDA devices of the {cuda_count} here that the {local_ranks} "
-            f"trainer ranks leave free (NCCL refuses two ranks on one device): {instead}, or leave --vllm-gpus out where "
-            "none is free, to share trainer rank 0's GPU with one server",
-        ),
-        (
-            shared and n > 1,
-            f"--vllm-servers {n}: no device is free beside the trainer ranks, and trainer rank 0's GPU "
-            f"holds one server: pass --vllm-servers 1, or {instead}",
-        ),
-        (
-            args.vllm_gpu_memory is not None and not (0 < args.vllm_gpu_memory < 1 and (gpus or shared)),
-            "--vllm-gpu-memory is a share in (0, 1) of the memory of servers started here on GPUs",
-        ),
-    ]:
-        if failed:
-            fail(message)
-    tp = len(gpus) // n  # tensor parallel: each server's GPUs
-    if tp > 1:
-        try:
-            heads, kv_heads = heads or attention_heads(args.model)
-        except Exception as e:
-            fail(f"--model {args.model}: cannot read its config, which --vllm-servers {n} needs ({str(e)[:200]})")
-        # vLLM splits the attention heads over the GPUs, and the KV heads or copies of each (layers/linear.py)
-        if heads % tp or (kv_heads % tp if kv_heads >= tp else tp % kv_heads):
-            fail(
-                f"--vllm-servers {n}: tensor parallel {tp} does not split the model's {heads} attention heads and "
-                f"{kv_heads} KV heads (vLLM refuses it): pass --vllm-servers {len(gpus)}, a server per GPU, or a count "
-                "whose share does"
-            )
-    physical = (os.environ.get("CUDA_VISIBLE_DEVICES") or ",".join(map(str, range(cuda_count)))).split(",")
-    shares = [gpus[i * len(gpus) // n : (i + 1) * len(gpus) // n] for i in range(n)] if gpus else [["0"] * shared] * n
-    return {
-        "trainer": "cuda" if cuda_count else "cpu",
-        "sync_backend": "nccl" if cuda_count and not shared else "gloo",
-        "servers": [] if url else [",".join(physical[int(g)] for g in share) for share in shares],  # as devices
-        "gpu_memory": args.vllm_gpu_memory or (0.3 if shared else None),  # why 0.3: README.md, "On GPUs"
-        "shared": shared,  # the server on trainer rank 0's GPU: the trainer is held to what it leaves (memory_share)
-        "cpu_server": not cuda_count
-        and all(
-            urllib.parse.urlparse(u).hostname in ("127.0.0.1", "localhost")
-            for u in (url or "http://127.0.0.1").split(",")
-        ),
-    }  # tuned in start_vllm
-
-
-def attention_heads(model):
-    """(attention heads, KV heads) of --model from its config alone (a local folder's, a GGUF file's, the hub's); the
-    built-in model's are tiny_model.py's."""
-    from transformers import AutoConfig
-
-    if model is None:
-        return 4, 2
-    gguf = {"gguf_file": Path(model).name} if model.endswith(".gguf") else {}
-    config = AutoConfig.from_pretrained(Path(model).parent if gguf else model, **gguf).get_text_config()
-    return config.num_attention_heads, getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-
-
-def memory_share(args, total, params, trained):
-    """The share of one GPU (`total` bytes) that the trainer may take beside a server: what the server's share (its
-    weights, 2 bytes a parameter, in half; its KV cache) and a margin leave (the worker's two buckets in flight, CUDA
-    contexts and a reloaded layer: 1 GiB). The trainer holds 4 bytes a parameter, 12 more a trained one (gradient,
-    AdamW's moments), 4 for the --beta reference, and activations. A model that does not fit is refused here."""
-    server = args.plan["gpu_memory"]
-    share = 1 - server - (2 * args.sync_bucket_bytes + 2**30) / total
-    needed = 4 * params + 12 * trained + 4 * params * bool(args.beta)
-    if needed > share * total or 4 * params > server * total:
-        raise SystemExit(
-            f"one GPU of {total / 2**30:.0f} GiB cannot hold both: the trainer needs {needed / 2**30:.1f} GiB before "
-            f"activations ({params / 1e9:.2f}B parameters, {trained / 1e9:.2f}B of them trained) and gets "
-            f"{share * total / 2**30:.1f} GiB; vLLM's share (--vllm-gpu-memory {server}) is "
-            f"{server * total / 2**30:.1f} GiB, at least twice its {2 * params / 2**30:.1f} GiB of weights (the "
-            "rest: its KV cache). Train a LoRA adapter (--lora-rank 16), a smaller model, or give vLLM a GPU of its "
-            "own (--vllm-gpus)"
-        )
-    return share
-
-
-# --- Machinery: data, the dataset or a built-in task ------------------------------------------------------------------
+# --- Machinery: data, the dataset or a built-in task --------------------------------------------------------
 
 
 # FORK: load your data (or pass --dataset FILE.jsonl)
@@ -2652,7 +2689,8 @@ def load_rows(args):
 
 
 def dataset_row(line, index, where):
-    """One line of --dataset as a row, its id `index` unless it has one; or a SystemExit that says what is wrong."""
+    """One line of --dataset as a row, its id `index` unless it has one; or a SystemExit that says what is
+    wrong."""
     try:
         row = json.loads(line)
     except json.JSONDecodeError as e:
@@ -2675,30 +2713,32 @@ def dataset_row(line, index, where):
     return row
 
 
-# --- Machinery: tools and environments at work: timeouts, threads, instances ------------------------------------------
+# --- Machinery: tools and environments at work: timeouts, threads, instances --------------------------------
 
 
 async def call_function(fn, arguments, name, timeout):
-    """(fn(**arguments), True) within `timeout` seconds, or (the error for the model, False). Raises EnvironmentGone
-    alone: an environment that cannot go on ends the run (tools.py)."""
+    """(fn(**arguments), True) within `timeout` seconds, or (the error for the model, False). Raises
+    EnvironmentGone alone: an environment that cannot go on ends the run (tools.py)."""
     try:
         return await bounded(fn, arguments, timeout), True
     except asyncio.TimeoutError:
         return f"Error: {name} timed out after {timeout} s", False
     except tools_module.EnvironmentGone:
         raise
-    except Exception as e:  # a tool's bug is the model's problem to route around, not the run's
+    except Exception as e:
+        # a tool's bug is the model's problem to route around, not the run's
         return f"Error: {type(e).__name__}: {e}", False
 
 
 async def bounded(fn, arguments, timeout):
-    """fn(**arguments) within `timeout` seconds (arguments a dict: one may be called fn): awaited if async, else in a
-    thread of TOOL_THREADS, where after a timeout it goes on holding a slot (TOOL_SLOTS) and its environment instance,
-    if a method, is not reused; refused at once while every slot is held."""
+    """fn(**arguments) within `timeout` seconds (arguments a dict: one may be called fn): awaited if async,
+    else in a thread of TOOL_THREADS, where after a timeout it goes on holding a slot (TOOL_SLOTS) and its
+    environment instance, if a method, is not reused; refused at once while every slot is held."""
     running = None
     if inspect.iscoroutinefunction(fn):
         pending = fn(**arguments)
-    elif TOOL_SLOTS.acquire(blocking=False):  # a look: some thread is not held by a call past its timeout
+    elif TOOL_SLOTS.acquire(blocking=False):
+        # a look: some thread is not held by a call past its timeout
         TOOL_SLOTS.release()
         running = TOOL_THREADS.submit(fn, **arguments)
         pending = asyncio.wrap_future(running)
@@ -2711,7 +2751,8 @@ async def bounded(fn, arguments, timeout):
         return await asyncio.wait_for(pending, timeout)
     except (
         asyncio.TimeoutError
-    ):  # one still queued was cancelled with it; one running holds its thread until it returns
+        # one still queued was cancelled with it; one running holds its thread until it returns
+    ):
         HUNG.add(id(getattr(fn, "__self__", None)))
         if running is not None and running.running() and TOOL_SLOTS.acquire(blocking=False):
             running.add_done_callback(lambda _: TOOL_SLOTS.release())
@@ -2719,14 +2760,16 @@ async def bounded(fn, arguments, timeout):
 
 
 class Dropped(Exception):
-    """Why a group is not trained (its environment did not reset, its rewards failed): take() reports and counts it."""
+    """Why a group is not trained (its environment did not reset, its rewards failed): take() reports and
+    counts it."""
 
 
 @contextlib.asynccontextmanager
-async def environments(ctx, tok, row, n, timeout):
-    """n instances of the row's environment (None without one), idle ones reused, reset to the row; the row as its
-    rollouts see it (its prompt with what reset said) and its prompt's ids. They are idle again once the group is done.
-    Raises Dropped where a reset fails or the resets say different things: a group answers one task."""
+async def environment_instances(ctx, tok, row, n, timeout):
+    """n instances of the row's environment (None without one), idle ones reused, reset to the row; the row as
+    its rollouts see it (its prompt with what reset said) and its prompt's ids. They are idle again once the
+    group is done. Raises Dropped where a reset fails or the resets say different things: a group answers one
+    task."""
     name = tools_module.environment_of(row, ctx.environments)
     if name is None:
         yield [None] * n, row, ctx.prompt_ids[row["id"]]
@@ -2735,7 +2778,8 @@ async def environments(ctx, tok, row, n, timeout):
     envs = [idle.pop() for _ in range(min(n, len(idle)))]
     try:
         try:
-            while len(envs) < n:  # on the loop, not in a thread: each instance made is one that is closed at the end
+            # on the loop, not in a thread: each instance made is one that is closed at the end
+            while len(envs) < n:
                 ctx.alive.append(ctx.environments[name]())
                 envs.append(ctx.alive[-1])
             said = await all_or_none(bounded(env.reset, row, timeout) for env in envs)
@@ -2751,7 +2795,8 @@ async def environments(ctx, tok, row, n, timeout):
             row = {**row, "prompt": row["prompt"][:-1] + [last]}
             prompt_ids = render_prompt(tok, row["prompt"], ctx.offered[name], row["id"])
         yield envs, row, prompt_ids
-    finally:  # the group is done: what an instance holds until its next reset may go (tools.py: release)
+    finally:
+        # the group is done: what an instance holds until its next reset may go (tools.py: release)
         await asyncio.gather(
             *[bounded(e.release, {}, timeout) for e in envs if hasattr(e, "release")], return_exceptions=True
         )
@@ -2765,14 +2810,15 @@ async def close_environments(ctx, timeout):
     await asyncio.gather(*closing, return_exceptions=True)
 
 
-# --- Machinery: models: loading, LoRA, FSDP, GGUF (the built-in model is tiny_model.py's) -----------------------------
+# --- Machinery: models: loading, LoRA, FSDP, GGUF (the built-in model is tiny_model.py's) -------------------
 
 
 def load_policy(path, empty=False):
-    """A causal LM, or an image-text checkpoint (Qwen2-VL, SmolVLM, ...) as its *ForConditionalGeneration class: its
-    parameter names are the checkpoint's, which vLLM's loader maps to its own (a bare AutoModel drops the `model.`
-    prefix). Text-only RL trains its language model and output head; the vision tower and projector get no gradient from
-    text, so they are frozen: not optimised, not synced. empty: only the shapes, on the meta device."""
+    """A causal LM, or an image-text checkpoint (Qwen2-VL, SmolVLM, ...) as its *ForConditionalGeneration
+    class: its parameter names are the checkpoint's, which vLLM's loader maps to its own (a bare AutoModel
+    drops the `model.` prefix). Text-only RL trains its language model and output head; the vision tower and
+    projector get no gradient from text, so they are frozen: not optimised, not synced. empty: only the
+    shapes, on the meta device."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
 
     config = AutoConfig.from_pretrained(path)
@@ -2789,7 +2835,8 @@ def load_policy(path, empty=False):
 
 
 def with_lora(model, args, adapter=None):
-    """--lora-rank: a LoRA adapter (peft) on the --lora-targets, B = 0, or the one saved in `adapter` (--resume)."""
+    """--lora-rank: a LoRA adapter (peft) on the --lora-targets, B = 0, or the one saved in `adapter`
+    (--resume)."""
     from peft import LoraConfig, PeftModel, get_peft_model
 
     if adapter:
@@ -2814,8 +2861,9 @@ def with_lora(model, args, adapter=None):
 
 
 def load_sharded(path, device):
-    """--fsdp: rank 0 alone reads the checkpoint (the whole model, fp32, in its host memory); every rank builds it on the
-    meta device, shards it and receives its shards, a tensor at a time, and the buffers outside the state dict whole."""
+    """--fsdp: rank 0 alone reads the checkpoint (the whole model, fp32, in its host memory); every rank
+    builds it on the meta device, shards it and receives its shards, a tensor at a time, and the buffers
+    outside the state dict whole."""
     full = load_policy(path) if dist.get_rank() == 0 else None
     model = shard(load_policy(path, empty=True)).to_empty(device=device)
     set_model_state_dict(
@@ -2831,8 +2879,9 @@ def load_sharded(path, device):
 
 
 def shard(model):
-    """FSDP2: each decoder layer is one unit, whose weights are gathered only while it computes; the root unit holds
-    the rest (embeddings, head). Done in place: the module keeps its names, its parameters become DTensor shards."""
+    """FSDP2: each decoder layer is one unit, whose weights are gathered only while it computes; the root unit
+    holds the rest (embeddings, head). Done in place: the module keeps its names, its parameters become
+    DTensor shards."""
     for layer in decoder_layers(model):
         fully_shard(layer)
     return fully_shard(model)
@@ -2844,9 +2893,9 @@ def decoder_layers(model):
 
 
 def sharing_refused(model):
-    """Why shared rows (collate) would not give this model's log-probs, or None. Sharing rests on the model attending as
-    the 4D mask says at the positions given (a sliding window included: collate): linear attention, recurrent layers
-    or a position scheme of its own do not. Checked on a probe group, in fp32."""
+    """Why shared rows (collate) would not give this model's log-probs, or None. Sharing rests on the model
+    attending as the 4D mask says at the positions given (a sliding window included: collate): linear
+    attention, recurrent layers or a position scheme of its own do not. Checked on a probe group, in fp32."""
     config = model.config.get_text_config()  # its window
     probe = [
         {"ids": [1, 2, 3] + c, "n_prompt": 3, "mask": c, "logprobs": c, "advantage": 0} for c in ([4, 5, 6], [7, 8])
@@ -2854,55 +2903,65 @@ def sharing_refused(model):
     batches = [collate(probe, 0, model.device, share=share, config=config) for share in (True, False)]
     with torch.no_grad():
         shared, whole = (token_logprobs(model, batch)[0] for batch in batches)
-    if hasattr(model, "reshard"):  # FSDP2 leaves the root's weights gathered after a forward (for the backward): the
+    # FSDP2 leaves the root's weights gathered after a forward (for the backward): the
+    if hasattr(model, "reshard"):
         model.reshard()  # optimizer, made next, must hold its shards
     gap = (shared - whole).abs().max().item()
     return f"a probe's log-probs differ by {gap:.2g} shared" if gap > 1e-4 else None
 
 
 def use_segments(model):
-    """The model's attention through segment_attention, for packed rows; False where it takes no registered function."""
+    """The model's attention through segment_attention, for packed rows; False where it takes no registered
+    function."""
     from transformers import AttentionInterface, AttentionMaskInterface
     from transformers.masking_utils import sdpa_mask
 
     AttentionInterface.register("segments", segment_attention)
-    AttentionMaskInterface.register("segments", sdpa_mask)  # what masks SDPA gets where there are no segments
+    # what masks SDPA gets where there are no segments
+    AttentionMaskInterface.register("segments", sdpa_mask)
     model.set_attn_implementation("segments")
     return model.config.get_text_config()._attn_implementation == "segments"
 
 
 def segment_attention(module, query, key, value, mask, scaling=None, sliding_window=None, segments=None, **kw):
-    """Attention within collate's segments (query [1, heads, T, head_dim]): a segment's queries see its keys (kv_index:
-    a completion's prompt and itself, in position order) causally, aligned at the ends; on CUDA in one varlen flash
-    kernel (only the pairs needed), elsewhere through SDPA a segment at a time (the same metadata, tested on CPU)."""
+    """Attention within collate's segments (query [1, heads, T, head_dim]): a segment's queries see its keys
+    (kv_index: a completion's prompt and itself, in position order) causally, aligned at the ends; on CUDA in
+    one varlen flash kernel (only the pairs needed), elsewhere through SDPA a segment at a time (the same
+    metadata, tested on CPU)."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     if segments is None:
         return sdpa_attention_forward(module, query, key, value, mask, scaling=scaling, **kw)
     cu_q, cu_k, kv_index, max_q, max_k = segments
     q = query[0].transpose(0, 1)  # [T, heads, head_dim]
-    k = key[0].transpose(0, 1)[kv_index]  # [every segment's keys, kv heads, head_dim]
+    # [every segment's keys, kv heads, head_dim]
+    k = key[0].transpose(0, 1)[kv_index]
     v = value[0].transpose(0, 1)[kv_index]
-    if q.is_cuda:  # flash kernels take half precision (under autocast, rotary embeddings leave q and k in fp32)
+    # flash kernels take half precision (under autocast, rotary embeddings leave q and k in fp32)
+    if q.is_cuda:
         half = torch.bfloat16 if q.dtype == torch.float32 else q.dtype
-        window = (sliding_window - 1 if sliding_window else -1, 0)  # (-1, 0): causal, aligned at the end
+        # (-1, 0): causal, aligned at the end
+        window = (sliding_window - 1 if sliding_window else -1, 0)
         tensors = [x.to(half) for x in (q, k, v)]
         out = varlen_attn(*tensors, cu_q, cu_k, max_q, max_k, scale=scaling, window_size=window, enable_gqa=True)
         return out.to(q.dtype)[None], None
     out = []
     for a, b, c, d in zip(cu_q[:-1].tolist(), cu_q[1:].tolist(), cu_k[:-1].tolist(), cu_k[1:].tolist()):
-        behind = torch.arange(d - c - (b - a), d - c)[:, None] - torch.arange(d - c)  # [queries, keys]: how far back
+        # [queries, keys]: how far back
+        behind = torch.arange(d - c - (b - a), d - c)[:, None] - torch.arange(d - c)
         seen = (behind >= 0) & (behind < (sliding_window or d - c))
-        qkv = [x.transpose(0, 1)[None] for x in (q[a:b], k[c:d], v[c:d])]  # 4D: SDPA's CPU flash kernel takes no other
+        # 4D: SDPA's CPU flash kernel takes no other
+        qkv = [x.transpose(0, 1)[None] for x in (q[a:b], k[c:d], v[c:d])]
         part = torch.nn.functional.scaled_dot_product_attention(*qkv, attn_mask=seen, scale=scaling, enable_gqa=True)
         out.append(part[0].transpose(0, 1))
     return torch.cat(out)[None], None
 
 
 def dequantise_gguf(path, cache_dir):
-    """A GGUF file as a plain checkpoint, built once into cache_dir: vLLM and the trainer load that, and a sync sends
-    plain weights. transformers reads GGUF but marks the model quantised and will not save it: a fresh model of its
-    config takes the dequantised weights, saved in bf16 (half fp32's size; both sides load the same values)."""
+    """A GGUF file as a plain checkpoint, built once into cache_dir: vLLM and the trainer load that, and a
+    sync sends plain weights. transformers reads GGUF but marks the model quantised and will not save it: a
+    fresh model of its config takes the dequantised weights, saved in bf16 (half fp32's size; both sides load
+    the same values)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     path = Path(path).resolve()
@@ -2933,7 +2992,7 @@ def save_whole(path, *parts):
     return str(path)
 
 
-# --- Machinery: chat templates: rendering, the start-up checks, the exact tool-result tokens --------------------------
+# --- Machinery: chat templates: rendering, the start-up checks, the exact tool-result tokens ----------------
 
 
 def tool_schemas(names):
@@ -2956,7 +3015,8 @@ def render(tok, messages, schemas=None, generation_prompt=False):
 def render_prompt(tok, messages, schemas, row_id=None):
     try:
         return tok.encode(render(tok, messages, schemas, generation_prompt=True), add_special_tokens=False)
-    except Exception as e:  # a template that refuses a role, say; the run has not started yet
+    except Exception as e:
+        # a template that refuses a role, say; the run has not started yet
         raise SystemExit(
             f"the chat template cannot render the prompt of row {row_id!r} ({type(e).__name__}: {e}); "
             "change the row, --system-prompt or --chat-template"
@@ -2964,11 +3024,11 @@ def render_prompt(tok, messages, schemas, row_id=None):
 
 
 def tool_result_ids(tok, history, tool_messages, schemas, turn_ends, stopped=True):
-    """Token ids of the tool-result turn plus the next assistant header. Only this suffix is tokenised and appended to
-    the ids the model generated: re-tokenising the whole conversation would change earlier tokens and train on tokens
-    the model never sampled. It starts where the template ends an assistant turn: after its end-of-turn token, which the
-    model's stop token stands for (Qwen3 may stop on <|endoftext|> or <|im_end|>; the template writes <|im_end|>\\n), or
-    before it if the model stopped otherwise."""
+    """Token ids of the tool-result turn plus the next assistant header. Only this suffix is tokenised and
+    appended to the ids the model generated: re-tokenising the whole conversation would change earlier tokens
+    and train on tokens the model never sampled. It starts where the template ends an assistant turn: after
+    its end-of-turn token, which the model's stop token stands for (Qwen3 may stop on <|endoftext|> or
+    <|im_end|>; the template writes <|im_end|>\\n), or before it if the model stopped otherwise."""
     before, after = (
         render(tok, history, schemas),
         render(tok, history + tool_messages, schemas, generation_prompt=True),
@@ -2984,29 +3044,32 @@ def tool_result_ids(tok, history, tool_messages, schemas, turn_ends, stopped=Tru
 
 
 def stop_token_ids(tok, model_path=None):
-    """Every token that ends a generation: the tokenizer's eos and pad, and the checkpoint's generation config's eos
-    list (Llama 3: <|eot_id|> and <|eom_id|>; Qwen3: <|im_end|> and <|endoftext|>)."""
+    """Every token that ends a generation: the tokenizer's eos and pad, and the checkpoint's generation
+    config's eos list (Llama 3: <|eot_id|> and <|eom_id|>; Qwen3: <|im_end|> and <|endoftext|>)."""
     ids = {tok.eos_token_id, tok.pad_token_id}
     if model_path:
         from transformers import GenerationConfig
 
-        with contextlib.suppress(Exception):  # a checkpoint without generation_config.json
+        # a checkpoint without generation_config.json
+        with contextlib.suppress(Exception):
             eos = GenerationConfig.from_pretrained(model_path).eos_token_id
             ids |= set(eos if isinstance(eos, list) else [eos])
     return sorted(ids - {None})
 
 
 def prepare_chat_template(tok, args, schemas, stop_ids, model=None, environments=None):
-    """Check, before vLLM starts, that the chat template can do what the run needs; pick the training template if
-    the original is not prefix-preserving. Returns a line for the log. model: the checkpoint's path (default --model).
-    environments: {name: class}, whose tools it must render too, and a user turn after the model's if one answers."""
+    """Check, before vLLM starts, that the chat template can do what the run needs; pick the training template
+    if the original is not prefix-preserving. Returns a line for the log. model: the checkpoint's path
+    (default --model). environments: {name: class}, whose tools it must render too, and a user turn after the
+    model's if one answers."""
     model = model or args.model
     source = f"--chat-template {args.chat_template}" if args.chat_template else f"the template of {model}"
     if args.chat_template:
         tok.chat_template = Path(args.chat_template).read_text()
     schemas = tools_module.every_tool(schemas, environments or {})
     talks = any(hasattr(cls, "respond") for cls in (environments or {}).values())
-    if not schemas and not talks:  # any template (or none) renders prompts; nothing is parsed
+    # any template (or none) renders prompts; nothing is parsed
+    if not schemas and not talks:
         return f"chat template: {source if tok.chat_template else 'none (plain text prompts)'}"
     fix = "pass a Jinja template that renders `tools`, assistant `tool_calls` and `tool` messages with --chat-template PATH"
     if tok.chat_template is None:
@@ -3085,10 +3148,12 @@ def chat_format(tok, schemas, stop_ids):
     except Exception:
         max_calls = 1
     turns, turn_ends = [], set()
-    for content, calls in [("4wq8z", [])] + (ROUND_TRIP[:max_calls] if tools else []):  # a text turn: most end alike
+    # a text turn: most end alike
+    for content, calls in [("4wq8z", [])] + (ROUND_TRIP[:max_calls] if tools else []):
         text = render(tok, user + [{"role": "assistant", "content": content, "tool_calls": calls}], schemas)
         stop, at = max(((s, text.rfind(s)) for s in stops if s), key=lambda x: x[1], default=("", -1))
-        last = "round_trip_probe" if calls else content  # the stop token must come after the turn's last call
+        # the stop token must come after the turn's last call
+        last = "round_trip_probe" if calls else content
         if at < 0 or at < text.rfind(last) + len(last):
             raise ValueError(f"it does not end an assistant turn with a stop token ({stops}): {text[-200:]!r}")
         if not text.startswith(prompt):
@@ -3096,7 +3161,8 @@ def chat_format(tok, schemas, stop_ids):
                 f"its generation prompt {prompt[-60:]!r} does not begin the assistant turn {text[-200:]!r}"
             )
         turn_ends.add((text[at:], len(stop)))
-        turns.append((text[len(prompt) : at], content, calls))  # the text the model would have generated
+        # the text the model would have generated
+        turns.append((text[len(prompt) : at], content, calls))
     if not tools:
         return {"format": None, "turn_ends": sorted(turn_ends), "max_calls": None}
     with_calls = turns[1][0]
@@ -3129,7 +3195,8 @@ def chat_format(tok, schemas, stop_ids):
     return {"format": fmt, "turn_ends": sorted(turn_ends), "max_calls": max_calls}
 
 
-def _call(name, arguments):  # arguments are data, never Python keywords: a tool may have one called `name`
+# arguments are data, never Python keywords: a tool may have one called `name`
+def _call(name, arguments):
     return {"type": "function", "function": {"name": name, "arguments": arguments}}
 
 
@@ -3143,8 +3210,9 @@ PROBE = [
 ]
 
 
-# A tool with every JSON type (a union too; an argument called `name`), and calls to it (one per turn and three per
-# turn) that the start-up check renders with the run's template and parses back: what comes back must be what went in.
+# A tool with every JSON type (a union too; an argument called `name`), and calls to it (one per turn and
+# three per turn) that the start-up check renders with the run's template and parses back: what comes back
+# must be what went in.
 ROUND_TRIP_TOOL = {
     "type": "function",
     "function": {
@@ -3185,17 +3253,18 @@ ROUND_TRIP = [
 ]
 
 
-# --- Machinery: tool-call parsing, every format, as input validation --------------------------------------------------
+# --- Machinery: tool-call parsing, every format, as input validation ----------------------------------------
 
 
 def parse_assistant(text, tok=None, prompt_ids=(), schemas=None, fmt="tagged", max_calls=None):
     """Generated text -> {'role', 'content', 'reasoning_content' (if any), 'tool_calls', 'tool_call_errors'}:
-    well-formed calls in the OpenAI shape, and one message per call that did not parse (or that exceeds max_calls,
-    which the template could not render). Never raises."""
+    well-formed calls in the OpenAI shape, and one message per call that did not parse (or that exceeds
+    max_calls, which the template could not render). Never raises."""
     schemas = schemas or {}
     message = {"role": "assistant", "content": "", "tool_calls": [], "tool_call_errors": []}
     try:
-        if fmt == "transformers":  # the tokenizer's own parser; the schemas type the arguments
+        # the tokenizer's own parser; the schemas type the arguments
+        if fmt == "transformers":
             parsed = tok.parse_response(
                 text,
                 prefix=tok.decode(prompt_ids),
@@ -3217,7 +3286,8 @@ def parse_assistant(text, tok=None, prompt_ids=(), schemas=None, fmt="tagged", m
             else:
                 content, found, errors = parse_bare_json(text)
         calls = []
-        for value, quote in found:  # each call stands or fails alone: one bad call never costs the turn's others
+        # each call stands or fails alone: one bad call never costs the turn's others
+        for value, quote in found:
             try:
                 calls.append(parse_call(value))
             except Exception as e:
@@ -3228,7 +3298,8 @@ def parse_assistant(text, tok=None, prompt_ids=(), schemas=None, fmt="tagged", m
         message.update(content=content.strip(), tool_calls=calls[: max_calls or len(calls)], tool_call_errors=errors)
         if reasoning is not None:
             message["reasoning_content"] = reasoning
-    except Exception as e:  # a parser bug must not end the run either: the model sees it as an error
+    except Exception as e:
+        # a parser bug must not end the run either: the model sees it as an error
         message.update(
             content=text.strip(),
             tool_calls=[],
@@ -3238,18 +3309,19 @@ def parse_assistant(text, tok=None, prompt_ids=(), schemas=None, fmt="tagged", m
 
 
 def remove_think(text, opened):
-    """(reasoning or None, the rest). A think block is one the prompt opened (`opened`) or one the turn opens at its
-    start; a '</think>' anywhere else is text."""
+    """(reasoning or None, the rest). A think block is one the prompt opened (`opened`) or one the turn opens
+    at its start; a '</think>' anywhere else is text."""
     if not opened and not text.lstrip().startswith("<think>"):
         return None, text
     reasoning, closed, rest = (text if opened else text.lstrip()[len("<think>") :]).partition("</think>")
     return reasoning.strip(), rest if closed else ""
 
 
-# Parsing is input validation: a model under RL writes anything. Nothing here raises; every call that does not parse
-# becomes an error message the model sees, and everything else is content. The parser of each format (parse_tagged,
-# parse_mistral, parse_bare_json) returns (content, decoded calls with their text, errors).
-MAX_ARGUMENT_DEPTH = 16  # deeper arguments are refused: rendering or printing them could exhaust the stack
+# Parsing is input validation: a model under RL writes anything. Nothing here raises; every call that does not
+# parse becomes an error message the model sees, and everything else is content. The parser of each format
+# (parse_tagged, parse_mistral, parse_bare_json) returns (content, decoded calls with their text, errors).
+# deeper arguments are refused: rendering or printing them could exhaust the stack
+MAX_ARGUMENT_DEPTH = 16
 
 
 def _no_constant(name):
@@ -3294,7 +3366,8 @@ def is_json_type(value, kind, unknown=True):
 
 
 def schema_types(schema):
-    """The JSON types a schema allows (none: any), through type lists, anyOf/oneOf and nullable (Optional[int])."""
+    """The JSON types a schema allows (none: any), through type lists, anyOf/oneOf and nullable
+    (Optional[int])."""
     schema = schema if isinstance(schema, dict) else {}
     kinds = [schema["type"]] if isinstance(schema.get("type"), str) else list(schema.get("type", []))
     kinds += [t for part in schema.get("anyOf", []) + schema.get("oneOf", []) for t in schema_types(part)]
@@ -3317,17 +3390,20 @@ def parse_call(call):
     if not isinstance(call, dict) or not isinstance(call.get("name"), str) or not call["name"]:
         raise ValueError("a call needs a string 'name'")
     arguments = call.get("arguments", call.get("parameters", {}))
-    if isinstance(arguments, str):  # the OpenAI wire format: arguments as a JSON string
+    # the OpenAI wire format: arguments as a JSON string
+    if isinstance(arguments, str):
         arguments = JSON.decode(arguments)
     if not isinstance(arguments, dict):
         raise ValueError("'arguments' must be an object")
-    stack = [(call["name"], 0), (arguments, 1)]  # walked without recursion: the point is to refuse what is too deep
+    # walked without recursion: the point is to refuse what is too deep
+    stack = [(call["name"], 0), (arguments, 1)]
     while stack:
         item, depth = stack.pop()
         if depth > MAX_ARGUMENT_DEPTH:
             raise ValueError(f"arguments nested deeper than {MAX_ARGUMENT_DEPTH} levels")
         if isinstance(item, str):
-            item.encode()  # a lone surrogate ("\\ud800") is JSON but not text: a tokenizer would refuse the result
+            # a lone surrogate ("\\ud800") is JSON but not text: a tokenizer would refuse the result
+            item.encode()
         elif isinstance(item, (dict, list)):
             stack += [(x, depth + 1) for x in (list(item) + list(item.values()) if isinstance(item, dict) else item)]
     return _call(call["name"], arguments)
@@ -3347,8 +3423,9 @@ def argument_errors(schema, arguments):
 
 
 def typed(value, schema):
-    """An XML parameter's text as a non-string type its JSON schema allows (`5` is 5 where an integer may go, `null`
-    None where null may); else the text itself (the argument check tells the model if a string may not go there)."""
+    """An XML parameter's text as a non-string type its JSON schema allows (`5` is 5 where an integer may go,
+    `null` None where null may); else the text itself (the argument check tells the model if a string may not
+    go there)."""
     with contextlib.suppress(ValueError):
         parsed, end = decode_json(value)
         if end == len(value.rstrip()) and any(
@@ -3358,8 +3435,9 @@ def typed(value, schema):
     return value
 
 
-# An XML value may hold the format's own tags (a file with tool calls in it). A real </parameter> is followed by <parameter=
-# or by </function></tool_call> (or the turn's end) and no closing tag before the next <tool_call> (CLEAN; else it is text).
+# An XML value may hold the format's own tags (a file with tool calls in it). A real </parameter> is followed
+# by <parameter= or by </function></tool_call> (or the turn's end) and no closing tag before the next
+# <tool_call> (CLEAN; else it is text).
 CLEAN = r"(?=(?:(?!</?tool_call>|</function>|</parameter>)[\s\S])*(?:<tool_call>|\Z))"
 
 
@@ -3374,42 +3452,47 @@ XML_CLOSE = re.compile(r"</parameter>(?=\s*<parameter=[^>\n]+>|" + XML_END.patte
 XML_TAGS = re.compile(r"<parameter=([^>\n]+)>|</parameter>|</tool_call>" + CLEAN)
 
 
-STRING = r'"(?:[^"\\]|\\[\s\S])*"?|'  # a JSON string (one cut off runs to the end): a tag inside it is text
+# a JSON string (one cut off runs to the end): a tag inside it is text
+STRING = r'"(?:[^"\\]|\\[\s\S])*"?|'
 
 
 TAGGED_END, MISTRAL_END = re.compile(STRING + r"</?tool_call>"), re.compile(STRING + r"\[TOOL_CALLS\]")
 
 
-TAGGED_CLOSE = re.compile(r"\s*(?:</tool_call>|\Z)")  # at the end of the turn, a call is whole without its closing tag
+# at the end of the turn, a call is whole without its closing tag
+TAGGED_CLOSE = re.compile(r"\s*(?:</tool_call>|\Z)")
 
 
 MISTRAL_NAME = re.compile(r"\s*([^\[\]\s]+)(?:\[CALL_ID\][^\[]*)?\[ARGS\]")
 
 
 def xml_value_end(text, pos):
-    """(the </parameter> that ends the value at text[pos:], whether the value's parameter tags balance): the first real
-    one (XML_CLOSE) that closes no <parameter=...> the value opened, so that calls quoted whole in a value stay in it;
-    else the first real one (None if none)."""
+    """(the </parameter> that ends the value at text[pos:], whether the value's parameter tags balance): the
+    first real one (XML_CLOSE) that closes no <parameter=...> the value opened, so that calls quoted whole in
+    a value stay in it; else the first real one (None if none)."""
     depth, first = 0, None
     for tag in XML_TAGS.finditer(text, pos):
         if tag.group() == "</parameter>" and XML_CLOSE.match(text, tag.start()):
             if depth == 0:
                 return tag, True
             first = first or tag
-        depth = max(0, depth + 1 if tag.group(1) else depth - (tag.group() == "</parameter>"))  # a </tool_call>: 0
+        # a </tool_call>: 0
+        depth = max(0, depth + 1 if tag.group(1) else depth - (tag.group() == "</parameter>"))
     return first, False
 
 
 def parse_xml_call(text, start, schemas):
-    """<function=NAME> <parameter=KEY>VALUE</parameter>... </function> at text[start:] (Qwen3.5, Qwen3-Coder) ->
-    ({'name', 'arguments'}, end). Raises ValueError(message, how far the call's text reaches), also where a value holds
-    <parameter=KEY> not yet given, or unbalanced a </tool_call> that could end the call: a missing </parameter>, or text?"""
+    """<function=NAME> <parameter=KEY>VALUE</parameter>... </function> at text[start:] (Qwen3.5, Qwen3-Coder)
+    -> ({'name', 'arguments'}, end). Raises ValueError(message, how far the call's text reaches), also where a
+    value holds <parameter=KEY> not yet given, or unbalanced a </tool_call> that could end the call: a missing
+    </parameter>, or text?"""
     head = XML_FUNCTION.match(text, start)
     if not head:
         raise ValueError("expected <function=NAME>", start)
     name = head.group(1)
     arguments = {}
-    error = None  # the first thing wrong; the call is read to its end all the same
+    # the first thing wrong; the call is read to its end all the same
+    error = None
     pos = head.end()
     keys = schemas[name].get("parameters", {}).get("properties", {}) if name in schemas else None
     while not XML_END.match(text, pos):
@@ -3418,9 +3501,11 @@ def parse_xml_call(text, start, schemas):
             error = error or f"expected <parameter=KEY> or </function>, got {text[pos : pos + 40].strip()!r}"
             value = XML_PARAMETER.search(text, pos)
             opening = text.find("<tool_call>", pos)
-            if not value or 0 <= opening < value.start():  # no value begins before the next call: this one ends here
+            # no value begins before the next call: this one ends here
+            if not value or 0 <= opening < value.start():
                 raise ValueError(error, pos)
-            pos = value.start()  # read on from the next value: a call inside it is text, not a call to run
+            # read on from the next value: a call inside it is text, not a call to run
+            pos = value.start()
             continue
         key = param.group(1)
         close, balanced = xml_value_end(text, param.end())
@@ -3435,7 +3520,8 @@ def parse_xml_call(text, start, schemas):
                     error or f"the value of {key!r} holds {tag.group()!r}: a </parameter> missing before it, or text?"
                 )
         error = error or (key in arguments and f"parameter {key!r} given twice")
-        value = re.sub(r"\A\n|\n\Z", "", text[param.end() : close.start()])  # the format puts it on lines of its own
+        # the format puts it on lines of its own
+        value = re.sub(r"\A\n|\n\Z", "", text[param.end() : close.start()])
         arguments[key] = typed(value, (keys or {}).get(key))
         pos = close.end()
     end = text.index("</function>", pos) + len("</function>")
@@ -3445,9 +3531,10 @@ def parse_xml_call(text, start, schemas):
 
 
 def parse_tagged(text, schemas):
-    """<tool_call>BODY</tool_call>, any number, BODY JSON (Qwen/Hermes) or XML. JSON is decoded from the opening tag, so
-    a '</tool_call>' inside a string does not end the call, and a call that does not parse ends at its closing tag or at
-    the next opening one (not one inside its JSON strings or read in its XML values), never swallowing it."""
+    """<tool_call>BODY</tool_call>, any number, BODY JSON (Qwen/Hermes) or XML. JSON is decoded from the
+    opening tag, so a '</tool_call>' inside a string does not end the call, and a call that does not parse
+    ends at its closing tag or at the next opening one (not one inside its JSON strings or read in its XML
+    values), never swallowing it."""
     content = []  # the text between the calls
     found = []
     errors = []
@@ -3463,7 +3550,8 @@ def parse_tagged(text, schemas):
                 raise ValueError(f"unexpected {text[end:].lstrip()[:40]!r} after the call", end)
             pos = close.end()
             found.append((value, text[start:pos]))
-        except Exception as e:  # this call's error; the turn's other calls stand
+        except Exception as e:
+            # this call's error; the turn's other calls stand
             message, read = e.args if len(e.args) == 2 else (str(e), body)
             tag = next((t for t in TAGGED_END.finditer(text, read if xml else body) if t.group()[0] == "<"), None)
             if not tag:
@@ -3476,8 +3564,8 @@ def parse_tagged(text, schemas):
 
 
 def parse_mistral(text):
-    """Content, then [TOOL_CALLS] followed by a JSON list of calls (Mistral v3) or by name[ARGS]{json} (v11; an optional
-    [CALL_ID]id), repeated."""
+    """Content, then [TOOL_CALLS] followed by a JSON list of calls (Mistral v3) or by name[ARGS]{json} (v11;
+    an optional [CALL_ID]id), repeated."""
     start = text.find("[TOOL_CALLS]")
     if start < 0:
         return text, [], []
@@ -3499,7 +3587,8 @@ def parse_mistral(text):
                 arguments, pos = decode_json(text, head.end())
                 value = {"name": head.group(1), "arguments": arguments}
             found += [(v, text[at:pos]) for v in (value if isinstance(value, list) else [value])]
-        except ValueError as e:  # on at the next [TOOL_CALLS], not one inside a JSON string of this call
+        except ValueError as e:
+            # on at the next [TOOL_CALLS], not one inside a JSON string of this call
             pos = next((t.start() for t in MISTRAL_END.finditer(text, pos + 1) if t.group()[0] == "["), len(text))
             errors.append(f"could not parse the tool call {text[at:pos][:200]!r}: {e}")
         pos += len(text[pos:]) - len(text[pos:].lstrip())
@@ -3507,8 +3596,8 @@ def parse_mistral(text):
 
 
 def parse_bare_json(text):
-    """Llama 3: the turn is the call, JSON {"name", "parameters"} (after <|python_tag|>), several separated by ';'. A
-    turn that starts any other way is content; text after the calls is ignored, and the model told so."""
+    """Llama 3: the turn is the call, JSON {"name", "parameters"} (after <|python_tag|>), several separated by
+    ';'. A turn that starts any other way is content; text after the calls is ignored, and the model told so."""
     body = text.lstrip()
     tagged = body.startswith("<|python_tag|>")
     body = body.removeprefix("<|python_tag|>").lstrip()
@@ -3522,7 +3611,8 @@ def parse_bare_json(text):
             return "", found, [f"could not parse the tool call {body[pos : pos + 200]!r}: {e.args[0]}"]
         found.append((value, body[pos:end]))
         rest = body[end:].lstrip()
-        if rest and not re.match(r';|\{\s*"', rest):  # prose, not another call: `I used {searchTool}`
+        # prose, not another call: `I used {searchTool}`
+        if rest and not re.match(r';|\{\s*"', rest):
             return "", found, [f"ignored the text after a tool call, {rest[:200]!r}: only calls may follow one"]
         pos = len(body) - len(rest.removeprefix(";").lstrip())
     return "", found, []

@@ -24,6 +24,113 @@ def vllm_flag(args, *names):
     return next((words[i + 1] for i, w in enumerate(words[:-1]) if w.replace("_", "-") in names), None)
 
 
+# --- The device plan: which GPUs the trainer ranks and each server use, and the sync's backend between them ---------
+
+
+def plan_devices(args, cuda_count, local_ranks, fail, heads=None):
+    """Where everything runs, decided before anything loads: the trainer ranks on cuda:0..local_ranks-1 or the CPU, each
+    server started here on its share of --vllm-gpus or the CPU, and the sync backend: NCCL between devices, else gloo
+    (which takes CUDA tensors: NCCL refuses two ranks on one device). By default a server per GPU (README.md, "On
+    GPUs": why). heads: the model's (attention heads, KV heads), read where None. fail(message) for a bad plan."""
+    url = args.vllm_url
+    free = [str(d) for d in range(local_ranks, cuda_count)]  # the devices the trainer ranks leave free
+    if args.vllm_gpus:
+        gpus = args.vllm_gpus.split(",")
+    else:
+        gpus = [] if url else free[: len(free) // max(1, args.vllm_servers) * max(1, args.vllm_servers)]
+    n = args.vllm_servers or max(1, len(gpus))
+    shared = bool(cuda_count and not url and not gpus)  # no device free: one server shares trainer rank 0's GPU
+    instead = f"pass --vllm-gpus among {','.join(free)}" if free else "launch fewer ranks (torchrun --nproc-per-node)"
+    for failed, message in [
+        (url and args.vllm_gpus, "--vllm-gpus places servers started here, and --vllm-url starts none: drop one"),
+        (len(gpus) % n, f"--vllm-servers {n} must divide the --vllm-gpus {args.vllm_gpus} evenly"),
+        (
+            cuda_count and local_ranks > cuda_count,
+            f"{local_ranks} trainer ranks on this node, {cuda_count} CUDA devices: "
+            f"launch torchrun with --nproc-per-node {cuda_count} or fewer",
+        ),
+        (
+            not all(g.isdigit() and local_ranks <= int(g) < cuda_count for g in gpus) or len(set(gpus)) < len(gpus),
+            f"--vllm-gpus {args.vllm_gpus}: not distinct CUDA devices of the {cuda_count} here that the {local_ranks} "
+            f"trainer ranks leave free (NCCL refuses two ranks on one device): {instead}, or leave --vllm-gpus out where "
+            "none is free, to share trainer rank 0's GPU with one server",
+        ),
+        (
+            shared and n > 1,
+            f"--vllm-servers {n}: no device is free beside the trainer ranks, and trainer rank 0's GPU "
+            f"holds one server: pass --vllm-servers 1, or {instead}",
+        ),
+        (
+            args.vllm_gpu_memory is not None and not (0 < args.vllm_gpu_memory < 1 and (gpus or shared)),
+            "--vllm-gpu-memory is a share in (0, 1) of the memory of servers started here on GPUs",
+        ),
+    ]:
+        if failed:
+            fail(message)
+    tp = len(gpus) // n  # tensor parallel: each server's GPUs
+    if tp > 1:
+        try:
+            heads, kv_heads = heads or attention_heads(args.model)
+        except Exception as e:
+            fail(f"--model {args.model}: cannot read its config, which --vllm-servers {n} needs ({str(e)[:200]})")
+        # vLLM splits the attention heads over the GPUs, and the KV heads or copies of each (layers/linear.py)
+        if heads % tp or (kv_heads % tp if kv_heads >= tp else tp % kv_heads):
+            fail(
+                f"--vllm-servers {n}: tensor parallel {tp} does not split the model's {heads} attention heads and "
+                f"{kv_heads} KV heads (vLLM refuses it): pass --vllm-servers {len(gpus)}, a server per GPU, or a count "
+                "whose share does"
+            )
+    physical = (os.environ.get("CUDA_VISIBLE_DEVICES") or ",".join(map(str, range(cuda_count)))).split(",")
+    shares = [gpus[i * len(gpus) // n : (i + 1) * len(gpus) // n] for i in range(n)] if gpus else [["0"] * shared] * n
+    return {
+        "trainer": "cuda" if cuda_count else "cpu",
+        "sync_backend": "nccl" if cuda_count and not shared else "gloo",
+        "servers": [] if url else [",".join(physical[int(g)] for g in share) for share in shares],  # as devices
+        "gpu_memory": args.vllm_gpu_memory or (0.3 if shared else None),  # why 0.3: README.md, "On GPUs"
+        "shared": shared,  # the server on trainer rank 0's GPU: the trainer is held to what it leaves (memory_share)
+        "cpu_server": not cuda_count
+        and all(
+            urllib.parse.urlparse(u).hostname in ("127.0.0.1", "localhost")
+            for u in (url or "http://127.0.0.1").split(",")
+        ),
+    }  # tuned in start_vllm
+
+
+def attention_heads(model):
+    """(attention heads, KV heads) of --model from its config alone (a local folder's, a GGUF file's, the hub's); the
+    built-in model's are tiny_model.py's."""
+    from transformers import AutoConfig
+
+    if model is None:
+        return 4, 2
+    gguf = {"gguf_file": Path(model).name} if model.endswith(".gguf") else {}
+    config = AutoConfig.from_pretrained(Path(model).parent if gguf else model, **gguf).get_text_config()
+    return config.num_attention_heads, getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+
+
+def memory_share(args, total, params, trained):
+    """The share of one GPU (`total` bytes) that the trainer may take beside a server: what the server's share (its
+    weights, 2 bytes a parameter, in half; its KV cache) and a margin leave (the worker's two buckets in flight, CUDA
+    contexts and a reloaded layer: 1 GiB). The trainer holds 4 bytes a parameter, 12 more a trained one (gradient,
+    AdamW's moments), 4 for the --beta reference, and activations. A model that does not fit is refused here."""
+    server = args.plan["gpu_memory"]
+    share = 1 - server - (2 * args.sync_bucket_bytes + 2**30) / total
+    needed = 4 * params + 12 * trained + 4 * params * bool(args.beta)
+    if needed > share * total or 4 * params > server * total:
+        raise SystemExit(
+            f"one GPU of {total / 2**30:.0f} GiB cannot hold both: the trainer needs {needed / 2**30:.1f} GiB before "
+            f"activations ({params / 1e9:.2f}B parameters, {trained / 1e9:.2f}B of them trained) and gets "
+            f"{share * total / 2**30:.1f} GiB; vLLM's share (--vllm-gpu-memory {server}) is "
+            f"{server * total / 2**30:.1f} GiB, at least twice its {2 * params / 2**30:.1f} GiB of weights (the "
+            "rest: its KV cache). Train a LoRA adapter (--lora-rank 16), a smaller model, or give vLLM a GPU of its "
+            "own (--vllm-gpus)"
+        )
+    return share
+
+
+# --- Starting and stopping servers ---------------------------------------------------------------------------------
+
+
 def free_port():
     with socket.create_server(("127.0.0.1", 0)) as s:
         return s.getsockname()[1]
@@ -47,10 +154,8 @@ def start_vllm(args, model_path, out_dir):
             cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model_path]
             cmd += ["--host", "127.0.0.1", "--port", str(port), "--seed", str(args.seed)]
             cmd += ["--served-model-name", SERVED_MODEL, "--worker-extension-cls", "vllm_server.WeightSyncExtension"]
-            cmd += [
-                "--logprobs-mode",
-                "processed_logprobs",
-            ]  # log-probs after temperature/top-p: what was sampled from
+            # log-probs after temperature and truncation: those of what was sampled from
+            cmd += ["--logprobs-mode", "processed_logprobs"]
             optional = {
                 "--max-model-len": args.max_model_len,
                 "--tensor-parallel-size": share and len(share.split(",")),
@@ -316,9 +421,8 @@ def url_sync_backend(urls, devices, ours):
 # --- The sync group, where the trainer and the servers' workers meet ------------------------------------------------
 
 
-def local_address(
-    host,
-):  # this machine's address on its route to host: a UDP connect sends nothing, it picks the route
+def local_address(host):
+    """This machine's address on its route to host: a UDP connect sends nothing, it picks the route."""
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
         s.connect((host, 9))
         return s.getsockname()[0]
