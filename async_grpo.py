@@ -89,9 +89,8 @@ class RolloutContext:
 
     # --tools' schemas (None: no tools), and their functions' schemas by name
     schemas: list
-    tools_by_name: dict
-    # {name: class} of --env and --mcp; the schemas offered to each one's rows (None: rows without an
-    # environment)
+    schemas_by_name: dict
+    # {name: class} of --env and --mcp; the schemas offered to each one's rows (None: rows without one)
     environments: dict
     offered: dict
     # per row id, the prompt's token ids as the chat template renders it with the tools its row is offered
@@ -106,8 +105,7 @@ class RolloutContext:
     # the servers' context length, and whether they take seeded requests (served_config)
     max_model_len: int = None
     seeded: bool = False
-    # environment instances: those between groups, per environment; every one made (close_environments closes
-    # them)
+    # environment instances: those between groups, per environment; every one made (closed at the end)
     idle: dict = field(default_factory=dict)
     alive: list = field(default_factory=list)
 
@@ -136,8 +134,8 @@ async def rollout(session, url, tok, row, args, ctx, version, greedy=False, seed
     stats["per_tool"] = {}
     # --tools, and the environment's
     schemas = ctx.offered[tools_module.environment_of(row, ctx.environments)]
-    by_name = {s["function"]["name"]: s["function"] for s in schemas}
-    functions = {name: tools_module.TOOLS[name] for name in ctx.tools_by_name}
+    schemas_by_name = {s["function"]["name"]: s["function"] for s in schemas}
+    functions = {name: tools_module.TOOLS[name] for name in ctx.schemas_by_name}
     if env is not None:
         # its tools: its methods, bound to this rollout's instance
         functions.update({name: getattr(env, name) for name in tools_module.environment_tools(type(env))})
@@ -153,12 +151,13 @@ async def rollout(session, url, tok, row, args, ctx, version, greedy=False, seed
         versions += [sampled_by for _, _, sampled_by in turn]
         stats["turns"] += 1
         stats["interrupted"] += interruptions
-        # Stopped on a stop token (not on a stop string of --sampling-args): the template's end of turn stands
-        # for it.
+        # Stopped on a stop token (not a stop string of --sampling-args): the template's end of turn stands for it.
         stopped = finish_reason == "stop" and bool(new) and new[-1] in ctx.stop_ids
         text = tok.decode(new[:-1] if stopped else new, skip_special_tokens=False)
         if schemas:
-            message = parse_assistant(text, tok, ids[: -len(new)], by_name, ctx.format, max_calls=ctx.max_calls)
+            message = parse_assistant(
+                text, tok, ids[: -len(new)], schemas_by_name, ctx.format, max_calls=ctx.max_calls
+            )
         else:
             # the parser runs only with tools: without them any template (or none) must train
             message = {"role": "assistant", "content": text, "tool_calls": [], "tool_call_errors": []}
@@ -170,7 +169,7 @@ async def rollout(session, url, tok, row, args, ctx, version, greedy=False, seed
         if message["tool_calls"] or message["tool_call_errors"]:
             if stats["turns"] > args.max_tool_turns:
                 break
-            added = await run_tool_calls(message, by_name, functions, args, stats)
+            added = await run_tool_calls(message, schemas_by_name, functions, args, stats)
         else:
             reply = await env_reply(env, message, args, stats)
             if reply is None:
@@ -291,18 +290,18 @@ def request_seed(*key):
     return random.Random(repr(key)).getrandbits(31)
 
 
-async def run_tool_calls(message, schemas, functions, args, stats):
+async def run_tool_calls(message, schemas_by_name, functions, args, stats):
     """The turn's well-formed calls, run concurrently, then an error for each call that did not parse: the
     tool messages the model sees, in that order. Counted in stats (per tool: 'unknown' and 'malformed' apart)."""
     start = time.perf_counter()
-    calls = [call_tool(call, schemas, args.tool_timeout, functions) for call in message["tool_calls"]]
+    calls = [call_tool(call, schemas_by_name, args.tool_timeout, functions) for call in message["tool_calls"]]
     results, _ = await asyncio.gather(asyncio.gather(*calls), asyncio.sleep(args.tool_latency))
     results += [(f"Error: {error}", False) for error in message["tool_call_errors"]]
     stats["tool_seconds"] += time.perf_counter() - start
     stats["tool_calls"] += len(results)
     stats["tool_failures"] += sum(not ok for _, ok in results)
     names = [call["function"]["name"] for call in message["tool_calls"]]
-    keys = [name if name in schemas else "unknown" for name in names]
+    keys = [name if name in schemas_by_name else "unknown" for name in names]
     keys += ["malformed"] * len(message["tool_call_errors"])
     names += ["malformed"] * len(message["tool_call_errors"])
     for key, (_, ok) in zip(keys, results):
@@ -330,13 +329,13 @@ async def env_reply(env, message, args, stats):
     return None if reply is None else {"role": "user", "content": str(reply).encode(errors="replace").decode()}
 
 
-async def call_tool(call, schemas, timeout, functions=tools_module.TOOLS):
+async def call_tool(call, schemas_by_name, timeout, functions=tools_module.TOOLS):
     """Run one well-formed call. Returns (result for the model, ok); never raises but EnvironmentGone."""
     name = call["function"]["name"]
     arguments = call["function"]["arguments"]
-    if name not in schemas:
-        return f"Error: unknown tool {name!r}; the tools are {', '.join(schemas)}", False
-    errors = argument_errors(schemas[name], arguments)
+    if name not in schemas_by_name:
+        return f"Error: unknown tool {name!r}; the tools are {', '.join(schemas_by_name)}", False
+    errors = argument_errors(schemas_by_name[name], arguments)
     if errors:
         return f"Error: {name}: {'; '.join(errors)}", False
     return await call_function(functions[name], arguments, name, timeout)
@@ -360,7 +359,7 @@ def rollout_context(tok, schemas, rows, max_model_len=None, stop_ids=None, envir
         prompt_ids[row["id"]] = render_prompt(tok, row["prompt"], row_tools, row["id"])
     return RolloutContext(
         schemas=schemas,
-        tools_by_name={s["function"]["name"]: s["function"] for s in schemas or []},
+        schemas_by_name={s["function"]["name"]: s["function"] for s in schemas or []},
         environments=environments,
         offered=offered,
         prompt_ids=prompt_ids,
@@ -508,7 +507,7 @@ class Producer(threading.Thread):
     def stop(self, timeout=10):
         # a callback queued before run() starts the loop runs once _produce's task exists
         if self.is_alive():
-            self.loop.call_soon_threadsafe(cancel_all, asyncio.all_tasks(self.loop))
+            self.loop.call_soon_threadsafe(lambda: cancel_all(asyncio.all_tasks(self.loop)))
             self.join(timeout)
 
     def prompt_order(self):
@@ -530,7 +529,7 @@ class Producer(threading.Thread):
         a = self.args
         # closed before vLLM closes them (5 s): no race
         connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=3)
-        # one request longer than the trainer waits for data
+        # a request may take as long as the trainer waits for data
         timeout = aiohttp.ClientTimeout(total=a.data_timeout)
         async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
             pending = set()
@@ -538,6 +537,8 @@ class Producer(threading.Thread):
             started = self.cursor["next_index"]
             try:
                 for row in itertools.islice(self.prompt_order(), started, None):
+                    # Groups started: as many rollouts as twice what vLLM takes at once (--max-inflight), so that the
+                    # next ones wait ready (environments reset) behind PolicyVersion's slots, and no more
                     while not self.admissible(started) or len(pending) * a.num_generations >= 2 * a.max_inflight:
                         if not pending:
                             await asyncio.sleep(0.01)
@@ -643,7 +644,7 @@ class Producer(threading.Thread):
         return groups
 
     def why_not_trained(self, item):
-        """None for a group to train; else why not, warned about and counted."""
+        """None for a group to train; else why not (counted, and warned about but for equal rewards)."""
         if isinstance(item, DroppedGroup):
             self.failures_in_a_row += 1
             self.cursor["reward_failures"] += 1
@@ -668,12 +669,12 @@ class Producer(threading.Thread):
         versions = [v for s in group for v, m in zip(s["versions"], s["mask"]) if m]
         return self.version.value - min(versions, default=self.version.value)
 
-    def wait(self, ready, deadline, interrupted, late):
-        """Every wait of the trainer on the producer (data, evaluation): until ready(), which may block for
+    def wait(self, done, deadline, interrupted, late):
+        """Every wait of the trainer on the producer (data, evaluation): until done(), which may block for
         0.1 s. Raises once the producer thread has ended, with its error (its loop has stopped: nothing
         submitted to it will finish), or at the deadline, with late() as the message; returns False if
         interrupted() (a stop signal) first."""
-        while not ready():
+        while not done():
             # read before the error, which the thread sets before it ends
             ended = not self.is_alive()
             # a server's fault, which the message names
@@ -718,7 +719,8 @@ class LossSettings:
     epsilon_high: float = 0.28
     # how per-token terms become the loss: token (DAPO), sequence (GRPO), constant (Dr. GRPO), gspo, cispo
     loss_type: str = "token"
-    # Dr. GRPO's constant: the generation budget every sequence is divided by (--max-tokens)
+    # Dr. GRPO's constant, which every sequence is divided by: --max-tokens (a turn's budget, not a multi-turn
+    # rollout's)
     constant_length: int = 1
     # the correction for the sampler's drift: none, tis (truncated), mis (masked); where it cuts; per token or
     # sequence
@@ -749,7 +751,8 @@ def grpo_loss(logp, sampler_logp, advantages, mask, settings, num_tokens=1, num_
     --is-correction the policy before this update. w = the importance weight of that correction (1 without
     it). m = the off-policy mask (1 without it). A_i = the group-relative advantage of sequence i. Z = the
     normaliser of --loss-type. gspo takes one r per sequence, the geometric mean of its tokens'; cispo
-    maximises sg(clip(r)) A log pi instead.
+    maximises sg(clip(r)) A log pi instead. With a correction and one update per batch, pi_old is the policy
+    being updated: r = 1, inside the clip, and the gradient is w A grad log pi (decoupled PPO).
 
     logp (the trainer's, with gradient), sampler_logp (vLLM's), mask (0 on tool-result and padding tokens):
     [B, T], per completion token; advantages: [B]. num_tokens and num_sequences count the whole step (every
@@ -1122,8 +1125,8 @@ def served_weights(model, include_frozen=False):
 
 
 @torch.no_grad()
-# the weight vLLM serves: p (gathered under --fsdp), or W + scale * B @ A, a new tensor (W stays)
 def merged(p, lora):
+    """The weight vLLM serves: p (gathered under --fsdp), or W + scale * B @ A, a new tensor (W stays)."""
     p = p.detach().full_tensor() if isinstance(p, DTensor) else p.detach()
     return p + lora.get_delta_weight("default") if lora else p
 
@@ -1445,6 +1448,7 @@ def start_generation(run):
     run.served_dtype = getattr(torch, dtype[0])
     if run.is_main:
         run.version = PolicyVersion(args.max_inflight)
+        # the watchdog's finding, read at each sync: a server that fails mid-sync is named
         failure = functools.partial(getattr, run, "server_failure")
         run.sync = WeightSync(urls, args, run.served_dtype, run.version, failure, backend=run.sync_backend)
         # a server we did not start may hold other weights than the policy: all of them
@@ -1644,7 +1648,7 @@ def write_metrics(run, metrics):
         run.logs["wandb"].log(metrics, step=metrics["step"])
 
 
-def rollout_metrics(groups, version):
+def rollout_metrics(groups, trained_version):
     """The step's rollouts; staleness is per trained token: the trainer's version minus the token's."""
     samples = [s for g in groups for s in g]
     metrics = mean_over_union(
@@ -1665,7 +1669,7 @@ def rollout_metrics(groups, version):
             for s in samples
         ]
     )
-    staleness = [version - v for s in samples for v, m in zip(s["versions"], s["mask"]) if m] or [0]
+    staleness = [trained_version - v for s in samples for v, m in zip(s["versions"], s["mask"]) if m] or [0]
     values, counts = np.unique(staleness, return_counts=True)
     metrics.update(
         {
@@ -2125,11 +2129,11 @@ def token_logprobs(model, batch, temperature=1.0, chunk=2**26, **truncation):
             logits = torch.tanh(logits / softcap) * softcap
         return sampler_logprobs(logits, targets, temperature, stop_masked=stop_masked, **truncation)
 
-    run = functools.partial(torch.utils.checkpoint.checkpoint, chunk_logprobs, use_reentrant=False)
+    forward_chunk = functools.partial(torch.utils.checkpoint.checkpoint, chunk_logprobs, use_reentrant=False)
     # a single chunk is kept as it is: no second pass in backward
     if len(states) * head.out_features <= chunk:
-        run = chunk_logprobs
-    per_token = [run(*part) for part in parts]
+        forward_chunk = chunk_logprobs
+    per_token = [forward_chunk(*part) for part in parts]
     return [torch.zeros(real.shape, device=real.device).masked_scatter(real, torch.cat(x)) for x in zip(*per_token)]
 
 
@@ -2160,9 +2164,9 @@ def sampler_logprobs(
         logits = logits.masked_fill(stop_masked[..., None] & is_stop & ~is_stop[targets], -torch.inf)
     scaled = logits / temperature
     if top_k > 0 or top_p < 1 or min_p > 0:
-        # which tokens are kept is a choice, not differentiated; in chunks of rows, so that a
+        # Which tokens are kept is a choice, not differentiated; chosen in chunks of rows, so that a sort over a
+        # large vocabulary never holds all of them
         with torch.no_grad():
-            # sort over a large vocabulary never holds all of them
             flat, cut = logits.detach().flatten(0, -2), []
             for chunk in flat.split(max(1, 2**22 // flat.shape[-1])):
                 rounded = chunk.to(served_dtype).float() / temperature
@@ -2282,7 +2286,7 @@ def parse_args(argv=None, world_size=1, cuda_count=None, local_ranks=None, heads
         "--max-tool-turns",
         type=int,
         default=3,
-        help="most assistant turns that may call tools or an environment answers",
+        help="most turns of tool calls (or of an environment's answers) in a rollout; the model then answers once more",
     )
     g.add_argument("--tool-timeout", type=float, default=10.0, help="seconds one tool call may take")
     g.add_argument("--python-memory", type=int, default=512, help="--env python: MiB each process of it may map")
@@ -2749,10 +2753,8 @@ async def bounded(fn, arguments, timeout):
         raise RuntimeError("not run: every tool thread is held by a call that has not returned")
     try:
         return await asyncio.wait_for(pending, timeout)
-    except (
-        asyncio.TimeoutError
+    except asyncio.TimeoutError:
         # one still queued was cancelled with it; one running holds its thread until it returns
-    ):
         HUNG.add(id(getattr(fn, "__self__", None)))
         if running is not None and running.running() and TOOL_SLOTS.acquire(blocking=False):
             running.add_done_callback(lambda _: TOOL_SLOTS.release())
@@ -2903,9 +2905,10 @@ def sharing_refused(model):
     batches = [collate(probe, 0, model.device, share=share, config=config) for share in (True, False)]
     with torch.no_grad():
         shared, whole = (token_logprobs(model, batch)[0] for batch in batches)
-    # FSDP2 leaves the root's weights gathered after a forward (for the backward): the
+    # FSDP2 leaves the root's weights gathered after a forward (for the backward): the optimizer, made next, must
+    # hold its shards
     if hasattr(model, "reshard"):
-        model.reshard()  # optimizer, made next, must hold its shards
+        model.reshard()
     gap = (shared - whole).abs().max().item()
     return f"a probe's log-probs differ by {gap:.2g} shared" if gap > 1e-4 else None
 
@@ -3256,11 +3259,11 @@ ROUND_TRIP = [
 # --- Machinery: tool-call parsing, every format, as input validation ----------------------------------------
 
 
-def parse_assistant(text, tok=None, prompt_ids=(), schemas=None, fmt="tagged", max_calls=None):
+def parse_assistant(text, tok=None, prompt_ids=(), schemas_by_name=None, fmt="tagged", max_calls=None):
     """Generated text -> {'role', 'content', 'reasoning_content' (if any), 'tool_calls', 'tool_call_errors'}:
     well-formed calls in the OpenAI shape, and one message per call that did not parse (or that exceeds
     max_calls, which the template could not render). Never raises."""
-    schemas = schemas or {}
+    schemas_by_name = schemas_by_name or {}
     message = {"role": "assistant", "content": "", "tool_calls": [], "tool_call_errors": []}
     try:
         # the tokenizer's own parser; the schemas type the arguments
@@ -3268,7 +3271,7 @@ def parse_assistant(text, tok=None, prompt_ids=(), schemas=None, fmt="tagged", m
             parsed = tok.parse_response(
                 text,
                 prefix=tok.decode(prompt_ids),
-                tools=[{"type": "function", "function": s} for s in schemas.values()],
+                tools=[{"type": "function", "function": s} for s in schemas_by_name.values()],
             )
             found = [
                 (c.get("function", c) if isinstance(c, dict) else c, str(c)) for c in parsed.get("tool_calls") or []
@@ -3280,7 +3283,7 @@ def parse_assistant(text, tok=None, prompt_ids=(), schemas=None, fmt="tagged", m
             opened = bool(prompt_ids) and tok.decode(list(prompt_ids[-16:])).rstrip().endswith("<think>")
             reasoning, text = remove_think(text, opened)
             if fmt == "tagged":
-                content, found, errors = parse_tagged(text, schemas)
+                content, found, errors = parse_tagged(text, schemas_by_name)
             elif fmt == "mistral":
                 content, found, errors = parse_mistral(text)
             else:
@@ -3481,11 +3484,11 @@ def xml_value_end(text, pos):
     return first, False
 
 
-def parse_xml_call(text, start, schemas):
+def parse_xml_call(text, start, schemas_by_name):
     """<function=NAME> <parameter=KEY>VALUE</parameter>... </function> at text[start:] (Qwen3.5, Qwen3-Coder)
     -> ({'name', 'arguments'}, end). Raises ValueError(message, how far the call's text reaches), also where a
-    value holds <parameter=KEY> not yet given, or unbalanced a </tool_call> that could end the call: a missing
-    </parameter>, or text?"""
+    value holds a <parameter=KEY> of a parameter not yet given, or an unbalanced </tool_call> that could end the
+    call: either a </parameter> is missing before it, or it is text, and the parser does not guess which."""
     head = XML_FUNCTION.match(text, start)
     if not head:
         raise ValueError("expected <function=NAME>", start)
@@ -3494,7 +3497,7 @@ def parse_xml_call(text, start, schemas):
     # the first thing wrong; the call is read to its end all the same
     error = None
     pos = head.end()
-    keys = schemas[name].get("parameters", {}).get("properties", {}) if name in schemas else None
+    keys = schemas_by_name[name].get("parameters", {}).get("properties", {}) if name in schemas_by_name else None
     while not XML_END.match(text, pos):
         param = XML_PARAMETER.match(text, pos)
         if not param:
@@ -3530,7 +3533,7 @@ def parse_xml_call(text, start, schemas):
     return {"name": name, "arguments": arguments}, end
 
 
-def parse_tagged(text, schemas):
+def parse_tagged(text, schemas_by_name):
     """<tool_call>BODY</tool_call>, any number, BODY JSON (Qwen/Hermes) or XML. JSON is decoded from the
     opening tag, so a '</tool_call>' inside a string does not end the call, and a call that does not parse
     ends at its closing tag or at the next opening one (not one inside its JSON strings or read in its XML
@@ -3544,7 +3547,7 @@ def parse_tagged(text, schemas):
         body = start + len("<tool_call>")
         xml = text[body:].lstrip().startswith("<function=")
         try:
-            value, end = parse_xml_call(text, body, schemas) if xml else decode_json(text, body)
+            value, end = parse_xml_call(text, body, schemas_by_name) if xml else decode_json(text, body)
             close = TAGGED_CLOSE.match(text, end)
             if not close:
                 raise ValueError(f"unexpected {text[end:].lstrip()[:40]!r} after the call", end)

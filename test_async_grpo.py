@@ -3693,7 +3693,7 @@ def test_start_up_round_trip_passes_every_supported_format_with_typed_arguments(
     turn = ag.render(tok, user + [{"role": "assistant", "content": "", "tool_calls": [call]}], schemas)
     end = next(end for end, _ in ctx.turn_ends if turn.endswith(end))
     generated = turn[len(prompt) : len(turn) - len(end)]
-    message = ag.parse_assistant(generated, tok, tok.encode(prompt), ctx.tools_by_name, ctx.format)
+    message = ag.parse_assistant(generated, tok, tok.encode(prompt), ctx.schemas_by_name, ctx.format)
     assert message["tool_calls"] == [call] and message["tool_call_errors"] == []
     if fmt in ("xml", "transformers"):
         assert "<parameter=value>\n3.5\n</parameter>" in generated  # text in the turn, a number for the tool
@@ -4118,7 +4118,7 @@ def round_trip(fmt, calls, schemas):
     prompt = ag.render(tok, user, generation_prompt=True)
     text = ag.render(tok, user + [{"role": "assistant", "content": "", "tool_calls": calls}])
     generated = text[len(prompt) : text.rindex(tok.eos_token)]
-    return generated, ag.parse_assistant(generated, schemas=schemas, fmt=PARSER[fmt])
+    return generated, ag.parse_assistant(generated, schemas_by_name=schemas, fmt=PARSER[fmt])
 
 
 def turns(fmt, calls):
@@ -4442,7 +4442,7 @@ def test_a_call_written_inside_a_value_never_comes_back_as_a_call():
     schemas, n = {"save_note": SAVE_NOTE, "delete_file": {"name": "delete_file"}}, 0
     for value in [f"{a}{inner}{b}" for inner in INNER_CALLS for a in AROUND for b in AROUND]:
         for fmt, text, after in notes_holding(value):
-            message, n = ag.parse_assistant(text, schemas=schemas, fmt=PARSER[fmt]), n + 1
+            message, n = ag.parse_assistant(text, schemas_by_name=schemas, fmt=PARSER[fmt]), n + 1
             names = [c["function"]["name"] for c in message["tool_calls"]]
             assert "delete_file" not in names and (not after or names[-1:] == ["calculator"]), (text, message)
     assert n > 10_000
@@ -4494,7 +4494,7 @@ def test_union_types_type_xml_values_and_check_arguments():
     pydantic = create_model("book", city=(str, ...), nights=(Optional[int], None), rooms=(list[int] | int, 1))
     for schema in (get_json_schema(book)["function"], {"name": "book", "parameters": pydantic.model_json_schema()}):
         text = xml("book", city="null", nights="null", rooms="[1, 2]") + xml("book", city="5", nights="3", rooms="2")
-        message = ag.parse_assistant(text, schemas={"book": schema})
+        message = ag.parse_assistant(text, schemas_by_name={"book": schema})
         assert message["tool_calls"] == [
             call("book", city="null", nights=None, rooms=[1, 2]),
             call("book", city="5", nights=3, rooms=2),
