@@ -1478,7 +1478,7 @@ def test_lora_sync_is_exact_and_sends_only_the_modules_an_adapter_can_change(ser
             unadapted = completion_logprobs(model, prompt, completion + completion)
         assert (completion_logprobs(model, prompt, completion + completion) - unadapted).abs().max() > 0.5
     adapted = {name for name in base if ".self_attn." in name or ".mlp." in name}
-    assert set(sent[0]) == set(base) and set(sent[1]) == adapted and sync.policy.value == 2
+    assert set(sent[0]) == set(base) and set(sent[1]) == adapted and sync.version.value == 2
     assert (
         "model.layers.0.self_attn.k_proj.weight" in adapted and "model.layers.0.input_layernorm.weight" not in adapted
     )
