@@ -1733,11 +1733,11 @@ def evaluate(run):
             )
             return await score_group(samples, row, args.reward_weights, envs)
 
-    async def every():
+    async def all_rows():
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=args.data_timeout)) as session:
             return await all_or_none(scored(session, i) for i in range(len(rows)))
 
-    future = asyncio.run_coroutine_threadsafe(every(), p.loop)
+    future = asyncio.run_coroutine_threadsafe(all_rows(), p.loop)
     finished = threading.Event()
     future.add_done_callback(lambda _: finished.set())
     deadline = time.monotonic() + args.data_timeout
