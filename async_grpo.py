@@ -54,6 +54,7 @@ from torch.distributed.tensor import DTensor
 from torch.nn.attention.varlen import varlen_attn
 import torch.utils.checkpoint
 
+import data as data_module
 import rewards as rewards_module
 import tiny_model
 import tools as tools_module
@@ -2013,8 +2014,15 @@ def parse_args(argv=None, world_size=1, cuda_count=None, local_ranks=None, heads
     g.add_argument(
         "--dataset",
         default=None,
-        help='JSONL file, one row {"prompt": str or chat messages, ...} per line; '
-        "the other columns reach the rewards by name. Default: --task",
+        help='rows {"prompt": str or chat messages, ...}: a JSONL, Parquet, CSV or JSON file, a save_to_disk folder or '
+        "a Hub name (data.py); the other columns reach the rewards by name. Default: --task",
+    )
+    g.add_argument("--dataset-split", default=None, help="--dataset's split; default: train, or its only one")
+    g.add_argument(
+        "--dataset-columns",
+        default=None,
+        help="NAME=COLUMN,...: columns under the names the run reads, e.g. prompt=question,answer=solution "
+        "(prompt=messages: a chat, its final assistant turn cut, becomes the `answer`)",
     )
     g.add_argument(
         "--task",
@@ -2413,8 +2421,10 @@ def parse_args(argv=None, world_size=1, cuda_count=None, local_ranks=None, heads
     gguf = args.model if args.model and args.model.endswith(".gguf") else None
     checks += [
         (path and not os.path.isfile(path), f"{flag}: no file {path}")
-        for flag, path in [("--dataset", args.dataset), ("--chat-template", args.chat_template), ("--model", gguf)]
+        for flag, path in [("--chat-template", args.chat_template), ("--model", gguf)]
     ]
+    dataset_error = data_module.check_flags(args)
+    checks.append((dataset_error, dataset_error))
     for failed, message in checks:
         if failed:
             p.error(message)
@@ -2542,7 +2552,7 @@ def memory_share(args, total, params, trained):
 # --- Machinery: data, the dataset or a built-in task ------------------------------------------------------------------
 
 
-# FORK: load your data (or pass --dataset FILE.jsonl)
+# FORK: load your data (or pass --dataset FILE; data.py reads it)
 def load_rows(args):
     """Rows of {'prompt': messages, ...columns}, split into (train, eval)."""
     if args.dataset is None:
@@ -2551,17 +2561,15 @@ def load_rows(args):
         )
     else:
         rows = []
-        seen = {}  # id -> line; a rollout finds its prompt by its row's id
-        for line_no, line in enumerate(Path(args.dataset).read_text().splitlines(), 1):
-            if line.strip():
-                where = f"--dataset {args.dataset}, line {line_no}"
-                row = dataset_row(line, len(rows), where)
-                if seen.setdefault(row["id"], line_no) != line_no:
-                    raise SystemExit(
-                        f"{where}: the id {row['id']!r} is line {seen[row['id']]}'s too; ids must be "
-                        "unique (or leave the column out)"
-                    )
-                rows.append(row)
+        seen = {}  # id -> where; a rollout finds its prompt by its row's id
+        for where, raw in data_module.read_rows(args):
+            row = dataset_row(raw, len(rows), where)
+            if seen.setdefault(row["id"], where) != where:
+                raise SystemExit(
+                    f"{where}: the id {row['id']!r} is {seen[row['id']].rpartition(', ')[2]}'s too; ids must be "
+                    "unique (or leave the column out)"
+                )
+            rows.append(row)
     for row in rows:
         messages = row["prompt"] if isinstance(row["prompt"], list) else [{"role": "user", "content": row["prompt"]}]
         if args.system_prompt and messages[0]["role"] != "system":
@@ -2572,12 +2580,8 @@ def load_rows(args):
     return rows[args.eval_size :], rows[: args.eval_size]
 
 
-def dataset_row(line, index, where):
-    """One line of --dataset as a row, its id `index` unless it has one; or a SystemExit that says what is wrong."""
-    try:
-        row = json.loads(line)
-    except json.JSONDecodeError as e:
-        raise SystemExit(f"{where}: not JSON ({e})")
+def dataset_row(row, index, where):
+    """One row of --dataset (data.py), its id `index` unless it has one; or a SystemExit that says what is wrong."""
     prompt = row.get("prompt") if isinstance(row, dict) else None
     if not isinstance(prompt, str) and not (
         isinstance(prompt, list)
@@ -2586,7 +2590,7 @@ def dataset_row(line, index, where):
     ):
         raise SystemExit(
             f"{where}: each row needs a 'prompt' field, a string or a non-empty list of chat messages "
-            '{"role": ..., "content": ...}'
+            '{"role": ..., "content": ...} (--dataset-columns prompt=COLUMN names another column)'
         )
     shadowed = ROLLOUT_FIELDS & set(row)
     if shadowed:

@@ -826,6 +826,60 @@ def test_built_in_tasks_have_exact_answers_and_their_rewards_check_them():
         rewards.task_rows(10, seed=0, task="countdown", max_operand=1, operations="-")  # 1 - 1 is never positive
 
 
+# (the row's answer, the final turn, equal?) by class of input: where the answer is (boxed, in $...$, bare, the last of
+# several), how it is written (fraction, decimal, LaTeX, percent, algebra, tuples, sets, intervals, equations, units in
+# \text{}) and against what kind of gold (a number, a LaTeX string, a worked solution that boxes it)
+MATH_CASES = [
+    (7, "3 + 4 = 7", True),  # a bare number, the last one counts
+    (7, "It is 7, not 8", False),
+    (7, "\\boxed{7} is what 3 + 4 makes; 8 is not", True),  # a boxed answer wins over a later number
+    (7, "\\boxed{8}", False),
+    ("\\frac{1}{2}", "The answer is $\\boxed{0.5}$", True),
+    ("0.5", "So it is \\boxed{\\frac12}.", True),
+    ("1/2", "$\\frac{2}{4}$", True),
+    ("\\frac{1}{2}", "\\boxed{\\frac{1}{3}}", False),
+    ("\\frac{\\sqrt{2}}{2}", "\\boxed{\\frac{1}{\\sqrt{2}}}", True),
+    ("x^2 + 2x + 1", "\\boxed{(x+1)^2}", True),  # algebraic identity
+    ("x^2 + 2x + 1", "\\boxed{(x-1)^2}", False),
+    ("(1, 2)", "\\boxed{(1,2)}", True),
+    ("(1, 2)", "\\boxed{(2,1)}", False),
+    ("\\{1, 2\\}", "\\boxed{\\{2, 1\\}}", True),  # a set has no order
+    ("[0, 1)", "\\boxed{[0,1)}", True),
+    ("[0, 1)", "\\boxed{[0,1]}", False),
+    ("x = 3", "\\boxed{3}", True),
+    ("5 \\text{ cm}", "\\boxed{5}", True),
+    ("50\\%", "\\boxed{50}", True),
+    ("\\pi", "\\boxed{\\pi}", True),
+    ("\\pi", "\\boxed{3.14}", False),
+    ("Half of 14 is $\\boxed{7}$.", "7", True),  # a worked solution as the gold
+    ("Half of 14 is $\\boxed{7}$.", "14", False),
+    ("She sold 48 / 2 = 24 in May and 48 + 24 = 72 in all. #### 72", "\\boxed{72}", True),  # GSM8K's solutions
+    (7, "I do not know.", False),
+    (7, "", False),
+]
+
+
+def test_math_answer_judges_equal_forms_equal_and_a_hostile_answer_in_bounded_time():
+    """rewards.math_answer (math-verify) on MATH_CASES; an answer whose evaluation would hold the interpreter for hours
+    (a power tower) scores 0 within MATH_SECONDS and the next question gets an answer (a new judge); a rollout without
+    an assistant turn scores 0. The judge is a process of its own, gone when its pipe closes."""
+    said = [[{"role": "assistant", "content": text}] for _, text, _ in MATH_CASES]
+    judged = rewards.math_answer(said, [gold for gold, _, _ in MATH_CASES])
+    wrong = [(gold, text) for (gold, text, equal), value in zip(MATH_CASES, judged) if value != float(equal)]
+    assert not wrong
+    first = rewards._JUDGE["process"]
+    t0 = time.monotonic()
+    tower = [[{"role": "assistant", "content": "\\boxed{9^{9^{9^{9}}}}"}], [{"role": "assistant", "content": "7"}]]
+    assert rewards.math_answer(tower, [7, 7]) == [0.0, 1.0]
+    print(f"the tower and the next answer: {time.monotonic() - t0:.1f} s")
+    assert first.poll() is not None and rewards._JUDGE["process"].poll() is None  # killed, another answered
+    assert rewards.math_answer([[{"role": "user", "content": "7"}]], [7]) == [0.0]
+    judge = rewards._JUDGE["process"]
+    judge.stdin.close()  # what the run's exit does to it
+    assert judge.wait(timeout=30) == 0
+    rewards._JUDGE["process"] = None
+
+
 def test_ci_runs_the_readme_test_command():
     readme_commands = re.search(r"```bash\n(.*?)```", (HERE / "README.md").read_text(), re.DOTALL).group(1)
     test_command = readme_commands.strip().splitlines()[1]
@@ -4862,6 +4916,92 @@ def test_the_built_in_game_is_learned_through_the_whole_loop_and_its_instances_c
     assert all(m["tools/respond/calls"] >= 64 for m in metrics)  # the game answered every rollout's guesses
     made = events()["made"]
     assert sorted(events()["closed"]) == sorted(made) and len(events()["reset"]) >= 20 * 64 + 3 * 64
+
+
+TRL_ENVIRONMENTS = '''
+"""Environments written to TRL's environment_factory contract alone (its documented shape): a class made with no
+arguments, reset(**kwargs) returning None or text for the prompt, public typed and documented methods as tools, the
+score in get_reward(). None of this project's own names (reward, respond, close, the column env). Each score is also
+written to scores.jsonl beside this file: [class, row id, score]."""
+import json, os
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+class Tally:
+    def __init__(self):
+        self.calls = 0
+
+    def reset(self, **kwargs) -> str | None:
+        self.calls = 0
+        self.row = kwargs["id"]
+        self.bonus = kwargs["bonus"]
+        return None
+
+    def calculator(self, expression: str) -> str:
+        """Evaluate an arithmetic expression.
+
+        Args:
+            expression: An arithmetic expression, e.g. "3 + 4".
+        """
+        self.calls += 1
+        return "noted"
+
+    def get_reward(self) -> float:
+        return self._scored(self.bonus + self.calls)
+
+    def _scored(self, score):
+        with open(os.path.join(HERE, "scores.jsonl"), "a") as scores:
+            print(json.dumps([type(self).__name__, self.row, score]), file=scores)
+        return score
+
+
+class Doubled(Tally):
+    def get_reward(self) -> float:
+        return self._scored(2 * (self.bonus + self.calls))
+'''
+
+
+def test_a_trl_environment_runs_unchanged_and_its_get_reward_scores_it(server, tmp_path):
+    """Two classes written to TRL's contract alone (TRL_ENVIRONMENTS), each row's named by TRL's column
+    `environment`, in a real run on a Parquet file with a split and a renamed prompt column: get_reward() is the reward
+    env_reward, each rollout scored by the instance of its own row's class; the model is offered the calculator, never
+    get_reward or reset."""
+    from collections import Counter
+
+    import datasets
+
+    (tmp_path / "trl_env.py").write_text(TRL_ENVIRONMENTS)
+    spec = f"{tmp_path / 'trl_env.py'}:Tally,{tmp_path / 'trl_env.py'}:Doubled"
+    args = ag.parse_args(["--output-dir", "unused", "--env", spec, "--rewards", "env_reward"])
+    environments = tools.load_environments(args)
+    assert {name: list(tools.environment_tools(cls)) for name, cls in environments.items()} == {
+        "Tally": ["calculator"],
+        "Doubled": ["calculator"],
+    }
+    problems = rewards.task_rows(40, seed=3)
+    rows = [
+        {"id": i, "question": r["prompt"], "environment": ["Tally", "Doubled"][i % 2], "bonus": 0.25 * (i % 3)}
+        for i, r in enumerate(problems)
+    ]
+    datasets.Dataset.from_list(rows).to_parquet(tmp_path / "rows.parquet")
+    out_dir = tmp_path / "run"
+    code, out = run_cli(
+        "--vllm-url", server.url, "--output-dir", str(out_dir), "--dataset", str(tmp_path / "rows.parquet"),
+        "--dataset-split", "train", "--dataset-columns", "prompt=question", "--env", spec, "--rewards", "env_reward",
+        "--steps", "2", "--prompts-per-step", "4", "--eval-size", "4", "--eval-every", "2", "--log-rollouts", "1000",
+    )  # fmt: skip
+    assert code == 0, out[-3000:]
+    scores = [tuple(json.loads(line)) for line in (tmp_path / "scores.jsonl").read_text().splitlines()]
+    assert all(name == rows[row]["environment"] for name, row, _ in scores)  # routed by the column `environment`
+    calls = [score / (1 + (name == "Doubled")) - rows[row]["bonus"] for name, row, score in scores]
+    assert all(n >= 0 and n == int(n) for n in calls) and max(calls) > 0  # the model called the calculator
+    rollouts = read_rollouts(out_dir)
+    scored = Counter((r["prompt_id"], r["reward"]) for r in rollouts)
+    assert len(rollouts) == 2 * 4 * 8 and not scored - Counter((row, score) for _, row, score in scores)
+    metrics = read_metrics(out_dir)
+    assert sum(m.get("tools/calculator/calls", 0) for m in metrics) > 0
+    assert not [k for m in metrics for k in m if re.match(r"tools/(get_reward|reset)/", k)]
 
 
 MCP_SERVER = '''
