@@ -2108,7 +2108,7 @@ def parse_args(argv=None, world_size=1, cuda_count=None, local_ranks=None, heads
     g = p.add_argument_group("loss and optimizer (see grpo_loss)")
     g.add_argument("--steps", type=int, default=60, help="optimizer steps")
     g.add_argument(
-        "--lr", type=float, default=None, help="AdamW learning rate; default: 3e-4 built-in model (tiny), 1e-6 --model"
+        "--lr", type=float, default=None, help="AdamW learning rate; default: 3e-4 tiny model, 1e-6 --model; x10 LoRA"
     )
     g.add_argument("--warmup-steps", type=int, default=0, help="linear learning-rate warm-up")
     g.add_argument("--weight-decay", type=float, default=0.0, help="AdamW weight decay")
@@ -2443,6 +2443,9 @@ def parse_args(argv=None, world_size=1, cuda_count=None, local_ranks=None, heads
     args.lora_alpha = 2.0 * args.lora_rank if args.lora_alpha is None else args.lora_alpha
     if args.audit:
         args.lr = 0.0
+    elif args.lr is None and args.lora_rank:
+        # an adapter, B = 0 at the start, needs about 10x (docs/performance.md: the built-in model's sweep over seeds)
+        args.lr = 3e-3 if args.model is None else 1e-5
     elif args.lr is None:
         args.lr = 3e-4 if args.model is None else 1e-6
     return args

@@ -118,7 +118,9 @@ def load_split(args):
         raise SystemExit(f"--dataset {path} ({what}): {why}")
     if isinstance(loaded, datasets.Dataset):
         if saved and split not in (None, str(loaded.split)):
-            raise SystemExit(f"--dataset {path}: a saved dataset of one split ({loaded.split}); drop --dataset-split")
+            raise SystemExit(
+                f"--dataset {path}: a saved dataset of one split ({loaded.split or 'unnamed'}), not {split}"
+            )
         return loaded, split or str(loaded.split or "train")
     names = list(loaded)
     name = split
