@@ -2098,16 +2098,17 @@ def test_lora_without_lr_learns_the_built_in_task(server, tmp_path):
 
 
 def test_a_math_dataset_trains_on_math_answer(server, tmp_path):
-    """The README's math recipe on a dataset of its shape: a Parquet file whose answers are LaTeX (\\frac{14}{2}, the
-    "always answer 7" target), --dataset-columns naming them, --rewards math_answer: the model's bare 7s are judged equal
-    to it (correct_answer could not read the column), and the reward rises through the whole loop."""
+    """The README's math recipe (--dataset m.parquet --dataset-split train --dataset-columns prompt=problem --rewards
+    math_answer) on a Parquet file whose answers are LaTeX (\\frac{14}{2}, the "always answer 7" target): the model's
+    bare 7s are judged equal to it (correct_answer could not read the column), and the reward rises through the whole
+    loop."""
     import datasets
 
-    rows = [{"problem": r["prompt"], "solution": "\\frac{14}{2}"} for r in rewards.task_rows(300, seed=5)]
-    datasets.Dataset.from_list(rows).to_parquet(tmp_path / "math.parquet")
+    rows = [{"problem": r["prompt"], "answer": "\\frac{14}{2}"} for r in rewards.task_rows(300, seed=5)]
+    datasets.Dataset.from_list(rows).to_parquet(tmp_path / "m.parquet")
     code, out = run_cli(
-        "--vllm-url", server.url, "--output-dir", str(tmp_path / "run"), "--dataset", str(tmp_path / "math.parquet"),
-        "--dataset-split", "train", "--dataset-columns", "prompt=problem,answer=solution", "--rewards", "math_answer",
+        "--vllm-url", server.url, "--output-dir", str(tmp_path / "run"), "--dataset", str(tmp_path / "m.parquet"),
+        "--dataset-split", "train", "--dataset-columns", "prompt=problem", "--rewards", "math_answer",
         "--steps", "16", "--lr", "1e-3", "--eval-every", "8", "--eval-size", "32",
     )  # fmt: skip
     assert code == 0, out[-3000:]

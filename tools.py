@@ -439,7 +439,8 @@ def environment_of(row, environments):
         return None
     name = row.get("env", row.get("environment", next(iter(environments)) if len(environments) == 1 else None))
     if name not in environments:
+        names = ",".join(environments)
         raise SystemExit(
-            f"row {row['id']!r}: its column `env` (or `environment`) must name one of --env {','.join(environments)}"
+            f"row {row['id']!r}: its column `env` must name one of --env {names} (or TRL's `environment`)"
         )
     return name
