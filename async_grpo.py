@@ -1382,6 +1382,7 @@ def set_up(argv):
     if run.is_main and args.resume and (run.out_dir / "args.json").exists():
         was, now = json.loads((run.out_dir / "args.json").read_text()), vars(args)
         order = "seed dataset task max_operand terms operations eval_size prompts_per_step sync_every".split()
+        order += ["dataset_split", "dataset_columns"]
         changed = [f"--{k.replace('_', '-')} {was[k]}" for k in order if was.get(k, now[k]) != now[k]]
         if changed:
             raise SystemExit(

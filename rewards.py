@@ -76,9 +76,12 @@ def math_answer(completions, answer, **kwargs):
 def _judged(gold, text):
     if _JUDGE["process"] is None or _JUDGE["process"].poll() is not None:
         code = f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); import rewards; rewards.judge()"
-        _JUDGE["process"] = subprocess.Popen(
-            [sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE
-        )
+        process = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+        # its imports (sympy) take seconds, more on a loaded machine: not counted in a comparison's bound
+        if not select.select([process.stdout], [], [], 120)[0] or process.stdout.readline() != b"ready\n":
+            process.kill()
+            raise RuntimeError("math_answer: its judge did not start in 120 s")
+        _JUDGE["process"] = process
     process = _JUDGE["process"]
     try:
         process.stdin.write((json.dumps([gold, text[-4000:]]) + "\n").encode())  # the answer is at the end
@@ -97,13 +100,13 @@ def judge():
     with the run (PR_SET_PDEATHSIG) and holds at most 2 GiB."""
     ctypes.CDLL(None).prctl(1, signal.SIGKILL)
     resource.setrlimit(resource.RLIMIT_AS, (2**31, 2**31))
-    logging.disable(
-        logging.WARNING
-    )  # its notes that the timeouts are ours (its own, signal.alarm, need a main thread)
+    # its notes that the timeouts are ours (its own, signal.alarm, need a main thread)
+    logging.disable(logging.WARNING)
     from math_verify import parse, verify
 
     answers = os.fdopen(os.dup(1), "w")
     os.dup2(2, 1)  # what the libraries print goes to stderr, not into the answers
+    print("ready", file=answers, flush=True)
     for line in sys.stdin:
         gold, text = json.loads(line)
         try:
