@@ -52,6 +52,7 @@ from torch.distributed.tensor import DTensor
 from torch.nn.attention.varlen import varlen_attn
 import torch.utils.checkpoint
 
+import data as data_module
 import rewards as rewards_module
 import tiny_model
 import tools as tools_module
@@ -62,7 +63,6 @@ from vllm_server import share_idle_core, start_vllm, stop_vllm, sync_endpoint, s
 from vllm_server import watch_servers
 
 HERE = Path(__file__).resolve().parent
-ROLLOUT_FIELDS = set("prompts completions completion_ids tool_calls tool_failures truncated environments".split())
 # a sync tool that waits holds a thread, not the loop
 TOOL_THREADS = ThreadPoolExecutor(64, thread_name_prefix="tool")
 # A slot per thread, taken by a call past its timeout until it returns, late or never (Python cannot stop a
@@ -420,7 +420,7 @@ async def score_group(samples, row, reward_weights, environments=None):
     kwargs = {k: [v] * G for k, v in row.items() if k not in ("prompt", "id")}
     kwargs.update(
         prompts=[row["prompt"]] * G,
-        completions=[s["messages"] for s in samples],  # the ROLLOUT_FIELDS
+        completions=[s["messages"] for s in samples],  # the rollout's fields (data.ROLLOUT_FIELDS)
         completion_ids=[s["ids"][s["n_prompt"] :] for s in samples],
         environments=environments or [None] * G,
         **{k: [s[k] for s in samples] for k in ("tool_calls", "tool_failures", "truncated")},
@@ -1265,6 +1265,7 @@ def set_up(argv):
     if run.is_main and args.resume and (run.out_dir / "args.json").exists():
         was, now = json.loads((run.out_dir / "args.json").read_text()), vars(args)
         order = "seed dataset task max_operand terms operations eval_size prompts_per_step sync_every".split()
+        order += ["dataset_split", "dataset_columns"]
         changed = [f"--{k.replace('_', '-')} {was[k]}" for k in order if was.get(k, now[k]) != now[k]]
         if changed:
             raise SystemExit(
@@ -1296,7 +1297,7 @@ def load_data(run):
 
     args = run.args
     # checked before a model is built or loaded
-    run.train_rows, run.eval_rows = load_rows(args)
+    run.train_rows, run.eval_rows = data_module.load_rows(args)
     # rank 0 builds it; the others wait for its path
     if run.model_path is None or run.model_path.endswith(".gguf"):
         box = [None]
@@ -2233,8 +2234,15 @@ def parse_args(argv=None, world_size=1, cuda_count=None, local_ranks=None, heads
     g.add_argument(
         "--dataset",
         default=None,
-        help='JSONL file, one row {"prompt": str or chat messages, ...} per line; '
-        "the other columns reach the rewards by name. Default: --task",
+        help='rows {"prompt": str or chat messages, ...}: a JSONL, Parquet, CSV or JSON file, a save_to_disk folder or '
+        "a Hub name (data.py); the other columns reach the rewards by name. Default: --task",
+    )
+    g.add_argument("--dataset-split", default=None, help="--dataset's split; default: train, or its only one")
+    g.add_argument(
+        "--dataset-columns",
+        default=None,
+        help="NAME=COLUMN,...: columns under the names the run reads, e.g. prompt=question,answer=solution "
+        "(prompt=messages: a chat, its final assistant turn cut, becomes the `answer`)",
     )
     g.add_argument(
         "--task",
@@ -2320,7 +2328,7 @@ def parse_args(argv=None, world_size=1, cuda_count=None, local_ranks=None, heads
     g = p.add_argument_group("loss and optimizer (see grpo_loss)")
     g.add_argument("--steps", type=int, default=60, help="optimizer steps")
     g.add_argument(
-        "--lr", type=float, default=None, help="AdamW learning rate; default: 3e-4 built-in model (tiny), 1e-6 --model"
+        "--lr", type=float, default=None, help="AdamW learning rate; default: 3e-4 tiny model, 1e-6 --model; x10 LoRA"
     )
     g.add_argument("--warmup-steps", type=int, default=0, help="linear learning-rate warm-up")
     g.add_argument("--weight-decay", type=float, default=0.0, help="AdamW weight decay")
@@ -2633,8 +2641,10 @@ def parse_args(argv=None, world_size=1, cuda_count=None, local_ranks=None, heads
     gguf = args.model if args.model and args.model.endswith(".gguf") else None
     checks += [
         (path and not os.path.isfile(path), f"{flag}: no file {path}")
-        for flag, path in [("--dataset", args.dataset), ("--chat-template", args.chat_template), ("--model", gguf)]
+        for flag, path in [("--chat-template", args.chat_template), ("--model", gguf)]
     ]
+    dataset_error = data_module.check_flags(args)
+    checks.append((dataset_error, dataset_error))
     for failed, message in checks:
         if failed:
             p.error(message)
@@ -2654,67 +2664,12 @@ def parse_args(argv=None, world_size=1, cuda_count=None, local_ranks=None, heads
     args.lora_alpha = 2.0 * args.lora_rank if args.lora_alpha is None else args.lora_alpha
     if args.audit:
         args.lr = 0.0
+    elif args.lr is None and args.lora_rank:
+        # an adapter, B = 0 at the start, needs about 10x (docs/performance.md: the built-in model's sweep over seeds)
+        args.lr = 3e-3 if args.model is None else 1e-5
     elif args.lr is None:
         args.lr = 3e-4 if args.model is None else 1e-6
     return args
-
-
-# --- Machinery: data, the dataset or a built-in task --------------------------------------------------------
-
-
-# FORK: load your data (or pass --dataset FILE.jsonl)
-def load_rows(args):
-    """Rows of {'prompt': messages, ...columns}, split into (train, eval)."""
-    if args.dataset is None:
-        rows = rewards_module.task_rows(
-            5000 + args.eval_size, args.seed, args.task, args.max_operand, args.terms, args.operations
-        )
-    else:
-        rows = []
-        seen = {}  # id -> line; a rollout finds its prompt by its row's id
-        for line_no, line in enumerate(Path(args.dataset).read_text().splitlines(), 1):
-            if line.strip():
-                where = f"--dataset {args.dataset}, line {line_no}"
-                row = dataset_row(line, len(rows), where)
-                if seen.setdefault(row["id"], line_no) != line_no:
-                    raise SystemExit(
-                        f"{where}: the id {row['id']!r} is line {seen[row['id']]}'s too; ids must be "
-                        "unique (or leave the column out)"
-                    )
-                rows.append(row)
-    for row in rows:
-        messages = row["prompt"] if isinstance(row["prompt"], list) else [{"role": "user", "content": row["prompt"]}]
-        if args.system_prompt and messages[0]["role"] != "system":
-            messages = [{"role": "system", "content": args.system_prompt}] + messages
-        row["prompt"] = messages
-    if len(rows) <= args.eval_size:
-        raise SystemExit(f"--dataset has {len(rows)} rows, not more than --eval-size {args.eval_size}")
-    return rows[args.eval_size :], rows[: args.eval_size]
-
-
-def dataset_row(line, index, where):
-    """One line of --dataset as a row, its id `index` unless it has one; or a SystemExit that says what is
-    wrong."""
-    try:
-        row = json.loads(line)
-    except json.JSONDecodeError as e:
-        raise SystemExit(f"{where}: not JSON ({e})")
-    prompt = row.get("prompt") if isinstance(row, dict) else None
-    if not isinstance(prompt, str) and not (
-        isinstance(prompt, list)
-        and prompt
-        and all(isinstance(m, dict) and isinstance(m.get("role"), str) for m in prompt)
-    ):
-        raise SystemExit(
-            f"{where}: each row needs a 'prompt' field, a string or a non-empty list of chat messages "
-            '{"role": ..., "content": ...}'
-        )
-    shadowed = ROLLOUT_FIELDS & set(row)
-    if shadowed:
-        raise SystemExit(f"{where}: the rewards get {sorted(shadowed)} from the rollouts; rename the column")
-    if not isinstance(row.setdefault("id", index), (str, int)):
-        raise SystemExit(f"{where}: the id {row['id']!r} is not a string or integer")
-    return row
 
 
 # --- Machinery: tools and environments at work: timeouts, threads, instances --------------------------------

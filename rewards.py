@@ -22,12 +22,23 @@ task_rows, at the end, builds the rows of the built-in tasks (--task) with the c
 """
 
 import contextlib
+import ctypes
 import inspect
 import itertools
+import json
+import logging
+import os
 import random
 import re
+import resource
+import select
+import signal
+import subprocess
+import sys
+import threading
+from pathlib import Path
 
-from tools import GuessNumber, calculator
+from tools import GuessNumber, calculator, reward_method
 
 _NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
 _EXPRESSION = re.compile(r"[\d\s+\-*/()]+")
@@ -46,6 +57,67 @@ def correct_answer(completions, answer, **kwargs):
         numbers = _NUMBER.findall(final_text(messages))
         rewards.append(float(bool(numbers) and float(numbers[-1]) == float(target)))
     return rewards
+
+
+MATH_SECONDS = 5.0  # a comparison's bound: past it the judge is killed and the rollout scores 0
+_JUDGE = {"process": None, "lock": threading.Lock()}
+
+
+def math_answer(completions, answer, **kwargs):
+    """1 if the final assistant turn's answer equals `answer` (a dataset column) as Hugging Face's math-verify judges it
+    (TRL's and open-r1's accuracy reward): the answer is the last \\boxed{...}, else the last formula or number;
+    `answer` is a number, a LaTeX expression, or a worked solution that boxes it. Equal forms are equal: 1/2,
+    \\frac{1}{2} and 0.5, (x+1)^2 and x^2+2x+1, x=3 and 3. Judged in a process of its own, one comparison at most
+    MATH_SECONDS: sympy on what a model writes (9^{9^{9^9}}) can hold the interpreter in one C call for hours."""
+    with _JUDGE["lock"]:  # groups are scored on several threads; the judge answers one question at a time
+        return [_judged(str(gold), final_text(messages)) for messages, gold in zip(completions, answer)]
+
+
+def _judged(gold, text):
+    if _JUDGE["process"] is None or _JUDGE["process"].poll() is not None:
+        code = f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); import rewards; rewards.judge()"
+        process = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+        # its imports (sympy) take seconds, more on a loaded machine: not counted in a comparison's bound
+        if not select.select([process.stdout], [], [], 120)[0] or process.stdout.readline() != b"ready\n":
+            process.kill()
+            raise RuntimeError("math_answer: its judge did not start in 120 s")
+        _JUDGE["process"] = process
+    process = _JUDGE["process"]
+    try:
+        process.stdin.write((json.dumps([gold, text[-4000:]]) + "\n").encode())  # the answer is at the end
+        process.stdin.flush()
+        if select.select([process.stdout], [], [], MATH_SECONDS)[0]:
+            return float(process.stdout.readline().strip() == b"1")
+    except OSError:  # it died (its memory bound): the next question starts another
+        pass
+    process.kill()
+    process.wait()
+    return 0.0
+
+
+def judge():
+    """The judge's process (math_answer): a line [gold, text] in, a line 1 or 0 out, until its input closes. It dies
+    with the run (PR_SET_PDEATHSIG) and holds at most 2 GiB."""
+    ctypes.CDLL(None).prctl(1, signal.SIGKILL)
+    resource.setrlimit(resource.RLIMIT_AS, (2**31, 2**31))
+    # its notes that the timeouts are ours (its own, signal.alarm, need a main thread)
+    logging.disable(logging.WARNING)
+    from math_verify import parse, verify
+
+    answers = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)  # what the libraries print goes to stderr, not into the answers
+    print("ready", file=answers, flush=True)
+    for line in sys.stdin:
+        gold, text = json.loads(line)
+        try:
+            # a gold without $...$ or \\boxed is read as one formula first: (1, 2) is a pair, not its last number
+            expected = None if "$" in gold or "\\boxed" in gold else parse(f"${gold}$", parsing_timeout=None)
+            expected = expected or parse(gold, parsing_timeout=None)
+            found = parse(text, parsing_timeout=None)
+            equal = bool(expected and found) and verify(expected, found, timeout_seconds=None)
+        except Exception:  # what it cannot read is not equal
+            equal = False
+        print(int(equal), file=answers, flush=True)
 
 
 def format_reward(completions, truncated, **kwargs):
@@ -78,13 +150,13 @@ def tool_use(tool_calls, tool_failures, **kwargs):
 
 
 async def env_reward(environments, **kwargs):
-    """Each rollout's environment's score of its final state: its reward() method (tools.py)."""
-    values = [environment.reward() for environment in environments]
+    """Each rollout's environment's score of its final state: its reward() method, or TRL's get_reward() (tools.py)."""
+    values = [getattr(environment, reward_method(environment))() for environment in environments]
     return [await value if inspect.isawaitable(value) else value for value in values]
 
 
 # FORK: add a reward (a function above, its name here; --rewards NAME:WEIGHT picks it)
-REWARDS = {fn.__name__: fn for fn in (correct_answer, format_reward, countdown, tool_use, env_reward)}
+REWARDS = {fn.__name__: fn for fn in (correct_answer, math_answer, format_reward, countdown, tool_use, env_reward)}
 
 
 # FORK: add a task (its rows here, its reward above and in REWARDS)

@@ -15,14 +15,15 @@ than rollouts in flight. Every method may be sync (run in the thread pool) or `a
     respond(message)  optional: the model ended a turn without a tool call (message: that turn, as the rewards see it).
                       Text is the user's next turn; None ends the rollout. Turns are bounded by --max-tool-turns
     reward()          optional: its score of its final state, the reward `env_reward`; every reward function gets the
-                      instances as `environments`
+                      instances as `environments`. TRL's name, get_reward(), where reward() is absent
     release()         optional: its group is done (scored); what it holds until its next reset may go (a process)
     close()           optional: called once per instance at the end of the run, also after an error or Ctrl-C
     configured(args)  optional classmethod: the class to run with, given the run's flags; may refuse the run (SystemExit)
 A method that raises or hangs is an error message to the model and a counted failure; a reset that does drops its group
 (counted). One that raises EnvironmentGone (its server or process is gone) ends the run, the last finished step saved.
 --mcp makes an environment of an MCP server (MCPSession), --env python one of a code interpreter (Python, in the sandbox
-of sandbox.py); with several environments, a row's column `env` names its own.
+of sandbox.py); with several environments, a row's column `env` names its own (TRL's `environment`, where `env` is
+absent). A class written to TRL's environment_factory contract (reset, tools, get_reward) runs unchanged.
 
 What a tool may do, since its arguments are whatever the model wrote: a sync tool may wait (I/O, a lock), better with
 a timeout of its own: at `--tool-timeout` the model gets an error, but Python cannot stop the thread, which stays
@@ -378,12 +379,9 @@ def environment_class(spec):
 
 
 def environment_tools(cls):
-    """{name: method}: the tools of an environment class, its public methods but the contract's."""
-    names = [
-        n
-        for n in dir(cls)
-        if not n.startswith("_") and n not in ("reset", "respond", "reward", "release", "close", "configured")
-    ]
+    """{name: method}: the tools of an environment class, its public methods but the contract's (and get_reward)."""
+    contract = ("reset", "respond", "reward", "get_reward", "release", "close", "configured")
+    names = [n for n in dir(cls) if not n.startswith("_") and n not in contract]
     return {name: getattr(cls, name) for name in names if callable(getattr(cls, name))}
 
 
@@ -415,9 +413,17 @@ def load_environments(args, log=None):
         clash = sorted(set(environment_tools(cls)) & set(args.tool_names))
         if clash or not hasattr(cls, "reset"):
             raise SystemExit(f"--env {name}: needs a reset(**row) method, and tools not named as --tools' {clash}")
-    if "env_reward" in args.reward_weights and not all([hasattr(c, "reward") for c in environments.values()] or [0]):
-        raise SystemExit("--rewards env_reward: it is every row's environment's reward() (--env, --task guess)")
+    if "env_reward" in args.reward_weights and not all([reward_method(c) for c in environments.values()] or [0]):
+        raise SystemExit(
+            "--rewards env_reward: it is every row's environment's reward() or get_reward() (--env, --task guess)"
+        )
     return environments
+
+
+def reward_method(env):
+    """The name of an environment's (class or instance) score of its final state: reward, else TRL's get_reward, else
+    None."""
+    return next((name for name in ("reward", "get_reward") if callable(getattr(env, name, None))), None)
 
 
 def every_tool(schemas, environments):
@@ -427,10 +433,14 @@ def every_tool(schemas, environments):
 
 
 def environment_of(row, environments):
-    """The name of a row's environment: its column `env`, else the one environment of the run (None without any)."""
+    """The name of a row's environment: its column `env` (or TRL's `environment`), else the one environment of the run
+    (None without any)."""
     if not environments:
         return None
-    name = row.get("env", next(iter(environments)) if len(environments) == 1 else None)
+    name = row.get("env", row.get("environment", next(iter(environments)) if len(environments) == 1 else None))
     if name not in environments:
-        raise SystemExit(f"row {row['id']!r}: its column `env` must name one of --env {','.join(environments)}")
+        names = ",".join(environments)
+        raise SystemExit(
+            f"row {row['id']!r}: its column `env` must name one of --env {names} (or TRL's `environment`)"
+        )
     return name
