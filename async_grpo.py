@@ -71,6 +71,8 @@ HUNG = set()  # ids of the environment instances whose sync call went on past it
 # What --sampling-args may hold: parameters that end or seed a generation but leave its distribution as the trainer
 # computes it (min_tokens does change it: the trainer holds the stop tokens back in the same places).
 SAMPLING_ARGS = {"min_tokens", "stop", "ignore_eos"}  # (every request's seed comes from --seed: request_seed)
+# what a model's layers hand their attention function that does not change its result (dropout: 0 unless training)
+IGNORED_ATTENTION_ARGUMENTS = ("dropout", "position_ids", "use_cache", "output_router_logits", "output_attentions")
 MODEL_INPUTS = ("input_ids", "position_ids", "attention_mask", "segments")  # what a batch (collate) hands the model
 
 
@@ -940,20 +942,26 @@ def token_logprobs(model, batch, temperature=1.0, chunk=2**26, **truncation):
     than one), which keeps a hidden state per token, not [tokens, V] logits (~2.4 MB a token at V = 151,936)."""
     bare = getattr(model, "module", model)  # DDP's
     head = bare.get_output_embeddings()
-    hidden = []  # what the forward hands its head, which then gets nothing (a new tensor: a view would keep them)
-    hook = head.register_forward_pre_hook(lambda head, args: hidden.append(args[0]) or (args[0][:, :0].clone(),))
+    hidden = []  # what the forward hands its head, which then gets a position a row (a new tensor: a view keeps them)
+    hook = head.register_forward_pre_hook(lambda head, args: hidden.append(args[0]) or (args[0][:, -1:].clone(),))
+    raw = []  # the head's output there, before the forward transforms it
+    seen = head.register_forward_hook(lambda head, args, out: raw.append(out.detach()))
     try:
-        model(**{k: batch[k] for k in MODEL_INPUTS if k in batch}, use_cache=False)
+        logits = model(**{k: batch[k] for k in MODEL_INPUTS if k in batch}, use_cache=False).logits.detach()
     finally:
         hook.remove()
+        seen.remove()
     real = batch["cols"] >= 0  # [B, T]: the completions' tokens, not padding
     states = hidden[0][batch["rows"].expand_as(real)[real], batch["cols"][real]]  # [tokens, width]
     rows = max(1, chunk // head.out_features)
     parts = zip(states.split(rows), batch["targets"][real].split(rows), batch["stop_masked"][real].split(rows))
     softcap = getattr(bare.config.get_text_config(), "final_logit_softcapping", None)
+    # What a forward does to its head's output, as a scale measured on those positions (Granite's 1 / logits_scaling,
+    # Cohere's logit_scale, FalconH1's lm_head_multiplier: no list of names). Anything else logprobs_refused refuses.
+    scale = (logits.double() * raw[0]).sum() / (raw[0].double() ** 2).sum().clamp_min(1e-300)
 
     def chunk_logprobs(hidden, targets, stop_masked):  # [N, width] -> sampler_logprobs' [N] values (another comes too)
-        logits = head(hidden).float()  # [N, V]
+        logits = head(hidden).float() * (1.0 if softcap else scale.float())  # [N, V]
         if softcap:  # Gemma's, which the model's forward applies after its head
             logits = torch.tanh(logits / softcap) * softcap
         return sampler_logprobs(logits, targets, temperature, stop_masked=stop_masked, **truncation)
@@ -1465,6 +1473,9 @@ def load_policy_and_optimizer(run):
             f"--model {run.model_path}: cannot load it as a causal or image-text LM "
             f"({type(e).__name__}: {str(e)[:300]})"
         )
+    wrong = logprobs_refused(model)
+    if wrong:
+        raise SystemExit(f"--model {run.model_path}: {wrong}: a transform after its output layer it cannot reproduce")
     why = args.share_prefix and sharing_refused(model)
     if why:
         args.share_prefix = False
@@ -2781,30 +2792,66 @@ def sharing_refused(model):
     return f"a probe's log-probs differ by {gap:.2g} shared" if gap > 1e-4 else None
 
 
+def logprobs_refused(model):
+    """Why the trainer's log-probs (token_logprobs) are not the log-softmax of the model's own logits, or None: a family
+    whose forward does after its head what token_logprobs does not (a transform that is not a scale). On a probe, fp32."""
+    ids = torch.arange(1, 8, device=model.device)[None]
+    probe = [{"ids": ids[0].tolist(), "n_prompt": 3, "mask": [1] * 4, "logprobs": [0.0] * 4, "advantage": 0}]
+    with torch.no_grad():
+        ours = token_logprobs(model, collate(probe, 0, model.device, share=False))[0][0]
+        own = model(input_ids=ids).logits[0, 2:-1].float().log_softmax(-1).gather(-1, ids[0, 3:, None])[:, 0]
+    if hasattr(model, "reshard"):  # as in sharing_refused
+        model.reshard()
+    gap = (ours - own).abs().max().item()
+    kind = model.config.get_text_config().model_type
+    return f"the trainer's log-probs of {kind} differ from its own logits' by {gap:.2g}" if gap > 1e-3 else None
+
+
 def use_segments(model):
-    """The model's attention through segment_attention, for packed rows; False where it takes no registered function."""
+    """The model's attention through segment_attention, for packed rows; False (its own attention kept, saying why)
+    where it takes no registered function, passes an argument segment_attention does not implement, or a probe's packed
+    log-probs are not those of rows of their own (StableLM's layers do not hand the segments on)."""
     from transformers import AttentionInterface, AttentionMaskInterface
     from transformers.masking_utils import sdpa_mask
 
     AttentionInterface.register("segments", segment_attention)
     AttentionMaskInterface.register("segments", sdpa_mask)  # what masks SDPA gets where there are no segments
-    model.set_attn_implementation("segments")
-    return model.config.get_text_config()._attn_implementation == "segments"
+    config = model.config.get_text_config()
+    before = config._attn_implementation
+    probe = [{"ids": [1, 2, 3, 4, 5, 6], "n_prompt": 3, "mask": [1] * 3, "logprobs": [0.0] * 3, "advantage": 0}] * 2
+    with torch.no_grad():
+        rows = token_logprobs(model, collate(probe, 0, model.device, share=False))[0]
+        model.set_attn_implementation("segments")
+        try:
+            gap = (token_logprobs(model, collate(probe, 0, model.device, packed=True))[0] - rows).abs().max().item()
+            why = None if gap < 0.05 else f"a probe's log-probs differ by {gap:.2g} packed"
+        except ValueError as e:
+            why = str(e)
+    if why or config._attn_implementation != "segments":
+        model.set_attn_implementation(before)
+        print(f"packed rows are off for {config.model_type}: {why or 'no attention function'}; a mask instead")
+    return not why and config._attn_implementation == "segments"
 
 
 def segment_attention(module, query, key, value, mask, scaling=None, sliding_window=None, segments=None, **kw):
     """Attention within collate's segments (query [1, heads, T, head_dim]): a segment's queries see its keys (kv_index:
     a completion's prompt and itself, in position order) causally, aligned at the ends; on CUDA in one varlen flash
-    kernel (only the pairs needed), elsewhere through SDPA a segment at a time (the same metadata, tested on CPU)."""
+    kernel (only the pairs needed), elsewhere through SDPA a segment at a time (the same metadata, tested on CPU).
+    GPT-OSS's sinks (s_aux: a logit a head in every softmax) take the SDPA path: the varlen kernel has no such term."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+    sinks = kw.pop("s_aux", None)
+    unknown = [name for name, x in kw.items() if x is not None and name not in IGNORED_ATTENTION_ARGUMENTS]
+    if unknown or (sinks is not None and segments is None):  # what this function or SDPA would silently leave out
+        raise ValueError(f"{type(module).__name__} passes {unknown or ['s_aux']} to its attention")
     if segments is None:
         return sdpa_attention_forward(module, query, key, value, mask, scaling=scaling, **kw)
     cu_q, cu_k, kv_index, max_q, max_k = segments
     q = query[0].transpose(0, 1)  # [T, heads, head_dim]
     k = key[0].transpose(0, 1)[kv_index]  # [every segment's keys, kv heads, head_dim]
     v = value[0].transpose(0, 1)[kv_index]
-    if q.is_cuda:  # flash kernels take half precision (under autocast, rotary embeddings leave q and k in fp32)
+    # flash kernels take half precision (under autocast, rotary embeddings leave q and k in fp32)
+    if q.is_cuda and sinks is None:
         half = torch.bfloat16 if q.dtype == torch.float32 else q.dtype
         window = (sliding_window - 1 if sliding_window else -1, 0)  # (-1, 0): causal, aligned at the end
         tensors = [x.to(half) for x in (q, k, v)]
@@ -2815,6 +2862,10 @@ def segment_attention(module, query, key, value, mask, scaling=None, sliding_win
         behind = torch.arange(d - c - (b - a), d - c)[:, None] - torch.arange(d - c)  # [queries, keys]: how far back
         seen = (behind >= 0) & (behind < (sliding_window or d - c))
         qkv = [x.transpose(0, 1)[None] for x in (q[a:b], k[c:d], v[c:d])]  # 4D: SDPA's CPU flash kernel takes no other
+        if sinks is not None:  # a key of zeros with a value of zeros, seen by all, whose bias is the head's sink
+            qkv[1:] = [torch.cat([x, torch.zeros_like(x[:, :, :1])], 2) for x in qkv[1:]]
+            bias = torch.where(seen, 0.0, -torch.inf).to(q.dtype).expand(len(sinks), -1, -1)
+            seen = torch.cat([bias, sinks[:, None, None].expand(-1, b - a, 1).to(q.dtype)], -1)[None]
         part = torch.nn.functional.scaled_dot_product_attention(*qkv, attn_mask=seen, scale=scaling, enable_gqa=True)
         out.append(part[0].transpose(0, 1))
     return torch.cat(out)[None], None

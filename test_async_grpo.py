@@ -5935,3 +5935,100 @@ def test_bench_trainer_alone_runs_without_vllm_and_its_layouts_train_alike(tmp_p
     assert len(results["collate_host_seconds"]) == 4
     assert all(t.keys() == {"unshared", "shared", "packed"} for t in results["collate_host_seconds"].values())
     assert "trainer alone" in proc.stdout and "collate's host seconds" in proc.stdout
+
+
+# ------------------------------------------------------------------------------------------------
+# The architecture conformance matrix: every trainer path of each family against the model's own logits
+# ------------------------------------------------------------------------------------------------
+
+
+def matrix_samples(vocab=512, seed=0):
+    """Two groups: a prompt of 5 with completions of 11, 3 and 0 tokens (11 is longer than the window of 4 twice over),
+    a prompt of 3 with completions of 7 and 1."""
+    g = torch.Generator().manual_seed(seed)
+
+    def draw(n):
+        return torch.randint(3, vocab, (n,), generator=g).tolist()
+
+    groups = [(draw(5), [11, 3, 0]), (draw(3), [7, 1])]
+    return [
+        {"ids": p + draw(n), "n_prompt": len(p), "mask": [1] * n, "logprobs": [0.0] * n, "advantage": 1.0}
+        for p, lengths in groups
+        for n in lengths
+    ]
+
+
+def gradient(model, logp, weights):
+    """d sum(weights * logp) / d every weight, a zero where a weight had no part (an expert no token chose)."""
+    model.zero_grad()
+    (logp * weights).sum().backward()
+    return torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).flatten() for p in model.parameters()])
+
+
+def own_logprobs(model, samples, weights, **truncation):
+    """[samples, longest] log-probs from the model's own forward(...).logits, a sequence at a time (log_softmax, or the
+    sampler's truncation of those logits), and their gradient under `weights`."""
+    out = torch.zeros(weights.shape)
+    for i, s in enumerate(samples):
+        n, targets = s["n_prompt"], torch.tensor(s["ids"][s["n_prompt"] :], dtype=torch.long)
+        logits = model(input_ids=torch.tensor([s["ids"]])).logits[0, n - 1 : -1].float()
+        if truncation:
+            logp = ag.sampler_logprobs(logits, targets, served=torch.float32, **truncation)[0]
+        else:
+            logp = logits.log_softmax(-1).gather(-1, targets[:, None])[:, 0]
+        out = out.index_put((torch.tensor([i]), torch.arange(len(targets))), logp)
+    return out, gradient(model, out, weights)
+
+
+@pytest.mark.parametrize("name", sorted(tiny.ARCHITECTURES))
+def test_every_trainer_path_of_each_architecture_is_its_own_logits(name):
+    """A tiny random checkpoint of each architecture, its family's quirks on (tiny.ARCHITECTURES: softcapping, sliding
+    windows, attention sinks, logit scaling, tied embeddings, MoE routing, QK norms, partial rotary): rows of their own,
+    shared rows with a mask, packed segments (segment_attention's SDPA loop over the metadata CUDA's kernel gets), the
+    output layer in many chunks, and top-k/top-p truncation, each equal to the log-softmax of the model's own logits
+    (truncated alike) at fp32 rounding, values and gradients of every weight. The start-up probes pass it."""
+    model = tiny.tiny_architecture(name)
+    samples = matrix_samples()
+    weights = torch.randn(len(samples), 11, generator=torch.Generator().manual_seed(1))
+    assert ag.logprobs_refused(model) is None and ag.sharing_refused(model) is None
+    expected = {key: own_logprobs(model, samples, weights, **t) for key, t in [("full", {}), ("cut", TRUNCATION)]}
+    vocab = model.config.vocab_size
+    paths = [
+        ("rows", dict(share=False), {}, {}),
+        ("mask", dict(share=True, config=model.config), {}, {}),
+        ("chunked", dict(share=True, config=model.config), dict(chunk=3 * vocab), {}),
+        ("rows top-k/top-p", dict(share=False), {}, TRUNCATION),
+        ("mask top-k/top-p", dict(share=True, config=model.config), {}, TRUNCATION),
+        ("packed", dict(packed=True), {}, {}),
+        ("packed top-k/top-p", dict(packed=True), dict(chunk=3 * vocab), TRUNCATION),
+    ]
+    checked = []
+    for path, layout, options, truncation in paths:
+        if layout.get("packed") and name in PACKED_REFUSED:  # a run forwards shared rows with a mask (checked above)
+            with contextlib.redirect_stdout(io.StringIO()) as said:
+                assert not ag.use_segments(model)
+            assert f"packed rows are off for {model.config.model_type}: {PACKED_REFUSED[name]}" in said.getvalue()
+            assert model.config._attn_implementation != "segments"
+            break
+        if layout.get("packed") and not checked[-1].startswith("packed"):
+            assert ag.use_segments(model), name
+        batch = ag.collate(samples, 0, "cpu", **layout)
+        assert ("segments" in batch) == bool(layout.get("packed"))
+        logp = ag.token_logprobs(model, batch, served=torch.float32, **options, **truncation)[0]
+        values, grad = expected["cut" if truncation else "full"]
+        real = batch["mask"]  # an empty completion has a column of padding
+        torch.testing.assert_close(logp * real, values, rtol=0, atol=2e-5 * max(1.0, values.abs().max().item()))
+        torch.testing.assert_close(
+            gradient(model, logp * real, weights), grad, rtol=0, atol=2e-5 * grad.abs().max().item()
+        )
+        checked.append(path)
+    assert grad.abs().max() > 0 and len(checked) == len(paths) - 2 * (name in PACKED_REFUSED)
+
+
+TRUNCATION = {"top_k": 40, "top_p": 0.9}
+# what use_segments says where it keeps the model's own attention: Gemma 2's attention softcapping is not in
+# segment_attention (nor in the varlen kernel); StableLM's layers do not hand their attention the segments
+PACKED_REFUSED = {
+    "Gemma2ForCausalLM": "Gemma2Attention passes ['softcap'] to its attention",
+    "StableLmForCausalLM": "a probe's log-probs differ by",
+}
