@@ -247,6 +247,30 @@ ARCHITECTURES = {
     "OlmoeForCausalLM": ("OlmoeConfig", dict(num_experts=4, num_experts_per_tok=2), "MoE routing, QK norms"),
     "Glm4ForCausalLM": ("Glm4Config", dict(partial_rotary_factor=0.5), "partial rotary, extra norms"),
     "Exaone4ForCausalLM": ("Exaone4Config", dict(SLIDING), "QK norms, windows"),
+    "HyperCLOVAXForCausalLM": ("HyperCLOVAXConfig", dict(logits_scaling=0.5), "logits * logits_scaling"),
+    "FalconH1ForCausalLM": (
+        "FalconH1Config",
+        dict(lm_head_multiplier=0.5, mamba_d_ssm=64, mamba_n_heads=4, mamba_d_head=16, mamba_d_state=16),
+        "logits * lm_head_multiplier, Mamba-2 layers beside attention",
+    ),
+    "DeepseekV3ForCausalLM": (
+        "DeepseekV3Config",
+        dict(
+            n_routed_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            first_k_dense_replace=1,
+            q_lora_rank=32,
+            kv_lora_rank=32,
+            qk_rope_head_dim=64,
+            qk_nope_head_dim=32,
+            v_head_dim=64,
+            n_group=1,
+            topk_group=1,
+            num_key_value_heads=2,
+        ),
+        "multi-head latent attention, grouped MoE routing",
+    ),
 }
 
 
@@ -258,3 +282,20 @@ def tiny_architecture(name, vocab_size=512, seed=0, **extra):
     config = getattr(transformers, config_class)(**{**SHAPE, **quirks, **extra, "vocab_size": vocab_size})
     torch.manual_seed(seed)
     return getattr(transformers, name)(config).float().eval()
+
+
+def save_tiny_architecture(name, cache_dir, tokenizer_from):
+    """tiny_architecture(name) saved once into cache_dir with the tokenizer of `tokenizer_from` (the built-in model's),
+    a checkpoint vLLM serves; its path."""
+    from transformers import AutoTokenizer
+
+    path = Path(cache_dir) / f"arch-{name}-v1"
+    if (path / "config.json").exists():
+        return str(path)
+    tok = AutoTokenizer.from_pretrained(tokenizer_from)
+    model = tiny_architecture(name, vocab_size=len(tok), pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
+    tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
+    model.save_pretrained(tmp)
+    tok.save_pretrained(tmp)
+    os.replace(tmp, path)
+    return str(path)
