@@ -1263,7 +1263,8 @@ class WeightSyncExtension:
                 return False
             module, _, leaf = name.rpartition(".")
             parent, _, last = module.rpartition(".")
-            experts = re.sub(r"\.experts\.\d+\..*", ".experts.", name)  # MoE layers hold all experts in one tensor
+            # MoE layers hold all experts in one tensor (GPT-OSS's 3D ones are renamed under it again)
+            experts = re.sub(r"\.experts\.(\d+\.)?.*", ".experts.", name)
             if name in known or f"{parent}.{fused.get(last, last)}.{leaf}" in known:
                 return True
             return experts != name and any(k.startswith(experts) for k in known)
@@ -2824,9 +2825,12 @@ def use_segments(model):
         model.set_attn_implementation("segments")
         try:
             gap = (token_logprobs(model, collate(probe, 0, model.device, packed=True))[0] - rows).abs().max().item()
+            # 0.05: CUDA's kernel computes in bf16; keys a segment should not see move a log-prob by far more
             why = None if gap < 0.05 else f"a probe's log-probs differ by {gap:.2g} packed"
         except ValueError as e:
             why = str(e)
+    if hasattr(model, "reshard"):  # as in sharing_refused
+        model.reshard()
     if why or config._attn_implementation != "segments":
         model.set_attn_implementation(before)
         print(f"packed rows are off for {config.model_type}: {why or 'no attention function'}; a mask instead")
