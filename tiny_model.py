@@ -180,3 +180,122 @@ def build(cache_dir, warm_start_steps=800):
     tok.save_pretrained(tmp)
     os.replace(tmp, path)
     return str(path)
+
+
+# --- Tiny random checkpoints of other architectures, each with its family's quirks on (the conformance matrix) -------
+
+SHAPE = dict(
+    hidden_size=128,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=2,
+    num_key_value_heads=1,
+    head_dim=64,  # vLLM's CPU attention needs 64
+    max_position_embeddings=256,
+    pad_token_id=0,
+    bos_token_id=1,
+    eos_token_id=2,
+)
+MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
+SLIDING = dict(sliding_window=4, layer_types=["sliding_attention", "full_attention"])
+
+# architecture -> (config class name, its quirks, the quirks' names): each one in both transformers' and vLLM's registry
+ARCHITECTURES = {
+    "LlamaForCausalLM": ("LlamaConfig", dict(tie_word_embeddings=True), "tied embeddings"),
+    "Qwen2ForCausalLM": (
+        "Qwen2Config",
+        dict(use_sliding_window=True, max_window_layers=1, sliding_window=4),
+        "qkv bias, a sliding window on layer 2",
+    ),
+    "Qwen3ForCausalLM": ("Qwen3Config", dict(tie_word_embeddings=True), "QK norms, tied embeddings"),
+    "Qwen3MoeForCausalLM": ("Qwen3MoeConfig", dict(MOE, decoder_sparse_step=1), "MoE routing, QK norms"),
+    "MistralForCausalLM": ("MistralConfig", dict(sliding_window=4), "a sliding window on every layer"),
+    "MixtralForCausalLM": (
+        "MixtralConfig",
+        dict(num_local_experts=4, num_experts_per_tok=2, sliding_window=4),
+        "MoE routing, sliding window",
+    ),
+    "Gemma2ForCausalLM": (
+        "Gemma2Config",
+        dict(SLIDING, final_logit_softcapping=5.0, attn_logit_softcapping=20.0, query_pre_attn_scalar=32),
+        "logit and attention softcapping, alternating windows, tied embeddings",
+    ),
+    "Gemma3ForCausalLM": (
+        "Gemma3TextConfig",
+        dict(SLIDING, final_logit_softcapping=5.0, query_pre_attn_scalar=32),
+        "logit softcapping, QK norms, alternating windows",
+    ),
+    "Phi3ForCausalLM": ("Phi3Config", dict(partial_rotary_factor=0.5), "fused qkv and gate_up, partial rotary"),
+    "StableLmForCausalLM": ("StableLmConfig", dict(partial_rotary_factor=0.25, qk_layernorm=True), "partial rotary"),
+    "GraniteForCausalLM": (
+        "GraniteConfig",
+        dict(logits_scaling=3.0, embedding_multiplier=2.0, residual_multiplier=0.5, attention_multiplier=0.1),
+        "logits / logits_scaling, multipliers",
+    ),
+    "GraniteMoeForCausalLM": (
+        "GraniteMoeConfig",
+        dict(logits_scaling=0.3, num_local_experts=4, num_experts_per_tok=2, embedding_multiplier=2.0),
+        "logits / logits_scaling, MoE routing",
+    ),
+    "CohereForCausalLM": ("CohereConfig", dict(logit_scale=2.5, use_qk_norm=True), "logits * logit_scale, QK norms"),
+    "Cohere2ForCausalLM": ("Cohere2Config", dict(SLIDING, logit_scale=0.7), "logits * logit_scale, windows"),
+    "GptOssForCausalLM": (
+        "GptOssConfig",
+        dict(SLIDING, num_local_experts=4, num_experts_per_tok=2),
+        "attention sinks, MoE routing, windows",
+    ),
+    "OlmoeForCausalLM": ("OlmoeConfig", dict(num_experts=4, num_experts_per_tok=2), "MoE routing, QK norms"),
+    "Glm4ForCausalLM": ("Glm4Config", dict(partial_rotary_factor=0.5), "partial rotary, extra norms"),
+    "Exaone4ForCausalLM": ("Exaone4Config", dict(SLIDING), "QK norms, windows"),
+    "HyperCLOVAXForCausalLM": ("HyperCLOVAXConfig", dict(logits_scaling=0.5), "logits * logits_scaling"),
+    "FalconH1ForCausalLM": (
+        "FalconH1Config",
+        dict(lm_head_multiplier=0.5, mamba_d_ssm=64, mamba_n_heads=4, mamba_d_head=16, mamba_d_state=16),
+        "logits * lm_head_multiplier, Mamba-2 layers beside attention",
+    ),
+    "DeepseekV3ForCausalLM": (
+        "DeepseekV3Config",
+        dict(
+            n_routed_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            first_k_dense_replace=1,
+            q_lora_rank=32,
+            kv_lora_rank=32,
+            qk_rope_head_dim=64,
+            qk_nope_head_dim=32,
+            v_head_dim=64,
+            n_group=1,
+            topk_group=1,
+            num_key_value_heads=2,
+        ),
+        "multi-head latent attention, grouped MoE routing",
+    ),
+}
+
+
+def tiny_architecture(name, vocab_size=512, seed=0, **extra):
+    """A random-weight model of `name` (a key of ARCHITECTURES) in fp32, its quirks on, SHAPE's size."""
+    import transformers
+
+    config_class, quirks, _ = ARCHITECTURES[name]
+    config = getattr(transformers, config_class)(**{**SHAPE, **quirks, **extra, "vocab_size": vocab_size})
+    torch.manual_seed(seed)
+    return getattr(transformers, name)(config).float().eval()
+
+
+def save_tiny_architecture(name, cache_dir, tokenizer_from):
+    """tiny_architecture(name) saved once into cache_dir with the tokenizer of `tokenizer_from` (the built-in model's),
+    a checkpoint vLLM serves; its path."""
+    from transformers import AutoTokenizer
+
+    path = Path(cache_dir) / f"arch-{name}-v1"
+    if (path / "config.json").exists():
+        return str(path)
+    tok = AutoTokenizer.from_pretrained(tokenizer_from)
+    model = tiny_architecture(name, vocab_size=len(tok), pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
+    tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
+    model.save_pretrained(tmp)
+    tok.save_pretrained(tmp)
+    os.replace(tmp, path)
+    return str(path)

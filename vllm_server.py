@@ -495,7 +495,8 @@ class WeightSyncExtension:
                 return False
             module, _, leaf = name.rpartition(".")
             parent, _, last = module.rpartition(".")
-            experts = re.sub(r"\.experts\.\d+\..*", ".experts.", name)  # MoE layers hold all experts in one tensor
+            # MoE layers hold all experts in one tensor (GPT-OSS's 3D ones are renamed under it again)
+            experts = re.sub(r"\.experts\.(\d+\.)?.*", ".experts.", name)
             if name in known or f"{parent}.{fused.get(last, last)}.{leaf}" in known:
                 return True
             return experts != name and any(k.startswith(experts) for k in known)
