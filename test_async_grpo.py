@@ -1372,7 +1372,7 @@ def test_the_wait_for_vllm_says_what_its_log_last_said(tmp_path, before, logged,
 def test_the_shipped_built_in_model_is_the_one_its_recipe_makes(tmp_path, capsys, monkeypatch):
     """The built-in model ships built (tiny_model.SHIPPED), so that the first run builds nothing; it must be what
     tiny_model.py's recipe makes. A whole rebuild takes ~150 s on 2 cores; this one makes its first 10 warm-start steps
-    (~10-25 s): the same tokenizer and config, and the same losses at each step as the shipped build recorded; and the
+    (~10-25 s): the same tokenizer and config, and the same loss at each step as the shipped model's record; and the
     shipped weights give the losses the record says its build ended with, which the 10-step model does not."""
     from transformers import AutoModelForCausalLM
 
@@ -1396,8 +1396,7 @@ def test_the_shipped_built_in_model_is_the_one_its_recipe_makes(tmp_path, capsys
         config.pop("transformers_version")
     assert configs[0] == configs[1]
     rebuilt = json.loads((prefix / "build.json").read_text())["losses"]
-    assert rebuilt == pytest.approx(record["losses"][:10], rel=1e-3)
-    assert record["losses"][-1] < record["losses"][9] / 2  # the record goes on past them: a model that learned
+    assert len(record["losses"]) >= 10 and rebuilt == pytest.approx(record["losses"][:10], rel=1e-3)
 
     kinds, tok, _ = tiny.recipe()
     shipped = AutoModelForCausalLM.from_pretrained(tiny.SHIPPED, dtype=torch.float32)
