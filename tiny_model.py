@@ -61,10 +61,11 @@ SPECIAL_TOKENS = [
 
 VERSION = "tiny-qwen3-v4"  # bump when the recipe below changes, so caches rebuild (and remake SHIPPED)
 WARM_START_STEPS = 800
-# The built-in model as make() makes it, committed with this file (1.8 MB): the first run loads it instead of building
-# it, which took BUILD_SECONDS (measured: the 800 steps of a fresh-home default run, issue 54, on 2 cores; under a load
-# of 20 on them a rebuild ran at 7 s a step). test_the_shipped_built_in_model_is_the_one_its_recipe_makes checks that a
-# rebuild makes the same model as far as its first 10 steps, against build.json.
+# The built-in model as make() makes it, committed with this file (1.8 MB): the first run loads it instead of
+# building it, which took BUILD_SECONDS (measured: the 800 steps of a fresh-home default run, issue 54, on 2 cores;
+# under a load of 20 on them a rebuild ran at 5-7 s a step).
+# test_the_shipped_built_in_model_is_the_one_its_recipe_makes checks that a rebuild makes the same model as far as
+# its first 10 steps, against build.json.
 SHIPPED = Path(__file__).resolve().parent / "builtin_model"
 BUILD_SECONDS = 150
 
@@ -127,8 +128,8 @@ def warm_start_conversations(n, seed):
 
 
 def build(cache_dir, warm_start_steps=WARM_START_STEPS):
-    """The built-in model's directory: SHIPPED, committed with this file, when this recipe made it (its build.json names
-    VERSION and warm_start_steps); else one built once into cache_dir by make()."""
+    """The built-in model's directory: SHIPPED, committed with this file, when this recipe made it (its build.json
+    names VERSION and warm_start_steps); else one built once into cache_dir by make()."""
     if shipped(warm_start_steps):
         return str(SHIPPED)
     path = Path(cache_dir) / f"{VERSION}-ws{warm_start_steps}"
@@ -207,16 +208,17 @@ def step_loss(model, tok, kinds, step):
 
 
 def check_losses(model, tok, kinds):
-    """The losses of a model on the first batch of each kind: the shipped weights give the ones their build recorded."""
+    """The losses of a model on the first batch of each kind: the shipped weights give those their build recorded."""
     with torch.no_grad():
         return [round(step_loss(model, tok, kinds, step).item(), 6) for step in range(len(kinds))]
 
 
 def make(path, warm_start_steps=WARM_START_STEPS):
-    """Make the built-in model into path (replaced whole): a ~0.5M-parameter Qwen3 and a byte-level BPE tokenizer trained
-    on the task. Random weights would give every rollout the same zero reward, hence no signal. A few hundred supervised
-    steps teach the answer format and the tool-call syntax, and leave the arithmetic mostly unlearned (~25% greedy
-    accuracy without tools). build.json records the recipe and every step's loss, which the tests compare a rebuild to."""
+    """Make the built-in model into path (replaced whole): a ~0.5M-parameter Qwen3 and a byte-level BPE tokenizer
+    trained on the task. Random weights would give every rollout the same zero reward, hence no signal. A few hundred
+    supervised steps teach the answer format and the tool-call syntax, and leave the arithmetic mostly unlearned (~25%
+    greedy accuracy without tools). build.json records the recipe and every step's loss, which a test compares a
+    rebuild to."""
     t0 = time.monotonic()
     kinds, tok, model = recipe()
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
@@ -232,7 +234,8 @@ def make(path, warm_start_steps=WARM_START_STEPS):
             took = time.monotonic() - t0
             left = took / (step + 1) * (warm_start_steps - step - 1)
             print(
-                f"  warm start {step + 1:4d}/{warm_start_steps} loss {loss.item():.3f} ({took:.0f} s, ~{left:.0f} s left)",
+                f"  warm start {step + 1:4d}/{warm_start_steps} loss {loss.item():.3f} "
+                f"({took:.0f} s, ~{left:.0f} s left)",
                 flush=True,
             )
     record = {

@@ -12,9 +12,10 @@ import torch
 
 HERE = Path(__file__).resolve().parent
 SERVED_MODEL = "policy"  # the name the servers started here serve the weights under, whatever the checkpoint
-# Measured: the default run's "vLLM is up after N s" on 2 cores with an empty ~/.cache (vLLM compiles the model into it
-# the first time), README.md's first command
-CPU_START_SECONDS = 60
+# Measured: the default run's "vLLM is up after N s" from an empty home directory (vLLM compiles the model into
+# ~/.cache/vllm the first time): ~50 s on 2 idle cores (issue 54's run), 406 s on 2 cores under a load of 27-44 (its
+# fix's run, half of it in "Warming up model for the compilation")
+CPU_START_SECONDS = 50
 
 
 def vllm_flag(args, *names):
@@ -94,8 +95,8 @@ def start_vllm(args, model_path, out_dir):
             print(f"starting vLLM (pid {proc.pid}, log {log_path}): {shlex.join(cmd)}", flush=True)
         if plan["cpu_server"]:
             print(
-                f"a CPU server starts in about a minute (the built-in model's: {CPU_START_SECONDS} s on 2 cores, "
-                "from an empty home directory); progress every 10 s",
+                f"a CPU server takes a while to start (the built-in model's: {CPU_START_SECONDS} s on 2 idle cores "
+                "from an empty home directory, minutes on busy ones); progress every 10 s",
                 flush=True,
             )
         deadline = time.monotonic() + args.vllm_startup_timeout
