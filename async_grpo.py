@@ -2274,7 +2274,7 @@ def parse_args(argv=None, world_size=1, cuda_count=None, local_ranks=None, heads
     g.add_argument(
         "--cache-dir",
         default=os.path.expanduser("~/.cache/async_grpo"),
-        help="where the built-in model and dequantised GGUF models are built once and reused",
+        help="where dequantised GGUF models (and the built-in model, once its recipe changed) are built once",
     )
     g.add_argument("--seed", type=int, default=0, help="seed of data order, sampling and init (rank adds to it)")
 

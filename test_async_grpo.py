@@ -1233,7 +1233,7 @@ def test_bad_input_fails_before_vllm_starts(tmp_path, capsys):
     print("\n".join(report))
     code, out = run_cli("--model", str(tmp_path / "no_such_model"), timeout=60)  # and once as a user runs it
     assert code == 1 and "--model" in out and "starting vLLM" not in out
-    # on a fresh machine the data is read before the built-in model's one-minute build
+    # on a fresh machine the data is read before the built-in model is loaded (or built, after a change to its recipe)
     code, out = run_cli(
         "--dataset", str(tmp_path / "no_prompt.jsonl"), "--cache-dir", str(tmp_path / "fresh"), timeout=60
     )
@@ -1538,6 +1538,73 @@ def test_the_one_gpu_memory_plan_on_cuda_holds_the_trainer_and_refuses_a_model_t
 @pytest.fixture(scope="session")
 def tiny_model():
     return tiny.build(CACHE)
+
+
+@pytest.mark.parametrize(
+    "before, logged, says",
+    [
+        ("", "", "its log is empty"),  # nothing yet
+        ("", "Triton is installed, but doesn't include CPU backend.\n  warnings.warn(\n", "its log is empty"),
+        (  # vLLM's last line, whichever of its processes wrote it, without the prefix
+            "",
+            "(APIServer pid=7) INFO 11-27 06:46:52 [model.py:733] Resolved architecture: Qwen3ForCausalLM\n"
+            "(Worker pid=9) INFO 11-27 06:47:07 [cpu_model_runner.py:87] Warming up model for the compilation...\n"
+            "  warnings.warn(\n\n",
+            "its log says: Warming up model for the compilation...",
+        ),
+        (
+            "",
+            "(VllmWorker-0 pid=5) WARNING 11-27 06:47:06 [vllm.py:725] " + "x" * 200 + "\n",
+            "its log says: " + "x" * 90,
+        ),
+        (  # --resume appends to the log: what an earlier server said is not this one's progress
+            "(APIServer pid=3) INFO 11-27 05:00:00 [launcher.py:195] Route: /health, Methods: GET\n",
+            "Triton is installed, but doesn't include CPU backend.\n",
+            "its log is empty",
+        ),
+    ],
+)
+def test_the_wait_for_vllm_says_what_its_log_last_said(tmp_path, before, logged, says):
+    log = tmp_path / "vllm.log"
+    log.write_text(before + logged)
+    proc = argparse.Namespace(log_path=log, log_start=len(before.encode()))
+    assert vllm_server.log_now(proc) == says
+
+
+def test_the_shipped_built_in_model_is_the_one_its_recipe_makes(tmp_path, capsys, monkeypatch):
+    """The built-in model ships built (tiny_model.SHIPPED), so that the first run builds nothing; it must be what
+    tiny_model.py's recipe makes. A whole rebuild takes ~150 s on 2 cores; this one makes its first 10 warm-start steps
+    (~10-25 s): the same tokenizer and config, and the same loss at each step as the shipped model's record; and the
+    shipped weights give the losses the record says its build ended with, which the 10-step model does not."""
+    from transformers import AutoModelForCausalLM
+
+    record = json.loads((tiny.SHIPPED / "build.json").read_text())
+    assert (record["version"], record["warm_start_steps"]) == (tiny.VERSION, tiny.WARM_START_STEPS)
+    assert tiny.build(tmp_path / "cache") == str(tiny.SHIPPED) and not (tmp_path / "cache").exists()
+    assert "building" not in capsys.readouterr().out  # the run loads it: nothing is built
+    with monkeypatch.context() as m:  # a recipe changed (VERSION bumped) and not remade: built, not the stale one
+        m.setattr(tiny, "VERSION", "tiny-qwen3-changed")
+        assert not tiny.shipped()
+
+    # steps other than the shipped one's: built into the cache once, with a message that says what it costs
+    prefix = Path(tiny.build(tmp_path / "cache", warm_start_steps=10))
+    assert prefix.parent == tmp_path / "cache" and f"{tiny.WARM_START_STEPS} took" in capsys.readouterr().out
+    assert tiny.build(tmp_path / "cache", warm_start_steps=10) == str(prefix)
+    assert "building" not in capsys.readouterr().out
+    for name in ["tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json"]:
+        assert (prefix / name).read_text() == (tiny.SHIPPED / name).read_text(), name
+    configs = [json.loads((path / "config.json").read_text()) for path in (prefix, tiny.SHIPPED)]
+    for config in configs:
+        config.pop("transformers_version")
+    assert configs[0] == configs[1]
+    rebuilt = json.loads((prefix / "build.json").read_text())["losses"]
+    assert len(record["losses"]) >= 10 and rebuilt == pytest.approx(record["losses"][:10], rel=1e-3)
+
+    kinds, tok, _ = tiny.recipe()
+    shipped = AutoModelForCausalLM.from_pretrained(tiny.SHIPPED, dtype=torch.float32)
+    assert tiny.check_losses(shipped, tok, kinds) == pytest.approx(record["check_losses"], rel=1e-4)
+    early = AutoModelForCausalLM.from_pretrained(prefix, dtype=torch.float32)
+    assert tiny.check_losses(early, tok, kinds) != pytest.approx(record["check_losses"], rel=1e-2)
 
 
 def serve(model_path, out, vllm_args=""):

@@ -1,5 +1,6 @@
-"""The built-in model, for the default run and the tests: a ~0.5M-parameter Qwen3 with a byte-level BPE tokenizer,
-built once into --cache-dir (under a minute on 2 cores), no network. async_grpo.py loads it as it would any checkpoint.
+"""The built-in model, for the default run and the tests: a ~0.5M-parameter Qwen3 with a byte-level BPE tokenizer, no
+network. It ships built (builtin_model/, made by `python tiny_model.py`); a change to its recipe builds it once into
+--cache-dir instead until it is remade. async_grpo.py loads it as it would any checkpoint.
 
 Its template: ChatML with Qwen-style tool calls, so the same parser serves this model and Qwen models. Tools are listed as
 `name(arg, ...)`: full JSON schemas would make a tiny model's prompts ten times longer.
@@ -8,6 +9,8 @@ Its template: ChatML with Qwen-style tool calls, so the same parser serves this 
 import json
 import os
 import random
+import shutil
+import time
 from pathlib import Path
 
 import torch
@@ -56,7 +59,15 @@ SPECIAL_TOKENS = [
 ]
 
 
-VERSION = "tiny-qwen3-v4"  # bump when the recipe below changes, so caches rebuild
+VERSION = "tiny-qwen3-v4"  # bump when the recipe below changes, so caches rebuild (and remake SHIPPED)
+WARM_START_STEPS = 800
+# The built-in model as make() makes it, committed with this file (1.8 MB): the first run loads it instead of
+# building it, which took BUILD_SECONDS (measured: the 800 steps of a fresh-home default run, issue 54, on 2 cores;
+# under a load of 20 on them a rebuild ran at 5-7 s a step).
+# test_the_shipped_built_in_model_is_the_one_its_recipe_makes checks that a rebuild makes the same model as far as
+# its first 10 steps, against build.json.
+SHIPPED = Path(__file__).resolve().parent / "builtin_model"
+BUILD_SECONDS = 150
 
 
 def warm_start_conversations(n, seed):
@@ -116,17 +127,39 @@ def warm_start_conversations(n, seed):
     return plain, with_tools, games, with_python
 
 
-def build(cache_dir, warm_start_steps=800):
-    """Build (once) a ~0.5M-parameter Qwen3 model and a byte-level BPE tokenizer trained on the task. Random weights
-    would give every rollout the same zero reward, hence no signal. A few hundred supervised steps teach the answer
-    format and the tool-call syntax, and leave the arithmetic mostly unlearned (~25% greedy accuracy without tools)."""
+def build(cache_dir, warm_start_steps=WARM_START_STEPS):
+    """The built-in model's directory: SHIPPED, committed with this file, when this recipe made it (its build.json
+    names VERSION and warm_start_steps); else one built once into cache_dir by make()."""
+    if shipped(warm_start_steps):
+        return str(SHIPPED)
     path = Path(cache_dir) / f"{VERSION}-ws{warm_start_steps}"
     if (path / "config.json").exists():
         return str(path)
+    print(
+        f"building the built-in model into {path}, once: {warm_start_steps} warm-start steps "
+        f"({WARM_START_STEPS} took {BUILD_SECONDS} s on 2 idle cores)",
+        flush=True,
+    )
+    make(path, warm_start_steps)
+    return str(path)
+
+
+def shipped(warm_start_steps=WARM_START_STEPS):
+    """Whether SHIPPED holds the model this recipe makes with warm_start_steps (a stale one is built anew instead)."""
+    try:
+        record = json.loads((SHIPPED / "build.json").read_text())
+    except (OSError, ValueError):
+        return False
+    same = record.get("version") == VERSION and record.get("warm_start_steps") == warm_start_steps
+    return same and (SHIPPED / "model.safetensors").exists()
+
+
+def recipe():
+    """The built-in model before its warm start, and what it is trained on: (conversations of each kind, tokenizer,
+    model), the same on every call (seeded)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
 
-    print(f"building the built-in model into {path} (once, about a minute)", flush=True)
     torch.manual_seed(0)
     kinds = warm_start_conversations(4000, seed=12345)  # plain, with tools, games, with python
     bpe = Tokenizer(models.BPE())
@@ -158,28 +191,72 @@ def build(cache_dir, warm_start_steps=800):
         pad_token_id=tok.pad_token_id,
         bos_token_id=None,
     )
-    model = Qwen3ForCausalLM(config)
+    return kinds, tok, Qwen3ForCausalLM(config)
+
+
+def step_loss(model, tok, kinds, step):
+    """The warm start's loss at this step: 32 conversations of one kind, the kinds in turn (padding a plain batch to
+    tool length would waste most of it)."""
+    batch = random.Random(step).sample(kinds[step % len(kinds)], 32)
+    batch = tok(
+        [tok.apply_chat_template(c, tools=t, tokenize=False) for c, t in batch],
+        return_tensors="pt",
+        padding=True,
+        add_special_tokens=False,
+    )
+    return model(**batch, labels=batch.input_ids.masked_fill(batch.attention_mask == 0, -100)).loss
+
+
+def check_losses(model, tok, kinds):
+    """The losses of a model on the first batch of each kind: the shipped weights give those their build recorded."""
+    with torch.no_grad():
+        return [round(step_loss(model, tok, kinds, step).item(), 6) for step in range(len(kinds))]
+
+
+def make(path, warm_start_steps=WARM_START_STEPS):
+    """Make the built-in model into path (replaced whole): a ~0.5M-parameter Qwen3 and a byte-level BPE tokenizer
+    trained on the task. Random weights would give every rollout the same zero reward, hence no signal. A few hundred
+    supervised steps teach the answer format and the tool-call syntax, and leave the arithmetic mostly unlearned (~25%
+    greedy accuracy without tools). build.json records the recipe and every step's loss, which a test compares a
+    rebuild to."""
+    t0 = time.monotonic()
+    kinds, tok, model = recipe()
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    losses = []
     for step in range(warm_start_steps):
-        # Take turns: padding a plain batch to tool length would waste most of it.
-        batch = random.Random(step).sample(kinds[step % len(kinds)], 32)
-        batch = tok(
-            [tok.apply_chat_template(c, tools=t, tokenize=False) for c, t in batch],
-            return_tensors="pt",
-            padding=True,
-            add_special_tokens=False,
-        )
-        loss = model(**batch, labels=batch.input_ids.masked_fill(batch.attention_mask == 0, -100)).loss
+        loss = step_loss(model, tok, kinds, step)
         loss.backward()
         opt.step()
         opt.zero_grad()
-        if step % 100 == 0 or step == warm_start_steps - 1:
-            print(f"  warm start {step:4d}/{warm_start_steps} loss {loss.item():.3f}", flush=True)
+        losses.append(round(loss.item(), 6))
+        if (step + 1) % 100 == 0 or step + 1 == warm_start_steps:
+            # progress with a measured estimate: a build takes minutes
+            took = time.monotonic() - t0
+            left = took / (step + 1) * (warm_start_steps - step - 1)
+            print(
+                f"  warm start {step + 1:4d}/{warm_start_steps} loss {loss.item():.3f} "
+                f"({took:.0f} s, ~{left:.0f} s left)",
+                flush=True,
+            )
+    record = {
+        "version": VERSION,
+        "warm_start_steps": warm_start_steps,
+        "seconds": round(time.monotonic() - t0),
+        "torch": torch.__version__,
+        "check_losses": check_losses(model, tok, kinds),
+        "losses": losses,
+    }
+    path = Path(path)
     tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")  # renamed once whole: a half-built model is never loaded
     model.save_pretrained(tmp)
     tok.save_pretrained(tmp)
+    (tmp / "build.json").write_text(json.dumps(record) + "\n")
+    old = path.with_name(f"{path.name}.old{os.getpid()}")
+    if path.exists():  # remaking SHIPPED
+        os.replace(path, old)
     os.replace(tmp, path)
-    return str(path)
+    shutil.rmtree(old, ignore_errors=True)
+    return record
 
 
 # --- Tiny random checkpoints of other architectures, each with its family's quirks on (the conformance matrix) -------
@@ -299,3 +376,9 @@ def save_tiny_architecture(name, cache_dir, tokenizer_from):
     tok.save_pretrained(tmp)
     os.replace(tmp, path)
     return str(path)
+
+
+if __name__ == "__main__":
+    # Remake the shipped model after a change to its recipe (then bump VERSION): ~150 s on 2 cores
+    print(f"remaking {SHIPPED}", flush=True)
+    make(SHIPPED)

@@ -16,6 +16,10 @@ import torch.distributed as dist
 
 HERE = Path(__file__).resolve().parent
 SERVED_MODEL = "policy"  # the name the servers started here serve the weights under, whatever the checkpoint
+# Measured: the default run's "vLLM is up after N s" from an empty home directory (vLLM compiles the model into
+# ~/.cache/vllm the first time): ~50 s on 2 idle cores (issue 54's run), 406 s on 2 cores under a load of 27-44 (its
+# fix's run, half of it in "Warming up model for the compilation")
+CPU_START_SECONDS = 50
 
 
 def vllm_flag(args, *names):
@@ -198,9 +202,15 @@ def start_vllm(args, model_path, out_dir):
             proc.url = f"http://127.0.0.1:{port}"
             procs.append(proc)
             print(f"starting vLLM (pid {proc.pid}, log {log_path}): {shlex.join(cmd)}", flush=True)
+        if plan["cpu_server"]:
+            print(
+                f"a CPU server takes a while to start (the built-in model's: {CPU_START_SECONDS} s on 2 idle cores "
+                "from an empty home directory, minutes on busy ones); progress every 10 s",
+                flush=True,
+            )
         deadline = time.monotonic() + args.vllm_startup_timeout
         starting = list(procs)
-        report = t0 + 30  # when to say that it is still starting
+        report = t0 + 10  # when to say that it is still starting, and where it is
         while starting:
             for proc in list(starting):
                 if proc.poll() is not None:
@@ -219,12 +229,12 @@ def start_vllm(args, model_path, out_dir):
                     starting.remove(proc)
             if starting:
                 time.sleep(1)
-                if time.monotonic() > report:  # a real model on CPU takes minutes: say that it is still coming
+                if time.monotonic() > report:  # even the built-in model's takes a minute on 2 cores: show progress
                     print(
-                        f"waiting for vLLM ({time.monotonic() - t0:.0f} s; its log: {starting[0].log_path})",
+                        f"waiting for vLLM: {time.monotonic() - t0:.0f} s, {log_now(starting[0])}",
                         flush=True,
                     )
-                    report += 30
+                    report += 10
         return procs
     except BaseException:  # Ctrl-C included: the caller never got the handles, so stop them here
         for proc in procs:
@@ -238,6 +248,21 @@ def _server_preexec(cores=None):
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
     if cores:
         os.sched_setaffinity(0, cores)
+
+
+def log_now(proc):
+    """What a starting server last logged, without its prefix ('(APIServer pid=1) INFO 11-27 06:46:52 [model.py:733] ')
+    and cut short: where its start-up is (loading, compiling, ...)."""
+    with contextlib.suppress(OSError), open(proc.log_path, "rb") as log:
+        log.seek(max(proc.log_start, log.seek(0, os.SEEK_END) - 4096))
+        prefix = re.compile(r"^\(\w[^)]*\) +[A-Z]+ +[\d-]+ [\d:]+ \[[^]]*\] *")
+        # vLLM's own lines, not the warnings and progress bars of what it imports
+        lines = [
+            prefix.sub("", line) for line in log.read().decode(errors="replace").splitlines() if prefix.match(line)
+        ]
+        if lines:
+            return f"its log says: {lines[-1].strip()[:90]}"
+    return "its log is empty"
 
 
 def log_tail(proc, n=25):
