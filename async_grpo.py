@@ -1390,9 +1390,11 @@ def load_policy_and_optimizer(run):
         run.model = torch.nn.parallel.DistributedDataParallel(
             run.policy, device_ids=[run.device.index] if run.device.type == "cuda" else None
         )
-    run.optimizer = torch.optim.AdamW(
-        [p for p in run.policy.parameters() if p.requires_grad], lr=args.lr, weight_decay=args.weight_decay
-    )
+    # On CPU torch's AdamW loops over the tensors one by one (it picks foreach only on GPUs); fused does the step
+    # in one kernel: 0.41 -> 0.11 CPU s a step on SmolLM2-135M (docs/performance.md)
+    fused = True if run.device.type == "cpu" and not args.fsdp else None
+    trained = [p for p in run.policy.parameters() if p.requires_grad]
+    run.optimizer = torch.optim.AdamW(trained, lr=args.lr, weight_decay=args.weight_decay, fused=fused)
     run.scheduler = torch.optim.lr_scheduler.LambdaLR(
         run.optimizer, lambda s: min(1.0, (s + 1) / (args.warmup_steps + 1))
     )

@@ -2269,6 +2269,35 @@ def test_resume_loads_to_cpu_and_drops_the_optimizer_state_once_applied(tiny_mod
         assert torch.equal(state["exp_avg"], saved[i]["exp_avg"]) and state["step"] == saved[i]["step"] == 1
 
 
+def test_the_cpu_trainer_steps_fused_adamw_as_the_per_tensor_one_would(tiny_model, tmp_path):
+    """On CPU the run's AdamW is fused (torch loops over the tensors there otherwise: docs/performance.md); after the
+    same gradients, over several steps and with weight decay, its weights and state equal those of the per-tensor AdamW
+    (to float rounding), so that the change is speed alone and checkpoints of either resume in the other."""
+    from transformers import AutoTokenizer
+
+    args = ag.parse_args(["--output-dir", str(tmp_path), "--lr", "1e-2", "--weight-decay", "0.1"])
+    ctx = ag.rollout_context(None, None, [], stop_ids=[0])
+    run = ag.Run(args, 0, 1, torch.device("cpu"), tmp_path, model_path=tiny_model, initial_model=tiny_model, ctx=ctx)
+    run.tok = AutoTokenizer.from_pretrained(tiny_model)
+    ag.load_policy_and_optimizer(run)
+    assert run.optimizer.defaults["fused"]
+    twin = ag.load_policy(tiny_model)
+    per_tensor = torch.optim.AdamW(twin.parameters(), lr=1e-2, weight_decay=0.1)
+    assert not per_tensor.defaults["fused"] and not per_tensor.defaults["foreach"]
+    for step in range(3):
+        ids = torch.randint(3, 400, (2, 9 + step))
+        for model, optimizer in ((run.policy, run.optimizer), (twin, per_tensor)):
+            model(input_ids=ids).logits.logsumexp(-1).mean().backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+    for (name, p), q in zip(run.policy.named_parameters(), twin.parameters()):
+        # a step moves a weight by about lr (1e-2); where Adam's second moment is tiny, rounding grows to ~2e-6
+        assert torch.allclose(p, q, atol=1e-5, rtol=1e-4), name
+    fused, plain = run.optimizer.state_dict()["state"], per_tensor.state_dict()["state"]
+    assert all(torch.allclose(fused[i]["exp_avg_sq"], plain[i]["exp_avg_sq"], rtol=1e-4) for i in plain)
+    assert all(float(fused[i]["step"]) == float(plain[i]["step"]) == 3 for i in plain)
+
+
 def test_a_lora_checkpoint_resumes_its_adapter_on_the_initial_model(tiny_model, tmp_path):
     """checkpoint() under --lora-rank, then --resume's load (load_policy_and_optimizer): the trainer holds the initial
     model's weights, untouched, with the saved adapter, trainable, and its optimizer state; the merged model saved
