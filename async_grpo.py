@@ -1449,6 +1449,11 @@ def start_generation(run):
         dist.broadcast_object_list(dtype, 0)
     run.served_dtype = getattr(torch, dtype[0])
     if run.is_main:
+        # On CPU fp32 even with native bf16: autocast there halved the step but moved the log-probs from fp32's
+        # (the CPU server's dtype) by a mismatch KL of ~1e-2 (docs/performance.md)
+        trainer_dtype = "bf16 autocast" if run.device.type == "cuda" else "fp32"
+        print(f"the trainer computes in {trainer_dtype}, the servers in {dtype[0]}", flush=True)
+    if run.is_main:
         run.version = PolicyVersion(args.max_inflight)
         # the watchdog's finding, read at each sync: a server that fails mid-sync is named
         failure = functools.partial(getattr, run, "server_failure")
