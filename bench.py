@@ -9,6 +9,7 @@ with every figure, and a plot of reward against wall time.
     python bench.py --trainer         # part 8, not in the runs above (trainer.json; no server; CUDA if any)
     python bench.py --env             # part 9 alone (env.json)
     python bench.py --python          # part 10 alone (python.json)
+    python bench.py --step-profile    # part 11, not in the runs above (step_profile.json; no server)
 
 1. async vs sync: the same run (prompts, samples, steps, seed) with --sync, without (async), and async with
    --max-staleness 2, on the tool task with a tool that takes --tool-latency seconds: wall time, samples/s,
@@ -31,6 +32,10 @@ with every figure, and a plot of reward against wall time.
    environment's would: samples/s with --sync and async.
 10. the code interpreter (--env python): sandboxes started at once and the calls/s of all of them running cells; a
    run's samples/s with it against --tools calculator on the same task.
+11. the real-model recipe's training step (SmolLM2-135M, --learn's flags, one step's rollouts sampled by the model),
+   in process: each phase's CPU and wall seconds (collate, forward, output layer, sampler log-probs, loss, backward,
+   clipping, AdamW, zero_grad), AdamW per tensor against fused, bf16 autocast and one micro-batch, the sync's packing,
+   the top operators, and bf16 autocast's log-prob gap to fp32 (the CPU server's dtype).
 """
 
 import argparse

@@ -5990,6 +5990,40 @@ def test_segments_on_cuda_run_the_varlen_kernel_and_train_as_the_mask_path_does(
     torch.testing.assert_close(logps[0], logps[1], rtol=0, atol=0.05)
 
 
+def test_bench_step_profile_times_every_phase_of_the_recipes_step_without_vllm(tmp_path):
+    """bench.py --step-profile as a user runs it (SmolLM2-135M, the recipe's flags, no server): every phase of every
+    variant timed, the step of the recipe's shape (4 prompts x 8, each prompt forwarded once, about 416 tokens), the
+    run's AdamW fused, the sync's packing in the CPU server's dtype, and bf16 autocast's log-probs apart from fp32's.
+    It proves the profile runs and measures the step it claims to, not how fast anything is."""
+    import bench
+
+    smollm2_checkpoint()  # dequantised once per cache, as the script does
+    output = tmp_path / "step_profile.json"
+    proc = subprocess.run(
+        [sys.executable, str(HERE / "bench.py"), "--step-profile", "--reps", "1", "--output", str(output)],
+        cwd=HERE,
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        timeout=1800,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    r = json.loads(output.read_text())
+    assert r["samples"] == 32 and r["threads"] == ag.cpu_threads() and r["run_optimizer_fused"]
+    prompts = sum(r["prompt_tokens"])
+    assert len(r["prompt_tokens"]) == 4 and r["tokens_forwarded"] == prompts + r["completion_tokens"]
+    assert abs(r["tokens_forwarded"] - 416) <= 16 < r["tokens_unshared"] - r["tokens_forwarded"]
+    phases = {"step", *bench.STEP_PHASES}
+    for variant in r["variants"].values():
+        assert variant.keys() == phases
+        assert all(variant[p]["cpu_seconds"] > 0 for p in ("step", "forward", "backward", "optimizer.step"))
+        # the timed calls hold the step's work: what is left of it is small
+        assert abs(variant["other (train_step)"]["cpu_seconds"]) < 0.25 * variant["step"]["cpu_seconds"]
+    assert r["sync_packing"]["dtype"] == "torch.float32" and r["sync_packing"]["cpu_seconds"] > 0
+    assert r["bf16_gap_to_fp32"]["mismatch_kl"] > 0 and r["bf16_gap_to_fp32"]["ratio_min"] < 1
+    assert all(name in proc.stdout for name in bench.STEP_VARIANTS)
+
+
 def test_bench_trainer_alone_runs_without_vllm_and_its_layouts_train_alike(tmp_path):
     """bench.py --trainer --tiny as a user runs it (synthetic rollouts, no server): every figure of the three layouts
     written, the same loss in each (they compute the same log-probs), the shared ones forwarding the prompt once, and
