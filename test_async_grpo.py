@@ -2539,6 +2539,35 @@ def test_resume_loads_to_cpu_and_drops_the_optimizer_state_once_applied(tiny_mod
         assert torch.equal(state["exp_avg"], saved[i]["exp_avg"]) and state["step"] == saved[i]["step"] == 1
 
 
+def test_the_cpu_trainer_steps_fused_adamw_as_the_per_tensor_one_would(tiny_model, tmp_path):
+    """On CPU the run's AdamW is fused (torch loops over the tensors there otherwise: docs/performance.md); after the
+    same gradients, over several steps and with weight decay, its weights and state equal those of the per-tensor AdamW
+    (to float rounding), so that the change is speed alone and checkpoints of either resume in the other."""
+    from transformers import AutoTokenizer
+
+    args = ag.parse_args(["--output-dir", str(tmp_path), "--lr", "1e-2", "--weight-decay", "0.1"])
+    ctx = ag.rollout_context(None, None, [], stop_ids=[0])
+    run = ag.Run(args, 0, 1, torch.device("cpu"), tmp_path, model_path=tiny_model, initial_model=tiny_model, ctx=ctx)
+    run.tok = AutoTokenizer.from_pretrained(tiny_model)
+    ag.load_policy_and_optimizer(run)
+    assert run.optimizer.defaults["fused"]
+    twin = ag.load_policy(tiny_model)
+    per_tensor = torch.optim.AdamW(twin.parameters(), lr=1e-2, weight_decay=0.1)
+    assert not per_tensor.defaults["fused"] and not per_tensor.defaults["foreach"]
+    for step in range(3):
+        ids = torch.randint(3, 400, (2, 9 + step))
+        for model, optimizer in ((run.policy, run.optimizer), (twin, per_tensor)):
+            model(input_ids=ids).logits.logsumexp(-1).mean().backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+    for (name, p), q in zip(run.policy.named_parameters(), twin.parameters()):
+        # a step moves a weight by about lr (1e-2); where Adam's second moment is tiny, rounding grows to ~2e-6
+        assert torch.allclose(p, q, atol=1e-5, rtol=1e-4), name
+    fused, plain = run.optimizer.state_dict()["state"], per_tensor.state_dict()["state"]
+    assert all(torch.allclose(fused[i]["exp_avg_sq"], plain[i]["exp_avg_sq"], rtol=1e-4) for i in plain)
+    assert all(float(fused[i]["step"]) == float(plain[i]["step"]) == 3 for i in plain)
+
+
 def test_a_lora_checkpoint_resumes_its_adapter_on_the_initial_model(tiny_model, tmp_path):
     """checkpoint() under --lora-rank, then --resume's load (load_policy_and_optimizer): the trainer holds the initial
     model's weights, untouched, with the saved adapter, trainable, and its optimizer state; the merged model saved
@@ -6315,6 +6344,40 @@ def test_segments_on_cuda_run_the_varlen_kernel_and_train_as_the_mask_path_does(
         with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
             logps.append(ag.token_logprobs(model, batch)[0].cpu())
     torch.testing.assert_close(logps[0], logps[1], rtol=0, atol=0.05)
+
+
+def test_bench_step_profile_times_every_phase_of_the_recipes_step_without_vllm(tmp_path):
+    """bench.py --step-profile as a user runs it (SmolLM2-135M, the recipe's flags, no server): every phase of every
+    variant timed, the step of the recipe's shape (4 prompts x 8, each prompt forwarded once, about 416 tokens), the
+    run's AdamW fused, the sync's packing in the CPU server's dtype, and bf16 autocast's log-probs apart from fp32's.
+    It proves the profile runs and measures the step it claims to, not how fast anything is."""
+    import bench
+
+    smollm2_checkpoint()  # dequantised once per cache, as the script does
+    output = tmp_path / "step_profile.json"
+    proc = subprocess.run(
+        [sys.executable, str(HERE / "bench.py"), "--step-profile", "--reps", "1", "--output", str(output)],
+        cwd=HERE,
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        timeout=1800,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    r = json.loads(output.read_text())
+    assert r["samples"] == 32 and r["threads"] == ag.cpu_threads() and r["run_optimizer_fused"]
+    prompts = sum(r["prompt_tokens"])
+    assert len(r["prompt_tokens"]) == 4 and r["tokens_forwarded"] == prompts + r["completion_tokens"]
+    assert abs(r["tokens_forwarded"] - 416) <= 16 < r["tokens_unshared"] - r["tokens_forwarded"]
+    phases = {"step", *bench.STEP_PHASES}
+    for variant in r["variants"].values():
+        assert variant.keys() == phases
+        assert all(variant[p]["cpu_seconds"] > 0 for p in ("step", "forward", "backward", "optimizer.step"))
+        # the timed calls hold the step's work: what is left of it is small
+        assert abs(variant["other (train_step)"]["cpu_seconds"]) < 0.25 * variant["step"]["cpu_seconds"]
+    assert r["sync_packing"]["dtype"] == "torch.float32" and r["sync_packing"]["cpu_seconds"] > 0
+    assert r["bf16_gap_to_fp32"]["mismatch_kl"] > 0 and r["bf16_gap_to_fp32"]["ratio_min"] < 1
+    assert all(name in proc.stdout for name in bench.STEP_VARIANTS)
 
 
 def test_bench_trainer_alone_runs_without_vllm_and_its_layouts_train_alike(tmp_path):
