@@ -1457,7 +1457,6 @@ def start_generation(run):
         # (the CPU server's dtype) by a mismatch KL of 2e-2 to 7e-2 (docs/performance.md)
         trainer_dtype = "bf16 autocast" if run.device.type == "cuda" else "fp32"
         print(f"the trainer computes in {trainer_dtype}, the servers in {dtype[0]}", flush=True)
-    if run.is_main:
         run.version = PolicyVersion(args.max_inflight)
         # the watchdog's finding, read at each sync: a server that fails mid-sync is named
         failure = functools.partial(getattr, run, "server_failure")
