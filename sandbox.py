@@ -48,7 +48,7 @@ import tempfile
 
 OUTPUT_CHARS = 1000  # of a call's output: the rest is cut (the tool's description says so)
 SCRATCH_MB = 64  # the tmpfs at /tmp: the files the code writes, all of them
-SCRATCH_FILES = 10_000  # files and directories in it (each an inode of kernel memory, which its size does not count)
+SCRATCH_FILES = 1_000  # files and directories in it (each an inode of kernel memory, which its size does not count)
 PROCESSES = 32  # processes and threads an interpreter may have at once
 DESCRIPTORS = 64  # open files, pipes and sockets of each of its processes
 CELL_CHARS = (
@@ -79,7 +79,7 @@ def command(memory_mb, sandboxed=True, seccomp_fd=None, info_fd=None):
     the seccomp filter from seccomp_fd and writes the namespace's first process's PID to info_fd."""
     prefix, exe = interpreter_paths()
     uid = random.randrange(2**30, 2**31 - 2) if sandboxed and machine_root() else 0
-    scratch = (SCRATCH_MB, SCRATCH_FILES) if sandboxed else None
+    scratch = (SCRATCH_MB, SCRATCH_FILES if sandboxed else 0)
     limits = f"serve({uid}, {memory_mb}, {PROCESSES if sandboxed else 0}, {DESCRIPTORS}, {scratch}, {OUTPUT_CHARS})"
     python = [exe, "-I", "-S", "-c", f"{serve_source()}\n{limits}\n"]
     if not sandboxed:
@@ -378,11 +378,13 @@ def serve(uid, memory_mb, processes, descriptors, scratch, shown):
     """Reads one line per cell on stdin (its code in base64), runs it in one namespace that persists, answers one line
     (the first `shown` characters of its output in base64, a space, how many more there were) on stdout. Runs in a bare
     `python -I -S`, importing only built-in modules until a cell fails (json, ast and ctypes would take 9 of a start's
-    20 ms; the starts are a --env python run's main cost on CPU). scratch: (MB, files) of the /tmp it mounts, in the
-    sandbox (which has given it CAP_SYS_ADMIN for that alone); None without it."""
+    20 ms; the starts are a --env python run's main cost on CPU). scratch: (MB, files): the largest file, and the /tmp
+    it mounts in the sandbox (which gives it CAP_SYS_ADMIN for that alone; files 0: without it, no mount)."""
     import _ast, binascii, builtins, os, resource, signal, sys  # noqa: E401
 
-    if scratch:  # the tmpfs at /tmp, bounded in size and in files, in a mount namespace of its own (bwrap's belongs to
+    if scratch[
+        1
+    ]:  # the tmpfs at /tmp, bounded in size and in files, in a mount namespace of its own (bwrap's belongs to
         # the user namespace above, and the filter refuses new ones); then no capability is left
         import ctypes
 
@@ -397,12 +399,12 @@ def serve(uid, memory_mb, processes, descriptors, scratch, shown):
         os.setgroups([])
         os.setgid(uid)
         os.setuid(uid)
-    if scratch:
+    if scratch[1]:
         header, data = (ctypes.c_uint32 * 2)(0x20080522, 0), (ctypes.c_uint32 * 6)()  # capset's version 3, all zero
         if libc.capset(header, data) != 0:
             raise OSError(ctypes.get_errno(), "capset")
     status = open("/proc/self/status").read()
-    if scratch and any(f"Cap{kind}:\t0000000000000000" not in status for kind in ("Prm", "Eff", "Amb")):
+    if scratch[1] and any(f"Cap{kind}:\t0000000000000000" not in status for kind in ("Prm", "Eff", "Amb")):
         raise SystemExit("a capability is left")
     if "NoNewPrivs:\t1" not in status:  # bwrap sets it; without the sandbox, set here
         import ctypes
@@ -413,8 +415,7 @@ def serve(uid, memory_mb, processes, descriptors, scratch, shown):
     resource.setrlimit(resource.RLIMIT_NOFILE, (descriptors, descriptors))
     resource.setrlimit(resource.RLIMIT_MSGQUEUE, (0, 0))  # POSIX message queues: kernel memory
     resource.setrlimit(resource.RLIMIT_MEMLOCK, (0, 0))
-    if scratch:  # no file larger than the scratch (a file is the tmpfs's, or the host's without the sandbox)
-        resource.setrlimit(resource.RLIMIT_FSIZE, (scratch[0] * 2**20, scratch[0] * 2**20))
+    resource.setrlimit(resource.RLIMIT_FSIZE, (scratch[0] * 2**20, scratch[0] * 2**20))  # the host's disk without it
     if processes:
         resource.setrlimit(resource.RLIMIT_NPROC, (processes, processes))
     requests = os.fdopen(os.dup(0), "rb")
