@@ -9,25 +9,35 @@ model's code runs:
     what                 how                                                    what the code sees
     network              a network namespace of its own                         a loopback with nothing on it
     files                a mount namespace: /usr and the Python install          no dataset, project, output dir, home,
-                         read-only, /tmp a tmpfs of SCRATCH_MB (its scratch      other rollouts' scratch; / and /dev
-                         directory and working directory), nothing else           read-only
-    processes, signals   a PID namespace (its processes die with its first)     only its own processes to signal or trace
+                         read-only, /tmp a tmpfs of SCRATCH_MB and               other rollouts' scratch; / and /dev
+                         SCRATCH_FILES (its scratch and working directory),      read-only
+                         nothing else
+    processes, signals   a PID namespace (its processes die with its first,     only its own processes to signal;
+                         which the host kills by its PID); ptrace refused        ptrace fails
     process count        RLIMIT_NPROC, counted in a user namespace of its own   fork/spawn fails past PROCESSES
                          (as root, where the kernel never limits root: a uid
                          of its own, random, instead)
+    kernel objects       a seccomp filter: keyrings, memfds, System V shared   EPERM; a file's, /tmp's, a descriptor's
+                         memory, nested user namespaces refused (and bwrap's    bound: OSError
+                         --disable-userns); RLIMIT_NOFILE (DESCRIPTORS),
+                         RLIMIT_FSIZE (SCRATCH_MB), no message queues
     memory               RLIMIT_AS: each process maps at most --python-memory   MemoryError
     time                 the host kills it at the call's bound, and starts     an error: its state is lost
-                         another
-    output               print is kept up to OUTPUT_CHARS, the rest counted    the cut, and how much was cut
+                         another; between calls its other processes are
+                         stopped (SIGSTOP), using no CPU
+    output               cut at OUTPUT_CHARS by the interpreter and again by    the cut, and how much was cut; an answer
+                         the host, whatever the code writes on its pipe         not its own: its error, restarted
     environment          started with none (PATH and HOME set)                  no tokens, no VLLM_*, MASTER_ADDR
-    privileges           no capabilities, no_new_privs (setuid binaries give    -
-                         none back), nosuid mounts
+    privileges           no capabilities (CAP_SYS_ADMIN only to mount /tmp,     -
+                         dropped before any code), no_new_privs, nosuid mounts
 
-Not isolated: the CPU (it shares the machine's cores for up to --tool-timeout a call), /usr's and the Python install's
-files (readable), the kernel itself (a kernel exploit escapes any namespace: a container or VM is the stronger
-boundary). Memory is bounded per process: PROCESSES x --python-memory at most for one interpreter.
---no-python-sandbox runs the same interpreter without namespaces (where user namespaces are disabled): its limits of
-memory, time, output and environment only.
+Not isolated: the CPU during a call (it shares the machine's cores for up to --tool-timeout), /usr's and the Python
+install's files (readable), the kernel itself (a kernel exploit escapes any namespace: a container or VM is the stronger
+boundary). Memory is bounded per process, so PROCESSES x --python-memory for one interpreter, plus /tmp's SCRATCH_MB and
+the kernel memory of at most SCRATCH_FILES files and PROCESSES x DESCRIPTORS pipes and sockets; no cgroup is used (none
+is delegated on most machines that run this). --no-python-sandbox runs the same interpreter without namespaces or
+filter (where user namespaces are disabled): its limits of memory, time, output, file size, descriptors and
+environment only.
 """
 
 import asyncio
