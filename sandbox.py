@@ -55,6 +55,8 @@ import struct
 import subprocess
 import sys
 import tempfile
+import threading
+import time
 
 OUTPUT_CHARS = 1000  # of a call's output: the rest is cut (the tool's description says so)
 SCRATCH_MB = 64  # the tmpfs at /tmp: the files the code writes, all of them
@@ -250,9 +252,9 @@ class Interpreter:
         self.start()
         raise RuntimeError(f"{lost}{f' ({said})' if said else ''}. {RESTARTED}")
 
-    def first_process(self):
+    def first_process(self, bwrap):
         """A pidfd of the namespace's first process (bwrap's info: its PID), once bwrap has made it; None if it never
-        did (bwrap failed). Checked to be bwrap's child: a PID whose process ended may be another's by now."""
+        did (bwrap failed). Checked to be the child of bwrap (its PID): a PID whose process ended may be another's."""
         said = b""
         poll = select.poll()  # not select.select: the trainer's descriptors may be numbered past 1,024
         poll.register(self.info, select.POLLIN)
@@ -263,44 +265,74 @@ class Interpreter:
             pid = int(json.loads(said)["child-pid"])
             pidfd = os.pidfd_open(pid)
             with open(f"/proc/{pid}/stat") as stat:
-                if int(stat.read().rsplit(")", 1)[1].split()[1]) == self.proc.pid:
+                if int(stat.read().rsplit(")", 1)[1].split()[1]) == bwrap:
                     return pidfd
             os.close(pidfd)
         return None
 
     def stop(self):
-        """Ends it and everything it started, and reaps it; returns what it said on stderr (bwrap's reason to fail).
-        The namespace's first process is killed by its PID (in a session of its own, the group kill may miss it), which
-        ends every process of the namespace; bwrap, its parent, reaps it and exits, and is reaped here, so that no
-        zombie is left (a trainer that is a container's PID 1 inherits what it orphans). Then the process group: bwrap
-        and, without namespaces, the interpreter (a process that left the session stays: README.md says so)."""
+        """Ends it and everything it started; returns what it said on stderr (bwrap's reason to fail). The namespace's
+        first process is killed by its PID (in a session of its own, the group kill may miss it), which ends every
+        process of the namespace; bwrap, its parent, reaps it and exits, and is reaped by a thread of REAPERS (the
+        namespace's end takes ~10 ms, not to be waited for on the event loop), so that no zombie is left: a trainer
+        that is a container's PID 1 inherits what it orphans. Without namespaces (or where bwrap failed), the process
+        group is killed and reaped here (a process that left the session stays: README.md says so)."""
         if self.proc is None:
             return ""
+        proc, self.proc = self.proc, None
         said = b""
         try:
-            first = self.first_process() if self.info is not None else None
+            first = self.first_process(proc.pid) if self.info is not None else None
             if first is not None:
                 with contextlib.suppress(ProcessLookupError):
                     signal.pidfd_send_signal(first, signal.SIGKILL)
-                with contextlib.suppress(subprocess.TimeoutExpired):
-                    self.proc.wait(5)
                 os.close(first)
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait()
+                reaper = threading.Thread(target=reap, args=(proc,), daemon=True)
+                reaper.start()
+                REAPERS.append(reaper)
+            else:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
             with contextlib.suppress(BlockingIOError):  # written before it exited, if at all
-                said = os.read(self.proc.stderr.fileno(), 2000)
+                said = os.read(proc.stderr.fileno(), 2000)
         finally:
-            for pipe in (self.proc.stdin, self.proc.stdout, self.proc.stderr):
+            for pipe in (proc.stdin, proc.stdout, proc.stderr):
                 with contextlib.suppress(OSError):
                     pipe.close()
             if self.info is not None:
                 os.close(self.info)
                 self.info = None
-            self.proc = None
             if self.scratch:
                 shutil.rmtree(self.scratch, ignore_errors=True)
         return said.decode(errors="replace").strip()
+
+
+REAPERS = []  # threads that reap a stopped interpreter's bwrap (reaped(): joined)
+
+
+def reap(proc):
+    """Waits for bwrap to exit once its namespace has ended (on a pidfd: Popen.wait's timeout polls), else kills its
+    group, and reaps it."""
+    bwrap = os.pidfd_open(proc.pid)
+    poll = select.poll()
+    poll.register(bwrap, select.POLLIN)
+    if not poll.poll(5000):
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+    os.close(bwrap)
+    proc.wait()
+
+
+def reaped(timeout=10):
+    """Every stopped interpreter reaped: True, or False after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while REAPERS:
+        REAPERS[0].join(max(deadline - time.monotonic(), 0))
+        if REAPERS[0].is_alive():
+            return False
+        REAPERS.pop(0)
+    return True
 
 
 async def write_all(fd, data):
@@ -315,7 +347,7 @@ async def write_all(fd, data):
         except BlockingIOError:
             pass
         ready = loop.create_future()
-        loop.add_writer(fd, lambda: ready.done() or ready.set_result(None))
+        loop.add_writer(fd, lambda ready=ready: ready.done() or ready.set_result(None))
         try:
             await ready
         finally:

@@ -5473,6 +5473,7 @@ for sandboxed in (True, False):
     if sandboxed:
         call(interpreter, attacks["daemon"])
     interpreter.stop()
+    out["reaped"] = sandbox.reaped()  # the threads that reap bwrap once its namespace has ended
     out["left"] = others()  # nothing alive, no zombie
     for _ in others():  # without the sandbox, what it orphaned is this PID 1's
         os.waitpid(-1, os.WNOHANG)
@@ -5525,7 +5526,7 @@ def test_code_the_model_writes_reaches_no_kernel_object_outside_its_bounds_and_n
         assert out["cell_over"].startswith(f"ValueError: the code is {sandbox.CELL_CHARS + 8} characters long")
         assert out["forged"].startswith("RuntimeError: the interpreter's answer was overwritten by the code")
         assert out["after_forged"] == "fresh"
-    assert inside["left"] == [] and results["descriptors_leaked"] == 0
+    assert inside["reaped"] and inside["left"] == [] and results["descriptors_leaked"] == 0
 
 
 # A user namespace whose limit of nested ones is used up (util-linux's unshare; the limit is the namespace's own): what a
