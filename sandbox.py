@@ -485,9 +485,12 @@ def serve(uid, memory_mb, processes, descriptors, scratch, shown):
         def flush(self):
             pass
 
+    # in a PID namespace of its own (bwrap's first process is 1, this one 2), kill(-1) signals every process of the
+    # namespace but those two; outside one, it would signal every process of the user's: never
+    own_pids = os.getpid() <= 2
     namespace = {"__name__": "__main__", "__builtins__": builtins}
     for cell, line in enumerate(requests):
-        if processes:  # in its PID namespace: what the last cell left running goes on (kill(-1): all but 1 and this)
+        if own_pids:  # what the last cell left running goes on
             try:
                 os.kill(-1, signal.SIGCONT)
             except OSError:  # none left
@@ -509,7 +512,7 @@ def serve(uid, memory_mb, processes, descriptors, scratch, shown):
             linecache.cache[name] = (len(code), None, code.splitlines(True), name)  # tracebacks show the lines
             frames = None if isinstance(e, SyntaxError) else e.__traceback__.tb_next  # the cell's, not this one's
             traceback.print_exception(type(e), e, frames)
-        if processes:  # and stops between calls, using no CPU while the model writes its next turn
+        if own_pids:  # and stops between calls, using no CPU while the model writes its next turn
             try:
                 os.kill(-1, signal.SIGSTOP)
             except OSError:  # none left
