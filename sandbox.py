@@ -63,9 +63,7 @@ SCRATCH_MB = 64  # the tmpfs at /tmp: the files the code writes, all of them
 SCRATCH_FILES = 1_000  # files and directories in it (each an inode of kernel memory, which its size does not count)
 PROCESSES = 32  # processes and threads an interpreter may have at once
 DESCRIPTORS = 64  # open files, pipes and sockets of each of its processes
-CELL_CHARS = (
-    200_000  # of a cell's code: longer is refused with an error for the model (the 64 KiB pipe is not a bound)
-)
+CELL_CHARS = 200_000  # of a cell's code: longer is an error for the model (written in parts past the 64 KiB pipe)
 RESTARTED = "It was restarted: its variables, imports and files are gone."
 
 
@@ -419,15 +417,15 @@ def check(memory_mb, sandboxed=True):
 def serve(uid, memory_mb, processes, descriptors, scratch, shown):
     """Reads one line per cell on stdin (its code in base64), runs it in one namespace that persists, answers one line
     (the first `shown` characters of its output in base64, a space, how many more there were) on stdout. Runs in a bare
-    `python -I -S`, importing only built-in modules until a cell fails (json, ast and ctypes would take 9 of a start's
-    20 ms; the starts are a --env python run's main cost on CPU). scratch: (MB, files): the largest file, and the /tmp
-    it mounts in the sandbox (which gives it CAP_SYS_ADMIN for that alone; files 0: without it, no mount)."""
+    `python -I -S`, importing only built-in modules (and ctypes, to mount /tmp in the sandbox) until a cell fails (json,
+    ast and ctypes took 9 of a start's 20 ms; the starts are a --env python run's main cost on CPU). scratch: (MB,
+    files): the largest file, and the /tmp it mounts in the sandbox (which gives it CAP_SYS_ADMIN for that alone; files
+    0: without the sandbox, no mount)."""
     import _ast, binascii, builtins, os, resource, signal, sys  # noqa: E401
 
-    if scratch[
-        1
-    ]:  # the tmpfs at /tmp, bounded in size and in files, in a mount namespace of its own (bwrap's belongs to
-        # the user namespace above, and the filter refuses new ones); then no capability is left
+    # the tmpfs at /tmp, bounded in size and in files, in a mount namespace of its own (bwrap's belongs to the user
+    # namespace above, and the filter refuses new ones); then no capability is left
+    if scratch[1]:
         import ctypes
 
         libc = ctypes.CDLL(None, use_errno=True)
