@@ -25,17 +25,17 @@ model's code runs:
     time                 the host kills it at the call's bound, and starts     an error: its state is lost
                          another; between calls its other processes are
                          stopped (SIGSTOP), using no CPU
-    output               cut at OUTPUT_CHARS by the interpreter and again by    the cut, and how much was cut; an answer
-                         the host, whatever the code writes on its pipe         not its own: its error, restarted
+    output               cut at OUTPUT_CHARS by the interpreter and again by    the cut, and how much was cut; an
+                         the host, whatever the code writes on its pipe         answer not its own: its error, restarted
     environment          started with none (PATH and HOME set)                  no tokens, no VLLM_*, MASTER_ADDR
     privileges           no capabilities (CAP_SYS_ADMIN only to mount /tmp,     -
                          dropped before any code), no_new_privs, nosuid mounts
 
 Not isolated: the CPU during a call (it shares the machine's cores for up to --tool-timeout), /usr's and the Python
-install's files (readable), the kernel itself (a kernel exploit escapes any namespace: a container or VM is the stronger
-boundary). Memory is bounded per process, so PROCESSES x --python-memory for one interpreter, plus /tmp's SCRATCH_MB and
-the kernel memory of at most SCRATCH_FILES files and PROCESSES x DESCRIPTORS pipes and sockets; no cgroup is used (none
-is delegated on most machines that run this). --no-python-sandbox runs the same interpreter without namespaces or
+install's files (readable), the kernel itself (a kernel exploit escapes any namespace: a container or VM is the
+stronger boundary). Memory is bounded per process, so PROCESSES x --python-memory for one interpreter, plus /tmp's
+SCRATCH_MB and the kernel memory of at most SCRATCH_FILES files and PROCESSES x DESCRIPTORS pipes and sockets; no
+cgroup is used (none is delegated on most machines that run this). --no-python-sandbox runs the same interpreter without namespaces or
 filter (where user namespaces are disabled): its limits of memory, time, output, file size, descriptors and
 environment only.
 """
@@ -417,10 +417,10 @@ def check(memory_mb, sandboxed=True):
 def serve(uid, memory_mb, processes, descriptors, scratch, shown):
     """Reads one line per cell on stdin (its code in base64), runs it in one namespace that persists, answers one line
     (the first `shown` characters of its output in base64, a space, how many more there were) on stdout. Runs in a bare
-    `python -I -S`, importing only built-in modules (and ctypes, to mount /tmp in the sandbox) until a cell fails (json,
-    ast and ctypes took 9 of a start's 20 ms; the starts are a --env python run's main cost on CPU). scratch: (MB,
-    files): the largest file, and the /tmp it mounts in the sandbox (which gives it CAP_SYS_ADMIN for that alone; files
-    0: without the sandbox, no mount)."""
+    `python -I -S`, importing only built-in modules (and ctypes, to mount /tmp in the sandbox) until a cell fails
+    (json, ast and ctypes took 9 of a start's 20 ms; the starts are a --env python run's main cost on CPU). scratch:
+    (MB, files): the largest file, and the /tmp it mounts in the sandbox (which gives it CAP_SYS_ADMIN for that alone;
+    files 0: without the sandbox, no mount)."""
     import _ast, binascii, builtins, os, resource, signal, sys  # noqa: E401
 
     # the tmpfs at /tmp, bounded in size and in files, in a mount namespace of its own (bwrap's belongs to the user
