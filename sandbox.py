@@ -26,7 +26,7 @@ model's code runs:
                          another; between calls its other processes are
                          stopped (SIGSTOP), using no CPU
     output               cut at OUTPUT_CHARS by the interpreter and again by    the cut, and how much was cut; an
-                         the host, whatever the code writes on its pipe         answer not its own: its error, restarted
+                         the host, whatever the code writes on its pipe         answer not its own: its error
     environment          started with none (PATH and HOME set)                  no tokens, no VLLM_*, MASTER_ADDR
     privileges           no capabilities (CAP_SYS_ADMIN only to mount /tmp,     -
                          dropped before any code), no_new_privs, nosuid mounts
@@ -35,9 +35,9 @@ Not isolated: the CPU during a call (it shares the machine's cores for up to --t
 install's files (readable), the kernel itself (a kernel exploit escapes any namespace: a container or VM is the
 stronger boundary). Memory is bounded per process, so PROCESSES x --python-memory for one interpreter, plus /tmp's
 SCRATCH_MB and the kernel memory of at most SCRATCH_FILES files and PROCESSES x DESCRIPTORS pipes and sockets; no
-cgroup is used (none is delegated on most machines that run this). --no-python-sandbox runs the same interpreter without namespaces or
-filter (where user namespaces are disabled): its limits of memory, time, output, file size, descriptors and
-environment only.
+cgroup is used (none is delegated on most machines that run this). --no-python-sandbox runs the same interpreter
+without namespaces or filter (where user namespaces are disabled): its limits of memory, time, output, file size,
+descriptors and environment only.
 """
 
 import asyncio

@@ -441,13 +441,13 @@ def environment_of(row, environments):
 
 def result_ids(tok, head, suffix, messages, render_suffix):
     """Token ids of `head + suffix`, the tool-result turn as the template renders it, in which the messages' contents
-    (what tools, environments and MCP servers said) are data: ordinary tokens, never an added token of the
-    tokenizer (<|im_end|>, </tool_response>, [TOOL_RESULTS], ...), or a tool's text could write turns, roles and framing
-    into the trained context. The same ids as tokenizing it whole where no content holds such a token's text (the
-    common case, and the text always reads the same); else the template's own text (found by rendering the messages
-    with markers in place of their contents: render_suffix(messages) -> that suffix) is tokenized as the template's, and
-    the contents with every such token's text cut in two. split_special_tokens alone would not do: it leaves added
-    tokens that are not marked special (Qwen3's <tool_response>)."""
+    (what tools, environments and MCP servers said) are data: ordinary tokens, never an added token of the tokenizer
+    (<|im_end|>, </tool_response>, [TOOL_RESULTS], ...), or a tool's text could write turns, roles and framing into the
+    trained context. The same ids as tokenizing it whole where no content holds such a token's text (the common case,
+    and the text always reads the same); else the template's own text (found by rendering the messages with markers in
+    place of their contents: render_suffix(messages) -> that suffix) is tokenized as the template's, and the contents
+    with every such token's text cut in two. split_special_tokens alone would not do: it leaves added tokens that are
+    not marked special (Qwen3's <tool_response>)."""
     added = sorted({t.content for t in tok.added_tokens_decoder.values() if len(t.content) > 1}, key=len)
     contents = [m["content"] for m in messages]
     if not any(token in content for content in contents for token in added):
