@@ -10,29 +10,27 @@
     torchrun --nproc-per-node 4 async_grpo.py --model Qwen/Qwen3-8B --fsdp --vllm-gpus 4,5  # sharded, not copied
     python async_grpo.py --model M --vllm-url http://host:8000   # servers started as README.md shows
 
-The shape of a run: rank 0 starts a vLLM server and a producer thread. The producer, on its own asyncio loop, samples G
-rollouts per prompt from the server (token ids in, token ids and log-probs out, each token stamped with the policy
-version that sampled it), runs tool calls (and an environment's turns), scores each group with the reward functions,
-computes group-relative advantages, and queues the group. Every rank trains: rank 0 takes the groups in the order they
-started and hands each rank its share; the loss is the clipped surrogate against the sampler's log-probs. Every
---sync-every steps rank 0 pauses vLLM, broadcasts the weights over a process group of its own, resumes it, and the
-policy version grows. Generation never waits for training and training waits only for data, within one bound: the
-producer does not start a group whose tokens would be more than --max-staleness versions old when trained (0:
-synchronous, --sync).
+The shape of a run: rank 0 starts a vLLM server and a producer thread. The producer, on its own asyncio loop,
+samples G rollouts per prompt from the server (token ids in, token ids and log-probs out, each token stamped
+with the policy version that sampled it), runs tool calls (and an environment's turns), scores each group with
+the reward functions, computes group-relative advantages, and queues the group. Every rank trains: rank 0
+takes the groups in the order they started and hands each rank its share; the loss is the clipped surrogate
+against the sampler's log-probs. Every --sync-every steps rank 0 pauses vLLM, broadcasts the weights over a
+process group of its own, resumes it, and the policy version grows. Generation never waits for training and
+training waits only for data, within one bound: the producer does not start a group whose tokens would be more
+than --max-staleness versions old when trained (0: synchronous, --sync).
 
 The file reads in the order a reader needs it: the algorithm first (the rollout and its tool loop; rewards and
-group-relative advantages; the producer and its staleness gate; the loss; the training step; the weight sync), then the
-run's phases (main, and what it calls in the order it calls them), then the machinery that supports both, in sections
-named as such (arguments and devices, data, tools and environments at work, models, chat templates, tool-call parsing,
-vLLM servers, the sync group). Beside it: tools.py (tools and environments), rewards.py (rewards, built-in tasks),
-tiny_model.py (the built-in model), vllm_server.py (starting and stopping servers), sandbox.py (the interpreter's
-sandbox). `# FORK:` marks where a forker edits (README.md lists them).
-"""
+group-relative advantages; the producer and its staleness gate; the loss; the training step; the weight sync),
+then the run's phases (main, and what it calls in the order it calls them), then the machinery that supports
+both, in sections named as such (batches and log-probs, arguments, data, tools and environments at work,
+models, chat templates, tool-call parsing). Beside it: tools.py (tools and environments), rewards.py (rewards,
+built-in tasks), tiny_model.py (the built-in model), vllm_server.py (the vLLM servers, the device plan, the sync
+group and its receiving end in each worker), sandbox.py (the interpreter's sandbox). `# FORK:` marks where a
+forker edits (README.md lists them)."""
 
-import argparse, asyncio, contextlib, functools, http.client as http_client, inspect, itertools, json, math, os, queue
-import random, re, shutil, signal, socket, sys, threading, time, traceback
-import urllib.error, urllib.parse, urllib.request
-from collections import defaultdict
+import argparse, asyncio, contextlib, dataclasses, functools, inspect, itertools, json, math, os, queue, random
+import re, shutil, signal, sys, threading, time, traceback
 from dataclasses import dataclass, field
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
@@ -57,83 +55,141 @@ import torch.utils.checkpoint
 import rewards as rewards_module
 import tiny_model
 import tools as tools_module
-from vllm_server import SERVED_MODEL, cpu_threads, server_failure, share_idle_core, start_vllm, stop_vllm, vllm_flag
+
+# vllm_server.py: the servers (started, checked, watched), the device plan, the sync group
+from vllm_server import SERVED_MODEL, cpu_threads, http, memory_share, plan_devices, served_config, server_failure
+from vllm_server import share_idle_core, start_vllm, stop_vllm, sync_endpoint, sync_group, url_sync_backend, vllm_flag
+from vllm_server import watch_servers
 
 HERE = Path(__file__).resolve().parent
 ROLLOUT_FIELDS = set("prompts completions completion_ids tool_calls tool_failures truncated environments".split())
-TOOL_THREADS = ThreadPoolExecutor(64, thread_name_prefix="tool")  # a sync tool that waits holds a thread, not the loop
-# A slot per thread, taken by a call past its timeout until it returns, late or never (Python cannot stop a thread):
-# with every thread so held, a call is refused at once and counted (tools/refused), not queued behind them to time out
-# unseen; calls merely busy queue. What a sync tool may do (computing holds the interpreter, not a thread): tools.py.
+# a sync tool that waits holds a thread, not the loop
+TOOL_THREADS = ThreadPoolExecutor(64, thread_name_prefix="tool")
+# A slot per thread, taken by a call past its timeout until it returns, late or never (Python cannot stop a
+# thread): with every thread so held, a call is refused at once and counted (tools/refused), not queued behind
+# them to time out unseen; calls merely busy queue. What a sync tool may do (computing holds the interpreter,
+# not a thread): tools.py.
 TOOL_SLOTS = threading.BoundedSemaphore(64)
 TOOLS_REFUSED = [0]  # calls refused so far
-HUNG = set()  # ids of the environment instances whose sync call went on past its timeout: never reused (environments)
-# What --sampling-args may hold: parameters that end or seed a generation but leave its distribution as the trainer
-# computes it (min_tokens does change it: the trainer holds the stop tokens back in the same places).
-SAMPLING_ARGS = {"min_tokens", "stop", "ignore_eos"}  # (every request's seed comes from --seed: request_seed)
-MODEL_INPUTS = ("input_ids", "position_ids", "attention_mask", "segments")  # what a batch (collate) hands the model
+# ids of the environment instances whose sync call went on past its timeout: never reused (environments)
+HUNG = set()
+# What --sampling-args may hold: parameters that end or seed a generation but leave its distribution as the
+# trainer computes it (min_tokens does change it: the trainer holds the stop tokens back in the same places).
+# (every request's seed comes from --seed: request_seed)
+SAMPLING_ARGS = {"min_tokens", "stop", "ignore_eos"}
 
 
-# --- The rollout: one conversation = generate, run its tool calls, append their results, generate again ---------------
+# --- The rollout: one conversation = generate, run its tool calls, append their results, generate again -----
+
+
+@dataclass
+class RolloutContext:
+    """What every rollout needs, computed once before vLLM starts (rollout_context), and the servers' limits
+    once they are up (start_generation)."""
+
+    # --tools' schemas (None: no tools), and their functions' schemas by name
+    schemas: list
+    schemas_by_name: dict
+    # {name: class} of --env and --mcp; the schemas offered to each one's rows (None: rows without one)
+    environments: dict
+    offered: dict
+    # per row id, the prompt's token ids as the chat template renders it with the tools its row is offered
+    prompt_ids: dict
+    # the token ids a generation stops on (stop_token_ids)
+    stop_ids: list
+    # how the template writes tool calls (chat_format): the parser's format, the texts that end an assistant
+    # turn, how many calls a turn may hold
+    format: str = None
+    turn_ends: list = ()
+    max_calls: int = None
+    # the servers' context length, and whether they take seeded requests (served_config)
+    max_model_len: int = None
+    seeded: bool = False
+    # environment instances: those between groups, per environment; every one made (closed at the end)
+    idle: dict = field(default_factory=dict)
+    alive: list = field(default_factory=list)
 
 
 # FORK: the tool loop (what a turn may do, when a rollout ends); the tools and environments themselves are in tools.py
-async def rollout(session, url, tok, row, args, ctx, policy, greedy=False, seed=(), env=None, prompt_ids=None):
-    """Sample one conversation, in `env` if the row has an environment (an instance, reset: environments()). Keeps the
-    exact token ids: the prompt's (prompt_ids if reset added to it), then per turn the generated ids (mask 1, with their
-    log-probs and the policy version that sampled each) and those of the tool results or the environment's user turn
-    (mask 0, context). `seed`: what identifies this rollout in the run (its group and index): each request's derives."""
-    ids = list(prompt_ids or ctx["prompt_ids"][row["id"]])
+async def rollout(session, url, tok, row, args, ctx, version, greedy=False, seed=(), env=None, prompt_ids=None):
+    """Sample one conversation, in `env` if the row has an environment (an instance, reset: environment_instances()).
+    Keeps the exact token ids: the prompt's (prompt_ids if reset added to it), then per turn the generated ids
+    (mask 1, with their log-probs and the policy version that sampled each) and those of the tool results or
+    the environment's user turn (mask 0, context). `seed`: what identifies this rollout in the run (its group
+    and index): each request's derives."""
+    ids = list(prompt_ids or ctx.prompt_ids[row["id"]])
     n_prompt = len(ids)
-    mask = []  # per token after the prompt: 1 generated (trained on), 0 a tool result
-    logprobs = []  # the sampler's log-prob of each token (0.0 for tool results)
-    versions = []  # the policy version that sampled each token
-    messages = []  # the turns, as the rewards see them
+    # per token after the prompt: 1 generated (trained on), 0 a tool result
+    mask = []
+    # the sampler's log-prob of each token (0.0 for tool results)
+    logprobs = []
+    # the policy version that sampled each token
+    versions = []
+    # the turns, as the rewards see them
+    messages = []
     stats = {"tool_calls": 0, "tool_failures": 0, "tool_seconds": 0.0, "turns": 0, "interrupted": 0}
-    stats["truncated"] = True  # until the model answers
-    stats["per_tool"] = {}  # tool name -> [calls, failures]
-    schemas = ctx["offered"][tools_module.environment_of(row, ctx["environments"])]  # --tools, and the environment's
-    by_name = {s["function"]["name"]: s["function"] for s in schemas}
-    functions = {name: tools_module.TOOLS[name] for name in ctx["schemas_by_name"]}
-    if env is not None:  # its tools: its methods, bound to this rollout's instance
+    # until the model answers
+    stats["truncated"] = True
+    # tool name -> [calls, failures]
+    stats["per_tool"] = {}
+    # --tools, and the environment's
+    schemas = ctx.offered[tools_module.environment_of(row, ctx.environments)]
+    schemas_by_name = {s["function"]["name"]: s["function"] for s in schemas}
+    functions = {name: tools_module.TOOLS[name] for name in ctx.schemas_by_name}
+    if env is not None:
+        # its tools: its methods, bound to this rollout's instance
         functions.update({name: getattr(env, name) for name in tools_module.environment_tools(type(env))})
-    while len(ids) < ctx["max_model_len"]:
-        budget = min(args.max_tokens, ctx["max_model_len"] - len(ids))
-        turn, finish, interruptions = await generate_turn(
-            session, url, ids, budget, policy, args=args, ctx=ctx, greedy=greedy, seed=seed
+    while len(ids) < ctx.max_model_len:
+        budget = min(args.max_tokens, ctx.max_model_len - len(ids))
+        turn, finish_reason, interruptions = await generate_turn(
+            session, url, ids, budget, version, args=args, ctx=ctx, greedy=greedy, seed=seed
         )
         new = [token for token, _, _ in turn]
         ids += new
         mask += [1] * len(turn)
         logprobs += [logprob for _, logprob, _ in turn]
-        versions += [version for _, _, version in turn]
+        versions += [sampled_by for _, _, sampled_by in turn]
         stats["turns"] += 1
         stats["interrupted"] += interruptions
-        # Stopped on a stop token (not on a stop string of --sampling-args): the template's end of turn stands for it.
-        stopped = finish == "stop" and bool(new) and new[-1] in ctx["stop_ids"]
+        # Stopped on a stop token (not a stop string of --sampling-args): the template's end of turn stands for it.
+        stopped = finish_reason == "stop" and bool(new) and new[-1] in ctx.stop_ids
         text = tok.decode(new[:-1] if stopped else new, skip_special_tokens=False)
         if schemas:
-            message = parse_assistant(text, tok, ids[: -len(new)], by_name, ctx["format"], max_calls=ctx["max_calls"])
-        else:  # the parser runs only with tools: without them any template (or none) must train
+            message = parse_assistant(
+                text, tok, ids[: -len(new)], schemas_by_name, ctx.format, max_calls=ctx.max_calls
+            )
+        else:
+            # the parser runs only with tools: without them any template (or none) must train
             message = {"role": "assistant", "content": text, "tool_calls": [], "tool_call_errors": []}
         messages.append(message)
-        answered = finish == "stop" and not message["tool_calls"] and not message["tool_call_errors"]
-        reply = await env_reply(env, message, args, stats) if answered else None
-        if answered and reply is None:
-            stats["truncated"] = False  # the model answered: the one end that does not cut the conversation short
+        # How the turn ends: out of tokens; with tool calls, run unless out of turns; or an answer, which ends
+        # the rollout unless the environment answers it with a user turn.
+        if finish_reason != "stop":
             break
-        if finish != "stop" or stats["turns"] > args.max_tool_turns:  # out of tokens, or of turns
-            break
-        added = [reply] if answered else await run_tool_calls(message, by_name, functions, args, stats)
+        if message["tool_calls"] or message["tool_call_errors"]:
+            if stats["turns"] > args.max_tool_turns:
+                break
+            added = await run_tool_calls(message, schemas_by_name, functions, args, stats)
+        else:
+            reply = await env_reply(env, message, args, stats)
+            if reply is None:
+                # the model answered: the one end that does not cut the conversation short
+                stats["truncated"] = False
+                break
+            if stats["turns"] > args.max_tool_turns:
+                break
+            added = [reply]
         history = row["prompt"] + messages
-        suffix = tool_result_ids(tok, history, added, schemas, ctx["turn_ends"], stopped=stopped)
+        suffix = tool_result_ids(tok, history, added, schemas, ctx.turn_ends, stopped=stopped)
         messages += added
-        if len(ids) + len(suffix) >= ctx["max_model_len"]:
-            break  # no room left to answer: end here rather than send vLLM a request it rejects
+        if len(ids) + len(suffix) >= ctx.max_model_len:
+            # no room left to answer: end here rather than send vLLM a request it rejects
+            break
         ids += suffix
         mask += [0] * len(suffix)
         logprobs += [0.0] * len(suffix)
-        versions += [policy.value] * len(suffix)  # not trained on; kept so that every per-token list has one length
+        # not trained on; kept so that every per-token list has one length
+        versions += [version.value] * len(suffix)
     return {
         "ids": ids,
         "n_prompt": n_prompt,
@@ -145,41 +201,42 @@ async def rollout(session, url, tok, row, args, ctx, policy, greedy=False, seed=
     }
 
 
-async def generate_turn(session, url, ids, budget, policy, args, ctx, greedy, seed):
-    """One assistant turn of at most `budget` tokens after `ids`: its (token id, log-prob, policy version) triples, why it
-    ended, and how often a weight sync stopped it. A stopped turn goes on from its tokens with the new weights, or
-    under --sync-mode abort starts over with them."""
+async def generate_turn(session, url, ids, budget, version, args, ctx, greedy, seed):
+    """One assistant turn of at most `budget` tokens after `ids`: its (token id, log-prob, policy version)
+    triples, why it ended, and how often a weight sync stopped it. A stopped turn goes on from its tokens with
+    the new weights, or under --sync-mode abort starts over with them."""
     turn = []
     interruptions = 0
     while True:
-        async with policy.request() as version:
+        async with version.request() as sampled_by:
             new = [token for token, _, _ in turn]
-            part, part_logprobs, finish = await generate(
+            part, part_logprobs, finish_reason = await generate(
                 session,
                 url,
                 ids + new,
                 budget - len(turn),
                 args,
-                stop_ids=ctx["stop_ids"],
+                stop_ids=ctx.stop_ids,
                 greedy=greedy,
                 generated=len(turn),
-                seed=request_seed(*seed, len(ids) + len(turn)) if ctx.get("seeded") else None,
+                seed=request_seed(*seed, len(ids) + len(turn)) if ctx.seeded else None,
             )
-            if finish == "abort" and policy.open:
+            if finish_reason == "abort" and version.open:
                 raise RuntimeError("vLLM aborted a request outside a weight sync: is another client using it?")
-        if finish == "abort" and args.sync_mode == "abort":
+        if finish_reason == "abort" and args.sync_mode == "abort":
             turn = []
         else:
-            turn += [(token, logprob, version) for token, logprob in zip(part, part_logprobs)]
-        interruptions += finish == "abort"
-        if finish != "abort" or len(turn) >= budget:
-            return turn, finish, interruptions
+            turn += [(token, logprob, sampled_by) for token, logprob in zip(part, part_logprobs)]
+        interruptions += finish_reason == "abort"
+        if finish_reason != "abort" or len(turn) >= budget:
+            return turn, finish_reason, interruptions
 
 
 # FORK: the sampling parameters (each one that shapes the distribution must also shape the trainer's: sampler_logprobs)
 async def generate(session, url, ids, max_tokens, args, stop_ids, greedy=False, generated=0, seed=None):
-    """One completion from vLLM: token ids in; sampled ids, their log-probs and why it ended out ('abort': a weight sync
-    stopped it; the ids so far are kept). `generated`: tokens of this turn that a stopped request already produced."""
+    """One completion from vLLM: token ids in; sampled ids, their log-probs and why it ended out ('abort': a
+    weight sync stopped it; the ids so far are kept). `generated`: tokens of this turn that a stopped request
+    already produced."""
     # Every parameter that shapes the distribution is sent: vLLM fills the missing ones from the checkpoint's
     # generation_config.json (Qwen3's says top_k 20), and the trainer would not know.
     payload = {
@@ -215,7 +272,8 @@ async def generate(session, url, ids, max_tokens, args, stop_ids, greedy=False, 
                 choice = (await response.json())["choices"][0]
             return choice["token_ids"], choice["logprobs"]["token_logprobs"], choice["finish_reason"]
         except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as e:
-            # a pooled keep-alive connection the server closed just then: the request holds all its state, so resend it
+            # a pooled keep-alive connection the server closed just then: the request holds all its state, so
+            # resend it
             if attempt == 2:
                 raise ConnectionError(f"the vLLM server {url} dropped a generation request 3 times ({e})") from None
             await asyncio.sleep(0.5 * 2**attempt)
@@ -226,31 +284,32 @@ async def generate(session, url, ids, max_tokens, args, stop_ids, greedy=False, 
 
 
 def request_seed(*key):
-    """A generation request's seed, from what identifies it in the run (--seed, its group, its sample, the position it
-    continues from): a run repeated with the same flags sends the same requests with the same seeds (README.md: when
-    that replays it sample for sample)."""
+    """A generation request's seed, from what identifies it in the run (--seed, its group, its sample, the
+    position it continues from): a run repeated with the same flags sends the same requests with the same
+    seeds (README.md: when that replays it sample for sample)."""
     return random.Random(repr(key)).getrandbits(31)
 
 
-async def run_tool_calls(message, schemas, functions, args, stats):
-    """The turn's well-formed calls, run concurrently, then an error for each call that did not parse: the tool
-    messages the model sees, in that order. Counted in stats (per tool: 'unknown' and 'malformed' apart)."""
+async def run_tool_calls(message, schemas_by_name, functions, args, stats):
+    """The turn's well-formed calls, run concurrently, then an error for each call that did not parse: the
+    tool messages the model sees, in that order. Counted in stats (per tool: 'unknown' and 'malformed' apart)."""
     start = time.perf_counter()
-    calls = [call_tool(call, schemas, args.tool_timeout, functions) for call in message["tool_calls"]]
+    calls = [call_tool(call, schemas_by_name, args.tool_timeout, functions) for call in message["tool_calls"]]
     results, _ = await asyncio.gather(asyncio.gather(*calls), asyncio.sleep(args.tool_latency))
     results += [(f"Error: {error}", False) for error in message["tool_call_errors"]]
     stats["tool_seconds"] += time.perf_counter() - start
     stats["tool_calls"] += len(results)
     stats["tool_failures"] += sum(not ok for _, ok in results)
     names = [call["function"]["name"] for call in message["tool_calls"]]
-    keys = [name if name in schemas else "unknown" for name in names]
+    keys = [name if name in schemas_by_name else "unknown" for name in names]
     keys += ["malformed"] * len(message["tool_call_errors"])
     names += ["malformed"] * len(message["tool_call_errors"])
     for key, (_, ok) in zip(keys, results):
         counts = stats["per_tool"].setdefault(key, [0, 0])
         counts[0] += 1
         counts[1] += not ok
-    # a lone surrogate in a tool's text (from its input, or bytes decoded with surrogateescape) fails the tokenizer
+    # a lone surrogate in a tool's text (from its input, or bytes decoded with surrogateescape) fails the
+    # tokenizer
     return [
         {"role": "tool", "name": n, "content": str(r).encode(errors="replace").decode()}
         for n, (r, _) in zip(names, results)
@@ -258,8 +317,8 @@ async def run_tool_calls(message, schemas, functions, args, stats):
 
 
 async def env_reply(env, message, args, stats):
-    """The user turn the environment answers a turn without tool calls with (respond), or None: none, the rollout ends.
-    A respond that raises or hangs answers with its error, a failure counted as respond's."""
+    """The user turn the environment answers a turn without tool calls with (respond), or None: none, the
+    rollout ends. A respond that raises or hangs answers with its error, a failure counted as respond's."""
     if not hasattr(env, "respond"):
         return None
     reply = call_function(env.respond, {"message": message}, "respond", args.tool_timeout)
@@ -270,60 +329,60 @@ async def env_reply(env, message, args, stats):
     return None if reply is None else {"role": "user", "content": str(reply).encode(errors="replace").decode()}
 
 
-async def call_tool(call, schemas, timeout, functions=tools_module.TOOLS):
+async def call_tool(call, schemas_by_name, timeout, functions=tools_module.TOOLS):
     """Run one well-formed call. Returns (result for the model, ok); never raises but EnvironmentGone."""
     name = call["function"]["name"]
     arguments = call["function"]["arguments"]
-    if name not in schemas:
-        return f"Error: unknown tool {name!r}; the tools are {', '.join(schemas)}", False
-    errors = argument_errors(schemas[name], arguments)
+    if name not in schemas_by_name:
+        return f"Error: unknown tool {name!r}; the tools are {', '.join(schemas_by_name)}", False
+    errors = argument_errors(schemas_by_name[name], arguments)
     if errors:
         return f"Error: {name}: {'; '.join(errors)}", False
     return await call_function(functions[name], arguments, name, timeout)
 
 
 def rollout_context(tok, schemas, rows, max_model_len=None, stop_ids=None, environments=None):
-    """What every rollout needs, computed once; max_model_len is the server's context length, known once it is up.
-    environments: {name: class} of --env and --mcp; their instances are made and kept here too (environments())."""
+    """The RolloutContext of a run; max_model_len is the server's context length, known once it is up.
+    environments: {name: class} of --env and --mcp; their instances are made and kept there too
+    (environment_instances())."""
     stop_ids = stop_ids or stop_token_ids(tok)
     environments = environments or {}
-    offered = {None: schemas or []}  # the tools of the rows of each environment (None: rows without one)
+    offered = {None: schemas or []}
     for name, cls in environments.items():
         offered[name] = (schemas or []) + tools_module.environment_schemas(cls)
-    every = tools_module.every_tool(schemas, environments)
-    talks = any(hasattr(cls, "respond") for cls in environments.values())  # a user turn after the model's
-    return {
-        "schemas": schemas,
-        "schemas_by_name": {s["function"]["name"]: s["function"] for s in schemas or []},
-        "environments": environments,
-        "offered": offered,
-        "idle": {name: [] for name in environments},  # instances between groups
-        "alive": [],  # every instance made: close_environments closes them
-        "stop_ids": stop_ids,
-        "max_model_len": max_model_len,
-        **(chat_format(tok, every, stop_ids) if every or talks else {}),
-        "prompt_ids": {
-            row["id"]: render_prompt(
-                tok, row["prompt"], offered[tools_module.environment_of(row, environments)], row["id"]
-            )
-            for row in rows
-        },
-    }
+    all_tools = tools_module.every_tool(schemas, environments)
+    # an environment that answers the model with a user turn needs the template's turn ends too
+    talks = any(hasattr(cls, "respond") for cls in environments.values())
+    prompt_ids = {}
+    for row in rows:
+        row_tools = offered[tools_module.environment_of(row, environments)]
+        prompt_ids[row["id"]] = render_prompt(tok, row["prompt"], row_tools, row["id"])
+    return RolloutContext(
+        schemas=schemas,
+        schemas_by_name={s["function"]["name"]: s["function"] for s in schemas or []},
+        environments=environments,
+        offered=offered,
+        prompt_ids=prompt_ids,
+        stop_ids=stop_ids,
+        max_model_len=max_model_len,
+        idle={name: [] for name in environments},
+        **(chat_format(tok, all_tools, stop_ids) if all_tools or talks else {}),
+    )
 
 
 class PolicyVersion:
-    """Which weights vLLM serves: a count the weight sync advances, a gate it closes meanwhile, and the requests in
-    flight (at most max_inflight). The sync closes the gate, pauses vLLM and waits for every request in flight to answer
-    (finished or stopped) before it changes the weights: the version stamped on a token sampled it."""
+    """Which weights vLLM serves: a count the weight sync advances, a gate it closes meanwhile, and the
+    requests in flight (at most max_inflight). The sync closes the gate, pauses vLLM and waits for every
+    request in flight to answer (finished or stopped) before it changes the weights: the version stamped on a
+    token sampled it."""
 
     def __init__(self, max_inflight=64):
         self.value = 0
         self.open = True
         self.in_flight = 0
         self.lock = threading.Lock()
-        self.slots = asyncio.Semaphore(
-            max_inflight
-        )  # not the connection pool's: a request waiting there counts as sent
+        # a bound of our own, not the connection pool's: a request waiting there counts as sent
+        self.slots = asyncio.Semaphore(max_inflight)
         self.idle_seconds = 0.0  # vLLM is idle while nothing is in flight
         self.idle_since = time.perf_counter()
 
@@ -337,7 +396,8 @@ class PolicyVersion:
     async def request(self):
         async with self.slots:
             while True:
-                with self.lock:  # the sync closes the gate under the same lock: no request slips past it
+                # the sync closes the gate under the same lock: no request slips past it
+                with self.lock:
                     if self.open:
                         self.idle_seconds = self.idle()
                         self.in_flight += 1
@@ -351,7 +411,7 @@ class PolicyVersion:
                     self.idle_since = time.perf_counter()
 
 
-# --- Rewards and group-relative advantages ----------------------------------------------------------------------------
+# --- Rewards and group-relative advantages ------------------------------------------------------------------
 
 
 async def score_group(samples, row, reward_weights, environments=None):
@@ -369,7 +429,8 @@ async def score_group(samples, row, reward_weights, environments=None):
     for name, weight in reward_weights.items():
         fn = rewards_module.REWARDS[name]
         values = await fn(**kwargs) if inspect.iscoroutinefunction(fn) else await asyncio.to_thread(fn, **kwargs)
-        parts[name] = np.asarray(values, dtype=np.float64)  # None becomes NaN, which would poison the whole update
+        # None becomes NaN, which would poison the whole update
+        parts[name] = np.asarray(values, dtype=np.float64)
         if parts[name].shape != (G,) or not np.isfinite(parts[name]).all():
             raise ValueError(f"reward {name} returned {str(values)[:200]} for a group of {G}: one finite number each")
         total += weight * parts[name]
@@ -378,34 +439,51 @@ async def score_group(samples, row, reward_weights, environments=None):
 
 # FORK: change the advantages (a group's rewards in, one number per rollout out; the loss weighs its tokens by it)
 def group_advantages(rewards, scale=True, eps=1e-4):
-    """GRPO: each rollout's reward relative to its group, in units of the group's spread (scale) or raw (Dr. GRPO:
-    dividing by the spread over-weights groups nearly all right or wrong); all equal: zero advantages, no signal."""
+    """GRPO: each rollout's reward relative to its group, in units of the group's spread (scale) or raw (Dr.
+    GRPO: dividing by the spread over-weights groups nearly all right or wrong); all equal: zero advantages,
+    no signal."""
     rewards = np.asarray(rewards, dtype=np.float64)
     centred = rewards - rewards.mean()
     return centred / (rewards.std() + eps) if scale else centred
 
 
-# --- The producer: a thread with its own asyncio loop that keeps the queue full, within the staleness bound -----------
+# --- The producer: a thread with its own asyncio loop that keeps the queue full, within the staleness bound ---
+
+
+@dataclass
+class ScoredGroup:
+    # its number, in the order groups started
+    index: int
+    # its rollouts, each with its reward and advantage
+    samples: list
+
+
+@dataclass
+class DroppedGroup:
+    index: int
+    # why it is not trained: its environment or its rewards failed
+    why: str
 
 
 class Producer(threading.Thread):
-    """Streams scored groups to the trainer, numbered in the order they start; the trainer takes them in that order
-    (`take`), which lets admission control know when a group will be trained. With several servers (`urls`), each group
-    goes to the one with the fewest groups running: its rollouts share the cached prompt."""
+    """Streams scored groups to the trainer, numbered in the order they start; the trainer takes them in that
+    order (`take`), which lets admission control know when a group will be trained. With several servers
+    (`urls`), each group goes to the one with the fewest groups running: its rollouts share the cached prompt."""
 
-    def __init__(self, args, tok, rows, urls, ctx, policy, cursor=None):
+    def __init__(self, args, tok, rows, urls, ctx, version, cursor=None):
         super().__init__(daemon=True, name="producer")
         self.args = args
         self.tok = tok
         self.rows = rows
         self.urls = urls
         self.ctx = ctx
-        self.policy = policy
+        self.version = version
         self.running = dict.fromkeys(urls, 0)  # groups running on each server
-        self.queue = queue.Queue()  # (number, scored group) as groups finish, or (number, why it was dropped)
+        # a ScoredGroup or a DroppedGroup as each group finishes
+        self.queue = queue.Queue()
         self.ready = {}  # finished groups by number, until their turn
-        # next_index: the next group to hand out; skipped_groups: not trained (zero variance, too stale or a failed
-        # reward); stale_samples, reward_failures: counters. A checkpoint saves them all.
+        # next_index: the next group to hand out; skipped_groups: not trained (zero variance, too stale or a
+        # failed reward); stale_samples, reward_failures: counters. A checkpoint saves them all.
         self.cursor = {
             "next_index": 0,
             "skipped_groups": 0,
@@ -416,7 +494,8 @@ class Producer(threading.Thread):
         self.failures_in_a_row = 0
         self.scoring = 0  # groups whose rewards are being computed
         self.error = None
-        self.loop = asyncio.new_event_loop()  # made here: stop() and evaluate() may use it before run()
+        # made here: stop() and evaluate() may use it before run()
+        self.loop = asyncio.new_event_loop()
 
     def run(self):
         try:
@@ -426,8 +505,9 @@ class Producer(threading.Thread):
             self.error = e
 
     def stop(self, timeout=10):
-        if self.is_alive():  # a callback queued before run() starts the loop runs once _produce's task exists
-            self.loop.call_soon_threadsafe(cancel_all, asyncio.all_tasks(self.loop))
+        # a callback queued before run() starts the loop runs once _produce's task exists
+        if self.is_alive():
+            self.loop.call_soon_threadsafe(lambda: cancel_all(asyncio.all_tasks(self.loop)))
             self.join(timeout)
 
     def prompt_order(self):
@@ -439,21 +519,26 @@ class Producer(threading.Thread):
             yield from rows
 
     def admissible(self, index):
-        """The staleness gate. Group `index` is trained at step (index - groups skipped) // prompts_per_step (at the
-        latest: more skips make it earlier). Do not start it if the trainer will by then be more than --max-staleness
-        versions ahead of the weights that would generate it now."""
-        train_step = (index - self.cursor["skipped_groups"]) // self.args.prompts_per_step
-        return train_step // self.args.sync_every - self.policy.value <= self.args.max_staleness
+        """The staleness gate. Group `index` is trained at step (index - groups skipped) // prompts_per_step
+        (at the latest: more skips make it earlier). Do not start it if the trainer will by then be more than
+        --max-staleness versions ahead of the weights that would generate it now."""
+        trained_at = (index - self.cursor["skipped_groups"]) // self.args.prompts_per_step
+        return trained_at // self.args.sync_every - self.version.value <= self.args.max_staleness
 
     async def _produce(self):
         a = self.args
-        connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=3)  # closed before vLLM closes them (5 s): no race
-        timeout = aiohttp.ClientTimeout(total=a.data_timeout)  # one request longer than the trainer waits for data
+        # closed before vLLM closes them (5 s): no race
+        connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=3)
+        # a request may take as long as the trainer waits for data
+        timeout = aiohttp.ClientTimeout(total=a.data_timeout)
         async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
             pending = set()
-            started = self.cursor["next_index"]  # on --resume, groups not trained are redone
+            # on --resume, groups not trained are redone
+            started = self.cursor["next_index"]
             try:
                 for row in itertools.islice(self.prompt_order(), started, None):
+                    # Groups started: as many rollouts as twice what vLLM takes at once (--max-inflight), so that the
+                    # next ones wait ready (environments reset) behind PolicyVersion's slots, and no more
                     while not self.admissible(started) or len(pending) * a.num_generations >= 2 * a.max_inflight:
                         if not pending:
                             await asyncio.sleep(0.01)
@@ -461,10 +546,12 @@ class Producer(threading.Thread):
                         done, pending = await asyncio.wait(pending, timeout=0.05, return_when=asyncio.FIRST_COMPLETED)
                         errors = [task.exception() for task in done if not task.cancelled() and task.exception()]
                         if errors:
-                            raise errors[0]  # stops the producer, loudly (each one retrieved: asyncio warns else)
+                            # stops the producer, loudly (each one retrieved: asyncio warns else)
+                            raise errors[0]
                     pending.add(asyncio.create_task(self._group(session, row, started)))
                     started += 1
-            finally:  # on stop or error, no group is left running against a server that is going away
+            finally:
+                # on stop or error, no group is left running against a server that is going away
                 cancel_all(pending)
                 await asyncio.gather(*pending, return_exceptions=True)
                 await close_environments(self.ctx, a.tool_timeout)
@@ -473,7 +560,11 @@ class Producer(threading.Thread):
         a = self.args
         url = min(self.urls, key=self.running.get)
         try:
-            async with environments(self.ctx, self.tok, row, a.num_generations, a.tool_timeout) as (envs, row, ids):
+            async with environment_instances(self.ctx, self.tok, row, a.num_generations, a.tool_timeout) as (
+                envs,
+                row,
+                ids,
+            ):
                 self.running[url] += 1
                 try:
                     group = [
@@ -484,7 +575,7 @@ class Producer(threading.Thread):
                             row,
                             a,
                             ctx=self.ctx,
-                            policy=self.policy,
+                            version=self.version,
                             seed=(a.seed, index, i),
                             env=env,
                             prompt_ids=ids,
@@ -501,78 +592,93 @@ class Producer(threading.Thread):
                     raise Dropped(f"the rewards of prompt {row['id']} failed: {type(e).__name__}: {e}") from None
                 finally:
                     self.scoring -= 1
-        except Dropped as e:  # the group is not trained (take() reports it), the run goes on
-            self.queue.put((index, str(e)))
+        except Dropped as e:
+            # the group is not trained (take() reports it), the run goes on
+            self.queue.put(DroppedGroup(index, str(e)))
             return
         advantages = group_advantages(rewards, scale=a.scale_rewards == "group")
         for i, sample in enumerate(samples):
             sample.update(reward=float(rewards[i]), advantage=float(advantages[i]), prompt_id=row["id"])
             sample["reward_parts"] = {name: float(values[i]) for name, values in parts.items()}
-        self.queue.put((index, samples))
+        self.queue.put(ScoredGroup(index, samples))
 
     def take(self, n, timeout, interrupted=lambda: False):
-        """The next n trainable groups in start order. Skips zero-variance groups with --skip-zero-variance, and drops
-        (warned and counted) groups too stale to train (admission control should leave none) and groups whose rewards
-        failed. Raises if the producer died, no batch came in time, every recent reward failed or interrupted()."""
+        """The next n trainable groups in start order. Skips zero-variance groups with --skip-zero-variance,
+        and drops (warned and counted) groups too stale to train (admission control should leave none) and
+        groups whose rewards failed. Raises if the producer died, no batch came in time, every recent reward
+        failed or interrupted()."""
         groups = []
         deadline = time.monotonic() + timeout
-        equal = 0  # groups skipped for equal rewards, which a timeout's message counts
+        # groups skipped for equal rewards, which a timeout's message counts
+        equal = 0
 
         def late():
             skipped = f"; {equal} groups finished with equal rewards, skipped (--skip-zero-variance)" if equal else ""
             return (
                 f"no batch from the producer in {timeout} s (--data-timeout) from the vLLM server(s) "
                 f"{', '.join(self.urls)}; now {sum(self.running.values())} groups generate "
-                f"({self.policy.in_flight} requests in vLLM) and {self.scoring} are being scored{skipped}"
+                f"({self.version.in_flight} requests in vLLM) and {self.scoring} are being scored{skipped}"
             )
 
-        def arrived():  # has the group numbered cursor['next_index'] finished? (groups finish out of order)
+        # has the group numbered cursor['next_index'] finished? (groups finish out of order)
+        def arrived():
             until = time.monotonic() + 0.1
             with contextlib.suppress(queue.Empty):
                 while self.cursor["next_index"] not in self.ready:
-                    index, group = self.queue.get(timeout=max(0.0, until - time.monotonic()))
-                    self.ready[index] = group
+                    item = self.queue.get(timeout=max(0.0, until - time.monotonic()))
+                    self.ready[item.index] = item
             return self.cursor["next_index"] in self.ready
 
         while len(groups) < n:
             if not self.wait(arrived, deadline, interrupted, late):
                 raise KeyboardInterrupt("stopped while waiting for data")
-            group = self.ready.pop(self.cursor["next_index"])
+            item = self.ready.pop(self.cursor["next_index"])
             self.cursor["next_index"] += 1
-            if isinstance(group, str):  # why its rewards failed
-                self.failures_in_a_row += 1
-                print(f"warning: dropped a group: {group}", flush=True)
-                self.cursor["reward_failures"] += 1
-                if self.failures_in_a_row >= 4 * self.args.prompts_per_step:
-                    raise RuntimeError(
-                        f"the rewards failed for {self.failures_in_a_row} groups in a row; the last: {group}"
-                    )
+            why_not = self.why_not_trained(item)
+            if why_not is None:
+                groups.append(item.samples)
             else:
-                self.failures_in_a_row = 0
-                lag = self.lag(group)
-                if lag > self.args.max_staleness:
-                    print(f"warning: dropped a group {lag} versions old (--max-staleness)", flush=True)
-                    self.cursor["stale_samples"] += len(group)
-                elif not self.args.skip_zero_variance or len({s["reward"] for s in group}) > 1:
-                    groups.append(group)
-                    continue
-                else:
-                    equal += 1
-            self.cursor["skipped_groups"] += 1  # every group not trained: admissible() counts them
+                # admissible() counts every group not trained
+                self.cursor["skipped_groups"] += 1
+                equal += why_not == "equal rewards"
         return groups
+
+    def why_not_trained(self, item):
+        """None for a group to train; else why not (counted, and warned about but for equal rewards)."""
+        if isinstance(item, DroppedGroup):
+            self.failures_in_a_row += 1
+            self.cursor["reward_failures"] += 1
+            print(f"warning: dropped a group: {item.why}", flush=True)
+            if self.failures_in_a_row >= 4 * self.args.prompts_per_step:
+                raise RuntimeError(
+                    f"the rewards failed for {self.failures_in_a_row} groups in a row; the last: {item.why}"
+                )
+            return "failed"
+        self.failures_in_a_row = 0
+        lag = self.lag(item.samples)
+        if lag > self.args.max_staleness:
+            print(f"warning: dropped a group {lag} versions old (--max-staleness)", flush=True)
+            self.cursor["stale_samples"] += len(item.samples)
+            return "too stale"
+        if self.args.skip_zero_variance and len({s["reward"] for s in item.samples}) == 1:
+            return "equal rewards"
+        return None
 
     def lag(self, group):
         """Policy versions between the trainer now and the group's oldest trained token."""
         versions = [v for s in group for v, m in zip(s["versions"], s["mask"]) if m]
-        return self.policy.value - min(versions, default=self.policy.value)
+        return self.version.value - min(versions, default=self.version.value)
 
-    def wait(self, ready, deadline, interrupted, late):
-        """Every wait of the trainer on the producer (data, evaluation): until ready(), which may block for 0.1 s. Raises
-        once the producer thread has ended, with its error (its loop has stopped: nothing submitted to it will finish),
-        or at the deadline, with late() as the message; returns False if interrupted() (a stop signal) first."""
-        while not ready():
-            ended = not self.is_alive()  # read before the error, which the thread sets before it ends
-            if isinstance(self.error, ConnectionError):  # a server's fault, which the message names
+    def wait(self, done, deadline, interrupted, late):
+        """Every wait of the trainer on the producer (data, evaluation): until done(), which may block for
+        0.1 s. Raises once the producer thread has ended, with its error (its loop has stopped: nothing
+        submitted to it will finish), or at the deadline, with late() as the message; returns False if
+        interrupted() (a stop signal) first."""
+        while not done():
+            # read before the error, which the thread sets before it ends
+            ended = not self.is_alive()
+            # a server's fault, which the message names
+            if isinstance(self.error, ConnectionError):
                 raise self.error
             if self.error or ended:
                 why = "".join(traceback.format_exception(self.error)) if self.error else "stopped"
@@ -585,8 +691,9 @@ class Producer(threading.Thread):
 
 
 async def all_or_none(coros):
-    """asyncio.gather whose first error cancels the rest and waits for them: gather alone leaves them running against a
-    session about to close, each to fail later with an error that asyncio prints as a traceback nobody retrieved."""
+    """asyncio.gather whose first error cancels the rest and waits for them: gather alone leaves them running
+    against a session about to close, each to fail later with an error that asyncio prints as a traceback
+    nobody retrieved."""
     tasks = [asyncio.ensure_future(c) for c in coros]
     try:
         return await asyncio.gather(*tasks)
@@ -600,119 +707,179 @@ def cancel_all(tasks):
         task.cancel()
 
 
-# --- The loss: clipped surrogate against the sampler's log-probs, normalised as --loss-type says ----------------------
+# --- The loss: clipped surrogate against the sampler's log-probs, normalised as --loss-type says ------------
+
+
+@dataclass(frozen=True)
+class LossSettings:
+    """The loss's flags, one object for the step (loss_settings makes it from the arguments)."""
+
+    # the clip range of the ratio: [1 - epsilon, 1 + epsilon_high]
+    epsilon: float = 0.2
+    epsilon_high: float = 0.28
+    # how per-token terms become the loss: token (DAPO), sequence (GRPO), constant (Dr. GRPO), gspo, cispo
+    loss_type: str = "token"
+    # Dr. GRPO's constant, which every sequence is divided by: --max-tokens (a turn's budget, not a multi-turn
+    # rollout's)
+    constant_length: int = 1
+    # the correction for the sampler's drift: none, tis (truncated), mis (masked); where it cuts; per token or
+    # sequence
+    is_correction: str = "none"
+    is_threshold: float = 2.0
+    is_level: str = "token"
+    # the KL penalty to the reference policy, and whether pi_theta / pi_sampler weighs it
+    beta: float = 0.0
+    kl_correction: bool = False
+    # what drifted too far from the sampler leaves the loss: none, sequence, token; how far is too far
+    off_policy_mask: str = "none"
+    off_policy_threshold: float = 0.5
+
+
+def loss_settings(args):
+    names = [f.name for f in dataclasses.fields(LossSettings) if f.name != "constant_length"]
+    return LossSettings(constant_length=args.max_tokens, **{name: getattr(args, name) for name in names})
 
 
 # FORK: change the loss (the terms are named as in the papers; train_step calls this)
-def grpo_loss(
-    logp,
-    sampler_logp,
-    advantages,
-    mask,
-    epsilon,
-    epsilon_high,
-    loss_type="token",
-    num_tokens=1,
-    num_sequences=1,
-    max_tokens=1,
-    is_correction="none",
-    is_threshold=2.0,
-    is_level="token",
-    ref_logp=None,
-    beta=0.0,
-    kl_correction=False,
-    off_policy_mask="none",
-    off_policy_threshold=0.5,
-):
-    """logp (the trainer's, with gradient), sampler_logp (vLLM's), mask (0 on tool-result and padding tokens): [B, T],
-    per completion token; advantages: [B]. num_tokens and num_sequences count the whole step (all micro-batches, all ranks),
-    so the result is a share of the step's loss. The importance weight w = pi_trainer / pi_sampler (no gradient) is how
-    far the trainer's policy is from the one that sampled: numeric mismatch plus staleness. beta > 0 adds a KL penalty
-    to the reference, beta * KL(pi_theta || pi_ref) per token (k3 estimator), normalised as the surrogate is;
-    kl_correction weighs it by pi_theta / pi_sampler. off_policy_mask drops sequences or tokens that drifted past
-    off_policy_threshold from the loss."""
-    lengths = mask.sum(1, keepdim=True).clamp(min=1)
+def grpo_loss(logp, sampler_logp, advantages, mask, settings, num_tokens=1, num_sequences=1, ref_logp=None):
+    """The negated objective of one micro-batch, as a share of the step's:
 
-    def sequence_mean(x):  # [B, T] -> [B, 1]: mean over each sequence's loss tokens
-        return (x * mask).sum(1, keepdim=True) / lengths
+        J(theta) = 1/Z sum_i sum_t  m_it w_it min(r_it A_i, clip(r_it, 1 - eps, 1 + eps_high) A_i)
+                   - beta KL(pi_theta || pi_ref)
 
-    log_w = (logp.detach() - sampler_logp) * mask  # log pi_trainer / pi_sampler
-    # w per token, or per sequence (is_level sequence, and always for gspo): the geometric mean of its tokens' weights,
-    # not their product (the sequence's likelihood ratio, which TRL's and verl's sequence levels use). The product of a
-    # thousand token weights each within 1% of 1 lies anywhere in e^-10..e^10, and a threshold on it would truncate or
-    # mask long sequences for their length; the geometric mean is on the scale of one token's.
-    w = torch.exp(sequence_mean(log_w) if is_level == "sequence" or loss_type == "gspo" else log_w)
-    # is_correction none: the clipped ratio is taken against the sampler's log-probs. tis, mis (decoupled PPO): against
-    # the policy before this update (value 1, gradient of log pi), weighted by w truncated or masked at the threshold.
-    old_logp = sampler_logp if is_correction == "none" else logp.detach()
-    if is_correction == "tis":
-        weight = w.clamp(max=is_threshold)
-    elif is_correction == "mis":
-        weight = w * ((w >= 1 / is_threshold) & (w <= is_threshold))
-    else:
-        weight = torch.ones_like(w)
-    log_ratio = (logp - old_logp) * mask  # log pi_theta / pi_old
-    ratio = torch.exp(sequence_mean(log_ratio) if loss_type == "gspo" else log_ratio)  # [B, T] or [B, 1]
-    clipped = torch.clamp(ratio, 1 - epsilon, 1 + epsilon_high)
+    r = pi_theta / pi_old, the ratio the clip bounds: pi_old is the sampler (vLLM's log-probs), or with
+    --is-correction the policy before this update. w = the importance weight of that correction (1 without
+    it). m = the off-policy mask (1 without it). A_i = the group-relative advantage of sequence i. Z = the
+    normaliser of --loss-type. gspo takes one r per sequence, the geometric mean of its tokens'; cispo
+    maximises sg(clip(r)) A log pi instead. With a correction and one update per batch, pi_old is the policy
+    being updated: r = 1, inside the clip, and the gradient is w A grad log pi (decoupled PPO).
+
+    logp (the trainer's, with gradient), sampler_logp (vLLM's), mask (0 on tool-result and padding tokens):
+    [B, T], per completion token; advantages: [B]. num_tokens and num_sequences count the whole step (every
+    micro-batch and rank), so that the micro-batches' losses add up to the step's."""
+    s = settings
+    per_sequence = s.loss_type == "gspo"
+    # log pi_trainer / pi_sampler, without gradient: the numeric mismatch plus the staleness
+    log_is_ratio = (logp.detach() - sampler_logp) * mask
+    is_ratio, is_weight = importance_weights(log_is_ratio, mask, s)
+    old_logp = sampler_logp if s.is_correction == "none" else logp.detach()
+    log_ratio = (logp - old_logp) * mask
+    # [B, T], or [B, 1] for gspo
+    ratio = torch.exp(sequence_mean(log_ratio, mask) if per_sequence else log_ratio)
+    clipped = torch.clamp(ratio, 1 - s.epsilon, 1 + s.epsilon_high)
     A = advantages[:, None]
-    if loss_type == "cispo":  # MiniMax-M1: the clipped ratio weighs the gradient of log pi (no gradient of its own),
-        per_token = -weight * clipped.detach() * A * logp  # so clipped tokens still contribute, at the clipped weight
+    if s.loss_type == "cispo":
+        # MiniMax-M1: the clipped ratio weighs the gradient of log pi without a gradient of its own, so that
+        # clipped tokens still contribute, at the clipped weight
+        surrogate = clipped.detach() * A * logp
     else:
-        per_token = -weight * torch.minimum(ratio * A, clipped * A)  # the pessimistic surrogate, negated
-    if beta:
-        delta = ref_logp - logp
-        kl = torch.exp(delta) - delta - 1  # k3: unbiased under pi_theta and never negative
-        if (
-            kl_correction
-        ):  # the tokens come from pi_sampler: weighted by pi_theta / pi_sampler the estimate is unbiased
-            kl = torch.exp(logp - sampler_logp) * kl  # (DeepSeek-V3.2), gradient through the weight too
-        per_token = per_token + beta * (sequence_mean(kl) if loss_type == "gspo" else kl)
-    # Off-policy masking drops from the loss what drifted too far from the sampler; the normalisers stay. Sequence
-    # (DeepSeek-V3.2): a negative advantage and a mean log(pi_sampler / pi_trainer) past the threshold, updates that push
-    # down tokens the trainer already finds less likely. Token (IcePop): |log w| past the threshold.
-    if off_policy_mask == "sequence":
-        kept = ~((sequence_mean(-log_w) > off_policy_threshold) & (A < 0))  # [B, 1]
-    elif off_policy_mask == "token":
-        kept = log_w.abs() <= off_policy_threshold  # [B, T]
+        # PPO's pessimistic bound: the clipped term wherever it is lower
+        surrogate = torch.minimum(ratio * A, clipped * A)
+    per_token = -is_weight * surrogate
+    kl = None
+    if s.beta:
+        kl = kl_to_reference(logp, ref_logp, sampler_logp, s.kl_correction)
+        per_token = per_token + s.beta * (sequence_mean(kl, mask) if per_sequence else kl)
+    # What drifted too far leaves the loss; the normalisers below still count it
+    keep = off_policy_keep(log_is_ratio, A, mask, s)
+    per_token = per_token * keep
+    if s.loss_type == "gspo":
+        # one clipped ratio per sequence; a sequence without loss tokens counts 0
+        loss = (per_token * (mask.sum(1, keepdim=True) > 0)).sum() / num_sequences
+    elif s.loss_type == "sequence":
+        # the GRPO paper: the mean over each sequence's tokens, then over the sequences
+        loss = sequence_mean(per_token, mask).sum() / num_sequences
+    elif s.loss_type == "constant":
+        # Dr. GRPO: a sequence's length does not change the weight of its tokens
+        loss = (per_token * mask).sum() / (num_sequences * s.constant_length)
     else:
-        kept = torch.ones_like(A, dtype=torch.bool)
-    per_token = per_token * kept
-    if loss_type == "gspo":  # one ratio per sequence (the geometric mean of its token ratios), clipped per sequence
-        loss = (per_token * (mask.sum(1, keepdim=True) > 0)).sum() / num_sequences  # a sequence without loss tokens: 0
-    elif loss_type == "sequence":  # the GRPO paper: mean over each sequence's tokens, then over sequences
-        loss = sequence_mean(per_token).sum() / num_sequences
-    elif loss_type == "constant":  # Dr. GRPO: a sequence's length does not change the weight of its tokens
-        loss = (per_token * mask).sum() / (num_sequences * max_tokens)
-    else:  # token (DAPO), and cispo: every loss token of the step weighs the same
+        # token (DAPO), and cispo: every loss token of the step weighs the same
         loss = (per_token * mask).sum() / num_tokens
-    with torch.no_grad():
-        n = mask.sum().clamp(min=1)
-        tokens = mask.bool()
-        token_w = torch.exp(log_w)
-
-        def share(x):  # mean over the loss tokens
-            return (x * mask).sum() / n
-
-        stats = {
-            "train/clip_fraction": share((ratio - clipped).abs() > 0),
-            "is/ratio_mean": share(token_w),
-            "is/mismatch_kl": share(token_w - 1 - log_w),  # k3 estimate of KL(pi_sampler || pi_trainer)
-            "is/ratio_min": torch.where(tokens, token_w, torch.inf).min(),
-            "is/ratio_max": torch.where(tokens, token_w, -torch.inf).max(),
-            "is/off_policy_masked": share(~kept),
-        }
-        if is_correction == "tis":
-            stats["is/truncated_fraction"] = share(w > is_threshold)
-        elif is_correction == "mis":
-            stats["is/masked_fraction"] = share(weight == 0)
-        if beta:
-            stats["train/kl"] = share(kl)
-        # one device-to-host copy for all of them; extremes of a micro-batch without loss tokens are dropped
-        stats = {k: v for k, v in zip(stats, torch.stack(list(stats.values())).tolist()) if math.isfinite(v)}
-    return loss, stats
+    terms = dict(ratio=ratio, clipped=clipped, log_is_ratio=log_is_ratio, is_ratio=is_ratio, is_weight=is_weight)
+    return loss, loss_statistics(mask, s, keep=keep, kl=kl, **terms)
 
 
-# --- The training step: micro-batches, a group's prompt once, the log-probs of the distribution vLLM sampled ----------
+def sequence_mean(x, mask):
+    """[B, T] -> [B, 1]: the mean over each sequence's loss tokens."""
+    return (x * mask).sum(1, keepdim=True) / mask.sum(1, keepdim=True).clamp(min=1)
+
+
+def importance_weights(log_is_ratio, mask, settings):
+    """The importance ratio w = pi_trainer / pi_sampler, and the weight the correction makes of it: w
+    truncated at the threshold (tis), w masked outside [1 / threshold, threshold] (mis, decoupled PPO), or 1
+    (none).
+
+    Per sequence (--is-level sequence, and always for gspo) w is the geometric mean of its tokens' ratios, not
+    their product (the sequence's likelihood ratio, which TRL's and verl's sequence levels use): the product
+    of a thousand token ratios each within 1% of 1 lies anywhere in e^-10..e^10, and a threshold on it would
+    cut long sequences for their length; the geometric mean is on the scale of one token's."""
+    s = settings
+    per_sequence = s.is_level == "sequence" or s.loss_type == "gspo"
+    is_ratio = torch.exp(sequence_mean(log_is_ratio, mask) if per_sequence else log_is_ratio)
+    if s.is_correction == "tis":
+        return is_ratio, is_ratio.clamp(max=s.is_threshold)
+    if s.is_correction == "mis":
+        inside = (is_ratio >= 1 / s.is_threshold) & (is_ratio <= s.is_threshold)
+        return is_ratio, is_ratio * inside
+    return is_ratio, torch.ones_like(is_ratio)
+
+
+def kl_to_reference(logp, ref_logp, sampler_logp, corrected):
+    """Per token, KL(pi_theta || pi_ref) by the k3 estimator: unbiased under pi_theta and never negative. The
+    tokens come from pi_sampler: corrected (--kl-correction, DeepSeek-V3.2) weighs each by pi_theta /
+    pi_sampler, which makes the estimate unbiased, with the weight's gradient too."""
+    delta = ref_logp - logp
+    kl = torch.exp(delta) - delta - 1
+    if corrected:
+        kl = torch.exp(logp - sampler_logp) * kl
+    return kl
+
+
+def off_policy_keep(log_is_ratio, A, mask, settings):
+    """True where the loss keeps a token. sequence (DeepSeek-V3.2) drops a sequence with a negative advantage
+    whose mean log(pi_sampler / pi_trainer) is past the threshold: updates that push down tokens the trainer
+    already finds less likely. token (IcePop) drops a token whose |log w| is past it."""
+    s = settings
+    if s.off_policy_mask == "sequence":
+        # [B, 1]
+        return ~((sequence_mean(-log_is_ratio, mask) > s.off_policy_threshold) & (A < 0))
+    if s.off_policy_mask == "token":
+        # [B, T]
+        return log_is_ratio.abs() <= s.off_policy_threshold
+    return torch.ones_like(A, dtype=torch.bool)
+
+
+@torch.no_grad()
+def loss_statistics(mask, settings, ratio, clipped, log_is_ratio, is_ratio, is_weight, keep, kl):
+    """The loss's figures: means over the loss tokens, extremes of the token ratios to the sampler."""
+    n = mask.sum().clamp(min=1)
+    tokens = mask.bool()
+    token_w = torch.exp(log_is_ratio)
+
+    def share(x):
+        return (x * mask).sum() / n
+
+    stats = {
+        "train/clip_fraction": share((ratio - clipped).abs() > 0),
+        "is/ratio_mean": share(token_w),
+        # the k3 estimate of KL(pi_sampler || pi_trainer)
+        "is/mismatch_kl": share(token_w - 1 - log_is_ratio),
+        "is/ratio_min": torch.where(tokens, token_w, torch.inf).min(),
+        "is/ratio_max": torch.where(tokens, token_w, -torch.inf).max(),
+        "is/off_policy_masked": share(~keep),
+    }
+    if settings.is_correction == "tis":
+        stats["is/truncated_fraction"] = share(is_ratio > settings.is_threshold)
+    elif settings.is_correction == "mis":
+        stats["is/masked_fraction"] = share(is_weight == 0)
+    if kl is not None:
+        stats["train/kl"] = share(kl)
+    # One device-to-host copy for all of them; the extremes of a micro-batch without loss tokens are dropped
+    values = torch.stack(list(stats.values())).tolist()
+    return {k: v for k, v in zip(stats, values) if math.isfinite(v)}
+
+
+# --- The training step: micro-batches, each group's prompt once, the log-probs of what vLLM sampled ---------
 
 
 def train_step(
@@ -727,28 +894,37 @@ def train_step(
     reference=None,
     stop_ids=(),
     pad_id=0,
-    served=torch.bfloat16,
+    served_dtype=torch.bfloat16,
+    layout=None,
 ):
-    """Gradient accumulation over micro-batches; DDP all-reduces on the last one only. FSDP reduce-scatters on each:
-    skipping that (set_requires_gradient_sync) would hold the unsharded gradients of the whole model on every rank."""
+    """One optimizer step on this rank's samples: gradient accumulation over micro-batches. DDP all-reduces on
+    the last one only. FSDP reduce-scatters on each: skipping that (set_requires_gradient_sync) would hold the
+    unsharded gradients of the whole model on every rank. layout: collate's rows, as the run chose them
+    (Run.layout)."""
     model.train()
-    config = getattr(model, "module", model).config.get_text_config()  # its width and window shape the rows (collate)
+    # its width and window shape the rows (collate)
+    config = getattr(model, "module", model).config.get_text_config()
     totals = {"loss": 0.0}
-    forwarded = 0  # tokens through the model: each group's prompt once where it is shared
-    layout = dict(share=args.share_prefix, packed=args.packed)  # collate's rows, which micro_batches bounds
+    # tokens through the model: each group's prompt once where it is shared
+    forwarded = 0
+    layout = layout or {"share": args.share_prefix, "packed": False}
+    settings = loss_settings(args)
     bound = dict(tokens=args.micro_batch_tokens, width=config.hidden_size, **layout)
     micros = micro_batches(samples, args.micro_batch_size, 1, **bound)
     # Every rank runs as many forwards and backwards, whatever its lengths: DDP and FSDP communicate in them.
     if world_size > 1:
         count = torch.tensor(len(micros), device=device)
         dist.all_reduce(count, op=dist.ReduceOp.MAX)
-        if count > len(micros):  # this rank splits its largest micro-batches until it has as many
+        # this rank splits its largest micro-batches until it has as many
+        if count > len(micros):
             micros = micro_batches(samples, args.micro_batch_size, int(count), **bound)
     min_tokens = args.sampling_args.get("min_tokens", 0)
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32  # autocast's, below
-    # the distribution vLLM sampled from: the ratio against its log-probs measures the policy, not the truncation
+    # autocast's, below
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    # the distribution vLLM sampled from: the ratio against its log-probs measures the policy, not the
+    # truncation
     sampling = {k: getattr(args, k) for k in ("temperature", "top_k", "top_p", "min_p")}
-    sampling |= {"stop_ids": stop_ids, "served": served}
+    sampling |= {"stop_ids": stop_ids, "served_dtype": served_dtype}
     for i, micro in enumerate(micros):
         batch = collate(micro, pad_id, device, min_tokens, config=config, dtype=dtype, **layout)
         forwarded += batch["tokens"]
@@ -760,31 +936,17 @@ def train_step(
             with torch.no_grad():
                 ref_logp = token_logprobs(reference, batch, **sampling)[0] if reference else None
             mask = batch["mask"]
+            normalisers = dict(num_tokens=num_tokens, num_sequences=num_sequences)
             loss, stats = grpo_loss(
-                logp,
-                batch["sampler_logp"],
-                batch["advantages"],
-                mask,
-                epsilon=args.epsilon,
-                epsilon_high=args.epsilon_high,
-                loss_type=args.loss_type,
-                num_tokens=num_tokens,
-                num_sequences=num_sequences,
-                max_tokens=args.max_tokens,
-                is_correction=args.is_correction,
-                is_threshold=args.is_threshold,
-                is_level=args.is_level,
-                ref_logp=ref_logp,
-                beta=args.beta,
-                kl_correction=args.kl_correction,
-                off_policy_mask=args.off_policy_mask,
-                off_policy_threshold=args.off_policy_threshold,
+                logp, batch["sampler_logp"], batch["advantages"], mask, settings, ref_logp=ref_logp, **normalisers
             )
             stats["is/truncated_mass"] = ((removed * mask).sum() / mask.sum().clamp(min=1)).item()
             stats["train/entropy"] = ((entropy * mask).sum() / mask.sum().clamp(min=1)).item()
-            (loss * world_size).backward()  # DDP and FSDP average over ranks; the loss is already a global mean
+            # DDP and FSDP average over ranks; the loss is already a global mean
+            (loss * world_size).backward()
         totals["loss"] += loss.item()
-        for k, v in stats.items():  # means over this rank's loss tokens, extremes over all of them
+        # means over this rank's loss tokens, extremes over all of them
+        for k, v in stats.items():
             if k.endswith(("_min", "_max")):
                 totals[k] = (min if k.endswith("_min") else max)(totals.get(k, v), v)
             else:
@@ -798,251 +960,33 @@ def train_step(
     totals["train/grad_norm"] = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm).item()
     if math.isfinite(totals["train/grad_norm"]):
         optimizer.step()
-    else:  # one NaN or inf would make every weight NaN, then synced and saved: the update is skipped instead
+    else:
+        # one NaN or inf would make every weight NaN, then synced and saved: the update is skipped instead
         print(f"warning: skipped an update whose gradient norm is {totals['train/grad_norm']}", flush=True)
     optimizer.zero_grad(set_to_none=True)
     return dict(totals)
 
 
-def micro_batches(samples, size, count=1, share=True, tokens=math.inf, width=None, packed=False):
-    """The step's samples in micro-batches of at most `size` sequences and `tokens` tokens forwarded (memory), padding
-    included, and unpacked at most `size` x 1.25 x the step's median length (a sequence longer goes alone): shortest
-    first, with share a prompt's samples together (rows_of). A micro-batch pads to its longest row, and a tool loop's
-    long tail (a few rollouts 5x the median) made padding most of a step's tokens: 2.5x slower steps on the tool task.
-    The order is free: the loss is normalised over the step. At least `count` (the largest halved): every rank runs as
-    many."""
-    samples = sorted(
-        samples, key=lambda s: (s["n_prompt"], s["ids"][: s["n_prompt"]], len(s["ids"])) if share else len(s["ids"])
-    )
-    padding = size * 1.25 * np.median([len(s["ids"]) for s in samples])
-    batches = [[]]
-    for s in samples:
-        rows = rows_of(batches[-1] + [s], share, None if packed else width)[1]  # their lengths
-        forwarded = sum(rows) if packed else len(rows) * max(rows)
-        limit = tokens if packed else min(tokens, padding)
-        if batches[-1] and (len(batches[-1]) == size or forwarded > limit):
-            batches.append([])
-        batches[-1].append(s)
-    while len(batches) < count:
-        i = max(
-            (i for i, b in enumerate(batches) if len(b) > 1),
-            key=lambda i: len(batches[i]) * len(batches[i][-1]["ids"]),
-        )
-        batches[i : i + 1] = [batches[i][: len(batches[i]) // 2], batches[i][len(batches[i]) // 2 :]]
-    return batches
-
-
-def rows_of(samples, share=True, width=None):
-    """collate's rows (lists of sample indices) and their lengths: a prompt once, then the completions of the samples
-    with its tokens (share; else a row each). A dense row (width: the hidden size) takes a completion of c tokens only
-    where that costs less than a row of its own: it saves n prompt tokens (~12 width^2 multiply-adds each) and adds
-    attention over the row's c' completion tokens (~2 width a pair): 2 c c' < n (6 width + n). Segments always do."""
-    rows = []
-    lengths = []
-    open_row = {}  # prompt -> the row its next completion may join
-    for i, s in enumerate(samples):
-        n = s["n_prompt"]
-        key = tuple(s["ids"][:n]) if share else i
-        r = open_row.get(key)
-        if r is None or width and 2 * (len(s["ids"]) - n) * (lengths[r] - n) >= n * (6 * width + n):
-            r = open_row[key] = len(rows)
-            rows.append([])
-            lengths.append(n)
-        rows[r].append(i)
-        lengths[r] += len(s["ids"]) - n
-    return rows, lengths
-
-
-def collate(samples, pad_id, device, min_tokens=0, share=True, config=None, packed=False, dtype=torch.float32):
-    """The micro-batch as the model takes it: rows_of's rows, each token at its position alone (a completion's count on
-    from its prompt's end) and seeing what it sees alone, its prompt and its completion: the same log-probs (to float
-    rounding), and the prompt gets the gradients of all its completions. packed: one row of segments (a prompt, a
-    completion) for segment_attention. Else padded rows with, where completions share one, a 4D mask built on the
-    device (host work linear in T) as the float bias SDPA would make of it in every layer, once, in `dtype`. Per-token
-    tensors are [B, T] over each completion: token t is predicted at hidden[rows, cols[t]] (-1: padding)."""
-
-    def padded(rows, kind=torch.float, value=0):  # [B, the longest row]; one column at least: may be empty
-        out = torch.full((len(rows), max(1, *map(len, rows))), value, dtype=kind)
-        for r, row in enumerate(rows):
-            out[r, : len(row)] = torch.tensor(row, dtype=kind)
-        return out
-
-    rows = rows_of(samples, share, None if packed else getattr(config, "hidden_size", None))[0]
-    ids = []  # per row: a prompt, then the completions that joined it
-    segment = []  # per row, per token: 0 the prompt, i + 1 sample i's completion (the mask's)
-    position = []
-    segments = []  # packed: per segment, its query count and the columns of its keys
-    at = {}  # per sample: its row, and the columns whose hidden states predict its tokens
-    for members in rows:
-        n = samples[members[0]]["n_prompt"]
-        if not packed or not ids:
-            ids.append([])
-            segment.append([])
-            position.append([])
-        prompt = range(len(ids[-1]), len(ids[-1]) + n)
-        ids[-1] += samples[members[0]]["ids"][:n]
-        segment[-1] += [0] * n
-        position[-1] += range(n)
-        segments.append((n, prompt))
-        for i in members:
-            completion = samples[i]["ids"][n:]
-            own = range(len(ids[-1]), len(ids[-1]) + len(completion))
-            at[i] = (len(ids) - 1, [prompt[-1], *own[:-1]])
-            if own:
-                segments.append((len(own), [*prompt, *own]))
-            ids[-1] += completion
-            segment[-1] += [i + 1] * len(completion)
-            position[-1] += range(n, n + len(completion))
-    position = padded(position, torch.long).to(device)
-    batch = {"input_ids": padded(ids, torch.long, pad_id), "position_ids": position}  # what the model takes
-    if packed:
-        queries, keys = zip(*segments)
-        batch["segments"] = (
-            torch.tensor([0, *itertools.accumulate(queries)], dtype=torch.int32, device=device),
-            torch.tensor([0, *itertools.accumulate(map(len, keys))], dtype=torch.int32, device=device),
-            torch.tensor([column for k in keys for column in k], device=device),  # kv_index: each segment's keys
-            max(queries),
-            max(map(len, keys)),
-        )
-    elif any(len(members) > 1 for members in rows):
-        # -1: padding, which attends to the prompt: no row is all masked
-        segment = padded(segment, torch.long, -1).to(device)
-        causal = torch.ones(segment.shape[1], segment.shape[1], dtype=torch.bool, device=device).tril()
-        full = (causal & ((segment[:, None] == 0) | (segment[:, None] == segment[..., None])))[:, None]
-        attend = {"full_attention": full}
-        window = getattr(config, "sliding_window", None)
-        # the model's sliding window, in the mask that replaces its own: over positions; per layer type if mixed
-        if window:
-            distance = position[:, None, :, None] - position[:, None, None, :]
-            types = set(getattr(config, "layer_types", None) or ["sliding_attention"])
-            attend = {t: full & (distance < window) if t == "sliding_attention" else full for t in types}
-        bias = {t: torch.where(a, 0.0, -torch.inf).to(dtype) for t, a in attend.items()}
-        batch["attention_mask"] = bias if len(bias) > 1 else next(iter(bias.values()))
-    mask = padded([s["mask"] for s in samples])
-    generated = mask.cumsum(1)  # a turn: a run of generated tokens; in_turn counts those of its turn up to here
-    in_turn = generated - (generated * (1 - mask)).cummax(1).values  # vLLM held the stop tokens back for min_tokens
-    batch |= {
-        "rows": torch.tensor([[at[i][0]] for i in range(len(samples))]),
-        "cols": padded([at[i][1] for i in range(len(samples))], torch.long, -1),
-        "tokens": sum(map(len, ids)),
-        "mask": mask,
-        "stop_masked": (0 < in_turn) & (in_turn <= min_tokens),
-        "sampler_logp": padded([s["logprobs"] for s in samples]),
-        "targets": padded([s["ids"][s["n_prompt"] :] for s in samples], torch.long, pad_id),
-        "advantages": torch.tensor([s["advantage"] for s in samples], dtype=torch.float),
-    }
-    return {k: v.to(device) if torch.is_tensor(v) else v for k, v in batch.items()}
-
-
-def token_logprobs(model, batch, temperature=1.0, chunk=2**26, **truncation):
-    """[B, T] log-probs of the completions as vLLM sampled them, the mass truncation removed and the entropy: the
-    output layer on the completions' hidden states only, in chunks of ~`chunk` logits recomputed in backward (if more
-    than one), which keeps a hidden state per token, not [tokens, V] logits (~2.4 MB a token at V = 151,936)."""
-    bare = getattr(model, "module", model)  # DDP's
-    head = bare.get_output_embeddings()
-    hidden = []  # what the forward hands its head, which then gets nothing (a new tensor: a view would keep them)
-    hook = head.register_forward_pre_hook(lambda head, args: hidden.append(args[0]) or (args[0][:, :0].clone(),))
-    try:
-        model(**{k: batch[k] for k in MODEL_INPUTS if k in batch}, use_cache=False)
-    finally:
-        hook.remove()
-    real = batch["cols"] >= 0  # [B, T]: the completions' tokens, not padding
-    states = hidden[0][batch["rows"].expand_as(real)[real], batch["cols"][real]]  # [tokens, width]
-    rows = max(1, chunk // head.out_features)
-    parts = zip(states.split(rows), batch["targets"][real].split(rows), batch["stop_masked"][real].split(rows))
-    softcap = getattr(bare.config.get_text_config(), "final_logit_softcapping", None)
-
-    def chunk_logprobs(hidden, targets, stop_masked):  # [N, width] -> sampler_logprobs' [N] values (another comes too)
-        logits = head(hidden).float()  # [N, V]
-        if softcap:  # Gemma's, which the model's forward applies after its head
-            logits = torch.tanh(logits / softcap) * softcap
-        return sampler_logprobs(logits, targets, temperature, stop_masked=stop_masked, **truncation)
-
-    run = functools.partial(torch.utils.checkpoint.checkpoint, chunk_logprobs, use_reentrant=False)
-    if len(states) * head.out_features <= chunk:  # a single chunk is kept as it is: no second pass in backward
-        run = chunk_logprobs
-    per_token = [run(*part) for part in parts]
-    return [torch.zeros(real.shape, device=real.device).masked_scatter(real, torch.cat(x)) for x in zip(*per_token)]
-
-
-def sampler_logprobs(
-    logits,
-    targets,
-    temperature=1.0,
-    top_k=0,
-    top_p=1.0,
-    min_p=0.0,
-    stop_masked=None,
-    stop_ids=(),
-    served=torch.bfloat16,
-):
-    """log pi(target) under the distribution vLLM sampled it from, its processed log-probs: logits [B, T, V] with the
-    stop_ids masked where min_tokens held them back (stop_masked, [B, T]), / temperature, then min-p, top-k and top-p,
-    renormalised over the tokens kept. The kept set is chosen on the logits rounded to `served`, the server's dtype:
-    tokens that tie there tie for vLLM, and top-k keeps every tie (at a top-p boundary vLLM keeps an arbitrary part of a
-    tied group, the trainer all of it). The target is always kept: where the trainer would cut it (a token at the
-    boundary, the two sides' logits differing in the last bits, or a stale one), its log-prob is taken over the kept
-    set and itself: finite, and close to vLLM's at the boundary. Returns [B, T] log-probs (with gradient), [B, T] the
-    probability mass the truncation removed, and [B, T] the entropy of the distribution sampled from (train/entropy)."""
-    targets = targets[..., None]
-    if stop_masked is not None and stop_masked.any():
-        is_stop = torch.zeros(logits.shape[-1], dtype=torch.bool, device=logits.device)
-        is_stop[list(stop_ids)] = True
-        logits = logits.masked_fill(stop_masked[..., None] & is_stop & ~is_stop[targets], -torch.inf)
-    scaled = logits / temperature
-    if top_k > 0 or top_p < 1 or min_p > 0:
-        with torch.no_grad():  # which tokens are kept is a choice, not differentiated; in chunks of rows, so that a
-            flat, cut = logits.detach().flatten(0, -2), []  # sort over a large vocabulary never holds all of them
-            for chunk in flat.split(max(1, 2**22 // flat.shape[-1])):
-                rounded = chunk.to(served).float() / temperature
-                cut.append(rounded < kept_threshold(rounded, top_k, top_p, min_p))
-            cut = torch.cat(cut).view_as(logits).scatter_(-1, targets, False)
-        log_total = scaled.detach().logsumexp(-1)
-        scaled = scaled.masked_fill(cut, -torch.inf)  # the one more [B, T, V] tensor this takes
-        log_kept = scaled.logsumexp(-1)
-        removed = 1 - (log_kept.detach() - log_total).exp()
-    else:  # nothing truncated: the log-softmax of the sampled tokens only
-        log_kept = scaled.logsumexp(-1)
-        removed = torch.zeros_like(log_kept)
-    with torch.no_grad():  # what backward keeps is unchanged: these [B, T, V] temporaries are freed here
-        entropy = torch.special.entr((scaled - log_kept[..., None]).exp()).sum(-1)  # -sum p log p, 0 log 0 = 0
-    return scaled.gather(-1, targets).squeeze(-1) - log_kept, removed, entropy
-
-
-def kept_threshold(x, top_k=0, top_p=1.0, min_p=0.0):
-    """x: [N, V] logits after temperature -> [N, 1]: the smallest logit each row keeps, truncated in vLLM's order."""
-    threshold = torch.full_like(x[:, :1], -torch.inf)
-    if min_p > 0:  # tokens with at least min_p times the top token's probability
-        threshold = x.max(-1, keepdim=True).values + math.log(min_p)
-    if 0 < top_k < x.shape[-1]:  # the k largest, ties kept
-        threshold = torch.maximum(threshold, x.topk(top_k, -1).values[:, -1:])
-    if top_p < 1:  # the most likely tokens whose probability mass before them is below top_p
-        x = x.masked_fill(x < threshold, -torch.inf)
-        log_total = x.logsumexp(-1, keepdim=True)
-        for k in (min(1024, x.shape[-1]), x.shape[-1]):  # the nucleus is usually small: a full sort only if it is not
-            top = x.topk(k, -1).values  # [N, k], descending
-            probs = (top - log_total).exp()
-            kept = ((probs.cumsum(-1) - probs) < top_p).sum(-1, keepdim=True)
-            if (kept < k).all() or k == x.shape[-1]:
-                break
-        threshold = torch.maximum(threshold, top.gather(-1, kept - 1))
-    return threshold
-
-
-# --- The weight sync: rank 0 pauses vLLM, broadcasts packed buckets to every worker, resumes --------------------------
+# --- The weight sync: rank 0 pauses vLLM, broadcasts packed buckets to every worker, resumes ----------------
 
 
 class WeightSync:
-    """Trainer side of the sync to every server in `urls`; advances `policy` (a PolicyVersion). One group (sync_group)
-    holds the trainer (rank 0) and every worker of every server, so one broadcast reaches them all. It is made at the
-    first sync and kept for the run, unless a sync fails: then it is aborted, and the error names the server."""
+    """Trainer side of the sync to every server in `urls`; advances `version` (a PolicyVersion). One group
+    (sync_group) holds the trainer (rank 0) and every worker of every server, so one broadcast reaches them
+    all. It is made at the first sync and kept for the run, unless a sync fails: then it is aborted, and the
+    error names the server."""
 
-    def __init__(self, urls, args, dtype, policy, failure=lambda: None):
+    def __init__(self, urls, args, dtype, version, failure=lambda: None, backend=None):
         self.urls = urls
         self.args = args
-        self.dtype = dtype  # the servers' (served_config): the weights travel in it
-        self.policy = policy
-        self.failure = failure  # why a server failed, from the watchdog (watch_servers), or None
+        # the servers' (served_config): the weights travel in it
+        self.dtype = dtype
+        self.version = version
+        # gloo or nccl: the device plan's, unless the run learnt better from --vllm-url servers
+        # (Run.sync_backend)
+        self.backend = backend or args.plan["sync_backend"]
+        # why a server failed, from the watchdog (watch_servers), or None
+        self.failure = failure
         self.group = None
         self.pool = ThreadPoolExecutor(len(urls))
 
@@ -1058,7 +1002,7 @@ class WeightSync:
 
     def _connect(self, model):
         """At the first sync: check that every server knows every name it will receive, then make the group."""
-        names = [name for name, _, _ in served_weights(model, every=True)]
+        names = [name for name, _, _ in served_weights(model, include_frozen=True)]
         unknown = set()
         for url in self.urls:
             for worker in self._rpc(url, "unknown_weight_names", names=names).result()["results"]:
@@ -1070,10 +1014,11 @@ class WeightSync:
                 f"trained weights, e.g. {unknown[:5]}: the trainer and the server do not hold the "
                 "same architecture (an image-text checkpoint loaded as another class?)"
             )
-        sizes = [http(f"{url}/get_world_size")["world_size"] for url in self.urls]  # workers per server
+        # workers per server
+        sizes = [http(f"{url}/get_world_size")["world_size"] for url in self.urls]
         host, listener = sync_endpoint(self.urls, self.args.sync_host)
         port = listener.getsockname()[1]
-        backend = self.args.plan["sync_backend"]
+        backend = self.backend
         world_size = 1 + sum(sizes)
         joined = [
             self._rpc(
@@ -1092,26 +1037,28 @@ class WeightSync:
         for future in joined:
             future.result(self.args.sync_timeout)
 
-    def __call__(self, model, every=False):  # every: the frozen weights too (served_weights)
+    def __call__(self, model, include_frozen=False):
         t0 = time.perf_counter()
         if self.group is None:
             self._connect(model)
         deadline = time.monotonic() + self.args.sync_timeout
-        with self.policy.lock:
-            self.policy.open = False  # no request is sent from here until the new weights serve
+        with self.version.lock:
+            # no request is sent from here until the new weights serve
+            self.version.open = False
         # keep and abort both stop the requests in flight (vLLM returns what they generated so far);
         # rollout() then continues them with the new weights (keep) or starts their turn over (abort).
         # Pausing also clears vLLM's caches, whose keys/values the old weights computed.
         self._all(f"pause?mode={'wait' if self.args.sync_mode == 'wait' else 'abort'}")
-        while self.policy.in_flight:  # a request that reached vLLM after the pause waits in its queue: stop it
+        # a request that reached vLLM after the pause waits in its queue: stop it
+        while self.version.in_flight:
             if time.monotonic() > deadline:
                 raise TimeoutError(
-                    f"{self.policy.in_flight} requests did not answer the pause in "
+                    f"{self.version.in_flight} requests did not answer the pause in "
                     f"{self.args.sync_timeout} s (--sync-timeout)"
                 )
             self._all("abort_requests")
             time.sleep(0.01)
-        buckets = pack_buckets(model, self.args.sync_bucket_bytes, self.dtype, every)
+        buckets = pack_buckets(model, self.args.sync_bucket_bytes, self.dtype, include_frozen)
         meta = [
             {
                 "dtype": str(self.dtype).removeprefix("torch."),
@@ -1122,29 +1069,32 @@ class WeightSync:
         ]
         received = [self._rpc(url, "receive_weights", buckets=meta) for url in self.urls]
 
-        def failed():  # why the workers cannot finish: a server's error answer (it names the server), or the watchdog's
+        # why the workers cannot finish: a server's error answer (it names the server), or the watchdog's
+        def failed():
             return next((f.exception() for f in received if f.done() and f.exception()), None) or self.failure()
 
         try:
             send_weights(self.group, buckets, self.dtype, deadline - time.monotonic(), failed)
-            for future in received:  # the last bucket loads: bounded by the request's own timeout (http)
+            # the last bucket loads: bounded by the request's own timeout (http)
+            for future in received:
                 future.result()
-        except Exception as e:  # the workers are out of step: the group is aborted (a next sync would make a new one)
+        except Exception as e:
+            # the workers are out of step: the group is aborted (a next sync would make a new one)
             self.group.abort()
             self.group = None
             raise ConnectionError(f"the weight sync to {', '.join(self.urls)} failed: {e}") from None
-        self.policy.value += 1
+        self.version.value += 1
         self._all("resume")
-        self.policy.open = True
+        self.version.open = True
         return time.perf_counter() - t0
 
 
-def pack_buckets(model, bucket_bytes, dtype, every=False):
+def pack_buckets(model, bucket_bytes, dtype, include_frozen=False):
     """Group the weights to send (served_weights) into flat buffers of about bucket_bytes: one broadcast each."""
     buckets = []
     current = []  # the bucket being filled
     size = 0  # its bytes
-    for name, param, lora in served_weights(model, every):
+    for name, param, lora in served_weights(model, include_frozen):
         if current and size + param.numel() * dtype.itemsize > bucket_bytes:
             buckets.append(current)
             current = []
@@ -1154,34 +1104,37 @@ def pack_buckets(model, bucket_bytes, dtype, every=False):
     return buckets + [current] if current else buckets
 
 
-def served_weights(model, every=False):
-    """(name as vLLM knows it, weight, its LoRA layer or None) for each weight a sync sends: the trained ones (a frozen
-    vision tower: vLLM holds it already); --lora-rank: those of the modules holding an adapted layer and no other, as
-    none can have changed (siblings: vLLM fuses q/k/v into qkv_proj, reloads it whole), or with every all of them."""
+def served_weights(model, include_frozen=False):
+    """(name as vLLM knows it, weight, its LoRA layer or None) for each weight a sync sends: the trained ones
+    (a frozen vision tower: vLLM holds it already); --lora-rank: those of the modules holding an adapted layer
+    and no other, as none can have changed (siblings: vLLM fuses q/k/v into qkv_proj, reloads it whole), or
+    with include_frozen all of them."""
     if not hasattr(model, "peft_config"):
         yield from ((name, p, None) for name, p in model.named_parameters() if p.requires_grad)
         return
     from peft.tuners.lora import LoraLayer
 
-    base = model.get_base_model()  # peft's names: ...q_proj.base_layer.weight (W), ...q_proj.lora_A.default.weight
+    # peft's names: ...q_proj.base_layer.weight (W), ...q_proj.lora_A.default.weight
+    base = model.get_base_model()
     adapted = {name: m for name, m in base.named_modules() if isinstance(m, LoraLayer)}
     parents = {name.rpartition(".")[0] for name in adapted}
     for name, p in base.named_parameters():
         module, _, leaf = name.replace(".base_layer", "").rpartition(".")
-        if ".lora_" not in name and (every or module.rpartition(".")[0] in parents):
+        if ".lora_" not in name and (include_frozen or module.rpartition(".")[0] in parents):
             yield f"{module}.{leaf}", p, adapted.get(module) if leaf == "weight" else None
 
 
 @torch.no_grad()
-def merged(p, lora):  # the weight vLLM serves: p (gathered under --fsdp), or W + scale * B @ A, a new tensor (W stays)
+def merged(p, lora):
+    """The weight vLLM serves: p (gathered under --fsdp), or W + scale * B @ A, a new tensor (W stays)."""
     p = p.detach().full_tensor() if isinstance(p, DTensor) else p.detach()
     return p + lora.get_delta_weight("default") if lora else p
 
 
 def flatten(bucket, dtype):
-    """One bucket's full weights in one buffer. Under --fsdp, full_tensor() gathers a parameter from every rank's
-    shard, a collective: all ranks flatten the same buckets in the same order (help_sync), and the full weights
-    exist one bucket at a time, never whole on one device."""
+    """One bucket's full weights in one buffer. Under --fsdp, full_tensor() gathers a parameter from every
+    rank's shard, a collective: all ranks flatten the same buckets in the same order (help_sync), and the full
+    weights exist one bucket at a time, never whole on one device."""
     flat = torch.empty(sum(p.numel() for _, p, _ in bucket), dtype=dtype, device=bucket[0][1].device)
     for (_, p, lora), part in zip(bucket, flat.split([p.numel() for _, p, _ in bucket])):
         part.copy_(merged(p, lora).flatten())  # casts in the same pass
@@ -1189,10 +1142,11 @@ def flatten(bucket, dtype):
 
 
 def send_weights(group, buckets, dtype, timeout, failed=lambda: None):
-    """Rank 0's broadcast of the buckets, one flat buffer each: bucket k+1 is gathered and packed while bucket k travels.
-    Rank 0 never waits in a collective it cannot leave: it polls each broadcast while it watches failed() (why the
-    workers cannot finish, or None) and a bound of `timeout` seconds for all, and raises before the backend's own
-    timeout (sync_group: above this one), at which NCCL's watchdog would end the process with nothing saved."""
+    """Rank 0's broadcast of the buckets, one flat buffer each: bucket k+1 is gathered and packed while bucket
+    k travels. Rank 0 never waits in a collective it cannot leave: it polls each broadcast while it watches
+    failed() (why the workers cannot finish, or None) and a bound of `timeout` seconds for all, and raises
+    before the backend's own timeout (sync_group: above this one), at which NCCL's watchdog would end the
+    process with nothing saved."""
     deadline = time.monotonic() + timeout
 
     def wait(work):
@@ -1220,84 +1174,7 @@ def help_sync(model, args, dtype):
         flatten(bucket, dtype)
 
 
-class WeightSyncExtension:
-    """Mixed into every vLLM worker (--worker-extension-cls); its methods run via /collective_rpc."""
-
-    def init_weight_sync(self, host, port, world_size, timeout, backend, first_rank=1):
-        """Join the sync group: this worker's rank is its server's first rank (1 for the first server) plus its own."""
-        self.weight_sync_group = sync_group(host, port, first_rank + self.rank, world_size, backend, timeout=timeout)
-
-    def served_config(self):
-        """(dtype, log-probs mode, device, pipeline stages, whether it takes seeded requests): the weights travel in the
-        server's dtype (the trainer rounds its logits to it) over a backend that suits the device (a GPU's UUID, or
-        'cpu'). On CPU a seeded request whose prompt is prefilled in chunks kills the engine (vLLM 0.32: "CPU Generator
-        does not use offset"), so a CPU server takes seeds only without chunked prefill."""
-        config = self.vllm_config.model_config
-        device = str(torch.cuda.get_device_properties(self.device).uuid) if self.device.type == "cuda" else "cpu"
-        stages = self.vllm_config.parallel_config.pipeline_parallel_size
-        seeds = device != "cpu" or not self.vllm_config.scheduler_config.enable_chunked_prefill
-        return str(config.dtype).removeprefix("torch."), config.logprobs_mode, device, stages, seeds
-
-    def unknown_weight_names(self, names):
-        """The names among `names` that this server's model has no parameter for, after vLLM's own
-        renaming (hf_to_vllm_mapper) and fusing (q/k/v_proj into qkv_proj, ...). Checked before the
-        first sync: a wrong name would otherwise fail halfway through a load, or be silently dropped."""
-        model = self.model_runner.get_model()
-        mapper = getattr(model, "hf_to_vllm_mapper", None)
-        fused = {
-            part: whole for whole, parts in getattr(model, "packed_modules_mapping", {}).items() for part in parts
-        }
-        known = {n for n, _ in model.named_parameters(remove_duplicate=False)}
-
-        def served(name):
-            name = mapper.map_name(name) if mapper else name
-            if name is None:  # the mapper drops it: vLLM would ignore it
-                return False
-            module, _, leaf = name.rpartition(".")
-            parent, _, last = module.rpartition(".")
-            experts = re.sub(r"\.experts\.\d+\..*", ".experts.", name)  # MoE layers hold all experts in one tensor
-            if name in known or f"{parent}.{fused.get(last, last)}.{leaf}" in known:
-                return True
-            return experts != name and any(k.startswith(experts) for k in known)
-
-        return [n for n in names if not served(n)]
-
-    def receive_weights(self, buckets):
-        def receive(bucket):
-            flat = torch.empty(bucket["numel"], dtype=getattr(torch, bucket["dtype"]), device=self.device)
-            return flat, self.weight_sync_group.broadcast(flat, 0)
-
-        def tensors():  # bucket k+1 is on its way while bucket k is loaded into the model
-            arriving = receive(buckets[0])
-            for k, bucket in enumerate(buckets):
-                flat, work = arriving
-                work.wait()
-                if k + 1 < len(buckets):
-                    arriving = receive(buckets[k + 1])
-                parts = flat.split([math.prod(shape) for _, shape in bucket["params"]])
-                yield from ((name, part.view(shape)) for (name, shape), part in zip(bucket["params"], parts))
-
-        # reload_weights, unlike plain load_weights, re-runs the post-load processing of each layer it loads...
-        try:
-            self.reload_weights(weights_iterator=tensors(), is_checkpoint_format=True)
-        except BaseException:  # out of step with the trainer: aborted, or NCCL's watchdog would end this worker
-            self.weight_sync_group.abort()
-            raise
-        # ...but only of the layer that loaded a tied weight. A module sharing it (lm_head tied to the embedding) keeps
-        # what it derived from the old values (on CPU, a pre-packed GEMM copy): vLLM would sample from the old head.
-        from vllm.config import set_current_vllm_config
-
-        model = self.model_runner.get_model()
-        owners = defaultdict(list)  # parameter -> the modules that hold it
-        for name, param in model.named_parameters(remove_duplicate=False):
-            owners[id(param)].append(model.get_submodule(name.rpartition(".")[0]))
-        with set_current_vllm_config(self.vllm_config):
-            for module in (m for mods in owners.values() if len(mods) > 1 for m in mods):
-                if hasattr(module, "quant_method"):
-                    module.quant_method.process_weights_after_loading(module)
-
-
-# --- The run: main's phases in the order they run, and a teardown that leaves nothing running -------------------------
+# --- The run: main's phases in the order they run, and a teardown that leaves nothing running ---------------
 
 
 def main(argv=None):
@@ -1320,7 +1197,8 @@ def main(argv=None):
 
 @dataclass
 class Run:
-    """What lives through a run: main's phases fill it in order; rank 0 alone holds the servers, producer and logs."""
+    """What lives through a run: main's phases fill it in order; rank 0 alone holds the servers, producer and
+    logs."""
 
     args: argparse.Namespace
     rank: int
@@ -1332,7 +1210,7 @@ class Run:
     resumed: dict = None  # the trainer state --resume continues from
     tok: object = None
     pad_id: int = 0
-    ctx: dict = None  # what every rollout needs (rollout_context)
+    ctx: RolloutContext = None
     train_rows: list = None
     eval_rows: list = None
     policy: object = None  # the bare module: what is synced and saved
@@ -1345,7 +1223,11 @@ class Run:
     servers: list = field(default_factory=list)  # the vLLM servers started here
     urls: list = field(default_factory=list)  # every server's, started here or --vllm-url; watched
     server_failure: str = None  # why a server failed, from watch_servers
-    served: object = None  # the dtype the servers compute in
+    # collate's rows: a group's prompt once (share: --share-prefix, unless the model refuses it), packed in
+    # segments where a varlen kernel runs (load_policy_and_optimizer decides)
+    layout: dict = None
+    served_dtype: object = None  # the dtype the servers compute in
+    sync_backend: str = None  # the weight sync's: the device plan's, or what --vllm-url servers' devices allow
     version: object = None  # the PolicyVersion the weight sync advances
     sync: object = None
     producer: object = None
@@ -1363,7 +1245,8 @@ class Run:
 
 def set_up(argv):
     rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
-    args = parse_args(argv, world_size)  # and the device plan, checked before anything loads
+    # and the device plan, checked before anything loads
+    args = parse_args(argv, world_size)
     device = torch.device(f"cuda:{os.environ.get('LOCAL_RANK', 0)}" if args.plan["trainer"] == "cuda" else "cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
@@ -1374,7 +1257,8 @@ def set_up(argv):
             "nccl" if device.type == "cuda" else "gloo", timeout=timedelta(seconds=args.collective_timeout)
         )
     run = Run(args, rank, world_size, device, Path(args.output_dir), model_path=args.model)
-    if not args.resume and (run.out_dir / "metrics.jsonl").exists():  # its checkpoints would collide with this run's
+    # its checkpoints would collide with this run's
+    if not args.resume and (run.out_dir / "metrics.jsonl").exists():
         raise SystemExit(
             f"--output-dir {run.out_dir} holds a run already: continue it with --resume, or pass another --output-dir"
         )
@@ -1393,13 +1277,15 @@ def set_up(argv):
             (run.out_dir / "args.json").write_text(json.dumps(vars(args), indent=1))
         except OSError as e:
             raise SystemExit(f"--output-dir {run.out_dir} is not writable ({e}); pass a directory you can write to")
-    if args.resume:  # the checkpoint holds the model and tokenizer too: both vLLM and the trainer load it
+    # the checkpoint holds the model and tokenizer too: both vLLM and the trainer load it
+    if args.resume:
         if not (run.out_dir / "checkpoint" / "trainer_state.pt").exists():
             raise SystemExit(f"--resume: no checkpoint in {run.out_dir / 'checkpoint'}")
         run.model_path = str((run.out_dir / "checkpoint").resolve())
         # to CPU, whatever device wrote it; mapped, so that each rank reads only the tensors it uses
         run.resumed = torch.load(Path(run.model_path) / "trainer_state.pt", "cpu", mmap=True, weights_only=False)
-    # Each rank its own streams: seeded with its rank, and on --resume the step too, so that none repeats its draws
+    # Each rank its own streams: seeded with its rank, and on --resume the step too, so that none repeats its
+    # draws
     for seed in (random.seed, np.random.seed, torch.manual_seed):
         seed(args.seed + rank + world_size * (run.resumed["step"] if run.resumed else 0))
     return run
@@ -1409,8 +1295,10 @@ def load_data(run):
     from transformers import AutoTokenizer
 
     args = run.args
-    run.train_rows, run.eval_rows = load_rows(args)  # checked before a model is built or loaded
-    if run.model_path is None or run.model_path.endswith(".gguf"):  # rank 0 builds it; the others wait for its path
+    # checked before a model is built or loaded
+    run.train_rows, run.eval_rows = load_rows(args)
+    # rank 0 builds it; the others wait for its path
+    if run.model_path is None or run.model_path.endswith(".gguf"):
         box = [None]
         if run.is_main and args.model is None:
             box = [tiny_model.build(args.cache_dir)]
@@ -1427,7 +1315,8 @@ def load_data(run):
             f"--model {run.model_path}: cannot load its tokenizer ({type(e).__name__}: {str(e)[:300]}); "
             "pass a local directory or hub name of a causal LM"
         )
-    run.pad_id = next((i for i in (tok.pad_token_id, tok.eos_token_id) if i is not None), 0)  # masked: any id does
+    # masked: any id does
+    run.pad_id = next((i for i in (tok.pad_token_id, tok.eos_token_id) if i is not None), 0)
     schemas = tool_schemas(args.tool_names) if args.tool_names else None
     environments = tools_module.load_environments(args, run.out_dir / "mcp.log" if run.is_main else None)
     stop_ids = stop_token_ids(tok, run.model_path)
@@ -1448,8 +1337,10 @@ def load_policy_and_optimizer(run):
     def place(path):  # on this rank's device: whole, or its shards
         return load_sharded(path, run.device) if args.fsdp else load_policy(path).to(run.device)
 
-    if run.is_main and args.plan["shared"]:  # the server shares this GPU: the trainer takes only what it leaves
-        shapes = load_policy(run.model_path, empty=True)  # on the meta device: nothing read or allocated
+    # the server shares this GPU: the trainer takes only what it leaves
+    if run.is_main and args.plan["shared"]:
+        # on the meta device: nothing read or allocated
+        shapes = load_policy(run.model_path, empty=True)
         trained = 0 if args.lora_rank else sum(p.numel() for p in shapes.parameters() if p.requires_grad)
         total = torch.cuda.get_device_properties(run.device).total_memory
         share = memory_share(args, total, sum(p.numel() for p in shapes.parameters()), trained)
@@ -1458,7 +1349,9 @@ def load_policy_and_optimizer(run):
         raise SystemExit(
             f"--resume: this checkpoint was trained with --lora-rank {resumed.get('lora_rank', 0)}; resume with it"
         )
-    try:  # a LoRA checkpoint holds merged weights (what vLLM serves): the trainer adds its adapter to the initial model
+    try:
+        # a LoRA checkpoint holds merged weights (what vLLM serves): the trainer adds its adapter to the
+        # initial model
         model = place(run.initial_model if args.lora_rank and resumed else run.model_path)
     except Exception as e:
         raise SystemExit(
@@ -1466,18 +1359,19 @@ def load_policy_and_optimizer(run):
             f"({type(e).__name__}: {str(e)[:300]})"
         )
     why = args.share_prefix and sharing_refused(model)
+    run.layout = {"share": args.share_prefix and not why, "packed": False}
     if why:
-        args.share_prefix = False
         if run.is_main:
             print(f"--share-prefix is off for {run.model_path}: {why}; every sequence is forwarded whole", flush=True)
     if args.gradient_checkpointing:
         model.gradient_checkpointing_enable()
-    # packed rows (collate) where torch's varlen flash kernel runs (CUDA, compute capability 8+): without softcapping
+    # packed rows (collate) where torch's varlen flash kernel runs (CUDA, compute capability 8+): without
+    # softcapping
     config = model.config.get_text_config()
-    if args.share_prefix and run.device.type == "cuda" and not getattr(config, "attn_logit_softcapping", None):
-        args.packed = torch.cuda.get_device_capability(run.device) >= (8, 0) and use_segments(model)
+    if run.layout["share"] and run.device.type == "cuda" and not getattr(config, "attn_logit_softcapping", None):
+        run.layout["packed"] = torch.cuda.get_device_capability(run.device) >= (8, 0) and use_segments(model)
     context = args.max_model_len or getattr(model.config, "max_position_embeddings", None)
-    too_long = [(i, len(ids)) for i, ids in run.ctx["prompt_ids"].items() if context and len(ids) >= context]
+    too_long = [(i, len(ids)) for i, ids in run.ctx.prompt_ids.items() if context and len(ids) >= context]
     if too_long:
         raise SystemExit(
             f"{len(too_long)} prompts do not fit the context of {context} tokens (the first: row id "
@@ -1490,7 +1384,7 @@ def load_policy_and_optimizer(run):
         AutoProcessor.from_pretrained(run.model_path) if hasattr(model.config, "vision_config") else run.tok
     )
     run.reference = place(run.initial_model).requires_grad_(False) if args.beta else None
-    if args.packed and run.reference:
+    if run.layout["packed"] and run.reference:
         use_segments(run.reference)
     if run.world_size > 1 and not args.fsdp:
         run.model = torch.nn.parallel.DistributedDataParallel(
@@ -1508,7 +1402,8 @@ def load_policy_and_optimizer(run):
             raise SystemExit(
                 f"--resume: this checkpoint's optimizer state was saved {saved} --fsdp; resume {saved} it"
             )
-        if args.fsdp:  # rank 0 reads the full state and sends each rank its shards
+        # rank 0 reads the full state and sends each rank its shards
+        if args.fsdp:
             set_optimizer_state_dict(
                 run.policy,
                 run.optimizer,
@@ -1526,38 +1421,45 @@ def load_policy_and_optimizer(run):
 
 def start_generation(run):
     args = run.args
-    served = [None]  # the servers' dtype, which rank 0 learns
+    # the servers' dtype, which rank 0 learns
+    dtype = [None]
     if run.is_main:
         run.servers = [] if args.vllm_url else start_vllm(args, run.model_path, run.out_dir)
         run.urls = urls = args.vllm_url.split(",") if args.vllm_url else [server.url for server in run.servers]
         threading.Thread(target=watch_servers, args=(run,), daemon=True, name="watch_servers").start()
         configs = [served_config(url) for url in urls]
-        run.ctx["max_model_len"] = min(length for length, _, _, _ in configs)
-        run.ctx["seeded"] = all(seeds for _, _, _, seeds in configs)
-        served = [configs[0][1]]
-        if not run.ctx["seeded"]:
+        run.ctx.max_model_len = min(length for length, _, _, _ in configs)
+        run.ctx.seeded = all(seeds for _, _, _, seeds in configs)
+        dtype = [configs[0][1]]
+        if not run.ctx.seeded:
             print(
                 "warning: requests go unseeded, so a run does not replay: a CPU server with chunked prefill crashes on "
                 "seeded ones (vLLM 0.32); start it with --no-enable-chunked-prefill, as start_vllm does",
                 flush=True,
             )
-        if args.vllm_url:  # the sync's backend follows the devices these servers report (the plan could not know them)
+        # the sync's backend follows the devices these servers report (the plan could not know them)
+        if args.vllm_url:
             ours = range(int(os.environ.get("LOCAL_WORLD_SIZE", 1))) if run.device.type == "cuda" else []
             ours = [str(torch.cuda.get_device_properties(i).uuid) for i in ours]
-            args.plan["sync_backend"] = url_sync_backend(urls, [devices for _, _, devices, _ in configs], ours)
-    if run.world_size > 1:  # every rank packs the weights and rounds the logits as the servers compute
-        dist.broadcast_object_list(served, 0)
-    run.served = getattr(torch, served[0])
+            run.sync_backend = url_sync_backend(urls, [devices for _, _, devices, _ in configs], ours)
+    # every rank packs the weights and rounds the logits as the servers compute
+    if run.world_size > 1:
+        dist.broadcast_object_list(dtype, 0)
+    run.served_dtype = getattr(torch, dtype[0])
     if run.is_main:
         run.version = PolicyVersion(args.max_inflight)
-        run.sync = WeightSync(urls, args, run.served, run.version, failure=lambda: run.server_failure)
-        if args.vllm_url:  # a server we did not start may hold other weights than the policy: all of them
-            run.sync(run.policy, every=True)
-        # the servers hold the weights of the step the run starts at: those of the last finished sync, or newer where a
-        # sync failed mid-way (a count saved with them would lag, and the staleness gate would wait forever on --resume)
+        # the watchdog's finding, read at each sync: a server that fails mid-sync is named
+        failure = functools.partial(getattr, run, "server_failure")
+        run.sync = WeightSync(urls, args, run.served_dtype, run.version, failure, backend=run.sync_backend)
+        # a server we did not start may hold other weights than the policy: all of them
+        if args.vllm_url:
+            run.sync(run.policy, include_frozen=True)
+        # the servers hold the weights of the step the run starts at: those of the last finished sync, or
+        # newer where a sync failed mid-way (a count saved with them would lag, and the staleness gate would
+        # wait forever on --resume)
         run.version.value = run.start_step // args.sync_every
         cursor = run.resumed and run.resumed["data"]
-        run.producer = Producer(args, run.tok, run.train_rows, urls, run.ctx, policy=run.version, cursor=cursor)
+        run.producer = Producer(args, run.tok, run.train_rows, urls, run.ctx, version=run.version, cursor=cursor)
         run.producer.start()
         if args.plan["cpu_server"] and run.world_size == 1:
             run.share_core = functools.partial(share_idle_core, decoder_layers(run.policy), run.version)
@@ -1567,14 +1469,17 @@ def start_generation(run):
 
             run.logs["wandb"] = wandb.init(project=args.wandb_project, config=vars(args), dir=str(run.out_dir))
         for name in ("metrics", "rollouts"):
-            cut_back(run.out_dir / f"{name}.jsonl", run.start_step)  # --resume: the steps after the checkpoint again
+            # --resume: the steps after the checkpoint again
+            cut_back(run.out_dir / f"{name}.jsonl", run.start_step)
             run.logs[name] = open(run.out_dir / f"{name}.jsonl", "a")
-        if args.eval_every and not run.start_step:  # every curve starts at the model as loaded: step 0
+        # every curve starts at the model as loaded: step 0
+        if args.eval_every and not run.start_step:
             metrics = {"step": 0, "policy_version": 0, **evaluate(run)}
             write_metrics(run, metrics)
             print(f"step    0/{args.steps} | eval {metrics['eval/reward']:.3f}", flush=True)
-    elif args.fsdp and args.vllm_url:  # rank 0's first sync gathers the weights from every rank's shards
-        help_sync(run.policy, args, run.served)
+    elif args.fsdp and args.vllm_url:
+        # rank 0's first sync gathers the weights from every rank's shards
+        help_sync(run.policy, args, run.served_dtype)
     run.clock = {
         "start": time.perf_counter(),
         "samples": 0,
@@ -1585,23 +1490,16 @@ def start_generation(run):
 
 
 def train_one_step(run, step):
+    """One step, in phases: take a batch, update the weights, sync them to vLLM, evaluate, log, checkpoint.
+    What a save pairs (the weights, the step count, the data cursor, the step's line) is set together while
+    run.updating marks the update, so that a signal or an error at any line saves the last finished step whole
+    (save_after_error)."""
     args = run.args
     t_step = time.perf_counter()
-    groups = None
-    payload = [None, None]  # each rank's samples, and the step's loss tokens
-    if run.is_main:  # rank 0 takes whole groups off the producer's queue and deals each rank an equal share of them
-        groups = run.producer.take(args.prompts_per_step, args.data_timeout, interrupted=lambda: bool(run.stop))
-        to_train = [{k: s[k] for k in ("ids", "n_prompt", "mask", "logprobs", "advantage")} for g in groups for s in g]
-        payload = [
-            [to_train[r :: run.world_size] for r in range(run.world_size)],
-            sum(sum(s["mask"]) for s in to_train),
-        ]
-    if run.world_size > 1:
-        dist.broadcast_object_list(payload, 0)
-    samples = payload[0][run.rank]
-    num_tokens = payload[1]
+    groups, samples, num_tokens = take_batch(run)
     wait_seconds = time.perf_counter() - t_step
-    run.updating = True  # an error in the update may leave the weights half-updated: not saved then
+    # An error in the update may leave the weights half-changed: they are not saved while `updating`
+    run.updating = True
     with run.share_core():
         metrics = train_step(
             run.model,
@@ -1613,41 +1511,69 @@ def train_one_step(run, step):
             device=run.device,
             world_size=run.world_size,
             reference=run.reference,
-            stop_ids=run.ctx["stop_ids"],
+            stop_ids=run.ctx.stop_ids,
             pad_id=run.pad_id,
-            served=run.served,
+            served_dtype=run.served_dtype,
+            layout=run.layout,
         )
     run.scheduler.step()
     if run.is_main:
-        trained_version = run.version.value
         run.done_cursor = dict(run.producer.cursor)
         metrics.update({"train/loss_tokens": num_tokens, "perf/wait_seconds": wait_seconds, "sync/seconds": 0.0})
         metrics["perf/step_seconds"] = time.perf_counter() - t_step
-        run.unlogged = [step + 1, groups, metrics, trained_version]  # save_after_error writes it if sync or eval fails
-    run.completed = step + 1  # with the cursor and the line, while `updating`: a save pairs a step's weights with both
+        # save_after_error writes this line if the sync or the evaluation fails
+        run.unlogged = [step + 1, groups, metrics, run.version.value]
+    run.completed = step + 1
     run.updating = False
     if (step + 1) % args.sync_every == 0:
-        if run.is_main:
-            metrics["sync/seconds"] = run.sync(run.policy)
-        elif args.fsdp:
-            help_sync(run.policy, args, run.served)
-        if run.world_size > 1:
-            dist.barrier()
+        sync_weights(run, metrics)
     if run.is_main:
         metrics["perf/step_seconds"] = time.perf_counter() - t_step
         if args.eval_every and (step + 1) % args.eval_every == 0:
             metrics.update(evaluate(run))
-        log_step(run, *run.unlogged)  # before the checkpoint
-    stopping = bool(run.stop)  # read once: the checkpoint and the exit agree; a later signal stops the next step
-    due = [bool(args.save_every and (step + 1) % args.save_every == 0 or stopping)]  # rank 0 decides: it gets signals
+        # the line before the checkpoint: a saved step has its line
+        log_step(run, *run.unlogged)
+    # Read once, so that the checkpoint and the exit agree; a later signal stops the next step. Rank 0
+    # decides: it gets the signals.
+    stopping = bool(run.stop)
+    due = [bool(args.save_every and (step + 1) % args.save_every == 0 or stopping)]
     if args.fsdp:
         dist.broadcast_object_list(due, 0)
     if due[0] and (run.is_main or args.fsdp):
         checkpoint(run, step + 1)
-    if run.is_main and stopping:  # torchrun's other ranks are stopped by torchrun when this one exits
+    if run.is_main and stopping:
+        # torchrun stops the other ranks when this one exits
         raise SystemExit(
             f"stopped at step {step + 1} by signal {run.stop[0]}; continue with --resume --output-dir {run.out_dir}"
         )
+
+
+def take_batch(run):
+    """Rank 0 takes whole groups off the producer's queue and deals each rank an equal share of their samples.
+    Returns the groups (rank 0's, for the log), this rank's samples and the step's loss tokens, over every
+    rank."""
+    groups = None
+    payload = [None, None]
+    if run.is_main:
+        groups = run.producer.take(run.args.prompts_per_step, run.args.data_timeout, lambda: bool(run.stop))
+        fields = ("ids", "n_prompt", "mask", "logprobs", "advantage")
+        to_train = [{k: s[k] for k in fields} for group in groups for s in group]
+        shares = [to_train[r :: run.world_size] for r in range(run.world_size)]
+        payload = [shares, sum(sum(s["mask"]) for s in to_train)]
+    if run.world_size > 1:
+        dist.broadcast_object_list(payload, 0)
+    return groups, payload[0][run.rank], payload[1]
+
+
+def sync_weights(run, metrics):
+    """Rank 0 sends the weights to every server (WeightSync); under --fsdp every rank gathers its shards with
+    it."""
+    if run.is_main:
+        metrics["sync/seconds"] = run.sync(run.policy)
+    elif run.args.fsdp:
+        help_sync(run.policy, run.args, run.served_dtype)
+    if run.world_size > 1:
+        dist.barrier()
 
 
 def log_step(run, step, groups, metrics, trained_version):
@@ -1671,10 +1597,13 @@ def log_step(run, step, groups, metrics, trained_version):
             "rollout/reward_failures": cursor["reward_failures"],
             "perf/samples_per_second": clock["samples"] / wall,
             "perf/wall_seconds": wall,
-            "perf/trainer_idle": clock["waited"] / wall,  # shares of the wall time
+            # shares of the wall time
+            "perf/trainer_idle": clock["waited"] / wall,
             "perf/generator_idle": (run.version.idle() - clock["idle_start"]) / wall,
-            "perf/cpu_seconds": time.process_time() - clock["cpu_start"],  # this process's, producer included
-            "tools/refused": TOOLS_REFUSED[0],  # so far: calls that found every tool thread held (call_tool)
+            # this process's, producer included
+            "perf/cpu_seconds": time.process_time() - clock["cpu_start"],
+            # so far: calls that found every tool thread held (call_tool)
+            "tools/refused": TOOLS_REFUSED[0],
         }
     )
     for s in samples[: args.log_rollouts]:
@@ -1719,7 +1648,7 @@ def write_metrics(run, metrics):
         run.logs["wandb"].log(metrics, step=metrics["step"])
 
 
-def rollout_metrics(groups, version):
+def rollout_metrics(groups, trained_version):
     """The step's rollouts; staleness is per trained token: the trainer's version minus the token's."""
     samples = [s for g in groups for s in g]
     metrics = mean_over_union(
@@ -1740,7 +1669,7 @@ def rollout_metrics(groups, version):
             for s in samples
         ]
     )
-    staleness = [version - v for s in samples for v, m in zip(s["versions"], s["mask"]) if m] or [0]
+    staleness = [trained_version - v for s in samples for v, m in zip(s["versions"], s["mask"]) if m] or [0]
     values, counts = np.unique(staleness, return_counts=True)
     metrics.update(
         {
@@ -1766,10 +1695,10 @@ def mean_over_union(dicts):
 
 
 def evaluate(run):
-    """A greedy rollout of each held-out row through the same servers and tool loop, on the producer's event loop; with
-    --eval-samples K also K sampled at the run's temperature, for pass@1 and pass@K of each reward (a sample passes a
-    reward whose value is positive: the built-in ones are 0 or 1). A wait as bounded as the data's (Producer.wait,
-    --data-timeout); none ({}) once a stop signal came: the checkpoint first."""
+    """A greedy rollout of each held-out row through the same servers and tool loop, on the producer's event
+    loop; with --eval-samples K also K sampled at the run's temperature, for pass@1 and pass@K of each reward
+    (a sample passes a reward whose value is positive: the built-in ones are 0 or 1). A wait as bounded as the
+    data's (Producer.wait, --data-timeout); none ({}) once a stop signal came: the checkpoint first."""
     if run.stop:
         return {}
     p = run.producer
@@ -1777,12 +1706,14 @@ def evaluate(run):
     args = run.args
     n = 1 + args.eval_samples  # rollouts per row, the greedy one first
 
-    async def scored(session, i):  # row i's greedy rollout and samples; the servers in turn
-        with contextlib.suppress(Dropped):  # its environment did not reset: the row is not scored, as in training
+    # row i's greedy rollout and samples; the servers in turn
+    async def scored(session, i):
+        # its environment did not reset: the row is not scored, as in training
+        with contextlib.suppress(Dropped):
             return await scored_row(session, i)
 
     async def scored_row(session, i):
-        async with environments(p.ctx, p.tok, rows[i], n, args.tool_timeout) as (envs, row, ids):
+        async with environment_instances(p.ctx, p.tok, rows[i], n, args.tool_timeout) as (envs, row, ids):
             samples = await all_or_none(
                 rollout(
                     session,
@@ -1791,9 +1722,10 @@ def evaluate(run):
                     row,
                     args,
                     ctx=p.ctx,
-                    policy=p.policy,
+                    version=p.version,
                     greedy=k == 0,
-                    seed=(args.seed, "eval", i, k),  # the same at every evaluation: the checkpoints are compared alike
+                    # the same at every evaluation: the checkpoints are compared alike
+                    seed=(args.seed, "eval", i, k),
                     env=env,
                     prompt_ids=ids,
                 )
@@ -1815,7 +1747,8 @@ def evaluate(run):
             return {}
         results = future.result()
     finally:
-        future.cancel()  # its rollouts end with it, on whatever error ended the wait
+        # its rollouts end with it, on whatever error ended the wait
+        future.cancel()
     metrics = []
     for total, parts in filter(None, results):
         row = {f"eval/{name}": values[0] for name, values in {"reward": total, **parts}.items()}
@@ -1828,14 +1761,15 @@ def evaluate(run):
 
 
 def pass_at_k(n, c, k):
-    """The unbiased estimate of pass@k from n samples of which c passed (Chen et al., 2021): 1 - C(n - c, k) / C(n, k)."""
+    """The unbiased estimate of pass@k from n samples of which c passed (Chen et al., 2021): 1 - C(n - c, k) /
+    C(n, k)."""
     return 1.0 - math.comb(n - c, k) / math.comb(n, k)
 
 
 def finish(run):
     args = run.args
-    # DDP ranks must hold identical weights; a silent divergence (a missed all-reduce) fails here. FSDP ranks hold
-    # different shards by design: their checksums are recorded, not compared.
+    # DDP ranks must hold identical weights; a silent divergence (a missed all-reduce) fails here. FSDP ranks
+    # hold different shards by design: their checksums are recorded, not compared.
     checksum = [sum((p.to_local() if args.fsdp else p).double().sum().item() for p in run.policy.parameters())]
     checksums = checksum * run.world_size
     if run.world_size > 1:
@@ -1867,15 +1801,18 @@ def finish(run):
 
 
 def save_after_error(run, error):
-    """Nothing is lost: the last finished step is saved, unless the error came mid-update (or under --fsdp, where
-    saving takes every rank, and the others may be gone or stuck). A failed server is named as the cause, with its log:
-    the error itself is then only what it did to a request (a reset connection, a timeout)."""
+    """Nothing is lost: the last finished step is saved, unless the error came mid-update (or under --fsdp,
+    where saving takes every rank, and the others may be gone or stuck). A failed server is named as the
+    cause, with its log: the error itself is then only what it did to a request (a reset connection, a
+    timeout)."""
     failure = run.server_failure or server_failure(run.urls, run.servers)
-    if not failure and isinstance(error, ConnectionError):  # an engine's death fails requests before /health says it
+    # an engine's death fails requests before /health says it
+    if not failure and isinstance(error, ConnectionError):
         time.sleep(3)
         failure = run.server_failure or server_failure(run.urls, run.servers)
     if run.is_main and run.producer and not run.updating and run.completed > run.start_step and not run.args.fsdp:
-        if run.unlogged:  # its sync or evaluation failed (sync/seconds 0, no eval/ metrics)
+        # its sync or evaluation failed (sync/seconds 0, no eval/ metrics)
+        if run.unlogged:
             log_step(run, *run.unlogged)
         checkpoint(run, run.completed)
         print(
@@ -1883,10 +1820,12 @@ def save_after_error(run, error):
             flush=True,
         )
     logs = f"the vLLM server logs: {', '.join(str(server.log_path) for server in run.servers)}" if run.servers else ""
-    if failure or isinstance(error, (ConnectionError, TimeoutError)):  # a server failed, or did not answer in time
+    # a server failed, or did not answer in time
+    if failure or isinstance(error, (ConnectionError, TimeoutError)):
         seen = f" after {type(error).__name__}: {(str(error) or '-').splitlines()[0][:300]}" if failure else ""
         raise SystemExit(f"error: {failure or error}\nThe run stopped at step {run.completed}{seen}. {logs}")
-    if isinstance(error, KeyboardInterrupt) and run.stop:  # it came as the trainer waited for data, or came twice
+    # it came as the trainer waited for data, or came twice
+    if isinstance(error, KeyboardInterrupt) and run.stop:
         saved = (run.out_dir / "checkpoint").exists()
         resume = f"; continue with --resume --output-dir {run.out_dir}" if saved else " (no checkpoint to resume from)"
         raise SystemExit(f"stopped at step {run.completed} by signal {run.stop[0]}{resume}")
@@ -1897,7 +1836,8 @@ def save_after_error(run, error):
 def tear_down(run, handlers):
     for sig, handler in handlers.items():
         signal.signal(sig, handler)
-    run.urls = []  # ends watch_servers: the servers are stopped next, which is not a failure
+    # ends watch_servers: the servers are stopped next, which is not a failure
+    run.urls = []
     if run.producer is not None:
         run.producer.stop()
     for server in run.servers:
@@ -1906,12 +1846,14 @@ def tear_down(run, handlers):
         run.logs["wandb"].finish()
     if run.world_size > 1 and dist.is_initialized():
         dist.destroy_process_group()
-    # The run ends here, finished or failed, not in the interpreter's teardown, which waits for every tool and reward
-    # thread (one stuck in I/O would keep the process and its GPUs alive), where freeing DDP's reducer can deadlock (its
-    # gloo destructor joins a thread that waits for the GIL; seen on rank 1) and the sync group's objects can abort the
-    # process ("terminate called without an active exception", exit -6, seen twice after a finished --vllm-url run)
+    # The run ends here, finished or failed, not in the interpreter's teardown, which waits for every tool and
+    # reward thread (one stuck in I/O would keep the process and its GPUs alive), where freeing DDP's reducer
+    # can deadlock (its gloo destructor joins a thread that waits for the GIL; seen on rank 1) and the sync
+    # group's objects can abort the process ("terminate called without an active exception", exit -6, seen
+    # twice after a finished --vllm-url run)
     if __name__ == "__main__":
-        # printed as the interpreter would, and the run's own errors (SystemExit, a message) without a traceback
+        # printed as the interpreter would, and the run's own errors (SystemExit, a message) without a
+        # traceback
         error = sys.exc_info()[1]
         if isinstance(error, SystemExit):
             print(error, file=sys.stderr)
@@ -1923,25 +1865,31 @@ def tear_down(run, handlers):
 
 
 def checkpoint(run, step):
-    """checkpoint-<step>/: the model (safetensors), tokenizer and trainer state, written whole under a temporary name;
-    then the `checkpoint` link is swapped to it in one rename, so a crash never leaves a broken latest checkpoint. Taken
-    between steps: the data cursor is the last finished step's, and --resume regenerates every group after it (those
-    in flight now are redone). Under --fsdp every rank sends its shards, a tensor at a time, to rank 0's CPU memory."""
+    """checkpoint-<step>/: the model (safetensors), tokenizer and trainer state, written whole under a
+    temporary name; then the `checkpoint` link is swapped to it in one rename, so a crash never leaves a
+    broken latest checkpoint. Taken between steps: the data cursor is the last finished step's, and --resume
+    regenerates every group after it (those in flight now are redone). Under --fsdp every rank sends its
+    shards, a tensor at a time, to rank 0's CPU memory."""
     weights, optim = None, run.optimizer.state_dict()
     if run.args.fsdp:
         options = StateDictOptions(full_state_dict=True, cpu_offload=True)
         weights = get_model_state_dict(run.policy, options=options)
         optim = get_optimizer_state_dict(run.policy, run.optimizer, options=options)
     name, link = f"checkpoint-{step:06d}", run.out_dir / "checkpoint"
-    if not run.is_main or link.is_symlink() and os.readlink(link) == name:  # the other ranks' part ends here
+    # the other ranks' part ends here
+    if not run.is_main or link.is_symlink() and os.readlink(link) == name:
         return
     tmp = run.out_dir / f"{name}.tmp"
     previous = os.readlink(link) if link.is_symlink() else None
     try:
         shutil.rmtree(tmp, ignore_errors=True)
-        if run.args.lora_rank:  # merged weights; the adapter in adapter/ (from_pretrained applies one beside them)
-            run.policy.save_pretrained(tmp / "adapter", save_embedding_layers=False)  # ("auto" asks the hub)
-            weights = {name: merged(p, lora).cpu() for name, p, lora in served_weights(run.policy, every=True)}
+        # merged weights; the adapter in adapter/ (from_pretrained applies one beside them)
+        if run.args.lora_rank:
+            # ("auto" asks the hub)
+            run.policy.save_pretrained(tmp / "adapter", save_embedding_layers=False)
+            weights = {
+                name: merged(p, lora).cpu() for name, p, lora in served_weights(run.policy, include_frozen=True)
+            }
         (run.policy.get_base_model() if run.args.lora_rank else run.policy).save_pretrained(tmp, state_dict=weights)
         run.saved_with.save_pretrained(tmp)
         torch.save(
@@ -1956,16 +1904,19 @@ def checkpoint(run, step):
             },
             tmp / "trainer_state.pt",
         )
-        shutil.rmtree(run.out_dir / name, ignore_errors=True)  # a save of this step cut off before its link swap
+        # a save of this step cut off before its link swap
+        shutil.rmtree(run.out_dir / name, ignore_errors=True)
         os.replace(tmp, run.out_dir / name)
         (run.out_dir / "checkpoint.tmp").unlink(missing_ok=True)
         os.symlink(name, run.out_dir / "checkpoint.tmp")
         os.replace(run.out_dir / "checkpoint.tmp", link)
-    except BaseException as e:  # a full disk (OSError from safetensors, RuntimeError from torch.save), or a signal
+    except BaseException as e:
+        # a full disk (OSError from safetensors, RuntimeError from torch.save), or a signal
         shutil.rmtree(tmp, ignore_errors=True)
         if not isinstance(e, (OSError, RuntimeError)):
             raise
-        needed = 3 * sum(p.numel() * p.element_size() for p in run.policy.parameters()) / 2**20  # + AdamW's moments
+        # + AdamW's moments
+        needed = 3 * sum(p.numel() * p.element_size() for p in run.policy.parameters()) / 2**20
         # SystemExit: the error handler does not catch it, so it does not write the same checkpoint again
         raise SystemExit(
             f"error: could not write the checkpoint of step {step} in {run.out_dir} "
@@ -1979,24 +1930,293 @@ def checkpoint(run, step):
 
 
 def stop_on_signals(stop):
-    """SIGINT and SIGTERM ask to stop after this step (_stop_after_step appends to `stop`); returns their handlers."""
+    """SIGINT and SIGTERM ask to stop after this step (_stop_after_step appends to `stop`); returns their
+    handlers."""
     stopping = functools.partial(_stop_after_step, stop)
     return {sig: signal.signal(sig, stopping) for sig in (signal.SIGINT, signal.SIGTERM)}
 
 
 def _stop_after_step(stop, signum, frame):
-    """A signal asks to stop after this step; one that finds `stop` set already (a second, or any before training) at
-    once. Silent: a print here, run while the main thread is inside one, raises "reentrant call" (watch_servers says)."""
+    """A signal asks to stop after this step; one that finds `stop` set already (a second, or any before
+    training) at once. Silent: a print here, run while the main thread is inside one, raises "reentrant call"
+    (watch_servers says)."""
     if stop:
         raise KeyboardInterrupt(f"signal {signum}")
     stop.append(signum)
 
 
-# --- Machinery: arguments and the device plan -------------------------------------------------------------------------
+# --- Machinery: batches and log-probs: collate's rows, the output layer in chunks, vLLM's truncation --------
+
+
+def micro_batches(samples, size, count=1, share=True, tokens=math.inf, width=None, packed=False):
+    """The step's samples in micro-batches of at most `size` sequences and `tokens` tokens forwarded (memory),
+    padding included, and unpacked at most `size` x 1.25 x the step's median length (a sequence longer goes
+    alone), so that a tool loop's long tail does not make padding most of a step (docs/performance.md): shortest
+    first, with share a prompt's samples together (rows_of). The order is free: the loss is normalised over the
+    step. At least `count` (the largest halved): every rank runs as many."""
+    samples = sorted(
+        samples, key=lambda s: (s["n_prompt"], s["ids"][: s["n_prompt"]], len(s["ids"])) if share else len(s["ids"])
+    )
+    padding = size * 1.25 * np.median([len(s["ids"]) for s in samples])
+    batches = [[]]
+    for s in samples:
+        # their lengths
+        rows = rows_of(batches[-1] + [s], share, None if packed else width)[1]
+        forwarded = sum(rows) if packed else len(rows) * max(rows)
+        limit = tokens if packed else min(tokens, padding)
+        if batches[-1] and (len(batches[-1]) == size or forwarded > limit):
+            batches.append([])
+        batches[-1].append(s)
+    while len(batches) < count:
+        i = max(
+            (i for i, b in enumerate(batches) if len(b) > 1),
+            key=lambda i: len(batches[i]) * len(batches[i][-1]["ids"]),
+        )
+        batches[i : i + 1] = [batches[i][: len(batches[i]) // 2], batches[i][len(batches[i]) // 2 :]]
+    return batches
+
+
+def rows_of(samples, share=True, width=None):
+    """collate's rows (lists of sample indices) and their lengths: a prompt once, then the completions of the
+    samples with its tokens (share; else a row each). A dense row (width: the hidden size) takes a completion
+    of c tokens only where that costs less than a row of its own: it saves n prompt tokens (~12 width^2
+    multiply-adds each) and adds attention over the row's c' completion tokens (~2 width a pair): 2 c c' < n
+    (6 width + n). Segments always do."""
+    rows = []
+    lengths = []
+    open_row = {}  # prompt -> the row its next completion may join
+    for i, s in enumerate(samples):
+        n = s["n_prompt"]
+        key = tuple(s["ids"][:n]) if share else i
+        r = open_row.get(key)
+        if r is None or width and 2 * (len(s["ids"]) - n) * (lengths[r] - n) >= n * (6 * width + n):
+            r = open_row[key] = len(rows)
+            rows.append([])
+            lengths.append(n)
+        rows[r].append(i)
+        lengths[r] += len(s["ids"]) - n
+    return rows, lengths
+
+
+def collate(samples, pad_id, device, min_tokens=0, share=True, config=None, packed=False, dtype=torch.float32):
+    """The micro-batch as the model takes it: rows_of's rows, each token at its position alone (a completion's
+    count on from its prompt's end) and seeing what it sees alone, its prompt and its completion: the same
+    log-probs (to float rounding), and the prompt gets the gradients of all its completions. One group, a prompt
+    p0 p1 p2 and two completions a0 a1 and b0 b1 b2, in one row:
+
+        input_ids     p0 p1 p2 a0 a1 b0 b1 b2
+        position_ids   0  1  2  3  4  3  4  5
+        segment        0  0  0  1  1  2  2  2    (a token sees segment 0 and its own, causally)
+        cols          a: [2, 3]   b: [2, 5, 6]   (the columns whose hidden states predict each token)
+
+    packed: the micro-batch's rows as one, with segments for segment_attention, each (its query count, the
+    columns of its keys): (3, [0 1 2]), (2, [0 1 2 3 4]), (3, [0 1 2 5 6 7]). Else padded rows with, where
+    completions share one, a 4D mask built on the device (host work linear in T) as the float bias SDPA would
+    make of it in every layer, once, in `dtype`. Per-token tensors are [B, T] over each completion: token t is
+    predicted at hidden[rows, cols[t]] (-1: padding)."""
+
+    # [B, the longest row]; one column at least: may be empty
+    def padded(rows, kind=torch.float, value=0):
+        out = torch.full((len(rows), max(1, *map(len, rows))), value, dtype=kind)
+        for r, row in enumerate(rows):
+            out[r, : len(row)] = torch.tensor(row, dtype=kind)
+        return out
+
+    rows = rows_of(samples, share, None if packed else getattr(config, "hidden_size", None))[0]
+    ids = []  # per row: a prompt, then the completions that joined it
+    # per row, per token: 0 the prompt, i + 1 sample i's completion (the mask's)
+    segment = []
+    position = []
+    # packed: per segment, its query count and the columns of its keys
+    segments = []
+    # per sample: its row, and the columns whose hidden states predict its tokens
+    at = {}
+    for members in rows:
+        n = samples[members[0]]["n_prompt"]
+        if not packed or not ids:
+            ids.append([])
+            segment.append([])
+            position.append([])
+        prompt = range(len(ids[-1]), len(ids[-1]) + n)
+        ids[-1] += samples[members[0]]["ids"][:n]
+        segment[-1] += [0] * n
+        position[-1] += range(n)
+        segments.append((n, prompt))
+        for i in members:
+            completion = samples[i]["ids"][n:]
+            own = range(len(ids[-1]), len(ids[-1]) + len(completion))
+            at[i] = (len(ids) - 1, [prompt[-1], *own[:-1]])
+            if own:
+                segments.append((len(own), [*prompt, *own]))
+            ids[-1] += completion
+            segment[-1] += [i + 1] * len(completion)
+            position[-1] += range(n, n + len(completion))
+    position = padded(position, torch.long).to(device)
+    # what the model takes
+    batch = {"input_ids": padded(ids, torch.long, pad_id), "position_ids": position}
+    if packed:
+        queries, keys = zip(*segments)
+        batch["segments"] = (
+            torch.tensor([0, *itertools.accumulate(queries)], dtype=torch.int32, device=device),
+            torch.tensor([0, *itertools.accumulate(map(len, keys))], dtype=torch.int32, device=device),
+            # kv_index: each segment's keys
+            torch.tensor([column for k in keys for column in k], device=device),
+            max(queries),
+            max(map(len, keys)),
+        )
+    elif any(len(members) > 1 for members in rows):
+        # -1: padding, which attends to the prompt: no row is all masked
+        segment = padded(segment, torch.long, -1).to(device)
+        causal = torch.ones(segment.shape[1], segment.shape[1], dtype=torch.bool, device=device).tril()
+        full = (causal & ((segment[:, None] == 0) | (segment[:, None] == segment[..., None])))[:, None]
+        attend = {"full_attention": full}
+        window = getattr(config, "sliding_window", None)
+        # the model's sliding window, in the mask that replaces its own: over positions; per layer type if
+        # mixed
+        if window:
+            distance = position[:, None, :, None] - position[:, None, None, :]
+            types = set(getattr(config, "layer_types", None) or ["sliding_attention"])
+            attend = {t: full & (distance < window) if t == "sliding_attention" else full for t in types}
+        bias = {t: torch.where(a, 0.0, -torch.inf).to(dtype) for t, a in attend.items()}
+        batch["attention_mask"] = bias if len(bias) > 1 else next(iter(bias.values()))
+    mask = padded([s["mask"] for s in samples])
+    # a turn: a run of generated tokens; in_turn counts those of its turn up to here
+    generated = mask.cumsum(1)
+    # vLLM held the stop tokens back for min_tokens
+    in_turn = generated - (generated * (1 - mask)).cummax(1).values
+    batch |= {
+        "rows": torch.tensor([[at[i][0]] for i in range(len(samples))]),
+        "cols": padded([at[i][1] for i in range(len(samples))], torch.long, -1),
+        "tokens": sum(map(len, ids)),
+        "mask": mask,
+        "stop_masked": (0 < in_turn) & (in_turn <= min_tokens),
+        "sampler_logp": padded([s["logprobs"] for s in samples]),
+        "targets": padded([s["ids"][s["n_prompt"] :] for s in samples], torch.long, pad_id),
+        "advantages": torch.tensor([s["advantage"] for s in samples], dtype=torch.float),
+    }
+    return {k: v.to(device) if torch.is_tensor(v) else v for k, v in batch.items()}
+
+
+# what a batch (collate) hands the model
+MODEL_INPUTS = ("input_ids", "position_ids", "attention_mask", "segments")
+
+
+def token_logprobs(model, batch, temperature=1.0, chunk=2**26, **truncation):
+    """[B, T] log-probs of the completions as vLLM sampled them, the mass truncation removed and the entropy:
+    the output layer on the completions' hidden states only, in chunks of ~`chunk` logits recomputed in
+    backward (if more than one), which keeps a hidden state per token, not [tokens, V] logits (~2.4 MB a token
+    at V = 151,936)."""
+    bare = getattr(model, "module", model)  # DDP's
+    head = bare.get_output_embeddings()
+    # what the forward hands its head, which then gets nothing (a new tensor: a view would keep them)
+    hidden = []
+    hook = head.register_forward_pre_hook(lambda head, args: hidden.append(args[0]) or (args[0][:, :0].clone(),))
+    try:
+        model(**{k: batch[k] for k in MODEL_INPUTS if k in batch}, use_cache=False)
+    finally:
+        hook.remove()
+    real = batch["cols"] >= 0  # [B, T]: the completions' tokens, not padding
+    # [tokens, width]
+    states = hidden[0][batch["rows"].expand_as(real)[real], batch["cols"][real]]
+    rows = max(1, chunk // head.out_features)
+    parts = zip(states.split(rows), batch["targets"][real].split(rows), batch["stop_masked"][real].split(rows))
+    softcap = getattr(bare.config.get_text_config(), "final_logit_softcapping", None)
+
+    # [N, width] -> sampler_logprobs' [N] values (another comes too)
+    def chunk_logprobs(hidden, targets, stop_masked):
+        logits = head(hidden).float()  # [N, V]
+        if softcap:  # Gemma's, which the model's forward applies after its head
+            logits = torch.tanh(logits / softcap) * softcap
+        return sampler_logprobs(logits, targets, temperature, stop_masked=stop_masked, **truncation)
+
+    forward_chunk = functools.partial(torch.utils.checkpoint.checkpoint, chunk_logprobs, use_reentrant=False)
+    # a single chunk is kept as it is: no second pass in backward
+    if len(states) * head.out_features <= chunk:
+        forward_chunk = chunk_logprobs
+    per_token = [forward_chunk(*part) for part in parts]
+    return [torch.zeros(real.shape, device=real.device).masked_scatter(real, torch.cat(x)) for x in zip(*per_token)]
+
+
+def sampler_logprobs(
+    logits,
+    targets,
+    temperature=1.0,
+    top_k=0,
+    top_p=1.0,
+    min_p=0.0,
+    stop_masked=None,
+    stop_ids=(),
+    served_dtype=torch.bfloat16,
+):
+    """log pi(target) under the distribution vLLM sampled it from, its processed log-probs: logits [B, T, V]
+    with the stop_ids masked where min_tokens held them back (stop_masked, [B, T]), / temperature, then min-p,
+    top-k and top-p, renormalised over the tokens kept. The kept set is chosen on the logits rounded to
+    `served_dtype`, the server's: tokens that tie there tie for vLLM, and top-k keeps every tie (at a top-p
+    boundary vLLM keeps an arbitrary part of a tied group, the trainer all of it). The target is always kept:
+    where the trainer would cut it (a token at the boundary, the two sides' logits differing in the last bits,
+    or a stale one), its log-prob is taken over the kept set and itself: finite, and close to vLLM's at the
+    boundary. Returns [B, T] log-probs (with gradient), [B, T] the probability mass the truncation removed,
+    and [B, T] the entropy of the distribution sampled from (train/entropy)."""
+    targets = targets[..., None]
+    if stop_masked is not None and stop_masked.any():
+        is_stop = torch.zeros(logits.shape[-1], dtype=torch.bool, device=logits.device)
+        is_stop[list(stop_ids)] = True
+        logits = logits.masked_fill(stop_masked[..., None] & is_stop & ~is_stop[targets], -torch.inf)
+    scaled = logits / temperature
+    if top_k > 0 or top_p < 1 or min_p > 0:
+        # Which tokens are kept is a choice, not differentiated; chosen in chunks of rows, so that a sort over a
+        # large vocabulary never holds all of them
+        with torch.no_grad():
+            flat, cut = logits.detach().flatten(0, -2), []
+            for chunk in flat.split(max(1, 2**22 // flat.shape[-1])):
+                rounded = chunk.to(served_dtype).float() / temperature
+                cut.append(rounded < kept_threshold(rounded, top_k, top_p, min_p))
+            cut = torch.cat(cut).view_as(logits).scatter_(-1, targets, False)
+        log_total = scaled.detach().logsumexp(-1)
+        # the one more [B, T, V] tensor this takes
+        scaled = scaled.masked_fill(cut, -torch.inf)
+        log_kept = scaled.logsumexp(-1)
+        removed = 1 - (log_kept.detach() - log_total).exp()
+    else:  # nothing truncated: the log-softmax of the sampled tokens only
+        log_kept = scaled.logsumexp(-1)
+        removed = torch.zeros_like(log_kept)
+    # what backward keeps is unchanged: these [B, T, V] temporaries are freed here
+    with torch.no_grad():
+        # -sum p log p, 0 log 0 = 0
+        entropy = torch.special.entr((scaled - log_kept[..., None]).exp()).sum(-1)
+    return scaled.gather(-1, targets).squeeze(-1) - log_kept, removed, entropy
+
+
+def kept_threshold(x, top_k=0, top_p=1.0, min_p=0.0):
+    """x: [N, V] logits after temperature -> [N, 1]: the smallest logit each row keeps, truncated in vLLM's
+    order."""
+    threshold = torch.full_like(x[:, :1], -torch.inf)
+    # tokens with at least min_p times the top token's probability
+    if min_p > 0:
+        threshold = x.max(-1, keepdim=True).values + math.log(min_p)
+    if 0 < top_k < x.shape[-1]:  # the k largest, ties kept
+        threshold = torch.maximum(threshold, x.topk(top_k, -1).values[:, -1:])
+    # the most likely tokens whose probability mass before them is below top_p
+    if top_p < 1:
+        x = x.masked_fill(x < threshold, -torch.inf)
+        log_total = x.logsumexp(-1, keepdim=True)
+        # the nucleus is usually small: a full sort only if it is not
+        for k in (min(1024, x.shape[-1]), x.shape[-1]):
+            top = x.topk(k, -1).values  # [N, k], descending
+            probs = (top - log_total).exp()
+            kept = ((probs.cumsum(-1) - probs) < top_p).sum(-1, keepdim=True)
+            if (kept < k).all() or k == x.shape[-1]:
+                break
+        threshold = torch.maximum(threshold, top.gather(-1, kept - 1))
+    return threshold
+
+
+# --- Machinery: arguments, checked before anything loads (the device plan: vllm_server.py) ------------------
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    def _get_help_string(self, action):  # "(default: X)", unless the help says it or there is none to say
+    # "(default: X)", unless the help says it or there is none to say
+    def _get_help_string(self, action):
         if action.default is None or action.default is False or action.default == "" or "default" in action.help:
             return action.help
         return super()._get_help_string(action)
@@ -2066,7 +2286,7 @@ def parse_args(argv=None, world_size=1, cuda_count=None, local_ranks=None, heads
         "--max-tool-turns",
         type=int,
         default=3,
-        help="most assistant turns that may call tools or an environment answers",
+        help="most turns of tool calls (or of an environment's answers) in a rollout; the model then answers once more",
     )
     g.add_argument("--tool-timeout", type=float, default=10.0, help="seconds one tool call may take")
     g.add_argument("--python-memory", type=int, default=512, help="--env python: MiB each process of it may map")
@@ -2419,15 +2639,16 @@ def parse_args(argv=None, world_size=1, cuda_count=None, local_ranks=None, heads
         if failed:
             p.error(message)
     cuda_count = torch.cuda.device_count() if cuda_count is None else cuda_count
-    local_ranks = local_ranks or int(os.environ.get("LOCAL_WORLD_SIZE", world_size))  # the trainer ranks on this node
+    # the trainer ranks on this node
+    local_ranks = local_ranks or int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
     args.plan = plan_devices(args, cuda_count, local_ranks, p.error, heads)
     if args.gradient_checkpointing is None:
         args.gradient_checkpointing = bool(cuda_count)
-    args.packed = False  # load_policy_and_optimizer packs the rows where a varlen kernel runs
     args.max_staleness = 0 if args.sync else args.max_staleness
     args.sync_bucket_bytes = int(args.sync_bucket_mb * 2**20)
-    # The other ranks' bound in a collective while rank 0 alone starts vLLM, waits for data or syncs: not torch's (NCCL 10
-    # min, gloo 30) but twice the sum of rank 0's bounds (building the model, evaluation and checkpoints have none)
+    # The other ranks' bound in a collective while rank 0 alone starts vLLM, waits for data or syncs: not
+    # torch's (NCCL 10 min, gloo 30) but twice the sum of rank 0's bounds (building the model, evaluation and
+    # checkpoints have none)
     args.collective_timeout = 2 * (args.vllm_startup_timeout + args.data_timeout + args.sync_timeout)
     args.output_dir = args.output_dir or time.strftime("runs/%Y%m%d-%H%M%S")
     args.lora_alpha = 2.0 * args.lora_rank if args.lora_alpha is None else args.lora_alpha
@@ -2438,108 +2659,7 @@ def parse_args(argv=None, world_size=1, cuda_count=None, local_ranks=None, heads
     return args
 
 
-def plan_devices(args, cuda_count, local_ranks, fail, heads=None):
-    """Where everything runs, decided before anything loads: the trainer ranks on cuda:0..local_ranks-1 or the CPU, each
-    server started here on its share of --vllm-gpus or the CPU, and the sync backend: NCCL between devices, else gloo
-    (which takes CUDA tensors: NCCL refuses two ranks on one device). By default a server per GPU (README.md, "On
-    GPUs": why). heads: the model's (attention heads, KV heads), read where None. fail(message) for a bad plan."""
-    url = args.vllm_url
-    free = [str(d) for d in range(local_ranks, cuda_count)]  # the devices the trainer ranks leave free
-    if args.vllm_gpus:
-        gpus = args.vllm_gpus.split(",")
-    else:
-        gpus = [] if url else free[: len(free) // max(1, args.vllm_servers) * max(1, args.vllm_servers)]
-    n = args.vllm_servers or max(1, len(gpus))
-    shared = bool(cuda_count and not url and not gpus)  # no device free: one server shares trainer rank 0's GPU
-    instead = f"pass --vllm-gpus among {','.join(free)}" if free else "launch fewer ranks (torchrun --nproc-per-node)"
-    for failed, message in [
-        (url and args.vllm_gpus, "--vllm-gpus places servers started here, and --vllm-url starts none: drop one"),
-        (len(gpus) % n, f"--vllm-servers {n} must divide the --vllm-gpus {args.vllm_gpus} evenly"),
-        (
-            cuda_count and local_ranks > cuda_count,
-            f"{local_ranks} trainer ranks on this node, {cuda_count} CUDA devices: "
-            f"launch torchrun with --nproc-per-node {cuda_count} or fewer",
-        ),
-        (
-            not all(g.isdigit() and local_ranks <= int(g) < cuda_count for g in gpus) or len(set(gpus)) < len(gpus),
-            f"--vllm-gpus {args.vllm_gpus}: not distinct CUDA devices of the {cuda_count} here that the {local_ranks} "
-            f"trainer ranks leave free (NCCL refuses two ranks on one device): {instead}, or leave --vllm-gpus out where "
-            "none is free, to share trainer rank 0's GPU with one server",
-        ),
-        (
-            shared and n > 1,
-            f"--vllm-servers {n}: no device is free beside the trainer ranks, and trainer rank 0's GPU "
-            f"holds one server: pass --vllm-servers 1, or {instead}",
-        ),
-        (
-            args.vllm_gpu_memory is not None and not (0 < args.vllm_gpu_memory < 1 and (gpus or shared)),
-            "--vllm-gpu-memory is a share in (0, 1) of the memory of servers started here on GPUs",
-        ),
-    ]:
-        if failed:
-            fail(message)
-    tp = len(gpus) // n  # tensor parallel: each server's GPUs
-    if tp > 1:
-        try:
-            heads, kv_heads = heads or attention_heads(args.model)
-        except Exception as e:
-            fail(f"--model {args.model}: cannot read its config, which --vllm-servers {n} needs ({str(e)[:200]})")
-        # vLLM splits the attention heads over the GPUs, and the KV heads or copies of each (layers/linear.py)
-        if heads % tp or (kv_heads % tp if kv_heads >= tp else tp % kv_heads):
-            fail(
-                f"--vllm-servers {n}: tensor parallel {tp} does not split the model's {heads} attention heads and "
-                f"{kv_heads} KV heads (vLLM refuses it): pass --vllm-servers {len(gpus)}, a server per GPU, or a count "
-                "whose share does"
-            )
-    physical = (os.environ.get("CUDA_VISIBLE_DEVICES") or ",".join(map(str, range(cuda_count)))).split(",")
-    shares = [gpus[i * len(gpus) // n : (i + 1) * len(gpus) // n] for i in range(n)] if gpus else [["0"] * shared] * n
-    return {
-        "trainer": "cuda" if cuda_count else "cpu",
-        "sync_backend": "nccl" if cuda_count and not shared else "gloo",
-        "servers": [] if url else [",".join(physical[int(g)] for g in share) for share in shares],  # as devices
-        "gpu_memory": args.vllm_gpu_memory or (0.3 if shared else None),  # why 0.3: README.md, "On GPUs"
-        "shared": shared,  # the server on trainer rank 0's GPU: the trainer is held to what it leaves (memory_share)
-        "cpu_server": not cuda_count
-        and all(
-            urllib.parse.urlparse(u).hostname in ("127.0.0.1", "localhost")
-            for u in (url or "http://127.0.0.1").split(",")
-        ),
-    }  # tuned in start_vllm
-
-
-def attention_heads(model):
-    """(attention heads, KV heads) of --model from its config alone (a local folder's, a GGUF file's, the hub's); the
-    built-in model's are tiny_model.py's."""
-    from transformers import AutoConfig
-
-    if model is None:
-        return 4, 2
-    gguf = {"gguf_file": Path(model).name} if model.endswith(".gguf") else {}
-    config = AutoConfig.from_pretrained(Path(model).parent if gguf else model, **gguf).get_text_config()
-    return config.num_attention_heads, getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-
-
-def memory_share(args, total, params, trained):
-    """The share of one GPU (`total` bytes) that the trainer may take beside a server: what the server's share (its
-    weights, 2 bytes a parameter, in half; its KV cache) and a margin leave (the worker's two buckets in flight, CUDA
-    contexts and a reloaded layer: 1 GiB). The trainer holds 4 bytes a parameter, 12 more a trained one (gradient,
-    AdamW's moments), 4 for the --beta reference, and activations. A model that does not fit is refused here."""
-    server = args.plan["gpu_memory"]
-    share = 1 - server - (2 * args.sync_bucket_bytes + 2**30) / total
-    needed = 4 * params + 12 * trained + 4 * params * bool(args.beta)
-    if needed > share * total or 4 * params > server * total:
-        raise SystemExit(
-            f"one GPU of {total / 2**30:.0f} GiB cannot hold both: the trainer needs {needed / 2**30:.1f} GiB before "
-            f"activations ({params / 1e9:.2f}B parameters, {trained / 1e9:.2f}B of them trained) and gets "
-            f"{share * total / 2**30:.1f} GiB; vLLM's share (--vllm-gpu-memory {server}) is "
-            f"{server * total / 2**30:.1f} GiB, at least twice its {2 * params / 2**30:.1f} GiB of weights (the "
-            "rest: its KV cache). Train a LoRA adapter (--lora-rank 16), a smaller model, or give vLLM a GPU of its "
-            "own (--vllm-gpus)"
-        )
-    return share
-
-
-# --- Machinery: data, the dataset or a built-in task ------------------------------------------------------------------
+# --- Machinery: data, the dataset or a built-in task --------------------------------------------------------
 
 
 # FORK: load your data (or pass --dataset FILE.jsonl)
@@ -2573,7 +2693,8 @@ def load_rows(args):
 
 
 def dataset_row(line, index, where):
-    """One line of --dataset as a row, its id `index` unless it has one; or a SystemExit that says what is wrong."""
+    """One line of --dataset as a row, its id `index` unless it has one; or a SystemExit that says what is
+    wrong."""
     try:
         row = json.loads(line)
     except json.JSONDecodeError as e:
@@ -2596,30 +2717,32 @@ def dataset_row(line, index, where):
     return row
 
 
-# --- Machinery: tools and environments at work: timeouts, threads, instances ------------------------------------------
+# --- Machinery: tools and environments at work: timeouts, threads, instances --------------------------------
 
 
 async def call_function(fn, arguments, name, timeout):
-    """(fn(**arguments), True) within `timeout` seconds, or (the error for the model, False). Raises EnvironmentGone
-    alone: an environment that cannot go on ends the run (tools.py)."""
+    """(fn(**arguments), True) within `timeout` seconds, or (the error for the model, False). Raises
+    EnvironmentGone alone: an environment that cannot go on ends the run (tools.py)."""
     try:
         return await bounded(fn, arguments, timeout), True
     except asyncio.TimeoutError:
         return f"Error: {name} timed out after {timeout} s", False
     except tools_module.EnvironmentGone:
         raise
-    except Exception as e:  # a tool's bug is the model's problem to route around, not the run's
+    except Exception as e:
+        # a tool's bug is the model's problem to route around, not the run's
         return f"Error: {type(e).__name__}: {e}", False
 
 
 async def bounded(fn, arguments, timeout):
-    """fn(**arguments) within `timeout` seconds (arguments a dict: one may be called fn): awaited if async, else in a
-    thread of TOOL_THREADS, where after a timeout it goes on holding a slot (TOOL_SLOTS) and its environment instance,
-    if a method, is not reused; refused at once while every slot is held."""
+    """fn(**arguments) within `timeout` seconds (arguments a dict: one may be called fn): awaited if async,
+    else in a thread of TOOL_THREADS, where after a timeout it goes on holding a slot (TOOL_SLOTS) and its
+    environment instance, if a method, is not reused; refused at once while every slot is held."""
     running = None
     if inspect.iscoroutinefunction(fn):
         pending = fn(**arguments)
-    elif TOOL_SLOTS.acquire(blocking=False):  # a look: some thread is not held by a call past its timeout
+    elif TOOL_SLOTS.acquire(blocking=False):
+        # a look: some thread is not held by a call past its timeout
         TOOL_SLOTS.release()
         running = TOOL_THREADS.submit(fn, **arguments)
         pending = asyncio.wrap_future(running)
@@ -2630,9 +2753,8 @@ async def bounded(fn, arguments, timeout):
         raise RuntimeError("not run: every tool thread is held by a call that has not returned")
     try:
         return await asyncio.wait_for(pending, timeout)
-    except (
-        asyncio.TimeoutError
-    ):  # one still queued was cancelled with it; one running holds its thread until it returns
+    except asyncio.TimeoutError:
+        # one still queued was cancelled with it; one running holds its thread until it returns
         HUNG.add(id(getattr(fn, "__self__", None)))
         if running is not None and running.running() and TOOL_SLOTS.acquire(blocking=False):
             running.add_done_callback(lambda _: TOOL_SLOTS.release())
@@ -2640,25 +2762,28 @@ async def bounded(fn, arguments, timeout):
 
 
 class Dropped(Exception):
-    """Why a group is not trained (its environment did not reset, its rewards failed): take() reports and counts it."""
+    """Why a group is not trained (its environment did not reset, its rewards failed): take() reports and
+    counts it."""
 
 
 @contextlib.asynccontextmanager
-async def environments(ctx, tok, row, n, timeout):
-    """n instances of the row's environment (None without one), idle ones reused, reset to the row; the row as its
-    rollouts see it (its prompt with what reset said) and its prompt's ids. They are idle again once the group is done.
-    Raises Dropped where a reset fails or the resets say different things: a group answers one task."""
-    name = tools_module.environment_of(row, ctx["environments"])
+async def environment_instances(ctx, tok, row, n, timeout):
+    """n instances of the row's environment (None without one), idle ones reused, reset to the row; the row as
+    its rollouts see it (its prompt with what reset said) and its prompt's ids. They are idle again once the
+    group is done. Raises Dropped where a reset fails or the resets say different things: a group answers one
+    task."""
+    name = tools_module.environment_of(row, ctx.environments)
     if name is None:
-        yield [None] * n, row, ctx["prompt_ids"][row["id"]]
+        yield [None] * n, row, ctx.prompt_ids[row["id"]]
         return
-    idle = ctx["idle"][name]
+    idle = ctx.idle[name]
     envs = [idle.pop() for _ in range(min(n, len(idle)))]
     try:
         try:
-            while len(envs) < n:  # on the loop, not in a thread: each instance made is one that is closed at the end
-                ctx["alive"].append(ctx["environments"][name]())
-                envs.append(ctx["alive"][-1])
+            # on the loop, not in a thread: each instance made is one that is closed at the end
+            while len(envs) < n:
+                ctx.alive.append(ctx.environments[name]())
+                envs.append(ctx.alive[-1])
             said = await all_or_none(bounded(env.reset, row, timeout) for env in envs)
         except tools_module.EnvironmentGone:
             raise
@@ -2666,13 +2791,14 @@ async def environments(ctx, tok, row, n, timeout):
             raise Dropped(f"--env {name}: a reset to prompt {row['id']} failed: {type(e).__name__}: {e}") from None
         if any(text != said[0] for text in said):
             raise Dropped(f"--env {name}: reset said different things to a group, {said[0]!r} and others")
-        prompt_ids = ctx["prompt_ids"][row["id"]]
+        prompt_ids = ctx.prompt_ids[row["id"]]
         if said[0]:  # appended to the prompt's last message
             last = {**row["prompt"][-1], "content": row["prompt"][-1]["content"] + str(said[0])}
             row = {**row, "prompt": row["prompt"][:-1] + [last]}
-            prompt_ids = render_prompt(tok, row["prompt"], ctx["offered"][name], row["id"])
+            prompt_ids = render_prompt(tok, row["prompt"], ctx.offered[name], row["id"])
         yield envs, row, prompt_ids
-    finally:  # the group is done: what an instance holds until its next reset may go (tools.py: release)
+    finally:
+        # the group is done: what an instance holds until its next reset may go (tools.py: release)
         await asyncio.gather(
             *[bounded(e.release, {}, timeout) for e in envs if hasattr(e, "release")], return_exceptions=True
         )
@@ -2681,19 +2807,20 @@ async def environments(ctx, tok, row, n, timeout):
 
 async def close_environments(ctx, timeout):
     """close() every instance made, once, each within `timeout` seconds, however the run ends."""
-    closing = [bounded(env.close, {}, timeout) for env in ctx["alive"] if hasattr(env, "close")]
-    ctx["alive"].clear()
+    closing = [bounded(env.close, {}, timeout) for env in ctx.alive if hasattr(env, "close")]
+    ctx.alive.clear()
     await asyncio.gather(*closing, return_exceptions=True)
 
 
-# --- Machinery: models: loading, LoRA, FSDP, GGUF (the built-in model is tiny_model.py's) -----------------------------
+# --- Machinery: models: loading, LoRA, FSDP, GGUF (the built-in model is tiny_model.py's) -------------------
 
 
 def load_policy(path, empty=False):
-    """A causal LM, or an image-text checkpoint (Qwen2-VL, SmolVLM, ...) as its *ForConditionalGeneration class: its
-    parameter names are the checkpoint's, which vLLM's loader maps to its own (a bare AutoModel drops the `model.`
-    prefix). Text-only RL trains its language model and output head; the vision tower and projector get no gradient from
-    text, so they are frozen: not optimised, not synced. empty: only the shapes, on the meta device."""
+    """A causal LM, or an image-text checkpoint (Qwen2-VL, SmolVLM, ...) as its *ForConditionalGeneration
+    class: its parameter names are the checkpoint's, which vLLM's loader maps to its own (a bare AutoModel
+    drops the `model.` prefix). Text-only RL trains its language model and output head; the vision tower and
+    projector get no gradient from text, so they are frozen: not optimised, not synced. empty: only the
+    shapes, on the meta device."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
 
     config = AutoConfig.from_pretrained(path)
@@ -2710,7 +2837,8 @@ def load_policy(path, empty=False):
 
 
 def with_lora(model, args, adapter=None):
-    """--lora-rank: a LoRA adapter (peft) on the --lora-targets, B = 0, or the one saved in `adapter` (--resume)."""
+    """--lora-rank: a LoRA adapter (peft) on the --lora-targets, B = 0, or the one saved in `adapter`
+    (--resume)."""
     from peft import LoraConfig, PeftModel, get_peft_model
 
     if adapter:
@@ -2735,8 +2863,9 @@ def with_lora(model, args, adapter=None):
 
 
 def load_sharded(path, device):
-    """--fsdp: rank 0 alone reads the checkpoint (the whole model, fp32, in its host memory); every rank builds it on the
-    meta device, shards it and receives its shards, a tensor at a time, and the buffers outside the state dict whole."""
+    """--fsdp: rank 0 alone reads the checkpoint (the whole model, fp32, in its host memory); every rank
+    builds it on the meta device, shards it and receives its shards, a tensor at a time, and the buffers
+    outside the state dict whole."""
     full = load_policy(path) if dist.get_rank() == 0 else None
     model = shard(load_policy(path, empty=True)).to_empty(device=device)
     set_model_state_dict(
@@ -2752,8 +2881,9 @@ def load_sharded(path, device):
 
 
 def shard(model):
-    """FSDP2: each decoder layer is one unit, whose weights are gathered only while it computes; the root unit holds
-    the rest (embeddings, head). Done in place: the module keeps its names, its parameters become DTensor shards."""
+    """FSDP2: each decoder layer is one unit, whose weights are gathered only while it computes; the root unit
+    holds the rest (embeddings, head). Done in place: the module keeps its names, its parameters become
+    DTensor shards."""
     for layer in decoder_layers(model):
         fully_shard(layer)
     return fully_shard(model)
@@ -2765,9 +2895,9 @@ def decoder_layers(model):
 
 
 def sharing_refused(model):
-    """Why shared rows (collate) would not give this model's log-probs, or None. Sharing rests on the model attending as
-    the 4D mask says at the positions given (a sliding window included: collate): linear attention, recurrent layers
-    or a position scheme of its own do not. Checked on a probe group, in fp32."""
+    """Why shared rows (collate) would not give this model's log-probs, or None. Sharing rests on the model
+    attending as the 4D mask says at the positions given (a sliding window included: collate): linear
+    attention, recurrent layers or a position scheme of its own do not. Checked on a probe group, in fp32."""
     config = model.config.get_text_config()  # its window
     probe = [
         {"ids": [1, 2, 3] + c, "n_prompt": 3, "mask": c, "logprobs": c, "advantage": 0} for c in ([4, 5, 6], [7, 8])
@@ -2775,55 +2905,66 @@ def sharing_refused(model):
     batches = [collate(probe, 0, model.device, share=share, config=config) for share in (True, False)]
     with torch.no_grad():
         shared, whole = (token_logprobs(model, batch)[0] for batch in batches)
-    if hasattr(model, "reshard"):  # FSDP2 leaves the root's weights gathered after a forward (for the backward): the
-        model.reshard()  # optimizer, made next, must hold its shards
+    # FSDP2 leaves the root's weights gathered after a forward (for the backward): the optimizer, made next, must
+    # hold its shards
+    if hasattr(model, "reshard"):
+        model.reshard()
     gap = (shared - whole).abs().max().item()
     return f"a probe's log-probs differ by {gap:.2g} shared" if gap > 1e-4 else None
 
 
 def use_segments(model):
-    """The model's attention through segment_attention, for packed rows; False where it takes no registered function."""
+    """The model's attention through segment_attention, for packed rows; False where it takes no registered
+    function."""
     from transformers import AttentionInterface, AttentionMaskInterface
     from transformers.masking_utils import sdpa_mask
 
     AttentionInterface.register("segments", segment_attention)
-    AttentionMaskInterface.register("segments", sdpa_mask)  # what masks SDPA gets where there are no segments
+    # what masks SDPA gets where there are no segments
+    AttentionMaskInterface.register("segments", sdpa_mask)
     model.set_attn_implementation("segments")
     return model.config.get_text_config()._attn_implementation == "segments"
 
 
 def segment_attention(module, query, key, value, mask, scaling=None, sliding_window=None, segments=None, **kw):
-    """Attention within collate's segments (query [1, heads, T, head_dim]): a segment's queries see its keys (kv_index:
-    a completion's prompt and itself, in position order) causally, aligned at the ends; on CUDA in one varlen flash
-    kernel (only the pairs needed), elsewhere through SDPA a segment at a time (the same metadata, tested on CPU)."""
+    """Attention within collate's segments (query [1, heads, T, head_dim]): a segment's queries see its keys
+    (kv_index: a completion's prompt and itself, in position order) causally, aligned at the ends; on CUDA in
+    one varlen flash kernel (only the pairs needed), elsewhere through SDPA a segment at a time (the same
+    metadata, tested on CPU)."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     if segments is None:
         return sdpa_attention_forward(module, query, key, value, mask, scaling=scaling, **kw)
     cu_q, cu_k, kv_index, max_q, max_k = segments
     q = query[0].transpose(0, 1)  # [T, heads, head_dim]
-    k = key[0].transpose(0, 1)[kv_index]  # [every segment's keys, kv heads, head_dim]
+    # [every segment's keys, kv heads, head_dim]
+    k = key[0].transpose(0, 1)[kv_index]
     v = value[0].transpose(0, 1)[kv_index]
-    if q.is_cuda:  # flash kernels take half precision (under autocast, rotary embeddings leave q and k in fp32)
+    # flash kernels take half precision (under autocast, rotary embeddings leave q and k in fp32)
+    if q.is_cuda:
         half = torch.bfloat16 if q.dtype == torch.float32 else q.dtype
-        window = (sliding_window - 1 if sliding_window else -1, 0)  # (-1, 0): causal, aligned at the end
+        # (-1, 0): causal, aligned at the end
+        window = (sliding_window - 1 if sliding_window else -1, 0)
         tensors = [x.to(half) for x in (q, k, v)]
         out = varlen_attn(*tensors, cu_q, cu_k, max_q, max_k, scale=scaling, window_size=window, enable_gqa=True)
         return out.to(q.dtype)[None], None
     out = []
     for a, b, c, d in zip(cu_q[:-1].tolist(), cu_q[1:].tolist(), cu_k[:-1].tolist(), cu_k[1:].tolist()):
-        behind = torch.arange(d - c - (b - a), d - c)[:, None] - torch.arange(d - c)  # [queries, keys]: how far back
+        # [queries, keys]: how far back
+        behind = torch.arange(d - c - (b - a), d - c)[:, None] - torch.arange(d - c)
         seen = (behind >= 0) & (behind < (sliding_window or d - c))
-        qkv = [x.transpose(0, 1)[None] for x in (q[a:b], k[c:d], v[c:d])]  # 4D: SDPA's CPU flash kernel takes no other
+        # 4D: SDPA's CPU flash kernel takes no other
+        qkv = [x.transpose(0, 1)[None] for x in (q[a:b], k[c:d], v[c:d])]
         part = torch.nn.functional.scaled_dot_product_attention(*qkv, attn_mask=seen, scale=scaling, enable_gqa=True)
         out.append(part[0].transpose(0, 1))
     return torch.cat(out)[None], None
 
 
 def dequantise_gguf(path, cache_dir):
-    """A GGUF file as a plain checkpoint, built once into cache_dir: vLLM and the trainer load that, and a sync sends
-    plain weights. transformers reads GGUF but marks the model quantised and will not save it: a fresh model of its
-    config takes the dequantised weights, saved in bf16 (half fp32's size; both sides load the same values)."""
+    """A GGUF file as a plain checkpoint, built once into cache_dir: vLLM and the trainer load that, and a
+    sync sends plain weights. transformers reads GGUF but marks the model quantised and will not save it: a
+    fresh model of its config takes the dequantised weights, saved in bf16 (half fp32's size; both sides load
+    the same values)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     path = Path(path).resolve()
@@ -2854,7 +2995,7 @@ def save_whole(path, *parts):
     return str(path)
 
 
-# --- Machinery: chat templates: rendering, the start-up checks, the exact tool-result tokens --------------------------
+# --- Machinery: chat templates: rendering, the start-up checks, the exact tool-result tokens ----------------
 
 
 def tool_schemas(names):
@@ -2877,7 +3018,8 @@ def render(tok, messages, schemas=None, generation_prompt=False):
 def render_prompt(tok, messages, schemas, row_id=None):
     try:
         return tok.encode(render(tok, messages, schemas, generation_prompt=True), add_special_tokens=False)
-    except Exception as e:  # a template that refuses a role, say; the run has not started yet
+    except Exception as e:
+        # a template that refuses a role, say; the run has not started yet
         raise SystemExit(
             f"the chat template cannot render the prompt of row {row_id!r} ({type(e).__name__}: {e}); "
             "change the row, --system-prompt or --chat-template"
@@ -2885,11 +3027,11 @@ def render_prompt(tok, messages, schemas, row_id=None):
 
 
 def tool_result_ids(tok, history, tool_messages, schemas, turn_ends, stopped=True):
-    """Token ids of the tool-result turn plus the next assistant header. Only this suffix is tokenised and appended to
-    the ids the model generated: re-tokenising the whole conversation would change earlier tokens and train on tokens
-    the model never sampled. It starts where the template ends an assistant turn: after its end-of-turn token, which the
-    model's stop token stands for (Qwen3 may stop on <|endoftext|> or <|im_end|>; the template writes <|im_end|>\\n), or
-    before it if the model stopped otherwise."""
+    """Token ids of the tool-result turn plus the next assistant header. Only this suffix is tokenised and
+    appended to the ids the model generated: re-tokenising the whole conversation would change earlier tokens
+    and train on tokens the model never sampled. It starts where the template ends an assistant turn: after
+    its end-of-turn token, which the model's stop token stands for (Qwen3 may stop on <|endoftext|> or
+    <|im_end|>; the template writes <|im_end|>\\n), or before it if the model stopped otherwise."""
     before, after = (
         render(tok, history, schemas),
         render(tok, history + tool_messages, schemas, generation_prompt=True),
@@ -2912,29 +3054,32 @@ def tool_result_ids(tok, history, tool_messages, schemas, turn_ends, stopped=Tru
 
 
 def stop_token_ids(tok, model_path=None):
-    """Every token that ends a generation: the tokenizer's eos and pad, and the checkpoint's generation config's eos
-    list (Llama 3: <|eot_id|> and <|eom_id|>; Qwen3: <|im_end|> and <|endoftext|>)."""
+    """Every token that ends a generation: the tokenizer's eos and pad, and the checkpoint's generation
+    config's eos list (Llama 3: <|eot_id|> and <|eom_id|>; Qwen3: <|im_end|> and <|endoftext|>)."""
     ids = {tok.eos_token_id, tok.pad_token_id}
     if model_path:
         from transformers import GenerationConfig
 
-        with contextlib.suppress(Exception):  # a checkpoint without generation_config.json
+        # a checkpoint without generation_config.json
+        with contextlib.suppress(Exception):
             eos = GenerationConfig.from_pretrained(model_path).eos_token_id
             ids |= set(eos if isinstance(eos, list) else [eos])
     return sorted(ids - {None})
 
 
 def prepare_chat_template(tok, args, schemas, stop_ids, model=None, environments=None):
-    """Check, before vLLM starts, that the chat template can do what the run needs; pick the training template if
-    the original is not prefix-preserving. Returns a line for the log. model: the checkpoint's path (default --model).
-    environments: {name: class}, whose tools it must render too, and a user turn after the model's if one answers."""
+    """Check, before vLLM starts, that the chat template can do what the run needs; pick the training template
+    if the original is not prefix-preserving. Returns a line for the log. model: the checkpoint's path
+    (default --model). environments: {name: class}, whose tools it must render too, and a user turn after the
+    model's if one answers."""
     model = model or args.model
     source = f"--chat-template {args.chat_template}" if args.chat_template else f"the template of {model}"
     if args.chat_template:
         tok.chat_template = Path(args.chat_template).read_text()
     schemas = tools_module.every_tool(schemas, environments or {})
     talks = any(hasattr(cls, "respond") for cls in (environments or {}).values())
-    if not schemas and not talks:  # any template (or none) renders prompts; nothing is parsed
+    # any template (or none) renders prompts; nothing is parsed
+    if not schemas and not talks:
         return f"chat template: {source if tok.chat_template else 'none (plain text prompts)'}"
     fix = "pass a Jinja template that renders `tools`, assistant `tool_calls` and `tool` messages with --chat-template PATH"
     if tok.chat_template is None:
@@ -3013,10 +3158,12 @@ def chat_format(tok, schemas, stop_ids):
     except Exception:
         max_calls = 1
     turns, turn_ends = [], set()
-    for content, calls in [("4wq8z", [])] + (ROUND_TRIP[:max_calls] if tools else []):  # a text turn: most end alike
+    # a text turn: most end alike
+    for content, calls in [("4wq8z", [])] + (ROUND_TRIP[:max_calls] if tools else []):
         text = render(tok, user + [{"role": "assistant", "content": content, "tool_calls": calls}], schemas)
         stop, at = max(((s, text.rfind(s)) for s in stops if s), key=lambda x: x[1], default=("", -1))
-        last = "round_trip_probe" if calls else content  # the stop token must come after the turn's last call
+        # the stop token must come after the turn's last call
+        last = "round_trip_probe" if calls else content
         if at < 0 or at < text.rfind(last) + len(last):
             raise ValueError(f"it does not end an assistant turn with a stop token ({stops}): {text[-200:]!r}")
         if not text.startswith(prompt):
@@ -3024,7 +3171,8 @@ def chat_format(tok, schemas, stop_ids):
                 f"its generation prompt {prompt[-60:]!r} does not begin the assistant turn {text[-200:]!r}"
             )
         turn_ends.add((text[at:], len(stop)))
-        turns.append((text[len(prompt) : at], content, calls))  # the text the model would have generated
+        # the text the model would have generated
+        turns.append((text[len(prompt) : at], content, calls))
     if not tools:
         return {"format": None, "turn_ends": sorted(turn_ends), "max_calls": None}
     with_calls = turns[1][0]
@@ -3057,7 +3205,8 @@ def chat_format(tok, schemas, stop_ids):
     return {"format": fmt, "turn_ends": sorted(turn_ends), "max_calls": max_calls}
 
 
-def _call(name, arguments):  # arguments are data, never Python keywords: a tool may have one called `name`
+# arguments are data, never Python keywords: a tool may have one called `name`
+def _call(name, arguments):
     return {"type": "function", "function": {"name": name, "arguments": arguments}}
 
 
@@ -3071,8 +3220,9 @@ PROBE = [
 ]
 
 
-# A tool with every JSON type (a union too; an argument called `name`), and calls to it (one per turn and three per
-# turn) that the start-up check renders with the run's template and parses back: what comes back must be what went in.
+# A tool with every JSON type (a union too; an argument called `name`), and calls to it (one per turn and
+# three per turn) that the start-up check renders with the run's template and parses back: what comes back
+# must be what went in.
 ROUND_TRIP_TOOL = {
     "type": "function",
     "function": {
@@ -3113,21 +3263,22 @@ ROUND_TRIP = [
 ]
 
 
-# --- Machinery: tool-call parsing, every format, as input validation --------------------------------------------------
+# --- Machinery: tool-call parsing, every format, as input validation ----------------------------------------
 
 
-def parse_assistant(text, tok=None, prompt_ids=(), schemas=None, fmt="tagged", max_calls=None):
+def parse_assistant(text, tok=None, prompt_ids=(), schemas_by_name=None, fmt="tagged", max_calls=None):
     """Generated text -> {'role', 'content', 'reasoning_content' (if any), 'tool_calls', 'tool_call_errors'}:
-    well-formed calls in the OpenAI shape, and one message per call that did not parse (or that exceeds max_calls,
-    which the template could not render). Never raises."""
-    schemas = schemas or {}
+    well-formed calls in the OpenAI shape, and one message per call that did not parse (or that exceeds
+    max_calls, which the template could not render). Never raises."""
+    schemas_by_name = schemas_by_name or {}
     message = {"role": "assistant", "content": "", "tool_calls": [], "tool_call_errors": []}
     try:
-        if fmt == "transformers":  # the tokenizer's own parser; the schemas type the arguments
+        # the tokenizer's own parser; the schemas type the arguments
+        if fmt == "transformers":
             parsed = tok.parse_response(
                 text,
                 prefix=tok.decode(prompt_ids),
-                tools=[{"type": "function", "function": s} for s in schemas.values()],
+                tools=[{"type": "function", "function": s} for s in schemas_by_name.values()],
             )
             found = [
                 (c.get("function", c) if isinstance(c, dict) else c, str(c)) for c in parsed.get("tool_calls") or []
@@ -3139,13 +3290,14 @@ def parse_assistant(text, tok=None, prompt_ids=(), schemas=None, fmt="tagged", m
             opened = bool(prompt_ids) and tok.decode(list(prompt_ids[-16:])).rstrip().endswith("<think>")
             reasoning, text = remove_think(text, opened)
             if fmt == "tagged":
-                content, found, errors = parse_tagged(text, schemas)
+                content, found, errors = parse_tagged(text, schemas_by_name)
             elif fmt == "mistral":
                 content, found, errors = parse_mistral(text)
             else:
                 content, found, errors = parse_bare_json(text)
         calls = []
-        for value, quote in found:  # each call stands or fails alone: one bad call never costs the turn's others
+        # each call stands or fails alone: one bad call never costs the turn's others
+        for value, quote in found:
             try:
                 calls.append(parse_call(value))
             except Exception as e:
@@ -3156,7 +3308,8 @@ def parse_assistant(text, tok=None, prompt_ids=(), schemas=None, fmt="tagged", m
         message.update(content=content.strip(), tool_calls=calls[: max_calls or len(calls)], tool_call_errors=errors)
         if reasoning is not None:
             message["reasoning_content"] = reasoning
-    except Exception as e:  # a parser bug must not end the run either: the model sees it as an error
+    except Exception as e:
+        # a parser bug must not end the run either: the model sees it as an error
         message.update(
             content=text.strip(),
             tool_calls=[],
@@ -3166,18 +3319,19 @@ def parse_assistant(text, tok=None, prompt_ids=(), schemas=None, fmt="tagged", m
 
 
 def remove_think(text, opened):
-    """(reasoning or None, the rest). A think block is one the prompt opened (`opened`) or one the turn opens at its
-    start; a '</think>' anywhere else is text."""
+    """(reasoning or None, the rest). A think block is one the prompt opened (`opened`) or one the turn opens
+    at its start; a '</think>' anywhere else is text."""
     if not opened and not text.lstrip().startswith("<think>"):
         return None, text
     reasoning, closed, rest = (text if opened else text.lstrip()[len("<think>") :]).partition("</think>")
     return reasoning.strip(), rest if closed else ""
 
 
-# Parsing is input validation: a model under RL writes anything. Nothing here raises; every call that does not parse
-# becomes an error message the model sees, and everything else is content. The parser of each format (parse_tagged,
-# parse_mistral, parse_bare_json) returns (content, decoded calls with their text, errors).
-MAX_ARGUMENT_DEPTH = 16  # deeper arguments are refused: rendering or printing them could exhaust the stack
+# Parsing is input validation: a model under RL writes anything. Nothing here raises; every call that does not
+# parse becomes an error message the model sees, and everything else is content. The parser of each format
+# (parse_tagged, parse_mistral, parse_bare_json) returns (content, decoded calls with their text, errors).
+# deeper arguments are refused: rendering or printing them could exhaust the stack
+MAX_ARGUMENT_DEPTH = 16
 
 
 def _no_constant(name):
@@ -3222,7 +3376,8 @@ def is_json_type(value, kind, unknown=True):
 
 
 def schema_types(schema):
-    """The JSON types a schema allows (none: any), through type lists, anyOf/oneOf and nullable (Optional[int])."""
+    """The JSON types a schema allows (none: any), through type lists, anyOf/oneOf and nullable
+    (Optional[int])."""
     schema = schema if isinstance(schema, dict) else {}
     kinds = [schema["type"]] if isinstance(schema.get("type"), str) else list(schema.get("type", []))
     kinds += [t for part in schema.get("anyOf", []) + schema.get("oneOf", []) for t in schema_types(part)]
@@ -3245,17 +3400,20 @@ def parse_call(call):
     if not isinstance(call, dict) or not isinstance(call.get("name"), str) or not call["name"]:
         raise ValueError("a call needs a string 'name'")
     arguments = call.get("arguments", call.get("parameters", {}))
-    if isinstance(arguments, str):  # the OpenAI wire format: arguments as a JSON string
+    # the OpenAI wire format: arguments as a JSON string
+    if isinstance(arguments, str):
         arguments = JSON.decode(arguments)
     if not isinstance(arguments, dict):
         raise ValueError("'arguments' must be an object")
-    stack = [(call["name"], 0), (arguments, 1)]  # walked without recursion: the point is to refuse what is too deep
+    # walked without recursion: the point is to refuse what is too deep
+    stack = [(call["name"], 0), (arguments, 1)]
     while stack:
         item, depth = stack.pop()
         if depth > MAX_ARGUMENT_DEPTH:
             raise ValueError(f"arguments nested deeper than {MAX_ARGUMENT_DEPTH} levels")
         if isinstance(item, str):
-            item.encode()  # a lone surrogate ("\\ud800") is JSON but not text: a tokenizer would refuse the result
+            # a lone surrogate ("\\ud800") is JSON but not text: a tokenizer would refuse the result
+            item.encode()
         elif isinstance(item, (dict, list)):
             stack += [(x, depth + 1) for x in (list(item) + list(item.values()) if isinstance(item, dict) else item)]
     return _call(call["name"], arguments)
@@ -3275,8 +3433,9 @@ def argument_errors(schema, arguments):
 
 
 def typed(value, schema):
-    """An XML parameter's text as a non-string type its JSON schema allows (`5` is 5 where an integer may go, `null`
-    None where null may); else the text itself (the argument check tells the model if a string may not go there)."""
+    """An XML parameter's text as a non-string type its JSON schema allows (`5` is 5 where an integer may go,
+    `null` None where null may); else the text itself (the argument check tells the model if a string may not
+    go there)."""
     with contextlib.suppress(ValueError):
         parsed, end = decode_json(value)
         if end == len(value.rstrip()) and any(
@@ -3286,8 +3445,9 @@ def typed(value, schema):
     return value
 
 
-# An XML value may hold the format's own tags (a file with tool calls in it). A real </parameter> is followed by <parameter=
-# or by </function></tool_call> (or the turn's end) and no closing tag before the next <tool_call> (CLEAN; else it is text).
+# An XML value may hold the format's own tags (a file with tool calls in it). A real </parameter> is followed
+# by <parameter= or by </function></tool_call> (or the turn's end) and no closing tag before the next
+# <tool_call> (CLEAN; else it is text).
 CLEAN = r"(?=(?:(?!</?tool_call>|</function>|</parameter>)[\s\S])*(?:<tool_call>|\Z))"
 
 
@@ -3302,53 +3462,60 @@ XML_CLOSE = re.compile(r"</parameter>(?=\s*<parameter=[^>\n]+>|" + XML_END.patte
 XML_TAGS = re.compile(r"<parameter=([^>\n]+)>|</parameter>|</tool_call>" + CLEAN)
 
 
-STRING = r'"(?:[^"\\]|\\[\s\S])*"?|'  # a JSON string (one cut off runs to the end): a tag inside it is text
+# a JSON string (one cut off runs to the end): a tag inside it is text
+STRING = r'"(?:[^"\\]|\\[\s\S])*"?|'
 
 
 TAGGED_END, MISTRAL_END = re.compile(STRING + r"</?tool_call>"), re.compile(STRING + r"\[TOOL_CALLS\]")
 
 
-TAGGED_CLOSE = re.compile(r"\s*(?:</tool_call>|\Z)")  # at the end of the turn, a call is whole without its closing tag
+# at the end of the turn, a call is whole without its closing tag
+TAGGED_CLOSE = re.compile(r"\s*(?:</tool_call>|\Z)")
 
 
 MISTRAL_NAME = re.compile(r"\s*([^\[\]\s]+)(?:\[CALL_ID\][^\[]*)?\[ARGS\]")
 
 
 def xml_value_end(text, pos):
-    """(the </parameter> that ends the value at text[pos:], whether the value's parameter tags balance): the first real
-    one (XML_CLOSE) that closes no <parameter=...> the value opened, so that calls quoted whole in a value stay in it;
-    else the first real one (None if none)."""
+    """(the </parameter> that ends the value at text[pos:], whether the value's parameter tags balance): the
+    first real one (XML_CLOSE) that closes no <parameter=...> the value opened, so that calls quoted whole in
+    a value stay in it; else the first real one (None if none)."""
     depth, first = 0, None
     for tag in XML_TAGS.finditer(text, pos):
         if tag.group() == "</parameter>" and XML_CLOSE.match(text, tag.start()):
             if depth == 0:
                 return tag, True
             first = first or tag
-        depth = max(0, depth + 1 if tag.group(1) else depth - (tag.group() == "</parameter>"))  # a </tool_call>: 0
+        # a </tool_call>: 0
+        depth = max(0, depth + 1 if tag.group(1) else depth - (tag.group() == "</parameter>"))
     return first, False
 
 
-def parse_xml_call(text, start, schemas):
-    """<function=NAME> <parameter=KEY>VALUE</parameter>... </function> at text[start:] (Qwen3.5, Qwen3-Coder) ->
-    ({'name', 'arguments'}, end). Raises ValueError(message, how far the call's text reaches), also where a value holds
-    <parameter=KEY> not yet given, or unbalanced a </tool_call> that could end the call: a missing </parameter>, or text?"""
+def parse_xml_call(text, start, schemas_by_name):
+    """<function=NAME> <parameter=KEY>VALUE</parameter>... </function> at text[start:] (Qwen3.5, Qwen3-Coder)
+    -> ({'name', 'arguments'}, end). Raises ValueError(message, how far the call's text reaches), also where a
+    value holds a <parameter=KEY> of a parameter not yet given, or an unbalanced </tool_call> that could end the
+    call: either a </parameter> is missing before it, or it is text, and the parser does not guess which."""
     head = XML_FUNCTION.match(text, start)
     if not head:
         raise ValueError("expected <function=NAME>", start)
     name = head.group(1)
     arguments = {}
-    error = None  # the first thing wrong; the call is read to its end all the same
+    # the first thing wrong; the call is read to its end all the same
+    error = None
     pos = head.end()
-    keys = schemas[name].get("parameters", {}).get("properties", {}) if name in schemas else None
+    keys = schemas_by_name[name].get("parameters", {}).get("properties", {}) if name in schemas_by_name else None
     while not XML_END.match(text, pos):
         param = XML_PARAMETER.match(text, pos)
         if not param:
             error = error or f"expected <parameter=KEY> or </function>, got {text[pos : pos + 40].strip()!r}"
             value = XML_PARAMETER.search(text, pos)
             opening = text.find("<tool_call>", pos)
-            if not value or 0 <= opening < value.start():  # no value begins before the next call: this one ends here
+            # no value begins before the next call: this one ends here
+            if not value or 0 <= opening < value.start():
                 raise ValueError(error, pos)
-            pos = value.start()  # read on from the next value: a call inside it is text, not a call to run
+            # read on from the next value: a call inside it is text, not a call to run
+            pos = value.start()
             continue
         key = param.group(1)
         close, balanced = xml_value_end(text, param.end())
@@ -3363,7 +3530,8 @@ def parse_xml_call(text, start, schemas):
                     error or f"the value of {key!r} holds {tag.group()!r}: a </parameter> missing before it, or text?"
                 )
         error = error or (key in arguments and f"parameter {key!r} given twice")
-        value = re.sub(r"\A\n|\n\Z", "", text[param.end() : close.start()])  # the format puts it on lines of its own
+        # the format puts it on lines of its own
+        value = re.sub(r"\A\n|\n\Z", "", text[param.end() : close.start()])
         arguments[key] = typed(value, (keys or {}).get(key))
         pos = close.end()
     end = text.index("</function>", pos) + len("</function>")
@@ -3372,10 +3540,11 @@ def parse_xml_call(text, start, schemas):
     return {"name": name, "arguments": arguments}, end
 
 
-def parse_tagged(text, schemas):
-    """<tool_call>BODY</tool_call>, any number, BODY JSON (Qwen/Hermes) or XML. JSON is decoded from the opening tag, so
-    a '</tool_call>' inside a string does not end the call, and a call that does not parse ends at its closing tag or at
-    the next opening one (not one inside its JSON strings or read in its XML values), never swallowing it."""
+def parse_tagged(text, schemas_by_name):
+    """<tool_call>BODY</tool_call>, any number, BODY JSON (Qwen/Hermes) or XML. JSON is decoded from the
+    opening tag, so a '</tool_call>' inside a string does not end the call, and a call that does not parse
+    ends at its closing tag or at the next opening one (not one inside its JSON strings or read in its XML
+    values), never swallowing it."""
     content = []  # the text between the calls
     found = []
     errors = []
@@ -3385,13 +3554,14 @@ def parse_tagged(text, schemas):
         body = start + len("<tool_call>")
         xml = text[body:].lstrip().startswith("<function=")
         try:
-            value, end = parse_xml_call(text, body, schemas) if xml else decode_json(text, body)
+            value, end = parse_xml_call(text, body, schemas_by_name) if xml else decode_json(text, body)
             close = TAGGED_CLOSE.match(text, end)
             if not close:
                 raise ValueError(f"unexpected {text[end:].lstrip()[:40]!r} after the call", end)
             pos = close.end()
             found.append((value, text[start:pos]))
-        except Exception as e:  # this call's error; the turn's other calls stand
+        except Exception as e:
+            # this call's error; the turn's other calls stand
             message, read = e.args if len(e.args) == 2 else (str(e), body)
             tag = next((t for t in TAGGED_END.finditer(text, read if xml else body) if t.group()[0] == "<"), None)
             if not tag:
@@ -3404,8 +3574,8 @@ def parse_tagged(text, schemas):
 
 
 def parse_mistral(text):
-    """Content, then [TOOL_CALLS] followed by a JSON list of calls (Mistral v3) or by name[ARGS]{json} (v11; an optional
-    [CALL_ID]id), repeated."""
+    """Content, then [TOOL_CALLS] followed by a JSON list of calls (Mistral v3) or by name[ARGS]{json} (v11;
+    an optional [CALL_ID]id), repeated."""
     start = text.find("[TOOL_CALLS]")
     if start < 0:
         return text, [], []
@@ -3427,7 +3597,8 @@ def parse_mistral(text):
                 arguments, pos = decode_json(text, head.end())
                 value = {"name": head.group(1), "arguments": arguments}
             found += [(v, text[at:pos]) for v in (value if isinstance(value, list) else [value])]
-        except ValueError as e:  # on at the next [TOOL_CALLS], not one inside a JSON string of this call
+        except ValueError as e:
+            # on at the next [TOOL_CALLS], not one inside a JSON string of this call
             pos = next((t.start() for t in MISTRAL_END.finditer(text, pos + 1) if t.group()[0] == "["), len(text))
             errors.append(f"could not parse the tool call {text[at:pos][:200]!r}: {e}")
         pos += len(text[pos:]) - len(text[pos:].lstrip())
@@ -3435,8 +3606,8 @@ def parse_mistral(text):
 
 
 def parse_bare_json(text):
-    """Llama 3: the turn is the call, JSON {"name", "parameters"} (after <|python_tag|>), several separated by ';'. A
-    turn that starts any other way is content; text after the calls is ignored, and the model told so."""
+    """Llama 3: the turn is the call, JSON {"name", "parameters"} (after <|python_tag|>), several separated by
+    ';'. A turn that starts any other way is content; text after the calls is ignored, and the model told so."""
     body = text.lstrip()
     tagged = body.startswith("<|python_tag|>")
     body = body.removeprefix("<|python_tag|>").lstrip()
@@ -3450,138 +3621,11 @@ def parse_bare_json(text):
             return "", found, [f"could not parse the tool call {body[pos : pos + 200]!r}: {e.args[0]}"]
         found.append((value, body[pos:end]))
         rest = body[end:].lstrip()
-        if rest and not re.match(r';|\{\s*"', rest):  # prose, not another call: `I used {searchTool}`
+        # prose, not another call: `I used {searchTool}`
+        if rest and not re.match(r';|\{\s*"', rest):
             return "", found, [f"ignored the text after a tool call, {rest[:200]!r}: only calls may follow one"]
         pos = len(body) - len(rest.removeprefix(";").lstrip())
     return "", found, []
-
-
-# --- Machinery: the vLLM servers, checked and watched (vllm_server.py starts, stops them and shares their cores) ------
-
-
-def http(url, payload=None, timeout=60, bound="its bound"):
-    """One request to a server, bounded by `timeout` seconds (`bound`: the flag that sets them). A failure is a
-    ConnectionError that names the server, what it was asked and what went wrong: a socket traceback says none of it."""
-    data = None if payload is None else json.dumps(payload).encode()
-    request, t0 = (
-        urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"}),
-        time.monotonic(),
-    )
-    try:
-        with urllib.request.urlopen(request, timeout=timeout) as response:
-            body = response.read()
-    except urllib.error.HTTPError as e:
-        raise ConnectionError(
-            f"{request.get_method()} {url} answered {e.code}: {e.read()[:300].decode(errors='replace')}"
-        ) from None
-    except (OSError, http_client.HTTPException) as e:  # refused, reset, or no answer in time
-        raise ConnectionError(
-            f"{request.get_method()} {url} failed after {time.monotonic() - t0:.0f} s ({bound}: "
-            f"{timeout:.0f} s): {getattr(e, 'reason', None) or e or type(e).__name__}"
-        ) from None
-    return json.loads(body) if body else None
-
-
-def watch_servers(run, every=1.0):
-    """Rank 0's watchdog thread: a server that fails is noticed within seconds wherever the run is (generating, waiting
-    for data, syncing, evaluating). One started here is then killed, which fails at once every request that waits on
-    it; the error handler (save_after_error) reports run.server_failure as the cause."""
-    stop_seen = False
-    while not run.server_failure and run.urls:
-        time.sleep(every)
-        if run.stop and not stop_seen:  # said here: the signal handler cannot print (_stop_after_step)
-            print(f"signal {run.stop[0]}: stopping after this step, with a checkpoint (again: at once)", flush=True)
-            stop_seen = True
-        failure = server_failure(run.urls, run.servers)
-        if failure:
-            run.server_failure = failure
-            for server in run.servers:  # SIGKILL: a graceful stop would wait for the requests that wait on it
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(server.pid, signal.SIGKILL)
-
-
-def served_config(url):
-    """(context length, dtype, its workers' devices, whether it takes seeded requests) of a server, checked to be one
-    that start_vllm would start (--vllm-url may be anything): data-parallel engines would join the sync under the same
-    ranks, and pipeline stages hold part of the weights each."""
-    how = (
-        f"start it with --served-model-name {SERVED_MODEL} --worker-extension-cls async_grpo.WeightSyncExtension "
-        "--logprobs-mode processed_logprobs and VLLM_SERVER_DEV_MODE=1, as README.md shows"
-    )
-    try:
-        models = {m["id"]: m for m in http(f"{url}/v1/models", timeout=30)["data"]}
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        raise SystemExit(f"--vllm-url {url}: no vLLM server answers there ({type(e).__name__}: {str(e)[:200]})")
-    if SERVED_MODEL not in models:
-        raise SystemExit(f"--vllm-url {url} serves {sorted(models)}, not {SERVED_MODEL!r}: {how}")
-    try:
-        workers = http(f"{url}/collective_rpc", {"method": "served_config"}, timeout=30)["results"]
-        dtype, logprobs_mode, _, stages, seeds = workers[0]
-        sizes = [http(f"{url}/get_world_size?include_dp={dp}", timeout=30)["world_size"] for dp in ("true", "false")]
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        raise SystemExit(
-            f"--vllm-url {url}: its workers cannot take weights ({type(e).__name__}: {str(e)[:200]}): {how}"
-        )
-    if logprobs_mode != "processed_logprobs":  # raw log-probs ignore temperature and truncation: ratios would be off
-        raise SystemExit(f"--vllm-url {url} returns {logprobs_mode}: {how}")
-    if sizes[0] != sizes[1] or stages > 1:
-        raise SystemExit(
-            f"--vllm-url {url} runs {sizes[0] // sizes[1]} data-parallel engines of {stages} pipeline stages: a weight "
-            "sync reaches one tensor-parallel engine whole; start a server per engine and list every URL"
-        )
-    return models[SERVED_MODEL]["max_model_len"], dtype, [worker[2] for worker in workers], seeds
-
-
-def url_sync_backend(urls, devices, ours):
-    """The sync's backend for --vllm-url servers, from their workers' devices (served_config) and ours (the trainer
-    ranks' GPUs here): NCCL where all have GPUs, else gloo; a server on one of ours is refused (NCCL refuses it)."""
-    for url, found in zip(urls, devices):
-        if set(found) & set(ours):
-            raise SystemExit(
-                f"--vllm-url {url} runs on a GPU that a trainer rank uses: start it on another, or leave --vllm-url "
-                "out to share trainer rank 0's GPU with a server started here (its memory planned)"
-            )
-    return "nccl" if ours and all(d != "cpu" for found in devices for d in found) else "gloo"
-
-
-# --- Machinery: the sync group, where the trainer and the servers' workers meet ---------------------------------------
-
-
-def local_address(
-    host,
-):  # this machine's address on its route to host: a UDP connect sends nothing, it picks the route
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        s.connect((host, 9))
-        return s.getsockname()[0]
-
-
-def sync_endpoint(urls, host=None):
-    """Where the servers meet the sync group: --sync-host, or this machine's address on its route to the first server (the
-    hostname's lookup is often 127.0.1.1); and a socket for its store, on every interface unless on the loopback one."""
-    host = host or local_address(urllib.parse.urlparse(urls[0]).hostname)
-    return host, socket.create_server(("127.0.0.1" if host == "127.0.0.1" else "0.0.0.0", 0))
-
-
-def sync_group(host, port, rank, world_size, backend, timeout, listener=None):
-    """The weight-sync group: the trainer (rank 0) and every worker of every server, outside the training ranks' default
-    world. Rank 0 hosts its store on `listener`, a socket it bound (torch's rendezvous would join torchrun's store). gloo
-    takes CUDA tensors too, through pinned host memory: the path where a server shares the trainer's GPU."""
-    timeout, gloo = timedelta(seconds=timeout), backend == "gloo"
-    store = dist.TCPStore(
-        host, port, world_size, listener is not None, timeout, master_listen_fd=listener and listener.detach()
-    )
-    options = dist.ProcessGroupGloo._Options() if gloo else dist.ProcessGroupNCCL.Options()
-    options._timeout = 2 * timeout  # the backend's own bound, above send_weights': Python ends a failed sync first
-    if gloo:
-        options._devices = [dist.ProcessGroupGloo.create_device(hostname=local_address(host))]  # not the hostname's
-    kind = dist.ProcessGroup.BackendType.GLOO if gloo else dist.ProcessGroup.BackendType.NCCL
-    backend = (dist.ProcessGroupGloo if gloo else dist.ProcessGroupNCCL)(store, rank, world_size, options)
-    backend._set_sequence_number_for_group()
-    group = dist.ProcessGroup(store, rank, world_size)
-    group._set_default_backend(kind)
-    for device in ("cpu", "cuda") if gloo else ("cuda",):  # the devices whose tensors this group's broadcasts take
-        group._register_backend(torch.device(device), kind, backend)
-    return group
 
 
 if __name__ == "__main__":

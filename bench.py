@@ -49,6 +49,7 @@ import torch
 import async_grpo as ag
 import rewards
 import tiny_model as tiny
+import vllm_server
 
 
 def serve(path, out_dir):
@@ -276,7 +277,7 @@ def plot(results, path):
     fig.savefig(path, dpi=100)
 
 
-class BenchExtension(ag.WeightSyncExtension):
+class BenchExtension(vllm_server.WeightSyncExtension):
     """The script's worker extension plus a receive that does nothing with the bytes (the ceiling),
     and vLLM's load of weights already in memory (what loading costs without any transfer)."""
 
@@ -532,7 +533,7 @@ def step_cost(model, samples, flags, reps, packed=False):
     trains the same model."""
     device = next(model.parameters()).device
     run_args = ag.parse_args(["--output-dir", "unused", *flags])
-    run_args.packed = packed
+    layout = {"share": run_args.share_prefix, "packed": packed}
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.0)
     num_tokens, peaks, stats, cpu = sum(len(s["mask"]) for s in samples), [], [], []
 
@@ -544,7 +545,9 @@ def step_cost(model, samples, flags, reps, packed=False):
         else:
             Path("/proc/self/clear_refs").write_text("5")
             start = memory_mb("VmRSS")
-        stats.append(ag.train_step(model, optimizer, samples, num_tokens, len(samples), run_args, device, 1))
+        stats.append(
+            ag.train_step(model, optimizer, samples, num_tokens, len(samples), run_args, device, 1, layout=layout)
+        )
         if device.type == "cuda":
             peaks.append((torch.cuda.max_memory_allocated(device) - start) / 2**20)
         else:

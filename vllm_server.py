@@ -1,14 +1,18 @@
 """The vLLM servers a run starts (async_grpo.py, start_generation): each a `vllm serve` process in a process group of its
-own, on its share of the device plan's GPUs or on the CPU, with async_grpo.py as its workers' extension (the weight
-sync's receiving end, WeightSyncExtension); waited for until healthy, watched (server_failure) and stopped with every
-process it started (stop_vllm): none outlives a run, a test or Ctrl-C. And on the CPU, the cores the trainer
-takes beside its server (cpu_threads, share_idle_core)."""
+own, on its share of the device plan's GPUs or on the CPU, with this file's WeightSyncExtension as its workers'
+extension (the weight sync's receiving end); waited for until healthy, watched (server_failure, watch_servers) and
+stopped with every process it started (stop_vllm): none outlives a run, a test or Ctrl-C. Servers of --vllm-url are
+checked to be such servers (served_config). The sync group (sync_group) where the trainer and every worker meet. And
+on the CPU, the cores the trainer takes beside its server (cpu_threads, share_idle_core)."""
 
-import contextlib, ctypes, functools, http.client as http_client, os, re, shlex, signal, socket, subprocess, sys, time
-import urllib.error, urllib.request
+import contextlib, ctypes, functools, http.client as http_client, json, math, os, re, shlex, signal, socket, subprocess
+import sys, time, urllib.error, urllib.parse, urllib.request
+from collections import defaultdict
+from datetime import timedelta
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 HERE = Path(__file__).resolve().parent
 SERVED_MODEL = "policy"  # the name the servers started here serve the weights under, whatever the checkpoint
@@ -20,13 +24,120 @@ def vllm_flag(args, *names):
     return next((words[i + 1] for i, w in enumerate(words[:-1]) if w.replace("_", "-") in names), None)
 
 
+# --- The device plan: which GPUs the trainer ranks and each server use, and the sync's backend between them ---------
+
+
+def plan_devices(args, cuda_count, local_ranks, fail, heads=None):
+    """Where everything runs, decided before anything loads: the trainer ranks on cuda:0..local_ranks-1 or the CPU, each
+    server started here on its share of --vllm-gpus or the CPU, and the sync backend: NCCL between devices, else gloo
+    (which takes CUDA tensors: NCCL refuses two ranks on one device). By default a server per GPU (README.md, "On
+    GPUs": why). heads: the model's (attention heads, KV heads), read where None. fail(message) for a bad plan."""
+    url = args.vllm_url
+    free = [str(d) for d in range(local_ranks, cuda_count)]  # the devices the trainer ranks leave free
+    if args.vllm_gpus:
+        gpus = args.vllm_gpus.split(",")
+    else:
+        gpus = [] if url else free[: len(free) // max(1, args.vllm_servers) * max(1, args.vllm_servers)]
+    n = args.vllm_servers or max(1, len(gpus))
+    shared = bool(cuda_count and not url and not gpus)  # no device free: one server shares trainer rank 0's GPU
+    instead = f"pass --vllm-gpus among {','.join(free)}" if free else "launch fewer ranks (torchrun --nproc-per-node)"
+    for failed, message in [
+        (url and args.vllm_gpus, "--vllm-gpus places servers started here, and --vllm-url starts none: drop one"),
+        (len(gpus) % n, f"--vllm-servers {n} must divide the --vllm-gpus {args.vllm_gpus} evenly"),
+        (
+            cuda_count and local_ranks > cuda_count,
+            f"{local_ranks} trainer ranks on this node, {cuda_count} CUDA devices: "
+            f"launch torchrun with --nproc-per-node {cuda_count} or fewer",
+        ),
+        (
+            not all(g.isdigit() and local_ranks <= int(g) < cuda_count for g in gpus) or len(set(gpus)) < len(gpus),
+            f"--vllm-gpus {args.vllm_gpus}: not distinct CUDA devices of the {cuda_count} here that the {local_ranks} "
+            f"trainer ranks leave free (NCCL refuses two ranks on one device): {instead}, or leave --vllm-gpus out where "
+            "none is free, to share trainer rank 0's GPU with one server",
+        ),
+        (
+            shared and n > 1,
+            f"--vllm-servers {n}: no device is free beside the trainer ranks, and trainer rank 0's GPU "
+            f"holds one server: pass --vllm-servers 1, or {instead}",
+        ),
+        (
+            args.vllm_gpu_memory is not None and not (0 < args.vllm_gpu_memory < 1 and (gpus or shared)),
+            "--vllm-gpu-memory is a share in (0, 1) of the memory of servers started here on GPUs",
+        ),
+    ]:
+        if failed:
+            fail(message)
+    tp = len(gpus) // n  # tensor parallel: each server's GPUs
+    if tp > 1:
+        try:
+            heads, kv_heads = heads or attention_heads(args.model)
+        except Exception as e:
+            fail(f"--model {args.model}: cannot read its config, which --vllm-servers {n} needs ({str(e)[:200]})")
+        # vLLM splits the attention heads over the GPUs, and the KV heads or copies of each (layers/linear.py)
+        if heads % tp or (kv_heads % tp if kv_heads >= tp else tp % kv_heads):
+            fail(
+                f"--vllm-servers {n}: tensor parallel {tp} does not split the model's {heads} attention heads and "
+                f"{kv_heads} KV heads (vLLM refuses it): pass --vllm-servers {len(gpus)}, a server per GPU, or a count "
+                "whose share does"
+            )
+    physical = (os.environ.get("CUDA_VISIBLE_DEVICES") or ",".join(map(str, range(cuda_count)))).split(",")
+    shares = [gpus[i * len(gpus) // n : (i + 1) * len(gpus) // n] for i in range(n)] if gpus else [["0"] * shared] * n
+    return {
+        "trainer": "cuda" if cuda_count else "cpu",
+        "sync_backend": "nccl" if cuda_count and not shared else "gloo",
+        "servers": [] if url else [",".join(physical[int(g)] for g in share) for share in shares],  # as devices
+        "gpu_memory": args.vllm_gpu_memory or (0.3 if shared else None),  # why 0.3: README.md, "On GPUs"
+        "shared": shared,  # the server on trainer rank 0's GPU: the trainer is held to what it leaves (memory_share)
+        "cpu_server": not cuda_count
+        and all(
+            urllib.parse.urlparse(u).hostname in ("127.0.0.1", "localhost")
+            for u in (url or "http://127.0.0.1").split(",")
+        ),
+    }  # tuned in start_vllm
+
+
+def attention_heads(model):
+    """(attention heads, KV heads) of --model from its config alone (a local folder's, a GGUF file's, the hub's); the
+    built-in model's are tiny_model.py's."""
+    from transformers import AutoConfig
+
+    if model is None:
+        return 4, 2
+    gguf = {"gguf_file": Path(model).name} if model.endswith(".gguf") else {}
+    config = AutoConfig.from_pretrained(Path(model).parent if gguf else model, **gguf).get_text_config()
+    return config.num_attention_heads, getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+
+
+def memory_share(args, total, params, trained):
+    """The share of one GPU (`total` bytes) that the trainer may take beside a server: what the server's share (its
+    weights, 2 bytes a parameter, in half; its KV cache) and a margin leave (the worker's two buckets in flight, CUDA
+    contexts and a reloaded layer: 1 GiB). The trainer holds 4 bytes a parameter, 12 more a trained one (gradient,
+    AdamW's moments), 4 for the --beta reference, and activations. A model that does not fit is refused here."""
+    server = args.plan["gpu_memory"]
+    share = 1 - server - (2 * args.sync_bucket_bytes + 2**30) / total
+    needed = 4 * params + 12 * trained + 4 * params * bool(args.beta)
+    if needed > share * total or 4 * params > server * total:
+        raise SystemExit(
+            f"one GPU of {total / 2**30:.0f} GiB cannot hold both: the trainer needs {needed / 2**30:.1f} GiB before "
+            f"activations ({params / 1e9:.2f}B parameters, {trained / 1e9:.2f}B of them trained) and gets "
+            f"{share * total / 2**30:.1f} GiB; vLLM's share (--vllm-gpu-memory {server}) is "
+            f"{server * total / 2**30:.1f} GiB, at least twice its {2 * params / 2**30:.1f} GiB of weights (the "
+            "rest: its KV cache). Train a LoRA adapter (--lora-rank 16), a smaller model, or give vLLM a GPU of its "
+            "own (--vllm-gpus)"
+        )
+    return share
+
+
+# --- Starting and stopping servers ---------------------------------------------------------------------------------
+
+
 def free_port():
     with socket.create_server(("127.0.0.1", 0)) as s:
         return s.getsockname()[1]
 
 
 def start_vllm(args, model_path, out_dir):
-    """Start the `vllm serve` processes of the device plan (args.plan) with this file as their worker extension, each on
+    """Start the `vllm serve` processes of the device plan (args.plan) with WeightSyncExtension as their workers', each on
     its share of --vllm-gpus or on the CPU, and wait until all are healthy. Returns the processes (.url, .log_path)."""
     plan, n = args.plan, len(args.plan["servers"])
     env = dict(
@@ -42,11 +153,9 @@ def start_vllm(args, model_path, out_dir):
             port = args.vllm_port + i if args.vllm_port else free_port()
             cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model_path]
             cmd += ["--host", "127.0.0.1", "--port", str(port), "--seed", str(args.seed)]
-            cmd += ["--served-model-name", SERVED_MODEL, "--worker-extension-cls", "async_grpo.WeightSyncExtension"]
-            cmd += [
-                "--logprobs-mode",
-                "processed_logprobs",
-            ]  # log-probs after temperature/top-p: what was sampled from
+            cmd += ["--served-model-name", SERVED_MODEL, "--worker-extension-cls", "vllm_server.WeightSyncExtension"]
+            # log-probs after temperature and truncation: those of what was sampled from
+            cmd += ["--logprobs-mode", "processed_logprobs"]
             optional = {
                 "--max-model-len": args.max_model_len,
                 "--tensor-parallel-size": share and len(share.split(",")),
@@ -219,3 +328,210 @@ def share_idle_core(layers, version, idle_after=1.0):
         for hook in hooks:
             hook.remove()
         torch.set_num_threads(busy)
+
+
+# --- Checked and watched: --vllm-url servers as start_vllm would start them, and a watchdog for all -----------------
+
+
+def http(url, payload=None, timeout=60, bound="its bound"):
+    """One request to a server, bounded by `timeout` seconds (`bound`: the flag that sets them). A failure is a
+    ConnectionError that names the server, what it was asked and what went wrong: a socket traceback says none of it."""
+    data = None if payload is None else json.dumps(payload).encode()
+    request, t0 = (
+        urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"}),
+        time.monotonic(),
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as response:
+            body = response.read()
+    except urllib.error.HTTPError as e:
+        raise ConnectionError(
+            f"{request.get_method()} {url} answered {e.code}: {e.read()[:300].decode(errors='replace')}"
+        ) from None
+    except (OSError, http_client.HTTPException) as e:  # refused, reset, or no answer in time
+        raise ConnectionError(
+            f"{request.get_method()} {url} failed after {time.monotonic() - t0:.0f} s ({bound}: "
+            f"{timeout:.0f} s): {getattr(e, 'reason', None) or e or type(e).__name__}"
+        ) from None
+    return json.loads(body) if body else None
+
+
+def watch_servers(run, every=1.0):
+    """Rank 0's watchdog thread: a server that fails is noticed within seconds wherever the run is (generating, waiting
+    for data, syncing, evaluating). One started here is then killed, which fails at once every request that waits on
+    it; the error handler (save_after_error) reports run.server_failure as the cause."""
+    stop_seen = False
+    while not run.server_failure and run.urls:
+        time.sleep(every)
+        if run.stop and not stop_seen:  # said here: the signal handler cannot print (_stop_after_step)
+            print(f"signal {run.stop[0]}: stopping after this step, with a checkpoint (again: at once)", flush=True)
+            stop_seen = True
+        failure = server_failure(run.urls, run.servers)
+        if failure:
+            run.server_failure = failure
+            for server in run.servers:  # SIGKILL: a graceful stop would wait for the requests that wait on it
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(server.pid, signal.SIGKILL)
+
+
+def served_config(url):
+    """(context length, dtype, its workers' devices, whether it takes seeded requests) of a server, checked to be one
+    that start_vllm would start (--vllm-url may be anything): data-parallel engines would join the sync under the same
+    ranks, and pipeline stages hold part of the weights each."""
+    how = (
+        f"start it with --served-model-name {SERVED_MODEL} --worker-extension-cls vllm_server.WeightSyncExtension "
+        "--logprobs-mode processed_logprobs and VLLM_SERVER_DEV_MODE=1, as README.md shows"
+    )
+    try:
+        models = {m["id"]: m for m in http(f"{url}/v1/models", timeout=30)["data"]}
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise SystemExit(f"--vllm-url {url}: no vLLM server answers there ({type(e).__name__}: {str(e)[:200]})")
+    if SERVED_MODEL not in models:
+        raise SystemExit(f"--vllm-url {url} serves {sorted(models)}, not {SERVED_MODEL!r}: {how}")
+    try:
+        workers = http(f"{url}/collective_rpc", {"method": "served_config"}, timeout=30)["results"]
+        dtype, logprobs_mode, _, stages, seeds = workers[0]
+        sizes = [http(f"{url}/get_world_size?include_dp={dp}", timeout=30)["world_size"] for dp in ("true", "false")]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise SystemExit(
+            f"--vllm-url {url}: its workers cannot take weights ({type(e).__name__}: {str(e)[:200]}): {how}"
+        )
+    if logprobs_mode != "processed_logprobs":  # raw log-probs ignore temperature and truncation: ratios would be off
+        raise SystemExit(f"--vllm-url {url} returns {logprobs_mode}: {how}")
+    if sizes[0] != sizes[1] or stages > 1:
+        raise SystemExit(
+            f"--vllm-url {url} runs {sizes[0] // sizes[1]} data-parallel engines of {stages} pipeline stages: a weight "
+            "sync reaches one tensor-parallel engine whole; start a server per engine and list every URL"
+        )
+    return models[SERVED_MODEL]["max_model_len"], dtype, [worker[2] for worker in workers], seeds
+
+
+def url_sync_backend(urls, devices, ours):
+    """The sync's backend for --vllm-url servers, from their workers' devices (served_config) and ours (the trainer
+    ranks' GPUs here): NCCL where all have GPUs, else gloo; a server on one of ours is refused (NCCL refuses it)."""
+    for url, found in zip(urls, devices):
+        if set(found) & set(ours):
+            raise SystemExit(
+                f"--vllm-url {url} runs on a GPU that a trainer rank uses: start it on another, or leave --vllm-url "
+                "out to share trainer rank 0's GPU with a server started here (its memory planned)"
+            )
+    return "nccl" if ours and all(d != "cpu" for found in devices for d in found) else "gloo"
+
+
+# --- The sync group, where the trainer and the servers' workers meet ------------------------------------------------
+
+
+def local_address(host):
+    """This machine's address on its route to host: a UDP connect sends nothing, it picks the route."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.connect((host, 9))
+        return s.getsockname()[0]
+
+
+def sync_endpoint(urls, host=None):
+    """Where the servers meet the sync group: --sync-host, or this machine's address on its route to the first server (the
+    hostname's lookup is often 127.0.1.1); and a socket for its store, on every interface unless on the loopback one."""
+    host = host or local_address(urllib.parse.urlparse(urls[0]).hostname)
+    return host, socket.create_server(("127.0.0.1" if host == "127.0.0.1" else "0.0.0.0", 0))
+
+
+def sync_group(host, port, rank, world_size, backend, timeout, listener=None):
+    """The weight-sync group: the trainer (rank 0) and every worker of every server, outside the training ranks' default
+    world. Rank 0 hosts its store on `listener`, a socket it bound (torch's rendezvous would join torchrun's store). gloo
+    takes CUDA tensors too, through pinned host memory: the path where a server shares the trainer's GPU."""
+    timeout, gloo = timedelta(seconds=timeout), backend == "gloo"
+    store = dist.TCPStore(
+        host, port, world_size, listener is not None, timeout, master_listen_fd=listener and listener.detach()
+    )
+    options = dist.ProcessGroupGloo._Options() if gloo else dist.ProcessGroupNCCL.Options()
+    options._timeout = 2 * timeout  # the backend's own bound, above send_weights': Python ends a failed sync first
+    if gloo:
+        options._devices = [dist.ProcessGroupGloo.create_device(hostname=local_address(host))]  # not the hostname's
+    kind = dist.ProcessGroup.BackendType.GLOO if gloo else dist.ProcessGroup.BackendType.NCCL
+    backend = (dist.ProcessGroupGloo if gloo else dist.ProcessGroupNCCL)(store, rank, world_size, options)
+    backend._set_sequence_number_for_group()
+    group = dist.ProcessGroup(store, rank, world_size)
+    group._set_default_backend(kind)
+    for device in ("cpu", "cuda") if gloo else ("cuda",):  # the devices whose tensors this group's broadcasts take
+        group._register_backend(torch.device(device), kind, backend)
+    return group
+
+
+# --- The sync's receiving end, inside every vLLM worker ----------------------------------------------------------------
+
+
+class WeightSyncExtension:
+    """Mixed into every vLLM worker (--worker-extension-cls); its methods run via /collective_rpc."""
+
+    def init_weight_sync(self, host, port, world_size, timeout, backend, first_rank=1):
+        """Join the sync group: this worker's rank is its server's first rank (1 for the first server) plus its own."""
+        self.weight_sync_group = sync_group(host, port, first_rank + self.rank, world_size, backend, timeout=timeout)
+
+    def served_config(self):
+        """(dtype, log-probs mode, device, pipeline stages, whether it takes seeded requests): the weights travel in the
+        server's dtype (the trainer rounds its logits to it) over a backend that suits the device (a GPU's UUID, or
+        'cpu'). On CPU a seeded request whose prompt is prefilled in chunks kills the engine (vLLM 0.32: "CPU Generator
+        does not use offset"), so a CPU server takes seeds only without chunked prefill."""
+        config = self.vllm_config.model_config
+        device = str(torch.cuda.get_device_properties(self.device).uuid) if self.device.type == "cuda" else "cpu"
+        stages = self.vllm_config.parallel_config.pipeline_parallel_size
+        seeds = device != "cpu" or not self.vllm_config.scheduler_config.enable_chunked_prefill
+        return str(config.dtype).removeprefix("torch."), config.logprobs_mode, device, stages, seeds
+
+    def unknown_weight_names(self, names):
+        """The names among `names` that this server's model has no parameter for, after vLLM's own
+        renaming (hf_to_vllm_mapper) and fusing (q/k/v_proj into qkv_proj, ...). Checked before the
+        first sync: a wrong name would otherwise fail halfway through a load, or be silently dropped."""
+        model = self.model_runner.get_model()
+        mapper = getattr(model, "hf_to_vllm_mapper", None)
+        fused = {
+            part: whole for whole, parts in getattr(model, "packed_modules_mapping", {}).items() for part in parts
+        }
+        known = {n for n, _ in model.named_parameters(remove_duplicate=False)}
+
+        def served(name):
+            name = mapper.map_name(name) if mapper else name
+            if name is None:  # the mapper drops it: vLLM would ignore it
+                return False
+            module, _, leaf = name.rpartition(".")
+            parent, _, last = module.rpartition(".")
+            experts = re.sub(r"\.experts\.\d+\..*", ".experts.", name)  # MoE layers hold all experts in one tensor
+            if name in known or f"{parent}.{fused.get(last, last)}.{leaf}" in known:
+                return True
+            return experts != name and any(k.startswith(experts) for k in known)
+
+        return [n for n in names if not served(n)]
+
+    def receive_weights(self, buckets):
+        def receive(bucket):
+            flat = torch.empty(bucket["numel"], dtype=getattr(torch, bucket["dtype"]), device=self.device)
+            return flat, self.weight_sync_group.broadcast(flat, 0)
+
+        def tensors():  # bucket k+1 is on its way while bucket k is loaded into the model
+            arriving = receive(buckets[0])
+            for k, bucket in enumerate(buckets):
+                flat, work = arriving
+                work.wait()
+                if k + 1 < len(buckets):
+                    arriving = receive(buckets[k + 1])
+                parts = flat.split([math.prod(shape) for _, shape in bucket["params"]])
+                yield from ((name, part.view(shape)) for (name, shape), part in zip(bucket["params"], parts))
+
+        # reload_weights, unlike plain load_weights, re-runs the post-load processing of each layer it loads...
+        try:
+            self.reload_weights(weights_iterator=tensors(), is_checkpoint_format=True)
+        except BaseException:  # out of step with the trainer: aborted, or NCCL's watchdog would end this worker
+            self.weight_sync_group.abort()
+            raise
+        # ...but only of the layer that loaded a tied weight. A module sharing it (lm_head tied to the embedding) keeps
+        # what it derived from the old values (on CPU, a pre-packed GEMM copy): vLLM would sample from the old head.
+        from vllm.config import set_current_vllm_config
+
+        model = self.model_runner.get_model()
+        owners = defaultdict(list)  # parameter -> the modules that hold it
+        for name, param in model.named_parameters(remove_duplicate=False):
+            owners[id(param)].append(model.get_submodule(name.rpartition(".")[0]))
+        with set_current_vllm_config(self.vllm_config):
+            for module in (m for mods in owners.values() if len(mods) > 1 for m in mods):
+                if hasattr(module, "quant_method"):
+                    module.quant_method.process_weights_after_loading(module)
