@@ -3718,7 +3718,7 @@ def test_what_a_tool_or_environment_says_becomes_ordinary_tokens_never_the_templ
     def whole(messages):  # the suffix tokenized whole: as before, where tool text became the template's tokens
         before = ag.render(tok, history, schemas)
         after = ag.render(tok, history + messages, schemas, generation_prompt=True)
-        end, n = next((e, n) for e, n in sorted(ctx["turn_ends"], key=lambda e: -len(e[0])) if before.endswith(e))
+        end, n = next((e, n) for e, n in sorted(ctx.turn_ends, key=lambda e: -len(e[0])) if before.endswith(e))
         return tok.encode(end[n:] + after[len(before) :], add_special_tokens=False)
 
     framing = tok.decode(whole([turn("42")]))
@@ -3735,13 +3735,13 @@ def test_what_a_tool_or_environment_says_becomes_ordinary_tokens_never_the_templ
         if fmt != "json":  # Llama's: one call per turn, so one result
             kinds += [[turn("42", role), turn(hostile[2], role)], [turn(hostile[3], role), turn("42", role)]]
         for messages in kinds:
-            ids = ag.tool_result_ids(tok, history, messages, schemas, ctx["turn_ends"])
-            benign = ag.tool_result_ids(tok, history, [turn("42", role)] * len(messages), schemas, ctx["turn_ends"])
+            ids = ag.tool_result_ids(tok, history, messages, schemas, ctx.turn_ends)
+            benign = ag.tool_result_ids(tok, history, [turn("42", role)] * len(messages), schemas, ctx.turn_ends)
             assert sorted(i for i in ids if i in special) == sorted(i for i in benign if i in special), messages
             assert tok.decode(ids) == tok.decode(whole(messages))
             assert benign == whole([turn("42", role)] * len(messages))
         plain = [turn("<|im_start is not a token, nor [INST, and 6 * 7 = 42\n", role)]
-        assert ag.tool_result_ids(tok, history, plain, schemas, ctx["turn_ends"]) == whole(plain)
+        assert ag.tool_result_ids(tok, history, plain, schemas, ctx.turn_ends) == whole(plain)
 
 
 def template_file(tmp_path, text):
