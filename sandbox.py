@@ -287,7 +287,7 @@ class Interpreter:
                 os.close(first)
                 reaper = threading.Thread(target=reap, args=(proc,), daemon=True)
                 reaper.start()
-                REAPERS.append(reaper)
+                REAPERS[:] = [t for t in REAPERS if t.is_alive()] + [reaper]
             else:
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(proc.pid, signal.SIGKILL)
@@ -306,7 +306,7 @@ class Interpreter:
         return said.decode(errors="replace").strip()
 
 
-REAPERS = []  # threads that reap a stopped interpreter's bwrap (reaped(): joined)
+REAPERS = []  # threads that reap a stopped interpreter's bwrap, those that may still run (reaped(): joined)
 
 
 def reap(proc):
@@ -322,7 +322,7 @@ def reap(proc):
     proc.wait()
 
 
-def reaped(timeout=10):
+def reaped(timeout=5):
     """Every stopped interpreter reaped: True, or False after `timeout` seconds."""
     deadline = time.monotonic() + timeout
     while REAPERS:

@@ -360,7 +360,10 @@ class Python:
             self.interpreter.stop()
             self.interpreter = None
 
-    close = release
+    async def close(self):
+        await self.release()
+        # the run ends: every stopped interpreter's bwrap reaped (a thread does it), so that none outlives the run
+        await asyncio.to_thread(sandbox.reaped)
 
 
 # FORK: add an environment (a class above, its name here; --env NAME picks it)
