@@ -3065,7 +3065,10 @@ def tool_result_ids(tok, history, tool_messages, schemas, turn_ends, stopped=Tru
             f"(an assistant turn that ends {before[-120:]!r}, or an earlier turn rewritten when a "
             "tool result follows): the tool results cannot be appended exactly; pass --chat-template"
         )
-    return tok.encode(end[0][end[1] if stopped else 0 :] + after[len(before) :], add_special_tokens=False)
+    # What the tools said is data: ordinary tokens, never the template's (tools.result_ids)
+    head = end[0][end[1] if stopped else 0 :]
+    marked = lambda turns: render(tok, history + turns, schemas, generation_prompt=True)[len(before) :]  # noqa: E731
+    return tools_module.result_ids(tok, head, after[len(before) :], tool_messages, marked)
 
 
 def stop_token_ids(tok, model_path=None):

