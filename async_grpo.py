@@ -3067,7 +3067,10 @@ def tool_result_ids(tok, history, tool_messages, schemas, turn_ends, stopped=Tru
         )
     # What the tools said is data: ordinary tokens, never the template's (tools.result_ids)
     head = end[0][end[1] if stopped else 0 :]
-    marked = lambda turns: render(tok, history + turns, schemas, generation_prompt=True)[len(before) :]  # noqa: E731
+
+    def marked(turns):
+        return render(tok, history + turns, schemas, generation_prompt=True)[len(before) :]
+
     return tools_module.result_ids(tok, head, after[len(before) :], tool_messages, marked)
 
 
