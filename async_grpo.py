@@ -543,9 +543,10 @@ class Producer(threading.Thread):
                 self.failures_in_a_row += 1
                 print(f"warning: dropped a group: {group}", flush=True)
                 self.cursor["reward_failures"] += 1
-                if self.failures_in_a_row >= 4 * self.args.prompts_per_step:
-                    raise RuntimeError(
-                        f"the rewards failed for {self.failures_in_a_row} groups in a row; the last: {group}"
+                if self.failures_in_a_row >= 4 * self.args.prompts_per_step:  # save_after_error: one line
+                    raise Dropped(
+                        f"{self.failures_in_a_row} groups in a row were dropped (4 x --prompts-per-step), none "
+                        f"trained; the last: {' '.join(group.split())}"
                     )
             else:
                 self.failures_in_a_row = 0
@@ -1410,6 +1411,9 @@ def load_data(run):
 
     args = run.args
     run.train_rows, run.eval_rows = load_rows(args)  # checked before a model is built or loaded
+    environments = tools_module.load_environments(args, run.out_dir / "mcp.log" if run.is_main else None)
+    source = f"--dataset {args.dataset}" if args.dataset else f"--task {args.task}"
+    tools_module.check_columns(environments, run.train_rows + run.eval_rows, source)  # before vLLM and the model
     if run.model_path is None or run.model_path.endswith(".gguf"):  # rank 0 builds it; the others wait for its path
         box = [None]
         if run.is_main and args.model is None:
@@ -1429,7 +1433,6 @@ def load_data(run):
         )
     run.pad_id = next((i for i in (tok.pad_token_id, tok.eos_token_id) if i is not None), 0)  # masked: any id does
     schemas = tool_schemas(args.tool_names) if args.tool_names else None
-    environments = tools_module.load_environments(args, run.out_dir / "mcp.log" if run.is_main else None)
     stop_ids = stop_token_ids(tok, run.model_path)
     # fails here, before vLLM starts
     report = prepare_chat_template(tok, args, schemas, stop_ids, run.model_path, environments=environments)
@@ -1572,7 +1575,7 @@ def start_generation(run):
         if args.eval_every and not run.start_step:  # every curve starts at the model as loaded: step 0
             metrics = {"step": 0, "policy_version": 0, **evaluate(run)}
             write_metrics(run, metrics)
-            print(f"step    0/{args.steps} | eval {metrics['eval/reward']:.3f}", flush=True)
+            print(f"step    0/{args.steps} | eval {metrics.get('eval/reward', math.nan):.3f}", flush=True)
     elif args.fsdp and args.vllm_url:  # rank 0's first sync gathers the weights from every rank's shards
         help_sync(run.policy, args, run.served)
     run.clock = {
@@ -1652,7 +1655,6 @@ def train_one_step(run, step):
 
 def log_step(run, step, groups, metrics, trained_version):
     """metrics.jsonl (and wandb), a few rollouts in rollouts.jsonl, and one line printed."""
-    run.unlogged = None
     args = run.args
     clock = run.clock
     cursor = run.done_cursor
@@ -1694,6 +1696,7 @@ def log_step(run, step, groups, metrics, trained_version):
             flush=True,
         )
     write_metrics(run, metrics)
+    run.unlogged = None  # once written: a signal before this line writes it again, never not at all
     run.history.append(metrics)
     print(
         f"step {step:4d}/{args.steps} | reward {metrics['reward/mean']:6.3f} | loss {metrics['loss']:+.4f} | "
@@ -1714,9 +1717,9 @@ def cut_back(log, step):
 
 
 def write_metrics(run, metrics):
-    print(json.dumps(metrics), file=run.logs["metrics"], flush=True)
     if "wandb" in run.logs:
         run.logs["wandb"].log(metrics, step=metrics["step"])
+    print(json.dumps(metrics), file=run.logs["metrics"], flush=True)  # last: what log_step's signal window holds
 
 
 def rollout_metrics(groups, version):
@@ -1777,9 +1780,15 @@ def evaluate(run):
     args = run.args
     n = 1 + args.eval_samples  # rollouts per row, the greedy one first
 
+    # as many rollouts (environment instances) at once as training's bound, rows started as others end
+    slots = asyncio.Semaphore(max(1, 2 * args.max_inflight // n))
+
     async def scored(session, i):  # row i's greedy rollout and samples; the servers in turn
-        with contextlib.suppress(Dropped):  # its environment did not reset: the row is not scored, as in training
-            return await scored_row(session, i)
+        try:
+            async with slots:
+                return await scored_row(session, i)
+        except Dropped as e:  # its environment did not reset or its rewards failed: counted, eval/failed
+            return str(e)
 
     async def scored_row(session, i):
         async with environments(p.ctx, p.tok, rows[i], n, args.tool_timeout) as (envs, row, ids):
@@ -1799,7 +1808,10 @@ def evaluate(run):
                 )
                 for k, env in enumerate(envs)
             )
-            return await score_group(samples, row, args.reward_weights, envs)
+            try:
+                return await score_group(samples, row, args.reward_weights, envs)
+            except Exception as e:
+                raise Dropped(f"the rewards of prompt {row['id']} failed: {type(e).__name__}: {e}") from None
 
     async def every():
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=args.data_timeout)) as session:
@@ -1816,15 +1828,18 @@ def evaluate(run):
         results = future.result()
     finally:
         future.cancel()  # its rollouts end with it, on whatever error ended the wait
+    failed = [result for result in results if isinstance(result, str)]
+    if failed:
+        print(f"warning: {len(failed)} held-out rows not evaluated (eval/failed); the first: {failed[0]}", flush=True)
     metrics = []
-    for total, parts in filter(None, results):
+    for total, parts in [result for result in results if not isinstance(result, str)]:
         row = {f"eval/{name}": values[0] for name, values in {"reward": total, **parts}.items()}
         for name, values in parts.items() if args.eval_samples else []:
             passed = int((values[1:] > 0).sum())
             row[f"eval/pass@1/{name}"] = pass_at_k(args.eval_samples, passed, 1)
             row[f"eval/pass@{args.eval_samples}/{name}"] = pass_at_k(args.eval_samples, passed, args.eval_samples)
         metrics.append(row)
-    return mean_over_union(metrics)
+    return {**mean_over_union(metrics), "eval/failed": len(failed)}
 
 
 def pass_at_k(n, c, k):
@@ -1883,6 +1898,8 @@ def save_after_error(run, error):
             flush=True,
         )
     logs = f"the vLLM server logs: {', '.join(str(server.log_path) for server in run.servers)}" if run.servers else ""
+    if isinstance(error, Dropped) and not failure:  # what failed, group after group: a reset, a reward
+        raise SystemExit(f"error: {error}")
     if failure or isinstance(error, (ConnectionError, TimeoutError)):  # a server failed, or did not answer in time
         seen = f" after {type(error).__name__}: {(str(error) or '-').splitlines()[0][:300]}" if failure else ""
         raise SystemExit(f"error: {failure or error}\nThe run stopped at step {run.completed}{seen}. {logs}")
@@ -1895,24 +1912,29 @@ def save_after_error(run, error):
 
 
 def tear_down(run, handlers):
-    for sig, handler in handlers.items():
-        signal.signal(sig, handler)
+    # Ctrl-C and SIGTERM ignored: one here would skip the rest, and the exit would wait for every tool thread
+    for sig in handlers:
+        signal.signal(sig, signal.SIG_IGN)
+    error = sys.exc_info()[1]
     run.urls = []  # ends watch_servers: the servers are stopped next, which is not a failure
-    if run.producer is not None:
-        run.producer.stop()
-    for server in run.servers:
-        stop_vllm(server)
+    parts = [functools.partial(stop_vllm, server) for server in run.servers]
+    if run.producer is not None:  # first: its environments are closed, each within --tool-timeout
+        parts.insert(0, functools.partial(run.producer.stop, 2 * run.args.tool_timeout + 10))
     if "wandb" in run.logs:
-        run.logs["wandb"].finish()
+        parts.append(functools.partial(run.logs["wandb"].finish, exit_code=int(error is not None)))
     if run.world_size > 1 and dist.is_initialized():
-        dist.destroy_process_group()
+        parts.append(dist.destroy_process_group)
+    for part in parts:
+        try:
+            part()
+        except Exception as e:  # one part's error does not skip the others
+            print(f"warning: the teardown's {getattr(part, 'func', part).__name__} failed: {e}", flush=True)
     # The run ends here, finished or failed, not in the interpreter's teardown, which waits for every tool and reward
     # thread (one stuck in I/O would keep the process and its GPUs alive), where freeing DDP's reducer can deadlock (its
     # gloo destructor joins a thread that waits for the GIL; seen on rank 1) and the sync group's objects can abort the
     # process ("terminate called without an active exception", exit -6, seen twice after a finished --vllm-url run)
     if __name__ == "__main__":
         # printed as the interpreter would, and the run's own errors (SystemExit, a message) without a traceback
-        error = sys.exc_info()[1]
         if isinstance(error, SystemExit):
             print(error, file=sys.stderr)
         elif error is not None:
@@ -1920,6 +1942,8 @@ def tear_down(run, handlers):
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(int(error is not None))
+    for sig, handler in handlers.items():  # a run called in-process gets its handlers back
+        signal.signal(sig, handler)
 
 
 def checkpoint(run, step):
@@ -1974,8 +1998,10 @@ def checkpoint(run, step):
             f"the last complete checkpoint: {run.out_dir / previous if previous else 'none'} (--resume "
             "continues from it)"
         )
-    if previous:
-        shutil.rmtree(run.out_dir / previous, ignore_errors=True)
+    # every older one: also one that a signal between an earlier save's link swap and this removal left
+    for old in run.out_dir.glob("checkpoint-*"):
+        if old.name != name and not old.name.endswith(".tmp"):
+            shutil.rmtree(old, ignore_errors=True)
 
 
 def stop_on_signals(stop):
@@ -2330,6 +2356,7 @@ def parse_args(argv=None, world_size=1, cuda_count=None, local_ranks=None, heads
     ]
     checks += [
         (args.num_generations < 2, "--num-generations must be at least 2: advantages are relative to the group"),
+        (args.eval_every and not args.eval_size, "--eval-every: --eval-size 0 holds no rows out to evaluate"),
         (args.epsilon_high < args.epsilon, "--epsilon-high must be >= --epsilon"),
         (
             (args.prompts_per_step * args.num_generations) % world_size,
@@ -2613,9 +2640,15 @@ async def call_function(fn, arguments, name, timeout):
 
 
 async def bounded(fn, arguments, timeout):
-    """fn(**arguments) within `timeout` seconds (arguments a dict: one may be called fn): awaited if async, else in a
-    thread of TOOL_THREADS, where after a timeout it goes on holding a slot (TOOL_SLOTS) and its environment instance,
-    if a method, is not reused; refused at once while every slot is held."""
+    """fn(**arguments) within `timeout` seconds (arguments a dict: one may be called fn), after the calls to its
+    environment instance before it (tools.one_call_at_a_time): awaited if async, else in a thread of TOOL_THREADS,
+    where after a timeout it goes on holding a slot (TOOL_SLOTS) and its instance, if a method, which takes no other
+    call and is not reused; refused at once while every slot is held."""
+    async with tools_module.one_call_at_a_time(fn, timeout, HUNG):
+        return await bounded_call(fn, arguments, timeout)
+
+
+async def bounded_call(fn, arguments, timeout):
     running = None
     if inspect.iscoroutinefunction(fn):
         pending = fn(**arguments)
@@ -2633,7 +2666,8 @@ async def bounded(fn, arguments, timeout):
     except (
         asyncio.TimeoutError
     ):  # one still queued was cancelled with it; one running holds its thread until it returns
-        HUNG.add(id(getattr(fn, "__self__", None)))
+        if running is not None and not running.cancelled():
+            HUNG.add(id(getattr(fn, "__self__", None)))
         if running is not None and running.running() and TOOL_SLOTS.acquire(blocking=False):
             running.add_done_callback(lambda _: TOOL_SLOTS.release())
         raise
@@ -2673,15 +2707,14 @@ async def environments(ctx, tok, row, n, timeout):
             prompt_ids = render_prompt(tok, row["prompt"], ctx["offered"][name], row["id"])
         yield envs, row, prompt_ids
     finally:  # the group is done: what an instance holds until its next reset may go (tools.py: release)
-        await asyncio.gather(
-            *[bounded(e.release, {}, timeout) for e in envs if hasattr(e, "release")], return_exceptions=True
-        )
+        releasing = [tools_module.call_method(e.release, {}, timeout) for e in envs if hasattr(e, "release")]
+        await asyncio.gather(*releasing, return_exceptions=True)
         idle += [env for env in envs if id(env) not in HUNG]
 
 
 async def close_environments(ctx, timeout):
     """close() every instance made, once, each within `timeout` seconds, however the run ends."""
-    closing = [bounded(env.close, {}, timeout) for env in ctx["alive"] if hasattr(env, "close")]
+    closing = [tools_module.call_method(env.close, {}, timeout) for env in ctx["alive"] if hasattr(env, "close")]
     ctx["alive"].clear()
     await asyncio.gather(*closing, return_exceptions=True)
 

@@ -21,12 +21,13 @@ Accept **kwargs so that new arguments never break an old function.
 task_rows, at the end, builds the rows of the built-in tasks (--task) with the columns their rewards read.
 """
 
+import asyncio
 import contextlib
-import inspect
 import itertools
 import random
 import re
 
+import tools
 from tools import GuessNumber, calculator
 
 _NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
@@ -78,9 +79,11 @@ def tool_use(tool_calls, tool_failures, **kwargs):
 
 
 async def env_reward(environments, **kwargs):
-    """Each rollout's environment's score of its final state: its reward() method (tools.py)."""
-    values = [environment.reward() for environment in environments]
-    return [await value if inspect.isawaitable(value) else value for value in values]
+    """Each rollout's environment's score of its final state: its reward() method (tools.py), bounded by --tool-timeout
+    and, if sync, in a thread: never on the event loop, which every rollout in flight shares."""
+    return await asyncio.gather(
+        *[tools.call_method(environment.reward, {}, tools.METHOD_TIMEOUT) for environment in environments]
+    )
 
 
 # FORK: add a reward (a function above, its name here; --rewards NAME:WEIGHT picks it)

@@ -5349,6 +5349,154 @@ def test_no_interpreter_outlives_a_run_stopped_by_ctrl_c_or_killed(server, tmp_p
         assert re.search(r"stopped at step \d+ by signal 2", out), out[-3000:]
 
 
+# ------------------------------------------------------------------------------------------------
+# Environments at scale and under faults: one call at a time per instance, timeouts, evaluation, teardown
+# ------------------------------------------------------------------------------------------------
+
+
+def turn_of(*calls):
+    """An assistant turn that calls these (name, arguments), in this order, as parse_assistant returns one."""
+    return {
+        "role": "assistant",
+        "content": "",
+        "tool_calls": [ag._call(n, a) for n, a in calls],
+        "tool_call_errors": [],
+    }
+
+
+def test_calls_in_one_turn_to_one_instance_run_in_order_and_stateless_tools_concurrently():
+    """Two cells in one turn on one interpreter: the first sleeps then prints, the second reads the first's variable.
+    Run at once (as before), the second read the first's answer off the shared pipe and the first waited out its
+    timeout and lost the state; one call at a time per instance, each gets its own output, in the model's order, and
+    the state holds. A stateless tool's calls still run at the same time: each waits at a barrier for the other (run
+    one after the other, both would fail at the barrier's bound); an environment's method that does the same, in
+    order, cannot pass it (the sign that its calls are one at a time)."""
+    cls, _ = python_environment("--tool-timeout", "30")
+    args = ag.parse_args(["--output-dir", "unused", "--env", "python", "--tool-timeout", "30"])
+    env = cls()
+    barrier = threading.Barrier(2, timeout=5)
+
+    def meet(name: str) -> str:
+        """Wait for the other caller.
+
+        Args:
+            name: Who waits.
+        """
+        barrier.wait()
+        return f"{name} met"
+
+    class Pair:
+        def meet(self, name: str) -> str:
+            return meet(name)
+
+    from transformers.utils import get_json_schema
+
+    pair = Pair()
+    by_name = {s["function"]["name"]: s["function"] for s in [*tools.environment_schemas(cls), get_json_schema(meet)]}
+
+    async def turns():
+        await env.reset(id=0)
+        stats = {"tool_calls": 0, "tool_failures": 0, "tool_seconds": 0.0, "per_tool": {}}
+        cells = turn_of(
+            ("python", {"code": "import time\ntime.sleep(1)\nx = 41\nprint('first')"}),
+            ("python", {"code": "print('second', x + 1)"}),
+            ("python", {"code": "x"}),
+        )
+        own = await ag.run_tool_calls(cells, by_name, {"python": env.python}, args, stats)
+        stateless = await ag.run_tool_calls(
+            turn_of(("meet", {"name": "a"}), ("meet", {"name": "b"})), by_name, {"meet": meet}, args, stats
+        )
+        barrier.reset()
+        method = await ag.run_tool_calls(
+            turn_of(("meet", {"name": "a"}), ("meet", {"name": "b"})), by_name, {"meet": pair.meet}, args, stats
+        )
+        return own, stateless, method
+
+    try:
+        own, stateless, method = asyncio.run(turns())
+    finally:
+        asyncio.run(env.close())
+    assert [m["content"] for m in own] == ["first", "second 42", "41"], own
+    assert [m["content"] for m in stateless] == ["a met", "b met"]
+    assert all(m["content"].startswith("Error: BrokenBarrierError") for m in method), method
+
+
+SLOW_MCP_SERVER = '''
+"""An MCP server whose tool `wait` takes as long as asked, and `echo` at once; over stdio: a process a session."""
+import asyncio
+
+from mcp.server.mcpserver import MCPServer
+
+server = MCPServer("slow", log_level="WARNING")
+
+
+@server.tool()
+async def wait(seconds: float) -> str:
+    """Wait.
+
+    Args:
+        seconds: How long.
+    """
+    await asyncio.sleep(seconds)
+    return "waited"
+
+
+@server.tool()
+def echo(text: str) -> str:
+    """Say it back.
+
+    Args:
+        text: What to say.
+    """
+    return text
+
+
+server.run("stdio")
+'''
+
+
+def test_twenty_mcp_timeouts_leave_no_session_or_process(tmp_path, monkeypatch):
+    """An MCP server over stdio (a process per session) whose tool does not answer in time, called 20 times as the run
+    calls it (environments, call_tool): 4 groups, one after another, of 5 rollouts each timing out. Each timed-out call
+    ended its instance's session, its process with it; the instances are reused, reset; a call after a timeout in the
+    same rollout gets a fresh session. Before, each timeout left its instance marked hung, its session (a process)
+    open until the run's end: 20 processes here."""
+    monkeypatch.setattr(tools, "METHOD_TIMEOUT", 30, raising=False)  # --tool-timeout bounds release(); calls get 0.5 s
+    script = tmp_path / "slow_mcp.py"
+    script.write_text(SLOW_MCP_SERVER)
+    cls = tools.mcp_environment(f"{sys.executable} {script}", tmp_path / "mcp.log", timeout=30)
+    by_name = {s["function"]["name"]: s["function"] for s in tools.environment_schemas(cls)}
+    row = {"id": 0, "prompt": [{"role": "user", "content": "Wait."}]}
+    ctx = {"environments": {"mcp": cls}, "idle": {"mcp": []}, "alive": [], "prompt_ids": {0: [1, 2]}}
+    wait, echo = ag._call("wait", {"seconds": 60}), ag._call("echo", {"text": "again"})
+
+    async def rollout(env, echoes):
+        functions = {name: getattr(env, name) for name in by_name}
+        waited = await ag.call_tool(wait, by_name, 0.5, functions)
+        echoed = await ag.call_tool(echo, by_name, 30, functions) if echoes else ("again", True)
+        return waited, echoed
+
+    async def twenty():
+        seen, processes, instances = [], [], set()
+        for group in range(4):
+            async with ag.environments(ctx, None, row, 5, 30) as (envs, _, _):
+                instances |= {id(env) for env in envs}
+                # a new session after a timeout, in the first rollout of the first and last groups (a process start
+                # takes seconds on 2 cores)
+                seen += await asyncio.gather(*[rollout(env, i == 0 and group in (0, 3)) for i, env in enumerate(envs)])
+                processes.append(len(running(script)))  # the timed-out calls' sessions and processes ended
+        left = running(script)  # each group's sessions end with it (release): none kept for the next reset
+        await ag.close_environments(ctx, 30)
+        return seen, processes, instances, left
+
+    seen, processes, instances, left = asyncio.run(twenty())
+    assert len(seen) == 20 and all(w == ("Error: wait timed out after 0.5 s", False) for w, _ in seen), seen
+    assert all(e == ("again", True) for _, e in seen)
+    # at the end of each group, the fresh session of its first rollout alone, if any
+    assert processes == [1, 0, 0, 1] and left == [] and running(script) == []
+    assert len(instances) == 5 and len(ctx["idle"]["mcp"]) == 5 and ctx["alive"] == []  # reused, closed at the end
+
+
 def test_bench_tiny_runs_every_part_and_writes_every_field(tmp_path):
     """bench.py as a user runs it, in its tiny configuration: it proves the benchmark works, not how
     fast anything is (no timing is asserted anywhere in the tests)."""
