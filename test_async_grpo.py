@@ -985,6 +985,8 @@ def bad_inputs(tmp):
         (["--tools", "--env", f"{tmp / 'clash.py'}:Clash"], "tools not named as --tools' ['calculator']"),
         (["--mcp", f"http://127.0.0.1:{vllm_server.free_port()}/mcp"], "cannot list its tools (--mcp http"),
         (["--rewards", "env_reward"], "--rewards env_reward: it is every row's environment's reward()"),
+        (["--env", "GuessNumber"], "--env GuessNumber: GuessNumber.reset needs the column `secret`, which 5064 of"),
+        (["--eval-every", "2", "--eval-size", "0"], "--eval-every: --eval-size 0 holds no rows out to evaluate"),
         (["--mcp", "sleep 600", "--rewards", "env_reward", "--tool-timeout", "1"], "--mcp sleep 600: cannot list its"),
     ]
 
@@ -5495,6 +5497,143 @@ def test_twenty_mcp_timeouts_leave_no_session_or_process(tmp_path, monkeypatch):
     # at the end of each group, the fresh session of its first rollout alone, if any
     assert processes == [1, 0, 0, 1] and left == [] and running(script) == []
     assert len(instances) == 5 and len(ctx["idle"]["mcp"]) == 5 and ctx["alive"] == []  # reused, closed at the end
+
+
+def test_a_column_that_reset_needs_and_rows_lack_stops_the_run_at_start_with_one_line(tmp_path):
+    """--env GuessNumber on the arithmetic task's rows, which have no `secret`: before, every group's reset failed until
+    32 in a row were dropped, and the run ended with a traceback blaming "the rewards". Now it stops at start, before the
+    model loads or vLLM starts, with one line naming the flag, the class and the column; so does --eval-every with no
+    row held out (its step-0 line raised KeyError: 'eval/reward'). As a user runs it: a new interpreter each."""
+    cases = [
+        (["--env", "GuessNumber"], "--env GuessNumber: GuessNumber.reset needs the column `secret`, which 5064 of"),
+        (["--eval-every", "2", "--eval-size", "0"], "--eval-every: --eval-size 0 holds no rows out to evaluate"),
+    ]
+    for i, (flags, message) in enumerate(cases):
+        code, out = run_cli(*flags, "--output-dir", str(tmp_path / str(i)), timeout=300)
+        last = out.strip().splitlines()[-1]
+        assert code != 0 and message in last and "Traceback" not in out and "starting vLLM" not in out, out[-2000:]
+        assert not (tmp_path / str(i) / "vllm.log").exists()
+
+
+BROKEN_RESET = '''
+class Broken:
+    def reset(self, **row):
+        raise ValueError(f"no board for prompt {row['id']}")
+
+    def look(self) -> str:
+        """Look at the board."""
+        return "nothing"
+'''
+
+
+def test_groups_dropped_in_a_row_end_the_run_with_one_line_naming_what_failed(server, tmp_path):
+    """An environment whose every reset fails: the run ends after 4 x --prompts-per-step groups in a row were dropped,
+    saying so in one line that names the environment and the reset that failed, not "the rewards", and no traceback."""
+    (tmp_path / "broken.py").write_text(BROKEN_RESET)
+    flags = ["--vllm-url", server.url, "--env", f"{tmp_path / 'broken.py'}:Broken", "--prompts-per-step", "2"]
+    code, out = run_cli(*flags, "--steps", "3", "--output-dir", str(tmp_path / "run"), timeout=300)
+    last = out.strip().splitlines()[-1]
+    assert code == 1 and "Traceback" not in out, out[-3000:]
+    assert re.fullmatch(
+        r"error: 8 groups in a row were dropped \(4 x --prompts-per-step\), none trained; the last: --env Broken: a "
+        r"reset to prompt \d+ failed: ValueError: no board for prompt \d+",
+        last,
+    ), out[-3000:]
+
+
+SLOW_CLOSE = """
+import time
+
+
+class SlowClose(CountedGuess):
+    def close(self):
+        self._note("closing")
+        time.sleep(3)  # a teardown long enough for a signal to come in the middle of it
+        super().close()
+"""
+
+
+def test_a_ctrl_c_during_the_teardown_still_ends_the_run_cleanly_with_nothing_left(server, tmp_path):
+    """Ctrl-C stops the run after its step; while its teardown closes the environments (each close() takes 3 s), a
+    second Ctrl-C and a SIGTERM come. Before, the teardown had given Ctrl-C its default handler back first: the second
+    one raised in the middle of it (a traceback), skipping the rest of it. Now it finishes: every instance closed once,
+    the one-line stop message, the process gone and nothing of it left."""
+    env, events = counted_guess(tmp_path)
+    (tmp_path / "counted.py").write_text(COUNTED_GUESS + SLOW_CLOSE)
+    env = env.replace(":CountedGuess", ":SlowClose")
+
+    def twice():
+        for pid in running(tmp_path / "run"):
+            os.kill(pid, signal.SIGINT)
+        for _ in range(600):  # the teardown is closing the instances
+            if (tmp_path / "events.jsonl").exists() and events()["closing"]:
+                break
+            time.sleep(0.05)
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            for pid in running(tmp_path / "run"):
+                os.kill(pid, sig)
+
+    flags = ("--vllm-url", server.url, "--task", "guess", "--env", env, "--steps", "100", "--max-tokens", "8")
+    code, out, seconds, _ = run_with_fault(tmp_path / "run", *flags, at="step    2/", fault=twice)
+    print(f"the run ended {seconds:.1f} s after the first Ctrl-C")
+    assert code == 1 and "Traceback" not in out, out[-3000:]
+    assert re.fullmatch(
+        r"stopped at step \d+ by signal 2; continue with --resume --output-dir \S+", out.splitlines()[-1]
+    )
+    made = events()["made"]
+    assert events()["closing"] and sorted(events()["closed"]) == sorted(made) == sorted(events()["closing"])
+    assert running(tmp_path / "run") == []
+
+
+def test_an_evaluation_holds_no_more_instances_at_once_than_training_and_counts_failed_rows(server, tmp_path):
+    """--env python --eval-samples 8 at the default --eval-size (64): 9 rollouts a held-out row, each with an
+    interpreter. Before, the evaluation reset every row's 9 instances at once (576 interpreters, ~3 descriptors each
+    in the trainer; a CPU run at --eval-samples 5 held ~1,480 and died), whatever --max-inflight said; now it holds at
+    most training's bound (2 x --max-inflight rollouts), rows started as others end, beside training's own. The
+    trainer's descriptors are sampled through the run (--steps 0: the evaluation at step 0 alone, while the producer
+    fills training's bound): at most 3 an interpreter of both bounds and one a request, over what it held before the
+    first interpreter started."""
+    inflight = 16
+    flags = ["--vllm-url", server.url, "--env", "python", "--eval-samples", "8", "--eval-every", "1", "--steps", "0"]
+    flags += ["--max-inflight", str(inflight), "--max-tool-turns", "1", "--output-dir", str(tmp_path / "run")]
+    proc = subprocess.Popen(
+        [sys.executable, str(HERE / "async_grpo.py"), "--cache-dir", CACHE, *flags],
+        cwd=HERE,
+        env=dict(os.environ, PYTHONUNBUFFERED="1"),
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+    since, counts, done = ticks_since_boot(), [], threading.Event()
+
+    def sample():  # the trainer's open descriptors, until it ends; the run is stopped once they pass any bound
+        while not done.is_set():
+            with contextlib.suppress(OSError):
+                counts.append((len(os.listdir(f"/proc/{proc.pid}/fd")), bool(interpreter_processes(since))))
+                if counts[-1][0] > 4000:
+                    os.killpg(proc.pid, signal.SIGKILL)
+            time.sleep(0.05)
+
+    threading.Thread(target=sample, daemon=True).start()
+    try:
+        out, _ = proc.communicate(timeout=900)
+    finally:
+        done.set()
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+    before = max([n for n, started in counts if not started] or [0])  # before the first interpreter
+    most = max(n for n, _ in counts)
+    # training's rollouts and the evaluation's, an interpreter each (3 pipes), and a connection a request in flight
+    bound = before + 3 * (2 * inflight + 2 * inflight) + 2 * inflight
+    print(f"trainer descriptors: {before} before the first interpreter, at most {most} (bound {bound})")
+    assert proc.returncode == 0, out[-3000:]
+    assert most <= bound, out[-3000:]
+    metrics = read_metrics(tmp_path / "run")
+    assert [m["eval/failed"] for m in metrics if "eval/failed" in m] == [
+        0,
+        0,
+    ] and "eval/pass@8/correct_answer" in metrics[0]
 
 
 def test_bench_tiny_runs_every_part_and_writes_every_field(tmp_path):
