@@ -1912,22 +1912,21 @@ def save_after_error(run, error):
 
 
 def tear_down(run, handlers):
-    # Ctrl-C and SIGTERM ignored: one here would skip the rest, and the exit would wait for every tool thread
-    for sig in handlers:
+    for sig in handlers:  # ignored: one here would skip the rest, and the exit would wait for every tool thread
         signal.signal(sig, signal.SIG_IGN)
     error = sys.exc_info()[1]
     run.urls = []  # ends watch_servers: the servers are stopped next, which is not a failure
-    parts = [functools.partial(stop_vllm, server) for server in run.servers]
-    if run.producer is not None:  # first: its environments are closed, each within --tool-timeout
-        parts.insert(0, functools.partial(run.producer.stop, 2 * run.args.tool_timeout + 10))
+    # the producer first: its environments are closed, each within --tool-timeout
+    parts = [functools.partial(run.producer.stop, 2 * run.args.tool_timeout + 10)] if run.producer else []
+    parts += [functools.partial(stop_vllm, server) for server in run.servers]
     if "wandb" in run.logs:
         parts.append(functools.partial(run.logs["wandb"].finish, exit_code=int(error is not None)))
     if run.world_size > 1 and dist.is_initialized():
         parts.append(dist.destroy_process_group)
-    for part in parts:
+    for part in parts:  # one part's error does not skip the others
         try:
             part()
-        except Exception as e:  # one part's error does not skip the others
+        except Exception as e:
             print(f"warning: the teardown's {getattr(part, 'func', part).__name__} failed: {e}", flush=True)
     # The run ends here, finished or failed, not in the interpreter's teardown, which waits for every tool and reward
     # thread (one stuck in I/O would keep the process and its GPUs alive), where freeing DDP's reducer can deadlock (its
@@ -1998,8 +1997,7 @@ def checkpoint(run, step):
             f"the last complete checkpoint: {run.out_dir / previous if previous else 'none'} (--resume "
             "continues from it)"
         )
-    # every older one: also one that a signal between an earlier save's link swap and this removal left
-    for old in run.out_dir.glob("checkpoint-*"):
+    for old in run.out_dir.glob("checkpoint-*"):  # every older one: also one a signal left between a swap and this
         if old.name != name and not old.name.endswith(".tmp"):
             shutil.rmtree(old, ignore_errors=True)
 
@@ -2630,7 +2628,8 @@ async def call_function(fn, arguments, name, timeout):
     """(fn(**arguments), True) within `timeout` seconds, or (the error for the model, False). Raises EnvironmentGone
     alone: an environment that cannot go on ends the run (tools.py)."""
     try:
-        return await bounded(fn, arguments, timeout), True
+        async with tools_module.one_call_at_a_time(fn, timeout, HUNG):  # after the calls to its instance before it
+            return await bounded(fn, arguments, timeout), True
     except asyncio.TimeoutError:
         return f"Error: {name} timed out after {timeout} s", False
     except tools_module.EnvironmentGone:
@@ -2640,15 +2639,9 @@ async def call_function(fn, arguments, name, timeout):
 
 
 async def bounded(fn, arguments, timeout):
-    """fn(**arguments) within `timeout` seconds (arguments a dict: one may be called fn), after the calls to its
-    environment instance before it (tools.one_call_at_a_time): awaited if async, else in a thread of TOOL_THREADS,
-    where after a timeout it goes on holding a slot (TOOL_SLOTS) and its instance, if a method, which takes no other
-    call and is not reused; refused at once while every slot is held."""
-    async with tools_module.one_call_at_a_time(fn, timeout, HUNG):
-        return await bounded_call(fn, arguments, timeout)
-
-
-async def bounded_call(fn, arguments, timeout):
+    """fn(**arguments) within `timeout` seconds (arguments a dict: one may be called fn): awaited if async, else in a
+    thread of TOOL_THREADS, where after a timeout it goes on holding a slot (TOOL_SLOTS) and its environment instance,
+    if a method, takes no other call and is not reused; refused at once while every slot is held."""
     running = None
     if inspect.iscoroutinefunction(fn):
         pending = fn(**arguments)

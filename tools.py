@@ -12,9 +12,9 @@ than rollouts in flight (evaluation included). An instance runs one call at a ti
 the model wrote them. Every method may be sync (in a thread, never on the event loop) or `async def`, bounded by
 --tool-timeout; an async call past it is cancelled and the instance released (its state unknown: its session or process
 ends), a sync one holds its thread and the instance, which takes no further call and is not reused:
-    reset(**row)      the dataset row, every column (a parameter without a default names a column every row of the
-                      environment must have: checked at start). Returns None, or text appended to the prompt's last message: the
-                      same for the G rollouts of a group (they answer one task), else the group is dropped
+    reset(**row)      the dataset row, every column (a parameter without a default names a column that every row of
+                      the environment must have: checked at start). Returns None, or text appended to the prompt's last
+                      message: the same for the G rollouts of a group (they answer one task), else the group is dropped
     public methods    typed and documented as tools are: the tools the model sees in this environment's rows
     respond(message)  optional: the model ended a turn without a tool call (message: that turn, as the rewards see it).
                       Text is the user's next turn; None ends the rollout. Turns are bounded by --max-tool-turns
@@ -383,7 +383,7 @@ class Python:
     close = release
 
 
-# --- Environment instances at work: one call at a time, lifecycle methods in threads of their own ---------------------
+# --- Environment instances at work: one call at a time, lifecycle methods in threads of their own --------------------
 
 METHOD_TIMEOUT = 10.0  # --tool-timeout (load_environments): what reward() may take, called from env_reward
 _LOCKS = {}  # id(instance) -> (the event loop, an asyncio.Lock): its calls on that loop, one at a time
@@ -428,10 +428,10 @@ async def one_call_at_a_time(fn, timeout, hung):
 
 
 async def call_method(fn, arguments, timeout):
-    """fn(**arguments), a method of an environment's life (reward, release, close), within `timeout` seconds: awaited if
-    async, else in a daemon thread of its own, not one of the tool threads, which calls past their timeout may all
-    hold: it is never refused nor queued, so close() runs whatever the pool holds (and one that hangs keeps a thread the
-    exit does not wait for). An awaitable it returns is awaited too."""
+    """fn(**arguments), a method of an environment's life (reward, release, close), within `timeout` seconds: awaited
+    if async, else in a daemon thread of its own, not one of the tool threads, which calls past their timeout may all
+    hold: it is never refused nor queued, so close() runs whatever the pool holds (and one that hangs keeps a thread
+    the exit does not wait for). An awaitable it returns is awaited too."""
     if inspect.iscoroutinefunction(fn):
         running = fn(**arguments)
     else:
