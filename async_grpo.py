@@ -1412,8 +1412,7 @@ def load_data(run):
     args = run.args
     run.train_rows, run.eval_rows = load_rows(args)  # checked before a model is built or loaded
     environments = tools_module.load_environments(args, run.out_dir / "mcp.log" if run.is_main else None)
-    source = f"--dataset {args.dataset}" if args.dataset else f"--task {args.task}"
-    tools_module.check_columns(environments, run.train_rows + run.eval_rows, source)  # before vLLM and the model
+    tools_module.check_columns(environments, run.train_rows + run.eval_rows, args)  # before vLLM and the model
     if run.model_path is None or run.model_path.endswith(".gguf"):  # rank 0 builds it; the others wait for its path
         box = [None]
         if run.is_main and args.model is None:
@@ -1780,8 +1779,7 @@ def evaluate(run):
     args = run.args
     n = 1 + args.eval_samples  # rollouts per row, the greedy one first
 
-    # as many rollouts (environment instances) at once as training's bound, rows started as others end
-    slots = asyncio.Semaphore(max(1, 2 * args.max_inflight // n))
+    slots = asyncio.Semaphore(max(1, 2 * args.max_inflight // n))  # rows at once: training's bound of rollouts
 
     async def scored(session, i):  # row i's greedy rollout and samples; the servers in turn
         try:

@@ -517,9 +517,10 @@ def load_environments(args, log=None):
     return environments
 
 
-def check_columns(environments, rows, source):
+def check_columns(environments, rows, args):
     """Every row has the columns its environment's reset needs (its parameters without a default), or the run stops
     here, at start, naming the class, the column and a row: not after groups failed their resets one by one."""
+    source = f"--dataset {args.dataset}" if args.dataset else f"--task {args.task}"
     for name, cls in environments.items():
         reset = inspect.getattr_static(cls, "reset", None)
         parameters = list(inspect.signature(cls.reset).parameters.values())
