@@ -650,8 +650,10 @@ class Producer(threading.Thread):
             self.cursor["reward_failures"] += 1
             print(f"warning: dropped a group: {item.why}", flush=True)
             if self.failures_in_a_row >= 4 * self.args.prompts_per_step:
-                raise RuntimeError(
-                    f"the rewards failed for {self.failures_in_a_row} groups in a row; the last: {item.why}"
+                # save_after_error ends the run with this one line
+                raise Dropped(
+                    f"{self.failures_in_a_row} groups in a row were dropped (4 x --prompts-per-step), none "
+                    f"trained; the last: {' '.join(item.why.split())}"
                 )
             return "failed"
         self.failures_in_a_row = 0
@@ -1298,6 +1300,9 @@ def load_data(run):
     args = run.args
     # checked before a model is built or loaded
     run.train_rows, run.eval_rows = data_module.load_rows(args)
+    environments = tools_module.load_environments(args, run.out_dir / "mcp.log" if run.is_main else None)
+    # the columns each environment's reset needs, before vLLM and the model
+    tools_module.check_columns(environments, run.train_rows + run.eval_rows, args)
     # rank 0 builds it; the others wait for its path
     if run.model_path is None or run.model_path.endswith(".gguf"):
         box = [None]
@@ -1319,7 +1324,6 @@ def load_data(run):
     # masked: any id does
     run.pad_id = next((i for i in (tok.pad_token_id, tok.eos_token_id) if i is not None), 0)
     schemas = tool_schemas(args.tool_names) if args.tool_names else None
-    environments = tools_module.load_environments(args, run.out_dir / "mcp.log" if run.is_main else None)
     stop_ids = stop_token_ids(tok, run.model_path)
     # fails here, before vLLM starts
     report = prepare_chat_template(tok, args, schemas, stop_ids, run.model_path, environments=environments)
@@ -1486,7 +1490,7 @@ def start_generation(run):
         if args.eval_every and not run.start_step:
             metrics = {"step": 0, "policy_version": 0, **evaluate(run)}
             write_metrics(run, metrics)
-            print(f"step    0/{args.steps} | eval {metrics['eval/reward']:.3f}", flush=True)
+            print(f"step    0/{args.steps} | eval {metrics.get('eval/reward', math.nan):.3f}", flush=True)
     elif args.fsdp and args.vllm_url:
         # rank 0's first sync gathers the weights from every rank's shards
         help_sync(run.policy, args, run.served_dtype)
@@ -1588,7 +1592,6 @@ def sync_weights(run, metrics):
 
 def log_step(run, step, groups, metrics, trained_version):
     """metrics.jsonl (and wandb), a few rollouts in rollouts.jsonl, and one line printed."""
-    run.unlogged = None
     args = run.args
     clock = run.clock
     cursor = run.done_cursor
@@ -1633,6 +1636,8 @@ def log_step(run, step, groups, metrics, trained_version):
             flush=True,
         )
     write_metrics(run, metrics)
+    # once written: a signal before this line writes it again, never not at all
+    run.unlogged = None
     run.history.append(metrics)
     print(
         f"step {step:4d}/{args.steps} | reward {metrics['reward/mean']:6.3f} | loss {metrics['loss']:+.4f} | "
@@ -1653,9 +1658,10 @@ def cut_back(log, step):
 
 
 def write_metrics(run, metrics):
-    print(json.dumps(metrics), file=run.logs["metrics"], flush=True)
     if "wandb" in run.logs:
         run.logs["wandb"].log(metrics, step=metrics["step"])
+    # last: what log_step's signal window holds
+    print(json.dumps(metrics), file=run.logs["metrics"], flush=True)
 
 
 def rollout_metrics(groups, trained_version):
@@ -1715,12 +1721,17 @@ def evaluate(run):
     rows = run.eval_rows
     args = run.args
     n = 1 + args.eval_samples  # rollouts per row, the greedy one first
+    # rows at once: as many rollouts as training holds
+    slots = asyncio.Semaphore(max(1, 2 * args.max_inflight // n))
 
     # row i's greedy rollout and samples; the servers in turn
     async def scored(session, i):
-        # its environment did not reset: the row is not scored, as in training
-        with contextlib.suppress(Dropped):
-            return await scored_row(session, i)
+        try:
+            async with slots:
+                return await scored_row(session, i)
+        except Dropped as e:
+            # its environment did not reset or its rewards failed: counted, eval/failed
+            return str(e)
 
     async def scored_row(session, i):
         async with environment_instances(p.ctx, p.tok, rows[i], n, args.tool_timeout) as (envs, row, ids):
@@ -1741,7 +1752,10 @@ def evaluate(run):
                 )
                 for k, env in enumerate(envs)
             )
-            return await score_group(samples, row, args.reward_weights, envs)
+            try:
+                return await score_group(samples, row, args.reward_weights, envs)
+            except Exception as e:
+                raise Dropped(f"the rewards of prompt {row['id']} failed: {type(e).__name__}: {e}") from None
 
     async def all_rows():
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=args.data_timeout)) as session:
@@ -1759,15 +1773,18 @@ def evaluate(run):
     finally:
         # its rollouts end with it, on whatever error ended the wait
         future.cancel()
+    failed = [result for result in results if isinstance(result, str)]
+    if failed:
+        print(f"warning: {len(failed)} held-out rows not evaluated (eval/failed); the first: {failed[0]}", flush=True)
     metrics = []
-    for total, parts in filter(None, results):
+    for total, parts in [result for result in results if not isinstance(result, str)]:
         row = {f"eval/{name}": values[0] for name, values in {"reward": total, **parts}.items()}
         for name, values in parts.items() if args.eval_samples else []:
             passed = int((values[1:] > 0).sum())
             row[f"eval/pass@1/{name}"] = pass_at_k(args.eval_samples, passed, 1)
             row[f"eval/pass@{args.eval_samples}/{name}"] = pass_at_k(args.eval_samples, passed, args.eval_samples)
         metrics.append(row)
-    return mean_over_union(metrics)
+    return {**mean_over_union(metrics), "eval/failed": len(failed)}
 
 
 def pass_at_k(n, c, k):
@@ -1830,6 +1847,9 @@ def save_after_error(run, error):
             flush=True,
         )
     logs = f"the vLLM server logs: {', '.join(str(server.log_path) for server in run.servers)}" if run.servers else ""
+    # what failed, group after group: a reset, a reward
+    if isinstance(error, Dropped) and not failure:
+        raise SystemExit(f"error: {error}")
     # a server failed, or did not answer in time
     if failure or isinstance(error, (ConnectionError, TimeoutError)):
         seen = f" after {type(error).__name__}: {(str(error) or '-').splitlines()[0][:300]}" if failure else ""
@@ -1844,18 +1864,25 @@ def save_after_error(run, error):
 
 
 def tear_down(run, handlers):
-    for sig, handler in handlers.items():
-        signal.signal(sig, handler)
+    # Signals ignored: one here would skip the rest, and the exit would wait for every tool thread
+    for sig in handlers:
+        signal.signal(sig, signal.SIG_IGN)
+    error = sys.exc_info()[1]
     # ends watch_servers: the servers are stopped next, which is not a failure
     run.urls = []
-    if run.producer is not None:
-        run.producer.stop()
-    for server in run.servers:
-        stop_vllm(server)
+    # the producer first: its environments are closed, each within --tool-timeout
+    parts = [functools.partial(run.producer.stop, 2 * run.args.tool_timeout + 10)] if run.producer else []
+    parts += [functools.partial(stop_vllm, server) for server in run.servers]
     if "wandb" in run.logs:
-        run.logs["wandb"].finish()
+        parts.append(functools.partial(run.logs["wandb"].finish, exit_code=int(error is not None)))
     if run.world_size > 1 and dist.is_initialized():
-        dist.destroy_process_group()
+        parts.append(dist.destroy_process_group)
+    # one part's error does not skip the others
+    for part in parts:
+        try:
+            part()
+        except Exception as e:
+            print(f"warning: the teardown's {getattr(part, 'func', part).__name__} failed: {e}", flush=True)
     # The run ends here, finished or failed, not in the interpreter's teardown, which waits for every tool and
     # reward thread (one stuck in I/O would keep the process and its GPUs alive), where freeing DDP's reducer
     # can deadlock (its gloo destructor joins a thread that waits for the GIL; seen on rank 1) and the sync
@@ -1864,7 +1891,6 @@ def tear_down(run, handlers):
     if __name__ == "__main__":
         # printed as the interpreter would, and the run's own errors (SystemExit, a message) without a
         # traceback
-        error = sys.exc_info()[1]
         if isinstance(error, SystemExit):
             print(error, file=sys.stderr)
         elif error is not None:
@@ -1872,6 +1898,9 @@ def tear_down(run, handlers):
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(int(error is not None))
+    # a run called in-process gets its handlers back
+    for sig, handler in handlers.items():
+        signal.signal(sig, handler)
 
 
 def checkpoint(run, step):
@@ -1935,8 +1964,10 @@ def checkpoint(run, step):
             f"the last complete checkpoint: {run.out_dir / previous if previous else 'none'} (--resume "
             "continues from it)"
         )
-    if previous:
-        shutil.rmtree(run.out_dir / previous, ignore_errors=True)
+    # every older one: also one a signal left between a swap and this line
+    for old in run.out_dir.glob("checkpoint-*"):
+        if old.name != name and not old.name.endswith(".tmp"):
+            shutil.rmtree(old, ignore_errors=True)
 
 
 def stop_on_signals(stop):
@@ -2578,6 +2609,7 @@ def parse_args(argv=None, world_size=1, cuda_count=None, local_ranks=None, heads
     ]
     checks += [
         (args.num_generations < 2, "--num-generations must be at least 2: advantages are relative to the group"),
+        (args.eval_every and not args.eval_size, "--eval-every: --eval-size 0 holds no rows out to evaluate"),
         (args.epsilon_high < args.epsilon, "--epsilon-high must be >= --epsilon"),
         (
             (args.prompts_per_step * args.num_generations) % world_size,
@@ -2699,7 +2731,9 @@ async def call_function(fn, arguments, name, timeout):
     """(fn(**arguments), True) within `timeout` seconds, or (the error for the model, False). Raises
     EnvironmentGone alone: an environment that cannot go on ends the run (tools.py)."""
     try:
-        return await bounded(fn, arguments, timeout), True
+        # after the calls to its instance before it
+        async with tools_module.one_call_at_a_time(fn, timeout, HUNG):
+            return await bounded(fn, arguments, timeout), True
     except asyncio.TimeoutError:
         return f"Error: {name} timed out after {timeout} s", False
     except tools_module.EnvironmentGone:
@@ -2712,7 +2746,8 @@ async def call_function(fn, arguments, name, timeout):
 async def bounded(fn, arguments, timeout):
     """fn(**arguments) within `timeout` seconds (arguments a dict: one may be called fn): awaited if async,
     else in a thread of TOOL_THREADS, where after a timeout it goes on holding a slot (TOOL_SLOTS) and its
-    environment instance, if a method, is not reused; refused at once while every slot is held."""
+    environment instance, if a method, takes no other call and is not reused; refused at once while every slot
+    is held."""
     running = None
     if inspect.iscoroutinefunction(fn):
         pending = fn(**arguments)
@@ -2730,7 +2765,8 @@ async def bounded(fn, arguments, timeout):
         return await asyncio.wait_for(pending, timeout)
     except asyncio.TimeoutError:
         # one still queued was cancelled with it; one running holds its thread until it returns
-        HUNG.add(id(getattr(fn, "__self__", None)))
+        if running is not None and not running.cancelled():
+            HUNG.add(id(getattr(fn, "__self__", None)))
         if running is not None and running.running() and TOOL_SLOTS.acquire(blocking=False):
             running.add_done_callback(lambda _: TOOL_SLOTS.release())
         raise
@@ -2774,15 +2810,14 @@ async def environment_instances(ctx, tok, row, n, timeout):
         yield envs, row, prompt_ids
     finally:
         # the group is done: what an instance holds until its next reset may go (tools.py: release)
-        await asyncio.gather(
-            *[bounded(e.release, {}, timeout) for e in envs if hasattr(e, "release")], return_exceptions=True
-        )
+        releasing = [tools_module.call_method(e.release, {}, timeout) for e in envs if hasattr(e, "release")]
+        await asyncio.gather(*releasing, return_exceptions=True)
         idle += [env for env in envs if id(env) not in HUNG]
 
 
 async def close_environments(ctx, timeout):
     """close() every instance made, once, each within `timeout` seconds, however the run ends."""
-    closing = [bounded(env.close, {}, timeout) for env in ctx.alive if hasattr(env, "close")]
+    closing = [tools_module.call_method(env.close, {}, timeout) for env in ctx.alive if hasattr(env, "close")]
     ctx.alive.clear()
     await asyncio.gather(*closing, return_exceptions=True)
 

@@ -21,9 +21,9 @@ Accept **kwargs so that new arguments never break an old function.
 task_rows, at the end, builds the rows of the built-in tasks (--task) with the columns their rewards read.
 """
 
+import asyncio
 import contextlib
 import ctypes
-import inspect
 import itertools
 import json
 import logging
@@ -38,6 +38,7 @@ import sys
 import threading
 from pathlib import Path
 
+import tools
 from tools import GuessNumber, calculator, reward_method
 
 _NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
@@ -150,9 +151,15 @@ def tool_use(tool_calls, tool_failures, **kwargs):
 
 
 async def env_reward(environments, **kwargs):
-    """Each rollout's environment's score of its final state: its reward() method, or TRL's get_reward() (tools.py)."""
-    values = [getattr(environment, reward_method(environment))() for environment in environments]
-    return [await value if inspect.isawaitable(value) else value for value in values]
+    """Each rollout's environment's score of its final state: its reward() method, or TRL's get_reward() (tools.py),
+    bounded by --tool-timeout and, if sync, in a thread: never on the event loop, which every rollout in flight
+    shares."""
+    return await asyncio.gather(
+        *[
+            tools.call_method(getattr(environment, reward_method(environment)), {}, tools.METHOD_TIMEOUT)
+            for environment in environments
+        ]
+    )
 
 
 # FORK: add a reward (a function above, its name here; --rewards NAME:WEIGHT picks it)

@@ -1080,6 +1080,8 @@ def bad_inputs(tmp):
         (["--tools", "--env", f"{tmp / 'clash.py'}:Clash"], "tools not named as --tools' ['calculator']"),
         (["--mcp", f"http://127.0.0.1:{vllm_server.free_port()}/mcp"], "cannot list its tools (--mcp http"),
         (["--rewards", "env_reward"], "--rewards env_reward: it is every row's environment's reward()"),
+        (["--env", "GuessNumber"], "--env GuessNumber: GuessNumber.reset needs the column `secret`, which 5064 of"),
+        (["--eval-every", "2", "--eval-size", "0"], "--eval-every: --eval-size 0 holds no rows out to evaluate"),
         (["--mcp", "sleep 600", "--rewards", "env_reward", "--tool-timeout", "1"], "--mcp sleep 600: cannot list its"),
     ]
 
@@ -6053,6 +6055,308 @@ def test_no_interpreter_outlives_a_run_stopped_by_ctrl_c_or_killed(server, tmp_p
     assert code != 0 and alive and left == [], out[-3000:]
     if fault == signal.SIGINT:
         assert re.search(r"stopped at step \d+ by signal 2", out), out[-3000:]
+
+
+# ------------------------------------------------------------------------------------------------
+# Environments at scale and under faults: one call at a time per instance, timeouts, evaluation, teardown
+# ------------------------------------------------------------------------------------------------
+
+
+def turn_of(*calls):
+    """An assistant turn that calls these (name, arguments), in this order, as parse_assistant returns one."""
+    return {
+        "role": "assistant",
+        "content": "",
+        "tool_calls": [ag._call(n, a) for n, a in calls],
+        "tool_call_errors": [],
+    }
+
+
+def test_calls_in_one_turn_to_one_instance_run_in_order_and_stateless_tools_concurrently():
+    """Two cells in one turn on one interpreter: the first sleeps then prints, the second reads the first's variable.
+    Run at once (as before), the second read the first's answer off the shared pipe and the first waited out its
+    timeout and lost the state; one call at a time per instance, each gets its own output, in the model's order, and
+    the state holds. A stateless tool's calls still run at the same time: each waits at a barrier for the other (run
+    one after the other, both would fail at the barrier's bound); an environment's method that does the same, in
+    order, cannot pass it (the sign that its calls are one at a time)."""
+    cls, _ = python_environment("--tool-timeout", "30")
+    args = ag.parse_args(["--output-dir", "unused", "--env", "python", "--tool-timeout", "30"])
+    env = cls()
+    barrier = threading.Barrier(2, timeout=5)
+
+    def meet(name: str) -> str:
+        """Wait for the other caller.
+
+        Args:
+            name: Who waits.
+        """
+        barrier.wait()
+        return f"{name} met"
+
+    class Pair:
+        def meet(self, name: str) -> str:
+            return meet(name)
+
+    from transformers.utils import get_json_schema
+
+    pair = Pair()
+    by_name = {s["function"]["name"]: s["function"] for s in [*tools.environment_schemas(cls), get_json_schema(meet)]}
+
+    async def turns():
+        await env.reset(id=0)
+        stats = {"tool_calls": 0, "tool_failures": 0, "tool_seconds": 0.0, "per_tool": {}}
+        cells = turn_of(
+            ("python", {"code": "import time\ntime.sleep(1)\nx = 41\nprint('first')"}),
+            ("python", {"code": "print('second', x + 1)"}),
+            ("python", {"code": "x"}),
+        )
+        own = await ag.run_tool_calls(cells, by_name, {"python": env.python}, args, stats)
+        stateless = await ag.run_tool_calls(
+            turn_of(("meet", {"name": "a"}), ("meet", {"name": "b"})), by_name, {"meet": meet}, args, stats
+        )
+        barrier.reset()
+        method = await ag.run_tool_calls(
+            turn_of(("meet", {"name": "a"}), ("meet", {"name": "b"})), by_name, {"meet": pair.meet}, args, stats
+        )
+        return own, stateless, method
+
+    try:
+        own, stateless, method = asyncio.run(turns())
+    finally:
+        asyncio.run(env.close())
+    assert [m["content"] for m in own] == ["first", "second 42", "41"], own
+    assert [m["content"] for m in stateless] == ["a met", "b met"]
+    assert all(m["content"].startswith("Error: BrokenBarrierError") for m in method), method
+
+
+SLOW_MCP_SERVER = '''
+"""An MCP server whose tool `wait` takes as long as asked, and `echo` at once; over stdio: a process a session."""
+import asyncio
+
+from mcp.server.mcpserver import MCPServer
+
+server = MCPServer("slow", log_level="WARNING")
+
+
+@server.tool()
+async def wait(seconds: float) -> str:
+    """Wait.
+
+    Args:
+        seconds: How long.
+    """
+    await asyncio.sleep(seconds)
+    return "waited"
+
+
+@server.tool()
+def echo(text: str) -> str:
+    """Say it back.
+
+    Args:
+        text: What to say.
+    """
+    return text
+
+
+server.run("stdio")
+'''
+
+
+def test_twenty_mcp_timeouts_leave_no_session_or_process(tmp_path, monkeypatch):
+    """An MCP server over stdio (a process per session) whose tool does not answer in time, called 20 times as the run
+    calls it (environments, call_tool): 4 groups, one after another, of 5 rollouts each timing out. Each timed-out call
+    ended its instance's session, its process with it; the instances are reused, reset; a call after a timeout in the
+    same rollout gets a fresh session. Before, each timeout left its instance marked hung, its session (a process)
+    open until the run's end: 20 processes here."""
+    monkeypatch.setattr(tools, "METHOD_TIMEOUT", 30, raising=False)  # --tool-timeout bounds release(); calls get 0.5 s
+    script = tmp_path / "slow_mcp.py"
+    script.write_text(SLOW_MCP_SERVER)
+    cls = tools.mcp_environment(f"{sys.executable} {script}", tmp_path / "mcp.log", timeout=30)
+    by_name = {s["function"]["name"]: s["function"] for s in tools.environment_schemas(cls)}
+    row = {"id": 0, "prompt": [{"role": "user", "content": "Wait."}]}
+    ctx = {"environments": {"mcp": cls}, "idle": {"mcp": []}, "alive": [], "prompt_ids": {0: [1, 2]}}
+    wait, echo = ag._call("wait", {"seconds": 60}), ag._call("echo", {"text": "again"})
+
+    async def rollout(env, echoes):
+        functions = {name: getattr(env, name) for name in by_name}
+        waited = await ag.call_tool(wait, by_name, 0.5, functions)
+        echoed = await ag.call_tool(echo, by_name, 30, functions) if echoes else ("again", True)
+        return waited, echoed
+
+    async def twenty():
+        seen, processes, instances = [], [], set()
+        for group in range(4):
+            async with ag.environments(ctx, None, row, 5, 30) as (envs, _, _):
+                instances |= {id(env) for env in envs}
+                # a new session after a timeout, in the first rollout of the first and last groups (a process start
+                # takes seconds on 2 cores)
+                seen += await asyncio.gather(*[rollout(env, i == 0 and group in (0, 3)) for i, env in enumerate(envs)])
+                processes.append(len(running(script)))  # the timed-out calls' sessions and processes ended
+        left = running(script)  # each group's sessions end with it (release): none kept for the next reset
+        await ag.close_environments(ctx, 30)
+        return seen, processes, instances, left
+
+    seen, processes, instances, left = asyncio.run(twenty())
+    assert len(seen) == 20 and all(w == ("Error: wait timed out after 0.5 s", False) for w, _ in seen), seen
+    assert all(e == ("again", True) for _, e in seen)
+    # at the end of each group, the fresh session of its first rollout alone, if any
+    assert processes == [1, 0, 0, 1] and left == [] and running(script) == []
+    assert len(instances) == 5 and len(ctx["idle"]["mcp"]) == 5 and ctx["alive"] == []  # reused, closed at the end
+
+
+def test_a_column_that_reset_needs_and_rows_lack_stops_the_run_at_start_with_one_line(tmp_path):
+    """--env GuessNumber on the arithmetic task's rows, which have no `secret`: before, every group's reset failed until
+    32 in a row were dropped, and the run ended with a traceback blaming "the rewards". Now it stops at start, before the
+    model loads or vLLM starts, with one line naming the flag, the class and the column; so does --eval-every with no
+    row held out (its step-0 line raised KeyError: 'eval/reward'). As a user runs it: a new interpreter each."""
+    cases = [
+        (["--env", "GuessNumber"], "--env GuessNumber: GuessNumber.reset needs the column `secret`, which 5064 of"),
+        (["--eval-every", "2", "--eval-size", "0"], "--eval-every: --eval-size 0 holds no rows out to evaluate"),
+    ]
+    for i, (flags, message) in enumerate(cases):
+        code, out = run_cli(*flags, "--output-dir", str(tmp_path / str(i)), timeout=300)
+        last = out.strip().splitlines()[-1]
+        assert code != 0 and message in last and "Traceback" not in out and "starting vLLM" not in out, out[-2000:]
+        assert not (tmp_path / str(i) / "vllm.log").exists()
+
+
+BROKEN_RESET = '''
+class Broken:
+    def reset(self, **row):
+        raise ValueError(f"no board for prompt {row['id']}")
+
+    def look(self) -> str:
+        """Look at the board."""
+        return "nothing"
+'''
+
+
+def test_groups_dropped_in_a_row_end_the_run_with_one_line_naming_what_failed(server, tmp_path):
+    """An environment whose every reset fails: the run ends after 4 x --prompts-per-step groups in a row were dropped,
+    saying so in one line that names the environment and the reset that failed, not "the rewards", and no traceback.
+    The evaluation at step 0 counts its rows that did not reset (eval/failed), named once, where before they were left
+    out of its mean without a word (and its line raised KeyError: 'eval/reward' when none was left)."""
+    (tmp_path / "broken.py").write_text(BROKEN_RESET)
+    flags = ["--vllm-url", server.url, "--env", f"{tmp_path / 'broken.py'}:Broken", "--prompts-per-step", "2"]
+    flags += ["--eval-every", "1", "--eval-size", "4"]
+    code, out = run_cli(*flags, "--steps", "3", "--output-dir", str(tmp_path / "run"), timeout=300)
+    last = out.strip().splitlines()[-1]
+    assert code == 1 and "Traceback" not in out, out[-3000:]
+    warned = [line for line in out.splitlines() if "held-out rows not evaluated" in line]
+    assert len(warned) == 1 and re.fullmatch(
+        r"warning: 4 held-out rows not evaluated \(eval/failed\); the first: --env Broken: a reset to prompt \d "
+        r"failed: ValueError: no board for prompt \d",
+        warned[0],
+    )
+    assert read_metrics(tmp_path / "run") == [{"step": 0, "policy_version": 0, "eval/failed": 4}]
+    assert re.fullmatch(
+        r"error: 8 groups in a row were dropped \(4 x --prompts-per-step\), none trained; the last: --env Broken: a "
+        r"reset to prompt \d+ failed: ValueError: no board for prompt \d+",
+        last,
+    ), out[-3000:]
+
+
+SLOW_CLOSE = """
+import time
+
+
+class SlowClose(CountedGuess):
+    def close(self):
+        self._note("closing")
+        time.sleep(3)  # a teardown long enough for a signal to come in the middle of it
+        super().close()
+"""
+
+
+def test_a_ctrl_c_during_the_teardown_still_ends_the_run_cleanly_with_nothing_left(server, tmp_path):
+    """Ctrl-C stops the run after its step; while its teardown closes the environments (each close() takes 3 s), a
+    second Ctrl-C and a SIGTERM come. Before, the teardown had given Ctrl-C its default handler back first: the second
+    one raised in the middle of it (a traceback), skipping the rest of it. Now it finishes: every instance closed once,
+    the one-line stop message, the process gone and nothing of it left."""
+    env, events = counted_guess(tmp_path)
+    (tmp_path / "counted.py").write_text(COUNTED_GUESS + SLOW_CLOSE)
+    env = env.replace(":CountedGuess", ":SlowClose")
+
+    def twice():
+        for pid in running(tmp_path / "run"):
+            os.kill(pid, signal.SIGINT)
+        for _ in range(600):  # the teardown is closing the instances
+            if (tmp_path / "events.jsonl").exists() and events()["closing"]:
+                break
+            time.sleep(0.05)
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            for pid in running(tmp_path / "run"):
+                os.kill(pid, sig)
+
+    flags = ("--vllm-url", server.url, "--task", "guess", "--env", env, "--steps", "100", "--max-tokens", "8")
+    code, out, seconds, _ = run_with_fault(tmp_path / "run", *flags, at="step    2/", fault=twice)
+    print(f"the run ended {seconds:.1f} s after the first Ctrl-C")
+    assert code == 1 and "Traceback" not in out, out[-3000:]
+    assert re.fullmatch(
+        r"stopped at step \d+ by signal 2; continue with --resume --output-dir \S+", out.splitlines()[-1]
+    )
+    made = events()["made"]
+    assert events()["closing"] and sorted(events()["closed"]) == sorted(made) == sorted(events()["closing"])
+    assert running(tmp_path / "run") == []
+
+
+def children_of(pid):
+    """Live processes (zombies aside) whose parent is pid."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError):
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            if fields[0] != "Z" and int(fields[1]) == pid:
+                found.append(int(stat.parent.name))
+    return found
+
+
+def test_an_evaluation_holds_no_more_instances_at_once_than_training(server, tmp_path):
+    """--env python --eval-samples 8 at the default --eval-size (64): 9 rollouts a held-out row, each with an
+    interpreter (a process the trainer starts, 3 pipes in it). Before, the evaluation reset every row's 9 instances at
+    once (576 interpreters; a CPU run at --eval-samples 5 held ~1,480 descriptors and died), whatever --max-inflight
+    said; now it holds at most training's bound (2 x --max-inflight rollouts), rows started as others end, beside
+    training's own. Sampled through the run (--steps 0: the evaluation at step 0 alone, while the producer fills
+    training's bound): the trainer's interpreters, at most both bounds, and its descriptors, at most 3 an interpreter
+    and one a request in flight over what it held before the first (and 32 for the run's own files and loops)."""
+    inflight = 16
+    flags = ["--vllm-url", server.url, "--env", "python", "--eval-samples", "8", "--eval-every", "1", "--steps", "0"]
+    flags += ["--max-inflight", str(inflight), "--max-tool-turns", "1", "--output-dir", str(tmp_path / "run")]
+    proc = subprocess.Popen(
+        [sys.executable, str(HERE / "async_grpo.py"), "--cache-dir", CACHE, *flags],
+        cwd=HERE,
+        env=dict(os.environ, PYTHONUNBUFFERED="1"),
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+    counts, done = [], threading.Event()
+
+    def sample():  # (descriptors, interpreters) of the trainer until it ends; stopped once past any bound
+        while not done.is_set():
+            with contextlib.suppress(OSError):
+                counts.append((len(os.listdir(f"/proc/{proc.pid}/fd")), len(children_of(proc.pid))))
+                if counts[-1][1] > 8 * inflight:
+                    os.killpg(proc.pid, signal.SIGKILL)
+            time.sleep(0.05)
+
+    threading.Thread(target=sample, daemon=True).start()
+    try:
+        out, _ = proc.communicate(timeout=900)
+    finally:
+        done.set()
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+    before = max([n for n, children in counts if not children] or [0])  # sandbox.check's interpreter at start aside
+    most, interpreters = max(n for n, _ in counts), max(c for _, c in counts)
+    bound = before + 3 * (2 * inflight + 2 * inflight) + 2 * inflight + 32
+    print(f"trainer: at most {interpreters} interpreters; descriptors {before} before them, at most {most} ({bound})")
+    assert proc.returncode == 0, out[-3000:]
+    assert interpreters <= 2 * inflight + 2 * inflight and most <= bound, out[-3000:]
+    metrics = read_metrics(tmp_path / "run")
+    assert [m["eval/failed"] for m in metrics] == [0] and "eval/pass@8/correct_answer" in metrics[0]
 
 
 def test_bench_tiny_runs_every_part_and_writes_every_field(tmp_path):

@@ -8,16 +8,22 @@ counts as a failure.
 
 Environments: a class, registered in ENVIRONMENTS below (`--env NAME`) or anywhere (`--env path/to/file.py:Class`). Each
 rollout has an instance of its own, never shared by two in flight; an instance is reused after a reset, so no more exist
-than rollouts in flight. Every method may be sync (run in the thread pool) or `async def`, bounded by --tool-timeout:
-    reset(**row)      the dataset row, every column. Returns None, or text appended to the prompt's last message: the
-                      same for the G rollouts of a group (they answer one task), else the group is dropped
+than rollouts in flight (evaluation included). An instance runs one call at a time: calls in one turn run in the order
+the model wrote them. Every method may be sync (in a thread, never on the event loop) or `async def`, bounded by
+--tool-timeout; an async call past it is cancelled and the instance released (its state unknown: its session or process
+ends), a sync one holds its thread and the instance, which takes no further call and is not reused:
+    reset(**row)      the dataset row, every column (a parameter without a default names a column that every row of
+                      the environment must have: checked at start). Returns None, or text appended to the prompt's last
+                      message: the same for the G rollouts of a group (they answer one task), else the group is dropped
     public methods    typed and documented as tools are: the tools the model sees in this environment's rows
     respond(message)  optional: the model ended a turn without a tool call (message: that turn, as the rewards see it).
                       Text is the user's next turn; None ends the rollout. Turns are bounded by --max-tool-turns
     reward()          optional: its score of its final state, the reward `env_reward`; every reward function gets the
                       instances as `environments`. TRL's name, get_reward(), where reward() is absent
-    release()         optional: its group is done (scored); what it holds until its next reset may go (a process)
-    close()           optional: called once per instance at the end of the run, also after an error or Ctrl-C
+    release()         optional: its group is done (scored), or a call timed out; what it holds until its next reset may
+                      go (a process, a session). A method called after it must work again (start afresh), or raise
+    close()           optional: called once per instance at the end of the run, also after an error or Ctrl-C; it and
+                      release() run in a thread of their own if sync: never refused for want of a tool thread
     configured(args)  optional classmethod: the class to run with, given the run's flags; may refuse the run (SystemExit)
 A method that raises or hangs is an error message to the model and a counted failure; a reset that does drops its group
 (counted). One that raises EnvironmentGone (its server or process is gone) ends the run, the last finished step saved.
@@ -36,11 +42,15 @@ must (generated code is hostile input). An `async def` tool runs on the run's ev
 
 import ast
 import asyncio
+import concurrent.futures
+import contextlib
 import importlib.util
+import inspect
 import logging
 import operator
 import re
 import shlex
+import threading
 from fractions import Fraction
 from pathlib import Path
 
@@ -270,6 +280,8 @@ class MCPSession:
         from mcp import MCPError
         from mcp_types import CONNECTION_CLOSED
 
+        if not getattr(self, "session", None):  # released after a call that timed out: a fresh session
+            await self.reset()
         self.used = True
         try:
             result = await self.client.call_tool(name, arguments)
@@ -281,6 +293,12 @@ class MCPSession:
         if result.is_error:
             raise RuntimeError(text)
         return text
+
+    async def release(self):
+        # a session a call may have changed (or one whose call timed out: its state unknown) ends now, its process too:
+        # one kept until the next reset would stay open for good if the instance is not reused
+        if getattr(self, "used", False):
+            await self.close()
 
     async def close(self):
         if getattr(self, "session", None):
@@ -354,6 +372,8 @@ class Python:
         Args:
             code: Python source, e.g. "print(3 + 4)".
         """
+        if self.interpreter is None:  # released after a call that timed out: a fresh interpreter
+            self.interpreter = sandbox.Interpreter(self.memory_mb, self.sandboxed)
         return await self.interpreter.run(code, 0.9 * self.timeout)
 
     async def release(self):
@@ -365,6 +385,81 @@ class Python:
         await self.release()
         # the run ends: every stopped interpreter's bwrap reaped (a thread does it), so that none outlives the run
         await asyncio.to_thread(sandbox.reaped)
+
+
+# --- Environment instances at work: one call at a time, lifecycle methods in threads of their own --------------------
+
+METHOD_TIMEOUT = 10.0  # --tool-timeout (load_environments): what reward() may take, called from env_reward
+_LOCKS = {}  # id(instance) -> (the event loop, an asyncio.Lock): its calls on that loop, one at a time
+
+
+def instance_lock(fn):
+    """The lock of the instance whose method fn is, on the running loop; None for a plain function (a tool of --tools,
+    which holds no state: its calls run concurrently). asyncio's locks are first come, first served: the calls of one
+    turn, started in the order the model wrote them, run in that order, each seeing what the one before left."""
+    instance = getattr(fn, "__self__", None)
+    if instance is None or inspect.isclass(instance) or inspect.ismodule(instance):
+        return None
+    loop = asyncio.get_running_loop()
+    held = _LOCKS.get(id(instance))
+    if held is None or held[0] is not loop:  # a test may run an instance on several loops, one after another
+        held = _LOCKS[id(instance)] = (loop, asyncio.Lock())
+    return held[1]
+
+
+@contextlib.asynccontextmanager
+async def one_call_at_a_time(fn, timeout, hung):
+    """Around a call of fn (its bounded run, in async_grpo.py): after the calls to its instance before it (a plain
+    function: at once). `hung`: ids of the instances in which a sync call goes on past its timeout: they take no other.
+    An async call past its timeout, cancelled, left its instance in a state unknown: released, its session or process
+    ends (tools.py's contract), and its next call starts afresh: nothing is held per timeout."""
+    lock = instance_lock(fn)
+    if lock is None:
+        yield
+        return
+    instance = fn.__self__
+    await asyncio.wait_for(lock.acquire(), timeout)
+    try:
+        if id(instance) in hung:
+            raise RuntimeError("not run: a call of this environment that timed out still runs in it")
+        yield
+    except asyncio.TimeoutError:
+        if id(instance) not in hung and hasattr(instance, "release"):
+            await call_method(instance.release, {}, METHOD_TIMEOUT)
+        raise
+    finally:
+        lock.release()
+
+
+async def call_method(fn, arguments, timeout):
+    """fn(**arguments), a method of an environment's life (reward, release, close), within `timeout` seconds: awaited
+    if async, else in a daemon thread of its own, not one of the tool threads, which calls past their timeout may all
+    hold: it is never refused nor queued, so close() runs whatever the pool holds (and one that hangs keeps a thread
+    the exit does not wait for). An awaitable it returns is awaited too."""
+    if inspect.iscoroutinefunction(fn):
+        running = fn(**arguments)
+    else:
+        done = concurrent.futures.Future()
+
+        def target():
+            try:
+                value = fn(**arguments)
+            except BaseException as e:
+                value = e
+            if not done.set_running_or_notify_cancel():  # its wait ended already
+                return
+            if isinstance(value, BaseException):
+                done.set_exception(value)
+            else:
+                done.set_result(value)
+
+        threading.Thread(target=target, daemon=True, name=f"environment-{fn.__name__}").start()
+        running = asyncio.wrap_future(done)
+    try:
+        value = await asyncio.wait_for(running, timeout)
+        return await asyncio.wait_for(value, timeout) if inspect.isawaitable(value) else value
+    except asyncio.TimeoutError:
+        raise TimeoutError(f"{getattr(fn, '__qualname__', fn)} took more than {timeout} s (--tool-timeout)") from None
 
 
 # FORK: add an environment (a class above, its name here; --env NAME picks it)
@@ -420,6 +515,8 @@ def load_environments(args, log=None):
         raise SystemExit(
             "--rewards env_reward: it is every row's environment's reward() or get_reward() (--env, --task guess)"
         )
+    global METHOD_TIMEOUT
+    METHOD_TIMEOUT = args.tool_timeout
     return environments
 
 
@@ -427,6 +524,31 @@ def reward_method(env):
     """The name of an environment's (class or instance) score of its final state: reward, else TRL's get_reward, else
     None."""
     return next((name for name in ("reward", "get_reward") if callable(getattr(env, name, None))), None)
+
+
+def check_columns(environments, rows, args):
+    """Every row has the columns its environment's reset needs (its parameters without a default), or the run stops
+    here, at start, naming the class, the column and a row: not after groups failed their resets one by one."""
+    source = f"--dataset {args.dataset}" if args.dataset else f"--task {args.task}"
+    for name, cls in environments.items():
+        reset = inspect.getattr_static(cls, "reset", None)
+        parameters = list(inspect.signature(cls.reset).parameters.values())
+        if inspect.isfunction(reset):  # a plain method: its first parameter is the instance
+            parameters = parameters[1:]
+        needed = [
+            p.name
+            for p in parameters
+            if p.default is p.empty and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY, p.POSITIONAL_ONLY)
+        ]
+        own = [row for row in rows if environment_of(row, environments) == name]
+        for column in needed:
+            lacking = [row for row in own if column not in row]
+            if lacking:
+                raise SystemExit(
+                    f"--env {name}: {cls.__name__}.reset needs the column `{column}`, which {len(lacking)} of its "
+                    f"{len(own)} rows of {source} lack (the first: id {lacking[0]['id']!r}); add the column, or give "
+                    "the parameter a default"
+                )
 
 
 def every_tool(schemas, environments):
