@@ -63,16 +63,6 @@ from vllm_server import share_idle_core, start_vllm, stop_vllm, sync_endpoint, s
 from vllm_server import watch_servers
 
 HERE = Path(__file__).resolve().parent
-# a sync tool that waits holds a thread, not the loop
-TOOL_THREADS = ThreadPoolExecutor(64, thread_name_prefix="tool")
-# A slot per thread, taken by a call past its timeout until it returns, late or never (Python cannot stop a
-# thread): with every thread so held, a call is refused at once and counted (tools/refused), not queued behind
-# them to time out unseen; calls merely busy queue. What a sync tool may do (computing holds the interpreter,
-# not a thread): tools.py.
-TOOL_SLOTS = threading.BoundedSemaphore(64)
-TOOLS_REFUSED = [0]  # calls refused so far
-# ids of the environment instances whose sync call went on past its timeout: never reused (environments)
-HUNG = set()
 # What --sampling-args may hold: parameters that end or seed a generation but leave its distribution as the
 # trainer computes it (min_tokens does change it: the trainer holds the stop tokens back in the same places).
 # (every request's seed comes from --seed: request_seed)
@@ -321,7 +311,7 @@ async def env_reply(env, message, args, stats):
     rollout ends. A respond that raises or hangs answers with its error, a failure counted as respond's."""
     if not hasattr(env, "respond"):
         return None
-    reply = call_function(env.respond, {"message": message}, "respond", args.tool_timeout)
+    reply = tools_module.call_function(env.respond, {"message": message}, "respond", args.tool_timeout)
     (reply, ok), _ = await asyncio.gather(reply, asyncio.sleep(args.tool_latency))
     counts = stats["per_tool"].setdefault("respond", [0, 0])
     counts[0] += 1
@@ -338,7 +328,7 @@ async def call_tool(call, schemas_by_name, timeout, functions=tools_module.TOOLS
     errors = argument_errors(schemas_by_name[name], arguments)
     if errors:
         return f"Error: {name}: {'; '.join(errors)}", False
-    return await call_function(functions[name], arguments, name, timeout)
+    return await tools_module.call_function(functions[name], arguments, name, timeout)
 
 
 def rollout_context(tok, schemas, rows, max_model_len=None, stop_ids=None, environments=None):
@@ -589,10 +579,12 @@ class Producer(threading.Thread):
                     self.scoring += 1
                     rewards, parts = await score_group(samples, row, a.reward_weights, envs)
                 except Exception as e:
-                    raise Dropped(f"the rewards of prompt {row['id']} failed: {type(e).__name__}: {e}") from None
+                    raise tools_module.Dropped(
+                        f"the rewards of prompt {row['id']} failed: {type(e).__name__}: {e}"
+                    ) from None
                 finally:
                     self.scoring -= 1
-        except Dropped as e:
+        except tools_module.Dropped as e:
             # the group is not trained (take() reports it), the run goes on
             self.queue.put(DroppedGroup(index, str(e)))
             return
@@ -651,7 +643,7 @@ class Producer(threading.Thread):
             print(f"warning: dropped a group: {item.why}", flush=True)
             if self.failures_in_a_row >= 4 * self.args.prompts_per_step:
                 # save_after_error ends the run with this one line
-                raise Dropped(
+                raise tools_module.Dropped(
                     f"{self.failures_in_a_row} groups in a row were dropped (4 x --prompts-per-step), none "
                     f"trained; the last: {' '.join(item.why.split())}"
                 )
@@ -1616,7 +1608,7 @@ def log_step(run, step, groups, metrics, trained_version):
             # this process's, producer included
             "perf/cpu_seconds": time.process_time() - clock["cpu_start"],
             # so far: calls that found every tool thread held (call_tool)
-            "tools/refused": TOOLS_REFUSED[0],
+            "tools/refused": tools_module.TOOLS_REFUSED[0],
         }
     )
     for s in samples[: args.log_rollouts]:
@@ -1729,7 +1721,7 @@ def evaluate(run):
         try:
             async with slots:
                 return await scored_row(session, i)
-        except Dropped as e:
+        except tools_module.Dropped as e:
             # its environment did not reset or its rewards failed: counted, eval/failed
             return str(e)
 
@@ -1755,7 +1747,9 @@ def evaluate(run):
             try:
                 return await score_group(samples, row, args.reward_weights, envs)
             except Exception as e:
-                raise Dropped(f"the rewards of prompt {row['id']} failed: {type(e).__name__}: {e}") from None
+                raise tools_module.Dropped(
+                    f"the rewards of prompt {row['id']} failed: {type(e).__name__}: {e}"
+                ) from None
 
     async def all_rows():
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=args.data_timeout)) as session:
@@ -1848,7 +1842,7 @@ def save_after_error(run, error):
         )
     logs = f"the vLLM server logs: {', '.join(str(server.log_path) for server in run.servers)}" if run.servers else ""
     # what failed, group after group: a reset, a reward
-    if isinstance(error, Dropped) and not failure:
+    if isinstance(error, tools_module.Dropped) and not failure:
         raise SystemExit(f"error: {error}")
     # a server failed, or did not answer in time
     if failure or isinstance(error, (ConnectionError, TimeoutError)):
@@ -2727,61 +2721,11 @@ def parse_args(argv=None, world_size=1, cuda_count=None, local_ranks=None, heads
 # --- Machinery: tools and environments at work: timeouts, threads, instances --------------------------------
 
 
-async def call_function(fn, arguments, name, timeout):
-    """(fn(**arguments), True) within `timeout` seconds, or (the error for the model, False). Raises
-    EnvironmentGone alone: an environment that cannot go on ends the run (tools.py)."""
-    try:
-        # after the calls to its instance before it
-        async with tools_module.one_call_at_a_time(fn, timeout, HUNG):
-            return await bounded(fn, arguments, timeout), True
-    except asyncio.TimeoutError:
-        return f"Error: {name} timed out after {timeout} s", False
-    except tools_module.EnvironmentGone:
-        raise
-    except Exception as e:
-        # a tool's bug is the model's problem to route around, not the run's
-        return f"Error: {type(e).__name__}: {e}", False
-
-
-async def bounded(fn, arguments, timeout):
-    """fn(**arguments) within `timeout` seconds (arguments a dict: one may be called fn): awaited if async,
-    else in a thread of TOOL_THREADS, where after a timeout it goes on holding a slot (TOOL_SLOTS) and its
-    environment instance, if a method, takes no other call and is not reused; refused at once while every slot
-    is held."""
-    running = None
-    if inspect.iscoroutinefunction(fn):
-        pending = fn(**arguments)
-    elif TOOL_SLOTS.acquire(blocking=False):
-        # a look: some thread is not held by a call past its timeout
-        TOOL_SLOTS.release()
-        running = TOOL_THREADS.submit(fn, **arguments)
-        pending = asyncio.wrap_future(running)
-    else:
-        TOOLS_REFUSED[0] += 1
-        if TOOLS_REFUSED[0] == 1:  # the first; tools/refused counts them all
-            print("warning: a tool call refused: every tool thread is held by a call still running", flush=True)
-        raise RuntimeError("not run: every tool thread is held by a call that has not returned")
-    try:
-        return await asyncio.wait_for(pending, timeout)
-    except asyncio.TimeoutError:
-        # one still queued was cancelled with it; one running holds its thread until it returns
-        if running is not None and not running.cancelled():
-            HUNG.add(id(getattr(fn, "__self__", None)))
-        if running is not None and running.running() and TOOL_SLOTS.acquire(blocking=False):
-            running.add_done_callback(lambda _: TOOL_SLOTS.release())
-        raise
-
-
-class Dropped(Exception):
-    """Why a group is not trained (its environment did not reset, its rewards failed): take() reports and
-    counts it."""
-
-
 @contextlib.asynccontextmanager
 async def environment_instances(ctx, tok, row, n, timeout):
     """n instances of the row's environment (None without one), idle ones reused, reset to the row; the row as
     its rollouts see it (its prompt with what reset said) and its prompt's ids. They are idle again once the
-    group is done. Raises Dropped where a reset fails or the resets say different things: a group answers one
+    group is done. Raises Dropped (tools.py) where a reset fails or the resets say different things: a group answers one
     task."""
     name = tools_module.environment_of(row, ctx.environments)
     if name is None:
@@ -2795,13 +2739,15 @@ async def environment_instances(ctx, tok, row, n, timeout):
             while len(envs) < n:
                 ctx.alive.append(ctx.environments[name]())
                 envs.append(ctx.alive[-1])
-            said = await all_or_none(bounded(env.reset, row, timeout) for env in envs)
+            said = await all_or_none(tools_module.bounded(env.reset, row, timeout) for env in envs)
         except tools_module.EnvironmentGone:
             raise
         except Exception as e:
-            raise Dropped(f"--env {name}: a reset to prompt {row['id']} failed: {type(e).__name__}: {e}") from None
+            raise tools_module.Dropped(
+                f"--env {name}: a reset to prompt {row['id']} failed: {type(e).__name__}: {e}"
+            ) from None
         if any(text != said[0] for text in said):
-            raise Dropped(f"--env {name}: reset said different things to a group, {said[0]!r} and others")
+            raise tools_module.Dropped(f"--env {name}: reset said different things to a group, {said[0]!r} and others")
         prompt_ids = ctx.prompt_ids[row["id"]]
         if said[0]:  # appended to the prompt's last message
             last = {**row["prompt"][-1], "content": row["prompt"][-1]["content"] + str(said[0])}
@@ -2812,7 +2758,7 @@ async def environment_instances(ctx, tok, row, n, timeout):
         # the group is done: what an instance holds until its next reset may go (tools.py: release)
         releasing = [tools_module.call_method(e.release, {}, timeout) for e in envs if hasattr(e, "release")]
         await asyncio.gather(*releasing, return_exceptions=True)
-        idle += [env for env in envs if id(env) not in HUNG]
+        idle += [env for env in envs if id(env) not in tools_module.HUNG]
 
 
 async def close_environments(ctx, timeout):

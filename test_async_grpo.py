@@ -740,8 +740,10 @@ def test_a_full_tool_pool_refuses_a_call_at_once_and_counts_it(monkeypatch):
         text, ok, seconds = results[-1]
         print(f"{held} calls held the tool threads; the next: {text!r} after {seconds * 1e3:.1f} ms")
         assert 0 < held <= 64 and not ok and "not run: every tool thread is held" in text
-        refused = ag.TOOLS_REFUSED[0]
-        assert asyncio.run(ag.call_tool(call, schemas, timeout=0.05))[0] == text and ag.TOOLS_REFUSED[0] == refused + 1
+        refused = tools.TOOLS_REFUSED[0]
+        assert (
+            asyncio.run(ag.call_tool(call, schemas, timeout=0.05))[0] == text and tools.TOOLS_REFUSED[0] == refused + 1
+        )
     finally:
         release.set()
     monkeypatch.setitem(tools.TOOLS, "calculator", tools.calculator)
@@ -5131,7 +5133,7 @@ def test_environments_are_per_rollout_reused_after_reset_routed_by_row_and_their
         (lambda self, **row: str(random.random()), "Tally: reset said different things to a group"),
     ]:
         monkeypatch.setattr(Tally, "reset", reset)
-        with pytest.raises(ag.Dropped, match=error):
+        with pytest.raises(tools.Dropped, match=error):
             play(server.url, tok, ctx, tally, args)
 
     def gone(self, **row):

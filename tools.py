@@ -51,6 +51,7 @@ import operator
 import re
 import shlex
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from fractions import Fraction
 from pathlib import Path
 
@@ -387,7 +388,69 @@ class Python:
         await asyncio.to_thread(sandbox.reaped)
 
 
-# --- Environment instances at work: one call at a time, lifecycle methods in threads of their own --------------------
+# --- Tools and environment instances at work: bounded calls, threads, one call at a time, lifecycle methods ----
+
+# a sync tool that waits holds a thread, not the loop
+TOOL_THREADS = ThreadPoolExecutor(64, thread_name_prefix="tool")
+# A slot per thread, taken by a call past its timeout until it returns, late or never (Python cannot stop a
+# thread): with every thread so held, a call is refused at once and counted (tools/refused), not queued behind
+# them to time out unseen; calls merely busy queue. What a sync tool may do (computing holds the interpreter,
+# not a thread): tools.py.
+TOOL_SLOTS = threading.BoundedSemaphore(64)
+TOOLS_REFUSED = [0]  # calls refused so far
+# ids of the environment instances whose sync call went on past its timeout: never reused (async_grpo.environment_instances)
+HUNG = set()
+
+
+async def call_function(fn, arguments, name, timeout):
+    """(fn(**arguments), True) within `timeout` seconds, or (the error for the model, False). Raises
+    EnvironmentGone alone: an environment that cannot go on ends the run (tools.py)."""
+    try:
+        # after the calls to its instance before it
+        async with one_call_at_a_time(fn, timeout, HUNG):
+            return await bounded(fn, arguments, timeout), True
+    except asyncio.TimeoutError:
+        return f"Error: {name} timed out after {timeout} s", False
+    except EnvironmentGone:
+        raise
+    except Exception as e:
+        # a tool's bug is the model's problem to route around, not the run's
+        return f"Error: {type(e).__name__}: {e}", False
+
+
+async def bounded(fn, arguments, timeout):
+    """fn(**arguments) within `timeout` seconds (arguments a dict: one may be called fn): awaited if async,
+    else in a thread of TOOL_THREADS, where after a timeout it goes on holding a slot (TOOL_SLOTS) and its
+    environment instance, if a method, takes no other call and is not reused; refused at once while every slot
+    is held."""
+    running = None
+    if inspect.iscoroutinefunction(fn):
+        pending = fn(**arguments)
+    elif TOOL_SLOTS.acquire(blocking=False):
+        # a look: some thread is not held by a call past its timeout
+        TOOL_SLOTS.release()
+        running = TOOL_THREADS.submit(fn, **arguments)
+        pending = asyncio.wrap_future(running)
+    else:
+        TOOLS_REFUSED[0] += 1
+        if TOOLS_REFUSED[0] == 1:  # the first; tools/refused counts them all
+            print("warning: a tool call refused: every tool thread is held by a call still running", flush=True)
+        raise RuntimeError("not run: every tool thread is held by a call that has not returned")
+    try:
+        return await asyncio.wait_for(pending, timeout)
+    except asyncio.TimeoutError:
+        # one still queued was cancelled with it; one running holds its thread until it returns
+        if running is not None and not running.cancelled():
+            HUNG.add(id(getattr(fn, "__self__", None)))
+        if running is not None and running.running() and TOOL_SLOTS.acquire(blocking=False):
+            running.add_done_callback(lambda _: TOOL_SLOTS.release())
+        raise
+
+
+class Dropped(Exception):
+    """Why a group is not trained (its environment did not reset, its rewards failed): take() reports and
+    counts it."""
+
 
 METHOD_TIMEOUT = 10.0  # --tool-timeout (load_environments): what reward() may take, called from env_reward
 _LOCKS = {}  # id(instance) -> (the event loop, an asyncio.Lock): its calls on that loop, one at a time
