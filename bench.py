@@ -25,8 +25,9 @@ with every figure, and a plot of reward against wall time.
    prompt and at the default task's shape, on the 25M model, and end to end at the long prompt.
 7. LoRA: the training step at --lora-rank 16 against full fine-tuning on the 25M model (seconds, the peak memory of a
    trainer process), and the bytes a weight sync sends.
-8. long rollouts, the trainer alone (synthetic rollouts, no server): the step's seconds and peak memory in the three
-   layouts (unshared, shared with a mask, packed segments), on CUDA a ~1.5B-shaped model at 8 x (1k + 8k) tokens.
+8. long rollouts, the trainer alone (synthetic rollouts, no server): the step's seconds, tokens/s, MFU (mfu.py) and
+   peak memory in the three layouts (unshared, shared with a mask, packed segments), on CUDA a ~1.5B-shaped model at
+   8 x (1k + 8k) tokens, or Qwen3's 0.6B, 1.7B, 4B widths (--shape); bench_gpu.sh runs it on a lent GPU.
 9. an environment: the built-in game (--task guess), its every answer waiting --tool-latency seconds as a remote
    environment's would: samples/s with --sync and async.
 10. the code interpreter (--env python): sandboxes started at once and the calls/s of all of them running cells; a
