@@ -929,16 +929,17 @@ def train_step(
     for i, micro in enumerate(micros):
         batch = collate(micro, pad_id, device, min_tokens, config=config, dtype=dtype, **layout)
         forwarded += batch["tokens"]
-        # autocast's cache would hold a bf16 copy of every weight it casts until the backward ends, FSDP's gathered
-        # ones too (sharding defeated); without it a weight is cast where it is used (again in a recompute)
+        # autocast's cache would hold a bf16 copy of every weight it casts until the backward ends,
+        # FSDP's gathered ones too (sharding defeated); without it a weight is cast where it is used
+        half = device.type == "cuda"
         with (
             model.no_sync() if i < len(micros) - 1 and hasattr(model, "no_sync") else contextlib.nullcontext(),
-            torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda", cache_enabled=False),
+            torch.autocast(device.type, dtype=torch.bfloat16, enabled=half, cache_enabled=False),
         ):
             logp, removed, entropy = token_logprobs(model, batch, **sampling)
             with torch.no_grad():
                 ref_logp = token_logprobs(reference, batch, **sampling)[0] if reference else None
-            # FSDP2 keeps a root's weights gathered after its forward, for a backward that the reference never runs
+            # FSDP2 keeps a root's weights gathered after its forward, for a backward the reference never runs
             if hasattr(reference, "reshard"):
                 reference.reshard()
             mask = batch["mask"]
@@ -1040,14 +1041,15 @@ class WeightSync:
             for i, url in enumerate(self.urls)
         ]
         self.group = sync_group(host, port, 0, world_size, backend, timeout=self.args.sync_timeout, listener=listener)
-        self.store = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=self.args.sync_timeout))
+        bound = timedelta(seconds=self.args.sync_timeout)
+        self.store = dist.TCPStore(host, port, is_master=False, timeout=bound)
 
         # a server's error answer to its join
         def joining():
             return next((f.exception() for f in joined if f.done() and f.exception()), None)
 
-        # NCCL makes a group's communicator at its first collective, blocking until every rank is in it: one element
-        # sent here, as the workers join and before vLLM pauses, not inside the first bucket's broadcast
+        # NCCL makes a group's communicator at its first collective, blocking until every rank is in it:
+        # one element sent here, as the workers join and before vLLM pauses, not in the first bucket's
         first = [("warm-up", torch.zeros(1, device=next(served_weights(model))[1].device), None)]
         send_weights(self.group, [first], torch.float32, self.args.sync_timeout, joining)
         for future in joined:
@@ -1095,9 +1097,9 @@ class WeightSync:
             for future in received:
                 future.result()
         except Exception as e:
-            # the workers are out of step: the group is aborted (a next sync would make a new one), and every worker
-            # is told through the group's store (arrived): NCCL's abort reaches no other rank, and a worker left
-            # waiting on a broadcast would hold its server until its watchdog ended it
+            # the workers are out of step: the group is aborted (a next sync would make a new one), and
+            # every worker is told through the group's store (arrived): NCCL's abort reaches no other rank,
+            # and a worker left waiting on a broadcast would hold its server until its watchdog ended it
             with contextlib.suppress(Exception):
                 self.store.set("abort", str(e))
             self.group.abort()
@@ -1411,7 +1413,7 @@ def load_policy_and_optimizer(run):
         run.model = torch.nn.parallel.DistributedDataParallel(
             run.policy, device_ids=[run.device.index] if run.device.type == "cuda" else None
         )
-    # fused on CUDA: the foreach default holds a temporary of 4 bytes a trained parameter in its step (memory_share)
+    # fused on CUDA: foreach's step holds a temporary of 4 bytes a trained parameter (memory_share)
     run.optimizer = torch.optim.AdamW(
         [p for p in run.policy.parameters() if p.requires_grad],
         lr=args.lr,
@@ -2100,8 +2102,9 @@ def collate(samples, pad_id, device, min_tokens=0, share=True, config=None, pack
             max(queries),
             max(map(len, keys)),
         )
-        # segment_attention reads the segments, no mask. An empty 4D one is passed on as it is: without it, packed
-        # positions (restarting at each completion) make transformers build a [1, 1, T, T] mask that nothing reads
+        # segment_attention reads the segments, no mask. An empty 4D one is passed on as it is: without
+        # it, packed positions (restarting at each completion) make transformers build a [1, 1, T, T] mask
+        # that nothing reads
         batch["attention_mask"] = torch.ones(1, 1, 0, 0, dtype=torch.bool, device=device)
     elif any(len(members) > 1 for members in rows):
         # -1: padding, which attends to the prompt: no row is all masked
