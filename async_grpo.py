@@ -53,6 +53,7 @@ from torch.nn.attention.varlen import varlen_attn
 import torch.utils.checkpoint
 
 import data as data_module
+import mfu
 import rewards as rewards_module
 import tiny_model
 import tools as tools_module
@@ -922,13 +923,19 @@ def train_step(
     for i, micro in enumerate(micros):
         batch = collate(micro, pad_id, device, min_tokens, config=config, dtype=dtype, **layout)
         forwarded += batch["tokens"]
+        # autocast's cache would hold a bf16 copy of every weight it casts until the backward ends,
+        # FSDP's gathered ones too (sharding defeated); without it a weight is cast where it is used
+        half = device.type == "cuda"
         with (
             model.no_sync() if i < len(micros) - 1 and hasattr(model, "no_sync") else contextlib.nullcontext(),
-            torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"),
+            torch.autocast(device.type, dtype=torch.bfloat16, enabled=half, cache_enabled=False),
         ):
             logp, removed, entropy = token_logprobs(model, batch, **sampling)
             with torch.no_grad():
                 ref_logp = token_logprobs(reference, batch, **sampling)[0] if reference else None
+            # FSDP2 keeps a root's weights gathered after its forward, for a backward the reference never runs
+            if hasattr(reference, "reshard"):
+                reference.reshard()
             mask = batch["mask"]
             normalisers = dict(num_tokens=num_tokens, num_sequences=num_sequences)
             loss, stats = grpo_loss(
@@ -1028,6 +1035,17 @@ class WeightSync:
             for i, url in enumerate(self.urls)
         ]
         self.group = sync_group(host, port, 0, world_size, backend, timeout=self.args.sync_timeout, listener=listener)
+        bound = timedelta(seconds=self.args.sync_timeout)
+        self.store = dist.TCPStore(host, port, is_master=False, timeout=bound)
+
+        # a server's error answer to its join
+        def joining():
+            return next((f.exception() for f in joined if f.done() and f.exception()), None)
+
+        # NCCL makes a group's communicator at its first collective, blocking until every rank is in it:
+        # one element sent here, as the workers join and before vLLM pauses, not in the first bucket's
+        first = [("warm-up", torch.zeros(1, device=next(served_weights(model))[1].device), None)]
+        send_weights(self.group, [first], torch.float32, self.args.sync_timeout, joining)
         for future in joined:
             future.result(self.args.sync_timeout)
 
@@ -1073,7 +1091,11 @@ class WeightSync:
             for future in received:
                 future.result()
         except Exception as e:
-            # the workers are out of step: the group is aborted (a next sync would make a new one)
+            # the workers are out of step: the group is aborted (a next sync would make a new one), and
+            # every worker is told through the group's store (arrived): NCCL's abort reaches no other rank,
+            # and a worker left waiting on a broadcast would hold its server until its watchdog ended it
+            with contextlib.suppress(Exception):
+                self.store.set("abort", str(e))
             self.group.abort()
             self.group = None
             raise ConnectionError(f"the weight sync to {', '.join(self.urls)} failed: {e}") from None
@@ -1340,7 +1362,8 @@ def load_policy_and_optimizer(run):
         shapes = load_policy(run.model_path, empty=True)
         trained = 0 if args.lora_rank else sum(p.numel() for p in shapes.parameters() if p.requires_grad)
         total = torch.cuda.get_device_properties(run.device).total_memory
-        share = memory_share(args, total, sum(p.numel() for p in shapes.parameters()), trained)
+        largest = max(p.numel() for p in shapes.parameters())
+        share = memory_share(args, total, sum(p.numel() for p in shapes.parameters()), trained, largest)
         torch.cuda.set_per_process_memory_fraction(share, run.device)
     if resumed and resumed.get("lora_rank", 0) != args.lora_rank:
         raise SystemExit(
@@ -1390,9 +1413,10 @@ def load_policy_and_optimizer(run):
         run.model = torch.nn.parallel.DistributedDataParallel(
             run.policy, device_ids=[run.device.index] if run.device.type == "cuda" else None
         )
-    # On CPU torch's AdamW loops over the tensors one by one (it picks foreach only on GPUs); fused does the step
-    # in one kernel: 0.35 -> 0.08 CPU s a step on SmolLM2-135M (docs/performance.md)
-    fused = True if run.device.type == "cpu" and not args.fsdp else None
+    # Fused AdamW: on CUDA foreach's step holds a temporary of 4 bytes a trained parameter (memory_share); on CPU
+    # torch loops over the tensors one by one, 0.35 -> 0.08 CPU s a step on SmolLM2-135M (docs/performance.md).
+    # Not on CPU under --fsdp, where its DTensor path was not tested.
+    fused = run.device.type == "cuda" or not args.fsdp
     trained = [p for p in run.policy.parameters() if p.requires_grad]
     run.optimizer = torch.optim.AdamW(trained, lr=args.lr, weight_decay=args.weight_decay, fused=fused)
     run.scheduler = torch.optim.lr_scheduler.LambdaLR(
@@ -1526,6 +1550,17 @@ def train_one_step(run, step):
     if run.is_main:
         run.done_cursor = dict(run.producer.cursor)
         metrics.update({"train/loss_tokens": num_tokens, "perf/wait_seconds": wait_seconds, "sync/seconds": 0.0})
+        # the step's FLOPs (every rank's tokens) over its seconds of training and the devices' peak (mfu.py)
+        metrics |= mfu.step_metrics(
+            run.policy.config.get_text_config(),
+            [s for group in groups for s in group],
+            seconds=time.perf_counter() - t_step - wait_seconds,
+            device=run.device,
+            world_size=run.world_size,
+            share=run.layout["share"],
+            lora=bool(args.lora_rank),
+            tokens=metrics["train/tokens"],
+        )
         metrics["perf/step_seconds"] = time.perf_counter() - t_step
         # save_after_error writes this line if the sync or the evaluation fails
         run.unlogged = [step + 1, groups, metrics, run.version.value]
@@ -2099,6 +2134,10 @@ def collate(samples, pad_id, device, min_tokens=0, share=True, config=None, pack
             max(queries),
             max(map(len, keys)),
         )
+        # segment_attention reads the segments, no mask. An empty 4D one is passed on as it is: without
+        # it, packed positions (restarting at each completion) make transformers build a [1, 1, T, T] mask
+        # that nothing reads
+        batch["attention_mask"] = torch.ones(1, 1, 0, 0, dtype=torch.bool, device=device)
     elif any(len(members) > 1 for members in rows):
         # -1: padding, which attends to the prompt: no row is all masked
         segment = padded(segment, torch.long, -1).to(device)

@@ -26,8 +26,9 @@ with every figure, and a plot of reward against wall time.
    prompt and at the default task's shape, on the 25M model, and end to end at the long prompt.
 7. LoRA: the training step at --lora-rank 16 against full fine-tuning on the 25M model (seconds, the peak memory of a
    trainer process), and the bytes a weight sync sends.
-8. long rollouts, the trainer alone (synthetic rollouts, no server): the step's seconds and peak memory in the three
-   layouts (unshared, shared with a mask, packed segments), on CUDA a ~1.5B-shaped model at 8 x (1k + 8k) tokens.
+8. long rollouts, the trainer alone (synthetic rollouts, no server): the step's seconds, tokens/s, MFU (mfu.py) and
+   peak memory in the three layouts (unshared, shared with a mask, packed segments), on CUDA a ~1.5B-shaped model at
+   8 x (1k + 8k) tokens, or Qwen3's 0.6B, 1.7B, 4B widths (--shape); bench_gpu.sh runs it on a lent GPU.
 9. an environment: the built-in game (--task guess), its every answer waiting --tool-latency seconds as a remote
    environment's would: samples/s with --sync and async.
 10. the code interpreter (--env python): sandboxes started at once and the calls/s of all of them running cells; a
@@ -52,8 +53,10 @@ from pathlib import Path
 import torch
 
 import async_grpo as ag
+import mfu
 import rewards
 import tiny_model as tiny
+import vllm_server
 import vllm_server
 
 
@@ -534,13 +537,14 @@ def step_cost(model, samples, flags, reps, packed=False):
     """The training step on a batch, on the model's device: median seconds, the peak memory above the step's start
     (CUDA: the allocator's; CPU, Linux: the resident high-water mark, reset through /proc/self/clear_refs before each
     step: tensors this large are mapped and unmapped whole, so the mark follows them), the loss and the tokens
-    forwarded. packed: collate's segments (the model routed through ag.segment_attention). lr 0: every repetition
-    trains the same model."""
+    forwarded; on CUDA also the allocator's highest mark (allocated_peak_mb: weights, gradients and AdamW's state
+    with it). packed: collate's segments (the model routed through ag.segment_attention). lr 0: every repetition
+    trains the same model; AdamW fused on CUDA, as a run makes it."""
     device = next(model.parameters()).device
     run_args = ag.parse_args(["--output-dir", "unused", *flags])
     layout = {"share": run_args.share_prefix, "packed": packed}
-    optimizer = torch.optim.AdamW(model.parameters(), lr=0.0)
-    num_tokens, peaks, stats, cpu = sum(len(s["mask"]) for s in samples), [], [], []
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.0, fused=device.type == "cuda")  # the run's
+    num_tokens, peaks, stats, cpu, whole = sum(len(s["mask"]) for s in samples), [], [], [], []
 
     def step():
         cpu.append(time.process_time())
@@ -555,6 +559,7 @@ def step_cost(model, samples, flags, reps, packed=False):
         )
         if device.type == "cuda":
             peaks.append((torch.cuda.max_memory_allocated(device) - start) / 2**20)
+            whole.append(torch.cuda.max_memory_allocated(device) / 2**20)  # weights, gradients, AdamW's state too
         else:
             peaks.append(memory_mb("VmHWM") - start)
         cpu[-1] = time.process_time() - cpu[-1]
@@ -564,6 +569,7 @@ def step_cost(model, samples, flags, reps, packed=False):
         "seconds": seconds,
         "cpu_seconds": statistics.median(cpu[1:]),  # this process's: steadier than the wall time on a loaded machine
         "peak_mb": statistics.median(peaks[1:]),
+        "allocated_peak_mb": max(whole, default=None),
         "loss": stats[-1]["loss"],
         "tokens": stats[-1]["train/tokens"],
     }
@@ -609,11 +615,16 @@ def truncation_cost(args):
 
 
 # The trainer-only bench's shapes: Qwen2.5-1.5B's widths on CUDA (random weights) with the issue's 8 x (1k + 8k), a
-# small model on CPU where sharing pays (long prompt, short completions), and a tiny one for the test.
+# small model on CPU where sharing pays (long prompt, short completions), and a tiny one for the test. --shape picks
+# Qwen3's own (0.6B, 1.7B, 4B: the widths of the MFU anchors of prime-rl and TRL), with --group/--prompt/--new.
+QWEN3 = dict(vocab=151936, head_dim=128, kv_heads=8, group=8, prompt=1024, new=7168)
 TRAINER_SHAPES = {
     "cuda": dict(hidden=1536, layers=28, heads=12, kv_heads=2, ffn=8960, vocab=151936, group=8, prompt=1024, new=8192),
     "cpu": dict(hidden=256, layers=4, heads=4, kv_heads=2, ffn=704, vocab=32768, group=8, prompt=1024, new=256),
     "tiny": dict(hidden=128, layers=2, heads=2, kv_heads=1, ffn=352, vocab=4096, group=4, prompt=48, new=32),
+    "qwen3-0.6b": dict(QWEN3, hidden=1024, layers=28, heads=16, ffn=3072),
+    "qwen3-1.7b": dict(QWEN3, hidden=2048, layers=28, heads=16, ffn=6144),
+    "qwen3-4b": dict(QWEN3, hidden=2560, layers=36, heads=32, ffn=9728),
 }
 LAYOUTS = {"unshared": (["--no-share-prefix"], False), "shared": ([], False), "packed": ([], True)}
 
@@ -627,8 +638,9 @@ def trainer_only(args):
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    shape = dict(TRAINER_SHAPES["tiny" if args.tiny else device.type])
+    shape = dict(TRAINER_SHAPES[args.shape or ("tiny" if args.tiny else device.type)])
     shape.update({k: getattr(args, k) for k in ("group", "prompt", "new") if getattr(args, k)})
+    layouts = {k: v for k, v in LAYOUTS.items() if k in args.layouts.split(",")}
     config = Qwen3Config(
         vocab_size=shape["vocab"],
         hidden_size=shape["hidden"],
@@ -636,7 +648,7 @@ def trainer_only(args):
         num_hidden_layers=shape["layers"],
         num_attention_heads=shape["heads"],
         num_key_value_heads=shape["kv_heads"],
-        head_dim=shape["hidden"] // shape["heads"],
+        head_dim=shape.get("head_dim", shape["hidden"] // shape["heads"]),
         max_position_embeddings=shape["prompt"] + 8 * shape["new"],
         tie_word_embeddings=True,
     )
@@ -648,14 +660,27 @@ def trainer_only(args):
     new = (shape["new"], shape["new"] + 1)
     samples = random_samples(shape["group"], shape["vocab"], shape["prompt"], new, shape["group"])
     results = {"device": torch.cuda.get_device_name() if device.type == "cuda" else f"{os.cpu_count()} CPU cores"}
-    results |= {"shape": shape, "params": sum(p.numel() for p in model.parameters())}
-    for layout, (flags, packed) in LAYOUTS.items():
+    params = sum(p.numel() for p in model.parameters())
+    peak, label = mfu.peak_flops(device)
+    results |= {"shape": shape, "params": params, "peak_flops": peak, "peak": label, "layouts": list(layouts)}
+    # what memory_share counts for this model before activations (trainer_bytes), against the allocator's peak
+    run_args = ag.parse_args(["--output-dir", "unused"])
+    predicted = vllm_server.trainer_bytes(run_args, params, params, max(p.numel() for p in model.parameters()))
+    results["memory_share_bytes"] = predicted
+    for layout, (flags, packed) in layouts.items():
         if packed:
-            ag.use_segments(
-                model
-            )  # without segments (the other layouts) it runs SDPA as before: done last all the same
+            # without segments (the other layouts) it runs SDPA as before: done last all the same
+            ag.use_segments(model)
         results[layout] = step_cost(model, samples, flags, args.reps, packed=packed)
+        flops, tokens = mfu.step_flops(config, samples, share=layout != "unshared", tokens=results[layout]["tokens"])
+        results[layout] |= {
+            "flops": flops,
+            "tokens_per_second": tokens / results[layout]["seconds"],
+            "mfu": flops / results[layout]["seconds"] / peak,
+        }
         print(layout, results[layout], flush=True)
+    if args.no_collate:
+        return results
     results["collate_host_seconds"] = {}
     for n in (shape["new"] // 4, shape["new"] // 2, shape["new"], 2 * shape["new"]):
         group = random_samples(shape["group"], shape["vocab"], shape["prompt"], (n, n + 1), shape["group"])
@@ -663,7 +688,7 @@ def trainer_only(args):
             layout: timed(
                 lambda: ag.collate(group, 0, device, share=not flags, config=config, packed=packed), args.reps
             )
-            for layout, (flags, packed) in LAYOUTS.items()
+            for layout, (flags, packed) in layouts.items()
         }
     return results
 
@@ -672,17 +697,21 @@ def print_trainer(r):
     s = r["shape"]
     print(
         f"trainer alone, {r['device']}, a {r['params'] / 1e6:.0f}M-parameter Qwen3 (hidden {s['hidden']}, {s['layers']} "
-        f"layers, vocabulary {s['vocab']}), {s['group']} x ({s['prompt']} + {s['new']}) tokens:"
+        f"layers, vocabulary {s['vocab']}), {s['group']} x ({s['prompt']} + {s['new']}) tokens; MFU against "
+        f"{r['peak_flops'] / 1e12:.3g} TFLOP/s ({r['peak']}):"
     )
-    for layout in LAYOUTS:
+    for layout in r["layouts"]:
         m = r[layout]
         print(
-            f"  {layout:9s} step {m['seconds']:7.2f} s ({m['cpu_seconds']:.2f} s of CPU), peak {m['peak_mb']:8.0f} MB above the step's start, "
-            f"{m['tokens']:.0f} tokens forwarded, loss {m['loss']:.6f}"
+            f"  {layout:9s} step {m['seconds']:7.2f} s ({m['cpu_seconds']:.2f} s of CPU), peak {m['peak_mb']:8.0f} MB "
+            f"above the step's start, {m['tokens']:.0f} tokens forwarded, {m['tokens_per_second']:.0f} tokens/s, MFU "
+            f"{100 * m['mfu']:.1f}%, loss {m['loss']:.6f}"
         )
-    print("  collate's host seconds (unshared / shared / packed) by completion length:")
-    for n, t in r["collate_host_seconds"].items():
-        print(f"    {n:6d}: " + " / ".join(f"{t[layout]:.4f}" for layout in LAYOUTS))
+    print(f"  memory_share counts {sum(r['memory_share_bytes'].values()) / 2**30:.2f} GiB before activations")
+    if "collate_host_seconds" in r:
+        print(f"  collate's host seconds ({' / '.join(r['layouts'])}) by completion length:")
+        for n, t in r["collate_host_seconds"].items():
+            print(f"    {n:6d}: " + " / ".join(f"{t[layout]:.4f}" for layout in r["layouts"]))
 
 
 def long_prompt_rows(path, n, tokens):
@@ -1251,6 +1280,15 @@ def main():
     p.add_argument("--group", type=int, default=None, help="--trainer: rollouts per prompt (default: by device)")
     p.add_argument("--prompt", type=int, default=None, help="--trainer: prompt tokens (default: by device)")
     p.add_argument("--new", type=int, default=None, help="--trainer: completion tokens (default: by device)")
+    p.add_argument(
+        "--shape",
+        choices=[k for k in TRAINER_SHAPES if k.startswith("qwen3")],
+        help="--trainer: a Qwen3 model's widths",
+    )
+    p.add_argument(
+        "--layouts", default=",".join(LAYOUTS), help="--trainer: which of unshared,shared,packed (comma-separated)"
+    )
+    p.add_argument("--no-collate", action="store_true", help="--trainer: skip collate's host seconds")
     p.add_argument("--env", action="store_true", help="only the environment measurements (env.json)")
     p.add_argument("--python", action="store_true", help="only the code interpreter's measurements (python.json)")
     p.add_argument(

@@ -35,9 +35,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import async_grpo as ag
 import data
+import mfu
 import rewards
 import sandbox
 import tiny_model as tiny
@@ -56,6 +58,8 @@ REQUIRED_METRICS = {
     "tools/call_frequency",
     "tools/failure_frequency",
     "perf/step_seconds",
+    "perf/mfu",
+    "perf/tokens_per_second",
 }
 
 
@@ -1460,7 +1464,8 @@ def test_every_launch_command_of_the_docs_plans_its_devices(capsys):
 
 def test_the_one_gpu_memory_plan_holds_the_trainer_to_what_the_server_leaves_and_refuses_what_cannot_fit(tiny_model):
     """memory_share's arithmetic, on CPU: the trainer gets the GPU less the server's share, 1 GiB and two sync buckets;
-    it needs 4 bytes a parameter, 12 more a trained one, 4 for the --beta reference; the server's share holds twice its
+    it needs 4 bytes a parameter, 12 more a trained one, 4 for the --beta reference, 2 without gradient checkpointing,
+    8 for each of the largest weight's (trainer_bytes, each part in the refusal); the server's share holds twice its
     bf16 weights. Refusals give the numbers and what to change. README.md's one-GPU sizes follow from it: each fits,
     10% more does not. The parameter counts come from the model's shapes alone (the meta device)."""
     GiB = 2**30
@@ -1470,11 +1475,22 @@ def test_the_one_gpu_memory_plan_holds_the_trainer_to_what_the_server_leaves_and
     with pytest.raises(SystemExit) as refused:
         ag.memory_share(args, 24 * GiB, 3e9, 3e9)
     assert str(refused.value) == (
-        "one GPU of 24 GiB cannot hold both: the trainer needs 44.7 GiB before activations (3.00B parameters, 3.00B "
-        "of them trained) and gets 15.8 GiB; vLLM's share (--vllm-gpu-memory 0.3) is 7.2 GiB, at least twice its 5.6 "
-        "GiB of weights (the rest: its KV cache). Train a LoRA adapter (--lora-rank 16), a smaller model, or give vLLM "
-        "a GPU of its own (--vllm-gpus)"
+        "one GPU of 24 GiB cannot hold both: the trainer needs 44.7 GiB before activations (weights 11.2 GiB, "
+        "gradients and AdamW's moments 33.5 GiB; 3.00B parameters, 3.00B of them trained) and gets 15.8 GiB; vLLM's "
+        "share (--vllm-gpu-memory 0.3) is 7.2 GiB, at least twice its 5.6 GiB of weights (the rest: its KV cache). "
+        "Train a LoRA adapter (--lora-rank 16), a smaller model, or give vLLM a GPU of its own (--vllm-gpus)"
     )
+    # what else a step holds: the output layer's bf16 copy and gradients in flight (8 bytes each of its parameters),
+    # and without gradient checkpointing the bf16 copy of every weight that autograd keeps (2 bytes a parameter)
+    head = 151936 * 2048
+    with pytest.raises(SystemExit, match=r"needs 20\.2 GiB .*largest weight's 2\.3 GiB; 1\.20B parameters"):
+        ag.memory_share(args, 24 * GiB, 1.2e9, 1.2e9, head)
+    ag.memory_share(args, 24 * GiB, 0.9e9, 0.9e9, head)
+    unchecked = ag.parse_args(["--output-dir", "unused", "--no-gradient-checkpointing"], 1, 1, 1)
+    parts = vllm_server.trainer_bytes(unchecked, 1e9, 1e9, head)
+    assert parts == {**vllm_server.trainer_bytes(args, 1e9, 1e9, head), "bf16 copies": 2e9}
+    with pytest.raises(SystemExit, match=r"\(weights 3\.4 GiB, gradients and AdamW's moments 10\.1 GiB, bf16 copies"):
+        ag.memory_share(unchecked, 24 * GiB, 0.9e9, 0.9e9, head)
     ag.memory_share(args, 24 * GiB, 1.8e9, 0)  # LoRA: the trained adapter is small (left to the margin)
     ag.memory_share(args, 24 * GiB, 0.9e9, 0.9e9)
     beta = ag.parse_args(["--output-dir", "unused", "--beta", "0.04"], 1, 1, 1)
@@ -1686,14 +1702,15 @@ def test_lora_sync_is_exact_and_sends_only_the_modules_an_adapter_can_change(ser
     model = ag.with_lora(ag.load_policy(tiny_model), args)
     base = {name: p.detach().clone() for name, p, _ in ag.served_weights(model, include_frozen=True)}
     sent, send = [], ag.send_weights
-    monkeypatch.setattr(
-        ag,
-        "send_weights",
-        lambda group, buckets, *rest: (
-            sent.append({name: p.numel() for bucket in buckets for name, p, _ in bucket}),
-            send(group, buckets, *rest),
-        ),
-    )
+
+    def recorded(
+        group, buckets, *rest
+    ):  # each sync's weights (not the one element that makes the group's communicator)
+        if buckets[0][0][0] != "warm-up":
+            sent.append({name: p.numel() for bucket in buckets for name, p, _ in bucket})
+        return send(group, buckets, *rest)
+
+    monkeypatch.setattr(ag, "send_weights", recorded)
     sync = ag.WeightSync([server.url], args, torch.bfloat16, ag.PolicyVersion())
     sync(model, include_frozen=True)  # what --vllm-url does first: the server may hold another test's weights
     torch.manual_seed(0)
@@ -1759,6 +1776,53 @@ def sync_to_a_second_process(tmp_path, host, listener, device, buckets):
     finally:
         receiver.kill()
     return torch.load(tmp_path / "received.pt")
+
+
+ABORTED_RECEIVER = """
+import os, sys, torch, torch.distributed as dist
+from datetime import timedelta
+import vllm_server
+host, port = sys.argv[1], int(sys.argv[2])
+group = vllm_server.sync_group(host, port, 1, 2, "gloo", 60)
+store = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=60))
+work = group.broadcast(torch.empty(1000), 0)  # a bucket that never comes
+try:
+    vllm_server.arrived(work, store)
+    print("the broadcast arrived", flush=True)
+except ConnectionError as e:
+    print(e, flush=True)
+    group.abort()  # as the worker does (receive_weights)
+# as a vLLM worker, which lives on: the interpreter's teardown would wait on the broadcast still posted
+os._exit(0)
+"""
+
+
+def test_a_worker_waiting_on_a_bucket_stops_when_the_trainer_aborts_the_sync(tmp_path):
+    """After a failed sync the trainer's abort reaches no other rank under NCCL: a worker of another server stayed in its
+    broadcast until NCCL's watchdog ended it. A worker waits through arrived(), which also reads the group's store:
+    here a receiver (torch alone, no vLLM) waits on a bucket the trainer never sends, over a group that stays up (gloo
+    would otherwise report a closed peer, as NCCL does not); the trainer sets the abort key as WeightSync does after
+    a failure, and the receiver's wait ends with the trainer's reason, long before the group's own bound (120 s)."""
+    (tmp_path / "receiver.py").write_text(ABORTED_RECEIVER)
+    host, listener = ag.sync_endpoint(["http://127.0.0.1:8000"])
+    port = listener.getsockname()[1]
+    receiver = subprocess.Popen(
+        [sys.executable, str(tmp_path / "receiver.py"), host, str(port)],
+        env=dict(os.environ, PYTHONPATH=str(HERE)),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        group = ag.sync_group(host, port, 0, 2, "gloo", 60, listener)
+        store = torch.distributed.TCPStore(host, port, is_master=False, timeout=ag.timedelta(seconds=60))
+        store.set("abort", "a server failed")
+        out = receiver.communicate(timeout=60)[0]
+        assert receiver.returncode == 0, out[-3000:]
+        assert "the trainer aborted the sync: a server failed" in out, out[-3000:]
+        group.abort()
+    finally:
+        receiver.kill()
 
 
 @pytest.mark.parametrize(
@@ -2185,6 +2249,8 @@ def test_learning_through_the_whole_loop(server, tmp_path, mode):
     assert code == 0, out[-3000:]
     before, *metrics = read_metrics(tmp_path)  # step 0: the evaluation before the first update
     assert before["step"] == 0 and len(metrics) == 16 and REQUIRED_METRICS <= set(metrics[-1])
+    # on the CPU: the FLOPs of a step's tokens over its seconds and the fp32 matmul rate measured (mfu.py), a share
+    assert all(0 < m["perf/mfu"] < 1 and m["perf/tokens_per_second"] > 0 for m in metrics), metrics[-1]
     first = np.mean([m["reward/mean"] for m in metrics[:4]])
     last = np.mean([m["reward/mean"] for m in metrics[-4:]])
     evals = [m["eval/correct_answer"] for m in metrics if "eval/correct_answer" in m]  # at steps 8 and 16
@@ -2987,6 +3053,87 @@ json.dump({"weights": all(torch.equal(p.full_tensor(), whole.get_parameter(n)) f
           open(f"{out}.rank{rank}.json", "w"))
 dist.destroy_process_group()
 """
+
+
+FSDP_CASTS = """
+import json, sys, weakref, torch, torch.distributed as dist
+from torch.distributed.tensor import DTensor
+from torch.utils._python_dispatch import TorchDispatchMode
+from transformers import Qwen3Config, Qwen3ForCausalLM
+import async_grpo as ag
+cache, out = sys.argv[1] == "cache", sys.argv[2]
+dist.init_process_group("gloo")
+world, real = dist.get_world_size(), torch.autocast
+# train_step's autocast as CUDA runs it (bf16), here on the CPU, where the run has none; "cache": with its cache on, as before
+cuda_like = lambda device_type, dtype, enabled, cache_enabled=True: real("cpu", dtype, True, cache or cache_enabled)
+torch.autocast = cuda_like
+config = Qwen3Config(vocab_size=512, hidden_size=256, intermediate_size=704, num_hidden_layers=4,
+                     num_attention_heads=4, num_key_value_heads=2, head_dim=64, tie_word_embeddings=True)
+torch.manual_seed(0)
+model, reference = Qwen3ForCausalLM(config), Qwen3ForCausalLM(config).requires_grad_(False)
+model.gradient_checkpointing_enable()  # on CUDA by default
+params = sum(p.numel() for p in model.parameters())
+shapes = {tuple(p.shape) for p in model.parameters()}
+model, reference = ag.shard(model), ag.shard(reference)
+optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)  # the run's on CUDA: DTensor shards too
+
+
+class Casts(TorchDispatchMode):  # every bf16 copy of a weight, and the most bytes of them alive at once
+    def __init__(self):
+        super().__init__()
+        self.alive, self.peak, self.count = [], 0, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        result = func(*args, **(kwargs or {}))
+        if func is torch.ops.aten._to_copy.default and result.dtype == torch.bfloat16 and tuple(result.shape) in shapes:
+            self.alive.append(weakref.ref(result))
+            self.count += 1
+        held = sum(t().untyped_storage().nbytes() for t in self.alive if t() is not None)
+        self.peak = max(self.peak, held)
+        return result
+
+
+args = ag.parse_args(["--output-dir", "unused", "--fsdp", "--beta", "0.04"], world)
+samples = [{"ids": [3 + (5 * i + n) % 500 for i in range(n)], "n_prompt": 6, "mask": [1] * (n - 6),
+            "logprobs": [-2.0] * (n - 6), "advantage": 1.0 - 2 * (j % 2)} for j, n in enumerate([30, 40, 50, 60])]
+before = [p.to_local().clone() for p in model.parameters()]
+with Casts() as casts:
+    stats = ag.train_step(model, optimizer, samples, 200, 4, args, torch.device("cpu"), world, reference=reference)
+json.dump({"peak": casts.peak, "casts": casts.count, "params": params, "loss": stats["loss"],
+           "stepped": any(not torch.equal(a, p.to_local()) for a, p in zip(before, model.parameters())),
+           "reference_sharded": all(isinstance(p, DTensor) for p in reference.parameters())},
+          open(f"{out}.rank{dist.get_rank()}.json", "w"))
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.parametrize("cache", ["cache", "no_cache"])
+def test_fsdp_ranks_hold_a_shard_of_the_bf16_weights_not_a_copy_of_all_and_the_reference_reshards(tmp_path, cache):
+    """train_step under FSDP2 on two ranks (gloo), with CUDA's autocast (bf16) reproduced on the CPU, where a run has
+    none (torch.autocast replaced in the ranks: the one stand-in, for a device this machine lacks), and gradient
+    checkpointing as on CUDA. Every bf16 copy of a weight any op makes is watched: as the run sets autocast (its cache
+    off) a rank holds at most its shard's share of them at once (2 bytes x parameters / 2; one layer's and the head's
+    are), where the cache (the control) kept nearly every weight's until the backward ended. The --beta reference's
+    weights are all shards again after the step (FSDP2 kept its root gathered), and fused AdamW steps the shards."""
+    (tmp_path / "casts.py").write_text(FSDP_CASTS)
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", str(tmp_path / "casts.py")]
+        + [cache, str(tmp_path / "out")],
+        cwd=HERE,
+        env=dict(os.environ, PYTHONPATH=str(HERE)),
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    for rank in range(2):
+        got = json.loads((tmp_path / f"out.rank{rank}.json").read_text())
+        print(cache, rank, got)
+        assert got["casts"] > 0 and got["stepped"] and math.isfinite(got["loss"]) and got["reference_sharded"], got
+        share = 2 * got["params"] / 2
+        assert (got["peak"] <= share) == (cache == "no_cache"), (got["peak"], share)
+        assert cache == "no_cache" or got["peak"] > 0.9 * 2 * got["params"], got  # the control: nearly all of them
 
 
 def test_fsdp_reads_the_checkpoint_on_rank_0_alone_and_every_rank_gets_its_shards(tiny_model, tmp_path):
@@ -6752,7 +6899,10 @@ def test_segments_equal_the_mask_path_in_logprobs_and_gradients_with_sliding_win
         if packed:
             assert ag.use_segments(model)
         batch = ag.collate(samples, 0, "cpu", share=share, config=config, packed=packed)
-        assert ("segments" in batch, "attention_mask" in batch) == (packed, layout == "mask")
+        masks = batch.get("attention_mask")
+        masks = list(masks.values()) if isinstance(masks, dict) else [masks]
+        masked = any(torch.is_tensor(m) and m.numel() > 0 for m in masks)  # packed: an empty one
+        assert ("segments" in batch, masked) == (packed, layout == "mask")
         model.zero_grad()
         logp, removed, _ = ag.token_logprobs(model, batch, top_p=0.9, served_dtype=torch.float32)
         weights = torch.randn(logp.shape, generator=torch.Generator().manual_seed(1)) * (batch["cols"] >= 0)
@@ -6764,6 +6914,131 @@ def test_segments_equal_the_mask_path_in_logprobs_and_gradients_with_sliding_win
         for got, expected in zip(results["segments"][:3], results[layout][:3]):
             torch.testing.assert_close(got, expected, rtol=0, atol=2e-5 * max(1.0, expected.abs().max().item()))
     assert results["segments"][2].abs().max() > 0 and results["segments"][1].max() > 0  # a gradient, a truncation
+
+
+class SquareTensors(TorchDispatchMode):
+    """Counts the tensors any op makes whose last two dimensions are [T, T] (a dense attention mask over T tokens)."""
+
+    def __init__(self, tokens):
+        super().__init__()
+        self.tokens = tokens
+        self.shapes = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else [out]:
+            if isinstance(t, torch.Tensor) and t.dim() >= 2 and tuple(t.shape[-2:]) == (self.tokens, self.tokens):
+                self.shapes.append((func.__name__, tuple(t.shape)))
+        return out
+
+
+@pytest.mark.parametrize("family", ["qwen3", "mistral", "qwen2", "gemma3"])
+def test_packed_micro_batches_build_no_dense_mask_in_forward_or_backward(family):
+    """Packed rows restart their positions at each completion: transformers takes that for packing and, given no mask,
+    built a [1, 1, T, T] one for every layer type (a window model two) that segment_attention never read, 1 GiB at
+    32,768 tokens, kept by each checkpointed layer. Every op of collate, the forward and the backward is watched: on
+    the packed path none makes a [T, T] tensor; on the mask path (the control: the counter sees masks) collate does."""
+    model = small_model(family, window=4 if family != "qwen3" else None)
+    model.gradient_checkpointing_enable()
+    samples = [
+        {"ids": p + c, "n_prompt": len(p), "mask": [1] * len(c), "logprobs": [0.0] * len(c), "advantage": 1.0}
+        for p, c in [([1, 2, 3, 4, 5], list(range(6, 30))), ([1, 2, 3, 4, 5], [31, 32, 33])]
+        + [([7, 8], [9, 10, 11, 12, 13, 14, 15]), ([7, 8], [16])]
+    ]
+    for packed in (False, True):
+        if packed:
+            assert ag.use_segments(model)
+        tokens = ag.collate(samples, 0, "cpu", config=model.config, packed=packed)["input_ids"].shape[1]
+        with SquareTensors(tokens) as square:
+            batch = ag.collate(samples, 0, "cpu", config=model.config, packed=packed)
+            ag.token_logprobs(model, batch)[0].sum().backward()
+        assert bool(square.shapes) != packed, (packed, square.shapes)
+
+
+@pytest.mark.parametrize("family", ["qwen3", "mistral", "qwen2", "gemma3"])
+def test_mfu_counts_the_models_own_weights_and_the_pairs_its_mask_attends(family):
+    """mfu.py against the model itself: the multiply-adds a token makes in the decoder layers' and the output layer's
+    weights are the numbers of those Linear weights; the pairs counted for a shared group are the entries collate's
+    mask lets attend (each layer type's, a window of 4 included); unshared, each sequence's causal triangle. The step's
+    FLOPs: 6 a weight a token (4 with LoRA) and 12 x heads x head_dim a pair a layer."""
+    model = small_model(family, window=4 if family != "qwen3" else None)
+    config = model.config
+    linear = sum(
+        m.weight.numel() for layer in ag.decoder_layers(model) for m in layer.modules() if type(m).__name__ == "Linear"
+    )
+    assert mfu.weights_per_token(config) == (linear, model.get_output_embeddings().weight.numel())
+    g = torch.Generator().manual_seed(0)
+    groups = []
+    for n, lengths in [(5, [24, 3, 0]), (2, [7, 1]), (9, [2])]:
+        prompt = torch.randint(1, 60, (n,), generator=g).tolist()
+        groups.append(
+            [{"ids": prompt + torch.randint(1, 60, (c,), generator=g).tolist(), "n_prompt": n} for c in lengths]
+        )
+    window = getattr(config, "sliding_window", None)
+    every = ["sliding_attention" if window else "full_attention"] * config.num_hidden_layers  # Mistral's: no types
+    layer_types = getattr(config, "layer_types", None) or every
+    types = set(layer_types)
+    for kind in types:
+        w = window if kind == "sliding_attention" else None
+        attended = 0
+        for group in groups:
+            samples = [
+                {
+                    **s,
+                    "mask": [1] * (len(s["ids"]) - s["n_prompt"]),
+                    "logprobs": [0.0] * (len(s["ids"]) - s["n_prompt"]),
+                    "advantage": 0.0,
+                }
+                for s in group
+            ]
+            batch = ag.collate(samples, 0, "cpu", config=config)
+            mask = batch.get("attention_mask")
+            mask = mask.get(kind) if isinstance(mask, dict) else mask
+            if mask is None:  # one completion: its row attends causally, as the model does alone
+                attended += sum(min(p + 1, w or p + 1) for p in range(len(group[0]["ids"])))
+            else:
+                assert mask.shape[:2] == (1, 1)  # one row a group
+                attended += int((mask == 0).sum())
+        samples = [s for group in groups for s in group]
+        assert mfu.attention_pairs(samples, True, w)[0] == attended, kind
+        whole = sum(min(p + 1, w or p + 1) for s in samples for p in range(len(s["ids"])))
+        assert mfu.attention_pairs(samples, False, w)[0] == whole
+    samples = [s for group in groups for s in group]
+    tokens = sum(len(s["ids"]) for s in samples)
+    completions = sum(len(s["ids"]) - s["n_prompt"] for s in samples)
+    pairs = sum(
+        mfu.attention_pairs(samples, False, window if t == "sliding_attention" else None)[0] for t in layer_types
+    )
+    per_pair = 12 * config.num_attention_heads * config.head_dim
+    for lora, per_weight in [(False, 6), (True, 4)]:
+        expected = (
+            per_weight * (linear * tokens + completions * config.vocab_size * config.hidden_size) + per_pair * pairs
+        )
+        assert mfu.step_flops(config, samples, share=False, lora=lora) == (expected, tokens)
+    assert mfu.step_flops(config, samples, share=True)[1] == tokens - 2 * 5 - 2  # a prompt once a group
+
+
+def test_mfu_over_the_peak_of_a_data_sheet_or_a_matmul_measured_once():
+    """perf/mfu is the step's FLOPs over seconds x ranks x the peak: a GPU's from PEAKS by its name, elsewhere a
+    matmul rate measured once a process (the second call measures nothing) and labelled as measured."""
+    assert mfu.causal_pairs(0, 10) == 55 and mfu.causal_pairs(3, 10, window=4) == sum(
+        min(p + 1, 4) for p in range(3, 10)
+    )
+    mfu.MEASURED.clear()
+    flops, label = mfu.peak_flops("cpu")
+    assert flops > 0 and "measured" in label and "float32" in label
+    before = mfu.matmul_rate
+    try:
+        mfu.matmul_rate = lambda *a, **k: pytest.fail("measured twice")
+        assert mfu.peak_flops(torch.device("cpu")) == (flops, label)
+    finally:
+        mfu.matmul_rate = before
+    config = small_model("qwen3").config
+    samples = [{"ids": list(range(1, 40)), "n_prompt": 10}]
+    got = mfu.step_metrics(config, samples, seconds=2.0, device="cpu", world_size=2)
+    step = mfu.step_flops(config, samples)[0]
+    assert got == {"perf/tokens_per_second": 39 / 2.0, "perf/mfu": step / (2.0 * 2 * flops), "perf/peak_flops": flops}
+    assert [name for name, _ in mfu.PEAKS].index("H100 PCIe") < [name for name, _ in mfu.PEAKS].index("H100")
 
 
 def saved_by_backward(fn, model):
@@ -6871,7 +7146,8 @@ def test_long_rollouts_split_under_the_token_budget_and_collate_on_the_host_in_l
                 batch = ag.collate(micro, 0, "meta", config=config, packed=packed)
             rows, longest = batch["input_ids"].shape
             assert rows * longest <= (budget if layout != "one_row" else 40000) or len(micro) == 1
-            assert ("attention_mask" in batch) == (layout == "one_row" and len(micro) > 1)
+            masked = batch.get("attention_mask", torch.empty(0)).numel() > 0  # packed: an empty one
+            assert masked == (layout == "one_row" and len(micro) > 1)
             assert host.largest <= 4 * rows * longest, (layout, host.largest, rows, longest)
             forwarded[layout] += batch["tokens"]
     assert forwarded["packed"] < forwarded["rows"] == 8 * (1024 + 8192)
@@ -6977,8 +7253,15 @@ def test_bench_trainer_alone_runs_without_vllm_and_its_layouts_train_alike(tmp_p
     results = json.loads(output.read_text())
     for layout in ("unshared", "shared", "packed"):
         r = results[layout]
-        assert r.keys() == {"seconds", "cpu_seconds", "peak_mb", "loss", "tokens"} and r["seconds"] > 0 <= r["peak_mb"]
+        keys = {"seconds", "cpu_seconds", "peak_mb", "allocated_peak_mb", "loss", "tokens", "flops"}
+        assert r.keys() == keys | {"tokens_per_second", "mfu"} and r["seconds"] > 0 <= r["peak_mb"]
         assert r["loss"] == pytest.approx(results["unshared"]["loss"], rel=1e-5)
+        # MFU on the CPU: over the fp32 matmul rate measured, and labelled so
+        assert r["mfu"] == pytest.approx(r["flops"] / r["seconds"] / results["peak_flops"]) and 0 < r["mfu"] < 1
+        assert r["tokens_per_second"] == pytest.approx(r["tokens"] / r["seconds"])
+    assert "float32 matmul measured" in results["peak"] and f"MFU {100 * r['mfu']:.1f}%" in proc.stdout
+    assert results["shared"]["flops"] < results["unshared"]["flops"]  # a prompt forwarded and attended once
+    assert sum(results["memory_share_bytes"].values()) >= 16 * results["params"]
     assert results["packed"]["tokens"] == results["shared"]["tokens"] < results["unshared"]["tokens"]
     assert len(results["collate_host_seconds"]) == 4
     assert all(t.keys() == {"unshared", "shared", "packed"} for t in results["collate_host_seconds"].values())

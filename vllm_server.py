@@ -112,24 +112,40 @@ def attention_heads(model):
     return config.num_attention_heads, getattr(config, "num_key_value_heads", None) or config.num_attention_heads
 
 
-def memory_share(args, total, params, trained):
+def memory_share(args, total, params, trained, largest=0):
     """The share of one GPU (`total` bytes) that the trainer may take beside a server: what the server's share (its
     weights, 2 bytes a parameter, in half; its KV cache) and a margin leave (the worker's two buckets in flight, CUDA
-    contexts and a reloaded layer: 1 GiB). The trainer holds 4 bytes a parameter, 12 more a trained one (gradient,
-    AdamW's moments), 4 for the --beta reference, and activations. A model that does not fit is refused here."""
+    contexts and a reloaded layer: 1 GiB). A model that does not fit is refused here, with trainer_bytes' parts."""
     server = args.plan["gpu_memory"]
     share = 1 - server - (2 * args.sync_bucket_bytes + 2**30) / total
-    needed = 4 * params + 12 * trained + 4 * params * bool(args.beta)
+    parts = trainer_bytes(args, params, trained, largest)
+    needed = sum(parts.values())
     if needed > share * total or 4 * params > server * total:
+        held = ", ".join(f"{what} {n / 2**30:.1f} GiB" for what, n in parts.items() if n)
         raise SystemExit(
             f"one GPU of {total / 2**30:.0f} GiB cannot hold both: the trainer needs {needed / 2**30:.1f} GiB before "
-            f"activations ({params / 1e9:.2f}B parameters, {trained / 1e9:.2f}B of them trained) and gets "
+            f"activations ({held}; {params / 1e9:.2f}B parameters, {trained / 1e9:.2f}B of them trained) and gets "
             f"{share * total / 2**30:.1f} GiB; vLLM's share (--vllm-gpu-memory {server}) is "
             f"{server * total / 2**30:.1f} GiB, at least twice its {2 * params / 2**30:.1f} GiB of weights (the "
             "rest: its KV cache). Train a LoRA adapter (--lora-rank 16), a smaller model, or give vLLM a GPU of its "
             "own (--vllm-gpus)"
         )
     return share
+
+
+def trainer_bytes(args, params, trained, largest=0):
+    """What a training step on CUDA holds besides activations, in bytes, by part: the fp32 weights (4 a parameter);
+    gradients and AdamW's moments (12 a trained one; fused AdamW makes no temporaries, foreach's would be 4 more); the
+    --beta reference (4); without gradient checkpointing the bf16 copy of every weight that autocast makes and autograd
+    keeps for the backward (2; with it, a layer's at a time); and in flight the largest weight's bf16 copy and gradient
+    and its fp32 gradient before it is added (8 bytes x `largest`, the output layer's parameters)."""
+    return {
+        "weights": 4 * params,
+        "gradients and AdamW's moments": 12 * trained,
+        "reference": 4 * params * bool(args.beta),
+        "bf16 copies": 2 * params * (not args.gradient_checkpointing),
+        "largest weight's": 8 * largest,
+    }
 
 
 # --- Starting and stopping servers ---------------------------------------------------------------------------------
@@ -482,6 +498,23 @@ def sync_group(host, port, rank, world_size, backend, timeout, listener=None):
     return group
 
 
+def arrived(work, store):
+    """A worker's wait for a broadcast of the sync group, which ends in an error where the trainer has aborted the sync
+    (its `abort` key in the group's store, or the store gone with it): NCCL's wait would hold until its watchdog."""
+    checked = 0.0
+    while not work.is_completed():
+        if time.monotonic() - checked > 0.05:  # a round trip to the trainer's store: not every millisecond
+            checked = time.monotonic()
+            try:
+                why = store.check(["abort"]) and store.get("abort").decode()
+            except Exception as e:  # the trainer's store is gone: so is the sync
+                why = f"the trainer's store is gone ({type(e).__name__})"
+            if why:
+                raise ConnectionError(f"the trainer aborted the sync: {why}")
+        time.sleep(0.001)
+    work.wait()  # raises the backend's error, if it failed
+
+
 # --- The sync's receiving end, inside every vLLM worker ----------------------------------------------------------------
 
 
@@ -491,6 +524,9 @@ class WeightSyncExtension:
     def init_weight_sync(self, host, port, world_size, timeout, backend, first_rank=1):
         """Join the sync group: this worker's rank is its server's first rank (1 for the first server) plus its own."""
         self.weight_sync_group = sync_group(host, port, first_rank + self.rank, world_size, backend, timeout=timeout)
+        self.weight_sync_store = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout))
+        # the trainer's first broadcast, one element: NCCL makes its communicator now, not in the first bucket's
+        self.weight_sync_group.broadcast(torch.empty(1, device=self.device), 0).wait()
 
     def served_config(self):
         """(dtype, log-probs mode, device, pipeline stages, whether it takes seeded requests): the weights travel in the
@@ -537,7 +573,7 @@ class WeightSyncExtension:
             arriving = receive(buckets[0])
             for k, bucket in enumerate(buckets):
                 flat, work = arriving
-                work.wait()
+                arrived(work, self.weight_sync_store)
                 if k + 1 < len(buckets):
                     arriving = receive(buckets[k + 1])
                 parts = flat.split([math.prod(shape) for _, shape in bucket["params"]])
