@@ -3036,13 +3036,13 @@ def test_a_rank_0_wait_past_torchs_default_timeout_does_not_kill_the_other_ranks
 
 LOAD_ONCE = """
 import json, sys, torch, torch.distributed as dist
-import async_grpo as ag
+import models
 path, out = sys.argv[1:]
 dist.init_process_group("gloo")
-rank, read = dist.get_rank(), ag.load_policy
+rank, read = dist.get_rank(), models.load_policy
 if rank == 1:  # only rank 0 may read the weights
-    ag.load_policy = lambda path, empty=False: read(path, empty) if empty else sys.exit("rank 1 read the checkpoint")
-model = ag.load_sharded(path, torch.device("cpu"))
+    models.load_policy = lambda path, empty=False: read(path, empty) if empty else sys.exit("rank 1 read the checkpoint")
+model = models.load_sharded(path, torch.device("cpu"))
 whole = read(path)  # for the comparison only
 ids = torch.arange(3, 40).view(1, -1)
 json.dump({"weights": all(torch.equal(p.full_tensor(), whole.get_parameter(n)) for n, p in model.named_parameters()),
