@@ -70,7 +70,7 @@ HERE = Path(__file__).resolve().parent
 SAMPLING_ARGS = {"min_tokens", "stop", "ignore_eos"}
 
 
-# --- The rollout: one conversation = generate, run its tool calls, append their results, generate again -----
+# --- The rollout: one conversation = generate, run its tool calls, append their results, generate again ---
 
 
 @dataclass
@@ -402,7 +402,7 @@ class PolicyVersion:
                     self.idle_since = time.perf_counter()
 
 
-# --- Rewards and group-relative advantages ------------------------------------------------------------------
+# --- Rewards and group-relative advantages --------------------------------------------------------
 
 
 async def score_group(samples, row, reward_weights, environments=None):
@@ -702,7 +702,7 @@ def cancel_all(tasks):
         task.cancel()
 
 
-# --- The loss: clipped surrogate against the sampler's log-probs, normalised as --loss-type says ------------
+# --- The loss: clipped surrogate against the sampler's log-probs, normalised as --loss-type says ---
 
 
 @dataclass(frozen=True)
@@ -874,7 +874,7 @@ def loss_statistics(mask, settings, ratio, clipped, log_is_ratio, is_ratio, is_w
     return {k: v for k, v in zip(stats, values) if math.isfinite(v)}
 
 
-# --- The training step: micro-batches, each group's prompt once, the log-probs of what vLLM sampled ---------
+# --- The training step: micro-batches, each group's prompt once, the log-probs of what vLLM sampled ---
 
 
 def train_step(
@@ -968,7 +968,7 @@ def train_step(
     return dict(totals)
 
 
-# --- The weight sync: rank 0 pauses vLLM, broadcasts packed buckets to every worker, resumes ----------------
+# --- The weight sync: rank 0 pauses vLLM, broadcasts packed buckets to every worker, resumes ------
 
 
 class WeightSync:
@@ -1190,7 +1190,7 @@ def help_sync(model, args, dtype):
         flatten(bucket, dtype)
 
 
-# --- The run: main's phases in the order they run, and a teardown that leaves nothing running ---------------
+# --- The run: main's phases in the order they run, and a teardown that leaves nothing running -----
 
 
 def main(argv=None):
@@ -2015,7 +2015,7 @@ def _stop_after_step(stop, signum, frame):
     stop.append(signum)
 
 
-# --- Machinery: batches and log-probs: collate's rows, the output layer in chunks, vLLM's truncation --------
+# --- Machinery: batches and log-probs: collate's rows, the output layer in chunks, vLLM's truncation ---
 
 
 def micro_batches(samples, size, count=1, share=True, tokens=math.inf, width=None, packed=False):
@@ -2296,7 +2296,7 @@ def kept_threshold(x, top_k=0, top_p=1.0, min_p=0.0):
     return threshold
 
 
-# --- Machinery: arguments, checked before anything loads (the device plan: vllm_server.py) ------------------
+# --- Machinery: arguments, checked before anything loads (the device plan: vllm_server.py) --------
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -2757,7 +2757,7 @@ def parse_args(argv=None, world_size=1, cuda_count=None, local_ranks=None, heads
     return args
 
 
-# --- Machinery: environment instances for a group: made, reset, reused, closed (running them: tools.py) -----
+# --- Machinery: environment instances for a group: made, reset, reused, closed (running them: tools.py) ---
 
 
 @contextlib.asynccontextmanager
@@ -2807,7 +2807,7 @@ async def close_environments(ctx, timeout):
     await asyncio.gather(*closing, return_exceptions=True)
 
 
-# --- Machinery: models: the start-up probes, the packed attention (loading them: models.py) ----------------
+# --- Machinery: models: the start-up probes, the packed attention (loading them: models.py) -------
 
 
 def sharing_refused(model):
@@ -2923,7 +2923,7 @@ def segment_attention(module, query, key, value, mask, scaling=None, sliding_win
     return torch.cat(out)[None], None
 
 
-# --- Machinery: chat templates: rendering, the start-up checks, the exact tool-result tokens ----------------
+# --- Machinery: chat templates: rendering, the start-up checks, the exact tool-result tokens ------
 
 
 def tool_schemas(names):
@@ -3190,7 +3190,7 @@ ROUND_TRIP = [
 ]
 
 
-# --- Machinery: tool-call parsing, every format, as input validation ----------------------------------------
+# --- Machinery: tool-call parsing, every format, as input validation ------------------------------
 
 
 def parse_assistant(text, tok=None, prompt_ids=(), schemas_by_name=None, fmt="tagged", max_calls=None):
