@@ -2927,13 +2927,14 @@ def test_after_resume_each_rank_draws_its_own_random_numbers_as_before(tmp_path)
 RANKS_OF_UNEQUAL_LENGTHS = """
 import json, os, sys, torch, torch.distributed as dist
 import async_grpo as ag
+import models
 from transformers import AutoModelForCausalLM
 wrap, path = sys.argv[1:]
 dist.init_process_group("gloo")
 rank = dist.get_rank()
 args = ag.parse_args(["--output-dir", "unused"] + (["--fsdp"] if wrap == "fsdp" else []), 2)
 model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-model = ag.shard(model) if wrap == "fsdp" else torch.nn.parallel.DistributedDataParallel(model)
+model = models.shard(model) if wrap == "fsdp" else torch.nn.parallel.DistributedDataParallel(model)
 optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
 lengths = [40] * 16 if rank == 0 else [30] * 12 + [200, 300, 400, 500]  # alone: 1 micro-batch and 4
 samples = [{"ids": [3 + (7 * i + n) % 390 for i in range(n)], "n_prompt": 5, "mask": [1] * (n - 5),
@@ -3062,6 +3063,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import Qwen3Config, Qwen3ForCausalLM
 import async_grpo as ag
+import models
 cache, out = sys.argv[1] == "cache", sys.argv[2]
 dist.init_process_group("gloo")
 world, real = dist.get_world_size(), torch.autocast
@@ -3075,7 +3077,7 @@ model, reference = Qwen3ForCausalLM(config), Qwen3ForCausalLM(config).requires_g
 model.gradient_checkpointing_enable()  # on CUDA by default
 params = sum(p.numel() for p in model.parameters())
 shapes = {tuple(p.shape) for p in model.parameters()}
-model, reference = ag.shard(model), ag.shard(reference)
+model, reference = models.shard(model), models.shard(reference)
 optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)  # the run's on CUDA: DTensor shards too
 
 
