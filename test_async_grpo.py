@@ -6327,7 +6327,10 @@ def test_twenty_mcp_timeouts_leave_no_session_or_process(tmp_path, monkeypatch):
     cls = tools.mcp_environment(f"{sys.executable} {script}", tmp_path / "mcp.log", timeout=30)
     by_name = {s["function"]["name"]: s["function"] for s in tools.environment_schemas(cls)}
     row = {"id": 0, "prompt": [{"role": "user", "content": "Wait."}]}
-    ctx = {"environments": {"mcp": cls}, "idle": {"mcp": []}, "alive": [], "prompt_ids": {0: [1, 2]}}
+    ctx = ag.RolloutContext(
+        schemas=None, schemas_by_name={}, environments={"mcp": cls}, offered={}, prompt_ids={0: [1, 2]}, stop_ids=[0]
+    )
+    ctx.idle["mcp"] = []
     wait, echo = ag._call("wait", {"seconds": 60}), ag._call("echo", {"text": "again"})
 
     async def rollout(env, echoes):
@@ -6339,7 +6342,7 @@ def test_twenty_mcp_timeouts_leave_no_session_or_process(tmp_path, monkeypatch):
     async def twenty():
         seen, processes, instances = [], [], set()
         for group in range(4):
-            async with ag.environments(ctx, None, row, 5, 30) as (envs, _, _):
+            async with ag.environment_instances(ctx, None, row, 5, 30) as (envs, _, _):
                 instances |= {id(env) for env in envs}
                 # a new session after a timeout, in the first rollout of the first and last groups (a process start
                 # takes seconds on 2 cores)
@@ -6354,7 +6357,7 @@ def test_twenty_mcp_timeouts_leave_no_session_or_process(tmp_path, monkeypatch):
     assert all(e == ("again", True) for _, e in seen)
     # at the end of each group, the fresh session of its first rollout alone, if any
     assert processes == [1, 0, 0, 1] and left == [] and running(script) == []
-    assert len(instances) == 5 and len(ctx["idle"]["mcp"]) == 5 and ctx["alive"] == []  # reused, closed at the end
+    assert len(instances) == 5 and len(ctx.idle["mcp"]) == 5 and ctx.alive == []  # reused, closed at the end
 
 
 def test_a_column_that_reset_needs_and_rows_lack_stops_the_run_at_start_with_one_line(tmp_path):
@@ -6503,10 +6506,12 @@ def test_an_evaluation_holds_no_more_instances_at_once_than_training(server, tmp
             os.killpg(proc.pid, signal.SIGKILL)
     before = max([n for n, children in counts if not children] or [0])  # sandbox.check's interpreter at start aside
     most, interpreters = max(n for n, _ in counts), max(c for _, c in counts)
-    bound = before + 3 * (2 * inflight + 2 * inflight) + 2 * inflight + 32
+    bound = before + 3 * (2 * inflight + 2 * inflight + inflight // 4) + 2 * inflight + 32
     print(f"trainer: at most {interpreters} interpreters; descriptors {before} before them, at most {most} ({bound})")
     assert proc.returncode == 0, out[-3000:]
-    assert interpreters <= 2 * inflight + 2 * inflight and most <= bound, out[-3000:]
+    # A released interpreter's bwrap lives on ~15 ms once its namespace is killed, reaped by a thread (sandbox.py): a
+    # few may overlap the next ones (the bound above counts them too)
+    assert interpreters <= 2 * inflight + 2 * inflight + inflight // 4 and most <= bound, out[-3000:]
     metrics = read_metrics(tmp_path / "run")
     assert [m["eval/failed"] for m in metrics] == [0] and "eval/pass@8/correct_answer" in metrics[0]
 
@@ -7307,7 +7312,7 @@ def own_logprobs(model, samples, weights, **truncation):
         n, targets = s["n_prompt"], torch.tensor(s["ids"][s["n_prompt"] :], dtype=torch.long)
         logits = model(input_ids=torch.tensor([s["ids"]])).logits[0, n - 1 : -1].float()
         if truncation:
-            logp = ag.sampler_logprobs(logits, targets, served=torch.float32, **truncation)[0]
+            logp = ag.sampler_logprobs(logits, targets, served_dtype=torch.float32, **truncation)[0]
         else:
             logp = logits.log_softmax(-1).gather(-1, targets[:, None])[:, 0]
         out = out.index_put((torch.tensor([i]), torch.arange(len(targets))), logp)
@@ -7352,7 +7357,7 @@ def test_every_trainer_path_of_each_architecture_is_its_own_logits(name):
             assert ag.use_segments(model), name
         batch = ag.collate(samples, 0, "cpu", **layout)
         assert ("segments" in batch) == bool(layout.get("packed"))
-        logp = ag.token_logprobs(model, batch, served=torch.float32, **options, **truncation)[0]
+        logp = ag.token_logprobs(model, batch, served_dtype=torch.float32, **options, **truncation)[0]
         values, grad = expected["cut" if truncation else "full"]
         real = batch["mask"]  # an empty completion has a column of padding
         torch.testing.assert_close(logp * real, values, rtol=0, atol=2e-5 * max(1.0, values.abs().max().item()))
@@ -7442,7 +7447,7 @@ def test_each_served_architecture_syncs_changed_weights_exactly_with_and_without
     with torch.no_grad():  # the adapter moved as training moves it
         for p in (p for p in lora.parameters() if p.requires_grad):
             p.add_(torch.randn_like(p) * 0.3)
-    assert ag.WeightSync([server.url], args, torch.bfloat16, ag.PolicyVersion())(lora, every=True) > 0
+    assert ag.WeightSync([server.url], args, torch.bfloat16, ag.PolicyVersion())(lora, include_frozen=True) > 0
     check_vllm_matches(server, tok, lora)
 
 
