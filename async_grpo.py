@@ -2869,6 +2869,9 @@ def use_segments(model):
             why = None if gap < 0.05 else f"a probe's log-probs differ by {gap:.2g} packed"
         except ValueError as e:
             why = str(e)
+        # layers that do not hand the attention the segments leave SDPA the packed rows' empty mask
+        except RuntimeError as e:
+            why = f"its layers do not hand their attention the segments ({str(e).splitlines()[0][:80]})"
     # as in sharing_refused
     if hasattr(model, "reshard"):
         model.reshard()

@@ -7373,7 +7373,7 @@ TRUNCATION = {"top_k": 40, "top_p": 0.9}
 # segment_attention (nor in the varlen kernel); StableLM's layers do not hand their attention the segments
 PACKED_REFUSED = {
     "Gemma2ForCausalLM": ("Gemma2Attention passes ['softcap'] to its attention", "attention softcapping"),
-    "StableLmForCausalLM": ("a probe's log-probs differ by", "its layers do not hand their attention the segments"),
+    "StableLmForCausalLM": ("its layers do not hand their attention the segments",) * 2,
 }
 SHARING_REFUSED = {"FalconH1ForCausalLM"}  # its Mamba-2 layers read no mask: sharing_refused says so at start
 
