@@ -6469,11 +6469,11 @@ def children_of(pid):
 
 def test_an_evaluation_holds_no_more_instances_at_once_than_training(server, tmp_path):
     """--env python --eval-samples 8 at the default --eval-size (64): 9 rollouts a held-out row, each with an
-    interpreter (a process the trainer starts, 3 pipes in it). Before, the evaluation reset every row's 9 instances at
+    interpreter (a process the trainer starts, 4 pipes in it). Before, the evaluation reset every row's 9 instances at
     once (576 interpreters; a CPU run at --eval-samples 5 held ~1,480 descriptors and died), whatever --max-inflight
     said; now it holds at most training's bound (2 x --max-inflight rollouts), rows started as others end, beside
     training's own. Sampled through the run (--steps 0: the evaluation at step 0 alone, while the producer fills
-    training's bound): the trainer's interpreters, at most both bounds, and its descriptors, at most 3 an interpreter
+    training's bound): the trainer's interpreters, at most both bounds, and its descriptors, at most 4 an interpreter
     and one a request in flight over what it held before the first (and 32 for the run's own files and loops)."""
     inflight = 16
     flags = ["--vllm-url", server.url, "--env", "python", "--eval-samples", "8", "--eval-every", "1", "--steps", "0"]
@@ -6506,7 +6506,8 @@ def test_an_evaluation_holds_no_more_instances_at_once_than_training(server, tmp
             os.killpg(proc.pid, signal.SIGKILL)
     before = max([n for n, children in counts if not children] or [0])  # sandbox.check's interpreter at start aside
     most, interpreters = max(n for n, _ in counts), max(c for _, c in counts)
-    bound = before + 3 * (2 * inflight + 2 * inflight + inflight // 4) + 2 * inflight + 32
+    # an interpreter's descriptors in the trainer: its stdin, stdout, stderr and bwrap's info pipe (sandbox.py)
+    bound = before + 4 * (2 * inflight + 2 * inflight + inflight // 4) + 2 * inflight + 32
     print(f"trainer: at most {interpreters} interpreters; descriptors {before} before them, at most {most} ({bound})")
     assert proc.returncode == 0, out[-3000:]
     # A released interpreter's bwrap lives on ~15 ms once its namespace is killed, reaped by a thread (sandbox.py): a
