@@ -2277,7 +2277,9 @@ def test_lora_without_lr_learns_the_built_in_task(server, tmp_path):
     first = np.mean([m["reward/mean"] for m in metrics[:5]])
     last = np.mean([m["reward/mean"] for m in metrics[-5:]])
     print(f"reward first 5 steps {first:.3f}, last 5 {last:.3f}; eval {before['eval/reward']:.3f} -> {evals}")
-    assert max(evals) > before["eval/reward"] + 0.08
+    # one run of 64 held-out rows (a standard error of ~0.06): the full fine-tuning default moved it -0.03 to +0.02
+    # over three seeds, this one +0.08 to +0.22 (docs/performance.md)
+    assert max(evals) > before["eval/reward"] + 0.05
 
 
 def test_a_math_dataset_trains_on_math_answer(server, tmp_path):
@@ -3538,7 +3540,9 @@ def test_a_sync_that_fails_midway_ends_the_run_in_seconds_saved_and_resume_conti
     assert code != 0 and seconds < 20, text[-3000:]
     # the kill came after the pause and before the worker had loaded the weights: in the middle of the sync
     assert "Reloading and processing weights took" not in log.rpartition("POST /pause")[2], log[-3000:]
-    assert re.search(r"error: the vLLM server http://127.0.0.1:\d+ .*its engine died.*weight sync", text, re.S)
+    # what the watchdog saw first (server_failure): the engine's death in its log, or the process gone
+    cause = r"(its engine died|exited with code|drops connections|refuses connections|answers /health)"
+    assert re.search(rf"error: the vLLM server http://127.0.0.1:\d+ {cause}.*weight sync", text, re.S), text[-3000:]
     assert "saved the checkpoint of step 2" in text and not re.search("^Traceback", text, re.M), text[-3000:]
     assert os.readlink(out / "checkpoint") == "checkpoint-000002"
     assert all(processes_in_group(pid) == [] for pid in pids)

@@ -358,7 +358,14 @@ def tiny_architecture(name, vocab_size=512, seed=0, **extra):
     config_class, quirks, _ = ARCHITECTURES[name]
     config = getattr(transformers, config_class)(**{**SHAPE, **quirks, **extra, "vocab_size": vocab_size})
     torch.manual_seed(seed)
-    return getattr(transformers, name)(config).float().eval()
+    model = getattr(transformers, name)(config).float().eval()
+    # Decisive routers: at a random init every router logit is close to the others, and rounding that differs between
+    # the trainer's paths (or thread counts) would flip which experts a token takes, a change no path is wrong about
+    with torch.no_grad():
+        for key, p in model.named_parameters():
+            if key.endswith((".gate.weight", ".router.weight")):
+                p.mul_(50)
+    return model
 
 
 def save_tiny_architecture(name, cache_dir, tokenizer_from):
