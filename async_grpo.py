@@ -1474,7 +1474,8 @@ def start_generation(run):
     run.served_dtype = getattr(torch, dtype[0])
     if run.is_main:
         # On CPU fp32 even with native bf16: autocast there halved the step but moved the log-probs from fp32's
-        # (the CPU server's dtype) by a mismatch KL of 2e-2 to 7e-2 (docs/performance.md)
+        # (the CPU server's dtype) by a mismatch KL of 2e-2 to 7e-2; with a bf16 server too, 2.5e-3, and the recipe
+        # learnt less on both seeds measured (docs/performance.md)
         trainer_dtype = "bf16 autocast" if run.device.type == "cuda" else "fp32"
         print(f"the trainer computes in {trainer_dtype}, the servers in {dtype[0]}", flush=True)
         run.version = PolicyVersion(args.max_inflight)

@@ -1,7 +1,7 @@
 """Benchmarks of async_grpo on this machine, against the real vLLM server: one table, a JSON file
 with every figure, and a plot of reward against wall time.
 
-    python bench.py                   # the full configuration (about 25 minutes on 2 CPU cores)
+    python bench.py                   # the full configuration (about 19 minutes on 2 idle CPU cores)
     python bench.py --tiny            # every part, small (about 2.5 minutes; the test runs it)
     python bench.py --learn           # a real model learns: SmolLM2-135M-Instruct, three runs (about 30 minutes)
     python bench.py --prefix          # part 6 alone (prefix.json)
