@@ -854,7 +854,8 @@ def lora_sync_cost(args, path, out_dir, rank=16, requests=8, tokens=128):
     mode (adapter: --enable-lora), a rank-`rank` adapter on every Linear layer of the decoder layers moved off B = 0,
     the bytes a sync sends (in the server's dtype, as a run sends them) and its median seconds over args.reps syncs,
     and generation: `requests` concurrent sampled requests of `tokens` tokens each under the name the mode's requests
-    use (args.request_model), median tokens/s over args.reps rounds after a warm-up round."""
+    use (args.request_model), median tokens/s over args.reps rounds after a warm-up round; on the adapter's server
+    also under the base model's name (what --enable-lora costs without an adapter)."""
     from concurrent.futures import ThreadPoolExecutor
     from transformers import AutoTokenizer
 
@@ -873,17 +874,23 @@ def lora_sync_cost(args, path, out_dir, rank=16, requests=8, tokens=128):
             dtype = getattr(torch, vllm_server.served_config(server.url)[1])
             sync = ag.WeightSync([server.url], run_args, dtype, ag.PolicyVersion())
             seconds = timed(lambda: sync(model), args.reps)
-            request = {"model": run_args.request_model, "prompt": prompt, "max_tokens": tokens, "ignore_eos": True}
 
-            def generate():
-                with ThreadPoolExecutor(requests) as pool:
-                    list(pool.map(lambda _: ag.http(f"{server.url}/v1/completions", request), range(requests)))
+            def tokens_per_s(name):
+                request = {"model": name, "prompt": prompt, "max_tokens": tokens, "ignore_eos": True}
+
+                def generate():
+                    with ThreadPoolExecutor(requests) as pool:
+                        list(pool.map(lambda _: ag.http(f"{server.url}/v1/completions", request), range(requests)))
+
+                return requests * tokens / timed(generate, args.reps)
 
             results[mode] = {
                 "sync_bytes": sync.sent_bytes,
                 "sync_seconds": seconds,
-                "tokens_per_s": requests * tokens / timed(generate, args.reps),
+                "tokens_per_s": tokens_per_s(run_args.request_model),
             }
+            if mode == "adapter":  # the same server, the base model's name: what --enable-lora alone costs
+                results[mode]["base_tokens_per_s"] = tokens_per_s(vllm_server.SERVED_MODEL)
         finally:
             ag.stop_vllm(server)
     results["params"] = sum(p.numel() for p in ag.load_policy(path).parameters())
@@ -900,7 +907,8 @@ def print_lora_sync(r):
             f"{m['dtype']}): merged {merged['sync_bytes'] / 1e6:.2f} MB in {merged['sync_seconds']:.3f} s, "
             f"{merged['tokens_per_s']:.0f} tokens/s; adapter {adapter['sync_bytes'] / 1e6:.2f} MB in "
             f"{adapter['sync_seconds']:.3f} s, {adapter['tokens_per_s']:.0f} tokens/s "
-            f"({adapter['tokens_per_s'] / merged['tokens_per_s']:.2f}x)"
+            f"({adapter['tokens_per_s'] / merged['tokens_per_s']:.2f}x; the base model's name on its server "
+            f"{adapter['base_tokens_per_s']:.0f})"
         )
 
 
