@@ -1779,6 +1779,10 @@ def test_lora_adapter_sync_sends_the_adapter_alone_and_vllm_serves_it_exactly(lo
     sync = ag.WeightSync([lora_server.url], args, torch.float32, ag.PolicyVersion())
     sync(model, include_frozen=True)  # the server may hold another test's weights
     assert sync.sent_bytes == 4 * (base + adapter)
+    # the folder the server loads it from is the run's (its log's), where a run starts the server
+    (folder,) = [m["root"] for m in ag.http(f"{lora_server.url}/v1/models")["data"] if m["id"] == args.request_model]
+    assert Path(folder) == lora_server.log_path.parent.resolve() / "vllm-adapter"
+    assert json.loads((Path(folder) / "adapter_config.json").read_text())["r"] == 8
     gaps = []
     for move in range(3):
         with torch.no_grad():  # the adapter moved as training moves it (B = 0 until then)

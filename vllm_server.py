@@ -18,6 +18,8 @@ HERE = Path(__file__).resolve().parent
 SERVED_MODEL = "policy"  # the name the servers started here serve the weights under, whatever the checkpoint
 # --lora-sync adapter: the name the adapter is loaded under (/v1/load_lora_adapter), which requests then name
 SERVED_ADAPTER = "policy-adapter"
+# where a server started here writes the adapter it serves (receive_adapter): an environment variable of its workers
+ADAPTER_DIR = "ASYNC_GRPO_ADAPTER_DIR"
 # the ranks vLLM takes for --max-lora-rank (vllm/config/lora.py, MaxLoRARanks)
 LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 # Measured: the default run's "vLLM is up after N s" from an empty home directory (vLLM compiles the model into
@@ -198,8 +200,10 @@ def start_vllm(args, model_path, out_dir):
             if share:
                 env["CUDA_VISIBLE_DEVICES"] = share
             if args.lora_sync == "adapter":
-                # the adapter is served at run time (/v1/load_lora_adapter), its rank rounded up to one vLLM takes
+                # the adapter is served at run time (/v1/load_lora_adapter), its rank rounded up to one vLLM takes;
+                # its workers write it into the run's folder (receive_adapter)
                 env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"
+                env[ADAPTER_DIR] = str(Path(out_dir).resolve() / ("vllm-adapter" if n == 1 else f"vllm-adapter-{i}"))
                 cmd += ["--enable-lora"]
                 if vllm_flag(args, "--max-lora-rank") is None:
                     cmd += ["--max-lora-rank", str(next(r for r in LORA_RANKS if r >= args.lora_rank))]
@@ -635,9 +639,10 @@ class WeightSyncExtension:
 
     def receive_adapter(self, buckets, config):
         """--lora-sync adapter: the trainer's adapter (peft's lora_A/lora_B tensors) written as peft saves one
-        (adapter_model.safetensors, adapter_config.json: `config`) into a folder of this worker's, on the server's host,
-        made at the first sync and removed when the worker exits. Returns the folder (the server's first worker; the
-        others None), which the trainer then loads under SERVED_ADAPTER (/v1/load_lora_adapter)."""
+        (adapter_model.safetensors, adapter_config.json: `config`) into a folder on the server's host: the run's
+        (ADAPTER_DIR) where the run started the server, else one made at the first sync and removed when the worker
+        exits normally. Returns the folder (the server's first worker; the others None), which the trainer then loads
+        under SERVED_ADAPTER (/v1/load_lora_adapter)."""
         import atexit
         from safetensors.torch import save_file
 
@@ -649,7 +654,10 @@ class WeightSyncExtension:
             raise
         if self.rank:
             return None
-        if not hasattr(self, "adapter_dir"):
+        if os.environ.get(ADAPTER_DIR):
+            self.adapter_dir = os.environ[ADAPTER_DIR]
+            os.makedirs(self.adapter_dir, exist_ok=True)
+        elif not hasattr(self, "adapter_dir"):
             self.adapter_dir = tempfile.mkdtemp(prefix="async_grpo_adapter_")
             atexit.register(shutil.rmtree, self.adapter_dir, ignore_errors=True)
         save_file(
