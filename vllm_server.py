@@ -475,8 +475,12 @@ def check_served_lora(url, rank):
         f"start it with --enable-lora --max-lora-rank {next((r for r in LORA_RANKS if r >= rank), rank)} and "
         "VLLM_ALLOW_RUNTIME_LORA_UPDATING=True, or pass --lora-sync merged"
     )
-    workers = http(f"{url}/collective_rpc", {"method": "served_lora"}, timeout=30)["results"]
-    served_rank, runtime = workers[0]
+    try:
+        served_rank, runtime = http(f"{url}/collective_rpc", {"method": "served_lora"}, timeout=30)["results"][0]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise SystemExit(
+            f"--vllm-url {url}: cannot tell what LoRA it serves ({type(e).__name__}: {str(e)[:200]}): {how}"
+        )
     if not served_rank:
         raise SystemExit(f"--vllm-url {url} serves no LoRA adapter (--lora-sync adapter): {how}")
     if not runtime:
