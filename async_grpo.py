@@ -1072,7 +1072,7 @@ class WeightSync:
             time.sleep(0.01)
         adapter = self.args.lora_sync == "adapter"
         self.sent_bytes = 0  # what this sync sends
-        # --lora-sync adapter: W as it is (unmerged) where the servers may hold other weights, then the adapter alone
+        # --lora-sync adapter: W unmerged where the servers may hold other weights, then the adapter alone
         if include_frozen or not adapter:
             self._send(model, "receive_weights", deadline, "base" if adapter else "merged", include_frozen)
         if adapter:
@@ -1087,8 +1087,8 @@ class WeightSync:
         return time.perf_counter() - t0
 
     def _send(self, model, method, deadline, part, include_frozen=False, **kwargs):
-        """Broadcast the weights of `part` (served_weights) to every worker, which takes them in `method`; each
-        server's workers' answers."""
+        """Broadcast the weights of `part` (served_weights) to every worker, which takes them in `method`;
+        each server's workers' answers."""
         buckets = pack_buckets(model, self.args.sync_bucket_bytes, self.dtype, include_frozen, part)
         self.sent_bytes += sum(p.numel() for b in buckets for _, p, _ in b) * self.dtype.itemsize
         meta = [
@@ -1504,8 +1504,8 @@ def start_generation(run):
         # the watchdog's finding, read at each sync: a server that fails mid-sync is named
         failure = functools.partial(getattr, run, "server_failure")
         run.sync = WeightSync(urls, args, run.served_dtype, run.version, failure, backend=run.sync_backend)
-        # a server we did not start may hold other weights than the policy: all of them; --lora-sync adapter: and
-        # the adapter (B = 0, or --resume's) is loaded before the first request names it
+        # a server we did not start may hold other weights than the policy: all of them; --lora-sync
+        # adapter: and the adapter (B = 0, or --resume's) is loaded before the first request names it
         if args.vllm_url or args.lora_sync == "adapter":
             run.sync(run.policy, include_frozen=bool(args.vllm_url))
         # the servers hold the weights of the step the run starts at: those of the last finished sync, or
@@ -2541,9 +2541,9 @@ def parse_args(argv=None, world_size=1, cuda_count=None, local_ranks=None, heads
         "--lora-sync",
         choices=["merged", "adapter"],
         default="merged",
-        help="what a LoRA sync sends: merged, W + scale * B @ A of each adapted module (vLLM serves it as the base "
-        "model's); adapter, lora_A and lora_B alone (~1%% of the bytes), which vLLM serves as a runtime LoRA adapter "
-        "(slower a token; docs/performance.md measures both). Its servers run with --enable-lora",
+        help="what a LoRA sync sends: merged, W + scale * B @ A of each adapted module (served as the base "
+        "model); adapter, lora_A and lora_B alone (4.6%% of the bytes on SmolLM2-135M at rank 16), served "
+        "as a runtime LoRA adapter (--enable-lora; 0.2-0.4x the tokens/s on CPU: docs/performance.md)",
     )
 
     g = p.add_argument_group("asynchrony and weight sync")
@@ -2782,7 +2782,7 @@ def parse_args(argv=None, world_size=1, cuda_count=None, local_ranks=None, heads
     args.collective_timeout = 2 * (args.vllm_startup_timeout + args.data_timeout + args.sync_timeout)
     args.output_dir = args.output_dir or time.strftime("runs/%Y%m%d-%H%M%S")
     args.lora_alpha = 2.0 * args.lora_rank if args.lora_alpha is None else args.lora_alpha
-    # what every generation request names: the synced weights, or the adapter that vLLM serves on the base model
+    # what every generation request names: the synced weights, or the adapter vLLM serves on them
     args.request_model = SERVED_ADAPTER if args.lora_sync == "adapter" else SERVED_MODEL
     if args.audit:
         args.lr = 0.0
