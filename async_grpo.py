@@ -61,7 +61,7 @@ import tools as tools_module
 # vllm_server.py: the servers (started, checked, watched), the device plan, the sync group
 from vllm_server import SERVED_MODEL, cpu_threads, http, memory_share, plan_devices, served_config, server_failure
 from vllm_server import share_idle_core, start_vllm, stop_vllm, sync_endpoint, sync_group, url_sync_backend, vllm_flag
-from vllm_server import watch_servers
+from vllm_server import LORA_RANKS, SERVED_ADAPTER, load_adapter, watch_servers
 
 HERE = Path(__file__).resolve().parent
 # What --sampling-args may hold: parameters that end or seed a generation but leave its distribution as the
@@ -231,7 +231,7 @@ async def generate(session, url, ids, max_tokens, args, stop_ids, greedy=False, 
     # Every parameter that shapes the distribution is sent: vLLM fills the missing ones from the checkpoint's
     # generation_config.json (Qwen3's says top_k 20), and the trainer would not know.
     payload = {
-        "model": SERVED_MODEL,
+        "model": args.request_model,
         "prompt": ids,
         "max_tokens": max_tokens,
         "logprobs": 0,
@@ -1070,7 +1070,27 @@ class WeightSync:
                 )
             self._all("abort_requests")
             time.sleep(0.01)
-        buckets = pack_buckets(model, self.args.sync_bucket_bytes, self.dtype, include_frozen)
+        adapter = self.args.lora_sync == "adapter"
+        self.sent_bytes = 0  # what this sync sends
+        # --lora-sync adapter: W unmerged where the servers may hold other weights, then the adapter alone
+        if include_frozen or not adapter:
+            self._send(model, "receive_weights", deadline, "base" if adapter else "merged", include_frozen)
+        if adapter:
+            config = json.loads(json.dumps(model.peft_config["default"].to_dict(), default=sorted))
+            answers = self._send(model, "receive_adapter", deadline, "adapter", config=config)
+            # each server's first worker wrote it; the folder is on that server's host
+            for url, workers in zip(self.urls, answers):
+                load_adapter(url, workers[0], self.args.sync_timeout)
+        self.version.value += 1
+        self._all("resume")
+        self.version.open = True
+        return time.perf_counter() - t0
+
+    def _send(self, model, method, deadline, part, include_frozen=False, **kwargs):
+        """Broadcast the weights of `part` (served_weights) to every worker, which takes them in `method`;
+        each server's workers' answers."""
+        buckets = pack_buckets(model, self.args.sync_bucket_bytes, self.dtype, include_frozen, part)
+        self.sent_bytes += sum(p.numel() for b in buckets for _, p, _ in b) * self.dtype.itemsize
         meta = [
             {
                 "dtype": str(self.dtype).removeprefix("torch."),
@@ -1079,7 +1099,7 @@ class WeightSync:
             }
             for b in buckets
         ]
-        received = [self._rpc(url, "receive_weights", buckets=meta) for url in self.urls]
+        received = [self._rpc(url, method, buckets=meta, **kwargs) for url in self.urls]
 
         # why the workers cannot finish: a server's error answer (it names the server), or the watchdog's
         def failed():
@@ -1088,8 +1108,7 @@ class WeightSync:
         try:
             send_weights(self.group, buckets, self.dtype, deadline - time.monotonic(), failed)
             # the last bucket loads: bounded by the request's own timeout (http)
-            for future in received:
-                future.result()
+            return [future.result()["results"] for future in received]
         except Exception as e:
             # the workers are out of step: the group is aborted (a next sync would make a new one), and
             # every worker is told through the group's store (arrived): NCCL's abort reaches no other rank,
@@ -1099,18 +1118,14 @@ class WeightSync:
             self.group.abort()
             self.group = None
             raise ConnectionError(f"the weight sync to {', '.join(self.urls)} failed: {e}") from None
-        self.version.value += 1
-        self._all("resume")
-        self.version.open = True
-        return time.perf_counter() - t0
 
 
-def pack_buckets(model, bucket_bytes, dtype, include_frozen=False):
+def pack_buckets(model, bucket_bytes, dtype, include_frozen=False, part="merged"):
     """Group the weights to send (served_weights) into flat buffers of about bucket_bytes: one broadcast each."""
     buckets = []
     current = []  # the bucket being filled
     size = 0  # its bytes
-    for name, param, lora in served_weights(model, include_frozen):
+    for name, param, lora in served_weights(model, include_frozen, part):
         if current and size + param.numel() * dtype.itemsize > bucket_bytes:
             buckets.append(current)
             current = []
@@ -1120,15 +1135,21 @@ def pack_buckets(model, bucket_bytes, dtype, include_frozen=False):
     return buckets + [current] if current else buckets
 
 
-def served_weights(model, include_frozen=False):
+def served_weights(model, include_frozen=False, part="merged"):
     """(name as vLLM knows it, weight, its LoRA layer or None) for each weight a sync sends: the trained ones
     (a frozen vision tower: vLLM holds it already); --lora-rank: those of the modules holding an adapted layer
     and no other, as none can have changed (siblings: vLLM fuses q/k/v into qkv_proj, reloads it whole), or
-    with include_frozen all of them."""
+    with include_frozen all of them. --lora-sync adapter: part "base", every weight as it is (W, not merged);
+    part "adapter", the adapter's lora_A and lora_B under the names peft saves them with."""
     if not hasattr(model, "peft_config"):
         yield from ((name, p, None) for name, p in model.named_parameters() if p.requires_grad)
         return
     from peft.tuners.lora import LoraLayer
+    from peft.utils import get_peft_model_state_dict
+
+    if part == "adapter":
+        yield from ((name, p, None) for name, p in get_peft_model_state_dict(model).items())
+        return
 
     # peft's names: ...q_proj.base_layer.weight (W), ...q_proj.lora_A.default.weight
     base = model.get_base_model()
@@ -1137,7 +1158,7 @@ def served_weights(model, include_frozen=False):
     for name, p in base.named_parameters():
         module, _, leaf = name.replace(".base_layer", "").rpartition(".")
         if ".lora_" not in name and (include_frozen or module.rpartition(".")[0] in parents):
-            yield f"{module}.{leaf}", p, adapted.get(module) if leaf == "weight" else None
+            yield f"{module}.{leaf}", p, adapted.get(module) if leaf == "weight" and part == "merged" else None
 
 
 @torch.no_grad()
@@ -1450,10 +1471,12 @@ def start_generation(run):
     # the servers' dtype, which rank 0 learns
     dtype = [None]
     if run.is_main:
-        run.servers = [] if args.vllm_url else start_vllm(args, run.model_path, run.out_dir)
+        # --lora-sync adapter: the servers hold the base model, never a merged checkpoint (--resume's)
+        start_from = run.initial_model if args.lora_sync == "adapter" else run.model_path
+        run.servers = [] if args.vllm_url else start_vllm(args, start_from, run.out_dir)
         run.urls = urls = args.vllm_url.split(",") if args.vllm_url else [server.url for server in run.servers]
         threading.Thread(target=watch_servers, args=(run,), daemon=True, name="watch_servers").start()
-        configs = [served_config(url) for url in urls]
+        configs = [served_config(url, args.lora_rank if args.lora_sync == "adapter" else 0) for url in urls]
         run.ctx.max_model_len = min(length for length, _, _, _ in configs)
         run.ctx.seeded = all(seeds for _, _, _, seeds in configs)
         dtype = [configs[0][1]]
@@ -1482,9 +1505,10 @@ def start_generation(run):
         # the watchdog's finding, read at each sync: a server that fails mid-sync is named
         failure = functools.partial(getattr, run, "server_failure")
         run.sync = WeightSync(urls, args, run.served_dtype, run.version, failure, backend=run.sync_backend)
-        # a server we did not start may hold other weights than the policy: all of them
-        if args.vllm_url:
-            run.sync(run.policy, include_frozen=True)
+        # a server we did not start may hold other weights than the policy: all of them; --lora-sync
+        # adapter: and the adapter (B = 0, or --resume's) is loaded before the first request names it
+        if args.vllm_url or args.lora_sync == "adapter":
+            run.sync(run.policy, include_frozen=bool(args.vllm_url))
         # the servers hold the weights of the step the run starts at: those of the last finished sync, or
         # newer where a sync failed mid-way (a count saved with them would lag, and the staleness gate would
         # wait forever on --resume)
@@ -2503,8 +2527,7 @@ def parse_args(argv=None, world_size=1, cuda_count=None, local_ranks=None, heads
         "--lora-rank",
         type=int,
         default=0,
-        help="train a LoRA adapter of this rank (peft) instead of every "
-        "weight (0: full fine-tuning); vLLM serves the merged weights",
+        help="train a LoRA adapter of this rank (peft) instead of every weight (0: full fine-tuning)",
     )
     g.add_argument(
         "--lora-alpha", type=float, default=None, help="LoRA's scale: alpha / rank; default: 2 x --lora-rank"
@@ -2514,6 +2537,14 @@ def parse_args(argv=None, world_size=1, cuda_count=None, local_ranks=None, heads
         default=None,
         help="comma list of the Linear layers LoRA adapts, by name (e.g. "
         "q_proj,v_proj); default: every Linear layer of the decoder layers (attention and MLP projections)",
+    )
+    g.add_argument(
+        "--lora-sync",
+        choices=["merged", "adapter"],
+        default="merged",
+        help="what a LoRA sync sends: merged, W + scale * B @ A of each adapted module (served as the base "
+        "model); adapter, lora_A and lora_B alone (4.6%% of the bytes on SmolLM2-135M at rank 16), served "
+        "as a runtime LoRA adapter (--enable-lora; 0.2-0.4x the tokens/s on CPU: docs/performance.md)",
     )
 
     g = p.add_argument_group("asynchrony and weight sync")
@@ -2663,6 +2694,10 @@ def parse_args(argv=None, world_size=1, cuda_count=None, local_ranks=None, heads
             (args.lora_alpha is not None or args.lora_targets) and not args.lora_rank,
             "--lora-alpha and --lora-targets need --lora-rank R > 0",
         ),
+        (
+            args.lora_sync == "adapter" and not 0 < args.lora_rank <= LORA_RANKS[-1],
+            f"--lora-sync adapter sends a LoRA adapter: it needs --lora-rank R, 0 < R <= {LORA_RANKS[-1]}",
+        ),
         (args.is_threshold <= 1, "--is-threshold must be > 1"),
         (args.off_policy_threshold <= 0, "--off-policy-threshold must be > 0"),
         (
@@ -2748,6 +2783,8 @@ def parse_args(argv=None, world_size=1, cuda_count=None, local_ranks=None, heads
     args.collective_timeout = 2 * (args.vllm_startup_timeout + args.data_timeout + args.sync_timeout)
     args.output_dir = args.output_dir or time.strftime("runs/%Y%m%d-%H%M%S")
     args.lora_alpha = 2.0 * args.lora_rank if args.lora_alpha is None else args.lora_alpha
+    # what every generation request names: the synced weights, or the adapter vLLM serves on them
+    args.request_model = SERVED_ADAPTER if args.lora_sync == "adapter" else SERVED_MODEL
     if args.audit:
         args.lr = 0.0
     elif args.lr is None and args.lora_rank:

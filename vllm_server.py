@@ -5,8 +5,8 @@ stopped with every process it started (stop_vllm): none outlives a run, a test o
 checked to be such servers (served_config). The sync group (sync_group) where the trainer and every worker meet. And
 on the CPU, the cores the trainer takes beside its server (cpu_threads, share_idle_core)."""
 
-import contextlib, ctypes, functools, http.client as http_client, json, math, os, re, shlex, signal, socket, subprocess
-import sys, time, urllib.error, urllib.parse, urllib.request
+import contextlib, ctypes, functools, http.client as http_client, json, math, os, re, shlex, shutil, signal, socket
+import subprocess, sys, tempfile, time, urllib.error, urllib.parse, urllib.request
 from collections import defaultdict
 from datetime import timedelta
 from pathlib import Path
@@ -16,6 +16,12 @@ import torch.distributed as dist
 
 HERE = Path(__file__).resolve().parent
 SERVED_MODEL = "policy"  # the name the servers started here serve the weights under, whatever the checkpoint
+# --lora-sync adapter: the name the adapter is loaded under (/v1/load_lora_adapter), which requests then name
+SERVED_ADAPTER = "policy-adapter"
+# where a server started here writes the adapter it serves (receive_adapter): an environment variable of its workers
+ADAPTER_DIR = "ASYNC_GRPO_ADAPTER_DIR"
+# the ranks vLLM takes for --max-lora-rank (vllm/config/lora.py, MaxLoRARanks)
+LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 # Measured: the default run's "vLLM is up after N s" from an empty home directory (vLLM compiles the model into
 # ~/.cache/vllm the first time): ~50 s on 2 idle cores (issue 54's run), 406 s on 2 cores under a load of 27-44 (its
 # fix's run, half of it in "Warming up model for the compilation")
@@ -193,6 +199,14 @@ def start_vllm(args, model_path, out_dir):
                 cmd += ["--no-enable-chunked-prefill"]  # so that it takes seeded requests: served_config
             if share:
                 env["CUDA_VISIBLE_DEVICES"] = share
+            if args.lora_sync == "adapter":
+                # the adapter is served at run time (/v1/load_lora_adapter), its rank rounded up to one vLLM takes;
+                # its workers write it into the run's folder (receive_adapter)
+                env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"
+                env[ADAPTER_DIR] = str(Path(out_dir).resolve() / ("vllm-adapter" if n == 1 else f"vllm-adapter-{i}"))
+                cmd += ["--enable-lora"]
+                if vllm_flag(args, "--max-lora-rank") is None:
+                    cmd += ["--max-lora-rank", str(next(r for r in LORA_RANKS if r >= args.lora_rank))]
             # A CPU server takes one core, whole: its worker (which busy-polls for a second after each engine step)
             # and its HTTP and engine front end, which would otherwise preempt the trainer on the other cores
             # (measured on 2 cores: async 1.15x -> 1.62x the samples/s of --sync on average; --sync itself unchanged).
@@ -385,6 +399,8 @@ def http(url, payload=None, timeout=60, bound="its bound"):
     try:
         with urllib.request.urlopen(request, timeout=timeout) as response:
             body = response.read()
+            # vLLM answers /v1/load_lora_adapter in plain text
+            text = response.headers.get_content_type() != "application/json"
     except urllib.error.HTTPError as e:
         raise ConnectionError(
             f"{request.get_method()} {url} answered {e.code}: {e.read()[:300].decode(errors='replace')}"
@@ -394,6 +410,8 @@ def http(url, payload=None, timeout=60, bound="its bound"):
             f"{request.get_method()} {url} failed after {time.monotonic() - t0:.0f} s ({bound}: "
             f"{timeout:.0f} s): {getattr(e, 'reason', None) or e or type(e).__name__}"
         ) from None
+    if text:
+        return body.decode(errors="replace")
     return json.loads(body) if body else None
 
 
@@ -415,10 +433,11 @@ def watch_servers(run, every=1.0):
                     os.killpg(server.pid, signal.SIGKILL)
 
 
-def served_config(url):
+def served_config(url, lora_rank=0):
     """(context length, dtype, its workers' devices, whether it takes seeded requests) of a server, checked to be one
     that start_vllm would start (--vllm-url may be anything): data-parallel engines would join the sync under the same
-    ranks, and pipeline stages hold part of the weights each."""
+    ranks, and pipeline stages hold part of the weights each; with lora_rank (--lora-sync adapter), one that serves
+    adapters of that rank loaded at run time."""
     how = (
         f"start it with --served-model-name {SERVED_MODEL} --worker-extension-cls vllm_server.WeightSyncExtension "
         "--logprobs-mode processed_logprobs and VLLM_SERVER_DEV_MODE=1, as README.md shows"
@@ -444,7 +463,40 @@ def served_config(url):
             f"--vllm-url {url} runs {sizes[0] // sizes[1]} data-parallel engines of {stages} pipeline stages: a weight "
             "sync reaches one tensor-parallel engine whole; start a server per engine and list every URL"
         )
+    if lora_rank:
+        check_served_lora(url, lora_rank)
     return models[SERVED_MODEL]["max_model_len"], dtype, [worker[2] for worker in workers], seeds
+
+
+def check_served_lora(url, rank):
+    """--lora-sync adapter: the server at url serves adapters of `rank` loaded at run time, or SystemExit says how to
+    start one that does."""
+    how = (
+        f"start it with --enable-lora --max-lora-rank {next((r for r in LORA_RANKS if r >= rank), rank)} and "
+        "VLLM_ALLOW_RUNTIME_LORA_UPDATING=True, or pass --lora-sync merged"
+    )
+    try:
+        served_rank, runtime = http(f"{url}/collective_rpc", {"method": "served_lora"}, timeout=30)["results"][0]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise SystemExit(
+            f"--vllm-url {url}: cannot tell what LoRA it serves ({type(e).__name__}: {str(e)[:200]}): {how}"
+        )
+    if not served_rank:
+        raise SystemExit(f"--vllm-url {url} serves no LoRA adapter (--lora-sync adapter): {how}")
+    if not runtime:
+        raise SystemExit(f"--vllm-url {url} loads no LoRA adapter at run time (--lora-sync adapter): {how}")
+    if served_rank < rank:
+        raise SystemExit(f"--vllm-url {url} serves LoRA ranks up to {served_rank}, below --lora-rank {rank}: {how}")
+
+
+def load_adapter(url, folder, timeout):
+    """--lora-sync adapter: serve the adapter a worker wrote to `folder` as SERVED_ADAPTER. Unloaded and loaded again,
+    not in place: a request names the adapter as it was loaded, and one loaded in place (load_inplace) is read from
+    its folder again at every engine step (vllm/lora/worker_manager.py, add_adapter). vLLM is paused: no request
+    waits on the name in between, and its cache of what the old adapter computed was cleared."""
+    if SERVED_ADAPTER in {m["id"] for m in http(f"{url}/v1/models", timeout=timeout)["data"]}:
+        http(f"{url}/v1/unload_lora_adapter", {"lora_name": SERVED_ADAPTER}, timeout, "--sync-timeout")
+    http(f"{url}/v1/load_lora_adapter", {"lora_name": SERVED_ADAPTER, "lora_path": folder}, timeout, "--sync-timeout")
 
 
 def url_sync_backend(urls, devices, ours):
@@ -548,7 +600,8 @@ class WeightSyncExtension:
         fused = {
             part: whole for whole, parts in getattr(model, "packed_modules_mapping", {}).items() for part in parts
         }
-        known = {n for n, _ in model.named_parameters(remove_duplicate=False)}
+        # a server with --enable-lora holds each adapted layer's own weights under base_layer (reload_weights too)
+        known = {n.replace(".base_layer.", ".") for n, _ in model.named_parameters(remove_duplicate=False)}
 
         def served(name):
             name = mapper.map_name(name) if mapper else name
@@ -564,24 +617,64 @@ class WeightSyncExtension:
 
         return [n for n in names if not served(n)]
 
-    def receive_weights(self, buckets):
+    def served_lora(self):
+        """(the largest LoRA rank this server serves, 0 without --enable-lora; whether it loads adapters at run time)."""
+        import vllm.envs
+
+        lora = self.vllm_config.lora_config
+        return lora.max_lora_rank if lora else 0, vllm.envs.VLLM_ALLOW_RUNTIME_LORA_UPDATING
+
+    def _received(self, buckets):
+        """The (name, tensor) pairs of the trainer's broadcasts, as they arrive: bucket k+1 is on its way while the
+        caller takes bucket k."""
+
         def receive(bucket):
             flat = torch.empty(bucket["numel"], dtype=getattr(torch, bucket["dtype"]), device=self.device)
             return flat, self.weight_sync_group.broadcast(flat, 0)
 
-        def tensors():  # bucket k+1 is on its way while bucket k is loaded into the model
-            arriving = receive(buckets[0])
-            for k, bucket in enumerate(buckets):
-                flat, work = arriving
-                arrived(work, self.weight_sync_store)
-                if k + 1 < len(buckets):
-                    arriving = receive(buckets[k + 1])
-                parts = flat.split([math.prod(shape) for _, shape in bucket["params"]])
-                yield from ((name, part.view(shape)) for (name, shape), part in zip(bucket["params"], parts))
+        arriving = receive(buckets[0])
+        for k, bucket in enumerate(buckets):
+            flat, work = arriving
+            arrived(work, self.weight_sync_store)
+            if k + 1 < len(buckets):
+                arriving = receive(buckets[k + 1])
+            parts = flat.split([math.prod(shape) for _, shape in bucket["params"]])
+            yield from ((name, part.view(shape)) for (name, shape), part in zip(bucket["params"], parts))
 
+    def receive_adapter(self, buckets, config):
+        """--lora-sync adapter: the trainer's adapter (peft's lora_A/lora_B tensors) written as peft saves one
+        (adapter_model.safetensors, adapter_config.json: `config`) into a folder on the server's host: the run's
+        (ADAPTER_DIR) where the run started the server, else one made at the first sync and removed when the worker
+        exits normally. Returns the folder (the server's first worker; the others None), which the trainer then loads
+        under SERVED_ADAPTER (/v1/load_lora_adapter)."""
+        import atexit
+        from safetensors.torch import save_file
+
+        try:
+            # the parts are views of one buffer, which safetensors refuses: a copy each (an adapter is small)
+            tensors = {name: part.clone() for name, part in self._received(buckets)}
+        except BaseException:
+            self.weight_sync_group.abort()
+            raise
+        if self.rank:
+            return None
+        if os.environ.get(ADAPTER_DIR):
+            self.adapter_dir = os.environ[ADAPTER_DIR]
+            os.makedirs(self.adapter_dir, exist_ok=True)
+        elif not hasattr(self, "adapter_dir"):
+            self.adapter_dir = tempfile.mkdtemp(prefix="async_grpo_adapter_")
+            atexit.register(shutil.rmtree, self.adapter_dir, ignore_errors=True)
+        save_file(
+            {name: t.cpu() for name, t in tensors.items()}, os.path.join(self.adapter_dir, "adapter_model.safetensors")
+        )
+        with open(os.path.join(self.adapter_dir, "adapter_config.json"), "w") as f:
+            json.dump(config, f)
+        return self.adapter_dir
+
+    def receive_weights(self, buckets):
         # reload_weights, unlike plain load_weights, re-runs the post-load processing of each layer it loads...
         try:
-            self.reload_weights(weights_iterator=tensors(), is_checkpoint_format=True)
+            self.reload_weights(weights_iterator=self._received(buckets), is_checkpoint_format=True)
         except BaseException:  # out of step with the trainer: aborted, or NCCL's watchdog would end this worker
             self.weight_sync_group.abort()
             raise
