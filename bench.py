@@ -893,8 +893,8 @@ def lora_sync_cost(args, path, out_dir, rank=16, requests=8, tokens=128):
                 results[mode]["base_tokens_per_s"] = tokens_per_s(vllm_server.SERVED_MODEL)
         finally:
             ag.stop_vllm(server)
-    results["params"] = sum(p.numel() for p in ag.load_policy(path).parameters())
     results["adapter_params"] = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    results["params"] = sum(p.numel() for p in model.parameters()) - results["adapter_params"]
     results["dtype"] = str(dtype).removeprefix("torch.")
     return results
 

@@ -176,6 +176,7 @@ def start_vllm(args, model_path, out_dir):
     procs, t0 = [], time.monotonic()
     try:
         for i, share in enumerate(plan["servers"]):
+            suffix = "" if n == 1 else f"-{i}"  # of each server's log and adapter folder
             port = args.vllm_port + i if args.vllm_port else free_port()
             cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model_path]
             cmd += ["--host", "127.0.0.1", "--port", str(port), "--seed", str(args.seed)]
@@ -203,10 +204,10 @@ def start_vllm(args, model_path, out_dir):
                 # the adapter is served at run time (/v1/load_lora_adapter), its rank rounded up to one vLLM takes;
                 # its workers write it into the run's folder (receive_adapter)
                 env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"
-                env[ADAPTER_DIR] = str(Path(out_dir).resolve() / ("vllm-adapter" if n == 1 else f"vllm-adapter-{i}"))
+                env[ADAPTER_DIR] = str(Path(out_dir).resolve() / f"vllm-adapter{suffix}")
                 cmd += ["--enable-lora"]
                 if vllm_flag(args, "--max-lora-rank") is None:
-                    cmd += ["--max-lora-rank", str(next(r for r in LORA_RANKS if r >= args.lora_rank))]
+                    cmd += ["--max-lora-rank", str(max_lora_rank(args.lora_rank))]
             # A CPU server takes one core, whole: its worker (which busy-polls for a second after each engine step)
             # and its HTTP and engine front end, which would otherwise preempt the trainer on the other cores
             # (measured on 2 cores: async 1.15x -> 1.62x the samples/s of --sync on average; --sync itself unchanged).
@@ -215,7 +216,7 @@ def start_vllm(args, model_path, out_dir):
                 cores = {i % (os.cpu_count() or 1)}
                 env["VLLM_CPU_OMP_THREADS_BIND"] = str(*cores)
             cmd += shlex.split(args.vllm_args)
-            log_path = Path(out_dir) / ("vllm.log" if n == 1 else f"vllm-{i}.log")
+            log_path = Path(out_dir) / f"vllm{suffix}.log"
             with open(log_path, "ab") as log:
                 log_start = log.tell()  # --resume appends to the log: what this server says begins here
                 proc = subprocess.Popen(
@@ -468,11 +469,16 @@ def served_config(url, lora_rank=0):
     return models[SERVED_MODEL]["max_model_len"], dtype, [worker[2] for worker in workers], seeds
 
 
+def max_lora_rank(rank):
+    """The --max-lora-rank a server needs for an adapter of `rank` (<= 512, parse_args checks): the least vLLM takes."""
+    return next(r for r in LORA_RANKS if r >= rank)
+
+
 def check_served_lora(url, rank):
     """--lora-sync adapter: the server at url serves adapters of `rank` loaded at run time, or SystemExit says how to
     start one that does."""
     how = (
-        f"start it with --enable-lora --max-lora-rank {next((r for r in LORA_RANKS if r >= rank), rank)} and "
+        f"start it with --enable-lora --max-lora-rank {max_lora_rank(rank)} and "
         "VLLM_ALLOW_RUNTIME_LORA_UPDATING=True, or pass --lora-sync merged"
     )
     try:
@@ -652,7 +658,7 @@ class WeightSyncExtension:
 
         try:
             # the parts are views of one buffer, which safetensors refuses: a copy each (an adapter is small)
-            tensors = {name: part.clone() for name, part in self._received(buckets)}
+            tensors = {name: part.to("cpu", copy=True) for name, part in self._received(buckets)}
         except BaseException:
             self.weight_sync_group.abort()
             raise
@@ -664,9 +670,7 @@ class WeightSyncExtension:
         elif not hasattr(self, "adapter_dir"):
             self.adapter_dir = tempfile.mkdtemp(prefix="async_grpo_adapter_")
             atexit.register(shutil.rmtree, self.adapter_dir, ignore_errors=True)
-        save_file(
-            {name: t.cpu() for name, t in tensors.items()}, os.path.join(self.adapter_dir, "adapter_model.safetensors")
-        )
+        save_file(tensors, os.path.join(self.adapter_dir, "adapter_model.safetensors"))
         with open(os.path.join(self.adapter_dir, "adapter_config.json"), "w") as f:
             json.dump(config, f)
         return self.adapter_dir
