@@ -23,10 +23,10 @@ than --max-staleness versions old when trained (0: synchronous, --sync).
 The file reads in the order a reader needs it: the algorithm first (the rollout and its tool loop; rewards and
 group-relative advantages; the producer and its staleness gate; the loss; the training step; the weight sync),
 then the run's phases (main, and what it calls in the order it calls them), then the machinery that supports
-both, in sections named as such (batches and log-probs, arguments, environments at work, models' probes and
-packed attention, chat templates, tool-call parsing). Beside it: tools.py (tools, environments, running
+both, in sections named as such (batches and log-probs, arguments, environments at work, models' probes,
+chat templates, tool-call parsing). Beside it: tools.py (tools, environments, running
 them), rewards.py (rewards, built-in tasks), data.py (the rows: a built-in task or --dataset), models.py
-(loading the policy), tiny_model.py (the built-in model), vllm_server.py (the vLLM servers, the device plan,
+(loading the policy, packed attention), tiny_model.py (the built-in model), vllm_server.py (the vLLM servers, the device plan,
 the sync group and its receiving end in each worker), sandbox.py (the interpreter's sandbox), mfu.py (a
 step's FLOPs). `# FORK:` marks where a forker edits (README.md lists them)."""
 
@@ -48,12 +48,12 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 from torch.distributed.tensor import DTensor
-from torch.nn.attention.varlen import varlen_attn
 import torch.utils.checkpoint
 
 import data as data_module
 import mfu
 from models import decoder_layers, dequantise_gguf, load_policy, load_sharded, with_lora
+from models import logprobs_refused, segments_refused, sharing_refused
 import rewards as rewards_module
 import tiny_model
 import tools as tools_module
@@ -1263,6 +1263,7 @@ class Run:
     # collate's rows: a group's prompt once (share: --share-prefix, unless the model refuses it), packed in
     # segments where a varlen kernel runs (load_policy_and_optimizer decides)
     layout: dict = None
+    layout_reasons: dict = None  # each choice of the layout: "on", or why not
     served_dtype: object = None  # the dtype the servers compute in
     sync_backend: str = None  # the weight sync's: the device plan's, or what --vllm-url servers' devices allow
     version: object = None  # the PolicyVersion the weight sync advances
@@ -1399,21 +1400,12 @@ def load_policy_and_optimizer(run):
             f"--model {run.model_path}: cannot load it as a causal or image-text LM "
             f"({type(e).__name__}: {str(e)[:300]})"
         )
-    wrong = logprobs_refused(model)
+    wrong = logprobs_refused(model, probe_logprobs)
     if wrong:
         raise SystemExit(f"--model {run.model_path}: {wrong}: a transform after its output layer it cannot reproduce")
-    why = args.share_prefix and sharing_refused(model)
-    run.layout = {"share": args.share_prefix and not why, "packed": False}
-    if why:
-        if run.is_main:
-            print(f"--share-prefix is off for {run.model_path}: {why}; every sequence is forwarded whole", flush=True)
+    run.layout = choose_layout(run, model)
     if args.gradient_checkpointing:
         model.gradient_checkpointing_enable()
-    # packed rows (collate) where torch's varlen flash kernel runs (CUDA, compute capability 8+): without
-    # softcapping
-    config = model.config.get_text_config()
-    if run.layout["share"] and run.device.type == "cuda" and not getattr(config, "attn_logit_softcapping", None):
-        run.layout["packed"] = torch.cuda.get_device_capability(run.device) >= (8, 0) and use_segments(model)
     context = args.max_model_len or getattr(model.config, "max_position_embeddings", None)
     too_long = [(i, len(ids)) for i, ids in run.ctx.prompt_ids.items() if context and len(ids) >= context]
     if too_long:
@@ -1429,7 +1421,7 @@ def load_policy_and_optimizer(run):
     )
     run.reference = place(run.initial_model).requires_grad_(False) if args.beta else None
     if run.layout["packed"] and run.reference:
-        use_segments(run.reference)
+        segments_refused(run.reference, probe_logprobs)
     if run.world_size > 1 and not args.fsdp:
         run.model = torch.nn.parallel.DistributedDataParallel(
             run.policy, device_ids=[run.device.index] if run.device.type == "cuda" else None
@@ -1870,6 +1862,7 @@ def finish(run):
             else {}
         )
         summary = {"steps": args.steps, "train_seconds": wall, "rank_checksums": checksums, "trainer_vs_vllm": audit}
+        summary["layout"] = run.layout_reasons
         (run.out_dir / "summary.json").write_text(json.dumps(summary, indent=1))
         print(f"done: {args.steps} steps in {wall:.0f} s; model in {run.out_dir / 'checkpoint'}")
         if args.audit:
@@ -2198,8 +2191,6 @@ def collate(samples, pad_id, device, min_tokens=0, share=True, config=None, pack
 
 # what a batch (collate) hands the model
 MODEL_INPUTS = ("input_ids", "position_ids", "attention_mask", "segments")
-# what a model's layers hand their attention function that leaves its result alone (dropout: 0 but in training)
-IGNORED_ATTENTION_ARGUMENTS = ("dropout", "position_ids", "use_cache", "output_router_logits", "output_attentions")
 
 
 def token_logprobs(model, batch, temperature=1.0, chunk=2**26, **truncation):
@@ -2245,6 +2236,46 @@ def token_logprobs(model, batch, temperature=1.0, chunk=2**26, **truncation):
         forward_chunk = chunk_logprobs
     per_token = [forward_chunk(*part) for part in parts]
     return [torch.zeros(real.shape, device=real.device).masked_scatter(real, torch.cat(x)) for x in zip(*per_token)]
+
+
+def choose_layout(run, model):
+    """collate's rows for this run (Run.layout): a group's prompt once (--share-prefix) unless the model refuses
+    it, packed in segments where torch's varlen flash kernel runs (CUDA, compute capability 8+) and the model
+    takes it. Each choice and its reason go to run.layout_reasons (summary.json), a default turned off to the log
+    with its cost."""
+    args = run.args
+    config = model.config.get_text_config()
+    why = {"share": None if args.share_prefix else "--no-share-prefix"}
+    why["share"] = why["share"] or sharing_refused(model, probe_logprobs)
+    why["packed"] = why["share"] and "no shared rows"
+    if run.device.type != "cuda" or torch.cuda.get_device_capability(run.device) < (8, 0):
+        why["packed"] = why["packed"] or "no varlen flash kernel on this device (CUDA, compute capability 8+)"
+    if getattr(config, "attn_logit_softcapping", None):
+        why["packed"] = why["packed"] or "attention softcapping"
+    refused = not why["packed"] and segments_refused(model, probe_logprobs)
+    if refused and run.is_main:
+        print(f"packed rows are off for {config.model_type}: {refused}; a mask instead", flush=True)
+    why["packed"] = why["packed"] or refused
+    if args.share_prefix and why["share"] and run.is_main:
+        prompt = np.mean([len(ids) for ids in run.ctx.prompt_ids.values()])
+        group = args.num_generations
+        # a group's tokens forwarded whole against shared, at completions of --max-tokens
+        more = group * (prompt + args.max_tokens) / (prompt + group * args.max_tokens)
+        print(
+            f"--share-prefix is off for {run.model_path}: {why['share']}; every sequence is forwarded whole: "
+            f"~{more:.1f} times the tokens (a prompt of {prompt:.0f} tokens {group} times a group, completions of up "
+            f"to {args.max_tokens})",
+            flush=True,
+        )
+    run.layout_reasons = {k: why[k] or "on" for k in why}
+    return {"share": not why["share"], "packed": not why["packed"]}
+
+
+def probe_logprobs(model, samples, **layout):
+    """[len(samples), the longest completion] log-probs as the trainer computes them (0 past a completion)."""
+    config = model.config.get_text_config()
+    with torch.no_grad():
+        return token_logprobs(model, collate(samples, 0, model.device, config=config, **layout))[0]
 
 
 def sampler_logprobs(
@@ -2843,125 +2874,6 @@ async def close_environments(ctx, timeout):
     closing = [tools_module.call_method(env.close, {}, timeout) for env in ctx.alive if hasattr(env, "close")]
     ctx.alive.clear()
     await asyncio.gather(*closing, return_exceptions=True)
-
-
-# --- Machinery: models: the start-up probes, the packed attention (loading them: models.py) -------
-
-
-def sharing_refused(model):
-    """Why shared rows (collate) would not give this model's log-probs, or None. Sharing rests on the model
-    attending as the 4D mask says at the positions given (a sliding window included: collate): linear
-    attention, recurrent layers or a position scheme of its own do not. Checked on a probe group, in fp32."""
-    config = model.config.get_text_config()  # its window
-    probe = [
-        {"ids": [1, 2, 3] + c, "n_prompt": 3, "mask": c, "logprobs": c, "advantage": 0} for c in ([4, 5, 6], [7, 8])
-    ]
-    batches = [collate(probe, 0, model.device, share=share, config=config) for share in (True, False)]
-    with torch.no_grad():
-        shared, whole = (token_logprobs(model, batch)[0] for batch in batches)
-    # FSDP2 leaves the root's weights gathered after a forward (for the backward): the optimizer, made next,
-    # must hold its shards
-    if hasattr(model, "reshard"):
-        model.reshard()
-    gap = (shared - whole).abs().max().item()
-    return f"a probe's log-probs differ by {gap:.2g} shared" if gap > 1e-4 else None
-
-
-def logprobs_refused(model):
-    """Why the trainer's log-probs (token_logprobs) are not the log-softmax of the model's own logits, or
-    None: a family whose forward does after its head what token_logprobs does not (a transform that is not a
-    scale). On a probe, fp32."""
-    ids = torch.arange(1, 8, device=model.device)[None]
-    probe = [{"ids": ids[0].tolist(), "n_prompt": 3, "mask": [1] * 4, "logprobs": [0.0] * 4, "advantage": 0}]
-    with torch.no_grad():
-        ours = token_logprobs(model, collate(probe, 0, model.device, share=False))[0][0]
-        own = model(input_ids=ids).logits[0, 2:-1].float().log_softmax(-1).gather(-1, ids[0, 3:, None])[:, 0]
-    # as in sharing_refused
-    if hasattr(model, "reshard"):
-        model.reshard()
-    gap = (ours - own).abs().max().item()
-    kind = model.config.get_text_config().model_type
-    return f"the trainer's log-probs of {kind} differ from its own logits' by {gap:.2g}" if gap > 1e-3 else None
-
-
-def use_segments(model):
-    """The model's attention through segment_attention, for packed rows; False (its own attention kept, saying
-    why) where it takes no registered function, passes an argument segment_attention does not implement, or a
-    probe's packed log-probs are not those of rows of their own (StableLM's layers do not hand the segments
-    on)."""
-    from transformers import AttentionInterface, AttentionMaskInterface
-    from transformers.masking_utils import sdpa_mask
-
-    AttentionInterface.register("segments", segment_attention)
-    # what masks SDPA gets where there are no segments
-    AttentionMaskInterface.register("segments", sdpa_mask)
-    config = model.config.get_text_config()
-    before = config._attn_implementation
-    probe = [{"ids": [1, 2, 3, 4, 5, 6], "n_prompt": 3, "mask": [1] * 3, "logprobs": [0.0] * 3, "advantage": 0}] * 2
-    with torch.no_grad():
-        rows = token_logprobs(model, collate(probe, 0, model.device, share=False))[0]
-        model.set_attn_implementation("segments")
-        try:
-            gap = (token_logprobs(model, collate(probe, 0, model.device, packed=True))[0] - rows).abs().max().item()
-            # 0.05: CUDA's kernel computes in bf16; keys a segment should not see move a log-prob by far more
-            why = None if gap < 0.05 else f"a probe's log-probs differ by {gap:.2g} packed"
-        except ValueError as e:
-            why = str(e)
-        # layers that do not hand the attention the segments leave SDPA the packed rows' empty mask
-        except RuntimeError as e:
-            why = f"its layers do not hand their attention the segments ({str(e).splitlines()[0][:80]})"
-    # as in sharing_refused
-    if hasattr(model, "reshard"):
-        model.reshard()
-    if why or config._attn_implementation != "segments":
-        model.set_attn_implementation(before)
-        print(f"packed rows are off for {config.model_type}: {why or 'no attention function'}; a mask instead")
-    return not why and config._attn_implementation == "segments"
-
-
-def segment_attention(module, query, key, value, mask, scaling=None, sliding_window=None, segments=None, **kw):
-    """Attention within collate's segments (query [1, heads, T, head_dim]): a segment's queries see its keys
-    (kv_index: a completion's prompt and itself, in position order) causally, aligned at the ends; on CUDA in
-    one varlen flash kernel (only the pairs needed), elsewhere through SDPA a segment at a time (the same
-    metadata, tested on CPU). GPT-OSS's sinks (s_aux: a logit a head in every softmax) take the SDPA path: the
-    varlen kernel has no such term."""
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
-    sinks = kw.pop("s_aux", None)
-    unknown = [name for name, x in kw.items() if x is not None and name not in IGNORED_ATTENTION_ARGUMENTS]
-    # what this function or SDPA would silently leave out
-    if unknown or (sinks is not None and segments is None):
-        raise ValueError(f"{type(module).__name__} passes {unknown or ['s_aux']} to its attention")
-    if segments is None:
-        return sdpa_attention_forward(module, query, key, value, mask, scaling=scaling, **kw)
-    cu_q, cu_k, kv_index, max_q, max_k = segments
-    q = query[0].transpose(0, 1)  # [T, heads, head_dim]
-    # [every segment's keys, kv heads, head_dim]
-    k = key[0].transpose(0, 1)[kv_index]
-    v = value[0].transpose(0, 1)[kv_index]
-    # flash kernels take half precision (under autocast, rotary embeddings leave q and k in fp32)
-    if q.is_cuda and sinks is None:
-        half = torch.bfloat16 if q.dtype == torch.float32 else q.dtype
-        # (-1, 0): causal, aligned at the end
-        window = (sliding_window - 1 if sliding_window else -1, 0)
-        tensors = [x.to(half) for x in (q, k, v)]
-        out = varlen_attn(*tensors, cu_q, cu_k, max_q, max_k, scale=scaling, window_size=window, enable_gqa=True)
-        return out.to(q.dtype)[None], None
-    out = []
-    for a, b, c, d in zip(cu_q[:-1].tolist(), cu_q[1:].tolist(), cu_k[:-1].tolist(), cu_k[1:].tolist()):
-        # [queries, keys]: how far back
-        behind = torch.arange(d - c - (b - a), d - c)[:, None] - torch.arange(d - c)
-        seen = (behind >= 0) & (behind < (sliding_window or d - c))
-        # 4D: SDPA's CPU flash kernel takes no other
-        qkv = [x.transpose(0, 1)[None] for x in (q[a:b], k[c:d], v[c:d])]
-        # a sink: a key of zeros with a value of zeros, seen by all, whose bias is the head's sink
-        if sinks is not None:
-            qkv[1:] = [torch.cat([x, torch.zeros_like(x[:, :, :1])], 2) for x in qkv[1:]]
-            bias = torch.where(seen, 0.0, -torch.inf).to(q.dtype).expand(len(sinks), -1, -1)
-            seen = torch.cat([bias, sinks[:, None, None].expand(-1, b - a, 1).to(q.dtype)], -1)[None]
-        part = torch.nn.functional.scaled_dot_product_attention(*qkv, attn_mask=seen, scale=scaling, enable_gqa=True)
-        out.append(part[0].transpose(0, 1))
-    return torch.cat(out)[None], None
 
 
 # --- Machinery: chat templates: rendering, the start-up checks, the exact tool-result tokens ------

@@ -674,7 +674,7 @@ def trainer_only(args):
     for layout, (flags, packed) in layouts.items():
         if packed:
             # without segments (the other layouts) it runs SDPA as before: done last all the same
-            ag.use_segments(model)
+            ag.segments_refused(model, ag.probe_logprobs)
         results[layout] = step_cost(model, samples, flags, args.reps, packed=packed)
         flops, tokens = mfu.step_flops(config, samples, share=layout != "unshared", tokens=results[layout]["tokens"])
         results[layout] |= {

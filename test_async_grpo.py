@@ -40,6 +40,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import async_grpo as ag
 import data
 import mfu
+import models
 import rewards
 import sandbox
 import tiny_model as tiny
@@ -2538,7 +2539,13 @@ def test_audit_mode_shows_a_bf16_level_mismatch_and_changes_nothing(server, tiny
         assert 0 < m["is/mismatch_kl"] < bound and abs(m["is/ratio_mean"] - 1) < 4 * rounding.mean(), (m, bound)
         assert m["is/ratio_min"] < 1 < m["is/ratio_max"]  # the tails: rare tokens, where bf16 rounding weighs most
         assert (m["is/truncated_mass"] > 0) == bool(truncation)  # exactly 0 without truncation
-    assert json.loads((tmp_path / "summary.json").read_text())["trainer_vs_vllm"]["mismatch_kl"] < bound
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["trainer_vs_vllm"]["mismatch_kl"] < bound
+    # each layout choice with its reason: on CPU the prompt is shared, nothing packed
+    assert summary["layout"] == {
+        "share": "on",
+        "packed": "no varlen flash kernel on this device (CUDA, compute capability 8+)",
+    }
     before, after = (
         load_file(f"{tiny_model}/model.safetensors"),
         load_file(tmp_path / "checkpoint" / "model.safetensors"),
@@ -6772,7 +6779,7 @@ def shared_and_whole(model_path, samples, *flags, reference=None, packed=False):
         model = ag.load_policy(model_path)
         if args.gradient_checkpointing:
             model.gradient_checkpointing_enable()
-        layout = {"share": share, "packed": packed and share and ag.use_segments(model)}
+        layout = {"share": share, "packed": packed and share and not ag.segments_refused(model, ag.probe_logprobs)}
         optimizer = GradientRecorder(model.parameters())
         stats = ag.train_step(
             model,
@@ -6867,29 +6874,125 @@ def tool_rollout_samples(server, tool_args):
     return samples
 
 
-def test_sharing_is_refused_where_the_model_would_not_attend_as_the_mask_says(tiny_model):
-    """The start-up probe: the built-in model shares; a Qwen3.5 (linear attention, which reads no mask) does not, and
-    trains whole."""
+def probe_figures(probe, model, label):
+    """A probe's verdict, and each comparison it made (what, gap, rounding), recorded by wrapping models.probe_gap (the
+    same function, its figures printed) and printed with the bound they met."""
+    compared = []
+    decide = models.probe_gap
+
+    def recorded(gap, rounding, what):
+        compared.append((what, gap, rounding))
+        return decide(gap, rounding, what)
+
+    models.probe_gap = recorded
+    try:
+        verdict = probe(model, ag.probe_logprobs)
+    finally:
+        models.probe_gap = decide
+    for what, gap, rounding in compared:
+        print(
+            f"{label}: {what}: gap {gap:.2g}, bound {models.PROBE_MARGIN * rounding:.2g} ({gap / rounding:.2g} x rounding)"
+        )
+    return verdict, compared
+
+
+def linear_attention_model():
+    """A Qwen3.5: linear attention layers, which read no mask."""
     from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
 
-    assert ag.sharing_refused(ag.load_policy(tiny_model)) is None
     torch.manual_seed(0)
-    linear = Qwen3_5ForCausalLM(
-        Qwen3_5TextConfig(
-            vocab_size=64,
-            hidden_size=64,
-            intermediate_size=128,
-            num_hidden_layers=2,
-            num_attention_heads=2,
-            num_key_value_heads=1,
-            head_dim=32,
-            linear_num_key_heads=2,
-            linear_num_value_heads=2,
-            linear_key_head_dim=16,
-            linear_value_head_dim=16,
-        )
+    config = Qwen3_5TextConfig(
+        vocab_size=64,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=32,
+        linear_num_key_heads=2,
+        linear_num_value_heads=2,
+        linear_key_head_dim=16,
+        linear_value_head_dim=16,
     )
-    assert "probe's log-probs differ" in ag.sharing_refused(linear)
+    return Qwen3_5ForCausalLM(config)
+
+
+def mask_ignored(module, query, key, value, mask, scaling=None, **kw):
+    """An attention function that leaves the mask unread (causal over the whole row), as a kernel might."""
+    out = torch.nn.functional.scaled_dot_product_attention(
+        query, key, value, is_causal=True, scale=scaling, enable_gqa=True
+    )
+    return out.transpose(1, 2), None
+
+
+def test_the_probes_refuse_recurrent_layers_an_unread_mask_and_a_transform_after_the_head(tiny_model):
+    """The other side of each probe, in fp32: sharing_refused refuses a model with linear attention (Qwen3.5) or Mamba
+    layers (FalconH1), and one whose attention leaves the mask unread; logprobs_refused refuses a bias after the head.
+    Each refusal is by more than PROBE_MARGIN times the rounding measured beside it, its figures printed."""
+    from transformers import AttentionInterface
+
+    AttentionInterface.register("mask_ignored", mask_ignored)
+    unread = ag.load_policy(tiny_model)
+    unread.set_attn_implementation("mask_ignored")
+    refused = {
+        "Qwen3.5 linear attention": (ag.sharing_refused, linear_attention_model()),
+        "FalconH1 Mamba-2 layers": (ag.sharing_refused, tiny.tiny_architecture("FalconH1ForCausalLM")),
+        "the mask unread": (ag.sharing_refused, unread),
+        "a bias after the head": (ag.logprobs_refused, plant_logit_bias(ag.load_policy(tiny_model))),
+    }
+    for label, (probe, model) in refused.items():
+        verdict, compared = probe_figures(probe, model, label)
+        what, gap, rounding = compared[-1]
+        assert verdict and verdict.startswith(what) and gap > models.PROBE_MARGIN * rounding, (label, verdict)
+        assert f"{gap / rounding:.0f} times the rounding measured beside it" in verdict
+    # the leak is seen first, where rounding cancels: a completion beside another whose tokens changed
+    assert "move with another's tokens" in ag.sharing_refused(unread, ag.probe_logprobs)
+
+
+@pytest.mark.parametrize("name", sorted(set(tiny.ARCHITECTURES) - {"FalconH1ForCausalLM"}))
+def test_the_probes_pass_every_family_in_fp32_and_bf16_at_one_and_two_threads(name):
+    """The passing side: each family of the matrix (but FalconH1, refused above) in fp32 and bf16 on CPU, at one and
+    two threads, passes sharing_refused and logprobs_refused, each comparison within its bound (printed)."""
+    threads = torch.get_num_threads()
+    model = tiny.tiny_architecture(name)
+    try:
+        for dtype, n in itertools.product((torch.float32, torch.bfloat16), (1, 2)):
+            torch.set_num_threads(n)
+            model = model.to(dtype)
+            for probe in (ag.sharing_refused, ag.logprobs_refused):
+                verdict, _ = probe_figures(probe, model, f"{name} {dtype} {n} threads {probe.__name__}")
+                assert verdict is None, verdict
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_the_probes_pass_smollm2_and_a_layout_turned_off_says_what_it_costs(tiny_model, tmp_path, capsys):
+    """SmolLM2-135M-Instruct (whose sharing the old absolute bound refused on another processor of this kind: 1.2e-4
+    against 1e-4) passes both probes in fp32 and bf16 at one and two threads. choose_layout records each choice with its
+    reason (summary.json) and, where a probe turns --share-prefix off, says in the same line what that costs."""
+    threads = torch.get_num_threads()
+    model = ag.load_policy(smollm2_checkpoint())
+    try:
+        for dtype, n in itertools.product((torch.float32, torch.bfloat16), (1, 2)):
+            torch.set_num_threads(n)
+            model = model.to(dtype)
+            for probe in (ag.sharing_refused, ag.logprobs_refused):
+                assert probe_figures(probe, model, f"SmolLM2 {dtype} {n} threads {probe.__name__}")[0] is None
+    finally:
+        torch.set_num_threads(threads)
+    run = ag.Run(ag.parse_args(["--output-dir", str(tmp_path)]), 0, 1, torch.device("cpu"), tmp_path, "a model")
+    # prompts of 40 tokens, 8 a group, completions of --max-tokens 48: 8 x 88 tokens whole against 40 + 8 x 48
+    run.ctx = argparse.Namespace(prompt_ids={i: [1] * 40 for i in range(3)})
+    assert ag.choose_layout(run, ag.load_policy(tiny_model)) == {"share": True, "packed": False}
+    assert run.layout_reasons["share"] == "on" and "no varlen flash kernel" in run.layout_reasons["packed"]
+    # the probes' figures to the terminal
+    with capsys.disabled():
+        print(capsys.readouterr().out)
+    assert ag.choose_layout(run, linear_attention_model()) == {"share": False, "packed": False}
+    said = capsys.readouterr().out
+    assert said.startswith(f"--share-prefix is off for a model: {run.layout_reasons['share']}; every sequence")
+    assert "~1.7 times the tokens (a prompt of 40 tokens 8 times a group, completions of up to 48)" in said
+    assert run.layout_reasons["packed"] == "no shared rows"
 
 
 @pytest.mark.parametrize("family", ["mistral", "qwen2", "gemma3"])
@@ -6919,7 +7022,7 @@ def test_a_sliding_window_goes_in_the_mask_shared_or_not(family):
     }[family]()
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config).eval()
-    assert ag.sharing_refused(model) is None
+    assert ag.sharing_refused(model, ag.probe_logprobs) is None
     samples = [
         {"ids": [1, 2, 3, 4, 5] + c, "n_prompt": 5, "mask": [1] * len(c), "logprobs": [0.0] * len(c), "advantage": 0.0}
         for c in ([6, 7, 8, 9, 10, 11, 12, 13], [14, 15, 16], [17])
@@ -7018,7 +7121,7 @@ def test_segments_equal_the_mask_path_in_logprobs_and_gradients_with_sliding_win
     results = {}
     for layout, share, packed in [("segments", True, True), ("mask", True, False), ("rows", False, False)]:
         if packed:
-            assert ag.use_segments(model)
+            assert not ag.segments_refused(model, ag.probe_logprobs)
         batch = ag.collate(samples, 0, "cpu", share=share, config=config, packed=packed)
         masks = batch.get("attention_mask")
         masks = list(masks.values()) if isinstance(masks, dict) else [masks]
@@ -7068,7 +7171,7 @@ def test_packed_micro_batches_build_no_dense_mask_in_forward_or_backward(family)
     ]
     for packed in (False, True):
         if packed:
-            assert ag.use_segments(model)
+            assert not ag.segments_refused(model, ag.probe_logprobs)
         tokens = ag.collate(samples, 0, "cpu", config=model.config, packed=packed)["input_ids"].shape[1]
         with SquareTensors(tokens) as square:
             batch = ag.collate(samples, 0, "cpu", config=model.config, packed=packed)
@@ -7300,7 +7403,7 @@ def test_segments_on_cuda_run_the_varlen_kernel_and_train_as_the_mask_path_does(
     num_tokens, updates = sum(sum(s["mask"]) for s in samples), {}
     for packed in (True, False):
         model = ag.load_policy(tiny_model).to("cuda")
-        layout = {"share": True, "packed": packed and ag.use_segments(model)}
+        layout = {"share": True, "packed": packed and not ag.segments_refused(model, ag.probe_logprobs)}
         optimizer = torch.optim.SGD(model.parameters(), lr=1.0)  # the step moves each weight by minus its gradient
         before = [p.detach().clone() for p in model.parameters()]
         device = torch.device("cuda")
@@ -7316,7 +7419,7 @@ def test_segments_on_cuda_run_the_varlen_kernel_and_train_as_the_mask_path_does(
     logps = []
     for packed in (False, True):
         if packed:
-            ag.use_segments(model)
+            assert not ag.segments_refused(model, ag.probe_logprobs)
         batch = ag.collate(samples[:6], 0, "cuda", config=model.config, packed=packed, dtype=torch.bfloat16)
         with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
             logps.append(ag.token_logprobs(model, batch)[0].cpu())
@@ -7442,8 +7545,8 @@ def test_every_trainer_path_of_each_architecture_is_its_own_logits(name):
     model = tiny.tiny_architecture(name)
     samples = matrix_samples()
     weights = torch.randn(len(samples), 11, generator=torch.Generator().manual_seed(1))
-    assert ag.logprobs_refused(model) is None
-    refused = ag.sharing_refused(model)  # then a run forwards every sequence in a row of its own
+    assert ag.logprobs_refused(model, ag.probe_logprobs) is None
+    refused = ag.sharing_refused(model, ag.probe_logprobs)  # then a run forwards every sequence in a row of its own
     assert (refused is None) == (name not in SHARING_REFUSED), refused
     expected = {key: own_logprobs(model, samples, weights, **t) for key, t in [("full", {}), ("cut", TRUNCATION)]}
     vocab = model.config.vocab_size
@@ -7461,13 +7564,11 @@ def test_every_trainer_path_of_each_architecture_is_its_own_logits(name):
         paths = [p for p in paths if p[1].get("share") is False]
     for path, layout, options, truncation in paths:
         if layout.get("packed") and name in PACKED_REFUSED:  # a run forwards shared rows with a mask (checked above)
-            with contextlib.redirect_stdout(io.StringIO()) as said:
-                assert not ag.use_segments(model)
-            assert f"packed rows are off for {model.config.model_type}: {PACKED_REFUSED[name][0]}" in said.getvalue()
+            assert PACKED_REFUSED[name][0] in ag.segments_refused(model, ag.probe_logprobs)
             assert model.config._attn_implementation != "segments"
             break
         if layout.get("packed") and not checked[-1].startswith("packed"):
-            assert ag.use_segments(model), name
+            assert not ag.segments_refused(model, ag.probe_logprobs), name
         batch = ag.collate(samples, 0, "cpu", **layout)
         assert ("segments" in batch) == bool(layout.get("packed"))
         logp = ag.token_logprobs(model, batch, served_dtype=torch.float32, **options, **truncation)[0]
@@ -7482,7 +7583,7 @@ def test_every_trainer_path_of_each_architecture_is_its_own_logits(name):
 
 
 TRUNCATION = {"top_k": 40, "top_p": 0.9}
-# what use_segments says where it keeps the model's own attention: Gemma 2's attention softcapping is not in
+# what segments_refused says where it keeps the model's own attention: Gemma 2's attention softcapping is not in
 # segment_attention (nor in the varlen kernel); StableLM's layers do not hand their attention the segments
 PACKED_REFUSED = {
     "Gemma2ForCausalLM": ("Gemma2Attention passes ['softcap'] to its attention", "attention softcapping"),
@@ -7507,10 +7608,12 @@ def test_the_start_up_probe_stops_a_run_whose_log_probs_are_not_the_models_own(t
     (Granite's, Cohere's) is measured and passes; a planted bias a token is not reproduced, and main() stops before vLLM
     starts with one line that names the model type and the gap."""
     planted = plant_logit_bias(ag.load_policy(tiny_model))
-    refusal = ag.logprobs_refused(planted)
-    gap = float(re.search(r"qwen3 differ from its own logits' by (\S+)$", refusal).group(1))
+    refusal = ag.logprobs_refused(planted, ag.probe_logprobs)
+    gap = float(re.search(r"qwen3 differ from its own logits' by (\S+),", refusal).group(1))
     assert gap > 0.1
-    assert ag.logprobs_refused(tiny.tiny_architecture("GraniteForCausalLM")) is None  # a scale: reproduced
+    granite = tiny.tiny_architecture("GraniteForCausalLM")
+    # a scale: reproduced
+    assert ag.logprobs_refused(granite, ag.probe_logprobs) is None
     load_policy = ag.load_policy
     monkeypatch.setattr(ag, "load_policy", lambda path, empty=False: plant_logit_bias(load_policy(path, empty)))
     with pytest.raises(SystemExit) as stopped:
