@@ -84,6 +84,18 @@ def interpreter_paths():
     return prefix, exe if os.path.isfile(exe) else os.path.realpath(sys.executable)
 
 
+# Where the sandbox mounts a Python install that is not under /usr: its host path names a home, and so a user
+INSTALL = "/opt/python"
+# /proc's entries that are the machine's, not the namespaces': what the host is (its command line, boot id, CPU,
+# memory, uptime, devices) and counters that every sandbox moves (forks, ptys, disk writes, load, pressure, file
+# locks). Masked: /dev/null over each file, an empty read-only tmpfs over each folder (sys: boot_id, pty/nr, ...)
+PROC_FILES = ["stat", "diskstats", "loadavg", "cmdline", "meminfo", "uptime", "cpuinfo", "vmstat", "zoneinfo"]
+PROC_FILES += ["buddyinfo", "pagetypeinfo", "interrupts", "softirqs", "schedstat", "swaps", "partitions", "locks"]
+PROC_FILES += ["key-users", "keys", "slabinfo", "vmallocinfo", "iomem", "ioports", "sched_debug", "timer_list"]
+PROC_FILES += ["mdstat", "kallsyms", "modules", "devices", "misc", "crypto", "consoles", "latency_stats"]
+PROC_FOLDERS = ["sys", "pressure", "fs", "driver", "tty", "scsi", "acpi"]
+
+
 def command(memory_mb, sandboxed=True, seccomp_fd=None, info_fd=None):
     """The command line of one interpreter: bwrap's namespaces and mounts around `python -I -S -c serve`; bwrap reads
     the seccomp filter from seccomp_fd and writes the namespace's first process's PID to info_fd."""
@@ -91,14 +103,14 @@ def command(memory_mb, sandboxed=True, seccomp_fd=None, info_fd=None):
     uid = random.randrange(2**30, 2**31 - 2) if sandboxed and machine_root() else 0
     scratch = (SCRATCH_MB, SCRATCH_FILES if sandboxed else 0)
     limits = f"serve({uid}, {memory_mb}, {PROCESSES if sandboxed else 0}, {DESCRIPTORS}, {scratch}, {OUTPUT_CHARS})"
-    python = [exe, "-I", "-S", "-c", f"{serve_source()}\n{limits}\n"]
+    python = ["-I", "-S", "-c", f"{serve_source()}\n{limits}\n"]
     if not sandboxed:
-        return python
+        return [exe, *python]
     argv = [bwrap(), "--die-with-parent", "--new-session", "--unshare-pid", "--unshare-net", "--unshare-ipc"]
     argv += ["--seccomp", str(seccomp_fd), "--info-fd", str(info_fd)]
     # serve() mounts /tmp itself, bounded in files too (bwrap's --tmpfs only in size), then drops this capability
     argv += ["--cap-add", "CAP_SYS_ADMIN"]
-    argv += ["--unshare-uts", "--unshare-cgroup-try"]
+    argv += ["--unshare-uts", "--hostname", "sandbox", "--unshare-cgroup-try"]
     if not uid:  # not root: a user namespace, in which RLIMIT_NPROC counts this interpreter's processes alone
         argv += ["--unshare-user", "--disable-userns"]  # and none nested: its tmpfs would be unbounded
     for top in ("/bin", "/lib", "/lib64", "/sbin"):  # merged /usr: links into it; else directories of their own
@@ -107,58 +119,97 @@ def command(memory_mb, sandboxed=True, seccomp_fd=None, info_fd=None):
         else:
             argv += ["--ro-bind-try", top, top]
     argv += ["--ro-bind", "/usr", "/usr"]
-    if prefix != "/usr" and not prefix.startswith("/usr/"):
-        folder = "/"
-        for part in os.path.dirname(prefix).split("/")[1:]:  # made traversable: pyenv's are in /root, mode 700
-            folder = os.path.join(folder, part)
-            argv += ["--perms", "0755", "--dir", folder]
-        argv += ["--ro-bind", prefix, prefix]
-    argv += ["--proc", "/proc", "--dev", "/dev", "--remount-ro", "/dev"]
-    argv += ["--size", str(SCRATCH_MB * 2**20), "--perms", "1777", "--tmpfs", "/tmp", "--remount-ro", "/"]
-    argv += ["--chdir", "/tmp", "--clearenv", "--setenv", "PATH", "/usr/bin:/bin", "--setenv", "HOME", "/tmp"]
-    return argv + ["--", *python]
+    environment = ["--clearenv", "--setenv", "PATH", "/usr/bin:/bin", "--setenv", "HOME", "/tmp"]
+    if prefix != "/usr" and not prefix.startswith("/usr/") and exe.startswith(prefix + "/"):
+        # its libpython is found by the path it was built with (RPATH), absent here: by LD_LIBRARY_PATH instead
+        argv += ["--perms", "0755", "--dir", os.path.dirname(INSTALL), "--ro-bind", prefix, INSTALL]
+        environment += ["--setenv", "LD_LIBRARY_PATH", f"{INSTALL}/lib"]
+        exe = INSTALL + exe[len(prefix) :]
+    argv += ["--proc", "/proc", "--dev", "/dev", "--tmpfs", "/dev/pts", "--remount-ro", "/dev/pts"]
+    argv += ["--remount-ro", "/dev"]  # and no /dev/ptmx: a pty is the host's (kernel.pty.max), and none is needed
+    for name in filter(lambda name: os.path.isfile(f"/proc/{name}"), PROC_FILES):  # this kernel's (the same inside)
+        argv += ["--dev-bind", "/dev/null", f"/proc/{name}"]
+    for name in filter(lambda name: os.path.isdir(f"/proc/{name}"), PROC_FOLDERS):
+        argv += ["--tmpfs", f"/proc/{name}", "--remount-ro", f"/proc/{name}"]
+    # /tmp: serve()'s tmpfs, over a read-only folder (the namespace's first process, bwrap, sees this one)
+    argv += ["--perms", "1777", "--dir", "/tmp", "--remount-ro", "/", "--chdir", "/tmp", *environment]
+    return argv + ["--", exe, *python]
 
 
 # The system calls refused inside (EPERM), by architecture: (its AUDIT_ARCH, {name: number}). Keyrings are not
 # namespaced (a key left by one rollout is read by the next, a session keyring is the trainer's); memfds and System V
-# shared memory hold memory that no mapping, so no RLIMIT_AS, counts; ptrace would let code clear the parent-death
-# signal of the namespace's first process. clone and unshare are refused only with CLONE_NEWUSER (a user namespace
-# nested inside would give the code the capabilities to mount a tmpfs of its own, unbounded; every other namespace
-# needs a capability it does not have), clone3 (whose flags a filter cannot read) with ENOSYS: the C library then uses
-# clone.
+# shared memory, semaphores and message queues hold memory that no mapping, so no RLIMIT_AS, counts; ptrace would let
+# code clear the parent-death signal of the namespace's first process. The rest are channels between rollouts, or a
+# rollout's hold on the host, through what every sandbox shares: the kernel's view of the same files (flock, and
+# fcntl's locks, leases and F_NOTIFY, which FCNTLS refuses; inotify, fanotify), their page cache (fadvise and readahead
+# evict or load a shared file's pages, preadv2's RWF_NOWAIT, io_uring and cachestat tell whether one is cached: the
+# channel that outlives a rollout), the disks (sync flushes every dirty page of the host), the user's pipe quota
+# (F_SETPIPE_SZ). clone and unshare are refused only with CLONE_NEWUSER (a user namespace nested inside would give the
+# code the capabilities to mount a tmpfs of its own, unbounded; every other namespace needs a capability it does not
+# have), clone3 (whose flags a filter cannot read) with ENOSYS: the C library then uses clone. socket and socketpair
+# take the families of SOCKET_FAMILIES only (EAFNOSUPPORT): vsock is not namespaced (in a VM it reaches the host past
+# the network namespace), AF_ALG and AF_PACKET are kernel surface no interpreter needs.
 SYSCALLS = {
     "x86_64": (
         0xC000003E,
         {"add_key": 248, "request_key": 249, "keyctl": 250, "memfd_create": 319, "memfd_secret": 447, "shmget": 29}
         | {"shmat": 30, "ptrace": 101, "process_vm_readv": 310, "process_vm_writev": 311, "setns": 308}
-        | {"clone": 56, "unshare": 272, "clone3": 435},
+        | {"semget": 64, "msgget": 68, "msgsnd": 69, "sync": 162, "syncfs": 306, "flock": 73, "inotify_init": 253}
+        | {"inotify_init1": 294, "inotify_add_watch": 254, "fanotify_init": 300, "fadvise64": 221, "readahead": 187}
+        | {"preadv2": 327, "pwritev2": 328, "io_uring_setup": 425, "io_uring_enter": 426, "io_uring_register": 427}
+        | {"cachestat": 451, "sysinfo": 99, "clone": 56, "unshare": 272, "clone3": 435, "socket": 41}
+        | {"socketpair": 53, "fcntl": 72},
     ),
     "aarch64": (
         0xC00000B7,
         {"add_key": 217, "request_key": 218, "keyctl": 219, "memfd_create": 279, "memfd_secret": 447, "shmget": 194}
         | {"shmat": 196, "ptrace": 117, "process_vm_readv": 270, "process_vm_writev": 271, "setns": 268}
-        | {"clone": 220, "unshare": 97, "clone3": 435},
+        | {"semget": 190, "msgget": 186, "msgsnd": 189, "sync": 81, "syncfs": 267, "flock": 32, "inotify_init1": 26}
+        | {"inotify_add_watch": 27, "fanotify_init": 262, "fadvise64": 223, "readahead": 213}
+        | {"preadv2": 286, "pwritev2": 287, "io_uring_setup": 425, "io_uring_enter": 426, "io_uring_register": 427}
+        | {"cachestat": 451, "sysinfo": 179, "clone": 220, "unshare": 97, "clone3": 435, "socket": 198}
+        | {"socketpair": 199, "fcntl": 25},
     ),
 }
 CLONE_NEWUSER = 0x10000000
+SOCKET_FAMILIES = {"AF_UNIX": 1, "AF_INET": 2, "AF_INET6": 10, "AF_NETLINK": 16}  # netlink: name lookups, interfaces
+# fcntl's commands refused: F_GETLK, F_SETLK, F_SETLKW, F_OFD_GETLK, F_OFD_SETLK, F_OFD_SETLKW, F_SETLEASE, F_NOTIFY,
+# F_SETPIPE_SZ
+FCNTLS = (5, 6, 7, 36, 37, 38, 1024, 1026, 1031)
+WITH_ARGUMENTS = ("clone", "unshare", "clone3", "socket", "socketpair", "fcntl")
 
 
 def seccomp_filter():
     """The filter bwrap loads before it runs the interpreter: a classic BPF program over struct seccomp_data (nr at
-    offset 0, arch at 4, the first argument's low half at 16), one (code, jt, jf, k) instruction each; a jump skips
-    that many instructions."""
+    offset 0, arch at 4, argument i's low half at 16 + 8 i), one (code, jt, jf, k) instruction each, whose jumps are
+    written here to labels and counted once the program is laid out."""
     arch, numbers = SYSCALLS[os.uname().machine]
     load, jeq, jge, jset, ret = 0x20, 0x15, 0x35, 0x45, 0x06
-    allow, refuse, enosys = 0x7FFF0000, 0x00050000 | 1, 0x00050000 | 38
-    refused = [n for name, n in numbers.items() if name not in ("clone", "unshare", "clone3")]
-    body = [(load, 0, 0, 4), (jeq, 1, 0, arch), (ret, 0, 0, refuse), (load, 0, 0, 0), (jge, 0, 1, 0x40000000)]
-    body += [(ret, 0, 0, refuse)]  # another architecture's calls (i386's int 0x80), x32's numbers: none allowed
-    for i, number in enumerate(refused):  # to `refuse` below
-        body.append((jeq, len(refused) - i + 5, 0, number))
-    body += [(jeq, 6, 0, numbers["clone3"]), (jeq, 1, 0, numbers["clone"]), (jeq, 0, 2, numbers["unshare"])]
-    body += [(load, 0, 0, 16), (jset, 1, 0, CLONE_NEWUSER), (ret, 0, 0, allow), (ret, 0, 0, refuse)]
-    body += [(ret, 0, 0, enosys)]
-    return b"".join(struct.pack("HBBI", *instruction) for instruction in body)
+    allow, refuse, enosys, no_family = 0x7FFF0000, 0x00050000 | 1, 0x00050000 | 38, 0x00050000 | 97
+    code = [(load, None, None, 4), (jeq, "native", "refuse", arch), ("native",), (load, None, None, 0)]
+    code += [(jge, "refuse", None, 0x40000000)]  # another architecture's calls (i386's int 0x80), x32's: none allowed
+    refused = [n for name, n in numbers.items() if name not in WITH_ARGUMENTS]
+    code += [(jeq, "refuse", None, n) for n in refused]
+    code += [(jeq, "enosys", None, numbers["clone3"]), (jeq, "flags", None, numbers["clone"])]
+    code += [(jeq, "flags", None, numbers["unshare"]), (jeq, "family", None, numbers["socket"])]
+    code += [(jeq, "family", None, numbers["socketpair"]), (jeq, "command", None, numbers["fcntl"])]
+    code += [(ret, None, None, allow), ("flags",), (load, None, None, 16), (jset, "refuse", "allow", CLONE_NEWUSER)]
+    code += [("family",), (load, None, None, 16)]
+    code += [(jeq, "allow", None, family) for family in SOCKET_FAMILIES.values()]
+    code += [(ret, None, None, no_family), ("command",), (load, None, None, 24)]
+    code += [(jeq, "refuse", None, command) for command in FCNTLS]
+    code += [("allow",), (ret, None, None, allow), ("refuse",), (ret, None, None, refuse), ("enosys",)]
+    code += [(ret, None, None, enosys)]
+    at, program = {}, []
+    for instruction in code:  # a label: the index of the instruction that follows it
+        if len(instruction) == 1:
+            at[instruction[0]] = len(program)
+        else:
+            program.append(instruction)
+    jumps = [
+        (op, at.get(jt, i + 1) - i - 1, at.get(jf, i + 1) - i - 1, k) for i, (op, jt, jf, k) in enumerate(program)
+    ]
+    return b"".join(struct.pack("HBBI", *instruction) for instruction in jumps)
 
 
 @functools.cache
