@@ -45,9 +45,10 @@ import binascii
 import contextlib
 import functools
 import inspect
-import json
+import itertools
 import os
 import random
+import re
 import select
 import shutil
 import signal
@@ -96,9 +97,10 @@ PROC_FILES += ["mdstat", "kallsyms", "modules", "devices", "misc", "crypto", "co
 PROC_FOLDERS = ["sys", "pressure", "fs", "driver", "tty", "scsi", "acpi"]
 
 
-def command(memory_mb, sandboxed=True, seccomp_fd=None, info_fd=None):
+def command(memory_mb, sandboxed=True, seccomp_fd=None, info_fd=None, cgroup=None):
     """The command line of one interpreter: bwrap's namespaces and mounts around `python -I -S -c serve`; bwrap reads
-    the seccomp filter from seccomp_fd and writes the namespace's first process's PID to info_fd."""
+    the seccomp filter from seccomp_fd and writes the namespace's first process's PID to info_fd. With a cgroup, a
+    shell first moves itself into it (every process the interpreter starts is then in it), then runs bwrap."""
     prefix, exe = interpreter_paths()
     uid = random.randrange(2**30, 2**31 - 2) if sandboxed and machine_root() else 0
     scratch = (SCRATCH_MB, SCRATCH_FILES if sandboxed else 0)
@@ -133,7 +135,67 @@ def command(memory_mb, sandboxed=True, seccomp_fd=None, info_fd=None):
         argv += ["--tmpfs", f"/proc/{name}", "--remount-ro", f"/proc/{name}"]
     # /tmp: serve()'s tmpfs, over a read-only folder (the namespace's first process, bwrap, sees this one)
     argv += ["--perms", "1777", "--dir", "/tmp", "--remount-ro", "/", "--chdir", "/tmp", *environment]
-    return argv + ["--", exe, *python]
+    argv += ["--", exe, *python]
+    return ["/bin/sh", "-c", 'echo $$ > "$0/cgroup.procs" && exec "$@"', cgroup, *argv] if cgroup else argv
+
+
+@functools.cache
+def cgroup_folder():
+    """(a folder in which this process can make cgroups that bound memory, the cgroup version), or None: in cgroup v2,
+    its own cgroup or the parent of it, where the memory controller is handed on to children (delegated, or as root;
+    a cgroup with processes in it takes none), else in cgroup v1's memory hierarchy, as root. Tried once: a cgroup
+    made there, bounded, removed."""
+    candidates = []
+    with contextlib.suppress(OSError, ValueError):
+        # /proc/self/cgroup: "ID:CONTROLLERS:PATH" ("" for v2); mountinfo: "... ROOT POINT ... - TYPE SOURCE OPTIONS"
+        own = dict(line.rstrip("\n").split(":", 2)[1:] for line in open("/proc/self/cgroup"))
+        for line in open("/proc/self/mountinfo"):
+            mount, filesystem = line.split(" - ")
+            root, point = mount.split()[3:5]
+            kind, _, options = filesystem.split()
+            memory = [path for controllers, path in own.items() if "memory" in controllers.split(",")]
+            if kind == "cgroup2" and root == "/" and "" in own:
+                folder = point + own[""].rstrip("/")
+                candidates += [(folder, 2), (os.path.dirname(folder), 2)] if folder != point else [(folder, 2)]
+            elif kind == "cgroup" and "memory" in options.split(",") and root == "/" and memory and os.geteuid() == 0:
+                candidates.append((point + memory[0].rstrip("/"), 1))
+    for folder, version in candidates:
+        with contextlib.suppress(OSError):
+            with open(f"{folder}/cgroup.subtree_control" if version == 2 else f"{folder}/cgroup.procs") as control:
+                if version == 1 or "memory" in control.read().split():
+                    os.rmdir(make_cgroup(64, (folder, version)))
+                    return folder, version
+    return None
+
+
+def make_cgroup(memory_mb, found):
+    """A new cgroup in found's folder that holds all the memory of an interpreter's processes (mapped, page cache,
+    tmpfs, the kernel's objects they charge) to memory_mb + SCRATCH_MB, swap included: its path."""
+    folder, version = found
+    path = os.path.join(folder, f"async_grpo-python-{os.getpid()}-{next(CGROUPS)}")
+    os.mkdir(path)
+    limits = {"memory.max": 1, "memory.swap.max": 0, "memory.oom.group": None} if version == 2 else {}
+    limits = limits or {"memory.limit_in_bytes": 1, "memory.memsw.limit_in_bytes": 1}
+    for name, scale in limits.items():
+        with contextlib.suppress(FileNotFoundError):  # no swap accounting, an older kernel: the rest holds
+            with open(os.path.join(path, name), "w") as control:
+                control.write("1" if scale is None else str(scale * (memory_mb + SCRATCH_MB) * 2**20))
+    return path
+
+
+CGROUPS = itertools.count()
+
+
+def remove_cgroup(path):
+    """Removes an interpreter's cgroup (None: none) once its processes have ended (the kernel may take a moment)."""
+    for _ in range(50 if path else 0):
+        try:
+            os.rmdir(path)
+            return
+        except FileNotFoundError:
+            return
+        except OSError:
+            time.sleep(0.02)
 
 
 # The system calls refused inside (EPERM), by architecture: (its AUDIT_ARCH, {name: number}). Keyrings are not
@@ -238,7 +300,7 @@ class Interpreter:
     def start(self):
         # without the sandbox, a scratch directory of the host's, removed by stop(); with it, a tmpfs that ends with it
         self.scratch = None if self.sandboxed else tempfile.mkdtemp(prefix="async_grpo-python-")
-        self.info = None
+        self.info = self.cgroup = None
         ends, fds = [], ()
         try:
             if self.sandboxed:
@@ -250,8 +312,10 @@ class Interpreter:
                 os.write(filter_write, seccomp_filter())
                 os.set_blocking(self.info, False)
                 fds = (filter_read, info_write)
+                # every process of it in a cgroup of its own, where one can be made: its memory bounded as a whole
+                self.cgroup = make_cgroup(self.memory_mb, cgroup_folder()) if cgroup_folder() else None
             self.proc = subprocess.Popen(
-                command(self.memory_mb, self.sandboxed, *fds),
+                command(self.memory_mb, self.sandboxed, *fds, cgroup=self.cgroup),
                 stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,
@@ -303,7 +367,8 @@ class Interpreter:
 
     def first_process(self, bwrap):
         """A pidfd of the namespace's first process (bwrap's info: its PID), once bwrap has made it; None if it never
-        did (bwrap failed). Checked to be the child of bwrap (its PID): a PID whose process ended may be another's."""
+        did (bwrap failed). Checked to be the child of bwrap (its PID), or this process's (bwrap exited first, and this
+        process, a subreaper or PID 1, inherited it): a PID whose process ended may be another's."""
         said = b""
         poll = select.poll()  # not select.select: the trainer's descriptors may be numbered past 1,024
         poll.register(self.info, select.POLLIN)
@@ -311,10 +376,11 @@ class Interpreter:
             with contextlib.suppress(BlockingIOError):
                 said = os.read(self.info, 4096)
         with contextlib.suppress(ValueError, KeyError, TypeError, OSError):
-            pid = int(json.loads(said)["child-pid"])
+            # its first write (bwrap writes the rest, the namespaces' ids, after: a read may come between)
+            pid = int(re.search(rb'"child-pid": *(\d+)', said)[1])
             pidfd = os.pidfd_open(pid)
             with open(f"/proc/{pid}/stat") as stat:
-                if int(stat.read().rsplit(")", 1)[1].split()[1]) == bwrap:
+                if int(stat.read().rsplit(")", 1)[1].split()[1]) in (bwrap, os.getpid()):
                     return pidfd
             os.close(pidfd)
         return None
@@ -329,20 +395,21 @@ class Interpreter:
         if self.proc is None:
             return ""
         proc, self.proc = self.proc, None
+        cgroup, self.cgroup = self.cgroup, None
         said = b""
         try:
             first = self.first_process(proc.pid) if self.info is not None else None
             if first is not None:
                 with contextlib.suppress(ProcessLookupError):
                     signal.pidfd_send_signal(first, signal.SIGKILL)
-                os.close(first)
-                reaper = threading.Thread(target=reap, args=(proc,), daemon=True)
+                reaper = threading.Thread(target=reap, args=(proc, cgroup, first), daemon=True)
                 reaper.start()
                 REAPERS[:] = [t for t in REAPERS if t.is_alive()] + [reaper]
             else:
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
+                remove_cgroup(cgroup)
             with contextlib.suppress(BlockingIOError):  # written before it exited, if at all
                 said = os.read(proc.stderr.fileno(), 2000)
         finally:
@@ -360,9 +427,11 @@ class Interpreter:
 REAPERS = []  # threads that reap a stopped interpreter's bwrap, those that may still run (reaped(): joined)
 
 
-def reap(proc):
+def reap(proc, cgroup=None, first=None):
     """Waits for bwrap to exit once its namespace has ended (on a pidfd: Popen.wait's timeout polls), else kills its
-    group, and reaps it."""
+    group, and reaps it; then the namespace's first process (a pidfd), if bwrap left it to this process (bwrap exits
+    as soon as the interpreter has, which may be before it reaps the first: a subreaper or PID 1 inherits it), and
+    removes its cgroup."""
     bwrap = os.pidfd_open(proc.pid)
     poll = select.poll()
     poll.register(bwrap, select.POLLIN)
@@ -371,6 +440,11 @@ def reap(proc):
             os.killpg(proc.pid, signal.SIGKILL)
     os.close(bwrap)
     proc.wait()
+    if first is not None:
+        with contextlib.suppress(ChildProcessError):  # bwrap's child, reaped by bwrap: not this process's
+            os.waitid(os.P_PIDFD, first, os.WEXITED)
+        os.close(first)
+    remove_cgroup(cgroup)
 
 
 def reaped(timeout=5):
