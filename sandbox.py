@@ -321,7 +321,8 @@ class Interpreter:
                 os.set_blocking(self.info, False)
                 fds = (filter_read, info_write)
                 # every process of it in a cgroup of its own, where one can be made: its memory bounded as a whole
-                self.cgroup = make_cgroup(self.memory_mb, cgroup_folder()) if cgroup_folder() else None
+                with contextlib.suppress(OSError):  # else bounded per process, as where none can be made
+                    self.cgroup = make_cgroup(self.memory_mb, cgroup_folder()) if cgroup_folder() else None
             self.proc = subprocess.Popen(
                 command(self.memory_mb, self.sandboxed, *fds, cgroup=self.cgroup),
                 stdin=subprocess.PIPE,
