@@ -6483,11 +6483,11 @@ for _ in range(6):
             os._exit(0)
     children.append(pid)
 os.close(w)
-held = 0
-while os.read(r, 1):
-    held += 200
+while os.read(r, 1):  # until every child has allocated, or ended
+    pass
+held = 0  # MiB held by the children alive at the end, all at once (each holds its block until then)
 for pid in children:
-    os.waitpid(pid, 0)
+    held += 200 * (os.waitpid(pid, 0)[1] == 0)
 held""",
     "proc_1_root": """
 import os
