@@ -168,11 +168,11 @@ def cgroup_folder():
             elif kind == "cgroup" and "memory" in options.split(",") and root == "/" and memory and os.geteuid() == 0:
                 candidates.append((point + memory[0].rstrip("/"), 1))
     for folder, version in candidates:
-        with contextlib.suppress(OSError):
-            with open(f"{folder}/cgroup.subtree_control" if version == 2 else f"{folder}/cgroup.procs") as control:
-                if version == 1 or "memory" in control.read().split():
-                    os.rmdir(make_cgroup(64, (folder, version)))
-                    return folder, version
+        control = f"{folder}/cgroup.subtree_control" if version == 2 else f"{folder}/cgroup.procs"
+        with contextlib.suppress(OSError), open(control) as delegated:
+            if version == 1 or "memory" in delegated.read().split():
+                os.rmdir(make_cgroup(64, (folder, version)))
+                return folder, version
     return None
 
 
@@ -185,9 +185,9 @@ def make_cgroup(memory_mb, found):
     limits = {"memory.max": 1, "memory.swap.max": 0, "memory.oom.group": None} if version == 2 else {}
     limits = limits or {"memory.limit_in_bytes": 1, "memory.memsw.limit_in_bytes": 1}
     for name, scale in limits.items():
-        with contextlib.suppress(FileNotFoundError):  # no swap accounting, an older kernel: the rest holds
-            with open(os.path.join(path, name), "w") as control:
-                control.write("1" if scale is None else str(scale * (memory_mb + SCRATCH_MB) * 2**20))
+        # no swap accounting, an older kernel: the rest holds
+        with contextlib.suppress(FileNotFoundError), open(os.path.join(path, name), "w") as control:
+            control.write("1" if scale is None else str(scale * (memory_mb + SCRATCH_MB) * 2**20))
     return path
 
 
