@@ -193,6 +193,11 @@ def start_vllm(args, model_path, out_dir):
                 # fp32 on CPU: bf16 arithmetic without AVX-512 is slow (a 25M-parameter model here generated 150 tokens/s
                 # in bf16, 680-780 in fp32), and an fp32 server holds exactly the trainer's weights
                 cmd += ["--dtype", "float32"]
+            compiled = vllm_flag(args, "--enforce-eager", "-O", "--compilation-config", "--optimization-level")
+            if plan["cpu_server"] and args.model is None and compiled is None:
+                # the built-in model's server eager: from an empty home it was up after 82 s against 133 s compiled
+                # (40 s of that "Warming up model for the compilation"), and its 60 steps took 22 s against 32
+                cmd += ["--enforce-eager"]
             if (
                 plan["cpu_server"]
                 and vllm_flag(args, "--enable-chunked-prefill", "--no-enable-chunked-prefill") is None
