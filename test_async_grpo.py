@@ -867,17 +867,58 @@ def test_math_answer_judges_equal_forms_equal_and_a_hostile_answer_in_bounded_ti
     judged = rewards.math_answer(said, [gold for gold, _, _ in MATH_CASES])
     wrong = [(gold, text) for (gold, text, equal), value in zip(MATH_CASES, judged) if value != float(equal)]
     assert not wrong
-    first = rewards._JUDGE["process"]
+    (first,) = rewards._JUDGES["idle"]
     t0 = time.monotonic()
     tower = [[{"role": "assistant", "content": "\\boxed{9^{9^{9^{9}}}}"}], [{"role": "assistant", "content": "7"}]]
     assert rewards.math_answer(tower, [7, 7]) == [0.0, 1.0]
     print(f"the tower and the next answer: {time.monotonic() - t0:.1f} s")
-    assert first.poll() is not None and rewards._JUDGE["process"].poll() is None  # killed, another answered
+    (judge,) = rewards._JUDGES["idle"]
+    assert first.poll() is not None and judge.poll() is None  # killed, another answered
     assert rewards.math_answer([[{"role": "user", "content": "7"}]], [7]) == [0.0]
-    judge = rewards._JUDGE["process"]
     judge.stdin.close()  # what the run's exit does to it
     assert judge.wait(timeout=30) == 0
-    rewards._JUDGE["process"] = None
+    rewards._JUDGES["idle"].clear()
+
+
+def judges_running():
+    """PIDs of this process's live math judges (rewards.judge)."""
+    children = [pid for task in Path("/proc/self/task").iterdir() for pid in (task / "children").read_text().split()]
+    found = []
+    for pid in children:
+        with contextlib.suppress(OSError):
+            if b"rewards.judge()" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                found.append(int(pid))
+    return found
+
+
+def test_the_math_judge_works_past_descriptor_1023_and_one_slow_group_holds_one_judge_not_all():
+    """With the trainer's descriptors numbered past 1,023 (a --env python run holds thousands), the judge's pipe was
+    read with select.select, which raised: every math_answer failed, its group dropped, and each call left a judge
+    process running (3 after 3 calls). Now it judges there, and no more judges live than calls scored at once. A group
+    of three power towers (each killed at MATH_SECONDS) held the one judge behind a lock, and every other group waited
+    behind it; now a plain group scored on another thread is judged while the towers' group still runs."""
+    low = [os.open("/dev/null", os.O_RDONLY) for _ in range(1100)]
+    try:
+        seven = [[{"role": "assistant", "content": "$\\frac{14}{2}$"}]]
+        assert [rewards.math_answer(seven, [7]) for _ in range(3)] == [[1.0]] * 3
+        assert len(judges_running()) == 1 and rewards._JUDGES["idle"][0].stdout.fileno() > 1023
+    finally:
+        for fd in low:
+            os.close(fd)
+    towers = [[{"role": "assistant", "content": "\\boxed{9^{9^{9^{9}}}}"}]] * 3
+    slow = threading.Thread(target=rewards.math_answer, args=(towers, [7, 7, 7]))
+    slow.start()
+    while not judges_running() or len(rewards._JUDGES["idle"]):  # the towers' group holds the idle judge
+        time.sleep(0.05)
+    assert rewards.math_answer(seven, [7]) == [1.0]
+    held = slow.is_alive()
+    slow.join()
+    assert held  # judged by a second judge while the towers still held the first
+    for judge in rewards._JUDGES["idle"]:
+        judge.stdin.close()
+        judge.wait(timeout=30)
+    rewards._JUDGES["idle"].clear()
+    assert judges_running() == []
 
 
 def test_ci_runs_the_readme_test_command():
