@@ -1812,7 +1812,10 @@ def evaluate(run):
                 ) from None
 
     async def all_rows():
-        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=args.data_timeout)) as session:
+        # idle connections closed before vLLM closes them (5 s), as the producer's: no race
+        connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=3)
+        timeout = aiohttp.ClientTimeout(total=args.data_timeout)
+        async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
             return await all_or_none(scored(session, i) for i in range(len(rows)))
 
     future = asyncio.run_coroutine_threadsafe(all_rows(), p.loop)
@@ -2816,7 +2819,7 @@ async def environment_instances(ctx, tok, row, n, timeout):
             while len(envs) < n:
                 ctx.alive.append(ctx.environments[name]())
                 envs.append(ctx.alive[-1])
-            said = await all_or_none(tools_module.bounded(env.reset, row, timeout) for env in envs)
+            said = await all_or_none(tools_module.bounded_reset(env, row, timeout) for env in envs)
         except tools_module.EnvironmentGone:
             raise
         except Exception as e:

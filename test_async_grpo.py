@@ -6513,6 +6513,135 @@ def test_twenty_mcp_timeouts_leave_no_session_or_process(tmp_path, monkeypatch):
     assert len(instances) == 5 and len(ctx.idle["mcp"]) == 5 and ctx.alive == []  # reused, closed at the end
 
 
+def test_a_crashed_mcp_stdio_server_is_a_failed_call_and_a_fresh_session_and_many_open_at_once(tmp_path):
+    """An MCP server over stdio (a process a session) killed while its rollout's model writes its turn: before, the
+    next call raised EnvironmentGone and the whole run ended, although a fresh session opens at once. Now that call
+    fails (the model sees why), a new session is open, and the next call works; EnvironmentGone only where no session
+    opens (the server's command gone). And 16 sessions reset at once, each a process start (12.6 s together on 2
+    cores, past the 10 s of --tool-timeout, which bounded resets before): they open, at most os.cpu_count() at a
+    time, within a start bound of their own; released, none is left open (an evaluation's idle ones were, for good)."""
+    script = tmp_path / "mcp_server.py"
+    script.write_text(MCP_SERVER)
+    cls = tools.mcp_environment(f"{sys.executable} {script} {tmp_path / 'calls.jsonl'}", tmp_path / "mcp.log")
+    by_name = {s["function"]["name"]: s["function"] for s in tools.environment_schemas(cls)}
+    add = ag._call("calculator", {"expression": "3 + 4"})
+
+    async def crash():
+        env = cls()
+        await tools.bounded_reset(env, {}, 10)
+        first = await ag.call_tool(add, by_name, 10, {"calculator": env.calculator})
+        for pid in running(script):
+            os.kill(pid, signal.SIGKILL)
+        await asyncio.sleep(0.5)
+        crashed = await ag.call_tool(add, by_name, 10, {"calculator": env.calculator})
+        again = await ag.call_tool(add, by_name, 10, {"calculator": env.calculator})
+        await env.close()
+        many = [cls() for _ in range(16)]
+        await asyncio.gather(*(tools.bounded_reset(e, {}, 10) for e in many))
+        opened = len(running(script))
+        await asyncio.gather(*(e.release() for e in many))
+        return first, crashed, again, opened
+
+    first, crashed, again, opened = asyncio.run(crash())
+    assert first == ("7 (call 1)", True) and again == ("7 (call 1)", True), (first, again)
+    assert (
+        crashed[0].startswith("Error: RuntimeError: the MCP server's session ended during the call") and not crashed[1]
+    )
+    assert opened == 16 and running(script) == []
+    gone = tools.mcp_environment(f"{sys.executable} {script} {tmp_path / 'calls.jsonl'}")
+
+    async def no_server():
+        env = gone()
+        await env.reset()
+        script.rename(tmp_path / "moved.py")  # its command now fails at once: no session opens
+        for pid in running(script):
+            os.kill(pid, signal.SIGKILL)
+        try:
+            await env.calculator(expression="1")
+        finally:
+            await env.close()
+
+    with pytest.raises(
+        tools.EnvironmentGone, match="the MCP server .* is gone: Connection closed; --mcp .*: no session"
+    ):
+        asyncio.run(no_server())
+
+
+def test_our_timeouts_name_their_bound_and_a_tools_own_timeout_error_is_its_error_not_ours():
+    """A tool that raises TimeoutError itself (a socket's timeout is that class since Python 3.10) was taken for a hung
+    call: the model read "timed out after 10 s" for a call of no time, the real message was lost, and the instance was
+    retired for good (5 groups made 6 instances). Now the model sees the tool's message and the instance is kept; our
+    own bound still reads as a timeout, and where it ends a reset (a group dropped) or a method its message names it
+    (it was an empty `TimeoutError: `)."""
+
+    class Remote:
+        def fetch(self) -> str:
+            """Fetch."""
+            raise TimeoutError("the socket timed out after 0.0 s")
+
+        def wait(self) -> str:
+            """Wait."""
+            time.sleep(1)
+            return "waited"
+
+        async def reset(self, **row):
+            await asyncio.sleep(1)
+
+    env = Remote()
+    fetched = asyncio.run(tools.call_function(env.fetch, {}, "fetch", 5))
+    assert fetched == ("Error: TimeoutError: the socket timed out after 0.0 s", False) and id(env) not in tools.HUNG
+    waited = asyncio.run(tools.call_function(env.wait, {}, "wait", 0.2))
+    assert waited == ("Error: wait timed out after 0.2 s", False) and id(env) in tools.HUNG
+    with pytest.raises(tools.TimedOut, match=r"^Remote.reset took more than 0.2 s$"):
+        asyncio.run(tools.bounded_reset(Remote(), {}, 0.2))
+    time.sleep(1)
+    tools.HUNG.discard(id(env))
+
+
+def test_a_timed_out_reward_or_release_retires_its_instance_as_a_timed_out_call_does():
+    """A sync reward() past --tool-timeout goes on in its thread: before, its instance went back to the idle ones and
+    the next group's reset() ran in it while the old reward() still ran (the contract: one call at a time). Now it is
+    retired as an instance whose call timed out: not reused, no release() while its reward() runs; its close() at the
+    end still comes."""
+    events = []
+
+    class Slow:
+        def reset(self, **row):
+            events.append(("reset", id(self)))
+
+        def reward(self):
+            events.append(("reward", id(self)))
+            time.sleep(1.5)
+            events.append(("reward done", id(self)))
+            return 1.0
+
+        def release(self):
+            events.append(("release", id(self)))
+
+    ctx = ag.RolloutContext(
+        schemas=None, schemas_by_name={}, environments={"Slow": Slow}, offered={}, prompt_ids={0: [1, 2]}, stop_ids=[0]
+    )
+    ctx.idle["Slow"] = []
+    row = {"id": 0, "prompt": [{"role": "user", "content": "?"}]}
+
+    async def groups():
+        scored = []
+        for _ in range(2):
+            async with ag.environment_instances(ctx, None, row, 1, 0.3) as (envs, _, _):
+                scored.append(await asyncio.gather(tools.call_method(envs[0].reward, {}, 0.3), return_exceptions=True))
+        return scored
+
+    first, second = asyncio.run(groups())
+    assert isinstance(first[0], tools.TimedOut) and "Slow.reward took more than 0.3 s (--tool-timeout)" in str(
+        first[0]
+    )
+    made = [i for what, i in events if what == "reset"]
+    assert len(made) == 2 and made[0] != made[1] and ("release", made[0]) not in events  # retired, not released
+    time.sleep(1.5)
+    assert ("reward done", made[0]) in events
+    tools.HUNG.discard(made[0])
+
+
 def test_a_column_that_reset_needs_and_rows_lack_stops_the_run_at_start_with_one_line(tmp_path):
     """--env GuessNumber on the arithmetic task's rows, which have no `secret`: before, every group's reset failed until
     32 in a row were dropped, and the run ended with a traceback blaming "the rewards". Now it stops at start, before the
