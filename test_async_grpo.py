@@ -5900,6 +5900,108 @@ def test_python_cells_run_as_a_notebooks_in_an_interpreter_of_each_rollouts_own(
         b.close()
 
 
+# Interpreters started with the soft limit on descriptors a few above those open: each start fails somewhere between
+# its pipes and its process (EMFILE), and what it opened must be closed, else the shortage feeds itself
+FAILED_STARTS = """
+import os, resource, sys
+sys.path.insert(0, sys.argv[1])
+import sandbox
+
+open_now = lambda: len(os.listdir("/proc/self/fd"))
+before, failed = open_now(), 0
+hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+for spare in range(12):
+    resource.setrlimit(resource.RLIMIT_NOFILE, (before + spare, hard))
+    try:
+        sandbox.Interpreter(512, sandboxed=sys.argv[2] == "1").stop()
+    except OSError:
+        failed += 1
+    resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+print(failed, open_now() - before)
+"""
+
+
+@pytest.mark.parametrize("sandboxed", [True, False])
+def test_a_failed_interpreter_start_closes_what_it_opened(tmp_path, sandboxed):
+    """With descriptors short, an interpreter's start fails at its filter pipe, its info pipe or its process: before,
+    the info pipe was not in the cleanup and a failed second pipe leaked the first (one or two descriptors a start),
+    and stop() skipped them where no process started. Now every failed start leaves as many open as before it."""
+    script = tmp_path / "starts.py"
+    script.write_text(FAILED_STARTS)
+    said = subprocess.run(
+        [sys.executable, str(script), str(HERE), str(int(sandboxed))], capture_output=True, text=True
+    )
+    failed, left = map(int, said.stdout.split())
+    assert failed >= 3 and left == 0, said.stdout + said.stderr
+
+
+def test_a_cancelled_call_starts_no_sandbox_and_reaped_holds_under_many_closes_at_once():
+    """A python call cancelled (its rollout cancelled: a stop, the run's end) stopped its interpreter and started
+    another at once, at the shutdown too, whose start could fail unseen; now it starts none, and the instance's next
+    call starts one. And 24 instances closed at once, each close() joining the reaper threads in a thread of its own:
+    sandbox.reaped() raced with itself (10 of 120 raised IndexError)."""
+    cls, _ = python_environment()
+    since = ticks_since_boot()
+
+    async def cancelled():
+        env = cls()
+        await env.reset(id=0)
+        call = asyncio.create_task(env.python(code="import time\ntime.sleep(30)"))
+        await asyncio.sleep(1)
+        call.cancel()
+        await asyncio.gather(call, return_exceptions=True)
+        await asyncio.to_thread(sandbox.reaped)  # its namespace's end (~10 ms)
+        left = interpreter_processes(since)
+        after = await env.python(code="1 + 1")
+        await env.close()
+        return left, after
+
+    left, after = asyncio.run(cancelled())
+    assert left == [] and after == "2"
+
+    async def many():
+        envs = [cls() for _ in range(24)]
+        await asyncio.gather(*(env.reset(id=0) for env in envs))
+        await asyncio.gather(*(env.python(code="1") for env in envs))
+        return await asyncio.gather(*(env.close() for env in envs), return_exceptions=True)
+
+    assert asyncio.run(many()) == [None] * 24 and sandbox.REAPERS == []
+    assert interpreter_processes(since) == []
+
+
+DESCRIPTOR_LIMIT = """
+import resource, sys
+sys.path.insert(0, sys.argv[1])
+import async_grpo, tools
+
+resource.setrlimit(resource.RLIMIT_NOFILE, (1024, int(sys.argv[2])))
+args = async_grpo.parse_args(["--output-dir", "unused", "--task", "guess", "--env", "GuessNumber", *sys.argv[3:]])
+try:
+    tools.load_environments(args)
+except SystemExit as e:
+    print(e)
+print(resource.getrlimit(resource.RLIMIT_NOFILE))
+"""
+
+
+def test_the_soft_descriptor_limit_is_raised_and_a_plan_that_cannot_fit_is_refused_at_start(tmp_path):
+    """A --env python run with an evaluation at the default flags holds ~1,300 descriptors, past the soft limit of
+    1,024 of most installs, which the trainer never raised: rows failed with EMFILE, resets failed, new connections to
+    vLLM failed. At start the soft limit is raised to the hard one, and a plan whose instances cannot fit even that is
+    refused, naming --max-inflight."""
+    script = tmp_path / "limit.py"
+    script.write_text(DESCRIPTOR_LIMIT)
+    run = lambda hard, *flags: subprocess.run(
+        [sys.executable, str(script), str(HERE), str(hard), *flags], capture_output=True, text=True
+    ).stdout.splitlines()
+    assert run(8192, "--eval-every", "2") == ["(8192, 8192)"]
+    refused = run(2048, "--eval-every", "2")
+    assert refused[0].startswith("--max-inflight 64 with --eval-every: up to 264 environment instances") and (
+        "over this process's limit of 2048" in refused[0]
+    ), refused
+    assert run(2048, "--eval-every", "2", "--max-inflight", "16") == ["(2048, 2048)"]
+
+
 def test_code_the_model_writes_cannot_escape_the_sandbox(server, tmp_path, monkeypatch):
     """Each attack of the issue, written as generated code would be, through the real tool. In the sandbox every one
     fails; run once more with --no-python-sandbox (limits only: what the sandbox adds removed), those that namespaces
