@@ -322,7 +322,9 @@ def test_a_reward_that_is_not_one_finite_number_per_rollout_fails_its_group(monk
     monkeypatch.setitem(ag.rewards_module.REWARDS, "forked", lambda **kwargs: [1.0, 0.0])
     assert asyncio.run(ag.score_group(samples, {"id": 0, "prompt": []}, {"forked": 2.0}))[0].tolist() == [2.0, 0.0]
     monkeypatch.setitem(ag.rewards_module.REWARDS, "forked", lambda **kwargs: values)
-    with pytest.raises(ValueError, match="reward forked returned .* one finite number each"):
+    with pytest.raises(
+        tools.Dropped, match="prompt 0 failed: ValueError: reward forked returned .* a finite number each"
+    ):
         asyncio.run(ag.score_group(samples, {"id": 0, "prompt": []}, {"forked": 2.0}))
 
 
@@ -2945,6 +2947,52 @@ def test_a_signal_at_any_line_of_a_step_saves_it_whole_or_not_at_all_and_resume_
         torch.set_num_threads(threads)
     steps = [m["step"] for m in read_metrics(tmp_path)]
     assert steps == sorted(set(steps)) and steps[-1] == again.start_step + 1
+
+
+def test_a_metrics_line_that_cannot_be_written_costs_no_checkpoint_and_a_hard_kills_tmp_goes(server, tmp_path):
+    """The disk fills as a step's line is written (metrics.jsonl here on /dev/full, whose every write fails with
+    ENOSPC, as a full disk's does): before, save_after_error wrote the line again first, the same error escaped, the
+    finished step's checkpoint was never tried, and the run ended in a bare traceback. Now the checkpoint is saved and
+    the run ends with one line naming the error. A checkpoint-N.tmp that a hard kill left mid-save goes at the next
+    save (it stayed for good)."""
+    flags = ["--vllm-url", server.url, "--output-dir", str(tmp_path), "--cache-dir", CACHE, "--steps", "10"]
+    flags += ["--prompts-per-step", "2", "--num-generations", "2", "--max-tokens", "8"]
+    threads = torch.get_num_threads()
+    run = ag.set_up(flags)
+    ag.load_data(run)
+    ag.load_policy_and_optimizer(run)
+    (tmp_path / "checkpoint-000001.tmp").mkdir()  # a save cut off by SIGKILL
+    try:
+        ag.start_generation(run)
+        ag.train_one_step(run, 0)
+        run.logs["metrics"] = open("/dev/full", "w")
+        with pytest.raises(OSError) as full:
+            ag.train_one_step(run, 1)
+        with pytest.raises(
+            SystemExit, match=r"^error: \[Errno 28\] No space left on device\nThe run stopped at step 2"
+        ):
+            ag.save_after_error(run, full.value)
+    finally:
+        ag.tear_down(run, {})
+        torch.set_num_threads(threads)
+    assert os.readlink(tmp_path / "checkpoint") == "checkpoint-000002"
+    assert sorted(p.name for p in tmp_path.glob("checkpoint-*")) == ["checkpoint-000002"]
+
+
+@pytest.mark.parametrize("when", ["vllm_start", "step_0_eval"])
+def test_a_ctrl_c_before_training_ends_in_one_line_not_a_traceback(server, tmp_path, when):
+    """Ctrl-C while the run's own vLLM server starts, or during the step-0 evaluation: before, the stop's handler
+    raised KeyboardInterrupt there, which save_after_error passed on, and the run printed a bare traceback. Now it
+    ends with the one line of any stop, and leaves no server behind."""
+    if when == "vllm_start":
+        flags, at = ("--steps", "2"), "starting vLLM"
+    else:
+        flags, at = ("--vllm-url", server.url, "--eval-every", "1", "--steps", "2"), "the trainer computes in"
+    code, out, seconds, pids = run_with_fault(tmp_path / "run", *flags, at=at, fault=signal.SIGINT, delay=1.0)
+    print(f"the run ended {seconds:.1f} s after the Ctrl-C")
+    assert code == 1 and "Traceback" not in out, out[-3000:]
+    assert out.splitlines()[-1] == "stopped at step 0 by signal 2 (no checkpoint to resume from)", out[-3000:]
+    assert all(not processes_in_group(pid) for pid in pids)
 
 
 @pytest.mark.parametrize("lora", [[], ["--lora-rank", "4"]], ids=["full", "lora"])
@@ -6604,7 +6652,7 @@ def test_twenty_mcp_timeouts_leave_no_session_or_process(tmp_path, monkeypatch):
                 seen += await asyncio.gather(*[rollout(env, i == 0 and group in (0, 3)) for i, env in enumerate(envs)])
                 processes.append(len(running(script)))  # the timed-out calls' sessions and processes ended
         left = running(script)  # each group's sessions end with it (release): none kept for the next reset
-        await ag.close_environments(ctx, 30)
+        await tools.close_environments(ctx, 30)
         return seen, processes, instances, left
 
     seen, processes, instances, left = asyncio.run(twenty())

@@ -566,6 +566,13 @@ async def call_method(fn, arguments, timeout):
         raise TimedOut(f"{named(fn)} took more than {timeout} s (--tool-timeout)") from None
 
 
+async def close_environments(ctx, timeout):
+    """close() every instance made (ctx.alive), once, each within `timeout` seconds, however the run ends."""
+    closing = [call_method(env.close, {}, timeout) for env in ctx.alive if hasattr(env, "close")]
+    ctx.alive.clear()
+    await asyncio.gather(*closing, return_exceptions=True)
+
+
 async def bounded_reset(env, row, timeout):
     """env.reset(**row) within `timeout` seconds, or its class's start_timeout where longer (an MCP server's start)."""
     return await bounded(env.reset, row, max(timeout, getattr(env, "start_timeout", 0)))
