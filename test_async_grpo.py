@@ -2987,7 +2987,8 @@ def test_a_ctrl_c_before_training_ends_in_one_line_not_a_traceback(server, tmp_p
     if when == "vllm_start":
         flags, at = ("--steps", "2"), "starting vLLM"
     else:
-        flags, at = ("--vllm-url", server.url, "--eval-every", "1", "--steps", "2"), "the trainer computes in"
+        flags = ("--vllm-url", server.url, "--eval-every", "1", "--eval-size", "64", "--eval-samples", "8")
+        flags, at = (*flags, "--steps", "100"), "the trainer computes in"  # 576 rollouts at step 0: seconds
     code, out, seconds, pids = run_with_fault(tmp_path / "run", *flags, at=at, fault=signal.SIGINT, delay=1.0)
     print(f"the run ended {seconds:.1f} s after the Ctrl-C")
     assert code == 1 and "Traceback" not in out, out[-3000:]
