@@ -76,10 +76,13 @@ def running(text):
     return found
 
 
-def killer(script, every, stop, killed):
-    """Kills one live process of the MCP server script every `every` seconds, at random: a crashed server."""
+def killer(trainer, script, every, stop, killed, started):
+    """Kills one of the trainer's MCP server processes (the script's) every `every` seconds, at random, once the
+    run has started (the file `started` exists): a crash. One at start would end the run, as it should."""
     while not stop.wait(every):
-        pids = running(str(script))
+        if not started.exists():
+            continue
+        pids = [pid for pid in children_of(trainer) if pid in running(str(script))]
         if pids:
             os.kill(random.choice(pids), signal.SIGKILL)
             killed.append(time.monotonic())
@@ -108,7 +111,11 @@ def main():
     proc = subprocess.Popen(command, cwd=HERE, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     stop, killed, seen = threading.Event(), [], set()
     if args.part == "mcp":
-        threading.Thread(target=killer, args=(script, args.kill_every, stop, killed), daemon=True).start()
+        threading.Thread(
+            target=killer,
+            args=(proc.pid, script, args.kill_every, stop, killed, out / "run" / "metrics.jsonl"),
+            daemon=True,
+        ).start()
     start = time.monotonic()
     print(f"{'seconds':>8} {'step':>5} {'fds':>5} {'threads':>7} {'rss MB':>7} {'children':>8} {'killed':>6}")
     while proc.poll() is None and time.monotonic() - start < 60 * args.minutes:
@@ -136,7 +143,7 @@ def main():
     last = (out / "run.log").read_text().strip().splitlines()[-1:]
     time.sleep(1)
     # what the trainer started (sampled) and the MCP servers: none outlives it
-    left = [pid for pid in seen | set(running(str(script))) if Path(f"/proc/{pid}").exists()]
+    left = [pid for pid in seen | set(running(str(script))) - {proc.pid} if Path(f"/proc/{pid}").exists()]
     print(f"exit {proc.returncode}: {last[0] if last else ''}; processes left: {len(left)}", flush=True)
     sys.exit(0 if proc.returncode in (0, 1) and not left and "stopped at step" in "".join(last) else 1)
 
