@@ -427,7 +427,8 @@ async def score_group(samples, row, reward_weights, environments=None):
                 raise ValueError(f"reward {name} returned {str(values)[:200]} for {G} rollouts: a finite number each")
             total += weight * parts[name]
     except Exception as e:
-        raise tools_module.Dropped(f"the rewards of prompt {row['id']} failed: {type(e).__name__}: {e}") from None
+        why = f"{type(e).__name__}: {e}"
+        raise tools_module.Dropped(f"the rewards of prompt {row['id']} failed: {why}") from None
     return total, parts
 
 
@@ -681,8 +682,8 @@ class Producer(threading.Thread):
 
 
 def client_session(args):
-    """The producer's and the evaluation's HTTP session: idle connections closed before vLLM closes them (5 s), no
-    race; a request may take as long as the trainer waits for data."""
+    """The producer's and the evaluation's HTTP session: idle connections closed before vLLM closes them
+    (5 s), no race; a request may take as long as the trainer waits for data."""
     connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=3)
     return aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=args.data_timeout))
 
@@ -1077,7 +1078,8 @@ class WeightSync:
         try:
             # --lora-sync adapter: W unmerged where the servers may hold other weights, then the adapter alone
             if include_frozen or not adapter:
-                self._send(model, "receive_weights", deadline, "base" if adapter else "merged", include_frozen)
+                part = "base" if adapter else "merged"
+                self._send(model, "receive_weights", deadline, part, include_frozen)
             if adapter:
                 config = json.loads(json.dumps(model.peft_config["default"].to_dict(), default=sorted))
                 answers = self._send(model, "receive_adapter", deadline, "adapter", config=config)
@@ -1892,8 +1894,8 @@ def save_after_error(run, error):
         time.sleep(3)
         failure = run.server_failure or server_failure(run.urls, run.servers)
     if run.is_main and run.producer and not run.updating and run.completed > run.start_step and not run.args.fsdp:
-        # its sync or evaluation failed (sync/seconds 0, no eval/ metrics); a line that cannot be written (a full
-        # disk, wandb) does not cost the checkpoint, whose own failure names the disk
+        # its sync or evaluation failed (sync/seconds 0, no eval/ metrics); a line that cannot be written
+        # (a full disk, wandb) does not cost the checkpoint, whose own failure names the disk
         with contextlib.suppress(Exception):
             if run.unlogged:
                 log_step(run, *run.unlogged)
@@ -1910,7 +1912,7 @@ def save_after_error(run, error):
     if failure or isinstance(error, OSError):
         seen = f" after {type(error).__name__}: {(str(error) or '-').splitlines()[0][:300]}" if failure else ""
         raise SystemExit(f"error: {failure or error}\nThe run stopped at step {run.completed}{seen}. {logs}")
-    # it came as the trainer waited for data, or came twice, or before training (vLLM's start, the step-0 evaluation)
+    # it came as the trainer waited for data, or came twice, or before training (vLLM's start, step 0's eval)
     if isinstance(error, KeyboardInterrupt):
         saved = (run.out_dir / "checkpoint").exists()
         resume = f"; continue with --resume --output-dir {run.out_dir}" if saved else " (no checkpoint to resume from)"
@@ -2021,7 +2023,7 @@ def checkpoint(run, step):
             f"the last complete checkpoint: {run.out_dir / previous if previous else 'none'} (--resume "
             "continues from it)"
         )
-    # every other one: also one a signal left between a swap and this line, and a .tmp a hard kill left mid-save
+    # every other one: also one a signal left between a swap and this line, a .tmp a hard kill left mid-save
     for old in run.out_dir.glob("checkpoint-*"):
         if old.name != name:
             shutil.rmtree(old, ignore_errors=True)
