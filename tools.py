@@ -10,8 +10,9 @@ Environments: a class, registered in ENVIRONMENTS below (`--env NAME`) or anywhe
 rollout has an instance of its own, never shared by two in flight; an instance is reused after a reset, so no more exist
 than rollouts in flight (evaluation included). An instance runs one call at a time: calls in one turn run in the order
 the model wrote them. Every method may be sync (in a thread, never on the event loop) or `async def`, bounded by
---tool-timeout; an async call past it is cancelled and the instance released (its state unknown: its session or process
-ends), a sync one holds its thread and the instance, which takes no further call and is not reused:
+--tool-timeout (a reset by the class's start_timeout where longer); an async call past it is cancelled and the instance
+released (its state unknown: its session or process ends), a sync one (reward() and release() too) holds its thread and
+the instance, which takes no further call and is not reused (a TimeoutError it raises itself is an error, not ours):
     reset(**row)      the dataset row, every column (a parameter without a default names a column that every row of
                       the environment must have: checked at start). Returns None, or text appended to the prompt's last
                       message: the same for the G rollouts of a group (they answer one task), else the group is dropped
@@ -244,9 +245,10 @@ class GuessNumber:
 
 class MCPSession:
     """The tools of an MCP server as an environment (--mcp), through the official `mcp` package. An instance holds one
-    session: to a URL over streamable HTTP, or with a process of its own started from a command line (stdio). A rollout
-    that called a tool may have changed its session's state, so the next reset opens a new session. mcp_environment()
-    makes the subclass whose methods are the server's tools."""
+    session: to a URL over streamable HTTP, or with a process of its own started from a command line (stdio). Each reset
+    opens a new session (a rollout's calls may have changed the last one's state) and release() ends it: an idle
+    instance holds none. A session that closes under a call (its server crashed) is a failed call and a new session;
+    EnvironmentGone only where none opens. mcp_environment() makes the subclass whose methods are the server's tools."""
 
     server = None  # the --mcp value
     log = None  # a started server's stderr goes there
