@@ -646,9 +646,8 @@ def load_environments(args, log=None):
     return environments
 
 
-INSTANCE_DESCRIPTORS = (
-    8  # an instance's in the trainer, at most: an interpreter's 3 pipes, bwrap's info, a pidfd at its stop
-)
+# an instance's descriptors in the trainer, at most: an interpreter's 3 pipes, bwrap's info, a pidfd at its stop
+INSTANCE_DESCRIPTORS = 8
 
 
 def descriptors(args, environments):
@@ -660,9 +659,8 @@ def descriptors(args, environments):
     if soft < hard:
         resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
     instances = (2 + 2 * bool(args.eval_every)) * args.max_inflight + args.num_generations
-    needed = (
-        512 + INSTANCE_DESCRIPTORS * instances * bool(environments) + 4 * args.max_inflight
-    )  # the run's own; requests
+    # the run's own (512), its instances', and its requests' (connections to vLLM)
+    needed = 512 + INSTANCE_DESCRIPTORS * instances * bool(environments) + 4 * args.max_inflight
     if hard != resource.RLIM_INFINITY and needed > hard:
         raise SystemExit(
             f"--max-inflight {args.max_inflight}{' with --eval-every' * bool(args.eval_every)}: up to {instances} "
