@@ -258,12 +258,18 @@ class MCPSession:
     start_timeout = 60.0
 
     async def reset(self, **row):
-        await self.close()
-        self.closing = asyncio.Event()
-        opened = asyncio.get_running_loop().create_future()
-        async with opening():
-            self.session = asyncio.create_task(self._hold(opened))
-            self.client = await opened
+        for attempt in range(2):  # a server that crashed as its session opened: once more, else it is gone
+            await self.close()
+            self.closing = asyncio.Event()
+            opened = asyncio.get_running_loop().create_future()
+            async with opening():
+                self.session = asyncio.create_task(self._hold(opened))
+                try:
+                    self.client = await opened
+                    return
+                except EnvironmentGone:
+                    if attempt:
+                        raise
 
     async def _hold(self, opened):
         # anyio, under mcp, closes a session in the task that opened it: this one, which lives as long as the session
