@@ -417,14 +417,18 @@ async def score_group(samples, row, reward_weights, environments=None):
         **{k: [s[k] for s in samples] for k in ("tool_calls", "tool_failures", "truncated")},
     )
     total, parts = np.zeros(G), {}
-    for name, weight in reward_weights.items():
-        fn = rewards_module.REWARDS[name]
-        values = await fn(**kwargs) if inspect.iscoroutinefunction(fn) else await asyncio.to_thread(fn, **kwargs)
-        # None becomes NaN, which would poison the whole update
-        parts[name] = np.asarray(values, dtype=np.float64)
-        if parts[name].shape != (G,) or not np.isfinite(parts[name]).all():
-            raise ValueError(f"reward {name} returned {str(values)[:200]} for a group of {G}: one finite number each")
-        total += weight * parts[name]
+    try:
+        for name, weight in reward_weights.items():
+            fn = rewards_module.REWARDS[name]
+            values = await fn(**kwargs) if inspect.iscoroutinefunction(fn) else await asyncio.to_thread(fn, **kwargs)
+            # None becomes NaN, which would poison the whole update
+            parts[name] = np.asarray(values, dtype=np.float64)
+            if parts[name].shape != (G,) or not np.isfinite(parts[name]).all():
+                raise ValueError(f"reward {name} returned {str(values)[:200]} for {G} rollouts: a finite number each")
+            total += weight * parts[name]
+    except Exception as e:
+        why = f"{type(e).__name__}: {e}"
+        raise tools_module.Dropped(f"the rewards of prompt {row['id']} failed: {why}") from None
     return total, parts
 
 
@@ -518,11 +522,7 @@ class Producer(threading.Thread):
 
     async def _produce(self):
         a = self.args
-        # closed before vLLM closes them (5 s): no race
-        connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=3)
-        # a request may take as long as the trainer waits for data
-        timeout = aiohttp.ClientTimeout(total=a.data_timeout)
-        async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
+        async with client_session(a) as session:
             pending = set()
             # on --resume, groups not trained are redone
             started = self.cursor["next_index"]
@@ -545,7 +545,7 @@ class Producer(threading.Thread):
                 # on stop or error, no group is left running against a server that is going away
                 cancel_all(pending)
                 await asyncio.gather(*pending, return_exceptions=True)
-                await close_environments(self.ctx, a.tool_timeout)
+                await tools_module.close_environments(self.ctx, a.tool_timeout)
 
     async def _group(self, session, row, index):
         a = self.args
@@ -579,10 +579,6 @@ class Producer(threading.Thread):
                 try:
                     self.scoring += 1
                     rewards, parts = await score_group(samples, row, a.reward_weights, envs)
-                except Exception as e:
-                    raise tools_module.Dropped(
-                        f"the rewards of prompt {row['id']} failed: {type(e).__name__}: {e}"
-                    ) from None
                 finally:
                     self.scoring -= 1
         except tools_module.Dropped as e:
@@ -683,6 +679,13 @@ class Producer(threading.Thread):
             if interrupted():
                 return False
         return True
+
+
+def client_session(args):
+    """The producer's and the evaluation's HTTP session: idle connections closed before vLLM closes them
+    (5 s), no race; a request may take as long as the trainer waits for data."""
+    connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=3)
+    return aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=args.data_timeout))
 
 
 async def all_or_none(coros):
@@ -1072,17 +1075,21 @@ class WeightSync:
             time.sleep(0.01)
         adapter = self.args.lora_sync == "adapter"
         self.sent_bytes = 0  # what this sync sends
-        # --lora-sync adapter: W unmerged where the servers may hold other weights, then the adapter alone
-        if include_frozen or not adapter:
-            self._send(model, "receive_weights", deadline, "base" if adapter else "merged", include_frozen)
-        if adapter:
-            config = json.loads(json.dumps(model.peft_config["default"].to_dict(), default=sorted))
-            answers = self._send(model, "receive_adapter", deadline, "adapter", config=config)
-            # each server's first worker wrote it; the folder is on that server's host
-            for url, workers in zip(self.urls, answers):
-                load_adapter(url, workers[0], self.args.sync_timeout)
+        try:
+            # --lora-sync adapter: W unmerged where the servers may hold other weights, then the adapter alone
+            if include_frozen or not adapter:
+                part = "base" if adapter else "merged"
+                self._send(model, "receive_weights", deadline, part, include_frozen)
+            if adapter:
+                config = json.loads(json.dumps(model.peft_config["default"].to_dict(), default=sorted))
+                answers = self._send(model, "receive_adapter", deadline, "adapter", config=config)
+                # each server's first worker wrote it; the folder is on that server's host
+                for url, workers in zip(self.urls, answers):
+                    load_adapter(url, workers[0], self.args.sync_timeout)
+        finally:
+            # also after a failure: --vllm-url servers outlive the run, and a paused one serves no one
+            self._all("resume")
         self.version.value += 1
-        self._all("resume")
         self.version.open = True
         return time.perf_counter() - t0
 
@@ -1796,15 +1803,10 @@ def evaluate(run):
                 )
                 for k, env in enumerate(envs)
             )
-            try:
-                return await score_group(samples, row, args.reward_weights, envs)
-            except Exception as e:
-                raise tools_module.Dropped(
-                    f"the rewards of prompt {row['id']} failed: {type(e).__name__}: {e}"
-                ) from None
+            return await score_group(samples, row, args.reward_weights, envs)
 
     async def all_rows():
-        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=args.data_timeout)) as session:
+        async with client_session(args) as session:
             return await all_or_none(scored(session, i) for i in range(len(rows)))
 
     future = asyncio.run_coroutine_threadsafe(all_rows(), p.loop)
@@ -1885,9 +1887,11 @@ def save_after_error(run, error):
         time.sleep(3)
         failure = run.server_failure or server_failure(run.urls, run.servers)
     if run.is_main and run.producer and not run.updating and run.completed > run.start_step and not run.args.fsdp:
-        # its sync or evaluation failed (sync/seconds 0, no eval/ metrics)
-        if run.unlogged:
-            log_step(run, *run.unlogged)
+        # its sync or evaluation failed (sync/seconds 0, no eval/ metrics); a line that cannot be written
+        # (a full disk, wandb) does not cost the checkpoint, whose own failure names the disk
+        with contextlib.suppress(Exception):
+            if run.unlogged:
+                log_step(run, *run.unlogged)
         checkpoint(run, run.completed)
         print(
             f"saved the checkpoint of step {run.completed} in {run.out_dir / 'checkpoint'}; continue with --resume",
@@ -1897,15 +1901,16 @@ def save_after_error(run, error):
     # what failed, group after group: a reset, a reward
     if isinstance(error, tools_module.Dropped) and not failure:
         raise SystemExit(f"error: {error}")
-    # a server failed, or did not answer in time
-    if failure or isinstance(error, (ConnectionError, TimeoutError)):
+    # a server failed, or did not answer in time; a file that could not be written (a full disk)
+    if failure or isinstance(error, OSError):
         seen = f" after {type(error).__name__}: {(str(error) or '-').splitlines()[0][:300]}" if failure else ""
         raise SystemExit(f"error: {failure or error}\nThe run stopped at step {run.completed}{seen}. {logs}")
-    # it came as the trainer waited for data, or came twice
-    if isinstance(error, KeyboardInterrupt) and run.stop:
+    # it came as the trainer waited for data, or came twice, or before training (vLLM's start, step 0's eval)
+    if isinstance(error, KeyboardInterrupt):
         saved = (run.out_dir / "checkpoint").exists()
         resume = f"; continue with --resume --output-dir {run.out_dir}" if saved else " (no checkpoint to resume from)"
-        raise SystemExit(f"stopped at step {run.completed} by signal {run.stop[0]}{resume}")
+        signum = run.stop[0] if run.stop else str(error).removeprefix("signal ")
+        raise SystemExit(f"stopped at step {run.completed} by signal {signum}{resume}")
     if logs:
         print(logs, flush=True)
 
@@ -2011,9 +2016,9 @@ def checkpoint(run, step):
             f"the last complete checkpoint: {run.out_dir / previous if previous else 'none'} (--resume "
             "continues from it)"
         )
-    # every older one: also one a signal left between a swap and this line
+    # every other one: also one a signal left between a swap and this line, a .tmp a hard kill left mid-save
     for old in run.out_dir.glob("checkpoint-*"):
-        if old.name != name and not old.name.endswith(".tmp"):
+        if old.name != name:
             shutil.rmtree(old, ignore_errors=True)
 
 
@@ -2847,7 +2852,7 @@ async def environment_instances(ctx, tok, row, n, timeout):
             while len(envs) < n:
                 ctx.alive.append(ctx.environments[name]())
                 envs.append(ctx.alive[-1])
-            said = await all_or_none(tools_module.bounded(env.reset, row, timeout) for env in envs)
+            said = await all_or_none(tools_module.bounded_reset(env, row, timeout) for env in envs)
         except tools_module.EnvironmentGone:
             raise
         except Exception as e:
@@ -2867,13 +2872,6 @@ async def environment_instances(ctx, tok, row, n, timeout):
         releasing = [tools_module.call_method(e.release, {}, timeout) for e in envs if hasattr(e, "release")]
         await asyncio.gather(*releasing, return_exceptions=True)
         idle += [env for env in envs if id(env) not in tools_module.HUNG]
-
-
-async def close_environments(ctx, timeout):
-    """close() every instance made, once, each within `timeout` seconds, however the run ends."""
-    closing = [tools_module.call_method(env.close, {}, timeout) for env in ctx.alive if hasattr(env, "close")]
-    ctx.alive.clear()
-    await asyncio.gather(*closing, return_exceptions=True)
 
 
 # --- Machinery: chat templates: rendering, the start-up checks, the exact tool-result tokens ------

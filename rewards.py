@@ -61,7 +61,8 @@ def correct_answer(completions, answer, **kwargs):
 
 
 MATH_SECONDS = 5.0  # a comparison's bound: past it the judge is killed and the rollout scores 0
-_JUDGE = {"process": None, "lock": threading.Lock()}
+JUDGES = 4  # judge processes at most: a slow answer holds one, while the other groups are judged by the others
+_JUDGES = {"idle": [], "slots": threading.BoundedSemaphore(JUDGES)}
 
 
 def math_answer(completions, answer, **kwargs):
@@ -70,30 +71,66 @@ def math_answer(completions, answer, **kwargs):
     `answer` is a number, a LaTeX expression, or a worked solution that boxes it. Equal forms are equal: 1/2,
     \\frac{1}{2} and 0.5, (x+1)^2 and x^2+2x+1, x=3 and 3. Judged in a process of its own, one comparison at most
     MATH_SECONDS: sympy on what a model writes (9^{9^{9^9}}) can hold the interpreter in one C call for hours."""
-    with _JUDGE["lock"]:  # groups are scored on several threads; the judge answers one question at a time
-        return [_judged(str(gold), final_text(messages)) for messages, gold in zip(completions, answer)]
+    # groups are scored on several threads: each takes a judge of its own (one answers one question at a time)
+    with _JUDGES["slots"]:
+        judge = None
+        with contextlib.suppress(IndexError):
+            judge = _JUDGES["idle"].pop()
+        try:
+            scores = []
+            for messages, gold in zip(completions, answer):
+                judge, score = _judged(judge, str(gold), final_text(messages))
+                scores.append(score)
+            return scores
+        finally:
+            if judge is not None:
+                _JUDGES["idle"].append(judge)
 
 
-def _judged(gold, text):
-    if _JUDGE["process"] is None or _JUDGE["process"].poll() is not None:
-        code = f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); import rewards; rewards.judge()"
-        process = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
-        # its imports (sympy) take seconds, more on a loaded machine: not counted in a comparison's bound
-        if not select.select([process.stdout], [], [], 120)[0] or process.stdout.readline() != b"ready\n":
-            process.kill()
-            raise RuntimeError("math_answer: its judge did not start in 120 s")
-        _JUDGE["process"] = process
-    process = _JUDGE["process"]
+def _judged(process, gold, text):
+    """(the judge, its score): a judge started where `process` is None or dead; None after it was killed."""
+    if process is not None and process.poll() is not None:  # it died between questions
+        _ended(process)
+        process = None
+    process = process or _started_judge()
     try:
         process.stdin.write((json.dumps([gold, text[-4000:]]) + "\n").encode())  # the answer is at the end
         process.stdin.flush()
-        if select.select([process.stdout], [], [], MATH_SECONDS)[0]:
-            return float(process.stdout.readline().strip() == b"1")
+        if _readable(process.stdout, MATH_SECONDS):
+            return process, float(process.stdout.readline().strip() == b"1")
     except OSError:  # it died (its memory bound): the next question starts another
         pass
+    _ended(process)
+    return None, 0.0
+
+
+def _started_judge():
+    code = f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); import rewards; rewards.judge()"
+    process = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    # its imports (sympy) take seconds, more on a loaded machine: not counted in a comparison's bound
+    try:
+        if _readable(process.stdout, 120) and process.stdout.readline() == b"ready\n":
+            return process
+    except BaseException:
+        _ended(process)
+        raise
+    _ended(process)
+    raise RuntimeError("math_answer: its judge did not start in 120 s")
+
+
+def _readable(pipe, seconds):
+    # poll, not select.select: the trainer's descriptors may be numbered past 1,024
+    poll = select.poll()
+    poll.register(pipe, select.POLLIN)
+    return bool(poll.poll(seconds * 1000))
+
+
+def _ended(process):
+    """Killed, reaped, its pipes closed: nothing of a judge is left behind."""
     process.kill()
     process.wait()
-    return 0.0
+    process.stdin.close()
+    process.stdout.close()
 
 
 def judge():

@@ -314,9 +314,10 @@ class Interpreter:
             if self.sandboxed:
                 # the filter through a pipe (it is far smaller than the pipe's buffer); bwrap's info through another,
                 # read at the stop: the namespace's first process, to be killed by its PID
-                filter_read, filter_write = os.pipe()
+                ends += os.pipe()
+                filter_read, filter_write = ends
                 self.info, info_write = os.pipe()
-                ends = [filter_read, filter_write, info_write]
+                ends.append(info_write)
                 os.write(filter_write, seccomp_filter())
                 os.set_blocking(self.info, False)
                 fds = (filter_read, info_write)
@@ -333,6 +334,11 @@ class Interpreter:
                 start_new_session=True,  # a Ctrl-C to the run's terminal is the run's to handle, not the interpreters'
                 pass_fds=fds,
             )
+        except (
+            BaseException
+        ):  # no descriptors short (EMFILE), say: what it opened is closed, or a shortage feeds itself
+            self.stop()
+            raise
         finally:
             for fd in ends:  # bwrap's now; the info pipe ends when bwrap has written and closed it
                 os.close(fd)
@@ -346,6 +352,8 @@ class Interpreter:
         was not its own (the code wrote over it). Never blocks the event loop: runs alongside other calls."""
         if len(code) > CELL_CHARS:
             raise ValueError(f"the code is {len(code)} characters long; a call runs at most {CELL_CHARS}: split it")
+        if self.proc is None:  # stopped as its last call was cancelled
+            self.start()
         try:
             with contextlib.suppress(BlockingIOError):  # an answer before the question: the last one was forged
                 if os.read(self.proc.stdout.fileno(), 1):
@@ -367,8 +375,8 @@ class Interpreter:
         except (ValueError, KeyError, TypeError, UnicodeError):
             lost = "the interpreter's answer was overwritten by the code"
         except asyncio.CancelledError:  # an answer still to come would be taken for the next call's
+            # stopped; started again by a next call, if any: not at a shutdown, which cancels every call
             self.stop()
-            self.start()
             raise
         said = self.stop()
         self.start()
@@ -401,7 +409,8 @@ class Interpreter:
         namespace's end takes ~10 ms, not to be waited for on the event loop), so that no zombie is left: a trainer
         that is a container's PID 1 inherits what it orphans. Without namespaces (or where bwrap failed), the process
         group is killed and reaped here (a process that left the session stays: README.md says so)."""
-        if self.proc is None:
+        if self.proc is None:  # a start that failed: its info pipe and scratch directory
+            self.closed()
             return ""
         proc, self.proc = self.proc, None
         cgroup, self.cgroup = self.cgroup, None
@@ -413,7 +422,8 @@ class Interpreter:
                     signal.pidfd_send_signal(first, signal.SIGKILL)
                 reaper = threading.Thread(target=reap, args=(proc, cgroup, first), daemon=True)
                 reaper.start()
-                REAPERS[:] = [t for t in REAPERS if t.is_alive()] + [reaper]
+                with REAPING:
+                    REAPERS[:] = [t for t in REAPERS if t.is_alive()] + [reaper]
             else:
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(proc.pid, signal.SIGKILL)
@@ -425,15 +435,21 @@ class Interpreter:
             for pipe in (proc.stdin, proc.stdout, proc.stderr):
                 with contextlib.suppress(OSError):
                     pipe.close()
-            if self.info is not None:
-                os.close(self.info)
-                self.info = None
-            if self.scratch:
-                shutil.rmtree(self.scratch, ignore_errors=True)
+            self.closed()
         return said.decode(errors="replace").strip()
+
+    def closed(self):
+        """Its info pipe closed and its scratch directory removed."""
+        if self.info is not None:
+            os.close(self.info)
+            self.info = None
+        if self.scratch:
+            shutil.rmtree(self.scratch, ignore_errors=True)
+            self.scratch = None
 
 
 REAPERS = []  # threads that reap a stopped interpreter's bwrap, those that may still run (reaped(): joined)
+REAPING = threading.Lock()  # around REAPERS' changes: many close() run at once, each in a thread
 
 
 def reap(proc, cgroup=None, first=None):
@@ -459,11 +475,14 @@ def reap(proc, cgroup=None, first=None):
 def reaped(timeout=5):
     """Every stopped interpreter reaped: True, or False after `timeout` seconds."""
     deadline = time.monotonic() + timeout
-    while REAPERS:
-        REAPERS[0].join(max(deadline - time.monotonic(), 0))
-        if REAPERS[0].is_alive():
+    with REAPING:
+        reapers = list(REAPERS)
+    for reaper in reapers:
+        reaper.join(max(deadline - time.monotonic(), 0))
+        if reaper.is_alive():
             return False
-        REAPERS.pop(0)
+    with REAPING:
+        REAPERS[:] = [t for t in REAPERS if t.is_alive()]
     return True
 
 

@@ -323,7 +323,9 @@ def test_a_reward_that_is_not_one_finite_number_per_rollout_fails_its_group(monk
     monkeypatch.setitem(ag.rewards_module.REWARDS, "forked", lambda **kwargs: [1.0, 0.0])
     assert asyncio.run(ag.score_group(samples, {"id": 0, "prompt": []}, {"forked": 2.0}))[0].tolist() == [2.0, 0.0]
     monkeypatch.setitem(ag.rewards_module.REWARDS, "forked", lambda **kwargs: values)
-    with pytest.raises(ValueError, match="reward forked returned .* one finite number each"):
+    with pytest.raises(
+        tools.Dropped, match="prompt 0 failed: ValueError: reward forked returned .* a finite number each"
+    ):
         asyncio.run(ag.score_group(samples, {"id": 0, "prompt": []}, {"forked": 2.0}))
 
 
@@ -868,17 +870,58 @@ def test_math_answer_judges_equal_forms_equal_and_a_hostile_answer_in_bounded_ti
     judged = rewards.math_answer(said, [gold for gold, _, _ in MATH_CASES])
     wrong = [(gold, text) for (gold, text, equal), value in zip(MATH_CASES, judged) if value != float(equal)]
     assert not wrong
-    first = rewards._JUDGE["process"]
+    (first,) = rewards._JUDGES["idle"]
     t0 = time.monotonic()
     tower = [[{"role": "assistant", "content": "\\boxed{9^{9^{9^{9}}}}"}], [{"role": "assistant", "content": "7"}]]
     assert rewards.math_answer(tower, [7, 7]) == [0.0, 1.0]
     print(f"the tower and the next answer: {time.monotonic() - t0:.1f} s")
-    assert first.poll() is not None and rewards._JUDGE["process"].poll() is None  # killed, another answered
+    (judge,) = rewards._JUDGES["idle"]
+    assert first.poll() is not None and judge.poll() is None  # killed, another answered
     assert rewards.math_answer([[{"role": "user", "content": "7"}]], [7]) == [0.0]
-    judge = rewards._JUDGE["process"]
     judge.stdin.close()  # what the run's exit does to it
     assert judge.wait(timeout=30) == 0
-    rewards._JUDGE["process"] = None
+    rewards._JUDGES["idle"].clear()
+
+
+def judges_running():
+    """PIDs of this process's live math judges (rewards.judge)."""
+    children = [pid for task in Path("/proc/self/task").iterdir() for pid in (task / "children").read_text().split()]
+    found = []
+    for pid in children:
+        with contextlib.suppress(OSError):
+            if b"rewards.judge()" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                found.append(int(pid))
+    return found
+
+
+def test_the_math_judge_works_past_descriptor_1023_and_one_slow_group_holds_one_judge_not_all():
+    """With the trainer's descriptors numbered past 1,023 (a --env python run holds thousands), the judge's pipe was
+    read with select.select, which raised: every math_answer failed, its group dropped, and each call left a judge
+    process running (3 after 3 calls). Now it judges there, and no more judges live than calls scored at once. A group
+    of three power towers (each killed at MATH_SECONDS) held the one judge behind a lock, and every other group waited
+    behind it; now a plain group scored on another thread is judged while the towers' group still runs."""
+    low = [os.open("/dev/null", os.O_RDONLY) for _ in range(1100)]
+    try:
+        seven = [[{"role": "assistant", "content": "$\\frac{14}{2}$"}]]
+        assert [rewards.math_answer(seven, [7]) for _ in range(3)] == [[1.0]] * 3
+        assert len(judges_running()) == 1 and rewards._JUDGES["idle"][0].stdout.fileno() > 1023
+    finally:
+        for fd in low:
+            os.close(fd)
+    towers = [[{"role": "assistant", "content": "\\boxed{9^{9^{9^{9}}}}"}]] * 3
+    slow = threading.Thread(target=rewards.math_answer, args=(towers, [7, 7, 7]))
+    slow.start()
+    while not judges_running() or len(rewards._JUDGES["idle"]):  # the towers' group holds the idle judge
+        time.sleep(0.05)
+    assert rewards.math_answer(seven, [7]) == [1.0]
+    held = slow.is_alive()
+    slow.join()
+    assert held  # judged by a second judge while the towers still held the first
+    for judge in rewards._JUDGES["idle"]:
+        judge.stdin.close()
+        judge.wait(timeout=30)
+    rewards._JUDGES["idle"].clear()
+    assert judges_running() == []
 
 
 def test_ci_runs_the_readme_test_command():
@@ -2911,6 +2954,53 @@ def test_a_signal_at_any_line_of_a_step_saves_it_whole_or_not_at_all_and_resume_
         torch.set_num_threads(threads)
     steps = [m["step"] for m in read_metrics(tmp_path)]
     assert steps == sorted(set(steps)) and steps[-1] == again.start_step + 1
+
+
+def test_a_metrics_line_that_cannot_be_written_costs_no_checkpoint_and_a_hard_kills_tmp_goes(server, tmp_path):
+    """The disk fills as a step's line is written (metrics.jsonl here on /dev/full, whose every write fails with
+    ENOSPC, as a full disk's does): before, save_after_error wrote the line again first, the same error escaped, the
+    finished step's checkpoint was never tried, and the run ended in a bare traceback. Now the checkpoint is saved and
+    the run ends with one line naming the error. A checkpoint-N.tmp that a hard kill left mid-save goes at the next
+    save (it stayed for good)."""
+    flags = ["--vllm-url", server.url, "--output-dir", str(tmp_path), "--cache-dir", CACHE, "--steps", "10"]
+    flags += ["--prompts-per-step", "2", "--num-generations", "2", "--max-tokens", "8"]
+    threads = torch.get_num_threads()
+    run = ag.set_up(flags)
+    ag.load_data(run)
+    ag.load_policy_and_optimizer(run)
+    (tmp_path / "checkpoint-000001.tmp").mkdir()  # a save cut off by SIGKILL
+    try:
+        ag.start_generation(run)
+        ag.train_one_step(run, 0)
+        run.logs["metrics"] = open("/dev/full", "w")
+        with pytest.raises(OSError) as full:
+            ag.train_one_step(run, 1)
+        with pytest.raises(
+            SystemExit, match=r"^error: \[Errno 28\] No space left on device\nThe run stopped at step 2"
+        ):
+            ag.save_after_error(run, full.value)
+    finally:
+        ag.tear_down(run, {})
+        torch.set_num_threads(threads)
+    assert os.readlink(tmp_path / "checkpoint") == "checkpoint-000002"
+    assert sorted(p.name for p in tmp_path.glob("checkpoint-*")) == ["checkpoint-000002"]
+
+
+@pytest.mark.parametrize("when", ["vllm_start", "step_0_eval"])
+def test_a_ctrl_c_before_training_ends_in_one_line_not_a_traceback(server, tmp_path, when):
+    """Ctrl-C while the run's own vLLM server starts, or during the step-0 evaluation: before, the stop's handler
+    raised KeyboardInterrupt there, which save_after_error passed on, and the run printed a bare traceback. Now it
+    ends with the one line of any stop, and leaves no server behind."""
+    if when == "vllm_start":
+        flags, at = ("--steps", "2"), "starting vLLM"
+    else:
+        flags = ("--vllm-url", server.url, "--eval-every", "1", "--eval-size", "64", "--eval-samples", "8")
+        flags, at = (*flags, "--steps", "100"), "the trainer computes in"  # 576 rollouts at step 0: seconds
+    code, out, seconds, pids = run_with_fault(tmp_path / "run", *flags, at=at, fault=signal.SIGINT, delay=1.0)
+    print(f"the run ended {seconds:.1f} s after the Ctrl-C")
+    assert code == 1 and "Traceback" not in out, out[-3000:]
+    assert out.splitlines()[-1] == "stopped at step 0 by signal 2 (no checkpoint to resume from)", out[-3000:]
+    assert all(not processes_in_group(pid) for pid in pids)
 
 
 @pytest.mark.parametrize("lora", [[], ["--lora-rank", "4"]], ids=["full", "lora"])
@@ -6000,6 +6090,108 @@ def test_python_cells_run_as_a_notebooks_in_an_interpreter_of_each_rollouts_own(
         b.close()
 
 
+# Interpreters started with the soft limit on descriptors a few above those open: each start fails somewhere between
+# its pipes and its process (EMFILE), and what it opened must be closed, else the shortage feeds itself
+FAILED_STARTS = """
+import os, resource, sys
+sys.path.insert(0, sys.argv[1])
+import sandbox
+
+open_now = lambda: len(os.listdir("/proc/self/fd"))
+before, failed = open_now(), 0
+hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+for spare in range(12):
+    resource.setrlimit(resource.RLIMIT_NOFILE, (before + spare, hard))
+    try:
+        sandbox.Interpreter(512, sandboxed=sys.argv[2] == "1").stop()
+    except OSError:
+        failed += 1
+    resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+print(failed, open_now() - before)
+"""
+
+
+@pytest.mark.parametrize("sandboxed", [True, False])
+def test_a_failed_interpreter_start_closes_what_it_opened(tmp_path, sandboxed):
+    """With descriptors short, an interpreter's start fails at its filter pipe, its info pipe or its process: before,
+    the info pipe was not in the cleanup and a failed second pipe leaked the first (one or two descriptors a start),
+    and stop() skipped them where no process started. Now every failed start leaves as many open as before it."""
+    script = tmp_path / "starts.py"
+    script.write_text(FAILED_STARTS)
+    said = subprocess.run(
+        [sys.executable, str(script), str(HERE), str(int(sandboxed))], capture_output=True, text=True
+    )
+    failed, left = map(int, said.stdout.split())
+    assert failed >= 3 and left == 0, said.stdout + said.stderr
+
+
+def test_a_cancelled_call_starts_no_sandbox_and_reaped_holds_under_many_closes_at_once():
+    """A python call cancelled (its rollout cancelled: a stop, the run's end) stopped its interpreter and started
+    another at once, at the shutdown too, whose start could fail unseen; now it starts none, and the instance's next
+    call starts one. And 24 instances closed at once, each close() joining the reaper threads in a thread of its own:
+    sandbox.reaped() raced with itself (10 of 120 raised IndexError)."""
+    cls, _ = python_environment()
+    since = ticks_since_boot()
+
+    async def cancelled():
+        env = cls()
+        await env.reset(id=0)
+        call = asyncio.create_task(env.python(code="import time\ntime.sleep(30)"))
+        await asyncio.sleep(1)
+        call.cancel()
+        await asyncio.gather(call, return_exceptions=True)
+        await asyncio.to_thread(sandbox.reaped)  # its namespace's end (~10 ms)
+        left = interpreter_processes(since)
+        after = await env.python(code="1 + 1")
+        await env.close()
+        return left, after
+
+    left, after = asyncio.run(cancelled())
+    assert left == [] and after == "2"
+
+    async def many():
+        envs = [cls() for _ in range(24)]
+        await asyncio.gather(*(env.reset(id=0) for env in envs))
+        await asyncio.gather(*(env.python(code="1") for env in envs))
+        return await asyncio.gather(*(env.close() for env in envs), return_exceptions=True)
+
+    assert asyncio.run(many()) == [None] * 24 and sandbox.REAPERS == []
+    assert interpreter_processes(since) == []
+
+
+DESCRIPTOR_LIMIT = """
+import resource, sys
+sys.path.insert(0, sys.argv[1])
+import async_grpo, tools
+
+resource.setrlimit(resource.RLIMIT_NOFILE, (1024, int(sys.argv[2])))
+args = async_grpo.parse_args(["--output-dir", "unused", "--task", "guess", "--env", "GuessNumber", *sys.argv[3:]])
+try:
+    tools.load_environments(args)
+except SystemExit as e:
+    print(e)
+print(resource.getrlimit(resource.RLIMIT_NOFILE))
+"""
+
+
+def test_the_soft_descriptor_limit_is_raised_and_a_plan_that_cannot_fit_is_refused_at_start(tmp_path):
+    """A --env python run with an evaluation at the default flags holds ~1,300 descriptors, past the soft limit of
+    1,024 of most installs, which the trainer never raised: rows failed with EMFILE, resets failed, new connections to
+    vLLM failed. At start the soft limit is raised to the hard one, and a plan whose instances cannot fit even that is
+    refused, naming --max-inflight."""
+    script = tmp_path / "limit.py"
+    script.write_text(DESCRIPTOR_LIMIT)
+    run = lambda hard, *flags: subprocess.run(
+        [sys.executable, str(script), str(HERE), str(hard), *flags], capture_output=True, text=True
+    ).stdout.splitlines()
+    assert run(8192, "--eval-every", "2") == ["(8192, 8192)"]
+    refused = run(2048, "--eval-every", "2")
+    assert refused[0].startswith("--max-inflight 64 with --eval-every: up to 264 environment instances") and (
+        "over this process's limit of 2048" in refused[0]
+    ), refused
+    assert run(2048, "--eval-every", "2", "--max-inflight", "16") == ["(2048, 2048)"]
+
+
 def test_code_the_model_writes_cannot_escape_the_sandbox(server, tmp_path, monkeypatch):
     """Each attack of the issue, written as generated code would be, through the real tool. In the sandbox every one
     fails; run once more with --no-python-sandbox (limits only: what the sandbox adds removed), those that namespaces
@@ -6850,7 +7042,7 @@ def test_twenty_mcp_timeouts_leave_no_session_or_process(tmp_path, monkeypatch):
                 seen += await asyncio.gather(*[rollout(env, i == 0 and group in (0, 3)) for i, env in enumerate(envs)])
                 processes.append(len(running(script)))  # the timed-out calls' sessions and processes ended
         left = running(script)  # each group's sessions end with it (release): none kept for the next reset
-        await ag.close_environments(ctx, 30)
+        await tools.close_environments(ctx, 30)
         return seen, processes, instances, left
 
     seen, processes, instances, left = asyncio.run(twenty())
@@ -6859,6 +7051,135 @@ def test_twenty_mcp_timeouts_leave_no_session_or_process(tmp_path, monkeypatch):
     # at the end of each group, the fresh session of its first rollout alone, if any
     assert processes == [1, 0, 0, 1] and left == [] and running(script) == []
     assert len(instances) == 5 and len(ctx.idle["mcp"]) == 5 and ctx.alive == []  # reused, closed at the end
+
+
+def test_a_crashed_mcp_stdio_server_is_a_failed_call_and_a_fresh_session_and_many_open_at_once(tmp_path):
+    """An MCP server over stdio (a process a session) killed while its rollout's model writes its turn: before, the
+    next call raised EnvironmentGone and the whole run ended, although a fresh session opens at once. Now that call
+    fails (the model sees why), a new session is open, and the next call works; EnvironmentGone only where no session
+    opens (the server's command gone). And 16 sessions reset at once, each a process start (12.6 s together on 2
+    cores, past the 10 s of --tool-timeout, which bounded resets before): they open, at most os.cpu_count() at a
+    time, within a start bound of their own; released, none is left open (an evaluation's idle ones were, for good)."""
+    script = tmp_path / "mcp_server.py"
+    script.write_text(MCP_SERVER)
+    cls = tools.mcp_environment(f"{sys.executable} {script} {tmp_path / 'calls.jsonl'}", tmp_path / "mcp.log")
+    by_name = {s["function"]["name"]: s["function"] for s in tools.environment_schemas(cls)}
+    add = ag._call("calculator", {"expression": "3 + 4"})
+
+    async def crash():
+        env = cls()
+        await tools.bounded_reset(env, {}, 10)
+        first = await ag.call_tool(add, by_name, 10, {"calculator": env.calculator})
+        for pid in running(script):
+            os.kill(pid, signal.SIGKILL)
+        await asyncio.sleep(0.5)
+        crashed = await ag.call_tool(add, by_name, 10, {"calculator": env.calculator})
+        again = await ag.call_tool(add, by_name, 10, {"calculator": env.calculator})
+        await env.close()
+        many = [cls() for _ in range(16)]
+        await asyncio.gather(*(tools.bounded_reset(e, {}, 10) for e in many))
+        opened = len(running(script))
+        await asyncio.gather(*(e.release() for e in many))
+        return first, crashed, again, opened
+
+    first, crashed, again, opened = asyncio.run(crash())
+    assert first == ("7 (call 1)", True) and again == ("7 (call 1)", True), (first, again)
+    assert (
+        crashed[0].startswith("Error: RuntimeError: the MCP server's session ended during the call") and not crashed[1]
+    )
+    assert opened == 16 and running(script) == []
+    gone = tools.mcp_environment(f"{sys.executable} {script} {tmp_path / 'calls.jsonl'}")
+
+    async def no_server():
+        env = gone()
+        await env.reset()
+        script.rename(tmp_path / "moved.py")  # its command now fails at once: no session opens
+        for pid in running(script):
+            os.kill(pid, signal.SIGKILL)
+        try:
+            await env.calculator(expression="1")
+        finally:
+            await env.close()
+
+    with pytest.raises(
+        tools.EnvironmentGone, match="the MCP server .* is gone: Connection closed; --mcp .*: no session"
+    ):
+        asyncio.run(no_server())
+
+
+def test_our_timeouts_name_their_bound_and_a_tools_own_timeout_error_is_its_error_not_ours():
+    """A tool that raises TimeoutError itself (a socket's timeout is that class since Python 3.10) was taken for a hung
+    call: the model read "timed out after 10 s" for a call of no time, the real message was lost, and the instance was
+    retired for good (5 groups made 6 instances). Now the model sees the tool's message and the instance is kept; our
+    own bound still reads as a timeout, and where it ends a reset (a group dropped) or a method its message names it
+    (it was an empty `TimeoutError: `)."""
+
+    class Remote:
+        def fetch(self) -> str:
+            """Fetch."""
+            raise TimeoutError("the socket timed out after 0.0 s")
+
+        def wait(self) -> str:
+            """Wait."""
+            time.sleep(1)
+            return "waited"
+
+        async def reset(self, **row):
+            await asyncio.sleep(1)
+
+    env = Remote()
+    fetched = asyncio.run(tools.call_function(env.fetch, {}, "fetch", 5))
+    assert fetched == ("Error: TimeoutError: the socket timed out after 0.0 s", False) and id(env) not in tools.HUNG
+    waited = asyncio.run(tools.call_function(env.wait, {}, "wait", 0.2))
+    assert waited == ("Error: wait timed out after 0.2 s", False) and id(env) in tools.HUNG
+    with pytest.raises(tools.TimedOut, match=r"^Remote.reset took more than 0.2 s$"):
+        asyncio.run(tools.bounded_reset(Remote(), {}, 0.2))
+    time.sleep(1)
+    tools.HUNG.discard(id(env))
+
+
+def test_a_timed_out_reward_or_release_retires_its_instance_as_a_timed_out_call_does():
+    """A sync reward() past --tool-timeout goes on in its thread: before, its instance went back to the idle ones and
+    the next group's reset() ran in it while the old reward() still ran (the contract: one call at a time). Now it is
+    retired as an instance whose call timed out: not reused, no release() while its reward() runs; its close() at the
+    end still comes."""
+    events = []
+
+    class Slow:
+        def reset(self, **row):
+            events.append(("reset", id(self)))
+
+        def reward(self):
+            events.append(("reward", id(self)))
+            time.sleep(1.5)
+            events.append(("reward done", id(self)))
+            return 1.0
+
+        def release(self):
+            events.append(("release", id(self)))
+
+    ctx = ag.RolloutContext(
+        schemas=None, schemas_by_name={}, environments={"Slow": Slow}, offered={}, prompt_ids={0: [1, 2]}, stop_ids=[0]
+    )
+    ctx.idle["Slow"] = []
+    row = {"id": 0, "prompt": [{"role": "user", "content": "?"}]}
+
+    async def groups():
+        scored = []
+        for _ in range(2):
+            async with ag.environment_instances(ctx, None, row, 1, 0.3) as (envs, _, _):
+                scored.append(await asyncio.gather(tools.call_method(envs[0].reward, {}, 0.3), return_exceptions=True))
+        return scored
+
+    first, second = asyncio.run(groups())
+    assert isinstance(first[0], tools.TimedOut) and "Slow.reward took more than 0.3 s (--tool-timeout)" in str(
+        first[0]
+    )
+    made = [i for what, i in events if what == "reset"]
+    assert len(made) == 2 and made[0] != made[1] and ("release", made[0]) not in events  # retired, not released
+    time.sleep(1.5)
+    assert ("reward done", made[0]) in events
+    tools.HUNG.discard(made[0])
 
 
 def test_a_column_that_reset_needs_and_rows_lack_stops_the_run_at_start_with_one_line(tmp_path):

@@ -10,8 +10,9 @@ Environments: a class, registered in ENVIRONMENTS below (`--env NAME`) or anywhe
 rollout has an instance of its own, never shared by two in flight; an instance is reused after a reset, so no more exist
 than rollouts in flight (evaluation included). An instance runs one call at a time: calls in one turn run in the order
 the model wrote them. Every method may be sync (in a thread, never on the event loop) or `async def`, bounded by
---tool-timeout; an async call past it is cancelled and the instance released (its state unknown: its session or process
-ends), a sync one holds its thread and the instance, which takes no further call and is not reused:
+--tool-timeout (a reset by the class's start_timeout where longer); an async call past it is cancelled and the instance
+released (its state unknown: its session or process ends), a sync one (reward() and release() too) holds its thread and
+the instance, which takes no further call and is not reused (a TimeoutError it raises itself is an error, not ours):
     reset(**row)      the dataset row, every column (a parameter without a default names a column that every row of
                       the environment must have: checked at start). Returns None, or text appended to the prompt's last
                       message: the same for the G rollouts of a group (they answer one task), else the group is dropped
@@ -50,10 +51,13 @@ import inspect
 import json
 import logging
 import operator
+import os
 import random
 import re
+import resource
 import shlex
 import threading
+import weakref
 from concurrent.futures import ThreadPoolExecutor
 from fractions import Fraction
 from pathlib import Path
@@ -197,6 +201,11 @@ TOOLS = {fn.__name__: fn for fn in (calculator, convert_units, lookup)}
 # --- Environments: their contract is this file's docstring ------------------------------------------------------------
 
 
+class TimedOut(TimeoutError):
+    """One of our bounds passed (a call's, a reset's, a wait for its instance), told apart from a TimeoutError that a
+    tool raises itself (a socket's, say): that one is the tool's error, which the model sees as it is."""
+
+
 class EnvironmentGone(ConnectionError):
     """Raised by an environment that cannot go on (its server or process is gone): the run ends with this message, its
     last finished step saved, where any other error would only be the model's to see, call after call."""
@@ -239,24 +248,31 @@ class GuessNumber:
 
 class MCPSession:
     """The tools of an MCP server as an environment (--mcp), through the official `mcp` package. An instance holds one
-    session: to a URL over streamable HTTP, or with a process of its own started from a command line (stdio). A rollout
-    that called a tool may have changed its session's state, so the next reset opens a new session. mcp_environment()
-    makes the subclass whose methods are the server's tools."""
+    session: to a URL over streamable HTTP, or with a process of its own started from a command line (stdio). Each reset
+    opens a new session (a rollout's calls may have changed the last one's state) and release() ends it: an idle
+    instance holds none. A session that closes under a call (its server crashed) is a failed call and a new session;
+    EnvironmentGone only where none opens. mcp_environment() makes the subclass whose methods are the server's tools."""
 
     server = None  # the --mcp value
     log = None  # a started server's stderr goes there
     timeout = 10.0  # seconds a request may take (--tool-timeout): cancelling one does not stop the mcp package
+    # seconds a session may take to open (its reset's bound): a stdio server is a process to start, and many start
+    # at once after an evaluation or a crash (16 took 12.6 s on 2 cores), at most OPENING at a time
+    start_timeout = 60.0
 
     async def reset(self, **row):
-        if getattr(self, "session", None) and not self.used:
-            return
-        await self.close()
-        self.used = True  # until a session is open
-        self.closing = asyncio.Event()
-        opened = asyncio.get_running_loop().create_future()
-        self.session = asyncio.create_task(self._hold(opened))
-        self.client = await opened
-        self.used = False
+        for attempt in range(2):  # a server that crashed as its session opened: once more, else it is gone
+            await self.close()
+            self.closing = asyncio.Event()
+            opened = asyncio.get_running_loop().create_future()
+            async with opening():
+                self.session = asyncio.create_task(self._hold(opened))
+                try:
+                    self.client = await opened
+                    return
+                except EnvironmentGone:
+                    if attempt:
+                        raise
 
     async def _hold(self, opened):
         # anyio, under mcp, closes a session in the task that opened it: this one, which lives as long as the session
@@ -271,7 +287,7 @@ class MCPSession:
                     command, *args = shlex.split(self.server)
                     transport = stdio_client(StdioServerParameters(command=command, args=args), errlog=log)
                 # the handshake protocol: its sessions (Mcp-Session-Id) are what a server keeps state in
-                async with mcp.Client(transport, mode="legacy", read_timeout_seconds=self.timeout) as client:
+                async with mcp.Client(transport, mode="legacy", read_timeout_seconds=self.start_timeout) as client:
                     opened.set_result(client)
                     await self.closing.wait()
         except Exception as e:
@@ -286,29 +302,44 @@ class MCPSession:
 
         if not getattr(self, "session", None):  # released after a call that timed out: a fresh session
             await self.reset()
-        self.used = True
         try:
-            result = await self.client.call_tool(name, arguments)
+            result = await self.client.call_tool(name, arguments, read_timeout_seconds=self.timeout)
         except MCPError as e:
-            if e.code == CONNECTION_CLOSED:
-                raise EnvironmentGone(f"the MCP server {self.server} is gone: {e}") from None
-            raise
+            if e.code != CONNECTION_CLOSED:
+                raise
+            # its process crashed (now, or while the rollout's model wrote its turn): a failed call and a fresh
+            # session, the run ended only where none opens
+            try:
+                await self.reset()
+            except EnvironmentGone as gone:
+                raise EnvironmentGone(f"the MCP server {self.server} is gone: {e}; {gone}") from None
+            raise RuntimeError(f"the MCP server's session ended during the call ({e}): a new one is open") from None
         text = "\n".join(getattr(part, "text", f"[{part.type}]") for part in result.content)
         if result.is_error:
             raise RuntimeError(text)
         return text
 
     async def release(self):
-        # a session a call may have changed (or one whose call timed out: its state unknown) ends now, its process too:
-        # one kept until the next reset would stay open for good if the instance is not reused
-        if getattr(self, "used", False):
-            await self.close()
+        # the session ends now, its process too: one kept until the next reset would stay open for good if the
+        # instance is not reused (an evaluation's, idle after it), and a call may have changed its state
+        await self.close()
 
     async def close(self):
         if getattr(self, "session", None):
             self.closing.set()  # an open session closes itself, in its task; one opening ends within `timeout`
             await asyncio.gather(self.session, return_exceptions=True)
             self.session = None
+
+
+OPENING = weakref.WeakKeyDictionary()  # the event loop -> its Semaphore: sessions opening at once
+
+
+def opening():
+    """The running loop's bound on sessions opening at once: a stdio server's start is a process's (CPU-bound)."""
+    loop = asyncio.get_running_loop()
+    if loop not in OPENING:
+        OPENING[loop] = asyncio.Semaphore(os.cpu_count() or 1)
+    return OPENING[loop]
 
 
 def mcp_environment(server, log=None, timeout=10.0):
@@ -323,6 +354,7 @@ def mcp_environment(server, log=None, timeout=10.0):
         async def call(self, **arguments):
             return await self._call(tool.name, arguments)
 
+        call.__name__ = call.__qualname__ = tool.name  # what a timeout's message names
         function = {"name": tool.name, "description": tool.description or "", "parameters": tool.input_schema}
         call.schema = {"type": "function", "function": function}  # what environment_schemas() takes for this tool
         return call
@@ -412,7 +444,7 @@ async def call_function(fn, arguments, name, timeout):
         # after the calls to its instance before it
         async with one_call_at_a_time(fn, timeout, HUNG):
             return await bounded(fn, arguments, timeout), True
-    except asyncio.TimeoutError:
+    except TimedOut:
         return f"Error: {name} timed out after {timeout} s", False
     except EnvironmentGone:
         raise
@@ -440,14 +472,17 @@ async def bounded(fn, arguments, timeout):
             print("warning: a tool call refused: every tool thread is held by a call still running", flush=True)
         raise RuntimeError("not run: every tool thread is held by a call that has not returned")
     try:
-        return await asyncio.wait_for(pending, timeout)
-    except asyncio.TimeoutError:
+        async with asyncio.timeout(timeout) as bound:
+            return await pending
+    except TimeoutError:
+        if not bound.expired():  # the tool's own
+            raise
         # one still queued was cancelled with it; one running holds its thread until it returns
         if running is not None and not running.cancelled():
             HUNG.add(id(getattr(fn, "__self__", None)))
         if running is not None and running.running() and TOOL_SLOTS.acquire(blocking=False):
             running.add_done_callback(lambda _: TOOL_SLOTS.release())
-        raise
+        raise TimedOut(f"{named(fn)} took more than {timeout} s") from None
 
 
 class Dropped(Exception):
@@ -484,12 +519,15 @@ async def one_call_at_a_time(fn, timeout, hung):
         yield
         return
     instance = fn.__self__
-    await asyncio.wait_for(lock.acquire(), timeout)
+    try:
+        await asyncio.wait_for(lock.acquire(), timeout)
+    except TimeoutError:
+        raise TimedOut(f"{named(fn)} waited more than {timeout} s for its instance's call before it") from None
     try:
         if id(instance) in hung:
             raise RuntimeError("not run: a call of this environment that timed out still runs in it")
         yield
-    except asyncio.TimeoutError:
+    except TimedOut:
         if id(instance) not in hung and hasattr(instance, "release"):
             await call_method(instance.release, {}, METHOD_TIMEOUT)
         raise
@@ -501,7 +539,12 @@ async def call_method(fn, arguments, timeout):
     """fn(**arguments), a method of an environment's life (reward, release, close), within `timeout` seconds: awaited
     if async, else in a daemon thread of its own, not one of the tool threads, which calls past their timeout may all
     hold: it is never refused nor queued, so close() runs whatever the pool holds (and one that hangs keeps a thread
-    the exit does not wait for). An awaitable it returns is awaited too."""
+    the exit does not wait for, and its instance is retired, as a call's: HUNG). An awaitable it returns is awaited
+    too. Not run, but close(), in an instance in which a call still runs (HUNG): one call at a time."""
+    thread = None
+    instance = getattr(fn, "__self__", None)
+    if instance is not None and id(instance) in HUNG and fn.__name__ != "close":
+        raise RuntimeError(f"{named(fn)} not run: a call of this environment that timed out still runs in it")
     if inspect.iscoroutinefunction(fn):
         running = fn(**arguments)
     else:
@@ -519,13 +562,38 @@ async def call_method(fn, arguments, timeout):
             else:
                 done.set_result(value)
 
-        threading.Thread(target=target, daemon=True, name=f"environment-{fn.__name__}").start()
+        thread = threading.Thread(target=target, daemon=True, name=f"environment-{fn.__name__}")
+        thread.start()
         running = asyncio.wrap_future(done)
     try:
-        value = await asyncio.wait_for(running, timeout)
-        return await asyncio.wait_for(value, timeout) if inspect.isawaitable(value) else value
-    except asyncio.TimeoutError:
-        raise TimeoutError(f"{getattr(fn, '__qualname__', fn)} took more than {timeout} s (--tool-timeout)") from None
+        async with asyncio.timeout(timeout) as bound:
+            value = await running
+            return await value if inspect.isawaitable(value) else value
+    except TimeoutError:
+        if not bound.expired():  # its own
+            raise
+        if thread is not None and thread.is_alive() and instance is not None:  # it goes on in its instance
+            HUNG.add(id(instance))
+        raise TimedOut(f"{named(fn)} took more than {timeout} s (--tool-timeout)") from None
+
+
+async def close_environments(ctx, timeout):
+    """close() every instance made (ctx.alive), once, each within `timeout` seconds, however the run ends."""
+    closing = [call_method(env.close, {}, timeout) for env in ctx.alive if hasattr(env, "close")]
+    ctx.alive.clear()
+    await asyncio.gather(*closing, return_exceptions=True)
+
+
+async def bounded_reset(env, row, timeout):
+    """env.reset(**row) within `timeout` seconds, or its class's start_timeout where longer (an MCP server's start)."""
+    return await bounded(env.reset, row, max(timeout, getattr(env, "start_timeout", 0)))
+
+
+def named(fn):
+    """Class.method for an instance's method, else the function's name: what a timeout's message names."""
+    instance = getattr(fn, "__self__", None)
+    name = getattr(fn, "__name__", str(fn))
+    return f"{type(instance).__name__}.{name}" if instance is not None and not inspect.ismodule(instance) else name
 
 
 # FORK: add an environment (a class above, its name here; --env NAME picks it)
@@ -583,7 +651,31 @@ def load_environments(args, log=None):
         )
     global METHOD_TIMEOUT
     METHOD_TIMEOUT = args.tool_timeout
+    descriptors(args, environments)
     return environments
+
+
+# an instance's descriptors in the trainer, at most: an interpreter's 3 pipes, bwrap's info, a pidfd at its stop
+INSTANCE_DESCRIPTORS = 8
+
+
+def descriptors(args, environments):
+    """The soft limit on open descriptors raised to the hard one (1,024 of most installs' soft limit is less than a
+    --env python run at the default flags holds), and a run whose instances (training's, up to 2 x --max-inflight
+    rollouts and a group; an evaluation's, as many again) and requests cannot fit in it refused at start: a shortage
+    mid-run fails rows, resets and new connections to vLLM alike (EMFILE), and reads as a failed server."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < hard:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    instances = (2 + 2 * bool(args.eval_every)) * args.max_inflight + args.num_generations
+    # the run's own (512), its instances', and its requests' (connections to vLLM)
+    needed = 512 + INSTANCE_DESCRIPTORS * instances * bool(environments) + 4 * args.max_inflight
+    if hard != resource.RLIM_INFINITY and needed > hard:
+        raise SystemExit(
+            f"--max-inflight {args.max_inflight}{' with --eval-every' * bool(args.eval_every)}: up to {instances} "
+            f"environment instances and their requests need about {needed} open descriptors, over this process's "
+            f"limit of {hard} (ulimit -Hn): lower --max-inflight, or raise the hard limit"
+        )
 
 
 def reward_method(env):
