@@ -6107,6 +6107,8 @@ for spare in range(12):
     except OSError:
         failed += 1
     resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+# a start that succeeded hands its namespace's pidfd to a reaper thread, which closes it once the namespace has ended
+assert sandbox.reaped()
 print(failed, open_now() - before)
 """
 
