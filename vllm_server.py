@@ -576,6 +576,23 @@ def arrived(work, store):
 # --- The sync's receiving end, inside every vLLM worker ----------------------------------------------------------------
 
 
+# the tensors a family's vLLM load_weights copies into its parameters itself (param.copy_), not by a weight_loader:
+# vLLM 0.32's reload_weights does not see them (GPT-OSS's experts, their biases, its attention sinks)
+SELF_COPIED = {"GptOssForCausalLM": (".mlp.experts.", ".sinks")}
+
+
+def experts_loaded(module, reprocess):
+    """An MoE layer's weights were loaded again: its kernel's own post-load step runs again (vLLM 0.32's weight update
+    skips it, so on CPU the new experts went unpacked into the kernel's pre-packed layout); with `reprocess` (loaded
+    into the live parameters) the layer's whole post-load processing first, as at start-up."""
+    kernel = getattr(getattr(module, "quant_method", None), "moe_kernel", None)
+    if kernel is None:
+        return
+    if reprocess:
+        module.quant_method.process_weights_after_loading(module)
+    kernel.fused_experts.process_weights_after_loading(module)
+
+
 class WeightSyncExtension:
     """Mixed into every vLLM worker (--worker-extension-cls); its methods run via /collective_rpc."""
 
@@ -621,7 +638,15 @@ class WeightSyncExtension:
                 return True
             return experts != name and any(k.startswith(experts) for k in known)
 
-        return [n for n in names if not served(n)]
+        return [n for n in names if not all(served(c) for c, _ in self.checkpoint_format([(n, self.hf_tensor(n))]))]
+
+    def hf_tensor(self, name):
+        """The trainer's tensor `name` on the meta device (its shape), from the family's transformers model."""
+        list(self.checkpoint_format([]))  # makes hf_meta_model
+        try:
+            return self.hf_meta_model.get_parameter(name)
+        except AttributeError:  # not the family's name (or no such model): served() says so
+            return torch.empty(0, device="meta")
 
     def served_lora(self):
         """(the largest LoRA rank this server serves, 0 without --enable-lora; whether it loads adapters at run time)."""
@@ -676,21 +701,74 @@ class WeightSyncExtension:
         return self.adapter_dir
 
     def receive_weights(self, buckets):
-        # reload_weights, unlike plain load_weights, re-runs the post-load processing of each layer it loads...
         try:
-            self.reload_weights(weights_iterator=self._received(buckets), is_checkpoint_format=True)
+            self.load_received(self._received(buckets))
         except BaseException:  # out of step with the trainer: aborted, or NCCL's watchdog would end this worker
             self.weight_sync_group.abort()
             raise
-        # ...but only of the layer that loaded a tied weight. A module sharing it (lm_head tied to the embedding) keeps
-        # what it derived from the old values (on CPU, a pre-packed GEMM copy): vLLM would sample from the old head.
+
+    def load_received(self, weights):
+        """Load (name, tensor) pairs in the trainer's names (its transformers model's) into the live model, every
+        family's tensors where vLLM's reload leaves some out (each gap found with check_weights_arrive)."""
         from vllm.config import set_current_vllm_config
 
         model = self.model_runner.get_model()
-        owners = defaultdict(list)  # parameter -> the modules that hold it
-        for name, param in model.named_parameters(remove_duplicate=False):
-            owners[id(param)].append(model.get_submodule(name.rpartition(".")[0]))
+        arrived, copied = set(), []  # the names loaded; those the family's load_weights copies itself
+        copies = SELF_COPIED.get(type(model).__name__, ())
+
+        def noted(pairs):
+            for name, tensor in pairs:
+                arrived.add(name)
+                if any(part in name for part in copies):
+                    copied.append((name, tensor))
+                else:
+                    yield name, tensor
+
+        # reload_weights, unlike plain load_weights, re-runs the post-load processing of each layer it loads...
+        self.reload_weights(weights_iterator=noted(self.checkpoint_format(weights)), is_checkpoint_format=True)
         with set_current_vllm_config(self.vllm_config):
+            # ...on parameters it holds on the meta device meanwhile, where a family's own param.copy_ (GPT-OSS's
+            # experts and sinks) lands nowhere: those load now, into the live parameters, then their layer is processed
+            # as at start-up (experts_loaded)
+            if copied:
+                model.load_weights(copied)
+            layers = {}  # quant method -> an MoE layer of it whose experts arrived
+            for name, module in model.named_modules():
+                experts = name.rpartition(".experts")
+                if experts[1] and any(n.startswith(experts[0] + ".experts.") for n in arrived):
+                    layers.setdefault(id(getattr(module, "quant_method", module)), module)
+            for module in layers.values():
+                experts_loaded(module, reprocess=bool(copied))
+            # ...but only of the layer that loaded a tied weight. A module sharing it (lm_head tied to the embedding)
+            # keeps what it derived from the old values (on CPU, a pre-packed GEMM copy): vLLM would sample from the
+            # old head.
+            owners = defaultdict(list)  # parameter -> the modules that hold it
+            for name, param in model.named_parameters(remove_duplicate=False):
+                owners[id(param)].append(model.get_submodule(name.rpartition(".")[0]))
             for module in (m for mods in owners.values() if len(mods) > 1 for m in mods):
                 if hasattr(module, "quant_method"):
                     module.quant_method.process_weights_after_loading(module)
+
+    def checkpoint_format(self, weights):
+        """The pairs under the names and layout of the family's checkpoints, which vLLM's loaders take: transformers 5
+        holds some families' experts fused under other names (Mixtral's mlp.experts.gate_up_proj, its checkpoints'
+        block_sparse_moe.experts.0.w1/w3), and reverts them itself when it saves (revert_weight_conversion)."""
+        from transformers import AutoModelForCausalLM
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import PrefixChange, revert_weight_conversion
+
+        if not hasattr(self, "hf_meta_model"):  # the family's conversions read the model's config and modules only
+            try:
+                with torch.device("meta"):
+                    self.hf_meta_model = AutoModelForCausalLM.from_config(self.vllm_config.model_config.hf_config)
+                conversions = get_model_conversion_mapping(self.hf_meta_model, add_legacy=False)
+                # as save_pretrained does for a model not made by from_pretrained
+                conversions = [c for c in conversions if not isinstance(c, PrefixChange)]
+                self.hf_meta_model._weight_conversions = conversions or None
+            except Exception:  # not a causal LM class of transformers (an image-text model): its names as they are
+                self.hf_meta_model = None
+        if self.hf_meta_model is None or self.hf_meta_model._weight_conversions is None:
+            yield from weights
+            return
+        for name, tensor in weights:
+            yield from revert_weight_conversion(self.hf_meta_model, {name: tensor}).items()
