@@ -3355,6 +3355,11 @@ def test_a_run_with_its_own_server_serves_fp32_exactly_calls_tools_and_leaves_no
         env={"WANDB_MODE": "offline"},
     )
     assert code == 0 and "--dtype float32" in out, out[-3000:]
+    # the live check at the first sync of moved weights (weights_arrive): fp32's gaps, 1e-7, not a tensor left out
+    arrived = re.search(
+        r"^the first sync of moved weights arrived: .* within (\S+) \(mean; (\S+) at start\)$", out, re.M
+    )
+    assert arrived and float(arrived.group(1)) < 1e-5 and float(arrived.group(2)) < 1e-5, out[-3000:]
     assert list((tmp_path / "wandb").glob("offline-run-*")), "wandb wrote no offline run"
     metrics = read_metrics(tmp_path)
     assert [m["step"] for m in metrics] == [1, 2, 3] and REQUIRED_METRICS <= set(metrics[0])
@@ -3474,6 +3479,43 @@ def run_with_fault(
         proc.kill()
     seconds = time.monotonic() - sent[-1] if sent and sent[-1] else (math.inf if fault else 0.0)
     return proc.returncode, "".join(lines), seconds, pids
+
+
+WRONG_WEIGHTS = """
+import vllm_server
+
+
+class WrongWeights(vllm_server.WeightSyncExtension):
+    def load_received(self, weights):  # layer 0's down_proj arrives doubled: the server samples from other weights
+        return super().load_received((n, 2 * t if "layers.0.mlp.down_proj" in n else t) for n, t in weights)
+"""
+
+
+def test_the_first_sync_of_moved_weights_stops_a_run_whose_server_does_not_hold_them(tmp_path, tiny_model):
+    """The live check (weights_arrive) on a server deliberately given wrong weights: a stub, a subclass of the worker
+    extension passed by a later --worker-extension-cls, since every served family now syncs exactly (the matrix). At
+    start the server holds the checkpoint and its log-probs on fixed sequences are the trainer's; after the first sync
+    of moved weights it holds layer 0's down_proj doubled, and the run stops there with one line that names the model
+    type, the server and the gap, no traceback, the step saved and no process left."""
+    (tmp_path / "wrong_weights.py").write_text(WRONG_WEIGHTS)
+    out = tmp_path / "run"
+    extension = "--vllm-args=--enforce-eager --worker-extension-cls wrong_weights.WrongWeights"
+    flags = ["--steps", "3", "--max-tokens", "4", "--num-generations", "2", "--prompts-per-step", "2", extension]
+    code, text, _, pids = run_with_fault(out, *flags, env={"PYTHONPATH": str(tmp_path)})
+    assert "Injected <class 'wrong_weights.WrongWeights'>" in (out / "vllm.log").read_text()
+    said = re.search(
+        r"^error: qwen3: after the first sync of moved weights the log-probs of (http://127.0.0.1:\d+) differ from the "
+        r"trainer's by (\S+) \(mean; (\S+) before, bound (\S+)\): .* do not arrive$",
+        text,
+        re.M,
+    )
+    assert code == 1 and said and said.group(1) in text, text[-3000:]
+    gap, before, bound = (float(said.group(i)) for i in (2, 3, 4))
+    print(f"wrong weights: mean gap {gap} against {before} at start (bound {bound})")
+    assert gap > 100 * bound and before < 1e-5
+    assert "saved the checkpoint of step 1" in text, text[-3000:]
+    assert not re.search("^Traceback", text, re.M) and os.readlink(out / "checkpoint") == "checkpoint-000001"
+    assert all(processes_in_group(pid) == [] for pid in pids)
 
 
 def test_faults_end_in_seconds_with_one_message_and_resume_continues(tmp_path, tiny_model):

@@ -573,6 +573,103 @@ def arrived(work, store):
     work.wait()  # raises the backend's error, if it failed
 
 
+# --- Do the weights arrive? Every server's log-probs against the trainer's, at start and after the first sync ---------
+
+
+class NotArrived(ConnectionError):
+    """The servers do not hold the weights the trainer sent them (a family whose tensors vLLM does not all take)."""
+
+
+def refuse_unknown_names(urls, names, rpc, model_type):
+    """Before the first sync: every server has a parameter for every name it will receive (unknown_weight_names, after
+    its own renaming and fusing), or NotArrived: a wrong name would fail halfway through a load, or be dropped."""
+    unknown = set()
+    for url in urls:
+        for worker in rpc(url, "unknown_weight_names", names=names).result()["results"]:
+            unknown.update(worker)
+    if unknown:
+        raise NotArrived(
+            f"{model_type}: the vLLM server's model has no parameter for {len(unknown)} of the {len(names)} trained "
+            f"weights, e.g. {sorted(unknown)[:3]}: they would not arrive (not the same architecture on both sides?)"
+        )
+
+
+def fixed_samples(vocab, count=4, length=24):
+    """A few fixed sequences of token ids below `vocab` (seeded), as collate takes them: the log-probs of every token
+    after the first."""
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, vocab, (count, length), generator=g).tolist()
+    blank = {"n_prompt": 1, "mask": [1] * (length - 1), "logprobs": [0.0] * (length - 1), "advantage": 0.0}
+    return [dict(blank, ids=row) for row in ids]
+
+
+def served_logprobs(url, samples, model, timeout):
+    """[samples, length - 1]: the server's log-probs of each sample's tokens after the first, in one request
+    (prompt_logprobs: the model's own distribution, whatever --logprobs-mode and the sampling flags)."""
+    request = {"model": model, "prompt": [s["ids"] for s in samples], "max_tokens": 1, "prompt_logprobs": 0}
+    choices = sorted(
+        http(f"{url}/v1/completions", request, timeout, "--sync-timeout")["choices"], key=lambda c: c["index"]
+    )
+    return torch.tensor(
+        [
+            [entry[str(t)]["logprob"] for entry, t in zip(c["prompt_logprobs"][1:], s["ids"][1:])]
+            for c, s in zip(choices, samples)
+        ]
+    )
+
+
+def weights_arrive(urls, args, run, collate, token_logprobs):
+    """The live check of a run's weights (async_grpo.py's collate and token_logprobs: the trainer's log-probs as
+    train_step takes them): the mean |log-prob gap| between every server and the trainer on fixed_samples, measured
+    now, while the servers hold the trainer's weights (loaded from its checkpoint, or just synced whole): the served
+    dtype's rounding as these servers and this trainer compute it. Returns the check the first sync of moved weights
+    runs (WeightSync): a server whose gap then exceeds 4x its rounding (plus a quarter of the dtype's eps, for fp32's
+    gaps of 1e-7) does not sample from the weights the trainer holds, and the run stops with NotArrived. A family whose
+    tensors vLLM's reload leaves as they were (before this check: GPT-OSS's experts and sinks, 0.45 against a rounding
+    of 0.005 in bf16; Qwen3-MoE's experts on CPU, 0.24 against 1e-7 in fp32) moves the gap by 100x or more. One
+    request a server: a fraction of a second."""
+    config = run.policy.config
+    samples = fixed_samples(min(len(run.tok), config.get_text_config().vocab_size))
+    model_type, dtype = config.model_type, run.served_dtype
+    eps = torch.finfo(dtype).eps
+
+    def gaps():
+        with torch.no_grad():
+            ours = token_logprobs(run.policy, collate(samples, run.pad_id, run.device))[0].float().cpu()
+        return {
+            url: (served_logprobs(url, samples, args.request_model, args.sync_timeout) - ours).abs().mean().item()
+            for url in urls
+        }
+
+    rounding = gaps()
+    wrong = {url: gap for url, gap in rounding.items() if not gap <= 8 * eps}
+    if wrong:  # a --vllm-url server that holds other weights after the whole sync, or a server of another model
+        raise NotArrived(
+            f"{model_type}: the log-probs of {', '.join(wrong)} differ from the trainer's on the same weights by "
+            f"{max(wrong.values()):.3g} (mean, over {8 * eps:.3g}, 8 of {dtype}'s eps): the server does not compute "
+            "the trainer's model"
+        )
+
+    def check():
+        after = gaps()
+        bounds = {url: 4 * rounding[url] + eps / 4 for url in urls}
+        wrong = [url for url in urls if not after[url] <= bounds[url]]  # NaN: not within
+        if wrong:
+            raise NotArrived(
+                f"{model_type}: after the first sync of moved weights the log-probs of {', '.join(wrong)} differ from "
+                f"the trainer's by {max(after[u] for u in wrong):.3g} (mean; {', '.join(f'{rounding[u]:.2g}' for u in wrong)} "
+                f"before, bound {max(bounds[u] for u in wrong):.2g}): the servers do not sample from the trainer's "
+                "weights, some of its tensors do not arrive"
+            )
+        print(
+            f"the first sync of moved weights arrived: the servers' log-probs are the trainer's within "
+            f"{max(after.values()):.2g} (mean; {max(rounding.values()):.2g} at start)",
+            flush=True,
+        )
+
+    return check
+
+
 # --- The sync's receiving end, inside every vLLM worker ----------------------------------------------------------------
 
 
