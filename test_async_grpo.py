@@ -3875,7 +3875,7 @@ def test_image_text_weights_under_the_wrong_names_fail_the_first_sync_with_the_n
     # The bare model class drops the `model.` prefix: not a name vLLM loads. The sync refuses before pausing.
     bare = AutoModel.from_pretrained(server.model_path)
     sync = ag.WeightSync([server.url], ag.parse_args(["--output-dir", "unused"]), torch.bfloat16, ag.PolicyVersion())
-    with pytest.raises(ValueError, match=r"no parameter for 42 of the 42 trained weights"):
+    with pytest.raises(vllm_server.NotArrived, match=r"no parameter for 42 of the 42 trained weights"):
         sync(bare)
     assert ag.http(f"{server.url}/is_paused")["is_paused"] is False
 
@@ -7568,11 +7568,53 @@ def test_the_start_up_probe_stops_a_run_whose_log_probs_are_not_the_models_own(t
 # into the live parameters). Mixtral: experts transformers 5 holds fused under other names (reverted to its
 # checkpoints'), and the CPU experts' pre-pack that vLLM's weight update skips. ASYNC_GRPO_SERVED=all (or a list of
 # names) serves every architecture of the matrix instead, in one command (docs/architectures.md: its table's cells).
-SERVED = ["GraniteForCausalLM", "GptOssForCausalLM", "MixtralForCausalLM"]
+SERVED_IN_SUITE = ["GraniteForCausalLM", "GptOssForCausalLM", "MixtralForCausalLM"]
+SERVED = SERVED_IN_SUITE
 if os.environ.get("ASYNC_GRPO_SERVED") == "all":
     SERVED = sorted(tiny.ARCHITECTURES)
 elif os.environ.get("ASYNC_GRPO_SERVED"):
     SERVED = os.environ["ASYNC_GRPO_SERVED"].split(",")
+# What ASYNC_GRPO_SERVED=all measured (docs/architectures.md names the commit) for each family: (sync to vLLM, LoRA
+# sync, checked live at the first sync), ✓ or what failed or why the family is not served
+OK = ("✓", "✓", "✓")
+NOT_MEASURED = ("not measured yet (time)",) * 3
+SERVED_MATRIX = {
+    "Cohere2ForCausalLM": NOT_MEASURED,
+    "CohereForCausalLM": OK,
+    "DeepseekV3ForCausalLM": (
+        "not served: vLLM 0.32 does not load the checkpoint transformers 5 saves (KeyError "
+        "'layers.1.mlp.gate.e_score_correction_bias')",
+        "not served",
+        "not served",
+    ),
+    "Exaone4ForCausalLM": OK,
+    "FalconH1ForCausalLM": (
+        "not served: vLLM 0.32's Mamba cache needs chunked prefill, which a CPU server started here turns off (seeded "
+        "requests crash it there)",
+        "not served",
+        "not served",
+    ),
+    "Gemma2ForCausalLM": (
+        "✓",
+        "✗ merged adapter: mean gap 0.081 against a rounding of 0.007 (cause not established)",
+        "✓",
+    ),
+    "Gemma3ForCausalLM": OK,
+    "Glm4ForCausalLM": NOT_MEASURED,
+    "GptOssForCausalLM": OK,
+    "GraniteForCausalLM": OK,
+    "GraniteMoeForCausalLM": NOT_MEASURED,
+    "HyperCLOVAXForCausalLM": NOT_MEASURED,
+    "LlamaForCausalLM": NOT_MEASURED,
+    "MistralForCausalLM": NOT_MEASURED,
+    "MixtralForCausalLM": OK,
+    "OlmoeForCausalLM": NOT_MEASURED,
+    "Phi3ForCausalLM": NOT_MEASURED,
+    "Qwen2ForCausalLM": NOT_MEASURED,
+    "Qwen3ForCausalLM": NOT_MEASURED,
+    "Qwen3MoeForCausalLM": NOT_MEASURED,
+    "StableLmForCausalLM": NOT_MEASURED,
+}
 
 
 @pytest.fixture(scope="module", params=SERVED)
@@ -7618,10 +7660,11 @@ def test_each_served_architecture_syncs_changed_weights_exactly_with_and_without
 
 def architecture_table():
     """docs/architectures.md's table, from what the tests above check (tiny.ARCHITECTURES, SHARING_REFUSED,
-    PACKED_REFUSED, SERVED)."""
+    PACKED_REFUSED, SERVED_IN_SUITE, SERVED_MATRIX)."""
     lines = [
-        "| architecture | quirks on in its tiny checkpoint | trainer paths | packed | sync to vLLM | LoRA sync |",
-        "|---|---|---|---|---|---|",
+        "| architecture | quirks on in its tiny checkpoint | trainer paths | packed | sync to vLLM | LoRA sync "
+        "| checked live at the first sync |",
+        "|---|---|---|---|---|---|---|",
     ]
     for name, (_, _, quirks) in sorted(tiny.ARCHITECTURES.items()):
         trainer = "✓ rows of their own: sharing refused at start" if name in SHARING_REFUSED else "✓"
@@ -7630,9 +7673,10 @@ def architecture_table():
             packed = "rows of their own instead"
         elif name in PACKED_REFUSED:
             packed = f"a mask instead ({PACKED_REFUSED[name][1]})"
-        served = "✓" if name in SERVED else SYNC_FOUND_BROKEN.get(name, "not served")
-        lora = "✓" if name in SERVED else "not served"
-        lines.append(f"| `{name}` | {quirks} | {trainer} | {packed} | {served} | {lora} |")
+        sync, lora, live = SERVED_MATRIX[name]
+        if name in SERVED_IN_SUITE:
+            sync += " (in the suite)"
+        lines.append(f"| `{name}` | {quirks} | {trainer} | {packed} | {sync} | {lora} | {live} |")
     return lines
 
 
@@ -7650,6 +7694,8 @@ def test_the_architecture_table_is_what_the_matrix_tests_and_names_every_family_
     doc = (HERE / "docs" / "architectures.md").read_text()
     table = [line for line in doc.splitlines() if line.startswith("|")]
     assert table == architecture_table()
+    assert set(SERVED_MATRIX) == set(tiny.ARCHITECTURES) and all(SERVED_MATRIX[n] == OK for n in SERVED_IN_SUITE)
+    assert "ASYNC_GRPO_SERVED=all" in doc and re.search(r"at commit [0-9a-f]{7}", doc)
     both = both_registries()
     assert set(tiny.ARCHITECTURES) <= both and len(tiny.ARCHITECTURES) >= 12
     left_out = set(re.findall(r"`(\w+)`", doc.partition("## Left out")[2]))
