@@ -655,11 +655,11 @@ def weights_arrive(urls, args, run, collate, token_logprobs):
         bounds = {url: 8 * rounding[url] + eps / 2 for url in urls}
         wrong = [url for url in urls if not after[url] <= bounds[url]]  # NaN: not within
         if wrong:
+            worst = max(wrong, key=lambda url: after[url])
             raise NotArrived(
                 f"{model_type}: after the first sync of moved weights the log-probs of {', '.join(wrong)} differ from "
-                f"the trainer's by {max(after[u] for u in wrong):.3g} (mean; {', '.join(f'{rounding[u]:.2g}' for u in wrong)} "
-                f"before, bound {max(bounds[u] for u in wrong):.2g}): the servers do not sample from the trainer's "
-                "weights, some of its tensors do not arrive"
+                f"the trainer's by {after[worst]:.3g} (mean; {rounding[worst]:.2g} at start, bound "
+                f"{bounds[worst]:.2g}): the servers do not sample from the trainer's weights, some do not arrive"
             )
         print(
             f"the first sync of moved weights arrived: the servers' log-probs are the trainer's within "
