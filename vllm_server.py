@@ -716,7 +716,10 @@ class WeightSyncExtension:
         renaming (hf_to_vllm_mapper) and fusing (q/k/v_proj into qkv_proj, ...). Checked before the
         first sync: a wrong name would otherwise fail halfway through a load, or be silently dropped."""
         model = self.model_runner.get_model()
-        mapper = getattr(model, "hf_to_vllm_mapper", None)
+        # the model's renaming, or its inner model's (GraniteMoE's: its experts under their legacy names)
+        mappers = {
+            id(m.hf_to_vllm_mapper): m.hf_to_vllm_mapper for m in model.modules() if hasattr(m, "hf_to_vllm_mapper")
+        }
         fused = {
             part: whole for whole, parts in getattr(model, "packed_modules_mapping", {}).items() for part in parts
         }
@@ -724,7 +727,9 @@ class WeightSyncExtension:
         known = {n.replace(".base_layer.", ".") for n, _ in model.named_parameters(remove_duplicate=False)}
 
         def served(name):
-            name = mapper.map_name(name) if mapper else name
+            return any(known_as(mapper.map_name(name)) for mapper in mappers.values()) or known_as(name)
+
+        def known_as(name):
             if name is None:  # the mapper drops it: vLLM would ignore it
                 return False
             module, _, leaf = name.rpartition(".")
