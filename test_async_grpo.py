@@ -7618,7 +7618,7 @@ SERVED_MATRIX = {
     ),
     "MistralForCausalLM": OK,
     "MixtralForCausalLM": OK,
-    "OlmoeForCausalLM": NOT_MEASURED,
+    "OlmoeForCausalLM": OK,
     "Phi3ForCausalLM": NOT_MEASURED,
     "Qwen2ForCausalLM": NOT_MEASURED,
     "Qwen3ForCausalLM": NOT_MEASURED,
