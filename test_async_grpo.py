@@ -7609,7 +7609,11 @@ SERVED_MATRIX = {
     "Glm4ForCausalLM": OK,
     "GptOssForCausalLM": OK,
     "GraniteForCausalLM": OK,
-    "GraniteMoeForCausalLM": NOT_MEASURED,
+    "GraniteMoeForCausalLM": (
+        "✓ fp32 (in-process vLLM: mean gap 1.2e-6); the bf16 test not run yet (time)",
+        "not measured yet (time)",
+        "not measured yet (time)",
+    ),
     "HyperCLOVAXForCausalLM": OK,
     "LlamaForCausalLM": (
         "✓",

@@ -679,6 +679,12 @@ def weights_arrive(urls, args, run, collate, token_logprobs):
 SELF_COPIED = {"GptOssForCausalLM": (".mlp.experts.", ".sinks")}
 
 
+def noted_processing(process, processed, layer):
+    """An MoE method's process_weights_after_loading during a reload: it runs, and the layer is noted."""
+    process(layer)
+    processed[id(layer)] = layer
+
+
 def experts_loaded(module, reprocess):
     """An MoE layer's weights were loaded again: its kernel's own post-load step runs again (vLLM 0.32's weight update
     skips it, so on CPU the new experts went unpacked into the kernel's pre-packed layout); with `reprocess` (loaded
@@ -812,36 +818,45 @@ class WeightSyncExtension:
 
     def load_received(self, weights):
         """Load (name, tensor) pairs in the trainer's names (its transformers model's) into the live model, every
-        family's tensors where vLLM's reload leaves some out (each gap found with check_weights_arrive)."""
+        family's tensors where vLLM's reload leaves some out (each gap: docs/architectures.md)."""
         from vllm.config import set_current_vllm_config
 
         model = self.model_runner.get_model()
-        arrived, copied = set(), []  # the names loaded; those the family's load_weights copies itself
+        copied = []  # the pairs the family's load_weights copies itself
         copies = SELF_COPIED.get(type(model).__name__, ())
 
         def noted(pairs):
             for name, tensor in pairs:
-                arrived.add(name)
                 if any(part in name for part in copies):
                     copied.append((name, tensor))
                 else:
                     yield name, tensor
 
-        # reload_weights, unlike plain load_weights, re-runs the post-load processing of each layer it loads...
-        self.reload_weights(weights_iterator=noted(self.checkpoint_format(weights)), is_checkpoint_format=True)
+        # the MoE layers (name -> layer holding the experts) and those the reload processes again (noted as it does)
+        moe = {name: m for name, m in model.named_modules() if hasattr(m, "w13_weight") and hasattr(m, "quant_method")}
+        processed = {}
+        methods = {id(m.quant_method): m.quant_method for m in moe.values()}.values()
+        for method in methods:  # an instance attribute over the method, until the reload ends
+            method.process_weights_after_loading = functools.partial(
+                noted_processing, method.process_weights_after_loading, processed
+            )
+        try:
+            # reload_weights, unlike plain load_weights, re-runs the post-load processing of each layer it loads...
+            self.reload_weights(weights_iterator=noted(self.checkpoint_format(weights)), is_checkpoint_format=True)
+        finally:
+            for method in methods:
+                del method.process_weights_after_loading
         with set_current_vllm_config(self.vllm_config):
+            for layer in processed.values():
+                experts_loaded(layer, reprocess=False)
             # ...on parameters it holds on the meta device meanwhile, where a family's own param.copy_ (GPT-OSS's
             # experts and sinks) lands nowhere: those load now, into the live parameters, then their layer is processed
-            # as at start-up (experts_loaded)
+            # as at start-up
             if copied:
                 model.load_weights(copied)
-            layers = {}  # quant method -> an MoE layer of it whose experts arrived
-            for name, module in model.named_modules():
-                experts = name.rpartition(".experts")
-                if experts[1] and any(n.startswith(experts[0] + ".experts.") for n in arrived):
-                    layers.setdefault(id(getattr(module, "quant_method", module)), module)
-            for module in layers.values():
-                experts_loaded(module, reprocess=bool(copied))
+            for name, layer in moe.items():
+                if any(n.startswith(name.rpartition(".experts")[0] + ".experts.") for n, _ in copied):
+                    experts_loaded(layer, reprocess=True)
             # ...but only of the layer that loaded a tied weight. A module sharing it (lm_head tied to the embedding)
             # keeps what it derived from the old values (on CPU, a pre-packed GEMM copy): vLLM would sample from the
             # old head.
