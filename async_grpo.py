@@ -61,7 +61,7 @@ import tools as tools_module
 # vllm_server.py: the servers (started, checked, watched), the device plan, the sync group
 from vllm_server import SERVED_MODEL, cpu_threads, http, memory_share, plan_devices, served_config, server_failure
 from vllm_server import share_idle_core, start_vllm, stop_vllm, sync_endpoint, sync_group, url_sync_backend, vllm_flag
-from vllm_server import LORA_RANKS, SERVED_ADAPTER, load_adapter, watch_servers
+from vllm_server import LORA_RANKS, SERVED_ADAPTER, load_adapter, refuse_unknown_names, watch_servers, weights_arrive
 
 HERE = Path(__file__).resolve().parent
 # What --sampling-args may hold: parameters that end or seed a generation but leave its distribution as the
@@ -993,6 +993,8 @@ class WeightSync:
         self.failure = failure
         self.group = None
         self.pool = ThreadPoolExecutor(len(urls))
+        # the live check the first sync of moved weights runs (weights_arrive), set by start_generation
+        self.check = None
 
     def _rpc(self, url, method, **kwargs):
         """Call `method` on every worker of one server; a future. It runs on the pool's threads: the
@@ -1007,17 +1009,7 @@ class WeightSync:
     def _connect(self, model):
         """At the first sync: check that every server knows every name it will receive, then make the group."""
         names = [name for name, _, _ in served_weights(model, include_frozen=True)]
-        unknown = set()
-        for url in self.urls:
-            for worker in self._rpc(url, "unknown_weight_names", names=names).result()["results"]:
-                unknown.update(worker)
-        unknown = sorted(unknown)
-        if unknown:
-            raise ValueError(
-                f"the vLLM server's model has no parameter for {len(unknown)} of the {len(names)} "
-                f"trained weights, e.g. {unknown[:5]}: the trainer and the server do not hold the "
-                "same architecture (an image-text checkpoint loaded as another class?)"
-            )
+        refuse_unknown_names(self.urls, names, self._rpc, model.config.model_type)
         # workers per server
         sizes = [http(f"{url}/get_world_size")["world_size"] for url in self.urls]
         host, listener = sync_endpoint(self.urls, self.args.sync_host)
@@ -1090,6 +1082,8 @@ class WeightSync:
             # also after a failure: --vllm-url servers outlive the run, and a paused one serves no one
             self._all("resume")
         self.version.value += 1
+        if self.check:  # the first sync of moved weights: do the servers now sample from them?
+            self.check = self.check()
         self.version.open = True
         return time.perf_counter() - t0
 
@@ -1508,6 +1502,9 @@ def start_generation(run):
         # adapter: and the adapter (B = 0, or --resume's) is loaded before the first request names it
         if args.vllm_url or args.lora_sync == "adapter":
             run.sync(run.policy, include_frozen=bool(args.vllm_url))
+        # every server's log-probs against the trainer's, now and at the first sync of moved weights (under --fsdp
+        # the trainer's forward takes every rank: unchecked)
+        run.sync.check = None if args.fsdp else weights_arrive(urls, args, run, collate, token_logprobs)
         # the servers hold the weights of the step the run starts at: those of the last finished sync, or
         # newer where a sync failed mid-way (a count saved with them would lag, and the staleness gate would
         # wait forever on --resume)

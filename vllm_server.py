@@ -578,7 +578,128 @@ def arrived(work, store):
     work.wait()  # raises the backend's error, if it failed
 
 
+# --- Do the weights arrive? Every server's log-probs against the trainer's, at start and after the first sync ---------
+
+
+class NotArrived(ConnectionError):
+    """The servers do not hold the weights the trainer sent them (a family whose tensors vLLM does not all take)."""
+
+
+def refuse_unknown_names(urls, names, rpc, model_type):
+    """Before the first sync: every server has a parameter for every name it will receive (unknown_weight_names, after
+    its own renaming and fusing), or NotArrived: a wrong name would fail halfway through a load, or be dropped."""
+    unknown = set()
+    for url in urls:
+        for worker in rpc(url, "unknown_weight_names", names=names).result()["results"]:
+            unknown.update(worker)
+    if unknown:
+        raise NotArrived(
+            f"{model_type}: the vLLM server's model has no parameter for {len(unknown)} of the {len(names)} trained "
+            f"weights, e.g. {sorted(unknown)[:3]}: they would not arrive (not the same architecture on both sides?)"
+        )
+
+
+def fixed_samples(vocab, count=4, length=24):
+    """A few fixed sequences of token ids below `vocab` (seeded), as collate takes them: the log-probs of every token
+    after the first."""
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, vocab, (count, length), generator=g).tolist()
+    blank = {"n_prompt": 1, "mask": [1] * (length - 1), "logprobs": [0.0] * (length - 1), "advantage": 0.0}
+    return [dict(blank, ids=row) for row in ids]
+
+
+def served_logprobs(url, samples, model, timeout):
+    """[samples, length - 1]: the server's log-probs of each sample's tokens after the first, in one request
+    (prompt_logprobs: the model's own distribution, whatever --logprobs-mode and the sampling flags)."""
+    request = {"model": model, "prompt": [s["ids"] for s in samples], "max_tokens": 1, "prompt_logprobs": 0}
+    choices = sorted(
+        http(f"{url}/v1/completions", request, timeout, "--sync-timeout")["choices"], key=lambda c: c["index"]
+    )
+    return torch.tensor(
+        [
+            [entry[str(t)]["logprob"] for entry, t in zip(c["prompt_logprobs"][1:], s["ids"][1:])]
+            for c, s in zip(choices, samples)
+        ]
+    )
+
+
+def weights_arrive(urls, args, run, collate, token_logprobs):
+    """The live check of a run's weights (async_grpo.py's collate and token_logprobs: the trainer's log-probs as
+    train_step takes them): the mean |log-prob gap| between every server and the trainer on fixed_samples, measured
+    now, while the servers hold the trainer's weights (loaded from its checkpoint, or just synced whole): the served
+    dtype's rounding as these servers and this trainer compute it. Returns the check the first sync of moved weights
+    runs (WeightSync): a server whose gap then exceeds 16x its rounding plus half the dtype's eps does not sample from
+    the weights the trainer holds, and the run stops with NotArrived. Measured (the matrix's test, every weight moved by
+    ~20%, bf16): a gap 1-10x the one at start where the sync is exact (OlmoE's 10x); where it was not (before the
+    worker's fixes), GPT-OSS's experts 0.23 against a rounding of 0.0025 (its sinks alone, 0.025, pass in bf16),
+    Qwen3-MoE's experts on CPU 0.24 against 1e-7 (fp32), a doubled down_proj 0.79 against 7e-7 (fp32). One request a
+    server: a fraction of a second."""
+    config = run.policy.config
+    samples = fixed_samples(min(len(run.tok), config.get_text_config().vocab_size))
+    model_type, dtype = config.model_type, run.served_dtype
+    eps = torch.finfo(dtype).eps
+
+    def gaps():
+        with torch.no_grad():
+            ours = token_logprobs(run.policy, collate(samples, run.pad_id, run.device))[0].float().cpu()
+        return {
+            url: (served_logprobs(url, samples, args.request_model, args.sync_timeout) - ours).abs().mean().item()
+            for url in urls
+        }
+
+    rounding = gaps()
+    wrong = {url: gap for url, gap in rounding.items() if not gap <= 8 * eps}
+    if wrong:  # a --vllm-url server that holds other weights after the whole sync, or a server of another model
+        raise NotArrived(
+            f"{model_type}: the log-probs of {', '.join(wrong)} differ from the trainer's on the same weights by "
+            f"{max(wrong.values()):.3g} (mean, over {8 * eps:.3g}, 8 of {dtype}'s eps): the server does not compute "
+            "the trainer's model"
+        )
+
+    def check():
+        after = gaps()
+        bounds = {url: 16 * rounding[url] + eps / 2 for url in urls}
+        wrong = [url for url in urls if not after[url] <= bounds[url]]  # NaN: not within
+        if wrong:
+            worst = max(wrong, key=lambda url: after[url])
+            raise NotArrived(
+                f"{model_type}: after the first sync of moved weights the log-probs of {', '.join(wrong)} differ from "
+                f"the trainer's by {after[worst]:.3g} (mean; {rounding[worst]:.2g} at start, bound "
+                f"{bounds[worst]:.2g}): the servers do not sample from the trainer's weights, some do not arrive"
+            )
+        print(
+            f"the first sync of moved weights arrived: the servers' log-probs are the trainer's within "
+            f"{max(after.values()):.2g} (mean; {max(rounding.values()):.2g} at start)",
+            flush=True,
+        )
+
+    return check
+
+
 # --- The sync's receiving end, inside every vLLM worker ----------------------------------------------------------------
+
+
+# the tensors a family's vLLM load_weights copies into its parameters itself (param.copy_), not by a weight_loader:
+# vLLM 0.32's reload_weights does not see them (GPT-OSS's experts, their biases, its attention sinks)
+SELF_COPIED = {"GptOssForCausalLM": (".mlp.experts.", ".sinks")}
+
+
+def noted_processing(process, processed, layer):
+    """An MoE method's process_weights_after_loading during a reload: it runs, and the layer is noted."""
+    process(layer)
+    processed[id(layer)] = layer
+
+
+def experts_loaded(module, reprocess):
+    """An MoE layer's weights were loaded again: its kernel's own post-load step runs again (vLLM 0.32's weight update
+    skips it, so on CPU the new experts went unpacked into the kernel's pre-packed layout); with `reprocess` (loaded
+    into the live parameters) the layer's whole post-load processing first, as at start-up."""
+    kernel = getattr(getattr(module, "quant_method", None), "moe_kernel", None)
+    if kernel is None:
+        return
+    if reprocess:
+        module.quant_method.process_weights_after_loading(module)
+    kernel.fused_experts.process_weights_after_loading(module)
 
 
 class WeightSyncExtension:
@@ -607,7 +728,10 @@ class WeightSyncExtension:
         renaming (hf_to_vllm_mapper) and fusing (q/k/v_proj into qkv_proj, ...). Checked before the
         first sync: a wrong name would otherwise fail halfway through a load, or be silently dropped."""
         model = self.model_runner.get_model()
-        mapper = getattr(model, "hf_to_vllm_mapper", None)
+        # the model's renaming, or its inner model's (GraniteMoE's: its experts under their legacy names)
+        mappers = {
+            id(m.hf_to_vllm_mapper): m.hf_to_vllm_mapper for m in model.modules() if hasattr(m, "hf_to_vllm_mapper")
+        }
         fused = {
             part: whole for whole, parts in getattr(model, "packed_modules_mapping", {}).items() for part in parts
         }
@@ -615,7 +739,9 @@ class WeightSyncExtension:
         known = {n.replace(".base_layer.", ".") for n, _ in model.named_parameters(remove_duplicate=False)}
 
         def served(name):
-            name = mapper.map_name(name) if mapper else name
+            return any(known_as(mapper.map_name(name)) for mapper in mappers.values()) or known_as(name)
+
+        def known_as(name):
             if name is None:  # the mapper drops it: vLLM would ignore it
                 return False
             module, _, leaf = name.rpartition(".")
@@ -626,7 +752,15 @@ class WeightSyncExtension:
                 return True
             return experts != name and any(k.startswith(experts) for k in known)
 
-        return [n for n in names if not served(n)]
+        return [n for n in names if not all(served(c) for c, _ in self.checkpoint_format([(n, self.hf_tensor(n))]))]
+
+    def hf_tensor(self, name):
+        """The trainer's tensor `name` on the meta device (its shape), from the family's transformers model."""
+        list(self.checkpoint_format([]))  # makes hf_meta_model
+        try:
+            return self.hf_meta_model.get_parameter(name)
+        except AttributeError:  # not the family's name (or no such model): served() says so
+            return torch.empty(0, device="meta")
 
     def served_lora(self):
         """(the largest LoRA rank this server serves, 0 without --enable-lora; whether it loads adapters at run time)."""
@@ -681,21 +815,83 @@ class WeightSyncExtension:
         return self.adapter_dir
 
     def receive_weights(self, buckets):
-        # reload_weights, unlike plain load_weights, re-runs the post-load processing of each layer it loads...
         try:
-            self.reload_weights(weights_iterator=self._received(buckets), is_checkpoint_format=True)
+            self.load_received(self._received(buckets))
         except BaseException:  # out of step with the trainer: aborted, or NCCL's watchdog would end this worker
             self.weight_sync_group.abort()
             raise
-        # ...but only of the layer that loaded a tied weight. A module sharing it (lm_head tied to the embedding) keeps
-        # what it derived from the old values (on CPU, a pre-packed GEMM copy): vLLM would sample from the old head.
+
+    def load_received(self, weights):
+        """Load (name, tensor) pairs in the trainer's names (its transformers model's) into the live model, every
+        family's tensors where vLLM's reload leaves some out (each gap: docs/architectures.md)."""
         from vllm.config import set_current_vllm_config
 
         model = self.model_runner.get_model()
-        owners = defaultdict(list)  # parameter -> the modules that hold it
-        for name, param in model.named_parameters(remove_duplicate=False):
-            owners[id(param)].append(model.get_submodule(name.rpartition(".")[0]))
+        copied = []  # the pairs the family's load_weights copies itself
+        copies = SELF_COPIED.get(type(model).__name__, ())
+
+        def noted(pairs):
+            for name, tensor in pairs:
+                if any(part in name for part in copies):
+                    copied.append((name, tensor))
+                else:
+                    yield name, tensor
+
+        # the MoE layers (name -> layer holding the experts) and those the reload processes again (noted as it does)
+        moe = {name: m for name, m in model.named_modules() if hasattr(m, "w13_weight") and hasattr(m, "quant_method")}
+        processed = {}
+        methods = {id(m.quant_method): m.quant_method for m in moe.values()}.values()
+        for method in methods:  # an instance attribute over the method, until the reload ends
+            method.process_weights_after_loading = functools.partial(
+                noted_processing, method.process_weights_after_loading, processed
+            )
+        try:
+            # reload_weights, unlike plain load_weights, re-runs the post-load processing of each layer it loads...
+            self.reload_weights(weights_iterator=noted(self.checkpoint_format(weights)), is_checkpoint_format=True)
+        finally:
+            for method in methods:
+                del method.process_weights_after_loading
         with set_current_vllm_config(self.vllm_config):
+            for layer in processed.values():
+                experts_loaded(layer, reprocess=False)
+            # ...on parameters it holds on the meta device meanwhile, where a family's own param.copy_ (GPT-OSS's
+            # experts and sinks) lands nowhere: those load now, into the live parameters, then their layer is processed
+            # as at start-up
+            if copied:
+                model.load_weights(copied)
+            for name, layer in moe.items():
+                if any(n.startswith(name.rpartition(".experts")[0] + ".experts.") for n, _ in copied):
+                    experts_loaded(layer, reprocess=True)
+            # ...but only of the layer that loaded a tied weight. A module sharing it (lm_head tied to the embedding)
+            # keeps what it derived from the old values (on CPU, a pre-packed GEMM copy): vLLM would sample from the
+            # old head.
+            owners = defaultdict(list)  # parameter -> the modules that hold it
+            for name, param in model.named_parameters(remove_duplicate=False):
+                owners[id(param)].append(model.get_submodule(name.rpartition(".")[0]))
             for module in (m for mods in owners.values() if len(mods) > 1 for m in mods):
                 if hasattr(module, "quant_method"):
                     module.quant_method.process_weights_after_loading(module)
+
+    def checkpoint_format(self, weights):
+        """The pairs under the names and layout of the family's checkpoints, which vLLM's loaders take: transformers 5
+        holds some families' experts fused under other names (Mixtral's mlp.experts.gate_up_proj, its checkpoints'
+        block_sparse_moe.experts.0.w1/w3), and reverts them itself when it saves (revert_weight_conversion)."""
+        from transformers import AutoModelForCausalLM
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import PrefixChange, revert_weight_conversion
+
+        if not hasattr(self, "hf_meta_model"):  # the family's conversions read the model's config and modules only
+            try:
+                with torch.device("meta"):
+                    self.hf_meta_model = AutoModelForCausalLM.from_config(self.vllm_config.model_config.hf_config)
+                conversions = get_model_conversion_mapping(self.hf_meta_model, add_legacy=False)
+                # as save_pretrained does for a model not made by from_pretrained
+                conversions = [c for c in conversions if not isinstance(c, PrefixChange)]
+                self.hf_meta_model._weight_conversions = conversions or None
+            except Exception:  # not a causal LM class of transformers (an image-text model): its names as they are
+                self.hf_meta_model = None
+        if self.hf_meta_model is None or self.hf_meta_model._weight_conversions is None:
+            yield from weights
+            return
+        for name, tensor in weights:
+            yield from revert_weight_conversion(self.hf_meta_model, {name: tensor}).items()
