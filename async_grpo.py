@@ -2146,6 +2146,12 @@ def collate(samples, pad_id, device, min_tokens=0, share=True, config=None, pack
             ids[-1] += completion
             segment[-1] += [i + 1] * len(completion)
             position[-1] += range(n, n + len(completion))
+    # Padding continues each row's count: transformers 5 reads a position that does not rise by one as the start
+    # of a packed sequence and builds a dense [B, 1, T, T] mask (no flash attention) for rows of unequal length
+    longest = max(1, *map(len, position))
+    for p in position:
+        start = p[-1] + 1 if p else 0
+        p += range(start, start + longest - len(p))
     position = padded(position, torch.long).to(device)
     # what the model takes
     batch = {"input_ids": padded(ids, torch.long, pad_id), "position_ids": position}

@@ -7077,6 +7077,38 @@ def test_packed_micro_batches_build_no_dense_mask_in_forward_or_backward(family)
 
 
 @pytest.mark.parametrize("family", ["qwen3", "mistral", "qwen2", "gemma3"])
+def test_rows_of_unequal_length_build_no_mask_a_row_and_give_each_sequences_log_probs(family):
+    """Rows of their own (--no-share-prefix, the reference's) are padded to the longest: with the padding at position 0,
+    transformers 5 read the drop as the start of a packed sequence and built a [B, 1, T, T] mask in every layer (SDPA
+    then loses flash attention on a GPU). The padding continues the count: no op of collate, the forward or the backward
+    makes a [rows, 1, T, T] tensor (a window model's own [1, 1, T, T] window mask is the model's), and each row's
+    log-probs and gradient are its sequence's alone."""
+    model = small_model(family, window=4 if family != "qwen3" else None)
+    model.gradient_checkpointing_enable()
+    samples = [
+        {"ids": p + c, "n_prompt": len(p), "mask": [1] * len(c), "logprobs": [0.0] * len(c), "advantage": 1.0}
+        for p, c in [([1, 2, 3, 4, 5], list(range(6, 30))), ([1, 2, 3], [31, 32, 33]), ([7, 8], [9, 10, 11, 12])]
+    ]
+    weights = torch.randn(3, 24, generator=torch.Generator().manual_seed(0))
+    tokens = ag.collate(samples, 0, "cpu", config=model.config, share=False)["input_ids"].shape[1]
+    with SquareTensors(tokens) as square:
+        batch = ag.collate(samples, 0, "cpu", config=model.config, share=False)
+        logp = ag.token_logprobs(model, batch)[0]
+        together = gradient(model, logp * weights, 1)
+    assert batch["position_ids"].tolist() == [list(range(tokens))] * 3
+    # the control: rows of equal length, whose positions always rose by one (a window model's mask, expanded to rows)
+    with SquareTensors(tokens) as equal:
+        gradient(model, ag.token_logprobs(model, ag.collate(samples[:1] * 3, 0, "cpu", share=False))[0], 1)
+    assert square.shapes == equal.shapes and bool(equal.shapes) == (family != "qwen3"), square.shapes
+    alone = torch.zeros(3, 24)
+    for i, s in enumerate(samples):
+        single = ag.collate([s], 0, "cpu", config=model.config, share=False)
+        alone[i, : len(s["mask"])] = ag.token_logprobs(model, single)[0][0]
+    torch.testing.assert_close(logp * (batch["cols"] >= 0), alone, rtol=0, atol=1e-5)
+    torch.testing.assert_close(together, gradient(model, alone * weights, 1), rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("family", ["qwen3", "mistral", "qwen2", "gemma3"])
 def test_mfu_counts_the_models_own_weights_and_the_pairs_its_mask_attends(family):
     """mfu.py against the model itself: the multiply-adds a token makes in the decoder layers' and the output layer's
     weights are the numbers of those Linear weights; the pairs counted for a shared group are the entries collate's
