@@ -1045,9 +1045,13 @@ class WeightSync:
         # NCCL makes a group's communicator at its first collective, blocking until every rank is in it:
         # one element sent here, as the workers join and before vLLM pauses, not in the first bucket's
         first = [("warm-up", torch.zeros(1, device=next(served_weights(model))[1].device), None)]
-        send_weights(self.group, [first], torch.float32, self.args.sync_timeout, joining)
-        for future in joined:
-            future.result(self.args.sync_timeout)
+        try:
+            send_weights(self.group, [first], torch.float32, self.args.sync_timeout, joining)
+            for future in joined:
+                future.result(self.args.sync_timeout)
+        except Exception as e:
+            self._abort(e)
+            raise ConnectionError(f"the weight sync group with {', '.join(self.urls)} failed to start: {e}") from None
 
     def __call__(self, model, include_frozen=False):
         t0 = time.perf_counter()
@@ -1110,14 +1114,17 @@ class WeightSync:
             # the last bucket loads: bounded by the request's own timeout (http)
             return [future.result()["results"] for future in received]
         except Exception as e:
-            # the workers are out of step: the group is aborted (a next sync would make a new one), and
-            # every worker is told through the group's store (arrived): NCCL's abort reaches no other rank,
-            # and a worker left waiting on a broadcast would hold its server until its watchdog ended it
-            with contextlib.suppress(Exception):
-                self.store.set("abort", str(e))
-            self.group.abort()
-            self.group = None
+            self._abort(e)
             raise ConnectionError(f"the weight sync to {', '.join(self.urls)} failed: {e}") from None
+
+    def _abort(self, error):
+        """The workers are out of step: the group is aborted (a next sync makes a new one), and every worker is
+        told through the group's store (arrived): NCCL's abort reaches no other rank, and a worker left waiting on
+        a broadcast would hold its server until its watchdog ended it."""
+        with contextlib.suppress(Exception):
+            self.store.set("abort", str(error))
+        self.group.abort()
+        self.group = None
 
 
 def pack_buckets(model, bucket_bytes, dtype, include_frozen=False, part="merged"):

@@ -1891,44 +1891,52 @@ import os, sys, torch, torch.distributed as dist
 from datetime import timedelta
 import vllm_server
 host, port = sys.argv[1], int(sys.argv[2])
-group = vllm_server.sync_group(host, port, 1, 2, "gloo", 60)
-store = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=60))
-work = group.broadcast(torch.empty(1000), 0)  # a bucket that never comes
+worker = type("Worker", (), {"rank": 0, "device": torch.device("cpu")})()
 try:
-    vllm_server.arrived(work, store)
+    if sys.argv[3] == "warm-up":  # the worker's join, whose first broadcast (the warm-up) never comes
+        vllm_server.WeightSyncExtension.init_weight_sync(worker, host, port, 2, 60, "gloo")
+    else:
+        worker.weight_sync_group = vllm_server.sync_group(host, port, 1, 2, "gloo", 60)
+        store = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=60))
+        work = worker.weight_sync_group.broadcast(torch.empty(1000), 0)  # a bucket that never comes
+        vllm_server.arrived(work, store)
     print("the broadcast arrived", flush=True)
 except ConnectionError as e:
     print(e, flush=True)
-    group.abort()  # as the worker does (receive_weights)
+    worker.weight_sync_group.abort()  # as the worker does (receive_weights)
 # as a vLLM worker, which lives on: the interpreter's teardown would wait on the broadcast still posted
 os._exit(0)
 """
 
 
-def test_a_worker_waiting_on_a_bucket_stops_when_the_trainer_aborts_the_sync(tmp_path):
+@pytest.mark.parametrize("wait", ["bucket", "warm-up"])
+def test_a_worker_waiting_on_a_bucket_stops_when_the_trainer_aborts_the_sync(tmp_path, wait):
     """After a failed sync the trainer's abort reaches no other rank under NCCL: a worker of another server stayed in its
     broadcast until NCCL's watchdog ended it. A worker waits through arrived(), which also reads the group's store:
-    here a receiver (torch alone, no vLLM) waits on a bucket the trainer never sends, over a group that stays up (gloo
-    would otherwise report a closed peer, as NCCL does not); the trainer sets the abort key as WeightSync does after
-    a failure, and the receiver's wait ends with the trainer's reason, long before the group's own bound (120 s)."""
+    here a receiver (torch alone, no vLLM) waits on a bucket the trainer never sends, or in its join
+    (WeightSyncExtension.init_weight_sync) on the warm-up broadcast, over a group that stays up (gloo would otherwise
+    report a closed peer, as NCCL does not); the trainer aborts as WeightSync does after a failed sync or warm-up
+    (_abort: the store's abort key, the group aborted), and the receiver's wait ends with the trainer's reason, long
+    before the group's own bound (120 s)."""
     (tmp_path / "receiver.py").write_text(ABORTED_RECEIVER)
     host, listener = ag.sync_endpoint(["http://127.0.0.1:8000"])
     port = listener.getsockname()[1]
     receiver = subprocess.Popen(
-        [sys.executable, str(tmp_path / "receiver.py"), host, str(port)],
+        [sys.executable, str(tmp_path / "receiver.py"), host, str(port), wait],
         env=dict(os.environ, PYTHONPATH=str(HERE)),
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
     )
     try:
-        group = ag.sync_group(host, port, 0, 2, "gloo", 60, listener)
-        store = torch.distributed.TCPStore(host, port, is_master=False, timeout=ag.timedelta(seconds=60))
-        store.set("abort", "a server failed")
+        sync = ag.WeightSync(["http://127.0.0.1:8000"], ag.parse_args(["--output-dir", "unused"]), None, None)
+        sync.group = ag.sync_group(host, port, 0, 2, "gloo", 60, listener)
+        sync.store = torch.distributed.TCPStore(host, port, is_master=False, timeout=ag.timedelta(seconds=60))
+        sync._abort(ValueError("a server failed"))
         out = receiver.communicate(timeout=60)[0]
         assert receiver.returncode == 0, out[-3000:]
         assert "the trainer aborted the sync: a server failed" in out, out[-3000:]
-        group.abort()
+        assert sync.group is None  # a next sync makes a new one
     finally:
         receiver.kill()
 
@@ -7192,6 +7200,11 @@ def test_mfu_over_the_peak_of_a_data_sheet_or_a_matmul_measured_once():
     step = mfu.step_flops(config, samples)[0]
     assert got == {"perf/tokens_per_second": 39 / 2.0, "perf/mfu": step / (2.0 * 2 * flops), "perf/peak_flops": flops}
     assert [name for name, _ in mfu.PEAKS].index("H100 PCIe") < [name for name, _ in mfu.PEAKS].index("H100")
+    # a name's first match: the H200 NVL (a lower clock) is not the SXM card
+    first = {
+        name: next(flops for part, flops in mfu.PEAKS if part in name) for name in ("NVIDIA H200 NVL", "NVIDIA H200")
+    }
+    assert first == {"NVIDIA H200 NVL": 835e12, "NVIDIA H200": 989.4e12}
 
 
 def saved_by_backward(fn, model):
