@@ -7462,15 +7462,19 @@ def gradient(model, logp, weights):
     return torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).flatten() for p in model.parameters()])
 
 
-def own_logprobs(model, samples, weights, **truncation):
+def own_logprobs(model, samples, weights, min_tokens=0, **truncation):
     """[samples, longest] log-probs from the model's own forward(...).logits, a sequence at a time (log_softmax, or the
-    sampler's truncation of those logits), and their gradient under `weights`."""
+    sampler's truncation of those logits, the stop ids masked in the first min_tokens), and their gradient under
+    `weights`."""
     out = torch.zeros(weights.shape)
     for i, s in enumerate(samples):
         n, targets = s["n_prompt"], torch.tensor(s["ids"][s["n_prompt"] :], dtype=torch.long)
         logits = model(input_ids=torch.tensor([s["ids"]])).logits[0, n - 1 : -1].float()
         if truncation:
-            logp = ag.sampler_logprobs(logits, targets, served_dtype=torch.float32, **truncation)[0]
+            stop_masked = torch.arange(len(targets)) < min_tokens
+            logp = ag.sampler_logprobs(
+                logits, targets, served_dtype=torch.float32, stop_masked=stop_masked, **truncation
+            )[0]
         else:
             logp = logits.log_softmax(-1).gather(-1, targets[:, None])[:, 0]
         out = out.index_put((torch.tensor([i]), torch.arange(len(targets))), logp)
@@ -7482,25 +7486,36 @@ def test_every_trainer_path_of_each_architecture_is_its_own_logits(name):
     """A tiny random checkpoint of each architecture, its family's quirks on (tiny.ARCHITECTURES: softcapping, sliding
     windows, attention sinks, logit scaling, tied embeddings, MoE routing, QK norms, partial rotary): rows of their own,
     shared rows with a mask, packed segments (segment_attention's SDPA loop over the metadata CUDA's kernel gets), the
-    output layer in many chunks, and top-k/top-p truncation, each equal to the log-softmax of the model's own logits
-    (truncated alike) at fp32 rounding, values and gradients of every weight. The start-up probes pass it."""
+    output layer in one chunk and in many (output_layer.py's ChunkedLogprobs and its own backward), and every setting
+    of the sampler (temperature, min-p, top-k, top-p, the stop ids held back for min_tokens), each equal to the
+    log-softmax of the model's own logits (truncated alike) at fp32 rounding, values and gradients of every weight. The
+    start-up probes pass it."""
     model = tiny.tiny_architecture(name)
     samples = matrix_samples()
     weights = torch.randn(len(samples), 11, generator=torch.Generator().manual_seed(1))
     assert ag.logprobs_refused(model) is None
     refused = ag.sharing_refused(model)  # then a run forwards every sequence in a row of its own
     assert (refused is None) == (name not in SHARING_REFUSED), refused
-    expected = {key: own_logprobs(model, samples, weights, **t) for key, t in [("full", {}), ("cut", TRUNCATION)]}
     vocab = model.config.vocab_size
+    # every setting sampler_logprobs takes: temperature, min-p, top-k, top-p, stop ids held back for min_tokens
+    stops = dict(min_tokens=4)
     paths = [
         ("rows", dict(share=False), {}, {}),
         ("mask", dict(share=True, config=model.config), {}, {}),
         ("chunked", dict(share=False), dict(chunk=3 * vocab), {}),
         ("rows top-k/top-p", dict(share=False), {}, TRUNCATION),
         ("mask top-k/top-p", dict(share=True, config=model.config), {}, TRUNCATION),
+        ("rows temperature min-p stops", dict(share=False, **stops), dict(chunk=3 * vocab), SAMPLER),
+        ("mask every setting", dict(share=True, config=model.config, **stops), {}, SAMPLER | TRUNCATION),
         ("packed", dict(packed=True), {}, {}),
         ("packed top-k/top-p", dict(packed=True), dict(chunk=3 * vocab), TRUNCATION),
+        ("packed every setting", dict(packed=True, **stops), dict(chunk=5 * vocab), SAMPLER | TRUNCATION),
     ]
+    expected = {}
+    for _, layout, _, truncation in paths:
+        key = (layout.get("min_tokens", 0), *sorted(truncation.items()))
+        if key not in expected:
+            expected[key] = own_logprobs(model, samples, weights, layout.get("min_tokens", 0), **truncation)
     checked = []
     if refused:
         paths = [p for p in paths if p[1].get("share") is False]
@@ -7516,17 +7531,19 @@ def test_every_trainer_path_of_each_architecture_is_its_own_logits(name):
         batch = ag.collate(samples, 0, "cpu", **layout)
         assert ("segments" in batch) == bool(layout.get("packed"))
         logp = ag.token_logprobs(model, batch, served_dtype=torch.float32, **options, **truncation)[0]
-        values, grad = expected["cut" if truncation else "full"]
+        values, grad = expected[(layout.get("min_tokens", 0), *sorted(truncation.items()))]
         real = batch["mask"]  # an empty completion has a column of padding
         torch.testing.assert_close(logp * real, values, rtol=0, atol=2e-5 * max(1.0, values.abs().max().item()))
         torch.testing.assert_close(
             gradient(model, logp * real, weights), grad, rtol=0, atol=2e-5 * grad.abs().max().item()
         )
         checked.append(path)
-    assert grad.abs().max() > 0 and len(checked) == len(paths) - 2 * (name in PACKED_REFUSED)
+    assert grad.abs().max() > 0 and len(checked) == len(paths) - 3 * (name in PACKED_REFUSED)
 
 
 TRUNCATION = {"top_k": 40, "top_p": 0.9}
+# a third of the vocabulary are stop ids (targets among them), masked in each completion's first min_tokens
+SAMPLER = {"temperature": 0.7, "min_p": 0.05, "stop_ids": tuple(range(3, 170))}
 # what use_segments says where it keeps the model's own attention: Gemma 2's attention softcapping is not in
 # segment_attention (nor in the varlen kernel); StableLM's layers do not hand their attention the segments
 PACKED_REFUSED = {
