@@ -7434,6 +7434,46 @@ def test_bench_trainer_alone_runs_without_vllm_and_its_layouts_train_alike(tmp_p
     assert "trainer alone" in proc.stdout and "collate's host seconds" in proc.stdout
 
 
+def test_gpu_levers_dry_run_records_every_line_and_the_exact_levers_keep_the_loss(tmp_path):
+    """gpu_levers.py --tiny on the CPU (the device check of issue 60, before a GPU is lent): every line is in the JSON
+    (the CUDA attention kernels as errors here: recorded, and the next line runs); the output layer before issue 60, the
+    fused one, compiled layers and the checkpointing variants give the same loss in fp32 (bf16 weights: near it); rows
+    with the padding at position 0 or continued, and packed, the same loss on the varied batch."""
+    output = tmp_path / "levers.json"
+    proc = subprocess.run(
+        [sys.executable, str(HERE / "gpu_levers.py"), "--tiny", "--output", str(output)],
+        cwd=HERE,
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    r = json.loads(output.read_text())
+    lines = {line["name"]: line for line in r["lines"]}
+    assert [n for n in lines if n.startswith("attention")] == [
+        "attention cudnn",
+        "attention flash",
+        "attention varlen",
+    ]
+    levers = [lines[name] for name in gpu_levers_names()]
+    assert all("seconds" in line and line["mfu"] > 0 for line in levers), levers
+    # stacked: from the bf16 policy on, every variant computes in bf16
+    bf16 = gpu_levers_names().index("bf16 MixedPrecisionPolicy")
+    for i, line in enumerate(levers):
+        assert line["loss"] == pytest.approx(levers[0]["loss"], rel=1e-5 if i < bf16 else 2e-2), line
+    assert levers[1]["largest_logprob_difference"] < 1e-5 and levers[2]["largest_logprob_difference"] < 1e-4
+    varied = [lines[n] for n in ("rows, padding at position 0", "rows, positions continued", "packed")]
+    assert all(line["loss"] == pytest.approx(varied[0]["loss"], rel=1e-5) for line in varied), varied
+    assert varied[2]["tokens"] < varied[1]["tokens"] and set(lines["cost model constants"]) > {"packed"}
+
+
+def gpu_levers_names():
+    import gpu_levers
+
+    return gpu_levers.LEVERS
+
+
 # ------------------------------------------------------------------------------------------------
 # The architecture conformance matrix: every trainer path of each family against the model's own logits
 # ------------------------------------------------------------------------------------------------
