@@ -1052,7 +1052,8 @@ class WeightSync:
                 future.result(self.args.sync_timeout)
         except Exception as e:
             self._abort(e)
-            raise ConnectionError(f"the weight sync group with {', '.join(self.urls)} failed to start: {e}") from None
+            servers = ", ".join(self.urls)
+            raise ConnectionError(f"the weight sync group with {servers} failed to start: {e}") from None
 
     def __call__(self, model, include_frozen=False):
         t0 = time.perf_counter()
@@ -1119,9 +1120,9 @@ class WeightSync:
             raise ConnectionError(f"the weight sync to {', '.join(self.urls)} failed: {e}") from None
 
     def _abort(self, error):
-        """The workers are out of step: the group is aborted (a next sync makes a new one), and every worker is
-        told through the group's store (arrived): NCCL's abort reaches no other rank, and a worker left waiting on
-        a broadcast would hold its server until its watchdog ended it."""
+        """The workers are out of step: the group is aborted (a next sync makes a new one), and every
+        worker is told through the group's store (arrived): NCCL's abort reaches no other rank, and a
+        worker left waiting on a broadcast would hold its server until its watchdog ended it."""
         with contextlib.suppress(Exception):
             self.store.set("abort", str(error))
         self.group.abort()
@@ -2154,8 +2155,9 @@ def collate(samples, pad_id, device, min_tokens=0, share=True, config=None, pack
             ids[-1] += completion
             segment[-1] += [i + 1] * len(completion)
             position[-1] += range(n, n + len(completion))
-    # Padding continues each row's count: transformers 5 reads a position that does not rise by one as the start
-    # of a packed sequence and builds a dense [B, 1, T, T] mask (no flash attention) for rows of unequal length
+    # Padding continues each row's count: transformers 5 reads a position that does not rise by one as
+    # the start of a packed sequence and builds a dense [B, 1, T, T] mask (no flash attention) for rows
+    # of unequal length
     longest = max(1, *map(len, position))
     for p in position:
         start = p[-1] + 1 if p else 0

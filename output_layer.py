@@ -1,14 +1,14 @@
 """The trainer's output layer (async_grpo.py's token_logprobs): the log-probs of the sampled tokens under the
-distribution vLLM sampled them from (sampler_logprobs), computed over chunks of the completions' hidden states by one
-autograd.Function (ChunkedLogprobs) that never keeps a chunk's [tokens, V] logits for backward.
+distribution vLLM sampled them from (sampler_logprobs), computed over chunks of the completions' hidden states
+by one autograd.Function (ChunkedLogprobs) that never keeps a chunk's [tokens, V] logits for backward.
 
-Why a Function of its own: autograd through the head would keep every chunk's logits (~0.6 MB a token at V = 151,936),
-or, with each chunk checkpointed, redo its forward (and its entropy) in backward, cast the head's weight again for
-every chunk and make a dozen fp32 passes over each [tokens, V] chunk. Here the head's weight is cast once a
-micro-batch (to autocast's dtype), a chunk's forward computes its log-sum-exp over the kept tokens, the target's
-log-prob, the mass truncation removed and the entropy, and saves only the hidden states and the log-sum-exp; backward
-recomputes the chunk's logits, takes d log p / d logits = onehot(target) - p over the kept tokens, and accumulates the
-weight's gradient in fp32."""
+Why a Function of its own: autograd through the head would keep every chunk's logits (~0.6 MB a token at V =
+151,936), or, with each chunk checkpointed, redo its forward (and its entropy) in backward, cast the head's
+weight again for every chunk and make a dozen fp32 passes over each [tokens, V] chunk. Here the head's weight
+is cast once a micro-batch (to autocast's dtype), a chunk's forward computes its log-sum-exp over the kept
+tokens, the target's log-prob, the mass truncation removed and the entropy, and saves only the hidden states
+and the log-sum-exp; backward recomputes the chunk's logits, takes d log p / d logits = onehot(target) - p
+over the kept tokens, and accumulates the weight's gradient in fp32."""
 
 import math
 
@@ -36,7 +36,8 @@ def sampler_logprobs(
     boundary. Returns [B, T] log-probs (with gradient), [B, T] the probability mass the truncation removed,
     and [B, T] the entropy of the distribution sampled from (train/entropy)."""
     targets = targets[..., None]
-    scaled, kept = truncated(logits, targets, temperature, top_k, top_p, min_p, stop_masked, stop_ids, served_dtype)
+    settings = dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, stop_ids=stop_ids)
+    scaled, kept = truncated(logits, targets, stop_masked=stop_masked, served_dtype=served_dtype, **settings)
     log_kept = kept.logsumexp(-1)
     removed = torch.zeros_like(log_kept)
     if kept is not scaled:
@@ -49,9 +50,9 @@ def sampler_logprobs(
 
 
 def truncated(logits, targets, temperature, top_k, top_p, min_p, stop_masked, stop_ids, served_dtype):
-    """(scaled, kept): logits [..., V] with the stop ids masked where min_tokens held them back, / temperature; and
-    the same with the tokens truncation cuts at -inf (the one more [..., V] tensor this takes), or `scaled` itself
-    where nothing is truncated. targets: [..., 1], never cut."""
+    """(scaled, kept): logits [..., V] with the stop ids masked where min_tokens held them back, /
+    temperature; and the same with the tokens truncation cuts at -inf (the one more [..., V] tensor this
+    takes), or `scaled` itself where nothing is truncated. targets: [..., 1], never cut."""
     if stop_masked is not None and stop_masked.any():
         is_stop = torch.zeros(logits.shape[-1], dtype=torch.bool, device=logits.device)
         is_stop[list(stop_ids)] = True
@@ -59,8 +60,8 @@ def truncated(logits, targets, temperature, top_k, top_p, min_p, stop_masked, st
     scaled = logits / temperature
     if top_k <= 0 and top_p >= 1 and min_p <= 0:
         return scaled, scaled
-    # Which tokens are kept is a choice, not differentiated; chosen in chunks of rows, so that a sort over a large
-    # vocabulary never holds all of them
+    # Which tokens are kept is a choice, not differentiated; chosen in chunks of rows, so that a sort
+    # over a large vocabulary never holds all of them
     with torch.no_grad():
         flat, cut = logits.detach().flatten(0, -2), []
         for chunk in flat.split(max(1, 2**22 // flat.shape[-1])):
@@ -95,9 +96,9 @@ def kept_threshold(x, top_k=0, top_p=1.0, min_p=0.0):
 
 
 def head_logits(hidden, weight, bias, scale, softcap):
-    """[N, V] fp32 logits as the model's forward makes them: its head (weight already in the compute dtype), then
-    what the forward does after it: Gemma's softcapping, or a scale (Granite's 1 / logits_scaling, Cohere's
-    logit_scale), as token_logprobs measured it."""
+    """[N, V] fp32 logits as the model's forward makes them: its head (weight already in the compute dtype),
+    then what the forward does after it: Gemma's softcapping, or a scale (Granite's 1 / logits_scaling,
+    Cohere's logit_scale), as token_logprobs measured it."""
     logits = (hidden.to(weight.dtype) @ weight.T).float()
     if bias is not None:
         logits = logits + bias.float()
@@ -107,8 +108,8 @@ def head_logits(hidden, weight, bias, scale, softcap):
 
 
 class ChunkedLogprobs(torch.autograd.Function):
-    """hidden [N, width], the head's weight [V, width] and bias ([V] or None) -> sampler_logprobs' three [N] values,
-    `rows` tokens a chunk. Only the log-probs have a gradient."""
+    """hidden [N, width], the head's weight [V, width] and bias ([V] or None) -> sampler_logprobs' three [N]
+    values, `rows` tokens a chunk. Only the log-probs have a gradient."""
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, targets, stop_masked, scale, softcap, sampling, rows):
@@ -121,7 +122,8 @@ class ChunkedLogprobs(torch.autograd.Function):
         with torch.no_grad():
             cast = weight.to(dtype)
             for h, t, stop in zip(hidden.split(rows), targets[:, None].split(rows), stop_masked.split(rows)):
-                scaled, kept = truncated(head_logits(h, cast, bias, scale, softcap), t, stop_masked=stop, **sampling)
+                logits = head_logits(h, cast, bias, scale, softcap)
+                scaled, kept = truncated(logits, t, stop_masked=stop, **sampling)
                 log_kept = kept.logsumexp(-1)
                 removed = torch.zeros_like(log_kept)
                 if kept is not scaled:
@@ -142,9 +144,9 @@ class ChunkedLogprobs(torch.autograd.Function):
         grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
         # fp32 whatever the compute dtype: the sum of every chunk's part
         grad_weight = torch.zeros_like(weight, dtype=torch.float32) if ctx.needs_input_grad[1] else None
-        grad_bias = (
-            torch.zeros_like(bias, dtype=torch.float32) if bias is not None and ctx.needs_input_grad[2] else None
-        )
+        grad_bias = None
+        if bias is not None and ctx.needs_input_grad[2]:
+            grad_bias = torch.zeros_like(bias, dtype=torch.float32)
         cast = weight.to(dtype)
         start = 0
         for h, t, stop in zip(hidden.split(rows), targets[:, None].split(rows), stop_masked.split(rows)):
@@ -152,7 +154,8 @@ class ChunkedLogprobs(torch.autograd.Function):
             grad = grad_logp[start : start + n, None]
             logits = head_logits(h, cast, bias, scale, softcap)
             kept = truncated(logits, t, stop_masked=stop, **sampling)[1]
-            # d log p(target) / d scaled logits: onehot(target) - p over the kept tokens (0 where cut or masked)
+            # d log p(target) / d scaled logits: onehot(target) - p over the kept tokens (0 where cut or
+            # masked)
             g = (kept - log_kept[start : start + n, None]).exp_().mul_(-grad).scatter_add_(-1, t, grad)
             g /= temperature
             # back through what the forward did after its head: d tanh(x / c) c / dx = 1 - (tanh(x / c))^2
@@ -171,9 +174,10 @@ class ChunkedLogprobs(torch.autograd.Function):
 
 
 def chunked_logprobs(hidden, head, targets, stop_masked, scale, softcap, chunk, **sampling):
-    """sampler_logprobs' three [N] values for the hidden states [N, width] through `head` (a Linear), in chunks of
-    ~`chunk` logits (ChunkedLogprobs)."""
+    """sampler_logprobs' three [N] values for the hidden states [N, width] through `head` (a Linear), in
+    chunks of ~`chunk` logits (ChunkedLogprobs)."""
     rows = max(1, chunk // head.out_features)
     sampling = {"temperature": 1.0, "top_k": 0, "top_p": 1.0, "min_p": 0.0, "stop_ids": (), **sampling}
     sampling.setdefault("served_dtype", torch.bfloat16)
-    return ChunkedLogprobs.apply(hidden, head.weight, head.bias, targets, stop_masked, scale, softcap, sampling, rows)
+    weights = (head.weight, head.bias)
+    return ChunkedLogprobs.apply(hidden, *weights, targets, stop_masked, scale, softcap, sampling, rows)

@@ -1930,13 +1930,18 @@ def test_a_worker_waiting_on_a_bucket_stops_when_the_trainer_aborts_the_sync(tmp
     )
     try:
         sync = ag.WeightSync(["http://127.0.0.1:8000"], ag.parse_args(["--output-dir", "unused"]), None, None)
-        sync.group = ag.sync_group(host, port, 0, 2, "gloo", 60, listener)
+        group = ag.sync_group(host, port, 0, 2, "gloo", 60, listener)
+        # gloo's abort closes the peer's connection, which NCCL's does not: the group's own abort waits until the
+        # receiver has answered, so that only the store can have told it
+        aborted = []
+        sync.group = argparse.Namespace(abort=lambda: aborted.append(True))
         sync.store = torch.distributed.TCPStore(host, port, is_master=False, timeout=ag.timedelta(seconds=60))
         sync._abort(ValueError("a server failed"))
         out = receiver.communicate(timeout=60)[0]
+        group.abort()
         assert receiver.returncode == 0, out[-3000:]
         assert "the trainer aborted the sync: a server failed" in out, out[-3000:]
-        assert sync.group is None  # a next sync makes a new one
+        assert aborted and sync.group is None  # a next sync makes a new one
     finally:
         receiver.kill()
 
