@@ -54,6 +54,7 @@ import data as data_module
 import mfu
 from models import decoder_layers, dequantise_gguf, load_policy, load_sharded, with_lora
 from models import logprobs_refused, segments_refused, sharing_refused
+from output_layer import chunked_logprobs, kept_threshold, sampler_logprobs
 import rewards as rewards_module
 import tiny_model
 import tools as tools_module
@@ -1040,9 +1041,14 @@ class WeightSync:
         # NCCL makes a group's communicator at its first collective, blocking until every rank is in it:
         # one element sent here, as the workers join and before vLLM pauses, not in the first bucket's
         first = [("warm-up", torch.zeros(1, device=next(served_weights(model))[1].device), None)]
-        send_weights(self.group, [first], torch.float32, self.args.sync_timeout, joining)
-        for future in joined:
-            future.result(self.args.sync_timeout)
+        try:
+            send_weights(self.group, [first], torch.float32, self.args.sync_timeout, joining)
+            for future in joined:
+                future.result(self.args.sync_timeout)
+        except Exception as e:
+            self._abort(e)
+            servers = ", ".join(self.urls)
+            raise ConnectionError(f"the weight sync group with {servers} failed to start: {e}") from None
 
     def __call__(self, model, include_frozen=False):
         t0 = time.perf_counter()
@@ -1111,14 +1117,17 @@ class WeightSync:
             # the last bucket loads: bounded by the request's own timeout (http)
             return [future.result()["results"] for future in received]
         except Exception as e:
-            # the workers are out of step: the group is aborted (a next sync would make a new one), and
-            # every worker is told through the group's store (arrived): NCCL's abort reaches no other rank,
-            # and a worker left waiting on a broadcast would hold its server until its watchdog ended it
-            with contextlib.suppress(Exception):
-                self.store.set("abort", str(e))
-            self.group.abort()
-            self.group = None
+            self._abort(e)
             raise ConnectionError(f"the weight sync to {', '.join(self.urls)} failed: {e}") from None
+
+    def _abort(self, error):
+        """The workers are out of step: the group is aborted (a next sync makes a new one), and every
+        worker is told through the group's store (arrived): NCCL's abort reaches no other rank, and a
+        worker left waiting on a broadcast would hold its server until its watchdog ended it."""
+        with contextlib.suppress(Exception):
+            self.store.set("abort", str(error))
+        self.group.abort()
+        self.group = None
 
 
 def pack_buckets(model, bucket_bytes, dtype, include_frozen=False, part="merged"):
@@ -2141,6 +2150,13 @@ def collate(samples, pad_id, device, min_tokens=0, share=True, config=None, pack
             ids[-1] += completion
             segment[-1] += [i + 1] * len(completion)
             position[-1] += range(n, n + len(completion))
+    # Padding continues each row's count: transformers 5 reads a position that does not rise by one as
+    # the start of a packed sequence and builds a dense [B, 1, T, T] mask (no flash attention) for rows
+    # of unequal length
+    longest = max(1, *map(len, position))
+    for p in position:
+        start = p[-1] + 1 if p else 0
+        p += range(start, start + longest - len(p))
     position = padded(position, torch.long).to(device)
     # what the model takes
     batch = {"input_ids": padded(ids, torch.long, pad_id), "position_ids": position}
@@ -2195,11 +2211,11 @@ def collate(samples, pad_id, device, min_tokens=0, share=True, config=None, pack
 MODEL_INPUTS = ("input_ids", "position_ids", "attention_mask", "segments")
 
 
-def token_logprobs(model, batch, temperature=1.0, chunk=2**26, **truncation):
+def token_logprobs(model, batch, temperature=1.0, chunk=2**28, **truncation):
     """[B, T] log-probs of the completions as vLLM sampled them, the mass truncation removed and the entropy:
-    the output layer on the completions' hidden states only, in chunks of ~`chunk` logits recomputed in
-    backward (if more than one), which keeps a hidden state per token, not [tokens, V] logits (~2.4 MB a token
-    at V = 151,936)."""
+    the output layer on the completions' hidden states only, in chunks of ~`chunk` logits (output_layer.py:
+    one autograd.Function that keeps a hidden state per token for backward, not [tokens, V] logits, ~0.6 MB a
+    token at V = 151,936)."""
     bare = getattr(model, "module", model)  # DDP's
     head = bare.get_output_embeddings()
     # what the forward hands its head, which then gets a position a row (a new tensor: a view keeps them all)
@@ -2216,28 +2232,25 @@ def token_logprobs(model, batch, temperature=1.0, chunk=2**26, **truncation):
     real = batch["cols"] >= 0  # [B, T]: the completions' tokens, not padding
     # [tokens, width]
     states = hidden[0][batch["rows"].expand_as(real)[real], batch["cols"][real]]
-    rows = max(1, chunk // head.out_features)
-    parts = zip(states.split(rows), batch["targets"][real].split(rows), batch["stop_masked"][real].split(rows))
+    # Gemma's softcapping, which the model's forward applies after its head
     softcap = getattr(bare.config.get_text_config(), "final_logit_softcapping", None)
     # What a forward does to its head's output, as a scale measured on those positions (Granite's 1 /
     # logits_scaling, Cohere's logit_scale, FalconH1's lm_head_multiplier: no list of names). Anything else
     # logprobs_refused refuses.
     scale = (logits.double() * raw[0]).sum() / (raw[0].double() ** 2).sum().clamp_min(1e-300)
-
-    # [N, width] -> sampler_logprobs' [N] values (another comes too)
-    def chunk_logprobs(hidden, targets, stop_masked):
-        # [N, V]
-        logits = head(hidden).float() * (1.0 if softcap else scale.float())
-        if softcap:  # Gemma's, which the model's forward applies after its head
-            logits = torch.tanh(logits / softcap) * softcap
-        return sampler_logprobs(logits, targets, temperature, stop_masked=stop_masked, **truncation)
-
-    forward_chunk = functools.partial(torch.utils.checkpoint.checkpoint, chunk_logprobs, use_reentrant=False)
-    # a single chunk is kept as it is: no second pass in backward
-    if len(states) * head.out_features <= chunk:
-        forward_chunk = chunk_logprobs
-    per_token = [forward_chunk(*part) for part in parts]
-    return [torch.zeros(real.shape, device=real.device).masked_scatter(real, torch.cat(x)) for x in zip(*per_token)]
+    targets = batch["targets"][real]
+    per_token = chunked_logprobs(
+        states,
+        head,
+        targets,
+        batch["stop_masked"][real],
+        scale.float(),
+        softcap,
+        chunk,
+        temperature=temperature,
+        **truncation,
+    )
+    return [torch.zeros(real.shape, device=real.device).masked_scatter(real, x) for x in per_token]
 
 
 def choose_layout(run, model):
@@ -2278,80 +2291,6 @@ def probe_logprobs(model, samples, **layout):
     config = model.config.get_text_config()
     with torch.no_grad():
         return token_logprobs(model, collate(samples, 0, model.device, config=config, **layout))[0]
-
-
-def sampler_logprobs(
-    logits,
-    targets,
-    temperature=1.0,
-    top_k=0,
-    top_p=1.0,
-    min_p=0.0,
-    stop_masked=None,
-    stop_ids=(),
-    served_dtype=torch.bfloat16,
-):
-    """log pi(target) under the distribution vLLM sampled it from, its processed log-probs: logits [B, T, V]
-    with the stop_ids masked where min_tokens held them back (stop_masked, [B, T]), / temperature, then min-p,
-    top-k and top-p, renormalised over the tokens kept. The kept set is chosen on the logits rounded to
-    `served_dtype`, the server's: tokens that tie there tie for vLLM, and top-k keeps every tie (at a top-p
-    boundary vLLM keeps an arbitrary part of a tied group, the trainer all of it). The target is always kept:
-    where the trainer would cut it (a token at the boundary, the two sides' logits differing in the last bits,
-    or a stale one), its log-prob is taken over the kept set and itself: finite, and close to vLLM's at the
-    boundary. Returns [B, T] log-probs (with gradient), [B, T] the probability mass the truncation removed,
-    and [B, T] the entropy of the distribution sampled from (train/entropy)."""
-    targets = targets[..., None]
-    if stop_masked is not None and stop_masked.any():
-        is_stop = torch.zeros(logits.shape[-1], dtype=torch.bool, device=logits.device)
-        is_stop[list(stop_ids)] = True
-        logits = logits.masked_fill(stop_masked[..., None] & is_stop & ~is_stop[targets], -torch.inf)
-    scaled = logits / temperature
-    if top_k > 0 or top_p < 1 or min_p > 0:
-        # Which tokens are kept is a choice, not differentiated; chosen in chunks of rows, so that a sort over
-        # a large vocabulary never holds all of them
-        with torch.no_grad():
-            flat, cut = logits.detach().flatten(0, -2), []
-            for chunk in flat.split(max(1, 2**22 // flat.shape[-1])):
-                rounded = chunk.to(served_dtype).float() / temperature
-                cut.append(rounded < kept_threshold(rounded, top_k, top_p, min_p))
-            cut = torch.cat(cut).view_as(logits).scatter_(-1, targets, False)
-        log_total = scaled.detach().logsumexp(-1)
-        # the one more [B, T, V] tensor this takes
-        scaled = scaled.masked_fill(cut, -torch.inf)
-        log_kept = scaled.logsumexp(-1)
-        removed = 1 - (log_kept.detach() - log_total).exp()
-    else:  # nothing truncated: the log-softmax of the sampled tokens only
-        log_kept = scaled.logsumexp(-1)
-        removed = torch.zeros_like(log_kept)
-    # what backward keeps is unchanged: these [B, T, V] temporaries are freed here
-    with torch.no_grad():
-        # -sum p log p, 0 log 0 = 0
-        entropy = torch.special.entr((scaled - log_kept[..., None]).exp()).sum(-1)
-    return scaled.gather(-1, targets).squeeze(-1) - log_kept, removed, entropy
-
-
-def kept_threshold(x, top_k=0, top_p=1.0, min_p=0.0):
-    """x: [N, V] logits after temperature -> [N, 1]: the smallest logit each row keeps, truncated in vLLM's
-    order."""
-    threshold = torch.full_like(x[:, :1], -torch.inf)
-    # tokens with at least min_p times the top token's probability
-    if min_p > 0:
-        threshold = x.max(-1, keepdim=True).values + math.log(min_p)
-    if 0 < top_k < x.shape[-1]:  # the k largest, ties kept
-        threshold = torch.maximum(threshold, x.topk(top_k, -1).values[:, -1:])
-    # the most likely tokens whose probability mass before them is below top_p
-    if top_p < 1:
-        x = x.masked_fill(x < threshold, -torch.inf)
-        log_total = x.logsumexp(-1, keepdim=True)
-        # the nucleus is usually small: a full sort only if it is not
-        for k in (min(1024, x.shape[-1]), x.shape[-1]):
-            top = x.topk(k, -1).values  # [N, k], descending
-            probs = (top - log_total).exp()
-            kept = ((probs.cumsum(-1) - probs) < top_p).sum(-1, keepdim=True)
-            if (kept < k).all() or k == x.shape[-1]:
-                break
-        threshold = torch.maximum(threshold, top.gather(-1, kept - 1))
-    return threshold
 
 
 # --- Machinery: arguments, checked before anything loads (the device plan: vllm_server.py) --------

@@ -1010,7 +1010,7 @@ def learn(args, output):
 
 
 # The training step of the real-model recipe, in process (no server): where its time goes, and the levers
-STEP_PHASES = ("collate", "forward", "head and gather", "sampler_logprobs", "loss", "backward", "clip_grad_norm")
+STEP_PHASES = ("collate", "forward", "gather", "output layer", "loss", "backward", "clip_grad_norm")
 STEP_PHASES += ("optimizer.step", "zero_grad", "other (train_step)")
 # Each variant of the step: AdamW fused or not (on CPU, unfused is a loop over the tensors: torch picks foreach only on
 # GPUs), under bf16 autocast or in fp32, and --micro-batch-size (None: the recipe's). The run's: fused, fp32.
@@ -1129,7 +1129,7 @@ def step_phases(run, optimizer, seconds):
 
     patch(ag, "collate", "collate")
     patch(ag, "token_logprobs", "token_logprobs")
-    patch(ag, "sampler_logprobs", "sampler_logprobs")
+    patch(ag, "chunked_logprobs", "output layer")
     patch(ag, "grpo_loss", "loss")
     patch(torch.Tensor, "backward", "backward")
     patch(torch.nn.utils, "clip_grad_norm_", "clip_grad_norm")
@@ -1196,11 +1196,10 @@ def profiled_step(run, samples, optimizer, bf16=False, micro_batch_size=None):
             seconds["step"] = [time.process_time() - cpu, time.perf_counter() - wall]
     finally:
         torch.autocast = real_autocast
-    # token_logprobs holds the forward and the sampler's work: what is left of it is the output layer and the gather
+    # token_logprobs holds the forward and the output layer's (its backward: in backward's): what is left is the
+    # gather of the completions' hidden states
     logprobs = seconds.pop("token_logprobs")
-    seconds["head and gather"] = [
-        t - f - s for t, f, s in zip(logprobs, seconds["forward"], seconds["sampler_logprobs"])
-    ]
+    seconds["gather"] = [t - f - s for t, f, s in zip(logprobs, seconds["forward"], seconds["output layer"])]
     seconds["other (train_step)"] = [
         total - sum(v[i] for k, v in seconds.items() if k not in ("step",)) for i, total in enumerate(seconds["step"])
     ]

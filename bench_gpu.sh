@@ -4,9 +4,14 @@
 #      a server skip or fail, and say so in tests.log);
 #   2. bench.py --trainer at Qwen3's 0.6B, 1.7B and 4B widths, 8k to 32k tokens a sequence, unshared and packed:
 #      seconds, tokens/s and MFU a step, and the allocator's peak against memory_share's count (trainer_bytes);
-#   3. one JSON of it all, gpu.json, with the device, torch's version and each part's exit status.
+#   3. gpu_levers.py (about 6 minutes on one H100, bounded by LEVERS_SECONDS, default 360): attention kernels at 16k,
+#      the 1.7B 4 x (1,024 + 15,360) step with each lever of issue 60 stacked, the varied-length batch's layouts;
+#      levers.json and levers.log;
+#   4. one JSON of it all, gpu.json, with the device, torch's version and each part's exit status.
 # Run from the repository's root:  bash bench_gpu.sh   (OUT: where the files go, default ./gpu_out; PYTHON: the
-# interpreter, default python3; SHAPES: "name group prompt new" lines to replace the default ones; TESTS=0 skips 1).
+# interpreter, default python3; SHAPES: "name group prompt new" lines to replace the default ones; TESTS=0 skips 1,
+# LEVERS=0 skips 3). Within one device call of 540 s: TESTS=0 SHAPES="qwen3-0.6b 8 1024 7168" bash bench_gpu.sh
+# (levers <= 360 s, the shape <= 150 s); the tests and the other shapes in a second call with LEVERS=0.
 # A shape that runs out of memory or time is recorded as such and the next one runs.
 set -u
 out=${OUT:-gpu_out}
@@ -48,6 +53,12 @@ if [ "${TESTS:-1}" != 0 ]; then
     tests_rc=$?
 fi
 
+levers_rc=skipped
+if [ "${LEVERS:-1}" != 0 ]; then
+    timeout "${LEVERS_SECONDS:-360}" "$python" gpu_levers.py --output "$out/levers.json" >"$out/levers.log" 2>&1
+    levers_rc=$?
+fi
+
 : >"$out/bench.log"
 i=0
 while read -r name group prompt new; do
@@ -61,11 +72,11 @@ while read -r name group prompt new; do
     echo "$?" >"$work/trainer$i.rc"
 done <<<"$shapes"
 
-"$python" - "$out" "$work" "$tests_rc" <<'EOF'
+"$python" - "$out" "$work" "$tests_rc" "$levers_rc" <<'EOF'
 import glob, json, os, re, sys
 import torch
 
-out, work, tests_rc = sys.argv[1:]
+out, work, tests_rc, levers_rc = sys.argv[1:]
 log = open(os.path.join(out, "tests.log")).read() if os.path.exists(os.path.join(out, "tests.log")) else ""
 summary = re.findall(r"^=+ (.*) =+$|^(\d+ (?:passed|failed).*)$", log, re.M)
 result = {
@@ -73,6 +84,7 @@ result = {
     "torch": torch.__version__,
     "tests": {"exit": tests_rc, "summary": [a or b for a, b in summary][-1:], "failed": re.findall(r"^FAILED (\S+)", log, re.M)},
     "trainer": [],
+    "levers": {"exit": levers_rc, "file": "levers.json"},
 }
 for path in sorted(glob.glob(os.path.join(work, "trainer*.json")), key=lambda p: int(re.findall(r"\d+", p)[-1])):
     r = json.load(open(path))

@@ -1935,44 +1935,57 @@ import os, sys, torch, torch.distributed as dist
 from datetime import timedelta
 import vllm_server
 host, port = sys.argv[1], int(sys.argv[2])
-group = vllm_server.sync_group(host, port, 1, 2, "gloo", 60)
-store = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=60))
-work = group.broadcast(torch.empty(1000), 0)  # a bucket that never comes
+worker = type("Worker", (), {"rank": 0, "device": torch.device("cpu")})()
 try:
-    vllm_server.arrived(work, store)
+    if sys.argv[3] == "warm-up":  # the worker's join, whose first broadcast (the warm-up) never comes
+        vllm_server.WeightSyncExtension.init_weight_sync(worker, host, port, 2, 60, "gloo")
+    else:
+        worker.weight_sync_group = vllm_server.sync_group(host, port, 1, 2, "gloo", 60)
+        store = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=60))
+        work = worker.weight_sync_group.broadcast(torch.empty(1000), 0)  # a bucket that never comes
+        vllm_server.arrived(work, store)
     print("the broadcast arrived", flush=True)
 except ConnectionError as e:
     print(e, flush=True)
-    group.abort()  # as the worker does (receive_weights)
+    worker.weight_sync_group.abort()  # as the worker does (receive_weights)
 # as a vLLM worker, which lives on: the interpreter's teardown would wait on the broadcast still posted
 os._exit(0)
 """
 
 
-def test_a_worker_waiting_on_a_bucket_stops_when_the_trainer_aborts_the_sync(tmp_path):
+@pytest.mark.parametrize("wait", ["bucket", "warm-up"])
+def test_a_worker_waiting_on_a_bucket_stops_when_the_trainer_aborts_the_sync(tmp_path, wait):
     """After a failed sync the trainer's abort reaches no other rank under NCCL: a worker of another server stayed in its
     broadcast until NCCL's watchdog ended it. A worker waits through arrived(), which also reads the group's store:
-    here a receiver (torch alone, no vLLM) waits on a bucket the trainer never sends, over a group that stays up (gloo
-    would otherwise report a closed peer, as NCCL does not); the trainer sets the abort key as WeightSync does after
-    a failure, and the receiver's wait ends with the trainer's reason, long before the group's own bound (120 s)."""
+    here a receiver (torch alone, no vLLM) waits on a bucket the trainer never sends, or in its join
+    (WeightSyncExtension.init_weight_sync) on the warm-up broadcast, over a group that stays up (gloo would otherwise
+    report a closed peer, as NCCL does not); the trainer aborts as WeightSync does after a failed sync or warm-up
+    (_abort: the store's abort key, the group aborted), and the receiver's wait ends with the trainer's reason, long
+    before the group's own bound (120 s)."""
     (tmp_path / "receiver.py").write_text(ABORTED_RECEIVER)
     host, listener = ag.sync_endpoint(["http://127.0.0.1:8000"])
     port = listener.getsockname()[1]
     receiver = subprocess.Popen(
-        [sys.executable, str(tmp_path / "receiver.py"), host, str(port)],
+        [sys.executable, str(tmp_path / "receiver.py"), host, str(port), wait],
         env=dict(os.environ, PYTHONPATH=str(HERE)),
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
     )
     try:
+        sync = ag.WeightSync(["http://127.0.0.1:8000"], ag.parse_args(["--output-dir", "unused"]), None, None)
         group = ag.sync_group(host, port, 0, 2, "gloo", 60, listener)
-        store = torch.distributed.TCPStore(host, port, is_master=False, timeout=ag.timedelta(seconds=60))
-        store.set("abort", "a server failed")
+        # gloo's abort closes the peer's connection, which NCCL's does not: the group's own abort waits until the
+        # receiver has answered, so that only the store can have told it
+        aborted = []
+        sync.group = argparse.Namespace(abort=lambda: aborted.append(True))
+        sync.store = torch.distributed.TCPStore(host, port, is_master=False, timeout=ag.timedelta(seconds=60))
+        sync._abort(ValueError("a server failed"))
         out = receiver.communicate(timeout=60)[0]
+        group.abort()
         assert receiver.returncode == 0, out[-3000:]
         assert "the trainer aborted the sync: a server failed" in out, out[-3000:]
-        group.abort()
+        assert aborted and sync.group is None  # a next sync makes a new one
     finally:
         receiver.kill()
 
@@ -7927,6 +7940,38 @@ def test_packed_micro_batches_build_no_dense_mask_in_forward_or_backward(family)
 
 
 @pytest.mark.parametrize("family", ["qwen3", "mistral", "qwen2", "gemma3"])
+def test_rows_of_unequal_length_build_no_mask_a_row_and_give_each_sequences_log_probs(family):
+    """Rows of their own (--no-share-prefix, the reference's) are padded to the longest: with the padding at position 0,
+    transformers 5 read the drop as the start of a packed sequence and built a [B, 1, T, T] mask in every layer (SDPA
+    then loses flash attention on a GPU). The padding continues the count: no op of collate, the forward or the backward
+    makes a [rows, 1, T, T] tensor (a window model's own [1, 1, T, T] window mask is the model's), and each row's
+    log-probs and gradient are its sequence's alone."""
+    model = small_model(family, window=4 if family != "qwen3" else None)
+    model.gradient_checkpointing_enable()
+    samples = [
+        {"ids": p + c, "n_prompt": len(p), "mask": [1] * len(c), "logprobs": [0.0] * len(c), "advantage": 1.0}
+        for p, c in [([1, 2, 3, 4, 5], list(range(6, 30))), ([1, 2, 3], [31, 32, 33]), ([7, 8], [9, 10, 11, 12])]
+    ]
+    weights = torch.randn(3, 24, generator=torch.Generator().manual_seed(0))
+    tokens = ag.collate(samples, 0, "cpu", config=model.config, share=False)["input_ids"].shape[1]
+    with SquareTensors(tokens) as square:
+        batch = ag.collate(samples, 0, "cpu", config=model.config, share=False)
+        logp = ag.token_logprobs(model, batch)[0]
+        together = gradient(model, logp * weights, 1)
+    assert batch["position_ids"].tolist() == [list(range(tokens))] * 3
+    # the control: rows of equal length, whose positions always rose by one (a window model's mask, expanded to rows)
+    with SquareTensors(tokens) as equal:
+        gradient(model, ag.token_logprobs(model, ag.collate(samples[:1] * 3, 0, "cpu", share=False))[0], 1)
+    assert square.shapes == equal.shapes and bool(equal.shapes) == (family != "qwen3"), square.shapes
+    alone = torch.zeros(3, 24)
+    for i, s in enumerate(samples):
+        single = ag.collate([s], 0, "cpu", config=model.config, share=False)
+        alone[i, : len(s["mask"])] = ag.token_logprobs(model, single)[0][0]
+    torch.testing.assert_close(logp * (batch["cols"] >= 0), alone, rtol=0, atol=1e-5)
+    torch.testing.assert_close(together, gradient(model, alone * weights, 1), rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("family", ["qwen3", "mistral", "qwen2", "gemma3"])
 def test_mfu_counts_the_models_own_weights_and_the_pairs_its_mask_attends(family):
     """mfu.py against the model itself: the multiply-adds a token makes in the decoder layers' and the output layer's
     weights are the numbers of those Linear weights; the pairs counted for a shared group are the entries collate's
@@ -8010,6 +8055,11 @@ def test_mfu_over_the_peak_of_a_data_sheet_or_a_matmul_measured_once():
     step = mfu.step_flops(config, samples)[0]
     assert got == {"perf/tokens_per_second": 39 / 2.0, "perf/mfu": step / (2.0 * 2 * flops), "perf/peak_flops": flops}
     assert [name for name, _ in mfu.PEAKS].index("H100 PCIe") < [name for name, _ in mfu.PEAKS].index("H100")
+    # a name's first match: the H200 NVL (a lower clock) is not the SXM card
+    first = {
+        name: next(flops for part, flops in mfu.PEAKS if part in name) for name in ("NVIDIA H200 NVL", "NVIDIA H200")
+    }
+    assert first == {"NVIDIA H200 NVL": 835e12, "NVIDIA H200": 989.4e12}
 
 
 def saved_by_backward(fn, model):
@@ -8239,6 +8289,46 @@ def test_bench_trainer_alone_runs_without_vllm_and_its_layouts_train_alike(tmp_p
     assert "trainer alone" in proc.stdout and "collate's host seconds" in proc.stdout
 
 
+def test_gpu_levers_dry_run_records_every_line_and_the_exact_levers_keep_the_loss(tmp_path):
+    """gpu_levers.py --tiny on the CPU (the device check of issue 60, before a GPU is lent): every line is in the JSON
+    (the CUDA attention kernels as errors here: recorded, and the next line runs); the output layer before issue 60, the
+    fused one, compiled layers and the checkpointing variants give the same loss in fp32 (bf16 weights: near it); rows
+    with the padding at position 0 or continued, and packed, the same loss on the varied batch."""
+    output = tmp_path / "levers.json"
+    proc = subprocess.run(
+        [sys.executable, str(HERE / "gpu_levers.py"), "--tiny", "--output", str(output)],
+        cwd=HERE,
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    r = json.loads(output.read_text())
+    lines = {line["name"]: line for line in r["lines"]}
+    assert [n for n in lines if n.startswith("attention")] == [
+        "attention cudnn",
+        "attention flash",
+        "attention varlen",
+    ]
+    levers = [lines[name] for name in gpu_levers_names()]
+    assert all("seconds" in line and line["mfu"] > 0 for line in levers), levers
+    # stacked: from the bf16 policy on, every variant computes in bf16
+    bf16 = gpu_levers_names().index("bf16 MixedPrecisionPolicy")
+    for i, line in enumerate(levers):
+        assert line["loss"] == pytest.approx(levers[0]["loss"], rel=1e-5 if i < bf16 else 2e-2), line
+    assert levers[1]["largest_logprob_difference"] < 1e-5 and levers[2]["largest_logprob_difference"] < 1e-4
+    varied = [lines[n] for n in ("rows, padding at position 0", "rows, positions continued", "packed")]
+    assert all(line["loss"] == pytest.approx(varied[0]["loss"], rel=1e-5) for line in varied), varied
+    assert varied[2]["tokens"] < varied[1]["tokens"] and set(lines["cost model constants"]) > {"packed"}
+
+
+def gpu_levers_names():
+    import gpu_levers
+
+    return gpu_levers.LEVERS
+
+
 # ------------------------------------------------------------------------------------------------
 # The architecture conformance matrix: every trainer path of each family against the model's own logits
 # ------------------------------------------------------------------------------------------------
@@ -8267,15 +8357,19 @@ def gradient(model, logp, weights):
     return torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).flatten() for p in model.parameters()])
 
 
-def own_logprobs(model, samples, weights, **truncation):
+def own_logprobs(model, samples, weights, min_tokens=0, **truncation):
     """[samples, longest] log-probs from the model's own forward(...).logits, a sequence at a time (log_softmax, or the
-    sampler's truncation of those logits), and their gradient under `weights`."""
+    sampler's truncation of those logits, the stop ids masked in the first min_tokens), and their gradient under
+    `weights`."""
     out = torch.zeros(weights.shape)
     for i, s in enumerate(samples):
         n, targets = s["n_prompt"], torch.tensor(s["ids"][s["n_prompt"] :], dtype=torch.long)
         logits = model(input_ids=torch.tensor([s["ids"]])).logits[0, n - 1 : -1].float()
         if truncation:
-            logp = ag.sampler_logprobs(logits, targets, served_dtype=torch.float32, **truncation)[0]
+            stop_masked = torch.arange(len(targets)) < min_tokens
+            logp = ag.sampler_logprobs(
+                logits, targets, served_dtype=torch.float32, stop_masked=stop_masked, **truncation
+            )[0]
         else:
             logp = logits.log_softmax(-1).gather(-1, targets[:, None])[:, 0]
         out = out.index_put((torch.tensor([i]), torch.arange(len(targets))), logp)
@@ -8287,25 +8381,36 @@ def test_every_trainer_path_of_each_architecture_is_its_own_logits(name):
     """A tiny random checkpoint of each architecture, its family's quirks on (tiny.ARCHITECTURES: softcapping, sliding
     windows, attention sinks, logit scaling, tied embeddings, MoE routing, QK norms, partial rotary): rows of their own,
     shared rows with a mask, packed segments (segment_attention's SDPA loop over the metadata CUDA's kernel gets), the
-    output layer in many chunks, and top-k/top-p truncation, each equal to the log-softmax of the model's own logits
-    (truncated alike) at fp32 rounding, values and gradients of every weight. The start-up probes pass it."""
+    output layer in one chunk and in many (output_layer.py's ChunkedLogprobs and its own backward), and every setting
+    of the sampler (temperature, min-p, top-k, top-p, the stop ids held back for min_tokens), each equal to the
+    log-softmax of the model's own logits (truncated alike) at fp32 rounding, values and gradients of every weight. The
+    start-up probes pass it."""
     model = tiny.tiny_architecture(name)
     samples = matrix_samples()
     weights = torch.randn(len(samples), 11, generator=torch.Generator().manual_seed(1))
     assert ag.logprobs_refused(model, ag.probe_logprobs) is None
     refused = ag.sharing_refused(model, ag.probe_logprobs)  # then a run forwards every sequence in a row of its own
     assert (refused is None) == (name not in SHARING_REFUSED), refused
-    expected = {key: own_logprobs(model, samples, weights, **t) for key, t in [("full", {}), ("cut", TRUNCATION)]}
     vocab = model.config.vocab_size
+    # every setting sampler_logprobs takes: temperature, min-p, top-k, top-p, stop ids held back for min_tokens
+    stops = dict(min_tokens=4)
     paths = [
         ("rows", dict(share=False), {}, {}),
         ("mask", dict(share=True, config=model.config), {}, {}),
         ("chunked", dict(share=False), dict(chunk=3 * vocab), {}),
         ("rows top-k/top-p", dict(share=False), {}, TRUNCATION),
         ("mask top-k/top-p", dict(share=True, config=model.config), {}, TRUNCATION),
+        ("rows temperature min-p stops", dict(share=False, **stops), dict(chunk=3 * vocab), SAMPLER),
+        ("mask every setting", dict(share=True, config=model.config, **stops), {}, SAMPLER | TRUNCATION),
         ("packed", dict(packed=True), {}, {}),
         ("packed top-k/top-p", dict(packed=True), dict(chunk=3 * vocab), TRUNCATION),
+        ("packed every setting", dict(packed=True, **stops), dict(chunk=5 * vocab), SAMPLER | TRUNCATION),
     ]
+    expected = {}
+    for _, layout, _, truncation in paths:
+        key = (layout.get("min_tokens", 0), *sorted(truncation.items()))
+        if key not in expected:
+            expected[key] = own_logprobs(model, samples, weights, layout.get("min_tokens", 0), **truncation)
     checked = []
     if refused:
         paths = [p for p in paths if p[1].get("share") is False]
@@ -8319,17 +8424,19 @@ def test_every_trainer_path_of_each_architecture_is_its_own_logits(name):
         batch = ag.collate(samples, 0, "cpu", **layout)
         assert ("segments" in batch) == bool(layout.get("packed"))
         logp = ag.token_logprobs(model, batch, served_dtype=torch.float32, **options, **truncation)[0]
-        values, grad = expected["cut" if truncation else "full"]
+        values, grad = expected[(layout.get("min_tokens", 0), *sorted(truncation.items()))]
         real = batch["mask"]  # an empty completion has a column of padding
         torch.testing.assert_close(logp * real, values, rtol=0, atol=2e-5 * max(1.0, values.abs().max().item()))
         torch.testing.assert_close(
             gradient(model, logp * real, weights), grad, rtol=0, atol=2e-5 * grad.abs().max().item()
         )
         checked.append(path)
-    assert grad.abs().max() > 0 and len(checked) == len(paths) - 2 * (name in PACKED_REFUSED)
+    assert grad.abs().max() > 0 and len(checked) == len(paths) - 3 * (name in PACKED_REFUSED)
 
 
 TRUNCATION = {"top_k": 40, "top_p": 0.9}
+# a third of the vocabulary are stop ids (targets among them), masked in each completion's first min_tokens
+SAMPLER = {"temperature": 0.7, "min_p": 0.05, "stop_ids": tuple(range(3, 170))}
 # what segments_refused says where it keeps the model's own attention: Gemma 2's attention softcapping is not in
 # segment_attention (nor in the varlen kernel); StableLM's layers do not hand their attention the segments
 PACKED_REFUSED = {

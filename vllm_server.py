@@ -710,7 +710,8 @@ class WeightSyncExtension:
         self.weight_sync_group = sync_group(host, port, first_rank + self.rank, world_size, backend, timeout=timeout)
         self.weight_sync_store = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout))
         # the trainer's first broadcast, one element: NCCL makes its communicator now, not in the first bucket's
-        self.weight_sync_group.broadcast(torch.empty(1, device=self.device), 0).wait()
+        # (through arrived: a trainer whose warm-up fails aborts it, which NCCL's wait would not see)
+        arrived(self.weight_sync_group.broadcast(torch.empty(1, device=self.device), 0), self.weight_sync_store)
 
     def served_config(self):
         """(dtype, log-probs mode, device, pipeline stages, whether it takes seeded requests): the weights travel in the
