@@ -22,10 +22,10 @@ SERVED_ADAPTER = "policy-adapter"
 ADAPTER_DIR = "ASYNC_GRPO_ADAPTER_DIR"
 # the ranks vLLM takes for --max-lora-rank (vllm/config/lora.py, MaxLoRARanks)
 LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
-# Measured: the default run's "vLLM is up after N s" from an empty home directory (vLLM compiles the model into
-# ~/.cache/vllm the first time): ~50 s on 2 idle cores (issue 54's run), 406 s on 2 cores under a load of 27-44 (its
-# fix's run, half of it in "Warming up model for the compilation")
-CPU_START_SECONDS = 50
+# Measured: the default run's "vLLM is up after N s" from a fresh clone and an empty home directory, its server eager
+# (issue 63): 65, 67 and 74 s on 2 cores that other jobs' light work shared (a load of 2-4); compiled, as before, 133 s
+# there, half of it "Warming up model for the compilation", and 406 s under a load of 27-44 (issue 54)
+CPU_START_SECONDS = 70
 
 
 def vllm_flag(args, *names):
@@ -240,7 +240,7 @@ def start_vllm(args, model_path, out_dir):
             print(f"starting vLLM (pid {proc.pid}, log {log_path}): {shlex.join(cmd)}", flush=True)
         if plan["cpu_server"]:
             print(
-                f"a CPU server takes a while to start (the built-in model's: {CPU_START_SECONDS} s on 2 idle cores "
+                f"a CPU server takes a while to start (the built-in model's: ~{CPU_START_SECONDS} s on 2 cores "
                 "from an empty home directory, minutes on busy ones); progress every 10 s",
                 flush=True,
             )
