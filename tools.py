@@ -342,6 +342,9 @@ def opening():
     return OPENING[loop]
 
 
+LISTING_SECONDS = 20.0  # what listing an MCP server's tools at start may take, with its start
+
+
 def mcp_environment(server, log=None, timeout=10.0):
     """The environment class of `--mcp server`: a method per tool the server lists now, its schema the server's;
     `timeout`: the seconds a request may take."""
@@ -362,7 +365,16 @@ def mcp_environment(server, log=None, timeout=10.0):
     async def listed():
         probe = cls()
         try:
-            await probe.reset()
+            # one server, started alone (16 at once took 12.6 s on 2 cores): a bound of its own, not a session's two
+            # tries of start_timeout
+            try:
+                async with asyncio.timeout(max(timeout, LISTING_SECONDS)):
+                    await probe.reset()
+            except TimeoutError:
+                probe.session.cancel()  # its handshake would wait out start_timeout
+                raise TimeoutError(
+                    f"no session in {max(timeout, LISTING_SECONDS):.0f} s, its start included"
+                ) from None
             page = await probe.client.list_tools()
             tools = list(page.tools)
             for _ in range(100):  # pages, a bound that a server paging forever cannot pass
