@@ -1511,9 +1511,11 @@ def start_generation(run):
         # adapter: and the adapter (B = 0, or --resume's) is loaded before the first request names it
         if args.vllm_url or args.lora_sync == "adapter":
             run.sync(run.policy, include_frozen=bool(args.vllm_url))
-        # every server's log-probs against the trainer's, now and at the first sync of moved weights (under --fsdp
-        # the trainer's forward takes every rank: unchecked)
-        run.sync.check = None if args.fsdp else weights_arrive(urls, args, run, collate, token_logprobs)
+        # every server's log-probs against the trainer's, now and at the first sync of moved weights. Unchecked:
+        # under --fsdp (the trainer's forward takes every rank) and --lora-sync adapter (vLLM 0.32's CPU LoRA
+        # kernel fails on prompt log-probs, and its engine dies)
+        unchecked = args.fsdp or args.lora_sync == "adapter"
+        run.sync.check = None if unchecked else weights_arrive(urls, args, run, collate, token_logprobs)
         # the servers hold the weights of the step the run starts at: those of the last finished sync, or
         # newer where a sync failed mid-way (a count saved with them would lag, and the staleness gate would
         # wait forever on --resume)
