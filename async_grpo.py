@@ -23,12 +23,13 @@ than --max-staleness versions old when trained (0: synchronous, --sync).
 The file reads in the order a reader needs it: the algorithm first (the rollout and its tool loop; rewards and
 group-relative advantages; the producer and its staleness gate; the loss; the training step; the weight sync),
 then the run's phases (main, and what it calls in the order it calls them), then the machinery that supports
-both, in sections named as such (batches and log-probs, arguments, environments at work, models' probes,
-chat templates, tool-call parsing). Beside it: tools.py (tools, environments, running
-them), rewards.py (rewards, built-in tasks), data.py (the rows: a built-in task or --dataset), models.py
-(loading the policy, packed attention), tiny_model.py (the built-in model), vllm_server.py (the vLLM servers, the device plan,
-the sync group and its receiving end in each worker), sandbox.py (the interpreter's sandbox), mfu.py (a
-step's FLOPs). `# FORK:` marks where a forker edits (README.md lists them)."""
+both, in sections named as such (batches and log-probs, arguments, environments at work, chat templates,
+tool-call parsing). Beside it: tools.py (tools, environments, running them), rewards.py (rewards, built-in
+tasks), data.py (the rows: a built-in task or --dataset), models.py (loading the policy, the start-up probes,
+packed attention), output_layer.py (the output layer's log-probs in chunks), tiny_model.py (the built-in
+model), vllm_server.py (the vLLM servers, the device plan, the sync group and its receiving end in each
+worker), sandbox.py (the interpreter's sandbox), mfu.py (a step's FLOPs).
+`# FORK:` marks where a forker edits (README.md lists them)."""
 
 import argparse, asyncio, contextlib, dataclasses, functools, inspect, itertools, json, math, os, queue, random
 import re, shutil, signal, sys, threading, time, traceback
@@ -2046,7 +2047,7 @@ def _stop_after_step(stop, signum, frame):
     stop.append(signum)
 
 
-# --- Machinery: batches and log-probs: collate's rows, the output layer in chunks, vLLM's truncation ---
+# --- Machinery: batches and log-probs: collate's rows, the output layer in chunks, the layout probed at start ---
 
 
 def micro_batches(samples, size, count=1, share=True, tokens=math.inf, width=None, packed=False):
