@@ -648,11 +648,12 @@ def weights_arrive(urls, args, run, collate, token_logprobs):
         }
 
     rounding = gaps()
-    wrong = {url: gap for url, gap in rounding.items() if not gap <= 8 * eps}
+    # 64 eps: SmolLM2-135M's bf16 server measured 0.078 (10 eps) on the same weights; another model differs by nats
+    wrong = {url: gap for url, gap in rounding.items() if not gap <= 64 * eps}
     if wrong:  # a --vllm-url server that holds other weights after the whole sync, or a server of another model
         raise NotArrived(
             f"{model_type}: the log-probs of {', '.join(wrong)} differ from the trainer's on the same weights by "
-            f"{max(wrong.values()):.3g} (mean, over {8 * eps:.3g}, 8 of {dtype}'s eps): the server does not compute "
+            f"{max(wrong.values()):.3g} (mean, over {64 * eps:.3g}, 64 of {dtype}'s eps): the server does not compute "
             "the trainer's model"
         )
 
