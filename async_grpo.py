@@ -1085,9 +1085,13 @@ class WeightSync:
                 # each server's first worker wrote it; the folder is on that server's host
                 for url, workers in zip(self.urls, answers):
                     load_adapter(url, workers[0], self.args.sync_timeout)
-        finally:
-            # also after a failure: --vllm-url servers outlive the run, and a paused one serves no one
-            self._all("resume")
+        except BaseException:
+            # also after a failure: --vllm-url servers outlive the run, and a paused one serves no one; a server
+            # that died answers no resume, and the failure is what the run reports
+            with contextlib.suppress(Exception):
+                self._all("resume")
+            raise
+        self._all("resume")
         self.version.value += 1
         if self.check:  # the first sync of moved weights: do the servers now sample from them?
             self.check = self.check()
