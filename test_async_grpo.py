@@ -6279,7 +6279,7 @@ print(socket.if_nameindex())""",
 import os
 for path in {[str(p) for p in readable]}:
     try:
-        print("read", path, len(open(path).read()) if os.path.isfile(path) else os.listdir(path))
+        print("read", path, len(open(path).read()) if os.path.isfile(path) else len(os.listdir(path)))
     except OSError as e:
         print("no", path, type(e).__name__)
 try:
