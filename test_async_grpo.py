@@ -1100,7 +1100,10 @@ def test_fsdp_ranks_hold_a_shard_of_the_bf16_weights_not_a_copy_of_all_and_the_r
     for rank in range(2):
         got = json.loads((tmp_path / f"out.rank{rank}.json").read_text())
         print(cache, rank, got)
-        assert got["casts"] > 0 and got["stepped"] and math.isfinite(got["loss"]) and got["reference_sharded"], got
+        assert got["casts"] > 0, got
+        assert got["stepped"], got
+        assert math.isfinite(got["loss"]), got
+        assert got["reference_sharded"], got
         share = 2 * got["params"] / 2
         assert (got["peak"] <= share) == (cache == "no_cache"), (got["peak"], share)
         # the control: nearly all of them
@@ -1767,7 +1770,8 @@ def test_cispo_weighs_log_pi_by_the_clipped_ratio_without_its_gradient():
     # ratios e^0.5 -> clipped 1.28, 1.0 (A = +1); e^-0.7 = 0.4966 -> clipped 0.8, 1.0, 1.0 (A = -2)
     clipped = [[1.28, 1.0], [0.8, 1.0, 1.0]]
     expected = -(1.28 * 1 * -1.0 + 1.0 * 1 * -0.5 + 0.8 * -2 * -1.0 + 1.0 * -2 * -3.0 + 1.0 * -2 * -0.1) / 5
-    assert loss.item() == pytest.approx(expected, abs=1e-5) and stats["train/clip_fraction"] == pytest.approx(2 / 5)
+    assert loss.item() == pytest.approx(expected, abs=1e-5)
+    assert stats["train/clip_fraction"] == pytest.approx(2 / 5)
     loss.backward()
     grad = [[-c * 1.0 / 5 for c in clipped[0]] + [0.0], [-c * -2.0 / 5 for c in clipped[1]]]
     assert torch.allclose(logp.grad, torch.tensor(grad), atol=1e-6)
@@ -2050,7 +2054,8 @@ def test_audit_mode_shows_a_bf16_level_mismatch_and_changes_nothing(server, tiny
     bound = 8 * np.mean(rounding**2) / 2
     print(f"mismatch KL bound, 8x the trainer's own bf16 rounding: {bound:.2e}")
     for m in read_metrics(tmp_path):
-        assert 0 < m["is/mismatch_kl"] < bound and abs(m["is/ratio_mean"] - 1) < 4 * rounding.mean(), (m, bound)
+        assert 0 < m["is/mismatch_kl"] < bound, (m, bound)
+        assert abs(m["is/ratio_mean"] - 1) < 4 * rounding.mean(), (m, bound)
         # the tails: rare tokens, where bf16 rounding weighs most
         assert m["is/ratio_min"] < 1 < m["is/ratio_max"]
         assert (m["is/truncated_mass"] > 0) == bool(truncation)  # exactly 0 without truncation
@@ -2256,9 +2261,8 @@ def test_a_full_tool_pool_refuses_a_call_at_once_and_counts_it(monkeypatch):
         print(f"{held} calls held the tool threads; the next: {text!r} after {seconds * 1e3:.1f} ms")
         assert 0 < held <= 64 and not ok and "not run: every tool thread is held" in text
         refused = tools.TOOLS_REFUSED[0]
-        assert (
-            asyncio.run(ag.call_tool(call, schemas, timeout=0.05))[0] == text and tools.TOOLS_REFUSED[0] == refused + 1
-        )
+        assert asyncio.run(ag.call_tool(call, schemas, timeout=0.05))[0] == text
+        assert tools.TOOLS_REFUSED[0] == refused + 1
     finally:
         release.set()
     monkeypatch.setitem(tools.TOOLS, "calculator", tools.calculator)
@@ -2290,7 +2294,8 @@ def test_our_timeouts_name_their_bound_and_a_tools_own_timeout_error_is_its_erro
 
     env = Remote()
     fetched = asyncio.run(tools.call_function(env.fetch, {}, "fetch", 5))
-    assert fetched == ("Error: TimeoutError: the socket timed out after 0.0 s", False) and id(env) not in tools.HUNG
+    assert fetched == ("Error: TimeoutError: the socket timed out after 0.0 s", False)
+    assert id(env) not in tools.HUNG
     waited = asyncio.run(tools.call_function(env.wait, {}, "wait", 0.2))
     assert waited == ("Error: wait timed out after 0.2 s", False) and id(env) in tools.HUNG
     with pytest.raises(tools.TimedOut, match=r"^Remote.reset took more than 0.2 s$"):
@@ -3047,7 +3052,8 @@ def test_malformed_generations_never_raise_and_every_bad_call_reaches_the_model(
         if not expected and not n_errors:  # prose: nothing ran, nothing was appended
             assert len(s["messages"]) == 1 and 0 not in s["mask"], case
             continue
-        assert [m["role"] for m in results] == ["tool"] * len(results) and s["tool_calls"] == len(results), case
+        assert [m["role"] for m in results] == ["tool"] * len(results), case
+        assert s["tool_calls"] == len(results), case
         errors = results[len(expected) :]
         assert all(
             m["content"].startswith(("Error: could not parse", "Error: ignored")) or "not run" in m["content"]
@@ -3075,7 +3081,8 @@ def test_a_turn_ending_on_any_stop_token_appends_the_templates_own_tool_result_t
     for stop_id in stop_ids:
         fixed_generations(monkeypatch, first, second, tok=tok, stop_id=stop_id)
         s, ctx = fixed_rollout(tok, schemas, "What is 6 * 7?")
-        assert s["messages"][1] == {"role": "tool", "name": "calculator", "content": "42"} and s["tool_failures"] == 0
+        assert s["messages"][1] == {"role": "tool", "name": "calculator", "content": "42"}
+        assert s["tool_failures"] == 0
         conversation = [{"role": "user", "content": "What is 6 * 7?"}] + s["messages"]
         rendered = tok.encode(ag.render(tok, conversation, schemas), add_special_tokens=False)[: len(s["ids"])]
         im_end = tok.convert_tokens_to_ids("<|im_end|>")
@@ -3517,9 +3524,8 @@ def test_union_types_type_xml_values_and_check_arguments():
             ({"city": None}, 1),
         ]:
             assert len(ag.argument_errors(schema, arguments)) == errors, (schema, arguments)
-    assert (
-        ag.typed("5", {"type": ["integer", "null"]}) == 5 and ag.typed("five", {"type": ["integer", "null"]}) == "five"
-    )
+    assert ag.typed("5", {"type": ["integer", "null"]}) == 5
+    assert ag.typed("five", {"type": ["integer", "null"]}) == "five"
 
 
 def test_tools_with_a_template_that_cannot_render_them_fail_before_vllm_starts(tmp_path):
@@ -3770,7 +3776,8 @@ def test_environments_are_per_rollout_reused_after_reset_routed_by_row_and_their
     tally = {"id": 0, "prompt": [{"role": "user", "content": "What is 3 + 4?"}], "env": "Tally"}
     game = {"id": 1, "prompt": [{"role": "user", "content": GAME}], "env": "GuessNumber", "secret": 6}
     ctx = ag.rollout_context(tok, None, [tally, game], served_context(server), environments=environments)
-    assert "calculator(" in tok.decode(ctx.prompt_ids[0]) and "calculator(" not in tok.decode(ctx.prompt_ids[1])
+    assert "calculator(" in tok.decode(ctx.prompt_ids[0])
+    assert "calculator(" not in tok.decode(ctx.prompt_ids[1])
     with pytest.raises(SystemExit, match="column `env`"):  # two environments, and a row that names neither
         ag.rollout_context(tok, None, [{"id": 2, "prompt": tally["prompt"]}], 1000, environments=environments)
     Tally.resets.clear()
@@ -3784,7 +3791,8 @@ def test_environments_are_per_rollout_reused_after_reset_routed_by_row_and_their
         if group == 0:
             first = {id(e) for e in envs}
         assert {id(e) for e in envs} == first and len(first) == 8  # 8 instances, the same ones again
-        assert sorted(Tally.resets[-8:]) == sorted((id(e), 0) for e in envs) and len(Tally.resets) == 8 * (group + 1)
+        assert sorted(Tally.resets[-8:]) == sorted((id(e), 0) for e in envs)
+        assert len(Tally.resets) == 8 * (group + 1)
         called = [(calls_seen(s), id(e)) for s, e in zip(samples, envs) if calls_seen(s)]
         assert len(called) >= 4, "the warm-started model calls the calculator"
         # its own, from 1
@@ -3822,7 +3830,8 @@ def test_environments_are_per_rollout_reused_after_reset_routed_by_row_and_their
         monkeypatch.setattr(Tally, "calculator", method)
         samples, envs = play(server.url, tok, ctx, tally, args)
         called = [s for s in samples if "calculator" in s["per_tool"]]
-        assert called and all(s["per_tool"]["calculator"][0] == s["per_tool"]["calculator"][1] > 0 for s in called)
+        assert called
+        assert all(s["per_tool"]["calculator"][0] == s["per_tool"]["calculator"][1] > 0 for s in called)
         # counted as failures
         assert all(s["tool_failures"] >= s["per_tool"]["calculator"][1] for s in called)
         assert all(
@@ -4114,7 +4123,9 @@ def test_every_environment_instance_is_closed_once_after_ctrl_c_and_a_crash(serv
     assert code != 0 and seconds < 30 and re.search(message, out) and "Traceback" not in out, out[-3000:]
     assert int(os.readlink(tmp_path / "run" / "checkpoint").rsplit("-", 1)[1]) >= 2
     made = events()["made"]
-    assert len(made) >= 8 and sorted(events()["closed"]) == sorted(made) and set(events()["reset"]) <= set(made)
+    assert len(made) >= 8
+    assert sorted(events()["closed"]) == sorted(made)
+    assert set(events()["reset"]) <= set(made)
 
 
 # Measured on seeds 0/1/2, 20 steps at the default lr: held-out greedy wins 0.36/0.53/0.41 -> 0.92/0.92/1.0
@@ -4260,9 +4271,8 @@ def test_a_timed_out_reward_or_release_retires_its_instance_as_a_timed_out_call_
         return scored
 
     first, second = asyncio.run(groups())
-    assert isinstance(first[0], tools.TimedOut) and "Slow.reward took more than 0.3 s (--tool-timeout)" in str(
-        first[0]
-    )
+    assert isinstance(first[0], tools.TimedOut)
+    assert "Slow.reward took more than 0.3 s (--tool-timeout)" in str(first[0])
     made = [i for what, i in events if what == "reset"]
     # retired, not released
     assert len(made) == 2 and made[0] != made[1] and ("release", made[0]) not in events
@@ -4284,7 +4294,10 @@ def test_a_column_that_reset_needs_and_rows_lack_stops_the_run_at_start_with_one
     for i, (flags, message) in enumerate(cases):
         code, out = run_cli(*flags, "--output-dir", str(tmp_path / str(i)), timeout=300)
         last = out.strip().splitlines()[-1]
-        assert code != 0 and message in last and "Traceback" not in out and "starting vLLM" not in out, out[-2000:]
+        assert code != 0, out[-2000:]
+        assert message in last, out[-2000:]
+        assert "Traceback" not in out, out[-2000:]
+        assert "starting vLLM" not in out, out[-2000:]
         assert not (tmp_path / str(i) / "vllm.log").exists()
 
 
@@ -4312,7 +4325,8 @@ def test_groups_dropped_in_a_row_end_the_run_with_one_line_naming_what_failed(se
     last = out.strip().splitlines()[-1]
     assert code == 1 and "Traceback" not in out, out[-3000:]
     warned = [line for line in out.splitlines() if "held-out rows not evaluated" in line]
-    assert len(warned) == 1 and re.fullmatch(
+    assert len(warned) == 1
+    assert re.fullmatch(
         r"warning: 4 held-out rows not evaluated \(eval/failed\); the first: --env Broken: a reset to prompt \d "
         r"failed: ValueError: no board for prompt \d",
         warned[0],
@@ -4581,13 +4595,17 @@ def test_a_run_whose_mcp_server_dies_ends_in_seconds_with_one_message_and_its_la
             tmp_path / "run", *flags, at="step    3/", fault=lambda: os.killpg(proc.pid, signal.SIGKILL)
         )
     print(f"the run ended {seconds:.1f} s after the MCP server was killed")
-    assert code != 0 and seconds < 30 and "Traceback" not in out and "Session termination" not in out, out[-3000:]
+    assert code != 0, out[-3000:]
+    assert seconds < 30, out[-3000:]
+    assert "Traceback" not in out, out[-3000:]
+    assert "Session termination" not in out, out[-3000:]
     assert re.search(f"error: (the MCP server {url} is gone|--mcp {url}: no session)", out), out[-3000:]
     assert int(os.readlink(tmp_path / "run" / "checkpoint").rsplit("-", 1)[1]) >= 3
     sessions = defaultdict(list)
     for line in calls.read_text().splitlines():
         sessions[json.loads(line)["session"]].append(json.loads(line)["call"])
-    assert len(sessions) >= 24 and all(n == list(range(1, len(n) + 1)) and len(n) <= 6 for n in sessions.values())
+    assert len(sessions) >= 24
+    assert all(n == list(range(1, len(n) + 1)) and len(n) <= 6 for n in sessions.values())
 
 
 SLOW_MCP_SERVER = '''
@@ -4702,9 +4720,8 @@ def test_a_crashed_mcp_stdio_server_is_a_failed_call_and_a_fresh_session_and_man
 
     first, crashed, again, opened = asyncio.run(crash())
     assert first == ("7 (call 1)", True) and again == ("7 (call 1)", True), (first, again)
-    assert (
-        crashed[0].startswith("Error: RuntimeError: the MCP server's session ended during the call") and not crashed[1]
-    )
+    assert crashed[0].startswith("Error: RuntimeError: the MCP server's session ended during the call")
+    assert not crashed[1]
     assert opened == 16 and running(script) == []
     gone = tools.mcp_environment(f"{sys.executable} {script} {tmp_path / 'calls.jsonl'}")
 
@@ -4789,7 +4806,8 @@ def test_python_cells_run_as_a_notebooks_in_an_interpreter_of_each_rollouts_own(
     output bound that sandbox.py applies."""
     cls, instance = python_environment()
     (schema,) = tools.environment_schemas(cls)
-    assert f"{sandbox.OUTPUT_CHARS} characters" in schema["function"]["description"] and cls.__name__ == "python"
+    assert f"{sandbox.OUTPUT_CHARS} characters" in schema["function"]["description"]
+    assert cls.__name__ == "python"
     a, b = instance(), instance()
     try:
         assert a.python("import math\nx = math.factorial(5)\nprint('five', x)\nx + 1") == "five 120\n121"
@@ -4797,10 +4815,12 @@ def test_python_cells_run_as_a_notebooks_in_an_interpreter_of_each_rollouts_own(
         # os was not imported
         assert a.python("print(open('notes.txt').read(), os.getcwd())").startswith("Traceback")
         assert a.python("import os; open('notes.txt').read(), os.getcwd()") == "('kept', '/tmp')"
-        assert a.python("x = 1") == "(no output)" and a.python("1 / 0").endswith("ZeroDivisionError: division by zero")
+        assert a.python("x = 1") == "(no output)"
+        assert a.python("1 / 0").endswith("ZeroDivisionError: division by zero")
         assert a.python("def f(:").endswith("SyntaxError: invalid syntax") and a.python("x") == "1"
         seen = b.python("import os; print(os.listdir('/tmp'), 'x' in dir())\nopen('/tmp/notes.txt').read()")
-        assert seen.startswith("[] False\nTraceback") and seen.endswith("No such file or directory: '/tmp/notes.txt'")
+        assert seen.startswith("[] False\nTraceback")
+        assert seen.endswith("No such file or directory: '/tmp/notes.txt'")
         a.reset(id=1)
         assert a.python("import os; os.listdir('.'), 'x' in dir()") == "([], False)"
     finally:
@@ -5302,9 +5322,13 @@ sorted(os.environ), "secret" in seen""",
     python_top = python.relative_to(Path.home()).parts[:1] if python.is_relative_to(Path.home()) else ()
     # of the home: Python's install
     assert set(ast.literal_eval(inside["files"].splitlines()[-1])) <= set(python_top)
-    assert outside["files"].count("read ") == len(readable) and "wrote" in outside["files"] and outside["written"]
+    assert outside["files"].count("read ") == len(readable)
+    assert "wrote" in outside["files"]
+    assert outside["written"]
     assert not inside["written"] and inside["signals"].count("no ") == 3 and "not killed" in inside["signals"]
-    assert "not traced" in inside["signals"] and inside["victim"] is None and outside["victim"] == -signal.SIGKILL
+    assert "not traced" in inside["signals"]
+    assert inside["victim"] is None
+    assert outside["victim"] == -signal.SIGKILL
     assert int(inside["flood"].splitlines()[-1]) < sandbox.PROCESSES and outside["flood"] == "1000"
     assert inside["survivors"] == [] and len(outside["survivors"]) == 1
     # its libpython's folder
@@ -5418,11 +5442,13 @@ def test_code_the_model_writes_reaches_no_kernel_object_outside_its_bounds_and_n
     print(json.dumps(results, indent=1)[:6000])
     assert inside["keyring_left"].startswith("refused") and inside["keyring_read"] == "read nothing"
     assert outside["keyring_left"] == "left True" and outside["keyring_read"] == "read b'7'"
-    assert inside["memfd"] == "no memfd Operation not permitted\nno shm" and outside["memfd"] == "memfd 16 MiB\nshm"
+    assert inside["memfd"] == "no memfd Operation not permitted\nno shm"
+    assert outside["memfd"] == "memfd 16 MiB\nshm"
     assert inside["nested"] == "'refused'" and outside["nested"] == "'nested tmpfs'"
     assert inside["traced"] == "False" and outside["traced"] == "True"
     assert inside["inodes"] == f"OSError\n{sandbox.SCRATCH_FILES - 1}" and outside["inodes"] == "1200"
-    assert inside["busy_between_calls"] == ["T"] and outside["busy_between_calls"] in (["R"], ["S"], ["R", "S"])
+    assert inside["busy_between_calls"] == ["T"]
+    assert outside["busy_between_calls"] in (["R"], ["S"], ["R", "S"])
     for out in (inside, outside):  # the limits: without the sandbox too
         # 0, 1, 2 and its two pipes are open
         assert out["descriptors"] == f"OSError\n{sandbox.DESCRIPTORS - 5}"
@@ -5522,7 +5548,9 @@ def test_code_the_model_writes_finds_no_channel_no_host_detail_and_no_unbounded_
     # EAFNOSUPPORT, each
     assert inside["sockets"] == "[97, 97, 97]" and outside["sockets"] != inside["sockets"]
     assert inside["sysv"] == "(False, False, False)" and outside["sysv"] == "(True, True, True)"
-    assert inside["sync"] == "(0, False)" and outside["sync"].startswith("(") and outside["sync"].endswith(", True)")
+    assert inside["sync"] == "(0, False)"
+    assert outside["sync"].startswith("(")
+    assert outside["sync"].endswith(", True)")
     assert int(outside["sync"][1:].split(",")[0]) > 0
     assert inside["pipes"] == "1" and outside["pipes"] == str(2**20)
     assert inside["locks"] == "[1, 1]" and outside["locks"] == "['flock', 'lockf']"
@@ -5583,7 +5611,8 @@ def test_the_python_environment_refuses_to_start_where_its_sandbox_cannot_and_ru
     ), out
     assert "no vLLM server answers there" not in out and "--no-python-sandbox runs without isolation" in out
     code, out = run_cli(*closed, "--output-dir", str(tmp_path / "b"), launcher=NO_BWRAP, env={"PATH": "/usr/bin:/bin"})
-    assert code != 0 and "--env python: no bwrap (bubblewrap) found: install requirements.txt" in out, out[-3000:]
+    assert code != 0, out[-3000:]
+    assert "--env python: no bwrap (bubblewrap) found: install requirements.txt" in out, out[-3000:]
     flags = [*closed, "--no-python-sandbox", "--output-dir", str(tmp_path / "c")]
     code, out = run_cli(*flags, launcher=NO_USER_NAMESPACES, timeout=300)
     assert code != 0 and "no vLLM server answers there" in out, out[-3000:]
@@ -6572,7 +6601,8 @@ def test_a_sync_that_fails_midway_ends_the_run_in_seconds_saved_and_resume_conti
     ended, log = time.time(), (out / "vllm.log").read_text()
     injected = float(re.findall(r"injected fault at ([\d.]+)", log)[-1])
     print(f"a worker's reload raised: exit {code} {ended - injected:.1f} s after it raised")
-    assert "Injected <class 'faulty_reload.ReloadRaises'>" in log and "resuming at step 2" in text, text[-3000:]
+    assert "Injected <class 'faulty_reload.ReloadRaises'>" in log, text[-3000:]
+    assert "resuming at step 2" in text, text[-3000:]
     assert code != 0 and ended - injected < 20, text[-3000:]  # --sync-timeout is 60 s
     url = re.findall(r"--port (\d+)", text)[-1]
     assert (
@@ -6711,7 +6741,8 @@ def test_the_countdown_task_reaches_its_reward_with_its_columns(server, tmp_path
     assert code == 0, out[-3000:]
     # a reward without its columns (numbers, target) would raise: no step then
     metrics = read_metrics(tmp_path)
-    assert len(metrics) == 2 and all("reward/countdown" in m and m["rollout/reward_failures"] == 0 for m in metrics)
+    assert len(metrics) == 2
+    assert all("reward/countdown" in m and m["rollout/reward_failures"] == 0 for m in metrics)
     assert json.loads((tmp_path / "args.json").read_text())["rewards"] == "countdown:1.0"
 
 
@@ -6756,9 +6787,8 @@ def test_lora_sync_is_exact_and_sends_only_the_modules_an_adapter_can_change(ser
         assert (completion_logprobs(model, prompt, completion + completion) - unadapted).abs().max() > 0.5
     adapted = {name for name in base if ".self_attn." in name or ".mlp." in name}
     assert set(sent[0]) == set(base) and set(sent[1]) == adapted and sync.version.value == 2
-    assert (
-        "model.layers.0.self_attn.k_proj.weight" in adapted and "model.layers.0.input_layernorm.weight" not in adapted
-    )
+    assert "model.layers.0.self_attn.k_proj.weight" in adapted
+    assert "model.layers.0.input_layernorm.weight" not in adapted
     assert all(
         torch.equal(p, base[name]) for name, p, _ in ag.served_weights(model, include_frozen=True)
     )  # W as it was
@@ -7153,7 +7183,9 @@ def test_a_real_pretrained_checkpoint_trains_and_syncs_exactly(smollm2_server, t
     )  # every step has a gradient
     assert code == 0, out[-3000:]
     metrics = read_metrics(tmp_path)
-    assert len(metrics) == 2 and metrics[-1]["policy_version"] == 2 and all(m["train/grad_norm"] > 0 for m in metrics)
+    assert len(metrics) == 2
+    assert metrics[-1]["policy_version"] == 2
+    assert all(m["train/grad_norm"] > 0 for m in metrics)
     # the trainer holds fp32 weights (saved so): a step of lr 1e-5 is below bf16's resolution on many of them
     before, after = (
         load_file(f"{model_path}/model.safetensors"),
@@ -7409,7 +7441,9 @@ def test_the_start_up_probe_stops_a_run_whose_log_probs_are_not_the_models_own(t
     with pytest.raises(SystemExit) as stopped:
         ag.main(["--cache-dir", CACHE, "--model", tiny_model, "--output-dir", str(tmp_path), "--steps", "1"])
     message = str(stopped.value.code)
-    assert len(message.splitlines()) == 1 and refusal in message and message.startswith(f"--model {tiny_model}:")
+    assert len(message.splitlines()) == 1
+    assert refusal in message
+    assert message.startswith(f"--model {tiny_model}:")
     assert not (tmp_path / "vllm.log").exists() and not list(tmp_path.glob("*vllm*"))
 
 
@@ -7574,7 +7608,8 @@ def test_the_architecture_table_is_what_the_matrix_tests_and_names_every_family_
     doc = (HERE / "docs" / "architectures.md").read_text()
     table = [line for line in doc.splitlines() if line.startswith("|")]
     assert table == architecture_table()
-    assert set(SERVED_MATRIX) == set(tiny.ARCHITECTURES) and all(SERVED_MATRIX[n] == OK for n in SERVED_IN_SUITE)
+    assert set(SERVED_MATRIX) == set(tiny.ARCHITECTURES)
+    assert all(SERVED_MATRIX[n] == OK for n in SERVED_IN_SUITE)
     assert "ASYNC_GRPO_SERVED=all" in doc and re.search(r"at commit [0-9a-f]{7}", doc)
     both = both_registries()
     assert set(tiny.ARCHITECTURES) <= both and len(tiny.ARCHITECTURES) >= 12
@@ -8053,7 +8088,8 @@ def test_bench_tiny_runs_every_part_and_writes_every_field(tmp_path):
         }
         assert m["wall_seconds"] > 0 and m["samples_per_s"] > 0 and m["tool_calls_per_sample"] > 0
         assert 0 <= m["generator_idle"] <= 1 and 0 <= m["trainer_idle"] <= 1
-        assert m["cpu_seconds_per_step"].keys() == {"trainer", "vllm"} and all(m["cpu_seconds_per_step"].values())
+        assert m["cpu_seconds_per_step"].keys() == {"trainer", "vllm"}
+        assert all(m["cpu_seconds_per_step"].values())
         assert len(m["curve"]) == results["config"]["steps"]
         metrics = [json.loads(line) for line in open(tmp_path / "bench_runs" / f"tools-{mode}" / "metrics.jsonl")]
         assert all(REQUIRED_METRICS <= m.keys() for m in metrics)
@@ -8110,7 +8146,8 @@ def test_bench_tiny_runs_every_part_and_writes_every_field(tmp_path):
     assert output.with_suffix(".png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     # the table was printed
     assert "async is" in proc.stdout and "of the raw-broadcast ceiling" in proc.stdout
-    assert "training step at --top-p 0.9 against 1.0" in proc.stdout and "LoRA rank 16 against full" in proc.stdout
+    assert "training step at --top-p 0.9 against 1.0" in proc.stdout
+    assert "LoRA rank 16 against full" in proc.stdout
     prefix = results["prefix"]
     for shape in ("long_prompt", "default_task"):
         r = prefix[shape]
@@ -8129,7 +8166,8 @@ def test_bench_tiny_runs_every_part_and_writes_every_field(tmp_path):
     python = results["python"]  # the interpreters' calls, and runs with them and with the calculator
     assert python["interpreters"] == 8 and python["start_seconds"] > 0 and python["calls_per_s"] > 0
     assert all(python[name]["samples_per_s"] > 0 for name in ("python", "calculator"))
-    assert python["python"]["tool_calls_per_sample"] > 0.5 and "--env python: 8 sandboxed interpreters" in proc.stdout
+    assert python["python"]["tool_calls_per_sample"] > 0.5
+    assert "--env python: 8 sandboxed interpreters" in proc.stdout
     server_pid = int(re.search(r"starting vLLM \(pid (\d+)", proc.stdout).group(1))
     assert processes_in_group(server_pid) == []
 
@@ -8156,7 +8194,8 @@ def test_bench_trainer_alone_runs_without_vllm_and_its_layouts_train_alike(tmp_p
         assert r.keys() == keys | {"tokens_per_second", "mfu"} and r["seconds"] > 0 <= r["peak_mb"]
         assert r["loss"] == pytest.approx(results["unshared"]["loss"], rel=1e-5)
         # MFU on the CPU: over the fp32 matmul rate measured, and labelled so
-        assert r["mfu"] == pytest.approx(r["flops"] / r["seconds"] / results["peak_flops"]) and 0 < r["mfu"] < 1
+        assert r["mfu"] == pytest.approx(r["flops"] / r["seconds"] / results["peak_flops"])
+        assert 0 < r["mfu"] < 1
         assert r["tokens_per_second"] == pytest.approx(r["tokens"] / r["seconds"])
     assert "float32 matmul measured" in results["peak"] and f"MFU {100 * r['mfu']:.1f}%" in proc.stdout
     assert results["shared"]["flops"] < results["unshared"]["flops"]  # a prompt forwarded and attended once
