@@ -139,10 +139,15 @@ def server(shared_server, tiny_model):
     rollouts that a trained model no longer made)."""
     from transformers import AutoModelForCausalLM
 
-    args = ag.parse_args(["--output-dir", "unused"])
-    sync = ag.WeightSync([shared_server.url], args, torch.bfloat16, ag.PolicyVersion())
+    sync = bf16_sync(shared_server.url)
     sync(AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32))
     return shared_server
+
+
+def bf16_sync(url):
+    """A weight sync to the server at url as a run with the default flags makes one: bf16, from version 0."""
+    args = ag.parse_args(["--output-dir", "unused"])
+    return ag.WeightSync([url], args, torch.bfloat16, ag.PolicyVersion())
 
 
 def perturbed(model):
@@ -785,7 +790,16 @@ def test_a_training_step_on_cuda_in_bf16_follows_the_same_step_on_cpu(tiny_model
         # the step moves each weight by minus its gradient
         optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
         before = [p.detach().clone() for p in model.parameters()]
-        stats = ag.train_step(model, optimizer, samples, num_tokens, len(samples), args, torch.device(device), 1)
+        stats = ag.train_step(
+            model,
+            optimizer,
+            samples,
+            num_tokens,
+            len(samples),
+            args,
+            torch.device(device),
+            1,
+        )
         return torch.cat([(b - p.detach()).flatten().cpu() for b, p in zip(before, model.parameters())]), stats
 
     on_cpu, cpu_stats = update("cpu")
@@ -852,7 +866,13 @@ def test_the_one_gpu_sync_sends_every_bucket_to_a_receiver_on_the_same_device_ov
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).to(device)
     buckets = ag.pack_buckets(model, 2**16, torch.bfloat16)
-    received = sync_to_a_second_process(tmp_path, "127.0.0.1", socket.create_server(("127.0.0.1", 0)), device, buckets)
+    received = sync_to_a_second_process(
+        tmp_path,
+        "127.0.0.1",
+        socket.create_server(("127.0.0.1", 0)),
+        device,
+        buckets,
+    )
     assert len(received) == len(buckets) > 2 and all(p.device.type == device for p in model.parameters())
     for flat, bucket in zip(received, buckets):
         assert torch.equal(flat, ag.flatten(bucket, torch.bfloat16).cpu())
@@ -1181,7 +1201,7 @@ def test_fsdp_two_ranks_sync_the_gathered_weights_and_resume(server, tiny_model,
         "0.1",
     )
     launcher = (sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2")
-    sync = ag.WeightSync([server.url], ag.parse_args(["--output-dir", "unused"]), torch.bfloat16, ag.PolicyVersion())
+    sync = bf16_sync(server.url)
     code, out = run_cli(*flags, "--steps", "2", timeout=300, launcher=launcher)
     assert code == 0, out[-3000:]
     code, out = run_cli(*flags, "--steps", "3", "--resume", timeout=300, launcher=launcher)
@@ -1474,7 +1494,16 @@ def test_the_cpu_trainer_steps_fused_adamw_as_the_per_tensor_one_would(tiny_mode
 
     args = ag.parse_args(["--output-dir", str(tmp_path), "--lr", "1e-2", "--weight-decay", "0.1"])
     ctx = ag.rollout_context(None, None, [], stop_ids=[0])
-    run = ag.Run(args, 0, 1, torch.device("cpu"), tmp_path, model_path=tiny_model, initial_model=tiny_model, ctx=ctx)
+    run = ag.Run(
+        args,
+        0,
+        1,
+        torch.device("cpu"),
+        tmp_path,
+        model_path=tiny_model,
+        initial_model=tiny_model,
+        ctx=ctx,
+    )
     run.tok = AutoTokenizer.from_pretrained(tiny_model)
     ag.load_policy_and_optimizer(run)
     assert run.optimizer.defaults["fused"]
@@ -1595,7 +1624,7 @@ def test_weight_sync_is_exact(server, tiny_model):
 
     tok = AutoTokenizer.from_pretrained(tiny_model)
     model = perturbed(AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32))
-    sync = ag.WeightSync([server.url], ag.parse_args(["--output-dir", "unused"]), torch.bfloat16, ag.PolicyVersion())
+    sync = bf16_sync(server.url)
     assert sync(model) > 0
     check_vllm_matches(server, tok, model)
     # The bound guards what it is for: the served weights with one tensor the sync could have missed (the
@@ -1766,7 +1795,14 @@ def test_cispo_weighs_log_pi_by_the_clipped_ratio_without_its_gradient():
     logp = torch.tensor([[-1.0, -0.5, -2.0], [-1.0, -3.0, -0.1]], requires_grad=True)
     sampler_logp = torch.tensor([[-1.5, -0.5, -1.0], [-0.3, -3.0, -0.1]])
     mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0]])
-    loss, stats = loss_of(logp, sampler_logp, torch.tensor([1.0, -2.0]), mask, loss_type="cispo", num_tokens=5)
+    loss, stats = loss_of(
+        logp,
+        sampler_logp,
+        torch.tensor([1.0, -2.0]),
+        mask,
+        loss_type="cispo",
+        num_tokens=5,
+    )
     # ratios e^0.5 -> clipped 1.28, 1.0 (A = +1); e^-0.7 = 0.4966 -> clipped 0.8, 1.0, 1.0 (A = -2)
     clipped = [[1.28, 1.0], [0.8, 1.0, 1.0]]
     expected = -(1.28 * 1 * -1.0 + 1.0 * 1 * -0.5 + 0.8 * -2 * -1.0 + 1.0 * -2 * -3.0 + 1.0 * -2 * -0.1) / 5
@@ -1783,7 +1819,14 @@ def test_gspo_counts_nothing_for_a_sequence_without_loss_tokens():
     logp = torch.tensor([[-1.0, -0.5, -2.0], [-1.0, -3.0, -0.1], [-1.0, -1.0, -1.0]])
     sampler_logp = torch.tensor([[-1.5, -0.5, -1.0], [-0.3, -3.0, -0.1], [-2.0, -2.0, -2.0]])
     mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0], [0.0, 0.0, 0.0]])
-    loss, _ = loss_of(logp, sampler_logp, torch.tensor([1.0, -2.0, 3.0]), mask, loss_type="gspo", num_sequences=3)
+    loss, _ = loss_of(
+        logp,
+        sampler_logp,
+        torch.tensor([1.0, -2.0, 3.0]),
+        mask,
+        loss_type="gspo",
+        num_sequences=3,
+    )
     # the two sequences of the GSPO case above
     assert loss.item() == pytest.approx(-(1.28 - 1.6) / 3, abs=1e-4)
 
@@ -1944,7 +1987,13 @@ def test_sampler_logprobs_against_hand_computed_values(temperature):
         assert 0 <= removed.min() and removed.max() < 1
     # min_tokens: where vLLM held the stop tokens back, they are out of the distribution
     logits, stop_masked = torch.tensor([[[2.0, 1.0, 0.0, -1.0]] * 2]), torch.tensor([[True, False]])
-    got, removed, _ = ag.sampler_logprobs(logits, torch.tensor([[1, 1]]), 1.0, stop_masked=stop_masked, stop_ids=[0])
+    got, removed, _ = ag.sampler_logprobs(
+        logits,
+        torch.tensor([[1, 1]]),
+        1.0,
+        stop_masked=stop_masked,
+        stop_ids=[0],
+    )
     assert got.tolist()[0] == pytest.approx(
         [1 - math.log(e(1) + e(0) + e(-1)), 1 - math.log(e(2) + e(1) + e(0) + e(-1))]
     )
@@ -2550,7 +2599,13 @@ def test_what_a_tool_or_environment_says_becomes_ordinary_tokens_never_the_templ
             kinds += [[turn("42", role), turn(hostile[2], role)], [turn(hostile[3], role), turn("42", role)]]
         for messages in kinds:
             ids = ag.tool_result_ids(tok, history, messages, schemas, ctx.turn_ends)
-            benign = ag.tool_result_ids(tok, history, [turn("42", role)] * len(messages), schemas, ctx.turn_ends)
+            benign = ag.tool_result_ids(
+                tok,
+                history,
+                [turn("42", role)] * len(messages),
+                schemas,
+                ctx.turn_ends,
+            )
             assert sorted(i for i in ids if i in special) == sorted(i for i in benign if i in special), messages
             assert tok.decode(ids) == tok.decode(whole(messages))
             assert benign == whole([turn("42", role)] * len(messages))
@@ -3870,7 +3925,14 @@ def test_an_environments_user_turns_go_in_token_exact_through_qwen3s_template(mo
     tok = qwen3_tokenizer()
     environments = {"GuessNumber": tools.GuessNumber}
     args = ag.parse_args(["--output-dir", "unused", "--task", "guess"])
-    report = ag.prepare_chat_template(tok, args, None, ag.stop_token_ids(tok), "Qwen3", environments=environments)
+    report = ag.prepare_chat_template(
+        tok,
+        args,
+        None,
+        ag.stop_token_ids(tok),
+        "Qwen3",
+        environments=environments,
+    )
     assert "training variant" in report and "user turns appended exactly" in report
     turns = [f"<think>\nHalve {a} to {b}.\n</think>\n\n{(a + b) // 2}" for a, b in [(1, 7), (5, 7), (5, 5)]]
     fixed_generations(monkeypatch, *turns, tok=tok)
@@ -4539,7 +4601,12 @@ def test_an_mcp_server_is_an_environment_whose_instances_hold_a_session_each(tmp
                 again = [await e.calculator(expression="2 + 2") for e in envs]
                 bound = {"calculator": envs[1].calculator}
                 checked = await ag.call_tool(ag._call("calculator", {"expression": 5}), by_name, 5, bound)
-                raised = await ag.call_tool(ag._call("calculator", {"expression": "open('x')"}), by_name, 5, bound)
+                raised = await ag.call_tool(
+                    ag._call("calculator", {"expression": "open('x')"}),
+                    by_name,
+                    5,
+                    bound,
+                )
                 await asyncio.gather(*(e.close() for e in envs))
                 return first, second, again, checked, raised
 
@@ -7076,7 +7143,7 @@ def test_image_text_model_syncs_its_language_model_exactly_and_not_its_vision_to
     sent = {n for bucket in ag.pack_buckets(policy, 2**20, torch.bfloat16) for n, _, _ in bucket}
     assert sent == trained  # ...and not sent
     model = perturbed(policy)  # the vision tower moves too: were it sent, vLLM would break the image path
-    sync = ag.WeightSync([server.url], ag.parse_args(["--output-dir", "unused"]), torch.bfloat16, ag.PolicyVersion())
+    sync = bf16_sync(server.url)
     assert sync(model) > 0
     check_vllm_matches(server, tok, model)
 
@@ -7096,7 +7163,7 @@ def test_image_text_weights_under_the_wrong_names_fail_the_first_sync_with_the_n
     ]
     # The bare model class drops the `model.` prefix: not a name vLLM loads. The sync refuses before pausing.
     bare = AutoModel.from_pretrained(server.model_path)
-    sync = ag.WeightSync([server.url], ag.parse_args(["--output-dir", "unused"]), torch.bfloat16, ag.PolicyVersion())
+    sync = bf16_sync(server.url)
     with pytest.raises(vllm_server.NotArrived, match=r"no parameter for 42 of the 42 trained weights"):
         sync(bare)
     assert ag.http(f"{server.url}/is_paused")["is_paused"] is False
@@ -7406,7 +7473,12 @@ def test_every_trainer_path_of_each_architecture_is_its_own_logits(name):
         logp = ag.token_logprobs(model, batch, served_dtype=torch.float32, **options, **truncation)[0]
         values, grad = expected[(layout.get("min_tokens", 0), *sorted(truncation.items()))]
         real = batch["mask"]  # an empty completion has a column of padding
-        torch.testing.assert_close(logp * real, values, rtol=0, atol=2e-5 * max(1.0, values.abs().max().item()))
+        torch.testing.assert_close(
+            logp * real,
+            values,
+            rtol=0,
+            atol=2e-5 * max(1.0, values.abs().max().item()),
+        )
         torch.testing.assert_close(
             gradient(model, logp * real, weights), grad, rtol=0, atol=2e-5 * grad.abs().max().item()
         )
@@ -7551,7 +7623,13 @@ def test_each_served_architecture_syncs_changed_weights_exactly_with_and_without
     tok = AutoTokenizer.from_pretrained(server.model_path)
     args = ag.parse_args(["--output-dir", "unused"])
     model = ag.load_policy(server.model_path)
-    run = argparse.Namespace(policy=model, tok=tok, pad_id=0, device=torch.device("cpu"), served_dtype=torch.bfloat16)
+    run = argparse.Namespace(
+        policy=model,
+        tok=tok,
+        pad_id=0,
+        device=torch.device("cpu"),
+        served_dtype=torch.bfloat16,
+    )
     # the checkpoint's
     check = vllm_server.weights_arrive([server.url], args, run, ag.collate, ag.token_logprobs)
     run.policy = model = perturbed(model)
@@ -8425,7 +8503,14 @@ def test_the_probes_pass_smollm2_and_a_layout_turned_off_says_what_it_costs(tiny
                 assert probe_figures(probe, model, f"SmolLM2 {dtype} {n} threads {probe.__name__}")[0] is None
     finally:
         torch.set_num_threads(threads)
-    run = ag.Run(ag.parse_args(["--output-dir", str(tmp_path)]), 0, 1, torch.device("cpu"), tmp_path, "a model")
+    run = ag.Run(
+        ag.parse_args(["--output-dir", str(tmp_path)]),
+        0,
+        1,
+        torch.device("cpu"),
+        tmp_path,
+        "a model",
+    )
     # prompts of 40 tokens, 8 a group, completions of --max-tokens 48: 8 x 88 tokens whole against 40 + 8 x 48
     run.ctx = argparse.Namespace(prompt_ids={i: [1] * 40 for i in range(3)})
     assert ag.choose_layout(run, ag.load_policy(tiny_model)) == {"share": True, "packed": False}
@@ -8561,7 +8646,12 @@ def test_segments_equal_the_mask_path_in_logprobs_and_gradients_with_sliding_win
     assert results["segments"][3] == results["mask"][3] < results["rows"][3]  # each prompt once
     for layout in ("mask", "rows"):
         for got, expected in zip(results["segments"][:3], results[layout][:3]):
-            torch.testing.assert_close(got, expected, rtol=0, atol=2e-5 * max(1.0, expected.abs().max().item()))
+            torch.testing.assert_close(
+                got,
+                expected,
+                rtol=0,
+                atol=2e-5 * max(1.0, expected.abs().max().item()),
+            )
     # a gradient, a truncation
     assert results["segments"][2].abs().max() > 0 and results["segments"][1].max() > 0
 
@@ -8671,7 +8761,17 @@ def test_segments_on_cuda_run_the_varlen_kernel_and_train_as_the_mask_path_does(
         optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
         before = [p.detach().clone() for p in model.parameters()]
         device = torch.device("cuda")
-        stats = ag.train_step(model, optimizer, samples, num_tokens, len(samples), args, device, 1, layout=layout)
+        stats = ag.train_step(
+            model,
+            optimizer,
+            samples,
+            num_tokens,
+            len(samples),
+            args,
+            device,
+            1,
+            layout=layout,
+        )
         updates[packed] = (
             torch.cat([(b - p.detach()).flatten().cpu() for b, p in zip(before, model.parameters())]),
             stats,
