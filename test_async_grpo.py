@@ -5487,6 +5487,23 @@ AS_PID_1 = {
 }
 
 
+def attacked(launcher, trainer, attacks, shown):
+    """The attacks (name -> code) run through the real interpreter by the trainer's script, started by launcher, in
+    the sandbox and with --no-python-sandbox -> what the script reports: what each gave inside ("true"), outside
+    ("false"), and the trainer's own figures; prints its first `shown` characters."""
+    proc = subprocess.run(
+        [*launcher, sys.executable, "-c", trainer, str(HERE)],
+        input=json.dumps(attacks),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = json.loads(proc.stdout.splitlines()[-1])
+    print(json.dumps(results, indent=1)[:shown])
+    return results
+
+
 @pytest.mark.parametrize("user", ["root", "user"])
 def test_code_the_model_writes_reaches_no_kernel_object_outside_its_bounds_and_nothing_of_it_outlives_it(user):
     """The attacks a policy found past the namespaces, through the real interpreter, on both of the
@@ -5496,17 +5513,8 @@ def test_code_the_model_writes_reaches_no_kernel_object_outside_its_bounds_and_n
     left, alive or a zombie, and no descriptor."""
     ring = f"async_grpo_test_{os.getpid()}_{user}_{random.randrange(10**9)}".encode()
     attacks = {name: code.replace("RING", repr(ring)) for name, code in KERNEL_ATTACKS.items()}
-    proc = subprocess.run(
-        [*AS_PID_1[user], sys.executable, "-c", TRAINER_AS_PID_1, str(HERE)],
-        input=json.dumps(attacks),
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    results = json.loads(proc.stdout.splitlines()[-1])
+    results = attacked(AS_PID_1[user], TRAINER_AS_PID_1, attacks, shown=6000)
     inside, outside = results["true"], results["false"]
-    print(json.dumps(results, indent=1)[:6000])
     assert inside["keyring_left"].startswith("refused") and inside["keyring_read"] == "read nothing"
     assert outside["keyring_left"] == "left True" and outside["keyring_read"] == "read b'7'"
     assert inside["memfd"] == "no memfd Operation not permitted\nno shm"
@@ -5601,17 +5609,8 @@ def test_code_the_model_writes_finds_no_channel_no_host_detail_and_no_unbounded_
     made (as root here: cgroup v1's memory hierarchy; a user without a delegated cgroup v2 has none, which
     README.md says); bwrap's own /tmp read-only; no zombie left. With --no-python-sandbox (limits only) each
     of these succeeds, which shows that each is real."""
-    proc = subprocess.run(
-        [*AS_SUBREAPER[user], sys.executable, "-c", TRAINER_AS_SUBREAPER, str(HERE)],
-        input=json.dumps(ROUND_THREE),
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    results = json.loads(proc.stdout.splitlines()[-1])
+    results = attacked(AS_SUBREAPER[user], TRAINER_AS_SUBREAPER, ROUND_THREE, shown=8000)
     inside, outside = results["true"], results["false"]
-    print(json.dumps(results, indent=1)[:8000])
     # EAFNOSUPPORT, each
     assert inside["sockets"] == "[97, 97, 97]" and outside["sockets"] != inside["sockets"]
     assert inside["sysv"] == "(False, False, False)" and outside["sysv"] == "(True, True, True)"
@@ -7108,13 +7107,8 @@ def build_tiny_image_text_model(cache_dir, warm_start_steps=150):
     plain, *_ = tiny.warm_start_conversations(2000, seed=12345)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     for step in range(warm_start_steps):
-        batch = tok(
-            [tok.apply_chat_template(c, tokenize=False) for c, _ in random.Random(step).sample(plain, 32)],
-            return_tensors="pt",
-            padding=True,
-            add_special_tokens=False,
-        )
-        model(**batch, labels=batch.input_ids.masked_fill(batch.attention_mask == 0, -100)).loss.backward()
+        # the built-in model's warm start, on its conversations without tools alone
+        tiny.step_loss(model, tok, [plain], step).backward()
         opt.step()
         opt.zero_grad()
     tmp = path.with_name(path.name + f".tmp{os.getpid()}")
