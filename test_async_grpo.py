@@ -213,7 +213,8 @@ def logprob_gaps(server, tok, model, **truncation):
             in_bf16 = completion_logprobs(reference, ids, sampled["token_ids"], **truncation).float().numpy()
             gaps += list(np.abs(trainer - vllm))
             rounding += list(np.abs(in_bf16 - trainer))
-            untruncated_gaps += list(np.abs(completion_logprobs(model, ids, sampled["token_ids"]).numpy() - vllm))
+            untruncated = completion_logprobs(model, ids, sampled["token_ids"]).numpy()
+            untruncated_gaps += list(np.abs(untruncated - vllm))
     return np.array(gaps), np.array(rounding), np.array(untruncated_gaps)
 
 
@@ -293,7 +294,8 @@ def shared_and_whole(model_path, samples, *flags, reference=None, packed=False):
         model = ag.load_policy(model_path)
         if args.gradient_checkpointing:
             model.gradient_checkpointing_enable()
-        layout = {"share": share, "packed": packed and share and not ag.segments_refused(model, ag.probe_logprobs)}
+        segments_refused = ag.segments_refused(model, ag.probe_logprobs)
+        layout = {"share": share, "packed": packed and share and not segments_refused}
         optimizer = GradientRecorder(model.parameters())
         stats = ag.train_step(
             model,
@@ -450,7 +452,10 @@ def test_the_device_plan_on_this_machines_gpus(capsys):
     count = torch.cuda.device_count()
     physical = (os.environ.get("CUDA_VISIBLE_DEVICES") or ",".join(map(str, range(count)))).split(",")
     plan = ag.parse_args(["--output-dir", "unused"], 1, local_ranks=1).plan
-    expected = {**ONE_GPU, "servers": physical[:1]} if count == 1 else {**OWN_GPUS, "servers": physical[1:count]}
+    if count == 1:
+        expected = {**ONE_GPU, "servers": physical[:1]}
+    else:
+        expected = {**OWN_GPUS, "servers": physical[1:count]}
     assert plan == expected, plan
     assert torch.ones(1, device="cuda:0").item() == 1
     assert plan_or_error(capsys, ["--vllm-gpus", "0"], count).startswith("error: --vllm-gpus 0: not distinct")
@@ -653,7 +658,9 @@ def test_every_launch_command_of_the_docs_plans_its_devices(capsys):
     for flags, ranks, nodes in commands:
         if any(f.endswith(".gguf") for f in flags):  # the CPU run of a GGUF file in the test-only package
             continue
-        gpus = [int(g) for g in flags[flags.index("--vllm-gpus") + 1].split(",")] if "--vllm-gpus" in flags else []
+        gpus = []
+        if "--vllm-gpus" in flags:
+            gpus = [int(g) for g in flags[flags.index("--vllm-gpus") + 1].split(",")]
         on_gpus = any(f.startswith(("Qwen/", "M")) for f in flags)
         cuda_count = max([ranks, *[g + 1 for g in gpus]]) if on_gpus else 0
         model = flags[flags.index("--model") + 1] if "--model" in flags else None
@@ -786,7 +793,8 @@ def test_a_training_step_on_cuda_in_bf16_follows_the_same_step_on_cpu(tiny_model
 
     def update(device):
         model = ag.load_policy(tiny_model).to(device)
-        model.model.layers[0].mlp.register_forward_hook(lambda module, inputs, output: dtypes.append(output.dtype))
+        mlp = model.model.layers[0].mlp
+        mlp.register_forward_hook(lambda module, inputs, output: dtypes.append(output.dtype))
         # the step moves each weight by minus its gradient
         optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
         before = [p.detach().clone() for p in model.parameters()]
@@ -800,7 +808,8 @@ def test_a_training_step_on_cuda_in_bf16_follows_the_same_step_on_cpu(tiny_model
             torch.device(device),
             1,
         )
-        return torch.cat([(b - p.detach()).flatten().cpu() for b, p in zip(before, model.parameters())]), stats
+        moved = [(b - p.detach()).flatten().cpu() for b, p in zip(before, model.parameters())]
+        return torch.cat(moved), stats
 
     on_cpu, cpu_stats = update("cpu")
     on_cuda, cuda_stats = update("cuda")
@@ -1018,7 +1027,8 @@ def test_a_rank_0_wait_past_torchs_default_timeout_does_not_kill_the_other_ranks
         timeout=120,
     )
     print(f"rank 0 waited {delay} s; the ranks exited with {proc.returncode} after {time.monotonic() - t0:.0f} s")
-    assert (proc.returncode == 0 and "rank 1 got rank 0's object" in proc.stdout) == survives, proc.stdout[-3000:]
+    survived = proc.returncode == 0 and "rank 1 got rank 0's object" in proc.stdout
+    assert survived == survives, proc.stdout[-3000:]
     assert survives or re.search(r"[Tt]imed out", proc.stdout), proc.stdout[-3000:]
 
 
@@ -1367,7 +1377,8 @@ def test_a_reward_that_is_not_one_finite_number_per_rollout_fails_its_group(monk
         {"messages": [], "ids": [1, 2], "n_prompt": 1, "tool_calls": 0, "tool_failures": 0, "truncated": False}
     ] * 2
     monkeypatch.setitem(ag.rewards_module.REWARDS, "forked", lambda **kwargs: [1.0, 0.0])
-    assert asyncio.run(ag.score_group(samples, {"id": 0, "prompt": []}, {"forked": 2.0}))[0].tolist() == [2.0, 0.0]
+    scored = asyncio.run(ag.score_group(samples, {"id": 0, "prompt": []}, {"forked": 2.0}))
+    assert scored[0].tolist() == [2.0, 0.0]
     monkeypatch.setitem(ag.rewards_module.REWARDS, "forked", lambda **kwargs: values)
     with pytest.raises(
         tools.Dropped, match="prompt 0 failed: ValueError: reward forked returned .* a finite number each"
@@ -1408,7 +1419,8 @@ def test_micro_batching_and_padding_do_not_change_the_gradient(tiny_model, loss_
     g = torch.Generator().manual_seed(0)
     samples = []
     for _ in range(11):  # lengths 12-60, tool tokens (mask 0) in the middle of some completions
-        n_prompt, n_new = int(torch.randint(4, 12, (1,), generator=g)), int(torch.randint(8, 48, (1,), generator=g))
+        n_prompt = int(torch.randint(4, 12, (1,), generator=g))
+        n_new = int(torch.randint(8, 48, (1,), generator=g))
         mask = [0 if 3 <= t < 6 and n_new % 2 else 1 for t in range(n_new)]
         samples.append(
             {
@@ -1532,7 +1544,8 @@ def test_take_hands_out_groups_in_start_order_skipping_and_dropping():
     producer = ag.Producer(args, None, [], ["unused"], None, version)
 
     def group(token_version, rewards):  # the third token is a tool token: its version does not count
-        return [{"versions": [token_version, token_version, 0], "mask": [1, 1, 0], "reward": r} for r in rewards]
+        versions = [token_version, token_version, 0]
+        return [{"versions": versions, "mask": [1, 1, 0], "reward": r} for r in rewards]
 
     groups = [group(2, [0, 1]), group(3, [1, 1]), group(3, [1, 0]), group(1, [1, 0]), group(3, [0, 1])]
     for index in [2, 0, 3, 1, 4]:
@@ -1915,7 +1928,8 @@ def trainer_kept(rounded, target, **truncation):
 def vllm_processed_logprob(logits, target, temperature, **truncation):
     """The log-prob over what vLLM keeps, chosen on logits in its precision (bf16), renormalised; the target
     kept in any case (the trainer's rule)."""
-    x, rounded = [v / temperature for v in logits], (torch.tensor(logits).bfloat16().float() / temperature).tolist()
+    x = [v / temperature for v in logits]
+    rounded = (torch.tensor(logits).bfloat16().float() / temperature).tolist()
     return x[target] - math.log(sum(math.exp(x[i]) for i in trainer_kept(rounded, target, **truncation)))
 
 
@@ -2560,6 +2574,16 @@ def test_start_up_round_trip_passes_every_supported_format_with_typed_arguments(
         assert "<parameter=value>\n3.5\n</parameter>" in generated  # text in the turn, a number for the tool
 
 
+def rendered_suffix(tok, ctx, history, messages, schemas):
+    """What the template renders for messages after history, from the end of history's assistant turn (the
+    longest of the turn's ends the rendering ends on)."""
+    before = ag.render(tok, history, schemas)
+    after = ag.render(tok, history + messages, schemas, generation_prompt=True)
+    longest_first = sorted(ctx.turn_ends, key=lambda e: -len(e[0]))
+    end, n = next((e, n) for e, n in longest_first if before.endswith(e))
+    return end[n:] + after[len(before) :]
+
+
 @pytest.mark.parametrize("fmt", ["tagged", "thinking", "xml", "mistral", "json", "transformers"])
 def test_what_a_tool_or_environment_says_becomes_ordinary_tokens_never_the_templates_own(fmt):
     """Tool, environment and MCP text is data: whatever it holds (every added token's text, the template's
@@ -2579,10 +2603,7 @@ def test_what_a_tool_or_environment_says_becomes_ordinary_tokens_never_the_templ
 
     # the suffix tokenized whole: as before, where tool text became the template's tokens
     def whole(messages):
-        before = ag.render(tok, history, schemas)
-        after = ag.render(tok, history + messages, schemas, generation_prompt=True)
-        end, n = next((e, n) for e, n in sorted(ctx.turn_ends, key=lambda e: -len(e[0])) if before.endswith(e))
-        return tok.encode(end[n:] + after[len(before) :], add_special_tokens=False)
+        return tok.encode(rendered_suffix(tok, ctx, history, messages, schemas), add_special_tokens=False)
 
     framing = tok.decode(whole([turn("42")]))
     hostile = [
@@ -2606,7 +2627,8 @@ def test_what_a_tool_or_environment_says_becomes_ordinary_tokens_never_the_templ
                 schemas,
                 ctx.turn_ends,
             )
-            assert sorted(i for i in ids if i in special) == sorted(i for i in benign if i in special), messages
+            specials = sorted(i for i in ids if i in special)
+            assert specials == sorted(i for i in benign if i in special), messages
             assert tok.decode(ids) == tok.decode(whole(messages))
             assert benign == whole([turn("42", role)] * len(messages))
         plain = [turn("<|im_start is not a token, nor [INST, and 6 * 7 = 42\n", role)]
@@ -2706,11 +2728,8 @@ def test_one_print_never_ends_a_run_its_text_is_data_on_every_tokenizer_family(f
     history = [{"role": "user", "content": "6 * 7?"}, {"role": "assistant", "content": "", "tool_calls": [call]}]
     long = {i for i, t in tok.added_tokens_decoder.items() if len(t.content) > 1} - {tok.unk_token_id}
 
-    def text_of(messages):  # the suffix as the template renders it, from the assistant turn's end
-        before = ag.render(tok, history, schemas)
-        after = ag.render(tok, history + messages, schemas, generation_prompt=True)
-        end, n = next((e, n) for e, n in sorted(ctx.turn_ends, key=lambda e: -len(e[0])) if before.endswith(e))
-        return end[n:] + after[len(before) :]
+    def text_of(messages):
+        return rendered_suffix(tok, ctx, history, messages, schemas)
 
     def turn(content, role):
         return {"role": role, "content": content, **({"name": "calculator"} if role == "tool" else {})}
@@ -3081,7 +3100,8 @@ def fixed_generations(monkeypatch, *texts, tok, stop_id=None):
     turns = iter(texts)
 
     async def generate(session, url, ids, max_tokens, args, stop_ids, greedy=False, generated=0, seed=None):
-        new = tok.encode(next(turns), add_special_tokens=False) + [tok.eos_token_id if stop_id is None else stop_id]
+        stop = tok.eos_token_id if stop_id is None else stop_id
+        new = tok.encode(next(turns), add_special_tokens=False) + [stop]
         return new, [-1.0] * len(new), "stop"
 
     monkeypatch.setattr(ag, "generate", generate)
@@ -3139,7 +3159,8 @@ def test_a_turn_ending_on_any_stop_token_appends_the_templates_own_tool_result_t
         assert s["messages"][1] == {"role": "tool", "name": "calculator", "content": "42"}
         assert s["tool_failures"] == 0
         conversation = [{"role": "user", "content": "What is 6 * 7?"}] + s["messages"]
-        rendered = tok.encode(ag.render(tok, conversation, schemas), add_special_tokens=False)[: len(s["ids"])]
+        whole = tok.encode(ag.render(tok, conversation, schemas), add_special_tokens=False)
+        rendered = whole[: len(s["ids"])]
         im_end = tok.convert_tokens_to_ids("<|im_end|>")
         ends = [
             s["n_prompt"] + i
