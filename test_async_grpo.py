@@ -3561,10 +3561,8 @@ def test_tools_whose_arguments_are_called_name_self_or_fn_run(monkeypatch):
     monkeypatch.setitem(tools.TOOLS, "alabel", alabel)
     schemas = {s["function"]["name"]: s["function"] for s in ag.tool_schemas(["label", "alabel"])}
     for tool in schemas:
-        assert asyncio.run(ag.call_tool(ag._call(tool, {"name": "a", "self": "b", "fn": "c"}), schemas, 5)) == (
-            "a b c",
-            True,
-        )
+        named = ag._call(tool, {"name": "a", "self": "b", "fn": "c"})
+        assert asyncio.run(ag.call_tool(named, schemas, 5)) == ("a b c", True)
 
 
 def test_union_types_type_xml_values_and_check_arguments():
@@ -3670,12 +3668,8 @@ def rollouts(server, tok, args, n=8, max_model_len=None, schemas=None, question=
 
     async def go():
         async with aiohttp.ClientSession() as session:
-            return await asyncio.wait_for(
-                asyncio.gather(
-                    *(ag.rollout(session, server.url, tok, row, args, ctx, ag.PolicyVersion()) for _ in range(n))
-                ),
-                120,
-            )
+            group = [ag.rollout(session, server.url, tok, row, args, ctx, ag.PolicyVersion()) for _ in range(n)]
+            return await asyncio.wait_for(asyncio.gather(*group), 120)
 
     return asyncio.run(go()), row, ctx
 
@@ -3887,7 +3881,8 @@ def test_environments_are_per_rollout_reused_after_reset_routed_by_row_and_their
             for i, (t, m) in enumerate(zip(s["ids"][s["n_prompt"] :], s["mask"]))
             if m and t in stop_ids
         }
-        assert rendered[: len(s["ids"])] == [tok.eos_token_id if i in ends else t for i, t in enumerate(s["ids"])]
+        expected = [tok.eos_token_id if i in ends else t for i, t in enumerate(s["ids"])]
+        assert rendered[: len(s["ids"])] == expected
         appended = tok.decode([t for t, m in zip(s["ids"][s["n_prompt"] :], s["mask"]) if not m])
         assert appended == "".join(f"<|im_start|>user\n{u}<|im_end|><|im_start|>assistant\n" for u in said)
     # the game's turns share their prompt
@@ -4166,9 +4161,8 @@ def run_with_fault(
             fault()
         elif victim in ("engine", "worker"):  # their process titles: VLLM::EngineCore, VLLM::Worker
             name = {"engine": "EngineCor", "worker": "Worker"}[victim]
-            os.kill(
-                next(p for p in processes_in_group(pids[-1]) if name in Path(f"/proc/{p}/comm").read_text()), fault
-            )
+            server_processes = processes_in_group(pids[-1])
+            os.kill(next(p for p in server_processes if name in Path(f"/proc/{p}/comm").read_text()), fault)
         else:  # with --vllm-url no server was started here: the trainer alone
             os.kill(proc.pid if victim == "trainer" else pids[-1], fault)
         sent.append(time.monotonic())
@@ -4350,7 +4344,8 @@ def test_a_timed_out_reward_or_release_retires_its_instance_as_a_timed_out_call_
         scored = []
         for _ in range(2):
             async with ag.environment_instances(ctx, None, row, 1, 0.3) as (envs, _, _):
-                scored.append(await asyncio.gather(tools.call_method(envs[0].reward, {}, 0.3), return_exceptions=True))
+                reward = tools.call_method(envs[0].reward, {}, 0.3)
+                scored.append(await asyncio.gather(reward, return_exceptions=True))
         return scored
 
     first, second = asyncio.run(groups())
@@ -4762,7 +4757,8 @@ def test_twenty_mcp_timeouts_leave_no_session_or_process(tmp_path, monkeypatch):
                 instances |= {id(env) for env in envs}
                 # a new session after a timeout, in the first rollout of the first and last groups (a
                 # process start takes seconds on 2 cores)
-                seen += await asyncio.gather(*[rollout(env, i == 0 and group in (0, 3)) for i, env in enumerate(envs)])
+                group_rollouts = [rollout(env, i == 0 and group in (0, 3)) for i, env in enumerate(envs)]
+                seen += await asyncio.gather(*group_rollouts)
                 processes.append(len(running(script)))  # the timed-out calls' sessions and processes ended
         left = running(script)  # each group's sessions end with it (release): none kept for the next reset
         await tools.close_environments(ctx, 30)
@@ -6031,9 +6027,8 @@ def test_a_data_timeout_says_where_the_groups_wait(server, tiny_model, monkeypat
         ]
     )
     rows = [{**row, "prompt": [{"role": "user", "content": row["prompt"]}]} for row in rewards.task_rows(8, seed=3)]
-    producer = ag.Producer(
-        args, tok, rows, [server.url], ag.rollout_context(tok, None, rows, served_context(server)), ag.PolicyVersion()
-    )
+    ctx = ag.rollout_context(tok, None, rows, served_context(server))
+    producer = ag.Producer(args, tok, rows, [server.url], ctx, ag.PolicyVersion())
     producer.start()
     try:
         with pytest.raises(
@@ -6354,8 +6349,8 @@ def test_ctrl_c_then_resume_trains_every_prompt_once(server, tiny_model, tmp_pat
     code, out = run_cli(*flags, "--output-dir", str(tmp_path / "parts"), "--resume")
     assert code == 0 and "resuming at step" in out, out[-3000:]
     # The same prompts in the same steps as the run that was never stopped: none repeated or skipped.
-    trained = [[(r["step"], r["prompt_id"]) for r in read_rollouts(tmp_path / run)] for run in ("whole", "parts")]
-    assert trained[0] == trained[1]
+    whole = [(r["step"], r["prompt_id"]) for r in read_rollouts(tmp_path / "whole")]
+    assert whole == [(r["step"], r["prompt_id"]) for r in read_rollouts(tmp_path / "parts")]
     assert [m["step"] for m in read_metrics(tmp_path / "parts")] == [1, 2, 3, 4, 5, 6]
     state = torch.load(tmp_path / "parts" / "checkpoint" / "trainer_state.pt", weights_only=False)["optimizer"][
         "state"
@@ -6370,7 +6365,8 @@ def test_ctrl_c_then_resume_trains_every_prompt_once(server, tiny_model, tmp_pat
         merged = {name: ag.merged(p, layer) for name, p, layer in ag.served_weights(adapted, include_frozen=True)}
         assert merged.keys() == dict(saved.named_parameters()).keys()
         assert all(torch.allclose(p, merged[name], atol=1e-6) for name, p in saved.named_parameters())
-        assert any(not torch.equal(p, q) for p, q in zip(saved.parameters(), ag.load_policy(tiny_model).parameters()))
+        initial = ag.load_policy(tiny_model)
+        assert any(not torch.equal(p, q) for p, q in zip(saved.parameters(), initial.parameters()))
 
 
 # Stubs for faults that cannot be had otherwise: a calculator that never returns (a tool stuck
@@ -6946,7 +6942,8 @@ def test_a_lora_checkpoint_resumes_its_adapter_on_the_initial_model(tiny_model, 
     ag.load_policy_and_optimizer(again)
     before, after = dict(run.policy.named_parameters()), dict(again.policy.named_parameters())
     assert before.keys() == after.keys() and all(torch.equal(before[n], after[n]) for n in before)
-    assert [n for n, p in after.items() if p.requires_grad] == [n for n, p in before.items() if p.requires_grad]
+    trained_after = [n for n, p in after.items() if p.requires_grad]
+    assert trained_after == [n for n, p in before.items() if p.requires_grad]
     saved, restored = run.optimizer.state_dict()["state"], again.optimizer.state_dict()["state"]
     assert saved.keys() == restored.keys() and all(
         torch.equal(saved[i][k], restored[i][k]) for i in saved for k in saved[i]
@@ -7276,9 +7273,8 @@ def test_a_real_pretrained_checkpoint_trains_and_syncs_exactly(smollm2_server, t
     changed = [k for k in before if not torch.equal(before[k].float(), after[k])]
     assert len(changed) == len(before), f"{len(before) - len(changed)} tensors unchanged"
     tok = AutoTokenizer.from_pretrained(tmp_path / "checkpoint")
-    check_vllm_matches(
-        smollm2_server, tok, AutoModelForCausalLM.from_pretrained(tmp_path / "checkpoint", dtype=torch.float32)
-    )
+    trained = AutoModelForCausalLM.from_pretrained(tmp_path / "checkpoint", dtype=torch.float32)
+    check_vllm_matches(smollm2_server, tok, trained)
 
 
 def own_completions(url, tok, question, n=6):
@@ -7333,7 +7329,8 @@ def test_one_update_moves_a_real_checkpoint_the_way_its_advantages_say(smollm2_s
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     url, path = smollm2_server.url, smollm2_server.model_path
-    tok, model = AutoTokenizer.from_pretrained(path), AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    tok = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     args = ag.parse_args(["--output-dir", "unused", "--lr", "1e-4"])
     sync = ag.WeightSync([url], args, torch.bfloat16, ag.PolicyVersion())
     sync(model)  # the server may hold another test's weights
@@ -7401,7 +7398,8 @@ def gradient(model, logp, weights):
     expert no token chose)."""
     model.zero_grad()
     (logp * weights).sum().backward()
-    return torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).flatten() for p in model.parameters()])
+    grads = [torch.zeros_like(p) if p.grad is None else p.grad for p in model.parameters()]
+    return torch.cat([grad.flatten() for grad in grads])
 
 
 def own_logprobs(model, samples, weights, min_tokens=0, **truncation):
@@ -7660,7 +7658,8 @@ def test_each_served_architecture_syncs_changed_weights_exactly_with_and_without
     with torch.no_grad():  # the adapter moved as training moves it
         for p in (p for p in lora.parameters() if p.requires_grad):
             p.add_(torch.randn_like(p) * 0.3)
-    assert ag.WeightSync([server.url], args, torch.bfloat16, ag.PolicyVersion())(lora, include_frozen=True) > 0
+    sync = ag.WeightSync([server.url], args, torch.bfloat16, ag.PolicyVersion())
+    assert sync(lora, include_frozen=True) > 0
     check_vllm_matches(server, tok, lora)
 
 
@@ -7775,7 +7774,8 @@ def test_math_answer_judges_equal_forms_equal_and_a_hostile_answer_in_bounded_ti
 
 def judges_running():
     """PIDs of this process's live math judges (rewards.judge)."""
-    children = [pid for task in Path("/proc/self/task").iterdir() for pid in (task / "children").read_text().split()]
+    tasks = Path("/proc/self/task").iterdir()
+    children = [pid for task in tasks for pid in (task / "children").read_text().split()]
     found = []
     for pid in children:
         with contextlib.suppress(OSError):
@@ -8040,7 +8040,8 @@ def readability(source):
     docs/performance.md): characters per non-blank line, lines past 110 columns per 100 non-blank ones, and
     full-line comments among the comments."""
     lines = [line for line in source.splitlines() if line.strip()]
-    comments = [t for t in tokenize.generate_tokens(io.StringIO(source).readline) if t.type == tokenize.COMMENT]
+    tokens = tokenize.generate_tokens(io.StringIO(source).readline)
+    comments = [t for t in tokens if t.type == tokenize.COMMENT]
     own_line = sum(t.line.strip().startswith("#") for t in comments)
     return {
         "characters_per_line": sum(map(len, lines)) / len(lines),
@@ -8927,9 +8928,8 @@ def test_mfu_counts_the_models_own_weights_and_the_pairs_its_mask_attends(family
     12 x heads x head_dim a pair a layer."""
     model = small_model(family, window=4 if family != "qwen3" else None)
     config = model.config
-    linear = sum(
-        m.weight.numel() for layer in ag.decoder_layers(model) for m in layer.modules() if type(m).__name__ == "Linear"
-    )
+    modules = [m for layer in ag.decoder_layers(model) for m in layer.modules()]
+    linear = sum(m.weight.numel() for m in modules if type(m).__name__ == "Linear")
     assert mfu.weights_per_token(config) == (linear, model.get_output_embeddings().weight.numel())
     g = torch.Generator().manual_seed(0)
     groups = []
