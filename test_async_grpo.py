@@ -617,7 +617,8 @@ def test_the_device_plan_reads_the_models_heads_from_its_config_alone(tiny_model
     Only a server over several GPUs needs them."""
     from transformers import AutoConfig, Qwen3Config
 
-    Qwen3Config(num_attention_heads=12, num_key_value_heads=6, head_dim=64).save_pretrained(tmp_path / "model")
+    twelve_heads = Qwen3Config(num_attention_heads=12, num_key_value_heads=6, head_dim=64)
+    twelve_heads.save_pretrained(tmp_path / "model")
     flags = ["--model", str(tmp_path / "model"), "--vllm-servers", "1"]
     assert plan_or_error(capsys, flags, 5, 1) == (
         "error: --vllm-servers 1: tensor parallel 4 does not split the model's 12 attention heads and 6 KV heads (vLLM "
@@ -765,7 +766,8 @@ def test_the_one_gpu_memory_plan_on_cuda_holds_the_trainer_and_refuses_a_model_t
             torch.empty(int(share * total), dtype=torch.uint8, device="cuda:0")
         torch.empty(int(share * total) // 2, dtype=torch.uint8, device="cuda:0")
         big = tmp_path / "big"  # about 4 bytes x 25B parameters: more than any GPU's share
-        Qwen3Config(hidden_size=8192, intermediate_size=24576, num_hidden_layers=40, head_dim=128).save_pretrained(big)
+        config = Qwen3Config(hidden_size=8192, intermediate_size=24576, num_hidden_layers=40, head_dim=128)
+        config.save_pretrained(big)
         with pytest.raises(SystemExit, match=f"one GPU of {total / 2**30:.0f} GiB cannot hold both"):
             ag.load_policy_and_optimizer(run(str(big)))
     finally:
@@ -3584,7 +3586,8 @@ def test_union_types_type_xml_values_and_check_arguments():
 
     pydantic = create_model("book", city=(str, ...), nights=(Optional[int], None), rooms=(list[int] | int, 1))
     for schema in (get_json_schema(book)["function"], {"name": "book", "parameters": pydantic.model_json_schema()}):
-        text = xml("book", city="null", nights="null", rooms="[1, 2]") + xml("book", city="5", nights="3", rooms="2")
+        text = xml("book", city="null", nights="null", rooms="[1, 2]")
+        text += xml("book", city="5", nights="3", rooms="2")
         message = ag.parse_assistant(text, schemas_by_name={"book": schema})
         assert message["tool_calls"] == [
             call("book", city="null", nights=None, rooms=[1, 2]),
@@ -4335,7 +4338,12 @@ def test_a_timed_out_reward_or_release_retires_its_instance_as_a_timed_out_call_
             events.append(("release", id(self)))
 
     ctx = ag.RolloutContext(
-        schemas=None, schemas_by_name={}, environments={"Slow": Slow}, offered={}, prompt_ids={0: [1, 2]}, stop_ids=[0]
+        schemas=None,
+        schemas_by_name={},
+        environments={"Slow": Slow},
+        offered={},
+        prompt_ids={0: [1, 2]},
+        stop_ids=[0],
     )
     ctx.idle["Slow"] = []
     row = {"id": 0, "prompt": [{"role": "user", "content": "?"}]}
@@ -4739,7 +4747,12 @@ def test_twenty_mcp_timeouts_leave_no_session_or_process(tmp_path, monkeypatch):
     by_name = {s["function"]["name"]: s["function"] for s in tools.environment_schemas(cls)}
     row = {"id": 0, "prompt": [{"role": "user", "content": "Wait."}]}
     ctx = ag.RolloutContext(
-        schemas=None, schemas_by_name={}, environments={"mcp": cls}, offered={}, prompt_ids={0: [1, 2]}, stop_ids=[0]
+        schemas=None,
+        schemas_by_name={},
+        environments={"mcp": cls},
+        offered={},
+        prompt_ids={0: [1, 2]},
+        stop_ids=[0],
     )
     ctx.idle["mcp"] = []
     wait, echo = ag._call("wait", {"seconds": 60}), ag._call("echo", {"text": "again"})
@@ -8623,7 +8636,12 @@ def small_model(family="qwen3", vocab=64, window=None):
     config = {
         "qwen3": lambda: Qwen3Config(**shape),
         "mistral": lambda: MistralConfig(sliding_window=window, **shape),
-        "qwen2": lambda: Qwen2Config(use_sliding_window=True, max_window_layers=1, sliding_window=window, **shape),
+        "qwen2": lambda: Qwen2Config(
+            use_sliding_window=True,
+            max_window_layers=1,
+            sliding_window=window,
+            **shape,
+        ),
         "gemma3": lambda: Gemma3TextConfig(sliding_window_pattern=2, sliding_window=window, **shape),
     }[family]()
     torch.manual_seed(0)
