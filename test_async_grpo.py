@@ -336,7 +336,8 @@ def assert_shared_equals_whole(shared, whole, samples):
     prompts = {tuple(s["ids"][: s["n_prompt"]]) for s in samples}
     lower = sum(map(len, prompts)) + sum(len(s["ids"]) - s["n_prompt"] for s in samples)  # each prompt once
     assert lower <= shared_stats["train/tokens"] < whole_tokens
-    assert shared_stats["train/tokens_saved"] == pytest.approx(1 - shared_stats["train/tokens"] / whole_tokens)
+    saved = 1 - shared_stats["train/tokens"] / whole_tokens
+    assert shared_stats["train/tokens_saved"] == pytest.approx(saved)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -627,7 +628,8 @@ def test_the_device_plan_reads_the_models_heads_from_its_config_alone(tiny_model
     assert plan_or_error(capsys, flags, 3, 1)["servers"] == ["1,2"]  # 2 splits 12 heads and 6 KV heads
     assert plan_or_error(capsys, [f for f in flags if f != "1"][:-1], 5, 1)["servers"] == ["1", "2", "3", "4"]
     missing = ["--model", str(tmp_path / "no_such_model"), "--vllm-servers", "1"]
-    assert plan_or_error(capsys, missing, 3, 1).startswith(f"error: --model {tmp_path}/no_such_model: cannot read its")
+    error = plan_or_error(capsys, missing, 3, 1)
+    assert error.startswith(f"error: --model {tmp_path}/no_such_model: cannot read its")
     config = AutoConfig.from_pretrained(tiny_model)
     assert vllm_server.attention_heads(None) == (config.num_attention_heads, config.num_key_value_heads)
 
@@ -1222,7 +1224,8 @@ def test_fsdp_two_ranks_sync_the_gathered_weights_and_resume(server, tiny_model,
     initial = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
     assert all(not torch.equal(p, q) for p, q in zip(model.parameters(), initial.parameters()))  # all trained
     # The optimizer state is whole (both shards) and was restored: Adam counts 3 steps, not 1.
-    optimizer = torch.load(tmp_path / "checkpoint" / "trainer_state.pt", weights_only=False)["optimizer"]["state"]
+    trainer_state = torch.load(tmp_path / "checkpoint" / "trainer_state.pt", weights_only=False)
+    optimizer = trainer_state["optimizer"]["state"]
     for name, p in model.named_parameters():
         assert optimizer[name]["exp_avg"].shape == p.shape and optimizer[name]["step"] == 3, name
     assert read_metrics(tmp_path)[-1]["train/kl"] > 0  # the sharded reference model is used
@@ -3293,7 +3296,8 @@ def test_bfcl_ground_truth_calls_come_back_exact_through_every_format(fmt):
         for turn in turns(fmt, calls):
             generated, message = round_trip(fmt, turn, schemas)
             assert message["tool_call_errors"] == [] and message["content"] == "", generated
-            assert [c["function"]["name"] for c in message["tool_calls"]] == [c["function"]["name"] for c in turn]
+            called = [c["function"]["name"] for c in message["tool_calls"]]
+            assert called == [c["function"]["name"] for c in turn]
             for got, sent in zip(message["tool_calls"], turn):
                 properties = schemas[sent["function"]["name"]]["parameters"]["properties"]
                 if fmt == "xml" and not all(
@@ -3965,7 +3969,8 @@ def test_an_environments_user_turns_go_in_token_exact_through_qwen3s_template(mo
             ), envs[0]
 
     s, game = asyncio.run(go())
-    assert [m["content"] for m in s["messages"]] == [turns[0], "Higher: 5 to 7.", turns[1], "Lower: 5 to 5.", turns[2]]
+    expected = [turns[0], "Higher: 5 to 7.", turns[1], "Lower: 5 to 5.", turns[2]]
+    assert [m["content"] for m in s["messages"]] == expected
     assert game.solved and not s["truncated"] and s["per_tool"]["respond"] == [3, 0]
     rendered = tok.encode(ag.render(tok, row["prompt"] + s["messages"]), add_special_tokens=False)
     # the turn's end
@@ -6015,6 +6020,11 @@ def test_a_producer_error_reaches_the_main_thread(server, tmp_path):
     assert time.monotonic() - t0 < 60
 
 
+def chat_rows(n):
+    """n rows of the built-in task (seed 3), each prompt a user's chat turn."""
+    return [{**row, "prompt": [{"role": "user", "content": row["prompt"]}]} for row in rewards.task_rows(n, seed=3)]
+
+
 def test_a_data_timeout_says_where_the_groups_wait(server, tiny_model, monkeypatch):
     """A reward that never returns (a judge model that hangs): the trainer's wait ends at --data-timeout, and
     the error says that the groups are being scored, not generated."""
@@ -6039,7 +6049,7 @@ def test_a_data_timeout_says_where_the_groups_wait(server, tiny_model, monkeypat
             "8",
         ]
     )
-    rows = [{**row, "prompt": [{"role": "user", "content": row["prompt"]}]} for row in rewards.task_rows(8, seed=3)]
+    rows = chat_rows(8)
     ctx = ag.rollout_context(tok, None, rows, served_context(server))
     producer = ag.Producer(args, tok, rows, [server.url], ctx, ag.PolicyVersion())
     producer.start()
@@ -6069,7 +6079,7 @@ def test_the_trainers_waits_end_on_a_stop_signal_and_once_the_producer_has_stopp
     silent = socket.create_server(("127.0.0.1", 0))  # listens, never accepts
     tok = AutoTokenizer.from_pretrained(tiny_model)
     args = ag.parse_args(["--output-dir", str(tmp_path), "--data-timeout", "20", "--prompts-per-step", "1"])
-    rows = [{**row, "prompt": [{"role": "user", "content": row["prompt"]}]} for row in rewards.task_rows(12, seed=3)]
+    rows = chat_rows(12)
     ctx = ag.rollout_context(tok, None, rows, max_model_len=512)
     urls = [f"http://127.0.0.1:{silent.getsockname()[1]}"]
     producer = ag.Producer(args, tok, rows[4:], urls, ctx, ag.PolicyVersion())
@@ -6365,9 +6375,8 @@ def test_ctrl_c_then_resume_trains_every_prompt_once(server, tiny_model, tmp_pat
     whole = [(r["step"], r["prompt_id"]) for r in read_rollouts(tmp_path / "whole")]
     assert whole == [(r["step"], r["prompt_id"]) for r in read_rollouts(tmp_path / "parts")]
     assert [m["step"] for m in read_metrics(tmp_path / "parts")] == [1, 2, 3, 4, 5, 6]
-    state = torch.load(tmp_path / "parts" / "checkpoint" / "trainer_state.pt", weights_only=False)["optimizer"][
-        "state"
-    ]
+    trainer_state = torch.load(tmp_path / "parts" / "checkpoint" / "trainer_state.pt", weights_only=False)
+    state = trainer_state["optimizer"]["state"]
     assert {int(s["step"]) for s in state.values()} == {6}  # AdamW went on from its saved state
     saved = AutoModelForCausalLM.from_pretrained(tmp_path / "parts" / "checkpoint", dtype=torch.float32)
     # the merged weights are the initial model's plus the saved adapter's scale * B @ A, and it has learned
@@ -7012,7 +7021,8 @@ def test_lora_adapter_sync_sends_the_adapter_alone_and_vllm_serves_it_exactly(lo
     sync(model, include_frozen=True)  # the server may hold another test's weights
     assert sync.sent_bytes == 4 * (base + adapter)
     # the folder the server loads it from is the run's (its log's), where a run starts the server
-    (folder,) = [m["root"] for m in ag.http(f"{lora_server.url}/v1/models")["data"] if m["id"] == args.request_model]
+    listed = ag.http(f"{lora_server.url}/v1/models")["data"]
+    (folder,) = [m["root"] for m in listed if m["id"] == args.request_model]
     assert Path(folder) == lora_server.log_path.parent.resolve() / "vllm-adapter"
     assert json.loads((Path(folder) / "adapter_config.json").read_text())["r"] == 8
     gaps = []
@@ -7878,7 +7888,10 @@ def test_a_dataset_reads_alike_from_jsonl_parquet_csv_json_and_saved_folders_wit
         loaded("--dataset", str(tmp_path / "rows.parquet"), "--dataset-split", "train[:6]", *columns) == expected[:6]
     )
     chats = loaded("--dataset", str(tmp_path / "rows.parquet"), "--dataset-columns", "prompt=messages")
-    assert chats == [{"id": r["id"], "prompt": r["messages"][:1], "answer": r["messages"][1]["content"]} for r in rows]
+    expected_chats = [
+        {"id": r["id"], "prompt": r["messages"][:1], "answer": r["messages"][1]["content"]} for r in rows
+    ]
+    assert chats == expected_chats
     # bad input: the message names the file, the split, the column, and what to do
     parquet = str(tmp_path / "rows.parquet")
     assert refused("--dataset", parquet) == (
@@ -8104,9 +8117,8 @@ def test_every_python_file_reads_at_the_anchors_measure():
         chars, wide, own_line = figure.values()
         print(f"{name:<20} {chars:>10.1f} {wide:>16.1f} {own_line:>17.1%}")
     too_wide = [name for name, f in figures.items() if f["past_110_per_100"] >= 5]
-    too_dense = [
-        name for name, f in figures.items() if f["characters_per_line"] > (52 if name == "async_grpo.py" else 55)
-    ]
+    most_characters = {name: 52 if name == "async_grpo.py" else 55 for name in figures}
+    too_dense = [name for name, f in figures.items() if f["characters_per_line"] > most_characters[name]]
     assert not too_wide and not too_dense, f"past 110 columns: {too_wide}; too many characters a line: {too_dense}"
 
 
@@ -8239,7 +8251,9 @@ def test_bench_tiny_runs_every_part_and_writes_every_field(tmp_path):
         assert r["bound_samples_per_s"] > 0 and r["ratio"] == pytest.approx(
             r["async"]["samples_per_s"] / r["bound_samples_per_s"]
         )
-    assert all(mid[mode]["samples_per_s"] > 0 and 0 <= mid[mode]["generator_idle"] <= 1 for mode in ("async", "sync"))
+    for mode in ("async", "sync"):
+        assert mid[mode]["samples_per_s"] > 0
+        assert 0 <= mid[mode]["generator_idle"] <= 1
     for r in results["truncation"].values():
         assert all(r[f"top_p_{p}"]["seconds"] > 0 and r[f"top_p_{p}"]["peak_mb"] >= 0 for p in (1.0, 0.9))
     # a LoRA sync sends the adapted modules' merged weights, no embedding nor layer norm
@@ -8267,7 +8281,9 @@ def test_bench_tiny_runs_every_part_and_writes_every_field(tmp_path):
     )
     assert "end to end at the long prompt" in proc.stdout
     game = results["environment"]  # the game's every turn answered by the environment, in both modes
-    assert all(game[mode]["samples_per_s"] > 0 and game[mode]["answers_per_sample"] >= 1 for mode in ("sync", "async"))
+    for mode in ("sync", "async"):
+        assert game[mode]["samples_per_s"] > 0
+        assert game[mode]["answers_per_sample"] >= 1
     assert game["speedup"] == pytest.approx(game["async"]["samples_per_s"] / game["sync"]["samples_per_s"])
     assert "the built-in game (--task guess)" in proc.stdout
     python = results["python"]  # the interpreters' calls, and runs with them and with the calculator
@@ -9020,7 +9036,8 @@ def test_mfu_over_the_peak_of_a_data_sheet_or_a_matmul_measured_once():
     samples = [{"ids": list(range(1, 40)), "n_prompt": 10}]
     got = mfu.step_metrics(config, samples, seconds=2.0, device="cpu", world_size=2)
     step = mfu.step_flops(config, samples)[0]
-    assert got == {"perf/tokens_per_second": 39 / 2.0, "perf/mfu": step / (2.0 * 2 * flops), "perf/peak_flops": flops}
+    expected = {"perf/tokens_per_second": 39 / 2.0, "perf/mfu": step / (2.0 * 2 * flops), "perf/peak_flops": flops}
+    assert got == expected
     assert [name for name, _ in mfu.PEAKS].index("H100 PCIe") < [name for name, _ in mfu.PEAKS].index("H100")
     # a name's first match: the H200 NVL (a lower clock) is not the SXM card
     first = {
