@@ -1676,10 +1676,10 @@ def log_step(run, pending):
     for s in samples[: args.log_rollouts]:
         completion = run.tok.decode(s["ids"][s["n_prompt"] :])
         versions = [v for v, m in zip(s["versions"], s["mask"]) if m]
-        rollout = {"step": pending.step, "trained_version": pending.trained_version, "prompt_id": s["prompt_id"]}
-        rollout |= {"reward": s["reward"], "advantage": s["advantage"], "completion": completion}
-        rollout["versions"] = versions
-        print(json.dumps(rollout), file=run.logs["rollouts"], flush=True)
+        record = {"step": pending.step, "trained_version": pending.trained_version, "prompt_id": s["prompt_id"]}
+        record |= {"reward": s["reward"], "advantage": s["advantage"], "completion": completion}
+        record["versions"] = versions
+        print(json.dumps(record), file=run.logs["rollouts"], flush=True)
     write_metrics(run, metrics)
     # once written: a signal before this line writes it again, never not at all
     run.unlogged = None
