@@ -712,7 +712,7 @@ def cancel_all(tasks):
 
 @dataclass(frozen=True)
 class LossSettings:
-    """The loss's flags, one object for the step (loss_settings makes it from the arguments)."""
+    """The loss's flags (loss_settings makes it from the arguments)."""
 
     # the clip range of the ratio: [1 - epsilon, 1 + epsilon_high]
     epsilon: float = 0.2
@@ -734,8 +734,9 @@ class LossSettings:
 
 
 def loss_settings(args):
-    names = [f.name for f in dataclasses.fields(LossSettings) if f.name != "constant_length"]
-    return LossSettings(constant_length=args.max_tokens, **{name: getattr(args, name) for name in names})
+    names = [f.name for f in dataclasses.fields(LossSettings)]
+    flags = {name: getattr(args, name) for name in names if name != "constant_length"}
+    return LossSettings(constant_length=args.max_tokens, **flags)
 
 
 # FORK: change the loss (the terms are named as in the papers; train_step calls this)
@@ -753,15 +754,13 @@ def grpo_loss(logp, sampler_logp, advantages, mask, settings, num_tokens=1, num_
         gspo          sequence   min(ratio A, clipped A)   sequences (GSPO)
         cispo         token      sg(clipped) A logp        the step's loss tokens (MiniMax-M1)
 
-    logp: the trainer's, with gradient; sampler_logp: vLLM's; A: the advantage. old_logp is
-    sampler_logp, or with --is-correction logp without gradient. is_weight: importance_weights;
-    keep: off_policy_keep; kl: kl_to_reference. A sequence's ratio: its tokens' geometric mean.
+    logp (with gradient), sampler_logp (vLLM's), mask: [B, T]; A = advantages: [B]. old_logp:
+    sampler_logp, or with --is-correction logp without gradient. A sequence's ratio: its
+    tokens' geometric mean. is_weight: importance_weights; keep: off_policy_keep; kl:
+    kl_to_reference. num_tokens, num_sequences: the whole step's, every micro-batch and rank.
 
     With --is-correction the clip never binds: a batch gets one update, so ratio is 1, inside
-    the clip, and the gradient is is_weight A grad logp (decoupled PPO): is_weight bounds it.
-
-    [B, T] per completion token (mask: 0 on tool results and padding); advantages: [B].
-    num_tokens, num_sequences: the whole step's, every micro-batch and rank."""
+    the clip, and the gradient is is_weight A grad logp (decoupled PPO): is_weight bounds it."""
     s = settings
     per_sequence = s.loss_type == "gspo"
     # log pi_trainer / pi_sampler, without gradient: the numeric mismatch plus the staleness
@@ -774,7 +773,7 @@ def grpo_loss(logp, sampler_logp, advantages, mask, settings, num_tokens=1, num_
     clipped = torch.clamp(ratio, 1 - s.epsilon, 1 + s.epsilon_high)
     A = advantages[:, None]
     if s.loss_type == "cispo":
-        # the clipped ratio weighs the gradient of log pi without a gradient of its own, so that
+        # the clipped ratio, without gradient, weighs grad log pi:
         # clipped tokens still contribute, at the clipped weight
         surrogate = clipped.detach() * A * logp
     else:
@@ -814,12 +813,12 @@ def sequence_mean(x, mask):
 
 
 def importance_weights(log_is_ratio, mask, settings):
-    """(is_ratio, is_weight): the ratio pi_trainer / pi_sampler, and the correction's weight: is_ratio
-    truncated at the threshold (tis), 0 outside [1 / threshold, threshold] (mis), or 1 (none).
+    """is_ratio = pi_trainer / pi_sampler, and is_weight, the correction's weight: is_ratio
+    truncated at the threshold (tis), 0 outside [1 / threshold, threshold] (mis), or 1.
 
-    Per sequence (--is-level sequence; gspo) is_ratio is the geometric mean of its tokens', not
-    their product: a thousand token ratios within 1% of 1 multiply to anywhere in e^-10..e^10, and
-    a threshold on that would cut long sequences for their length."""
+    Per sequence (--is-level sequence; gspo), is_ratio is its tokens' geometric mean, not
+    their product: 1000 ratios within 1% of 1 multiply to anywhere in e^-10..e^10, and a
+    threshold on that would cut long sequences for their length."""
     s = settings
     per_sequence = s.is_level == "sequence" or s.loss_type == "gspo"
     is_ratio = torch.exp(sequence_mean(log_is_ratio, mask) if per_sequence else log_is_ratio)
@@ -832,9 +831,9 @@ def importance_weights(log_is_ratio, mask, settings):
 
 
 def kl_to_reference(logp, ref_logp, sampler_logp, corrected):
-    """Per token, KL(pi_theta || pi_ref) by the k3 estimator: unbiased under pi_theta and never
-    negative. The tokens come from pi_sampler: corrected (--kl-correction, DeepSeek-V3.2) weighs
-    each by pi_theta / pi_sampler, which makes the estimate unbiased, the weight's gradient too."""
+    """Per token, KL(pi_theta || pi_ref) by the k3 estimator (unbiased, never negative)
+    under pi_theta. The tokens come from pi_sampler: corrected (--kl-correction,
+    DeepSeek-V3.2) weighs each by pi_theta / pi_sampler, which makes it unbiased."""
     delta = ref_logp - logp
     kl = torch.exp(delta) - delta - 1
     if corrected:
@@ -843,10 +842,9 @@ def kl_to_reference(logp, ref_logp, sampler_logp, corrected):
 
 
 def off_policy_keep(log_is_ratio, A, mask, settings):
-    """keep: True where the loss keeps a token. sequence (DeepSeek-V3.2) drops a sequence with a
-    negative advantage whose mean log(pi_sampler / pi_trainer) is past the threshold: updates that
-    push down tokens the trainer already finds less likely. token (IcePop) drops a token whose
-    |log is_ratio| is past it."""
+    """keep: True where the loss keeps a token. sequence (DeepSeek-V3.2) drops a sequence
+    with A < 0 whose mean log(pi_sampler / pi_trainer) is past the threshold (it would push
+    down tokens already less likely); token (IcePop), a token whose |log is_ratio| is."""
     s = settings
     if s.off_policy_mask == "sequence":
         # [B, 1]
@@ -860,7 +858,7 @@ def off_policy_keep(log_is_ratio, A, mask, settings):
 
 @torch.no_grad()
 def loss_statistics(mask, settings, ratio, clipped, log_is_ratio, is_ratio, is_weight, keep, kl):
-    """The loss's figures: means over the loss tokens, extremes of the token ratios to the sampler."""
+    """The loss's figures: means over the loss tokens, extremes of the token ratios."""
     n = mask.sum().clamp(min=1)
     tokens = mask.bool()
     # per token, whatever --is-level
@@ -884,7 +882,7 @@ def loss_statistics(mask, settings, ratio, clipped, log_is_ratio, is_ratio, is_w
         stats["is/masked_fraction"] = share(is_weight == 0)
     if kl is not None:
         stats["train/kl"] = share(kl)
-    # One device-to-host copy for all; a micro-batch without loss tokens has no extremes
+    # one copy to the host; a micro-batch without loss tokens has no extremes
     values = torch.stack(list(stats.values())).tolist()
     return {k: v for k, v in zip(stats, values) if math.isfinite(v)}
 
@@ -893,16 +891,16 @@ def loss_statistics(mask, settings, ratio, clipped, log_is_ratio, is_ratio, is_w
 
 
 def train_step(model, optimizer, samples, num_tokens, num_sequences, settings):
-    """One optimizer step on this rank's samples: for each micro-batch its batch, log-probs, loss
-    and backward; then the gradient clipped and the update. num_tokens, num_sequences: grpo_loss's."""
+    """One optimizer step on this rank's samples: each micro-batch's batch, log-probs, loss
+    and backward, then the gradient clipped and the update. settings: StepSettings."""
     s = settings
     model.train()
     # its width and window shape the rows (collate)
     config = getattr(model, "module", model).config.get_text_config()
     micros = equal_micro_batches(samples, config.hidden_size, s)
     normalisers = dict(num_tokens=num_tokens, num_sequences=num_sequences)
-    # autocast's cache would hold a bf16 copy of every weight it casts until the backward ends,
-    # FSDP's gathered ones too (sharding defeated); without it a weight is cast where it is used
+    # autocast's cache would keep a bf16 copy of each weight (FSDP's gathered ones too)
+    # until the backward ends; without it a weight is cast where it is used
     bf16 = s.dtype == torch.bfloat16
     # tokens through the model: each group's prompt once where it is shared
     forwarded = 0
@@ -910,8 +908,8 @@ def train_step(model, optimizer, samples, num_tokens, num_sequences, settings):
     for i, micro in enumerate(micros):
         batch = collate(micro, s.pad_id, s.device, s.min_tokens, config=config, dtype=s.dtype, **s.layout)
         forwarded += batch["tokens"]
-        # DDP all-reduces in the last backward only. FSDP reduce-scatters in each: skipping that
-        # (set_requires_gradient_sync) would hold the unsharded gradients on every rank
+        # DDP all-reduces in the last backward only. FSDP reduce-scatters in each: else
+        # every rank would hold the unsharded gradients
         accumulate = i < len(micros) - 1 and hasattr(model, "no_sync")
         with (
             model.no_sync() if accumulate else contextlib.nullcontext(),
@@ -928,28 +926,28 @@ def train_step(model, optimizer, samples, num_tokens, num_sequences, settings):
     if math.isfinite(grad_norm):
         optimizer.step()
     else:
-        # one NaN or inf would make every weight NaN, then synced and saved: the update is skipped
+        # one NaN or inf would make every weight NaN, then synced and saved
         print(f"warning: skipped an update whose gradient norm is {grad_norm}", flush=True)
     optimizer.zero_grad(set_to_none=True)
     return totals
 
 
 def micro_batch_loss(batch, logps, settings, num_tokens, num_sequences):
-    """A micro-batch's loss and figures from its token_logprobs (log-probs, mass truncation
-    removed, entropy); with --beta, the reference policy's log-probs too."""
+    """A micro-batch's loss and figures from its token_logprobs (logp, removed, entropy)."""
     s = settings
     logp, removed, entropy = logps
     ref_logp = None
     if s.reference is not None:
         with torch.no_grad():
             ref_logp = token_logprobs(s.reference, batch, **s.sampling)[0]
-        # FSDP2 keeps a root's weights gathered after its forward, for a backward never run here
+        # FSDP2 keeps a root's weights gathered for a backward, never run here
         if hasattr(s.reference, "reshard"):
             s.reference.reshard()
     mask = batch["mask"]
-    sampled = dict(sampler_logp=batch["sampler_logp"], advantages=batch["advantages"])
+    sampler_logp = batch["sampler_logp"]
+    advantages = batch["advantages"]
     normalisers = dict(num_tokens=num_tokens, num_sequences=num_sequences)
-    loss, stats = grpo_loss(logp, mask=mask, settings=s.loss, ref_logp=ref_logp, **sampled, **normalisers)
+    loss, stats = grpo_loss(logp, sampler_logp, advantages, mask, s.loss, ref_logp=ref_logp, **normalisers)
     n = mask.sum().clamp(min=1)
     stats["is/truncated_mass"] = ((removed * mask).sum() / n).item()
     stats["train/entropy"] = ((entropy * mask).sum() / n).item()
@@ -1544,8 +1542,7 @@ def start_generation(run):
 
 @dataclass
 class PendingLine:
-    """A trained step whose metrics line is not written yet (Run.unlogged): what log_step writes, and
-    save_after_error if the sync or the evaluation fails; trained_version: the version it trained."""
+    """A step's metrics line until log_step writes it (Run.unlogged), or save_after_error."""
 
     step: int
     groups: list
@@ -1555,24 +1552,25 @@ class PendingLine:
 
 def train_one_step(run, step):
     """One step: take a batch, update the weights, sync them to vLLM, evaluate, log, checkpoint.
-    What a save pairs (the weights, the step count, the data cursor, the step's line) is set
-    together while run.updating marks the update: a signal or an error at any line saves the
-    last finished step whole (save_after_error)."""
+    What a save pairs (weights, step count, data cursor, the step's line) is set while
+    run.updating marks the update: a signal at any line saves the last step whole."""
     args = run.args
     t_step = time.perf_counter()
     groups, samples, num_tokens = take_batch(run)
     wait_seconds = time.perf_counter() - t_step
     num_sequences = args.prompts_per_step * args.num_generations
     normalisers = dict(num_tokens=max(num_tokens, 1), num_sequences=num_sequences)
-    # An error in the update may leave the weights half-changed: they are not saved while `updating`
+    # an error in the update may leave the weights half-changed: not saved while `updating`
     run.updating = True
     with run.share_core():
         metrics = train_step(run.model, run.optimizer, samples, settings=run.step_settings, **normalisers)
     run.scheduler.step()
     if run.is_main:
         run.done_cursor = dict(run.producer.cursor)
-        metrics |= {"train/loss_tokens": num_tokens, "perf/wait_seconds": wait_seconds, "sync/seconds": 0.0}
-        # the step's FLOPs (every rank's tokens) over its seconds of training and the devices' peak (mfu.py)
+        metrics["train/loss_tokens"] = num_tokens
+        metrics["perf/wait_seconds"] = wait_seconds
+        metrics["sync/seconds"] = 0.0
+        # the step's FLOPs (every rank's) over its seconds and the devices' peak
         metrics |= mfu.step_metrics(
             run.policy.config.get_text_config(),
             [s for group in groups for s in group],
@@ -1615,8 +1613,8 @@ def train_one_step(run, step):
 
 
 def take_batch(run):
-    """Rank 0 takes whole groups off the producer's queue and deals each rank an equal share: the
-    groups (rank 0's, for the log), this rank's samples, the step's loss tokens (every rank's)."""
+    """Rank 0 takes whole groups off the producer's queue and deals each rank an equal
+    share: the groups (rank 0's), this rank's samples, the step's loss tokens."""
     args = run.args
     groups = None
     payload = [None, None]
@@ -1632,8 +1630,8 @@ def take_batch(run):
 
 
 def sync_weights(run):
-    """Rank 0 sends the weights to every server (WeightSync): returns its seconds. Under --fsdp
-    every rank gathers its shards with it."""
+    """Rank 0 sends the weights to every server (WeightSync): returns its seconds.
+    Under --fsdp every rank gathers its shards with it."""
     seconds = 0.0
     if run.is_main:
         seconds = run.sync(run.policy)
@@ -1645,15 +1643,14 @@ def sync_weights(run):
 
 
 def log_step(run, pending):
-    """A trained step's line (PendingLine) in metrics.jsonl (and wandb), a few rollouts in
-    rollouts.jsonl, one line printed. The record is left as it is: a retry writes the same line."""
+    """A trained step's line (PendingLine) in metrics.jsonl and wandb, a few rollouts in
+    rollouts.jsonl, one line printed. `pending` is left as it is (a retry writes it)."""
     args = run.args
     clock = run.clock
     cursor = run.done_cursor
     samples = [s for g in pending.groups for s in g]
-    # counted into the clock once the line is written
-    seen = clock["samples"] + len(samples)
-    waited = clock["waited"] + pending.metrics["perf/wait_seconds"]
+    clock["samples"] += len(samples)
+    clock["waited"] += pending.metrics["perf/wait_seconds"]
     wall = time.perf_counter() - clock["start"]
     metrics = {**pending.metrics, **rollout_metrics(pending.groups, pending.trained_version)}
     metrics |= {
@@ -1663,10 +1660,10 @@ def log_step(run, pending):
         "staleness/dropped_samples": cursor["stale_samples"],
         "rollout/skipped_groups": cursor["skipped_groups"],
         "rollout/reward_failures": cursor["reward_failures"],
-        "perf/samples_per_second": seen / wall,
+        "perf/samples_per_second": clock["samples"] / wall,
         "perf/wall_seconds": wall,
         # shares of the wall time
-        "perf/trainer_idle": waited / wall,
+        "perf/trainer_idle": clock["waited"] / wall,
         "perf/generator_idle": (run.version.idle() - clock["idle_start"]) / wall,
         # this process's, producer included
         "perf/cpu_seconds": time.process_time() - clock["cpu_start"],
@@ -1676,15 +1673,13 @@ def log_step(run, pending):
     for s in samples[: args.log_rollouts]:
         completion = run.tok.decode(s["ids"][s["n_prompt"] :])
         versions = [v for v, m in zip(s["versions"], s["mask"]) if m]
-        record = {"step": pending.step, "trained_version": pending.trained_version, "prompt_id": s["prompt_id"]}
-        record |= {"reward": s["reward"], "advantage": s["advantage"], "completion": completion}
-        record["versions"] = versions
+        record = {"step": pending.step, "trained_version": pending.trained_version}
+        record |= {"prompt_id": s["prompt_id"], "reward": s["reward"]}
+        record |= {"advantage": s["advantage"], "completion": completion, "versions": versions}
         print(json.dumps(record), file=run.logs["rollouts"], flush=True)
     write_metrics(run, metrics)
     # once written: a signal before this line writes it again, never not at all
     run.unlogged = None
-    clock["samples"] = seen
-    clock["waited"] = waited
     run.history.append(metrics)
     parts = [
         f"step {pending.step:4d}/{args.steps}",
@@ -2039,16 +2034,15 @@ def _stop_after_step(stop, signum, frame):
     stop.append(signum)
 
 
-# --- Machinery: batches and log-probs: collate's rows, the output layer in chunks, the layout probed at start ---
+# --- Machinery: the step's settings and batches (collate's rows), the log-probs, the layout probed at start ---
 
 
 @dataclass(frozen=True)
 class StepSettings:
-    """What every train_step of a run takes besides its samples (step_settings makes it once);
-    reference: --beta's reference policy."""
+    """What every train_step of a run takes besides its samples (step_settings makes it)."""
 
     loss: LossSettings
-    # token_logprobs' keywords: what vLLM sampled with, the dtype it rounds the logits in
+    # token_logprobs' keywords: how vLLM sampled, the dtype it rounds logits in
     sampling: dict
     # collate's rows (Run.layout)
     layout: dict
@@ -2061,23 +2055,25 @@ class StepSettings:
     world_size: int
     # bf16 (autocast) on a GPU, fp32 on CPU (start_generation says why)
     dtype: torch.dtype
+    # --beta's reference policy
     reference: object = None
 
 
 def step_settings(
     args, device, world_size=1, layout=None, reference=None, stop_ids=(), pad_id=0, served_dtype=torch.bfloat16
 ):
-    """StepSettings from the arguments and the run's state (Run's; a test may leave it out)."""
+    """StepSettings from the arguments and the run's state (a test may leave it out)."""
     sampling = {k: getattr(args, k) for k in ("temperature", "top_k", "top_p", "min_p")}
     sampling |= {"stop_ids": stop_ids, "served_dtype": served_dtype}
-    sizes = {k: getattr(args, k) for k in ("micro_batch_size", "micro_batch_tokens", "max_grad_norm")}
     return StepSettings(
         loss=loss_settings(args),
         sampling=sampling,
         layout=layout or {"share": args.share_prefix, "packed": False},
         min_tokens=args.sampling_args.get("min_tokens", 0),
         pad_id=pad_id,
-        **sizes,
+        micro_batch_size=args.micro_batch_size,
+        micro_batch_tokens=args.micro_batch_tokens,
+        max_grad_norm=args.max_grad_norm,
         device=device,
         world_size=world_size,
         dtype=torch.bfloat16 if device.type == "cuda" else torch.float32,
@@ -2086,26 +2082,24 @@ def step_settings(
 
 
 def equal_micro_batches(samples, width, settings):
-    """This rank's micro-batches, as many as any rank's: DDP and FSDP communicate in every forward
-    and backward, so every rank runs as many, whatever its lengths. width: the hidden size."""
+    """This rank's micro-batches, as many as any rank's: DDP and FSDP communicate in every
+    forward and backward. width: the hidden size."""
     s = settings
     bounds = dict(tokens=s.micro_batch_tokens, width=width, **s.layout)
     micros = micro_batches(samples, s.micro_batch_size, 1, **bounds)
-    if s.world_size == 1:
-        return micros
-    count = torch.tensor(len(micros), device=s.device)
-    dist.all_reduce(count, op=dist.ReduceOp.MAX)
-    # this rank splits its largest micro-batches until it has as many
-    if count > len(micros):
-        micros = micro_batches(samples, s.micro_batch_size, int(count), **bounds)
+    if s.world_size > 1:
+        count = torch.tensor(len(micros), device=s.device)
+        dist.all_reduce(count, op=dist.ReduceOp.MAX)
+        # this rank splits its largest micro-batches until it has as many
+        if count > len(micros):
+            micros = micro_batches(samples, s.micro_batch_size, int(count), **bounds)
     return micros
 
 
 def micro_batches(samples, size, count=1, share=True, tokens=math.inf, width=None, packed=False):
-    """The samples in micro-batches of at most `size` sequences and `tokens` tokens forwarded,
-    padding included; unpacked, at most size x 1.25 x the median length (a longer sequence goes
-    alone): a tool loop's long tail is not mostly padding. Shortest first, a prompt's samples
-    together (share); the loss is normalised over the step. At least `count`: the largest halved."""
+    """The samples in micro-batches of at most `size` sequences and `tokens` tokens forwarded;
+    unpacked, at most size x 1.25 x the median length (a longer sequence alone): a long tail is
+    not mostly padding. Shortest first, a prompt's together. At least `count`: the largest halved."""
     samples = sorted(
         samples, key=lambda s: (s["n_prompt"], s["ids"][: s["n_prompt"]], len(s["ids"])) if share else len(s["ids"])
     )
@@ -2129,11 +2123,10 @@ def micro_batches(samples, size, count=1, share=True, tokens=math.inf, width=Non
 
 
 def rows_of(samples, share=True, width=None):
-    """collate's rows (lists of sample indices) and their lengths: a prompt once, then its samples'
-    completions (share; else a row each). A dense row (width: the hidden size) takes a completion of
-    c tokens where that costs less than a row of its own: it saves n prompt tokens (~12 width^2
-    multiply-adds each) and adds attention over the row's c' completion tokens (~2 width a pair):
-    2 c c' < n (6 width + n). Segments always do."""
+    """collate's rows (lists of sample indices) and their lengths: a prompt once, then its
+    samples' completions (share). A dense row (width: the hidden size) takes a completion of c
+    tokens where that saves more (n prompt tokens, ~12 width^2 multiply-adds each) than it adds
+    (attention to its c' completion tokens, ~2 width a pair): 2 c c' < n (6 width + n)."""
     rows = []
     lengths = []
     open_row = {}  # prompt -> the row its next completion may join
@@ -2151,10 +2144,9 @@ def rows_of(samples, share=True, width=None):
 
 
 def collate(samples, pad_id, device, min_tokens=0, share=True, config=None, packed=False, dtype=torch.float32):
-    """The micro-batch as the model takes it: rows_of's rows, each token at its position alone (a
-    completion's count on from its prompt's end) and seeing what it sees alone, its prompt and its
-    completion: the same log-probs (to float rounding), and the prompt gets the gradients of all its
-    completions. One group, a prompt p0 p1 p2 and two completions a0 a1 and b0 b1 b2, in one row:
+    """The micro-batch as the model takes it: rows_of's rows, each token at its position alone
+    and seeing what it sees alone (its prompt, its completion): the same log-probs, and the
+    prompt gets every completion's gradient. A prompt p0 p1 p2, completions a0 a1, b0 b1 b2:
 
         input_ids     p0 p1 p2 a0 a1 b0 b1 b2
         position_ids   0  1  2  3  4  3  4  5
@@ -2294,10 +2286,9 @@ def reference_logprobs(model, batch, temperature=1.0, **truncation):
 
 
 def token_logprobs(model, batch, temperature=1.0, chunk=2**28, **truncation):
-    """reference_logprobs' numbers, in less memory: the log-probs of what vLLM sampled, the mass
-    truncation removed and the entropy, [B, T]. The model's head gets one position a row
-    (head_input_kept); the output layer runs again on the completions' hidden states alone, in
-    chunks of ~`chunk` logits (output_layer.py: backward keeps hidden states, not logits)."""
+    """reference_logprobs' numbers, in less memory: the model's head gets one position a row
+    (head_input_kept), then the completions' hidden states alone go through it in chunks of
+    ~`chunk` logits (output_layer.py: backward keeps hidden states, not logits)."""
     bare = getattr(model, "module", model)  # DDP's
     head = bare.get_output_embeddings()
     # what the forward hands its head
@@ -2335,9 +2326,8 @@ def head_input_kept(hidden, head, args):
 
 
 def forward_scale(logits, raw):
-    """What a forward does after its head (output `raw`), as the least-squares scale from `raw` to
-    `logits`: Granite's 1 / logits_scaling, Cohere's logit_scale, FalconH1's lm_head_multiplier, no
-    list of names. Anything else logprobs_refused refuses."""
+    """What a forward does after its head, as the least-squares scale from its output `raw` to
+    `logits` (Granite's 1 / logits_scaling, Cohere's logit_scale, ...); logprobs_refused checks."""
     fit = (logits.double() * raw).sum() / (raw.double() ** 2).sum().clamp_min(1e-300)
     return fit.float()
 
@@ -2368,9 +2358,8 @@ def step_statistics(figures, forwarded, samples, settings):
 
 
 def choose_layout(run, model):
-    """collate's rows for this run (Run.layout): a group's prompt once (--share-prefix) unless the
-    model refuses it, in segments where torch's varlen flash kernel runs and the model takes them.
-    Each reason goes to run.layout_reasons (summary.json); a default turned off, to the log."""
+    """collate's rows (Run.layout): a prompt once (--share-prefix), in segments where the varlen
+    kernel runs, if the model takes them; each reason to run.layout_reasons (summary.json)."""
     args = run.args
     config = model.config.get_text_config()
     why = {"share": None if args.share_prefix else "--no-share-prefix"}
