@@ -734,9 +734,8 @@ class LossSettings:
 
 
 def loss_settings(args):
-    names = [f.name for f in dataclasses.fields(LossSettings)]
-    flags = {name: getattr(args, name) for name in names if name != "constant_length"}
-    return LossSettings(constant_length=args.max_tokens, **flags)
+    names = [f.name for f in dataclasses.fields(LossSettings) if f.name != "constant_length"]
+    return LossSettings(constant_length=args.max_tokens, **{name: getattr(args, name) for name in names})
 
 
 # FORK: change the loss (the terms are named as in the papers; train_step calls this)
@@ -783,15 +782,13 @@ def grpo_loss(logp, sampler_logp, advantages, mask, settings, num_tokens=1, num_
     kl = None
     if s.beta:
         kl = kl_to_reference(logp, ref_logp, sampler_logp, s.kl_correction)
-        penalty = sequence_mean(kl, mask) if per_sequence else kl
-        per_token = per_token + s.beta * penalty
+        per_token = per_token + s.beta * (sequence_mean(kl, mask) if per_sequence else kl)
     # What drifted too far leaves the loss; Z still counts it
     keep = off_policy_keep(log_is_ratio, A, mask, s)
     per_token = per_token * keep
     if s.loss_type == "gspo":
         # one clipped ratio per sequence; a sequence without loss tokens counts 0
-        has_tokens = mask.sum(1, keepdim=True) > 0
-        loss = (per_token * has_tokens).sum() / num_sequences
+        loss = (per_token * (mask.sum(1, keepdim=True) > 0)).sum() / num_sequences
     elif s.loss_type == "sequence":
         # the GRPO paper: the mean over each sequence's tokens, then over the sequences
         loss = sequence_mean(per_token, mask).sum() / num_sequences
@@ -808,8 +805,7 @@ def grpo_loss(logp, sampler_logp, advantages, mask, settings, num_tokens=1, num_
 
 def sequence_mean(x, mask):
     """[B, T] -> [B, 1]: the mean over each sequence's loss tokens."""
-    total = (x * mask).sum(1, keepdim=True)
-    return total / mask.sum(1, keepdim=True).clamp(min=1)
+    return (x * mask).sum(1, keepdim=True) / mask.sum(1, keepdim=True).clamp(min=1)
 
 
 def importance_weights(log_is_ratio, mask, settings):
@@ -848,8 +844,7 @@ def off_policy_keep(log_is_ratio, A, mask, settings):
     s = settings
     if s.off_policy_mask == "sequence":
         # [B, 1]
-        drifted = sequence_mean(-log_is_ratio, mask) > s.off_policy_threshold
-        return ~(drifted & (A < 0))
+        return ~((sequence_mean(-log_is_ratio, mask) > s.off_policy_threshold) & (A < 0))
     if s.off_policy_mask == "token":
         # [B, T]
         return log_is_ratio.abs() <= s.off_policy_threshold
@@ -861,7 +856,6 @@ def loss_statistics(mask, settings, ratio, clipped, log_is_ratio, is_ratio, is_w
     """The loss's figures: means over the loss tokens, extremes of the token ratios."""
     n = mask.sum().clamp(min=1)
     tokens = mask.bool()
-    # per token, whatever --is-level
     token_ratio = torch.exp(log_is_ratio)
 
     def share(x):
@@ -1567,8 +1561,7 @@ def train_one_step(run, step):
     run.scheduler.step()
     if run.is_main:
         run.done_cursor = dict(run.producer.cursor)
-        metrics["train/loss_tokens"] = num_tokens
-        metrics["perf/wait_seconds"] = wait_seconds
+        metrics |= {"train/loss_tokens": num_tokens, "perf/wait_seconds": wait_seconds}
         metrics["sync/seconds"] = 0.0
         # the step's FLOPs (every rank's) over its seconds and the devices' peak
         metrics |= mfu.step_metrics(
@@ -1615,11 +1608,10 @@ def train_one_step(run, step):
 def take_batch(run):
     """Rank 0 takes whole groups off the producer's queue and deals each rank an equal
     share: the groups (rank 0's), this rank's samples, the step's loss tokens."""
-    args = run.args
     groups = None
     payload = [None, None]
     if run.is_main:
-        groups = run.producer.take(args.prompts_per_step, args.data_timeout, lambda: bool(run.stop))
+        groups = run.producer.take(run.args.prompts_per_step, run.args.data_timeout, lambda: bool(run.stop))
         fields = ("ids", "n_prompt", "mask", "logprobs", "advantage")
         to_train = [{k: s[k] for k in fields} for group in groups for s in group]
         shares = [to_train[r :: run.world_size] for r in range(run.world_size)]
@@ -1681,18 +1673,13 @@ def log_step(run, pending):
     # once written: a signal before this line writes it again, never not at all
     run.unlogged = None
     run.history.append(metrics)
-    parts = [
-        f"step {pending.step:4d}/{args.steps}",
-        f"reward {metrics['reward/mean']:6.3f}",
-        f"loss {metrics['loss']:+.4f}",
-        f"{metrics['perf/samples_per_second']:6.1f} samples/s",
-        f"staleness {metrics['staleness/mean']:.2f}",
-        f"sync {metrics['sync/seconds']:.2f}s",
-        f"tools {metrics['tools/call_frequency']:.2f}",
-    ]
-    if "eval/reward" in metrics:
-        parts.append(f"eval {metrics['eval/reward']:.3f}")
-    print(" | ".join(parts), flush=True)
+    print(
+        f"step {pending.step:4d}/{args.steps} | reward {metrics['reward/mean']:6.3f} | loss {metrics['loss']:+.4f} | "
+        f"{metrics['perf/samples_per_second']:6.1f} samples/s | staleness {metrics['staleness/mean']:.2f} | "
+        f"sync {metrics['sync/seconds']:.2f}s | tools {metrics['tools/call_frequency']:.2f}"
+        + (f" | eval {metrics['eval/reward']:.3f}" if "eval/reward" in metrics else ""),
+        flush=True,
+    )
 
 
 def cut_back(log, step):
@@ -2039,12 +2026,12 @@ def _stop_after_step(stop, signum, frame):
 
 @dataclass(frozen=True)
 class StepSettings:
-    """What every train_step of a run takes besides its samples (step_settings makes it)."""
+    """What every train_step of a run takes besides its samples (step_settings makes it):
+    layout, collate's rows (Run.layout); reference, --beta's reference policy."""
 
     loss: LossSettings
     # token_logprobs' keywords: how vLLM sampled, the dtype it rounds logits in
     sampling: dict
-    # collate's rows (Run.layout)
     layout: dict
     min_tokens: int
     pad_id: int
@@ -2055,7 +2042,6 @@ class StepSettings:
     world_size: int
     # bf16 (autocast) on a GPU, fp32 on CPU (start_generation says why)
     dtype: torch.dtype
-    # --beta's reference policy
     reference: object = None
 
 
@@ -2094,6 +2080,31 @@ def equal_micro_batches(samples, width, settings):
         if count > len(micros):
             micros = micro_batches(samples, s.micro_batch_size, int(count), **bounds)
     return micros
+
+
+def step_statistics(figures, forwarded, samples, settings):
+    """The step's figures, merged once: the micro-batches' (loss, stats, loss tokens) as the loss
+    summed, means weighted by their loss tokens and extremes over all; the tokens forwarded."""
+    loss_tokens = max(1, sum(sum(s["mask"]) for s in samples))
+    totals = {"loss": 0.0}
+    for loss, stats, share in figures:
+        totals["loss"] += loss
+        for k, v in stats.items():
+            if k.endswith("_min"):
+                totals[k] = min(totals.get(k, v), v)
+            elif k.endswith("_max"):
+                totals[k] = max(totals.get(k, v), v)
+            else:
+                totals[k] = totals.get(k, 0.0) + v * share / loss_tokens
+    counts = [forwarded, sum(len(s["ids"]) for s in samples)]
+    tokens = torch.tensor(counts, dtype=torch.float64, device=settings.device)
+    # the step's, over every rank
+    if settings.world_size > 1:
+        dist.all_reduce(tokens)
+    forwarded, unshared = tokens.tolist()
+    totals |= {"train/tokens": forwarded, "train/tokens_unshared": unshared}
+    totals["train/tokens_saved"] = 1 - forwarded / unshared
+    return totals
 
 
 def micro_batches(samples, size, count=1, share=True, tokens=math.inf, width=None, packed=False):
@@ -2157,13 +2168,13 @@ def collate(samples, pad_id, device, min_tokens=0, share=True, config=None, pack
     completions share one (shared_rows_mask). Per-token tensors: completion_tensors."""
     width = None if packed else getattr(config, "hidden_size", None)
     rows = rows_of(samples, share, width)[0]
-    ids = []  # per row: a prompt, then the completions that joined it
-    # per row, per token: 0 the prompt, i + 1 sample i's completion (the mask's)
+    # per row its ids (a prompt, then the completions that joined it), each token's segment
+    # (0: the prompt, i + 1: sample i's completion) and position; per segment its query
+    # count and key columns; per sample its row and the columns that predict its tokens
+    ids = []
     segment = []
     position = []
-    # packed: per segment, its query count and the columns of its keys
     segments = []
-    # per sample: its row, and the columns whose hidden states predict its tokens
     at = {}
     for members in rows:
         n = samples[members[0]]["n_prompt"]
@@ -2291,10 +2302,9 @@ def token_logprobs(model, batch, temperature=1.0, chunk=2**28, **truncation):
     ~`chunk` logits (output_layer.py: backward keeps hidden states, not logits)."""
     bare = getattr(model, "module", model)  # DDP's
     head = bare.get_output_embeddings()
-    # what the forward hands its head
+    # what the forward hands its head, and its head's output there (before any transform)
     hidden = []
     keep_input = head.register_forward_pre_hook(functools.partial(head_input_kept, hidden))
-    # the head's output there, before the forward transforms it
     raw = []
     keep_output = head.register_forward_hook(lambda head, args, out: raw.append(out.detach()))
     try:
@@ -2304,9 +2314,8 @@ def token_logprobs(model, batch, temperature=1.0, chunk=2**28, **truncation):
         keep_input.remove()
         keep_output.remove()
     real = batch["cols"] >= 0  # [B, T]: the completions' tokens, not padding
-    rows = batch["rows"].expand_as(real)[real]
     # [tokens, width]
-    states = hidden[0][rows, batch["cols"][real]]
+    states = hidden[0][batch["rows"].expand_as(real)[real], batch["cols"][real]]
     # Gemma's softcapping, which the model's forward applies after its head
     softcap = getattr(bare.config.get_text_config(), "final_logit_softcapping", None)
     scale = forward_scale(logits, raw[0])
@@ -2330,31 +2339,6 @@ def forward_scale(logits, raw):
     `logits` (Granite's 1 / logits_scaling, Cohere's logit_scale, ...); logprobs_refused checks."""
     fit = (logits.double() * raw).sum() / (raw.double() ** 2).sum().clamp_min(1e-300)
     return fit.float()
-
-
-def step_statistics(figures, forwarded, samples, settings):
-    """The step's figures, merged once: the micro-batches' (loss, stats, loss tokens) as the loss
-    summed, means weighted by their loss tokens and extremes over all; the tokens forwarded."""
-    loss_tokens = max(1, sum(sum(s["mask"]) for s in samples))
-    totals = {"loss": 0.0}
-    for loss, stats, share in figures:
-        totals["loss"] += loss
-        for k, v in stats.items():
-            if k.endswith("_min"):
-                totals[k] = min(totals.get(k, v), v)
-            elif k.endswith("_max"):
-                totals[k] = max(totals.get(k, v), v)
-            else:
-                totals[k] = totals.get(k, 0.0) + v * share / loss_tokens
-    counts = [forwarded, sum(len(s["ids"]) for s in samples)]
-    tokens = torch.tensor(counts, dtype=torch.float64, device=settings.device)
-    # the step's, over every rank
-    if settings.world_size > 1:
-        dist.all_reduce(tokens)
-    forwarded, unshared = tokens.tolist()
-    totals |= {"train/tokens": forwarded, "train/tokens_unshared": unshared}
-    totals["train/tokens_saved"] = 1 - forwarded / unshared
-    return totals
 
 
 def choose_layout(run, model):
@@ -2534,10 +2518,9 @@ def parse_args(argv=None, world_size=1, cuda_count=None, local_ranks=None, heads
         "--is-correction",
         choices=["none", "tis", "mis"],
         default="none",
-        help="weigh the surrogate by pi_trainer / pi_vLLM: not (none: the ratio is against vLLM's log-probs), "
-        "truncated at --is-threshold (tis), or masked outside [1/threshold, threshold] (mis). With tis or mis the "
-        "ratio is against the policy before this update, 1 with one update a batch: the clip never binds, and the "
-        "correction bounds the update (grpo_loss)",
+        help="weigh the surrogate by pi_trainer / pi_vLLM, truncated at --is-threshold (tis) or masked outside "
+        "[1/threshold, threshold] (mis); the ratio is then against the policy before this update, 1 (one update a "
+        "batch): the clip never binds. none: the ratio is against vLLM's log-probs",
     )
     g.add_argument(
         "--is-threshold", type=float, default=2.0, help="truncation / masking bound of the importance weights"
