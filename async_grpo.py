@@ -748,8 +748,8 @@ def grpo_loss(logp, sampler_logp, advantages, mask, settings, num_tokens=1, num_
 
         --loss-type   ratio      surrogate                 Z
         token         token      min(ratio A, clipped A)   the step's loss tokens (DAPO)
-        sequence      token      min(ratio A, clipped A)   per sequence, its tokens (GRPO)
-        constant      token      min(ratio A, clipped A)   sequences x --max-tokens (Dr. GRPO)
+        sequence      token      min(ratio A, clipped A)   a sequence's tokens x sequences (GRPO)
+        constant      token      min(ratio A, clipped A)   --max-tokens x sequences (Dr. GRPO)
         gspo          sequence   min(ratio A, clipped A)   sequences (GSPO)
         cispo         token      sg(clipped) A logp        the step's loss tokens (MiniMax-M1)
 
@@ -2030,7 +2030,8 @@ class StepSettings:
     layout, collate's rows (Run.layout); reference, --beta's reference policy."""
 
     loss: LossSettings
-    # token_logprobs' keywords: how vLLM sampled, the dtype it rounds logits in
+    # token_logprobs' keywords: how vLLM sampled (a ratio to its log-probs then measures the
+    # policy, not the truncation), the dtype it rounds logits in
     sampling: dict
     layout: dict
     min_tokens: int
