@@ -719,7 +719,7 @@ class LossSettings:
     epsilon_high: float = 0.28
     # the --loss-type of grpo_loss's table
     loss_type: str = "token"
-    # Dr. GRPO's constant: --max-tokens (a turn's budget, not a multi-turn rollout's)
+    # Dr. GRPO's constant: --max-tokens, a turn's budget
     constant_length: int = 1
     # the sampler's drift: none, tis, mis; where it cuts; per token or sequence
     is_correction: str = "none"
@@ -746,12 +746,12 @@ def grpo_loss(logp, sampler_logp, advantages, mask, settings, num_tokens=1, num_
         surrogate = min(ratio A, clipped A)    ratio = exp(logp - old_logp)
         clipped = clamp(ratio, 1 - epsilon, 1 + epsilon_high)
 
-        --loss-type   ratio      surrogate                 Z
-        token         token      min(ratio A, clipped A)   the step's loss tokens (DAPO)
-        sequence      token      min(ratio A, clipped A)   a sequence's tokens x sequences (GRPO)
-        constant      token      min(ratio A, clipped A)   --max-tokens x sequences (Dr. GRPO)
-        gspo          sequence   min(ratio A, clipped A)   sequences (GSPO)
-        cispo         token      sg(clipped) A logp        the step's loss tokens (MiniMax-M1)
+        --loss-type  ratio     surrogate                Z
+        token        token     min(ratio A, clipped A)  the step's loss tokens (DAPO)
+        sequence     token     min(ratio A, clipped A)  a sequence's tokens x sequences (GRPO)
+        constant     token     min(ratio A, clipped A)  --max-tokens x sequences (Dr. GRPO)
+        gspo         sequence  min(ratio A, clipped A)  sequences (GSPO)
+        cispo        token     sg(clipped) A logp       the step's loss tokens (MiniMax-M1)
 
     logp (with gradient), sampler_logp (vLLM's), mask: [B, T]; A = advantages: [B]. old_logp:
     sampler_logp, or with --is-correction logp without gradient. A sequence's ratio: its
@@ -2227,19 +2227,21 @@ def padded(rows, kind=torch.float, value=0):
 
 
 def packed_segments(segments, device):
-    """segment_attention's inputs: for the docstring's row (3, [0 1 2]), (2, [0 1 2 3 4]),
-    (3, [0 1 2 5 6 7]) as varlen attention takes them (each query count, its keys' columns)."""
+    """segment_attention's inputs: each segment's query count and key columns, for collate's
+    row (3, [0 1 2]), (2, [0 1 2 3 4]), (3, [0 1 2 5 6 7]), as a varlen kernel takes them."""
     queries, keys = zip(*segments)
-    starts = [[0, *itertools.accumulate(queries)], [0, *itertools.accumulate(map(len, keys))]]
-    starts = [torch.tensor(x, dtype=torch.int32, device=device) for x in starts]
+    key_counts = [len(k) for k in keys]
+    int32 = functools.partial(torch.tensor, dtype=torch.int32, device=device)
+    query_starts = int32([0, *itertools.accumulate(queries)])
+    key_starts = int32([0, *itertools.accumulate(key_counts)])
     # kv_index: each segment's keys
     kv_index = torch.tensor([column for k in keys for column in k], device=device)
+    inputs = (query_starts, key_starts, kv_index, max(queries), max(key_counts))
     # segment_attention reads the segments, no mask. An empty 4D one is passed on as it is:
-    # without it, packed positions (restarting at each completion) make transformers build a
-    # [1, 1, T, T] mask that nothing reads
+    # without it, packed positions (restarting at each completion) make transformers build
+    # a [1, 1, T, T] mask that nothing reads
     empty = torch.ones(1, 1, 0, 0, dtype=torch.bool, device=device)
-    segments = (*starts, kv_index, max(queries), max(map(len, keys)))
-    return {"segments": segments, "attention_mask": empty}
+    return {"segments": inputs, "attention_mask": empty}
 
 
 def shared_rows_mask(segment, position, config, dtype):
