@@ -712,25 +712,23 @@ def cancel_all(tasks):
 
 @dataclass(frozen=True)
 class LossSettings:
-    """The loss's flags, one object for the step (loss_settings makes it from the arguments)."""
+    """The loss's flags (loss_settings makes it from the arguments)."""
 
     # the clip range of the ratio: [1 - epsilon, 1 + epsilon_high]
     epsilon: float = 0.2
     epsilon_high: float = 0.28
-    # how per-token terms become the loss: token (DAPO), sequence (GRPO), constant (Dr. GRPO), gspo, cispo
+    # the --loss-type of grpo_loss's table
     loss_type: str = "token"
-    # Dr. GRPO's constant, which every sequence is divided by: --max-tokens (a turn's budget, not a multi-turn
-    # rollout's)
+    # Dr. GRPO's constant: --max-tokens, a turn's budget
     constant_length: int = 1
-    # the correction for the sampler's drift: none, tis (truncated), mis (masked); where it cuts; per token or
-    # sequence
+    # the sampler's drift: none, tis, mis; where it cuts; per token or sequence
     is_correction: str = "none"
     is_threshold: float = 2.0
     is_level: str = "token"
-    # the KL penalty to the reference policy, and whether pi_theta / pi_sampler weighs it
+    # the KL penalty to the reference policy; pi_theta / pi_sampler weighs it
     beta: float = 0.0
     kl_correction: bool = False
-    # what drifted too far from the sampler leaves the loss: none, sequence, token; how far is too far
+    # what drifted too far leaves the loss: none, sequence, token; how far
     off_policy_mask: str = "none"
     off_policy_threshold: float = 0.5
 
@@ -742,21 +740,26 @@ def loss_settings(args):
 
 # FORK: change the loss (the terms are named as in the papers; train_step calls this)
 def grpo_loss(logp, sampler_logp, advantages, mask, settings, num_tokens=1, num_sequences=1, ref_logp=None):
-    """The negated objective of one micro-batch, as a share of the step's:
+    """The negated objective of one micro-batch, its share of the step's, in the code's names:
 
-        J(theta) = 1/Z sum_i sum_t  m_it w_it min(r_it A_i, clip(r_it, 1 - eps, 1 + eps_high) A_i)
-                   - beta KL(pi_theta || pi_ref)
+        J = 1/Z sum_i sum_t keep (is_weight surrogate - beta kl)
+        surrogate = min(ratio A, clipped A)    ratio = exp(logp - old_logp)
+        clipped = clamp(ratio, 1 - epsilon, 1 + epsilon_high)
 
-    r = pi_theta / pi_old, the ratio the clip bounds: pi_old is the sampler (vLLM's log-probs), or with
-    --is-correction the policy before this update. w = the importance weight of that correction (1 without
-    it). m = the off-policy mask (1 without it). A_i = the group-relative advantage of sequence i. Z = the
-    normaliser of --loss-type. gspo takes one r per sequence, the geometric mean of its tokens'; cispo
-    maximises sg(clip(r)) A log pi instead. With a correction and one update per batch, pi_old is the policy
-    being updated: r = 1, inside the clip, and the gradient is w A grad log pi (decoupled PPO).
+        --loss-type  ratio     surrogate                Z
+        token        token     min(ratio A, clipped A)  the step's loss tokens (DAPO)
+        sequence     token     min(ratio A, clipped A)  a sequence's tokens x sequences (GRPO)
+        constant     token     min(ratio A, clipped A)  --max-tokens x sequences (Dr. GRPO)
+        gspo         sequence  min(ratio A, clipped A)  sequences (GSPO)
+        cispo        token     sg(clipped) A logp       the step's loss tokens (MiniMax-M1)
 
-    logp (the trainer's, with gradient), sampler_logp (vLLM's), mask (0 on tool-result and padding tokens):
-    [B, T], per completion token; advantages: [B]. num_tokens and num_sequences count the whole step (every
-    micro-batch and rank), so that the micro-batches' losses add up to the step's."""
+    logp (with gradient), sampler_logp (vLLM's), mask: [B, T]; A = advantages: [B]. old_logp:
+    sampler_logp, or with --is-correction logp without gradient. A sequence's ratio: its
+    tokens' geometric mean. is_weight: importance_weights; keep: off_policy_keep; kl:
+    kl_to_reference. num_tokens, num_sequences: the whole step's, every micro-batch and rank.
+
+    With --is-correction the clip never binds: a batch gets one update, so ratio is 1, inside
+    the clip, and the gradient is is_weight A grad logp (decoupled PPO): is_weight bounds it."""
     s = settings
     per_sequence = s.loss_type == "gspo"
     # log pi_trainer / pi_sampler, without gradient: the numeric mismatch plus the staleness
@@ -769,7 +772,7 @@ def grpo_loss(logp, sampler_logp, advantages, mask, settings, num_tokens=1, num_
     clipped = torch.clamp(ratio, 1 - s.epsilon, 1 + s.epsilon_high)
     A = advantages[:, None]
     if s.loss_type == "cispo":
-        # MiniMax-M1: the clipped ratio weighs the gradient of log pi without a gradient of its own, so that
+        # the clipped ratio, without gradient, weighs grad log pi:
         # clipped tokens still contribute, at the clipped weight
         surrogate = clipped.detach() * A * logp
     else:
@@ -780,7 +783,7 @@ def grpo_loss(logp, sampler_logp, advantages, mask, settings, num_tokens=1, num_
     if s.beta:
         kl = kl_to_reference(logp, ref_logp, sampler_logp, s.kl_correction)
         per_token = per_token + s.beta * (sequence_mean(kl, mask) if per_sequence else kl)
-    # What drifted too far leaves the loss; the normalisers below still count it
+    # What drifted too far leaves the loss; Z still counts it
     keep = off_policy_keep(log_is_ratio, A, mask, s)
     per_token = per_token * keep
     if s.loss_type == "gspo":
@@ -795,8 +798,9 @@ def grpo_loss(logp, sampler_logp, advantages, mask, settings, num_tokens=1, num_
     else:
         # token (DAPO), and cispo: every loss token of the step weighs the same
         loss = (per_token * mask).sum() / num_tokens
-    terms = dict(ratio=ratio, clipped=clipped, log_is_ratio=log_is_ratio, is_ratio=is_ratio, is_weight=is_weight)
-    return loss, loss_statistics(mask, s, keep=keep, kl=kl, **terms)
+    terms = dict(ratio=ratio, clipped=clipped, keep=keep, kl=kl)
+    terms |= dict(log_is_ratio=log_is_ratio, is_ratio=is_ratio, is_weight=is_weight)
+    return loss, loss_statistics(mask, s, **terms)
 
 
 def sequence_mean(x, mask):
@@ -805,14 +809,12 @@ def sequence_mean(x, mask):
 
 
 def importance_weights(log_is_ratio, mask, settings):
-    """The importance ratio w = pi_trainer / pi_sampler, and the weight the correction makes of it: w
-    truncated at the threshold (tis), w masked outside [1 / threshold, threshold] (mis, decoupled PPO), or 1
-    (none).
+    """is_ratio = pi_trainer / pi_sampler, and is_weight, the correction's weight: is_ratio
+    truncated at the threshold (tis), 0 outside [1 / threshold, threshold] (mis), or 1.
 
-    Per sequence (--is-level sequence, and always for gspo) w is the geometric mean of its tokens' ratios, not
-    their product (the sequence's likelihood ratio, which TRL's and verl's sequence levels use): the product
-    of a thousand token ratios each within 1% of 1 lies anywhere in e^-10..e^10, and a threshold on it would
-    cut long sequences for their length; the geometric mean is on the scale of one token's."""
+    Per sequence (--is-level sequence; gspo), is_ratio is its tokens' geometric mean, not
+    their product: 1000 ratios within 1% of 1 multiply to anywhere in e^-10..e^10, and a
+    threshold on that would cut long sequences for their length."""
     s = settings
     per_sequence = s.is_level == "sequence" or s.loss_type == "gspo"
     is_ratio = torch.exp(sequence_mean(log_is_ratio, mask) if per_sequence else log_is_ratio)
@@ -825,9 +827,9 @@ def importance_weights(log_is_ratio, mask, settings):
 
 
 def kl_to_reference(logp, ref_logp, sampler_logp, corrected):
-    """Per token, KL(pi_theta || pi_ref) by the k3 estimator: unbiased under pi_theta and never negative. The
-    tokens come from pi_sampler: corrected (--kl-correction, DeepSeek-V3.2) weighs each by pi_theta /
-    pi_sampler, which makes the estimate unbiased, with the weight's gradient too."""
+    """Per token, KL(pi_theta || pi_ref) by the k3 estimator (unbiased, never negative)
+    under pi_theta. The tokens come from pi_sampler: corrected (--kl-correction,
+    DeepSeek-V3.2) weighs each by pi_theta / pi_sampler, which makes it unbiased."""
     delta = ref_logp - logp
     kl = torch.exp(delta) - delta - 1
     if corrected:
@@ -836,9 +838,9 @@ def kl_to_reference(logp, ref_logp, sampler_logp, corrected):
 
 
 def off_policy_keep(log_is_ratio, A, mask, settings):
-    """True where the loss keeps a token. sequence (DeepSeek-V3.2) drops a sequence with a negative advantage
-    whose mean log(pi_sampler / pi_trainer) is past the threshold: updates that push down tokens the trainer
-    already finds less likely. token (IcePop) drops a token whose |log w| is past it."""
+    """keep: True where the loss keeps a token. sequence (DeepSeek-V3.2) drops a sequence
+    with A < 0 whose mean log(pi_sampler / pi_trainer) is past the threshold (it would push
+    down tokens already less likely); token (IcePop), a token whose |log is_ratio| is."""
     s = settings
     if s.off_policy_mask == "sequence":
         # [B, 1]
@@ -851,21 +853,21 @@ def off_policy_keep(log_is_ratio, A, mask, settings):
 
 @torch.no_grad()
 def loss_statistics(mask, settings, ratio, clipped, log_is_ratio, is_ratio, is_weight, keep, kl):
-    """The loss's figures: means over the loss tokens, extremes of the token ratios to the sampler."""
+    """The loss's figures: means over the loss tokens, extremes of the token ratios."""
     n = mask.sum().clamp(min=1)
     tokens = mask.bool()
-    token_w = torch.exp(log_is_ratio)
+    token_ratio = torch.exp(log_is_ratio)
 
     def share(x):
         return (x * mask).sum() / n
 
     stats = {
         "train/clip_fraction": share((ratio - clipped).abs() > 0),
-        "is/ratio_mean": share(token_w),
+        "is/ratio_mean": share(token_ratio),
         # the k3 estimate of KL(pi_sampler || pi_trainer)
-        "is/mismatch_kl": share(token_w - 1 - log_is_ratio),
-        "is/ratio_min": torch.where(tokens, token_w, torch.inf).min(),
-        "is/ratio_max": torch.where(tokens, token_w, -torch.inf).max(),
+        "is/mismatch_kl": share(token_ratio - 1 - log_is_ratio),
+        "is/ratio_min": torch.where(tokens, token_ratio, torch.inf).min(),
+        "is/ratio_max": torch.where(tokens, token_ratio, -torch.inf).max(),
         "is/off_policy_masked": share(~keep),
     }
     if settings.is_correction == "tis":
@@ -874,7 +876,7 @@ def loss_statistics(mask, settings, ratio, clipped, log_is_ratio, is_ratio, is_w
         stats["is/masked_fraction"] = share(is_weight == 0)
     if kl is not None:
         stats["train/kl"] = share(kl)
-    # One device-to-host copy for all of them; the extremes of a micro-batch without loss tokens are dropped
+    # one copy to the host; a micro-batch without loss tokens has no extremes
     values = torch.stack(list(stats.values())).tolist()
     return {k: v for k, v in zip(stats, values) if math.isfinite(v)}
 
@@ -882,95 +884,68 @@ def loss_statistics(mask, settings, ratio, clipped, log_is_ratio, is_ratio, is_w
 # --- The training step: micro-batches, each group's prompt once, the log-probs of what vLLM sampled ---
 
 
-def train_step(
-    model,
-    optimizer,
-    samples,
-    num_tokens,
-    num_sequences,
-    args,
-    device,
-    world_size,
-    reference=None,
-    stop_ids=(),
-    pad_id=0,
-    served_dtype=torch.bfloat16,
-    layout=None,
-):
-    """One optimizer step on this rank's samples: gradient accumulation over micro-batches. DDP all-reduces on
-    the last one only. FSDP reduce-scatters on each: skipping that (set_requires_gradient_sync) would hold the
-    unsharded gradients of the whole model on every rank. layout: collate's rows, as the run chose them
-    (Run.layout)."""
+def train_step(model, optimizer, samples, num_tokens, num_sequences, settings):
+    """One optimizer step on this rank's samples: each micro-batch's batch, log-probs, loss
+    and backward, then the gradient clipped and the update. settings: StepSettings."""
+    s = settings
     model.train()
     # its width and window shape the rows (collate)
     config = getattr(model, "module", model).config.get_text_config()
-    totals = {"loss": 0.0}
+    micros = equal_micro_batches(samples, config.hidden_size, s)
+    normalisers = dict(num_tokens=num_tokens, num_sequences=num_sequences)
+    # autocast's cache would keep a bf16 copy of each weight (FSDP's gathered ones too)
+    # until the backward ends; without it a weight is cast where it is used
+    bf16 = s.dtype == torch.bfloat16
     # tokens through the model: each group's prompt once where it is shared
     forwarded = 0
-    layout = layout or {"share": args.share_prefix, "packed": False}
-    settings = loss_settings(args)
-    bound = dict(tokens=args.micro_batch_tokens, width=config.hidden_size, **layout)
-    micros = micro_batches(samples, args.micro_batch_size, 1, **bound)
-    # Every rank runs as many forwards and backwards, whatever its lengths: DDP and FSDP communicate in them.
-    if world_size > 1:
-        count = torch.tensor(len(micros), device=device)
-        dist.all_reduce(count, op=dist.ReduceOp.MAX)
-        # this rank splits its largest micro-batches until it has as many
-        if count > len(micros):
-            micros = micro_batches(samples, args.micro_batch_size, int(count), **bound)
-    min_tokens = args.sampling_args.get("min_tokens", 0)
-    # autocast's, below
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    # the distribution vLLM sampled from: the ratio against its log-probs measures the policy, not the
-    # truncation
-    sampling = {k: getattr(args, k) for k in ("temperature", "top_k", "top_p", "min_p")}
-    sampling |= {"stop_ids": stop_ids, "served_dtype": served_dtype}
+    figures = []
     for i, micro in enumerate(micros):
-        batch = collate(micro, pad_id, device, min_tokens, config=config, dtype=dtype, **layout)
+        batch = collate(micro, s.pad_id, s.device, s.min_tokens, config=config, dtype=s.dtype, **s.layout)
         forwarded += batch["tokens"]
-        # autocast's cache would hold a bf16 copy of every weight it casts until the backward ends,
-        # FSDP's gathered ones too (sharding defeated); without it a weight is cast where it is used
-        half = device.type == "cuda"
+        # DDP all-reduces in the last backward only. FSDP reduce-scatters in each: else
+        # every rank would hold the unsharded gradients
+        accumulate = i < len(micros) - 1 and hasattr(model, "no_sync")
         with (
-            model.no_sync() if i < len(micros) - 1 and hasattr(model, "no_sync") else contextlib.nullcontext(),
-            torch.autocast(device.type, dtype=torch.bfloat16, enabled=half, cache_enabled=False),
+            model.no_sync() if accumulate else contextlib.nullcontext(),
+            torch.autocast(s.device.type, dtype=torch.bfloat16, enabled=bf16, cache_enabled=False),
         ):
-            logp, removed, entropy = token_logprobs(model, batch, **sampling)
-            with torch.no_grad():
-                ref_logp = token_logprobs(reference, batch, **sampling)[0] if reference else None
-            # FSDP2 keeps a root's weights gathered after its forward, for a backward the reference never runs
-            if hasattr(reference, "reshard"):
-                reference.reshard()
-            mask = batch["mask"]
-            normalisers = dict(num_tokens=num_tokens, num_sequences=num_sequences)
-            loss, stats = grpo_loss(
-                logp, batch["sampler_logp"], batch["advantages"], mask, settings, ref_logp=ref_logp, **normalisers
-            )
-            stats["is/truncated_mass"] = ((removed * mask).sum() / mask.sum().clamp(min=1)).item()
-            stats["train/entropy"] = ((entropy * mask).sum() / mask.sum().clamp(min=1)).item()
+            logps = token_logprobs(model, batch, **s.sampling)
+            loss, stats = micro_batch_loss(batch, logps, s, **normalisers)
             # DDP and FSDP average over ranks; the loss is already a global mean
-            (loss * world_size).backward()
-        totals["loss"] += loss.item()
-        # means over this rank's loss tokens, extremes over all of them
-        for k, v in stats.items():
-            if k.endswith(("_min", "_max")):
-                totals[k] = (min if k.endswith("_min") else max)(totals.get(k, v), v)
-            else:
-                totals[k] = totals.get(k, 0.0) + v * mask.sum().item() / max(1, sum(sum(s["mask"]) for s in samples))
-    tokens = torch.tensor([forwarded, sum(len(s["ids"]) for s in samples)], dtype=torch.float64, device=device)
-    if world_size > 1:
-        dist.all_reduce(tokens)  # the step's, over every rank
-    forwarded, unshared = tokens.tolist()
-    totals |= {"train/tokens": forwarded, "train/tokens_unshared": unshared}
-    totals["train/tokens_saved"] = 1 - forwarded / unshared
-    totals["train/grad_norm"] = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm).item()
-    if math.isfinite(totals["train/grad_norm"]):
+            (loss * s.world_size).backward()
+        figures.append((loss.item(), stats, batch["mask"].sum().item()))
+    totals = step_statistics(figures, forwarded, samples, s)
+    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), s.max_grad_norm).item()
+    totals["train/grad_norm"] = grad_norm
+    if math.isfinite(grad_norm):
         optimizer.step()
     else:
-        # one NaN or inf would make every weight NaN, then synced and saved: the update is skipped instead
-        print(f"warning: skipped an update whose gradient norm is {totals['train/grad_norm']}", flush=True)
+        # one NaN or inf would make every weight NaN, then synced and saved
+        print(f"warning: skipped an update whose gradient norm is {grad_norm}", flush=True)
     optimizer.zero_grad(set_to_none=True)
-    return dict(totals)
+    return totals
+
+
+def micro_batch_loss(batch, logps, settings, num_tokens, num_sequences):
+    """A micro-batch's loss and figures from its token_logprobs (logp, removed, entropy)."""
+    s = settings
+    logp, removed, entropy = logps
+    ref_logp = None
+    if s.reference is not None:
+        with torch.no_grad():
+            ref_logp = token_logprobs(s.reference, batch, **s.sampling)[0]
+        # FSDP2 keeps a root's weights gathered for a backward, never run here
+        if hasattr(s.reference, "reshard"):
+            s.reference.reshard()
+    mask = batch["mask"]
+    sampler_logp = batch["sampler_logp"]
+    advantages = batch["advantages"]
+    normalisers = dict(num_tokens=num_tokens, num_sequences=num_sequences)
+    loss, stats = grpo_loss(logp, sampler_logp, advantages, mask, s.loss, ref_logp=ref_logp, **normalisers)
+    n = mask.sum().clamp(min=1)
+    stats["is/truncated_mass"] = ((removed * mask).sum() / n).item()
+    stats["train/entropy"] = ((entropy * mask).sum() / n).item()
+    return loss, stats
 
 
 # --- The weight sync: rank 0 pauses vLLM, broadcasts packed buckets to every worker, resumes ------
@@ -1280,6 +1255,7 @@ class Run:
     layout: dict = None
     layout_reasons: dict = None  # each choice of the layout: "on", or why not
     served_dtype: object = None  # the dtype the servers compute in
+    step_settings: object = None  # what every train_step takes (StepSettings), once the servers' dtype is known
     sync_backend: str = None  # the weight sync's: the device plan's, or what --vllm-url servers' devices allow
     version: object = None  # the PolicyVersion the weight sync advances
     sync: object = None
@@ -1287,7 +1263,7 @@ class Run:
     share_core: object = contextlib.nullcontext  # around a training step: share_idle_core on CPU
     logs: dict = field(default_factory=dict)  # metrics.jsonl, rollouts.jsonl, the wandb run
     stop: list = field(default_factory=list)  # a signal asked to stop after this step
-    unlogged: list = None  # log_step's arguments for the last trained step, until its line is written
+    unlogged: object = None  # the last trained step's PendingLine, until log_step writes its line
     updating: bool = False  # mid-update: the weights may be half-changed, so they are not saved
     completed: int = 0  # steps finished
     done_cursor: dict = None  # the producer's data cursor as of the last finished step: what a checkpoint saves
@@ -1502,6 +1478,8 @@ def start_generation(run):
     if run.world_size > 1:
         dist.broadcast_object_list(dtype, 0)
     run.served_dtype = getattr(torch, dtype[0])
+    state = dict(layout=run.layout, reference=run.reference, stop_ids=run.ctx.stop_ids, pad_id=run.pad_id)
+    run.step_settings = step_settings(args, run.device, run.world_size, served_dtype=run.served_dtype, **state)
     if run.is_main:
         # On CPU fp32 even with native bf16: autocast there halved the step but moved the log-probs from fp32's
         # (the CPU server's dtype) by a mismatch KL of 2e-2 to 7e-2; with a bf16 server too, 2.5e-3, and the recipe
@@ -1556,38 +1534,36 @@ def start_generation(run):
     }
 
 
+@dataclass
+class PendingLine:
+    """A step's metrics line until log_step writes it (Run.unlogged), or save_after_error."""
+
+    step: int
+    groups: list
+    metrics: dict
+    trained_version: int
+
+
 def train_one_step(run, step):
-    """One step, in phases: take a batch, update the weights, sync them to vLLM, evaluate, log, checkpoint.
-    What a save pairs (the weights, the step count, the data cursor, the step's line) is set together while
-    run.updating marks the update, so that a signal or an error at any line saves the last finished step whole
-    (save_after_error)."""
+    """One step: take a batch, update the weights, sync them to vLLM, evaluate, log, checkpoint.
+    What a save pairs (weights, step count, data cursor, the step's line) is set while
+    run.updating marks the update: a signal at any line saves the last step whole."""
     args = run.args
     t_step = time.perf_counter()
     groups, samples, num_tokens = take_batch(run)
     wait_seconds = time.perf_counter() - t_step
-    # An error in the update may leave the weights half-changed: they are not saved while `updating`
+    num_sequences = args.prompts_per_step * args.num_generations
+    normalisers = dict(num_tokens=max(num_tokens, 1), num_sequences=num_sequences)
+    # an error in the update may leave the weights half-changed: not saved while `updating`
     run.updating = True
     with run.share_core():
-        metrics = train_step(
-            run.model,
-            run.optimizer,
-            samples,
-            num_tokens=max(num_tokens, 1),
-            num_sequences=args.prompts_per_step * args.num_generations,
-            args=args,
-            device=run.device,
-            world_size=run.world_size,
-            reference=run.reference,
-            stop_ids=run.ctx.stop_ids,
-            pad_id=run.pad_id,
-            served_dtype=run.served_dtype,
-            layout=run.layout,
-        )
+        metrics = train_step(run.model, run.optimizer, samples, settings=run.step_settings, **normalisers)
     run.scheduler.step()
     if run.is_main:
         run.done_cursor = dict(run.producer.cursor)
-        metrics.update({"train/loss_tokens": num_tokens, "perf/wait_seconds": wait_seconds, "sync/seconds": 0.0})
-        # the step's FLOPs (every rank's tokens) over its seconds of training and the devices' peak (mfu.py)
+        metrics |= {"train/loss_tokens": num_tokens, "perf/wait_seconds": wait_seconds}
+        metrics["sync/seconds"] = 0.0
+        # the step's FLOPs (every rank's) over its seconds and the devices' peak
         metrics |= mfu.step_metrics(
             run.policy.config.get_text_config(),
             [s for group in groups for s in group],
@@ -1600,17 +1576,20 @@ def train_one_step(run, step):
         )
         metrics["perf/step_seconds"] = time.perf_counter() - t_step
         # save_after_error writes this line if the sync or the evaluation fails
-        run.unlogged = [step + 1, groups, metrics, run.version.value]
+        run.unlogged = PendingLine(step + 1, groups, metrics, run.version.value)
     run.completed = step + 1
     run.updating = False
+    sync_seconds = 0.0
     if (step + 1) % args.sync_every == 0:
-        sync_weights(run, metrics)
+        sync_seconds = sync_weights(run)
     if run.is_main:
-        metrics["perf/step_seconds"] = time.perf_counter() - t_step
+        pending = run.unlogged
+        pending.metrics["sync/seconds"] = sync_seconds
+        pending.metrics["perf/step_seconds"] = time.perf_counter() - t_step
         if args.eval_every and (step + 1) % args.eval_every == 0:
-            metrics.update(evaluate(run))
+            pending.metrics.update(evaluate(run))
         # the line before the checkpoint: a saved step has its line
-        log_step(run, *run.unlogged)
+        log_step(run, pending)
     # Read once, so that the checkpoint and the exit agree; a later signal stops the next step. Rank 0
     # decides: it gets the signals.
     stopping = bool(run.stop)
@@ -1627,9 +1606,8 @@ def train_one_step(run, step):
 
 
 def take_batch(run):
-    """Rank 0 takes whole groups off the producer's queue and deals each rank an equal share of their samples.
-    Returns the groups (rank 0's, for the log), this rank's samples and the step's loss tokens, over every
-    rank."""
+    """Rank 0 takes whole groups off the producer's queue and deals each rank an equal
+    share: the groups (rank 0's), this rank's samples, the step's loss tokens."""
     groups = None
     payload = [None, None]
     if run.is_main:
@@ -1643,68 +1621,60 @@ def take_batch(run):
     return groups, payload[0][run.rank], payload[1]
 
 
-def sync_weights(run, metrics):
-    """Rank 0 sends the weights to every server (WeightSync); under --fsdp every rank gathers its shards with
-    it."""
+def sync_weights(run):
+    """Rank 0 sends the weights to every server (WeightSync): returns its seconds.
+    Under --fsdp every rank gathers its shards with it."""
+    seconds = 0.0
     if run.is_main:
-        metrics["sync/seconds"] = run.sync(run.policy)
+        seconds = run.sync(run.policy)
     elif run.args.fsdp:
         help_sync(run.policy, run.args, run.served_dtype)
     if run.world_size > 1:
         dist.barrier()
+    return seconds
 
 
-def log_step(run, step, groups, metrics, trained_version):
-    """metrics.jsonl (and wandb), a few rollouts in rollouts.jsonl, and one line printed."""
+def log_step(run, pending):
+    """A trained step's line (PendingLine) in metrics.jsonl and wandb, a few rollouts in
+    rollouts.jsonl, one line printed. `pending` is left as it is (a retry writes it)."""
     args = run.args
     clock = run.clock
     cursor = run.done_cursor
-    samples = [s for g in groups for s in g]
+    samples = [s for g in pending.groups for s in g]
     clock["samples"] += len(samples)
-    clock["waited"] += metrics["perf/wait_seconds"]
+    clock["waited"] += pending.metrics["perf/wait_seconds"]
     wall = time.perf_counter() - clock["start"]
-    metrics.update(rollout_metrics(groups, trained_version))
-    metrics.update(
-        {
-            "step": step,
-            "policy_version": run.version.value,
-            "train/lr": run.scheduler.get_last_lr()[0],
-            "staleness/dropped_samples": cursor["stale_samples"],
-            "rollout/skipped_groups": cursor["skipped_groups"],
-            "rollout/reward_failures": cursor["reward_failures"],
-            "perf/samples_per_second": clock["samples"] / wall,
-            "perf/wall_seconds": wall,
-            # shares of the wall time
-            "perf/trainer_idle": clock["waited"] / wall,
-            "perf/generator_idle": (run.version.idle() - clock["idle_start"]) / wall,
-            # this process's, producer included
-            "perf/cpu_seconds": time.process_time() - clock["cpu_start"],
-            # so far: calls that found every tool thread held (call_tool)
-            "tools/refused": tools_module.TOOLS_REFUSED[0],
-        }
-    )
+    metrics = {**pending.metrics, **rollout_metrics(pending.groups, pending.trained_version)}
+    metrics |= {
+        "step": pending.step,
+        "policy_version": run.version.value,
+        "train/lr": run.scheduler.get_last_lr()[0],
+        "staleness/dropped_samples": cursor["stale_samples"],
+        "rollout/skipped_groups": cursor["skipped_groups"],
+        "rollout/reward_failures": cursor["reward_failures"],
+        "perf/samples_per_second": clock["samples"] / wall,
+        "perf/wall_seconds": wall,
+        # shares of the wall time
+        "perf/trainer_idle": clock["waited"] / wall,
+        "perf/generator_idle": (run.version.idle() - clock["idle_start"]) / wall,
+        # this process's, producer included
+        "perf/cpu_seconds": time.process_time() - clock["cpu_start"],
+        # so far: calls that found every tool thread held (call_tool)
+        "tools/refused": tools_module.TOOLS_REFUSED[0],
+    }
     for s in samples[: args.log_rollouts]:
-        print(
-            json.dumps(
-                {
-                    "step": step,
-                    "trained_version": trained_version,
-                    "prompt_id": s["prompt_id"],
-                    "reward": s["reward"],
-                    "advantage": s["advantage"],
-                    "completion": run.tok.decode(s["ids"][s["n_prompt"] :]),
-                    "versions": [v for v, m in zip(s["versions"], s["mask"]) if m],
-                }
-            ),
-            file=run.logs["rollouts"],
-            flush=True,
-        )
+        completion = run.tok.decode(s["ids"][s["n_prompt"] :])
+        versions = [v for v, m in zip(s["versions"], s["mask"]) if m]
+        record = {"step": pending.step, "trained_version": pending.trained_version}
+        record |= {"prompt_id": s["prompt_id"], "reward": s["reward"]}
+        record |= {"advantage": s["advantage"], "completion": completion, "versions": versions}
+        print(json.dumps(record), file=run.logs["rollouts"], flush=True)
     write_metrics(run, metrics)
     # once written: a signal before this line writes it again, never not at all
     run.unlogged = None
     run.history.append(metrics)
     print(
-        f"step {step:4d}/{args.steps} | reward {metrics['reward/mean']:6.3f} | loss {metrics['loss']:+.4f} | "
+        f"step {pending.step:4d}/{args.steps} | reward {metrics['reward/mean']:6.3f} | loss {metrics['loss']:+.4f} | "
         f"{metrics['perf/samples_per_second']:6.1f} samples/s | staleness {metrics['staleness/mean']:.2f} | "
         f"sync {metrics['sync/seconds']:.2f}s | tools {metrics['tools/call_frequency']:.2f}"
         + (f" | eval {metrics['eval/reward']:.3f}" if "eval/reward" in metrics else ""),
@@ -1904,7 +1874,7 @@ def save_after_error(run, error):
         # (a full disk, wandb) does not cost the checkpoint, whose own failure names the disk
         with contextlib.suppress(Exception):
             if run.unlogged:
-                log_step(run, *run.unlogged)
+                log_step(run, run.unlogged)
         checkpoint(run, run.completed)
         print(
             f"saved the checkpoint of step {run.completed} in {run.out_dir / 'checkpoint'}; continue with --resume",
@@ -2051,15 +2021,97 @@ def _stop_after_step(stop, signum, frame):
     stop.append(signum)
 
 
-# --- Machinery: batches and log-probs: collate's rows, the output layer in chunks, the layout probed at start ---
+# --- Machinery: the step's settings and batches (collate's rows), the log-probs, the layout probed at start ---
+
+
+@dataclass(frozen=True)
+class StepSettings:
+    """What every train_step of a run takes besides its samples (step_settings makes it):
+    layout, collate's rows (Run.layout); reference, --beta's reference policy."""
+
+    loss: LossSettings
+    # token_logprobs' keywords: how vLLM sampled (a ratio to its log-probs then measures the
+    # policy, not the truncation), the dtype it rounds logits in
+    sampling: dict
+    layout: dict
+    min_tokens: int
+    pad_id: int
+    micro_batch_size: int
+    micro_batch_tokens: float
+    max_grad_norm: float
+    device: torch.device
+    world_size: int
+    # bf16 (autocast) on a GPU, fp32 on CPU (start_generation says why)
+    dtype: torch.dtype
+    reference: object = None
+
+
+def step_settings(
+    args, device, world_size=1, layout=None, reference=None, stop_ids=(), pad_id=0, served_dtype=torch.bfloat16
+):
+    """StepSettings from the arguments and the run's state (a test may leave it out)."""
+    sampling = {k: getattr(args, k) for k in ("temperature", "top_k", "top_p", "min_p")}
+    sampling |= {"stop_ids": stop_ids, "served_dtype": served_dtype}
+    return StepSettings(
+        loss=loss_settings(args),
+        sampling=sampling,
+        layout=layout or {"share": args.share_prefix, "packed": False},
+        min_tokens=args.sampling_args.get("min_tokens", 0),
+        pad_id=pad_id,
+        micro_batch_size=args.micro_batch_size,
+        micro_batch_tokens=args.micro_batch_tokens,
+        max_grad_norm=args.max_grad_norm,
+        device=device,
+        world_size=world_size,
+        dtype=torch.bfloat16 if device.type == "cuda" else torch.float32,
+        reference=reference,
+    )
+
+
+def equal_micro_batches(samples, width, settings):
+    """This rank's micro-batches, as many as any rank's: DDP and FSDP communicate in every
+    forward and backward. width: the hidden size."""
+    s = settings
+    bounds = dict(tokens=s.micro_batch_tokens, width=width, **s.layout)
+    micros = micro_batches(samples, s.micro_batch_size, 1, **bounds)
+    if s.world_size > 1:
+        count = torch.tensor(len(micros), device=s.device)
+        dist.all_reduce(count, op=dist.ReduceOp.MAX)
+        # this rank splits its largest micro-batches until it has as many
+        if count > len(micros):
+            micros = micro_batches(samples, s.micro_batch_size, int(count), **bounds)
+    return micros
+
+
+def step_statistics(figures, forwarded, samples, settings):
+    """The step's figures, merged once: the micro-batches' (loss, stats, loss tokens) as the loss
+    summed, means weighted by their loss tokens and extremes over all; the tokens forwarded."""
+    loss_tokens = max(1, sum(sum(s["mask"]) for s in samples))
+    totals = {"loss": 0.0}
+    for loss, stats, share in figures:
+        totals["loss"] += loss
+        for k, v in stats.items():
+            if k.endswith("_min"):
+                totals[k] = min(totals.get(k, v), v)
+            elif k.endswith("_max"):
+                totals[k] = max(totals.get(k, v), v)
+            else:
+                totals[k] = totals.get(k, 0.0) + v * share / loss_tokens
+    counts = [forwarded, sum(len(s["ids"]) for s in samples)]
+    tokens = torch.tensor(counts, dtype=torch.float64, device=settings.device)
+    # the step's, over every rank
+    if settings.world_size > 1:
+        dist.all_reduce(tokens)
+    forwarded, unshared = tokens.tolist()
+    totals |= {"train/tokens": forwarded, "train/tokens_unshared": unshared}
+    totals["train/tokens_saved"] = 1 - forwarded / unshared
+    return totals
 
 
 def micro_batches(samples, size, count=1, share=True, tokens=math.inf, width=None, packed=False):
-    """The step's samples in micro-batches of at most `size` sequences and `tokens` tokens forwarded (memory),
-    padding included, and unpacked at most `size` x 1.25 x the step's median length (a sequence longer goes
-    alone), so that a tool loop's long tail does not make padding most of a step (docs/performance.md):
-    shortest first, with share a prompt's samples together (rows_of). The order is free: the loss is
-    normalised over the step. At least `count` (the largest halved): every rank runs as many."""
+    """The samples in micro-batches of at most `size` sequences and `tokens` tokens forwarded;
+    unpacked, at most size x 1.25 x the median length (a longer sequence alone): a long tail is
+    not mostly padding. Shortest first, a prompt's together. At least `count`: the largest halved."""
     samples = sorted(
         samples, key=lambda s: (s["n_prompt"], s["ids"][: s["n_prompt"]], len(s["ids"])) if share else len(s["ids"])
     )
@@ -2083,11 +2135,10 @@ def micro_batches(samples, size, count=1, share=True, tokens=math.inf, width=Non
 
 
 def rows_of(samples, share=True, width=None):
-    """collate's rows (lists of sample indices) and their lengths: a prompt once, then the completions of the
-    samples with its tokens (share; else a row each). A dense row (width: the hidden size) takes a completion
-    of c tokens only where that costs less than a row of its own: it saves n prompt tokens (~12 width^2
-    multiply-adds each) and adds attention over the row's c' completion tokens (~2 width a pair): 2 c c' < n
-    (6 width + n). Segments always do."""
+    """collate's rows (lists of sample indices) and their lengths: a prompt once, then its
+    samples' completions (share). A dense row (width: the hidden size) takes a completion of c
+    tokens where that saves more (n prompt tokens, ~12 width^2 multiply-adds each) than it adds
+    (attention to its c' completion tokens, ~2 width a pair): 2 c c' < n (6 width + n)."""
     rows = []
     lengths = []
     open_row = {}  # prompt -> the row its next completion may join
@@ -2105,37 +2156,26 @@ def rows_of(samples, share=True, width=None):
 
 
 def collate(samples, pad_id, device, min_tokens=0, share=True, config=None, packed=False, dtype=torch.float32):
-    """The micro-batch as the model takes it: rows_of's rows, each token at its position alone (a completion's
-    count on from its prompt's end) and seeing what it sees alone, its prompt and its completion: the same
-    log-probs (to float rounding), and the prompt gets the gradients of all its completions. One group, a
-    prompt p0 p1 p2 and two completions a0 a1 and b0 b1 b2, in one row:
+    """The micro-batch as the model takes it: rows_of's rows, each token at its position alone
+    and seeing what it sees alone (its prompt, its completion): the same log-probs, and the
+    prompt gets every completion's gradient. A prompt p0 p1 p2, completions a0 a1, b0 b1 b2:
 
         input_ids     p0 p1 p2 a0 a1 b0 b1 b2
         position_ids   0  1  2  3  4  3  4  5
         segment        0  0  0  1  1  2  2  2    (a token sees segment 0 and its own, causally)
         cols          a: [2, 3]   b: [2, 5, 6]   (the columns whose hidden states predict each token)
 
-    packed: the micro-batch's rows as one, with segments for segment_attention, each (its query count, the
-    columns of its keys): (3, [0 1 2]), (2, [0 1 2 3 4]), (3, [0 1 2 5 6 7]). Else padded rows with, where
-    completions share one, a 4D mask built on the device (host work linear in T) as the float bias SDPA would
-    make of it in every layer, once, in `dtype`. Per-token tensors are [B, T] over each completion: token t is
-    predicted at hidden[rows, cols[t]] (-1: padding)."""
-
-    # [B, the longest row]; one column at least: may be empty
-    def padded(rows, kind=torch.float, value=0):
-        out = torch.full((len(rows), max(1, *map(len, rows))), value, dtype=kind)
-        for r, row in enumerate(rows):
-            out[r, : len(row)] = torch.tensor(row, dtype=kind)
-        return out
-
-    rows = rows_of(samples, share, None if packed else getattr(config, "hidden_size", None))[0]
-    ids = []  # per row: a prompt, then the completions that joined it
-    # per row, per token: 0 the prompt, i + 1 sample i's completion (the mask's)
+    packed: the rows as one, in segments (packed_segments); else padded rows, with a 4D mask where
+    completions share one (shared_rows_mask). Per-token tensors: completion_tensors."""
+    width = None if packed else getattr(config, "hidden_size", None)
+    rows = rows_of(samples, share, width)[0]
+    # per row its ids (a prompt, then the completions that joined it), each token's segment
+    # (0: the prompt, i + 1: sample i's completion) and position; per segment its query
+    # count and key columns; per sample its row and the columns that predict its tokens
+    ids = []
     segment = []
     position = []
-    # packed: per segment, its query count and the columns of its keys
     segments = []
-    # per sample: its row, and the columns whose hidden states predict its tokens
     at = {}
     for members in rows:
         n = samples[members[0]]["n_prompt"]
@@ -2157,9 +2197,9 @@ def collate(samples, pad_id, device, min_tokens=0, share=True, config=None, pack
             ids[-1] += completion
             segment[-1] += [i + 1] * len(completion)
             position[-1] += range(n, n + len(completion))
-    # Padding continues each row's count: transformers 5 reads a position that does not rise by one as
-    # the start of a packed sequence and builds a dense [B, 1, T, T] mask (no flash attention) for rows
-    # of unequal length
+    # Padding continues each row's count: transformers 5 reads a position that does not rise by
+    # one as the start of a packed sequence and builds a dense [B, 1, T, T] mask (no flash
+    # attention) for rows of unequal length
     longest = max(1, *map(len, position))
     for p in position:
         start = p[-1] + 1 if p else 0
@@ -2168,103 +2208,145 @@ def collate(samples, pad_id, device, min_tokens=0, share=True, config=None, pack
     # what the model takes
     batch = {"input_ids": padded(ids, torch.long, pad_id), "position_ids": position}
     if packed:
-        queries, keys = zip(*segments)
-        batch["segments"] = (
-            torch.tensor([0, *itertools.accumulate(queries)], dtype=torch.int32, device=device),
-            torch.tensor([0, *itertools.accumulate(map(len, keys))], dtype=torch.int32, device=device),
-            # kv_index: each segment's keys
-            torch.tensor([column for k in keys for column in k], device=device),
-            max(queries),
-            max(map(len, keys)),
-        )
-        # segment_attention reads the segments, no mask. An empty 4D one is passed on as it is: without
-        # it, packed positions (restarting at each completion) make transformers build a [1, 1, T, T] mask
-        # that nothing reads
-        batch["attention_mask"] = torch.ones(1, 1, 0, 0, dtype=torch.bool, device=device)
+        batch |= packed_segments(segments, device)
     elif any(len(members) > 1 for members in rows):
         # -1: padding, which attends to the prompt: no row is all masked
         segment = padded(segment, torch.long, -1).to(device)
-        causal = torch.ones(segment.shape[1], segment.shape[1], dtype=torch.bool, device=device).tril()
-        full = (causal & ((segment[:, None] == 0) | (segment[:, None] == segment[..., None])))[:, None]
-        attend = {"full_attention": full}
-        window = getattr(config, "sliding_window", None)
-        # the model's sliding window, in the mask that replaces its own: over positions; per layer type if
-        # mixed
-        if window:
-            distance = position[:, None, :, None] - position[:, None, None, :]
-            types = set(getattr(config, "layer_types", None) or ["sliding_attention"])
-            attend = {t: full & (distance < window) if t == "sliding_attention" else full for t in types}
-        bias = {t: torch.where(a, 0.0, -torch.inf).to(dtype) for t, a in attend.items()}
-        batch["attention_mask"] = bias if len(bias) > 1 else next(iter(bias.values()))
+        batch["attention_mask"] = shared_rows_mask(segment, position, config, dtype)
+    batch |= completion_tensors(samples, at, min_tokens, pad_id)
+    batch["tokens"] = sum(map(len, ids))
+    return {k: v.to(device) if torch.is_tensor(v) else v for k, v in batch.items()}
+
+
+def padded(rows, kind=torch.float, value=0):
+    """Lists as a [len(rows), the longest] tensor, `value` past each one's end; 1 column at least."""
+    out = torch.full((len(rows), max(1, *map(len, rows))), value, dtype=kind)
+    for r, row in enumerate(rows):
+        out[r, : len(row)] = torch.tensor(row, dtype=kind)
+    return out
+
+
+def packed_segments(segments, device):
+    """segment_attention's inputs: each segment's query count and key columns, for collate's
+    row (3, [0 1 2]), (2, [0 1 2 3 4]), (3, [0 1 2 5 6 7]), as a varlen kernel takes them."""
+    queries, keys = zip(*segments)
+    key_counts = [len(k) for k in keys]
+    int32 = functools.partial(torch.tensor, dtype=torch.int32, device=device)
+    query_starts = int32([0, *itertools.accumulate(queries)])
+    key_starts = int32([0, *itertools.accumulate(key_counts)])
+    # kv_index: each segment's keys
+    kv_index = torch.tensor([column for k in keys for column in k], device=device)
+    inputs = (query_starts, key_starts, kv_index, max(queries), max(key_counts))
+    # segment_attention reads the segments, no mask. An empty 4D one is passed on as it is:
+    # without it, packed positions (restarting at each completion) make transformers build
+    # a [1, 1, T, T] mask that nothing reads
+    empty = torch.ones(1, 1, 0, 0, dtype=torch.bool, device=device)
+    return {"segments": inputs, "attention_mask": empty}
+
+
+def shared_rows_mask(segment, position, config, dtype):
+    """Shared rows' 4D mask, built on the device (host work linear in T) as the float bias SDPA
+    would make of it in every layer, once, in `dtype`; with the model's sliding window."""
+    size = segment.shape[1]
+    causal = torch.ones(size, size, dtype=torch.bool, device=segment.device).tril()
+    own = (segment[:, None] == 0) | (segment[:, None] == segment[..., None])
+    full = (causal & own)[:, None]
+    attend = {"full_attention": full}
+    window = getattr(config, "sliding_window", None)
+    # the window, in the mask that replaces the model's own: over positions; per layer type
+    if window:
+        distance = position[:, None, :, None] - position[:, None, None, :]
+        types = set(getattr(config, "layer_types", None) or ["sliding_attention"])
+        attend = {t: full & (distance < window) if t == "sliding_attention" else full for t in types}
+    bias = {t: torch.where(a, 0.0, -torch.inf).to(dtype) for t, a in attend.items()}
+    return bias if len(bias) > 1 else next(iter(bias.values()))
+
+
+def completion_tensors(samples, at, min_tokens, pad_id):
+    """[B, T] over each completion: token t is predicted at hidden[rows, cols[t]] (-1: padding)."""
     mask = padded([s["mask"] for s in samples])
     # a turn: a run of generated tokens; in_turn counts those of its turn up to here
     generated = mask.cumsum(1)
     # vLLM held the stop tokens back for min_tokens
     in_turn = generated - (generated * (1 - mask)).cummax(1).values
-    batch |= {
+    return {
         "rows": torch.tensor([[at[i][0]] for i in range(len(samples))]),
         "cols": padded([at[i][1] for i in range(len(samples))], torch.long, -1),
-        "tokens": sum(map(len, ids)),
         "mask": mask,
         "stop_masked": (0 < in_turn) & (in_turn <= min_tokens),
         "sampler_logp": padded([s["logprobs"] for s in samples]),
         "targets": padded([s["ids"][s["n_prompt"] :] for s in samples], torch.long, pad_id),
         "advantages": torch.tensor([s["advantage"] for s in samples], dtype=torch.float),
     }
-    return {k: v.to(device) if torch.is_tensor(v) else v for k, v in batch.items()}
 
 
 # what a batch (collate) hands the model
 MODEL_INPUTS = ("input_ids", "position_ids", "attention_mask", "segments")
 
 
+def reference_logprobs(model, batch, temperature=1.0, **truncation):
+    """token_logprobs' three [B, T] values, plainly: the model's logits, at the columns that predict
+    each completion token, through sampler_logprobs (log_softmax over what vLLM could sample, the
+    target's entry). [rows, columns, V] logits: ~0.6 MB a token at V = 151,936."""
+    inputs = {k: batch[k] for k in MODEL_INPUTS if k in batch}
+    logits = model(**inputs, use_cache=False).logits
+    real = batch["cols"] >= 0
+    # [B, T, V]
+    logits = logits[batch["rows"], batch["cols"].clamp(min=0)].float()
+    stop_masked = batch["stop_masked"]
+    values = sampler_logprobs(logits, batch["targets"], temperature, stop_masked=stop_masked, **truncation)
+    # 0 past a completion, as token_logprobs
+    return [torch.where(real, x, 0.0) for x in values]
+
+
 def token_logprobs(model, batch, temperature=1.0, chunk=2**28, **truncation):
-    """[B, T] log-probs of the completions as vLLM sampled them, the mass truncation removed and the entropy:
-    the output layer on the completions' hidden states only, in chunks of ~`chunk` logits (output_layer.py:
-    one autograd.Function that keeps a hidden state per token for backward, not [tokens, V] logits, ~0.6 MB a
-    token at V = 151,936)."""
+    """reference_logprobs' numbers, in less memory: the model's head gets one position a row
+    (head_input_kept), then the completions' hidden states alone go through it in chunks of
+    ~`chunk` logits (output_layer.py: backward keeps hidden states, not logits)."""
     bare = getattr(model, "module", model)  # DDP's
     head = bare.get_output_embeddings()
-    # what the forward hands its head, which then gets a position a row (a new tensor: a view keeps them all)
+    # what the forward hands its head, and its head's output there (before any transform)
     hidden = []
-    hook = head.register_forward_pre_hook(lambda head, args: hidden.append(args[0]) or (args[0][:, -1:].clone(),))
-    # the head's output there, before the forward transforms it
+    keep_input = head.register_forward_pre_hook(functools.partial(head_input_kept, hidden))
     raw = []
-    seen = head.register_forward_hook(lambda head, args, out: raw.append(out.detach()))
+    keep_output = head.register_forward_hook(lambda head, args, out: raw.append(out.detach()))
     try:
-        logits = model(**{k: batch[k] for k in MODEL_INPUTS if k in batch}, use_cache=False).logits.detach()
+        inputs = {k: batch[k] for k in MODEL_INPUTS if k in batch}
+        logits = model(**inputs, use_cache=False).logits.detach()
     finally:
-        hook.remove()
-        seen.remove()
+        keep_input.remove()
+        keep_output.remove()
     real = batch["cols"] >= 0  # [B, T]: the completions' tokens, not padding
     # [tokens, width]
     states = hidden[0][batch["rows"].expand_as(real)[real], batch["cols"][real]]
     # Gemma's softcapping, which the model's forward applies after its head
     softcap = getattr(bare.config.get_text_config(), "final_logit_softcapping", None)
-    # What a forward does to its head's output, as a scale measured on those positions (Granite's 1 /
-    # logits_scaling, Cohere's logit_scale, FalconH1's lm_head_multiplier: no list of names). Anything else
-    # logprobs_refused refuses.
-    scale = (logits.double() * raw[0]).sum() / (raw[0].double() ** 2).sum().clamp_min(1e-300)
+    scale = forward_scale(logits, raw[0])
     targets = batch["targets"][real]
+    stop_masked = batch["stop_masked"][real]
     per_token = chunked_logprobs(
-        states,
-        head,
-        targets,
-        batch["stop_masked"][real],
-        scale.float(),
-        softcap,
-        chunk,
-        temperature=temperature,
-        **truncation,
+        states, head, targets, stop_masked, scale, softcap, chunk, temperature=temperature, **truncation
     )
     return [torch.zeros(real.shape, device=real.device).masked_scatter(real, x) for x in per_token]
 
 
+def head_input_kept(hidden, head, args):
+    """token_logprobs' pre-hook on the head: keeps its input in `hidden` and hands it one position a
+    row instead (a new tensor: a view would keep them all)."""
+    hidden.append(args[0])
+    return (args[0][:, -1:].clone(),)
+
+
+def forward_scale(logits, raw):
+    """What a forward does after its head, as the least-squares scale from its output `raw` to
+    `logits` (Granite's 1 / logits_scaling, Cohere's logit_scale, ...); logprobs_refused checks."""
+    fit = (logits.double() * raw).sum() / (raw.double() ** 2).sum().clamp_min(1e-300)
+    return fit.float()
+
+
 def choose_layout(run, model):
-    """collate's rows for this run (Run.layout): a group's prompt once (--share-prefix) unless the model refuses
-    it, packed in segments where torch's varlen flash kernel runs (CUDA, compute capability 8+) and the model
-    takes it. Each choice and its reason go to run.layout_reasons (summary.json), a default turned off to the log
-    with its cost."""
+    """collate's rows (Run.layout): a prompt once (--share-prefix), in segments where the varlen
+    kernel runs, if the model takes them; each reason to run.layout_reasons (summary.json)."""
     args = run.args
     config = model.config.get_text_config()
     why = {"share": None if args.share_prefix else "--no-share-prefix"}
@@ -2294,7 +2376,7 @@ def choose_layout(run, model):
 
 
 def probe_logprobs(model, samples, **layout):
-    """[len(samples), the longest completion] log-probs as the trainer computes them (0 past a completion)."""
+    """[len(samples), the longest completion] log-probs as the trainer computes them."""
     config = model.config.get_text_config()
     with torch.no_grad():
         return token_logprobs(model, collate(samples, 0, model.device, config=config, **layout))[0]
@@ -2439,8 +2521,9 @@ def parse_args(argv=None, world_size=1, cuda_count=None, local_ranks=None, heads
         "--is-correction",
         choices=["none", "tis", "mis"],
         default="none",
-        help="importance weights pi_trainer / pi_vLLM: none (the ratio is against vLLM's log-probs), "
-        "truncated at --is-threshold (tis), or masked outside [1/threshold, threshold] (mis)",
+        help="weigh the surrogate by pi_trainer / pi_vLLM, truncated at --is-threshold (tis) or masked outside "
+        "[1/threshold, threshold] (mis); the ratio is then against the policy before this update, 1 (one update a "
+        "batch): the clip never binds. none: the ratio is against vLLM's log-probs",
     )
     g.add_argument(
         "--is-threshold", type=float, default=2.0, help="truncation / masking bound of the importance weights"

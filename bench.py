@@ -449,10 +449,8 @@ def trainer_throughput(args):
     tokens = sum(len(s["ids"]) for s in samples)
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.0)  # lr 0: every repetition trains the same model
     num_tokens = sum(len(s["mask"]) for s in samples)
-    loop = timed(
-        lambda: ag.train_step(model, optimizer, samples, num_tokens, len(samples), run_args, torch.device("cpu"), 1),
-        args.reps,
-    )
+    settings = ag.step_settings(run_args, torch.device("cpu"))
+    loop = timed(lambda: ag.train_step(model, optimizer, samples, num_tokens, len(samples), settings), args.reps)
 
     def bare():
         for micro in ag.micro_batches(samples, run_args.micro_batch_size):  # the loop's micro-batches
@@ -482,13 +480,11 @@ def training_bound(path, metrics, samples_per_step, reps):
     samples = random_samples(samples_per_step, model.config.vocab_size, n_prompt=length - new, new=(new, new + 1))
     run_args = ag.parse_args(["--output-dir", "unused"])
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.0)  # lr 0: every repetition trains the same model
+    settings = ag.step_settings(run_args, torch.device("cpu"))
     torch.set_num_threads(os.cpu_count())
     try:
         seconds = timed(
-            lambda: ag.train_step(
-                model, optimizer, samples, new * len(samples), len(samples), run_args, torch.device("cpu"), 1
-            ),
-            reps,
+            lambda: ag.train_step(model, optimizer, samples, new * len(samples), len(samples), settings), reps
         )
     finally:
         torch.set_num_threads(ag.cpu_threads())
@@ -549,6 +545,7 @@ def step_cost(model, samples, flags, reps, packed=False):
     layout = {"share": run_args.share_prefix, "packed": packed}
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.0, fused=device.type == "cuda")  # the run's
     num_tokens, peaks, stats, cpu, whole = sum(len(s["mask"]) for s in samples), [], [], [], []
+    settings = ag.step_settings(run_args, device, layout=layout)
 
     def step():
         cpu.append(time.process_time())
@@ -558,9 +555,7 @@ def step_cost(model, samples, flags, reps, packed=False):
         else:
             Path("/proc/self/clear_refs").write_text("5")
             start = memory_mb("VmRSS")
-        stats.append(
-            ag.train_step(model, optimizer, samples, num_tokens, len(samples), run_args, device, 1, layout=layout)
-        )
+        stats.append(ag.train_step(model, optimizer, samples, num_tokens, len(samples), settings))
         if device.type == "cuda":
             peaks.append((torch.cuda.max_memory_allocated(device) - start) / 2**20)
             whole.append(torch.cuda.max_memory_allocated(device) / 2**20)  # weights, gradients, AdamW's state too
@@ -590,8 +585,8 @@ def process_peak_mb(path, sample_args, flags, above_model=False):
         f"model = ag.with_lora(model, args) if args.lora_rank else model\n"
         f"loaded, peak = bench.memory_mb('VmRSS'), bench.memory_mb('VmHWM')\n"
         f"Path('/proc/self/clear_refs').write_text('5')\n"  # the high-water mark from here on
-        f"ag.train_step(model, torch.optim.AdamW(model.parameters(), lr=0.0), samples, 1, len(samples), args, "
-        f"torch.device('cpu'), 1)\n"
+        f"ag.train_step(model, torch.optim.AdamW(model.parameters(), lr=0.0), samples, 1, len(samples), "
+        f"ag.step_settings(args, torch.device('cpu')))\n"
         f"print(max(peak, bench.memory_mb('VmHWM')), bench.memory_mb('VmHWM') - loaded)"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ag.HERE)
@@ -1175,24 +1170,14 @@ def profiled_step(run, samples, optimizer, bf16=False, micro_batch_size=None):
     def cpu_bf16(device_type, dtype=None, enabled=True, **kw):
         return real_autocast(device_type, dtype=torch.bfloat16, enabled=True)
 
+    state = dict(layout=run.layout, stop_ids=run.ctx.stop_ids, pad_id=run.pad_id, served_dtype=run.served_dtype)
+    settings = ag.step_settings(args, run.device, **state)
+    num_sequences = args.prompts_per_step * args.num_generations
     torch.autocast = cpu_bf16 if bf16 else real_autocast
     try:
         with step_phases(run, optimizer, seconds):
             cpu, wall = time.process_time(), time.perf_counter()
-            metrics = ag.train_step(
-                run.model,
-                optimizer,
-                samples,
-                num_tokens,
-                args.prompts_per_step * args.num_generations,
-                args,
-                run.device,
-                1,
-                stop_ids=run.ctx.stop_ids,
-                pad_id=run.pad_id,
-                served_dtype=run.served_dtype,
-                layout=run.layout,
-            )
+            metrics = ag.train_step(run.model, optimizer, samples, num_tokens, num_sequences, settings)
             seconds["step"] = [time.process_time() - cpu, time.perf_counter() - wall]
     finally:
         torch.autocast = real_autocast

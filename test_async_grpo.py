@@ -297,17 +297,15 @@ def shared_and_whole(model_path, samples, *flags, reference=None, packed=False):
         segments_refused = ag.segments_refused(model, ag.probe_logprobs)
         layout = {"share": share, "packed": packed and share and not segments_refused}
         optimizer = GradientRecorder(model.parameters())
+        reference_policy = reference and ag.load_policy(reference)
+        settings = ag.step_settings(args, torch.device("cpu"), reference=reference_policy, layout=layout)
         stats = ag.train_step(
             model,
             optimizer,
             samples,
             sum(sum(s["mask"]) for s in samples),
             len(samples),
-            args,
-            torch.device("cpu"),
-            1,
-            reference=reference and ag.load_policy(reference),
-            layout=layout,
+            settings,
         )
         return stats, optimizer.grads
 
@@ -802,16 +800,8 @@ def test_a_training_step_on_cuda_in_bf16_follows_the_same_step_on_cpu(tiny_model
         # the step moves each weight by minus its gradient
         optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
         before = [p.detach().clone() for p in model.parameters()]
-        stats = ag.train_step(
-            model,
-            optimizer,
-            samples,
-            num_tokens,
-            len(samples),
-            args,
-            torch.device(device),
-            1,
-        )
+        settings = ag.step_settings(args, torch.device(device))
+        stats = ag.train_step(model, optimizer, samples, num_tokens, len(samples), settings)
         moved = [(b - p.detach()).flatten().cpu() for b, p in zip(before, model.parameters())]
         return torch.cat(moved), stats
 
@@ -938,7 +928,7 @@ lengths = [40] * 16 if rank == 0 else [30] * 12 + [200, 300, 400, 500]  # alone:
 samples = [{"ids": [3 + (7 * i + n) % 390 for i in range(n)], "n_prompt": 5, "mask": [1] * (n - 5),
             "logprobs": [-2.0] * (n - 5), "advantage": 1.0 - 2 * (j % 2)} for j, n in enumerate(lengths)]
 for step in range(2):
-    ag.train_step(model, optimizer, samples, 2000, 32, args, torch.device("cpu"), 2)
+    ag.train_step(model, optimizer, samples, 2000, 32, ag.step_settings(args, torch.device("cpu"), 2))
 local = [p.to_local() if wrap == "fsdp" else p for p in model.parameters()]
 checksums = [None, None]
 dist.all_gather_object(checksums, sum(p.double().sum().item() for p in local))
@@ -1101,7 +1091,8 @@ samples = [{"ids": [3 + (5 * i + n) % 500 for i in range(n)], "n_prompt": 6, "ma
             "logprobs": [-2.0] * (n - 6), "advantage": 1.0 - 2 * (j % 2)} for j, n in enumerate([30, 40, 50, 60])]
 before = [p.to_local().clone() for p in model.parameters()]
 with Casts() as casts:
-    stats = ag.train_step(model, optimizer, samples, 200, 4, args, torch.device("cpu"), world, reference=reference)
+    settings = ag.step_settings(args, torch.device("cpu"), world, reference=reference)
+    stats = ag.train_step(model, optimizer, samples, 200, 4, settings)
 json.dump({"peak": casts.peak, "casts": casts.count, "params": params, "loss": stats["loss"],
            "stepped": any(not torch.equal(a, p.to_local()) for a, p in zip(before, model.parameters())),
            "reference_sharded": all(isinstance(p, DTensor) for p in reference.parameters())},
@@ -1444,9 +1435,8 @@ def test_micro_batching_and_padding_do_not_change_the_gradient(tiny_model, loss_
         optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
         before = [p.detach().clone() for p in model.parameters()]
         args.micro_batch_size = micro_batch_size
-        stats = ag.train_step(
-            model, optimizer, [samples[i] for i in order], num_tokens, len(samples), args, torch.device("cpu"), 1
-        )
+        settings = ag.step_settings(args, torch.device("cpu"))
+        stats = ag.train_step(model, optimizer, [samples[i] for i in order], num_tokens, len(samples), settings)
         return torch.cat([(b - p.detach()).flatten() for b, p in zip(before, model.parameters())]), stats
 
     whole, stats = gradient(len(samples), range(len(samples)))
@@ -1747,19 +1737,20 @@ def test_loss_variants_against_hand_computed_values(loss_type, expected):
     assert loss.item() == pytest.approx(expected, abs=1e-4)
 
 
-# Importance weights by hand on the batch above: log w = logp - sampler log-prob on loss tokens:
+# Importance weights by hand on the batch above: log is_ratio = logp - sampler log-prob on loss tokens:
 # sequence 0: 0.5, 0.0 (third token masked); sequence 1: -0.7, 0.0, 0.0. With a correction the ratio is
 # taken against the trainer's own detached log-probs (value 1, inside the clip range), so each token's
-# term is -weight * A. Sequence-level w: exp(mean log w) = e^0.25 = 1.2840 and e^(-0.7/3) = 0.7919.
+# term is -is_weight * A. Sequence-level is_ratio: exp(mean log is_ratio) = e^0.25 = 1.2840 and
+# e^(-0.7/3) = 0.7919.
 W0, W1, S0, S1 = math.exp(0.5), math.exp(-0.7), math.exp(0.25), math.exp(-0.7 / 3)
 
 
 @pytest.mark.parametrize(
     "correction, level, threshold, weights, stat",
     [
-        # tis per token: w0 = 1.6487 truncated to 1.5; w1 = 0.4966 kept
+        # tis per token: is_ratio 1.6487 truncated to 1.5; 0.4966 kept
         ("tis", "token", 1.5, [[1.5, 1.0], [W1, 1.0, 1.0]], ("is/truncated_fraction", 1 / 5)),
-        # mis per token, bounds [1/1.5, 1.5]: both tokens with log w != 0 fall outside and are masked
+        # mis per token, bounds [1/1.5, 1.5]: both tokens with log is_ratio != 0 fall outside and are masked
         ("mis", "token", 1.5, [[0.0, 1.0], [0.0, 1.0, 1.0]], ("is/masked_fraction", 2 / 5)),
         # tis per sequence: 1.2840 truncated to 1.2 for both tokens of sequence 0; 0.7919 kept
         ("tis", "sequence", 1.2, [[1.2, 1.2], [S1, S1, S1]], ("is/truncated_fraction", 2 / 5)),
@@ -1784,10 +1775,10 @@ def test_importance_weights_against_hand_computed_values(correction, level, thre
     expected = -(sum(weights[0]) * 1.0 + sum(weights[1]) * -2.0) / 5
     assert loss.item() == pytest.approx(expected, abs=1e-5)
     assert stats[stat[0]] == pytest.approx(stat[1])
-    # The same numbers for every correction: trainer vs sampler on the three tokens with log w != 0 or 0
+    # The same numbers for every correction: trainer vs sampler on the three tokens with log is_ratio != 0 or 0
     assert stats["is/ratio_max"] == pytest.approx(W0) and stats["is/ratio_min"] == pytest.approx(W1)
     assert stats["is/mismatch_kl"] == pytest.approx(((W0 - 1 - 0.5) + (W1 - 1 + 0.7)) / 5)
-    loss.backward()  # the weight carries no gradient: d loss / d logp = -weight * A / 5
+    loss.backward()  # is_weight carries no gradient: d loss / d logp = -is_weight * A / 5
     grad = [[-w * 1.0 / 5 for w in weights[0]] + [0.0], [-w * -2.0 / 5 for w in weights[1]]]
     assert torch.allclose(logp.grad, torch.tensor(grad), atol=1e-6)
 
@@ -1883,7 +1874,7 @@ def test_the_kl_correction_weighs_k3_by_the_ratio_to_the_sampler():
         # 0.233; sequence 0's A is positive
         ("sequence", 0.2, [[1.28, 1.0], [0.0, 0.0, 0.0]], 3 / 5),
         ("sequence", 0.3, [[1.28, 1.0], [-1.6, -2.0, -2.0]], 0.0),
-        # token: |log w| is 0.5, 0 (sequence 0) and 0.7, 0, 0 (sequence 1)
+        # token: |log is_ratio| is 0.5, 0 (sequence 0) and 0.7, 0, 0 (sequence 1)
         ("token", 0.6, [[1.28, 1.0], [0.0, -2.0, -2.0]], 1 / 5),
         ("token", 0.4, [[0.0, 1.0], [0.0, -2.0, -2.0]], 2 / 5),
     ],
@@ -5956,7 +5947,7 @@ def test_an_update_whose_gradient_is_not_finite_is_skipped(tiny_model):
             "logprobs": [-1.0] * 12,
             "advantage": advantage,
         }
-        stats = ag.train_step(model, optimizer, [sample], 12, 1, args, torch.device("cpu"), 1)
+        stats = ag.train_step(model, optimizer, [sample], 12, 1, ag.step_settings(args, torch.device("cpu")))
         assert math.isfinite(stats["train/grad_norm"]) == moves
         assert any(not torch.equal(b, p) for b, p in zip(before, model.parameters())) == moves
         assert all(p.isfinite().all() for p in model.parameters())
@@ -7388,9 +7379,7 @@ def test_one_update_moves_a_real_checkpoint_the_way_its_advantages_say(smollm2_s
         samples,
         sum(len(s["mask"]) for s in samples),
         len(samples),
-        args,
-        torch.device("cpu"),
-        1,
+        ag.step_settings(args, torch.device("cpu")),
     )
     sync(model)
     after = trainer_logprobs(), vllm_logprobs()
@@ -7442,6 +7431,47 @@ def own_logprobs(model, samples, weights, min_tokens=0, **truncation):
             logp = logits.log_softmax(-1).gather(-1, targets[:, None])[:, 0]
         out = out.index_put((torch.tensor([i]), torch.arange(len(targets))), logp)
     return out, gradient(model, out, weights)
+
+
+@pytest.mark.parametrize("name", sorted(tiny.ARCHITECTURES))
+def test_reference_logprobs_equal_token_logprobs_in_every_architecture_and_layout(name):
+    """reference_logprobs is the log-prob written plainly (the model's logits, the sampler's log-softmax, the
+    target's entry); token_logprobs gives the same numbers in less memory (the head on one position a row, then the
+    completions' hidden states through it in chunks). Held equal here, the three values (log-probs, the mass
+    truncation removed, the entropy) and the gradient of every weight, at fp32 rounding: in each architecture's tiny
+    checkpoint, in rows of their own, shared rows with a mask, packed segments, one chunk and many, with every
+    setting of the sampler (temperature, min-p, top-k, top-p, the stop ids held back for min_tokens)."""
+    model = tiny.tiny_architecture(name)
+    samples = matrix_samples()
+    weights = torch.randn(len(samples), 11, generator=torch.Generator().manual_seed(1))
+    vocab = model.config.vocab_size
+    paths = [
+        ("rows", dict(share=False), dict(chunk=3 * vocab), {}),
+        ("mask top-k/top-p", dict(share=True, config=model.config), {}, TRUNCATION),
+        ("mask every setting", dict(share=True, config=model.config, min_tokens=4), {}, SAMPLER | TRUNCATION),
+        ("packed every setting", dict(packed=True, min_tokens=4), dict(chunk=5 * vocab), SAMPLER | TRUNCATION),
+    ]
+    checked = []
+    for path, layout, options, truncation in paths:
+        if layout.get("packed"):
+            # those a run forwards in shared rows with a mask, or rows of their own
+            if name in PACKED_REFUSED or name in SHARING_REFUSED:
+                break
+            assert not ag.segments_refused(model, ag.probe_logprobs), name
+        batch = ag.collate(samples, 0, "cpu", **layout)
+        sampling = dict(served_dtype=torch.float32, **truncation)
+        plain = ag.reference_logprobs(model, batch, **sampling)
+        chunked = ag.token_logprobs(model, batch, **options, **sampling)
+        real = batch["mask"]  # an empty completion has a column of padding
+        for ours, theirs, what in zip(chunked, plain, ("log-probs", "removed", "entropy")):
+            atol = 2e-5 * max(1.0, theirs.abs().max().item())
+            torch.testing.assert_close(ours * real, theirs * real, rtol=0, atol=atol, msg=f"{path}: {what}")
+        grad = gradient(model, plain[0] * real, weights)
+        atol = 2e-5 * grad.abs().max().item()
+        torch.testing.assert_close(gradient(model, chunked[0] * real, weights), grad, rtol=0, atol=atol)
+        checked.append(path)
+    refused = name in PACKED_REFUSED or name in SHARING_REFUSED
+    assert grad.abs().max() > 0 and len(checked) == len(paths) - refused
 
 
 TRUNCATION = {"top_k": 40, "top_p": 0.9}
@@ -8811,17 +8841,8 @@ def test_segments_on_cuda_run_the_varlen_kernel_and_train_as_the_mask_path_does(
         optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
         before = [p.detach().clone() for p in model.parameters()]
         device = torch.device("cuda")
-        stats = ag.train_step(
-            model,
-            optimizer,
-            samples,
-            num_tokens,
-            len(samples),
-            args,
-            device,
-            1,
-            layout=layout,
-        )
+        settings = ag.step_settings(args, device, layout=layout)
+        stats = ag.train_step(model, optimizer, samples, num_tokens, len(samples), settings)
         updates[packed] = (
             torch.cat([(b - p.detach()).flatten().cpu() for b, p in zip(before, model.parameters())]),
             stats,
