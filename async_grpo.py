@@ -334,35 +334,6 @@ async def call_tool(call, schemas_by_name, timeout, functions=tools_module.TOOLS
     return await tools_module.call_function(functions[name], arguments, name, timeout)
 
 
-def rollout_context(tok, schemas, rows, max_model_len=None, stop_ids=None, environments=None):
-    """The RolloutContext of a run; max_model_len is the server's context length, known once it is up.
-    environments: {name: class} of --env and --mcp; their instances are made and kept there too
-    (environment_instances())."""
-    stop_ids = stop_ids or stop_token_ids(tok)
-    environments = environments or {}
-    offered = {None: schemas or []}
-    for name, cls in environments.items():
-        offered[name] = (schemas or []) + tools_module.environment_schemas(cls)
-    all_tools = tools_module.every_tool(schemas, environments)
-    # an environment that answers the model with a user turn needs the template's turn ends too
-    talks = any(hasattr(cls, "respond") for cls in environments.values())
-    prompt_ids = {}
-    for row in rows:
-        row_tools = offered[tools_module.environment_of(row, environments)]
-        prompt_ids[row["id"]] = render_prompt(tok, row["prompt"], row_tools, row["id"])
-    return RolloutContext(
-        schemas=schemas,
-        schemas_by_name={s["function"]["name"]: s["function"] for s in schemas or []},
-        environments=environments,
-        offered=offered,
-        prompt_ids=prompt_ids,
-        stop_ids=stop_ids,
-        max_model_len=max_model_len,
-        idle={name: [] for name in environments},
-        **(chat_format(tok, all_tools, stop_ids) if all_tools or talks else {}),
-    )
-
-
 class PolicyVersion:
     """Which weights vLLM serves: a count the weight sync advances, a gate it closes meanwhile, and the
     requests in flight (at most max_inflight). The sync closes the gate, pauses vLLM and waits for every
@@ -462,6 +433,13 @@ class DroppedGroup:
     why: str
 
 
+def version_at(step, sync_every):
+    """The staleness rule, stated once: the trainer's version during step `step` (0-based). A sync follows
+    every --sync-every-th step and advances it by one. The gate (Producer.admissible) predicts a group's
+    staleness by it, the drop (Producer.lag) measures it, and --resume restarts the count by it."""
+    return step // sync_every
+
+
 class Producer(threading.Thread):
     """Streams scored groups to the trainer, numbered in the order they start; the trainer takes them in that
     order (`take`), which lets admission control know when a group will be trained. With several servers
@@ -516,23 +494,25 @@ class Producer(threading.Thread):
             yield from rows
 
     def admissible(self, index):
-        """The staleness gate. Group `index` is trained at step (index - groups skipped) // prompts_per_step
-        (at the latest: more skips make it earlier). Do not start it if the trainer will by then be more than
-        --max-staleness versions ahead of the weights that would generate it now."""
-        trained_at = (index - self.cursor["skipped_groups"]) // self.args.prompts_per_step
-        return trained_at // self.args.sync_every - self.version.value <= self.args.max_staleness
+        """The staleness gate: start group `index` only if the trainer, when it trains it, will be at most
+        --max-staleness versions ahead of the weights that would generate it now. It is trained at step
+        (index - groups skipped) // prompts_per_step, at the latest (a later skip makes it earlier).
+
+        Worked example, --prompts-per-step 2 --sync-every 2 --max-staleness 1, no group skipped, vLLM at
+        version 0: groups 0-7 are trained at steps 0-3, under versions 0, 0, 1, 1 (version_at): they pass.
+        Groups 8-11 (steps 4-5, version 2) wait for the sync after step 1, which brings vLLM to version 1."""
+        step = (index - self.cursor["skipped_groups"]) // self.args.prompts_per_step
+        ahead = version_at(step, self.args.sync_every) - self.version.value
+        return ahead <= self.args.max_staleness
 
     async def _produce(self):
-        a = self.args
-        async with client_session(a) as session:
+        async with client_session(self.args) as session:
             pending = set()
             # on --resume, groups not trained are redone
             started = self.cursor["next_index"]
             try:
                 for row in itertools.islice(self.prompt_order(), started, None):
-                    # Groups started: rollouts up to twice what vLLM takes at once (--max-inflight), so that
-                    # the next ones wait ready (environments reset) behind PolicyVersion's slots, no more
-                    while not self.admissible(started) or len(pending) * a.num_generations >= 2 * a.max_inflight:
+                    while not self.admissible(started) or self.enough_started(pending):
                         if not pending:
                             await asyncio.sleep(0.01)
                             continue
@@ -547,51 +527,68 @@ class Producer(threading.Thread):
                 # on stop or error, no group is left running against a server that is going away
                 cancel_all(pending)
                 await asyncio.gather(*pending, return_exceptions=True)
-                await tools_module.close_environments(self.ctx, a.tool_timeout)
+                await tools_module.close_environments(self.ctx, self.args.tool_timeout)
+
+    def enough_started(self, pending):
+        """Groups started: rollouts up to twice what vLLM takes at once (--max-inflight), so that the next ones
+        wait ready (environments reset) behind PolicyVersion's slots, no more."""
+        return len(pending) * self.args.num_generations >= 2 * self.args.max_inflight
 
     async def _group(self, session, row, index):
-        a = self.args
+        """Training's group `index`: rolled out on the server with the fewest groups running, scored, its
+        advantages computed, and queued (or, where its environment or rewards failed, a DroppedGroup)."""
         url = min(self.urls, key=self.running.get)
+        n = self.args.num_generations
+        seeds = [(self.args.seed, index, i) for i in range(n)]
         try:
-            async with environment_instances(self.ctx, self.tok, row, a.num_generations, a.tool_timeout) as (
-                envs,
-                row,
-                ids,
-            ):
-                self.running[url] += 1
-                try:
-                    group = [
-                        rollout(
-                            session,
-                            url,
-                            self.tok,
-                            row,
-                            a,
-                            ctx=self.ctx,
-                            version=self.version,
-                            seed=(a.seed, index, i),
-                            env=env,
-                            prompt_ids=ids,
-                        )
-                        for i, env in enumerate(envs)
-                    ]
-                    samples = await all_or_none(group)
-                finally:
-                    self.running[url] -= 1
-                try:
-                    self.scoring += 1
-                    rewards, parts = await score_group(samples, row, a.reward_weights, envs)
-                finally:
-                    self.scoring -= 1
+            samples, rewards, parts = await self.rollout_and_score(session, row, [url] * n, seeds, counted=True)
         except tools_module.Dropped as e:
             # the group is not trained (take() reports it), the run goes on
             self.queue.put(DroppedGroup(index, str(e)))
             return
-        advantages = group_advantages(rewards, scale=a.scale_rewards == "group")
+        advantages = group_advantages(rewards, scale=self.args.scale_rewards == "group")
         for i, sample in enumerate(samples):
             sample.update(reward=float(rewards[i]), advantage=float(advantages[i]), prompt_id=row["id"])
             sample["reward_parts"] = {name: float(values[i]) for name, values in parts.items()}
         self.queue.put(ScoredGroup(index, samples))
+
+    async def rollout_and_score(self, session, row, urls, seeds, greedy=False, counted=False):
+        """The group pipeline, training's and evaluation's: the row's environment instances (reset), one
+        rollout per seed (rollout k on urls[k], seeded by seeds[k]; with `greedy` the first is greedy), then
+        the rewards. Returns the rollouts, their rewards and each reward function's values; raises Dropped
+        where an environment or a reward failed. `counted` (training's): the groups running on each server
+        and being scored are counted, for the choice of server and take()'s timeout."""
+        n = len(seeds)
+        busy = int(counted)
+        timeout = self.args.tool_timeout
+        async with environment_instances(self.ctx, self.tok, row, n, timeout) as (envs, row, ids):
+            group = [
+                rollout(
+                    session,
+                    urls[k],
+                    self.tok,
+                    row,
+                    self.args,
+                    ctx=self.ctx,
+                    version=self.version,
+                    greedy=greedy and k == 0,
+                    seed=seeds[k],
+                    env=env,
+                    prompt_ids=ids,
+                )
+                for k, env in enumerate(envs)
+            ]
+            self.running[urls[0]] += busy
+            try:
+                samples = await all_or_none(group)
+            finally:
+                self.running[urls[0]] -= busy
+            self.scoring += busy
+            try:
+                rewards, parts = await score_group(samples, row, self.args.reward_weights, envs)
+            finally:
+                self.scoring -= busy
+        return samples, rewards, parts
 
     def take(self, n, timeout, interrupted=lambda: False):
         """The next n trainable groups in start order. Skips zero-variance groups with --skip-zero-variance,
@@ -658,7 +655,9 @@ class Producer(threading.Thread):
         return None
 
     def lag(self, group):
-        """Policy versions between the trainer now and the group's oldest trained token."""
+        """Policy versions between the trainer now and the group's oldest trained token: the measured twin of
+        what admissible() predicted. While step s takes its groups, the trainer's version is version_at(s)
+        (the syncs advance it, --resume sets it so): the gate should leave no lag past --max-staleness."""
         versions = [v for s in group for v, m in zip(s["versions"], s["mask"]) if m]
         return self.version.value - min(versions, default=self.version.value)
 
@@ -681,30 +680,6 @@ class Producer(threading.Thread):
             if interrupted():
                 return False
         return True
-
-
-def client_session(args):
-    """The producer's and the evaluation's HTTP session: idle connections closed before vLLM closes them
-    (5 s), no race; a request may take as long as the trainer waits for data."""
-    connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=3)
-    return aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=args.data_timeout))
-
-
-async def all_or_none(coros):
-    """asyncio.gather whose first error cancels the rest and waits for them: gather alone leaves them running
-    against a session about to close, each to fail later with an error that asyncio prints as a traceback
-    nobody retrieved."""
-    tasks = [asyncio.ensure_future(c) for c in coros]
-    try:
-        return await asyncio.gather(*tasks)
-    finally:
-        cancel_all(tasks)
-        await asyncio.gather(*tasks, return_exceptions=True)
-
-
-def cancel_all(tasks):
-    for task in tasks:
-        task.cancel()
 
 
 # --- The loss: clipped surrogate against the sampler's log-probs, normalised as --loss-type says ---
@@ -1235,10 +1210,10 @@ def main(argv=None):
     load_policy_and_optimizer(run)  # on its device, sharded or replicated; --resume's state
     handlers = stop_on_signals(["before training"])  # until training starts, Ctrl-C/SIGTERM stop at once
     try:
-        start_generation(run)  # rank 0: the vLLM servers, the weight sync, the producer thread
+        start_generation(run)  # rank 0: vLLM, the weight sync, the producer, the evaluation at step 0
         stop_on_signals(run.stop)  # from here a first Ctrl-C/SIGTERM finishes the step, saves a checkpoint and stops
         for step in range(run.start_step, run.args.steps):
-            train_one_step(run, step)  # take a batch, update, sync the weights, log, checkpoint
+            train_one_step(run, step)  # take a batch, update, sync, evaluate, log, checkpoint
         finish(run)  # the ranks' weights compared, the last checkpoint, summary.json
     except (Exception, KeyboardInterrupt) as e:
         save_after_error(run, e)
@@ -1524,7 +1499,7 @@ def start_generation(run):
         # the servers hold the weights of the step the run starts at: those of the last finished sync, or
         # newer where a sync failed mid-way (a count saved with them would lag, and the staleness gate would
         # wait forever on --resume)
-        run.version.value = run.start_step // args.sync_every
+        run.version.value = version_at(run.start_step, args.sync_every)
         cursor = run.resumed and run.resumed["data"]
         run.producer = Producer(args, run.tok, run.train_rows, urls, run.ctx, version=run.version, cursor=cursor)
         run.producer.start()
@@ -1679,7 +1654,7 @@ def log_step(run, step, groups, metrics, trained_version):
             "perf/generator_idle": (run.version.idle() - clock["idle_start"]) / wall,
             # this process's, producer included
             "perf/cpu_seconds": time.process_time() - clock["cpu_start"],
-            # so far: calls that found every tool thread held (call_tool)
+            # so far: calls that found every tool thread held (tools.bounded)
             "tools/refused": tools_module.TOOLS_REFUSED[0],
         }
     )
@@ -1781,54 +1756,38 @@ def evaluate(run):
     data's (Producer.wait, --data-timeout); none ({}) once a stop signal came: the checkpoint first."""
     if run.stop:
         return {}
-    p = run.producer
-    rows = run.eval_rows
     args = run.args
-    n = 1 + args.eval_samples  # rollouts per row, the greedy one first
+    # rollouts per row, the greedy one first
+    n = 1 + args.eval_samples
     # rows at once: as many rollouts as training holds
     slots = asyncio.Semaphore(max(1, 2 * args.max_inflight // n))
 
-    # row i's greedy rollout and samples; the servers in turn
+    # row i's rewards, greedy rollout first; the servers in turn
     async def scored(session, i):
+        servers = run.producer.urls
+        urls = [servers[(i * n + k) % len(servers)] for k in range(n)]
+        # the same at every evaluation: the checkpoints are compared alike
+        seeds = [(args.seed, "eval", i, k) for k in range(n)]
+        row = run.eval_rows[i]
         try:
             async with slots:
-                return await scored_row(session, i)
+                _, rewards, parts = await run.producer.rollout_and_score(session, row, urls, seeds, greedy=True)
+            return rewards, parts
         except tools_module.Dropped as e:
             # its environment did not reset or its rewards failed: counted, eval/failed
             return str(e)
 
-    async def scored_row(session, i):
-        async with environment_instances(p.ctx, p.tok, rows[i], n, args.tool_timeout) as (envs, row, ids):
-            samples = await all_or_none(
-                rollout(
-                    session,
-                    p.urls[(i * n + k) % len(p.urls)],
-                    p.tok,
-                    row,
-                    args,
-                    ctx=p.ctx,
-                    version=p.version,
-                    greedy=k == 0,
-                    # the same at every evaluation: the checkpoints are compared alike
-                    seed=(args.seed, "eval", i, k),
-                    env=env,
-                    prompt_ids=ids,
-                )
-                for k, env in enumerate(envs)
-            )
-            return await score_group(samples, row, args.reward_weights, envs)
-
     async def all_rows():
         async with client_session(args) as session:
-            return await all_or_none(scored(session, i) for i in range(len(rows)))
+            return await all_or_none(scored(session, i) for i in range(len(run.eval_rows)))
 
-    future = asyncio.run_coroutine_threadsafe(all_rows(), p.loop)
+    future = asyncio.run_coroutine_threadsafe(all_rows(), run.producer.loop)
     finished = threading.Event()
     future.add_done_callback(lambda _: finished.set())
     deadline = time.monotonic() + args.data_timeout
     late = f"the evaluation did not end in {args.data_timeout} s (--data-timeout)"
     try:
-        if not p.wait(lambda: finished.wait(0.1), deadline, lambda: bool(run.stop), lambda: late):
+        if not run.producer.wait(lambda: finished.wait(0.1), deadline, lambda: bool(run.stop), lambda: late):
             return {}
         results = future.result()
     finally:
@@ -2774,7 +2733,31 @@ def parse_args(argv=None, world_size=1, cuda_count=None, local_ranks=None, heads
     return args
 
 
-# --- Machinery: environment instances for a group: made, reset, reused, closed (running them: tools.py) ---
+# --- Machinery: the producer's asyncio (its HTTP session, tasks that fail together), environment instances ---
+
+
+def client_session(args):
+    """The producer's and the evaluation's HTTP session: idle connections closed before vLLM closes them
+    (5 s), no race; a request may take as long as the trainer waits for data."""
+    connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=3)
+    return aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=args.data_timeout))
+
+
+async def all_or_none(coros):
+    """asyncio.gather whose first error cancels the rest and waits for them: gather alone leaves them running
+    against a session about to close, each to fail later with an error that asyncio prints as a traceback
+    nobody retrieved."""
+    tasks = [asyncio.ensure_future(c) for c in coros]
+    try:
+        return await asyncio.gather(*tasks)
+    finally:
+        cancel_all(tasks)
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def cancel_all(tasks):
+    for task in tasks:
+        task.cancel()
 
 
 @contextlib.asynccontextmanager
@@ -2818,6 +2801,35 @@ async def environment_instances(ctx, tok, row, n, timeout):
 
 
 # --- Machinery: chat templates: rendering, the start-up checks, the exact tool-result tokens ------
+
+
+def rollout_context(tok, schemas, rows, max_model_len=None, stop_ids=None, environments=None):
+    """The RolloutContext of a run; max_model_len is the server's context length, known once it is up.
+    environments: {name: class} of --env and --mcp; their instances are made and kept there too
+    (environment_instances())."""
+    stop_ids = stop_ids or stop_token_ids(tok)
+    environments = environments or {}
+    offered = {None: schemas or []}
+    for name, cls in environments.items():
+        offered[name] = (schemas or []) + tools_module.environment_schemas(cls)
+    all_tools = tools_module.every_tool(schemas, environments)
+    # an environment that answers the model with a user turn needs the template's turn ends too
+    talks = any(hasattr(cls, "respond") for cls in environments.values())
+    prompt_ids = {}
+    for row in rows:
+        row_tools = offered[tools_module.environment_of(row, environments)]
+        prompt_ids[row["id"]] = render_prompt(tok, row["prompt"], row_tools, row["id"])
+    return RolloutContext(
+        schemas=schemas,
+        schemas_by_name={s["function"]["name"]: s["function"] for s in schemas or []},
+        environments=environments,
+        offered=offered,
+        prompt_ids=prompt_ids,
+        stop_ids=stop_ids,
+        max_model_len=max_model_len,
+        idle={name: [] for name in environments},
+        **(chat_format(tok, all_tools, stop_ids) if all_tools or talks else {}),
+    )
 
 
 def tool_schemas(names):
