@@ -103,21 +103,43 @@ class RolloutContext:
     alive: list = field(default_factory=list)
 
 
+@dataclass
+class RolloutTokens:
+    """A rollout's exact token ids (the prompt's first) and, per token after the prompt: trained on or not
+    (mask 1: the model sampled it; 0: context, a tool's result or an environment's turn), the sampler's
+    log-prob (0.0 for context) and the policy version that sampled it (for context, the version when it was
+    added: every list has one length)."""
+
+    ids: list
+    n_prompt: int
+    mask: list = field(default_factory=list)
+    logprobs: list = field(default_factory=list)
+    versions: list = field(default_factory=list)
+
+    def add_sampled(self, turn):
+        """A generated turn: its (token id, log-prob, version that sampled it) triples."""
+        for token, logprob, sampled_by in turn:
+            self.ids.append(token)
+            self.mask.append(1)
+            self.logprobs.append(logprob)
+            self.versions.append(sampled_by)
+
+    def add_context(self, ids, version):
+        """Tokens the model did not sample, added under the policy `version`."""
+        self.ids += ids
+        self.mask += [0] * len(ids)
+        self.logprobs += [0.0] * len(ids)
+        self.versions += [version] * len(ids)
+
+
 # FORK: the tool loop (what a turn may do, when a rollout ends); the tools and environments themselves are in tools.py
 async def rollout(session, url, tok, row, args, ctx, version, greedy=False, seed=(), env=None, prompt_ids=None):
     """Sample one conversation, in `env` if the row has an environment (an instance, reset:
-    environment_instances()). Keeps the exact token ids: the prompt's (prompt_ids if reset added to it), then
-    per turn the generated ids (mask 1, with their log-probs and the policy version that sampled each) and
-    those of the tool results or the environment's user turn (mask 0, context). `seed`: what identifies this
-    rollout in the run (its group and index): each request's derives."""
-    ids = list(prompt_ids or ctx.prompt_ids[row["id"]])
-    n_prompt = len(ids)
-    # per token after the prompt: 1 generated (trained on), 0 a tool result
-    mask = []
-    # the sampler's log-prob of each token (0.0 for tool results)
-    logprobs = []
-    # the policy version that sampled each token
-    versions = []
+    environment_instances()). Keeps the exact token ids (RolloutTokens): the prompt's (prompt_ids if reset
+    added to it), then per turn the generated ids and those of the tool results or the environment's user
+    turn. `seed`: what identifies this rollout in the run (its group and index): each request's derives."""
+    prompt = list(prompt_ids or ctx.prompt_ids[row["id"]])
+    tokens = RolloutTokens(ids=prompt, n_prompt=len(prompt))
     # the turns, as the rewards see them
     messages = []
     stats = {"tool_calls": 0, "tool_failures": 0, "tool_seconds": 0.0, "turns": 0, "interrupted": 0}
@@ -125,73 +147,56 @@ async def rollout(session, url, tok, row, args, ctx, version, greedy=False, seed
     stats["truncated"] = True
     # tool name -> [calls, failures]
     stats["per_tool"] = {}
-    # --tools, and the environment's
-    schemas = ctx.offered[tools_module.environment_of(row, ctx.environments)]
-    schemas_by_name = {s["function"]["name"]: s["function"] for s in schemas}
+    # the tools this row is offered: --tools, and its environment's
+    offered = ctx.offered[tools_module.environment_of(row, ctx.environments)]
+    offered_by_name = {s["function"]["name"]: s["function"] for s in offered}
     functions = {name: tools_module.TOOLS[name] for name in ctx.schemas_by_name}
     if env is not None:
         # its tools: its methods, bound to this rollout's instance
         functions.update({name: getattr(env, name) for name in tools_module.environment_tools(type(env))})
-    while len(ids) < ctx.max_model_len:
-        budget = min(args.max_tokens, ctx.max_model_len - len(ids))
+    while len(tokens.ids) < ctx.max_model_len:
+        budget = min(args.max_tokens, ctx.max_model_len - len(tokens.ids))
         turn, finish_reason, interruptions = await generate_turn(
-            session, url, ids, budget, version, args=args, ctx=ctx, greedy=greedy, seed=seed
+            session, url, tokens.ids, budget, version, args=args, ctx=ctx, greedy=greedy, seed=seed
         )
+        tokens.add_sampled(turn)
         new = [token for token, _, _ in turn]
-        ids += new
-        mask += [1] * len(turn)
-        logprobs += [logprob for _, logprob, _ in turn]
-        versions += [sampled_by for _, _, sampled_by in turn]
         stats["turns"] += 1
         stats["interrupted"] += interruptions
         # Stopped on a stop token (not a --sampling-args stop string): the template's end of turn stands for it
         stopped = finish_reason == "stop" and bool(new) and new[-1] in ctx.stop_ids
         text = tok.decode(new[:-1] if stopped else new, skip_special_tokens=False)
-        if schemas:
-            message = parse_assistant(
-                text, tok, ids[: -len(new)], schemas_by_name, ctx.format, max_calls=ctx.max_calls
-            )
+        if offered:
+            before = tokens.ids[: -len(new)]
+            message = parse_assistant(text, tok, before, offered_by_name, ctx.format, max_calls=ctx.max_calls)
         else:
             # the parser runs only with tools: without them any template (or none) must train
             message = {"role": "assistant", "content": text, "tool_calls": [], "tool_call_errors": []}
         messages.append(message)
-        # How the turn ends: out of tokens; with tool calls, run unless out of turns; or an answer, which ends
-        # the rollout unless the environment answers it with a user turn.
+        # How the turn ends: out of tokens; an answer the environment does not answer with a user turn (the one
+        # end that does not cut the conversation short); out of turns; else the tools' results or the user turn
+        # follow it.
         if finish_reason != "stop":
             break
-        if message["tool_calls"] or message["tool_call_errors"]:
-            if stats["turns"] > args.max_tool_turns:
-                break
-            added = await run_tool_calls(message, schemas_by_name, functions, args, stats)
+        calls = bool(message["tool_calls"] or message["tool_call_errors"])
+        reply = None if calls else await env_reply(env, message, args, stats)
+        if not calls and reply is None:
+            stats["truncated"] = False
+            break
+        if stats["turns"] > args.max_tool_turns:
+            break
+        if calls:
+            added = await run_tool_calls(message, offered_by_name, functions, args, stats)
         else:
-            reply = await env_reply(env, message, args, stats)
-            if reply is None:
-                # the model answered: the one end that does not cut the conversation short
-                stats["truncated"] = False
-                break
-            if stats["turns"] > args.max_tool_turns:
-                break
             added = [reply]
         history = row["prompt"] + messages
-        suffix = tool_result_ids(tok, history, added, schemas, ctx.turn_ends, stopped=stopped)
+        suffix = tool_result_ids(tok, history, added, offered, ctx.turn_ends, stopped=stopped)
         messages += added
-        if len(ids) + len(suffix) >= ctx.max_model_len:
+        if len(tokens.ids) + len(suffix) >= ctx.max_model_len:
             # no room left to answer: end here rather than send vLLM a request it rejects
             break
-        ids += suffix
-        mask += [0] * len(suffix)
-        logprobs += [0.0] * len(suffix)
-        # not trained on; kept so that every per-token list has one length
-        versions += [version.value] * len(suffix)
-    return {
-        "ids": ids,
-        "n_prompt": n_prompt,
-        "mask": mask,
-        "logprobs": logprobs,
-        "versions": versions,
-        "messages": messages,
-        **stats,
-    }
+        tokens.add_context(suffix, version.value)
+    return {**vars(tokens), "messages": messages, **stats}
 
 
 async def generate_turn(session, url, ids, budget, version, args, ctx, greedy, seed):
@@ -951,6 +956,17 @@ def train_step(
 # --- The weight sync: rank 0 pauses vLLM, broadcasts packed buckets to every worker, resumes ------
 
 
+class SyncPart:
+    """What a weight sync sends (served_weights' `part`); --lora-sync picks MERGED or ADAPTER."""
+
+    # every trained weight as vLLM serves it: under LoRA, W + scale * B @ A of each adapted module
+    MERGED = "merged"
+    # every weight as it is, W unmerged: the base model a runtime adapter is served on
+    BASE = "base"
+    # the adapter alone: lora_A and lora_B, under the names peft saves them with
+    ADAPTER = "adapter"
+
+
 class WeightSync:
     """Trainer side of the sync to every server in `urls`; advances `version` (a PolicyVersion). One group
     (sync_group) holds the trainer (rank 0) and every worker of every server, so one broadcast reaches them
@@ -972,6 +988,10 @@ class WeightSync:
         self.pool = ThreadPoolExecutor(len(urls))
         # the live check the first sync of moved weights runs (weights_arrive), set by start_generation
         self.check = None
+        # the group's store, which tells the workers of an abort (_abort); made with the group
+        self.store = None
+        # the bytes the last sync sent
+        self.sent_bytes = 0
 
     def _rpc(self, url, method, **kwargs):
         """Call `method` on every worker of one server; a future. It runs on the pool's threads: the
@@ -1027,39 +1047,19 @@ class WeightSync:
             raise ConnectionError(f"the weight sync group with {servers} failed to start: {e}") from None
 
     def __call__(self, model, include_frozen=False):
+        """One sync, the protocol: close the gate (no request is sent from here until the new weights serve),
+        drain vLLM of the requests in flight, send the weights, resume vLLM, advance the version, open the
+        gate. `include_frozen`: every weight, not only those training changed. Returns its seconds."""
         t0 = time.perf_counter()
         if self.group is None:
             self._connect(model)
         deadline = time.monotonic() + self.args.sync_timeout
         with self.version.lock:
-            # no request is sent from here until the new weights serve
             self.version.open = False
-        # keep and abort both stop the requests in flight (vLLM returns what they generated so far);
-        # rollout() then continues them with the new weights (keep) or starts their turn over (abort).
-        # Pausing also clears vLLM's caches, whose keys/values the old weights computed.
-        self._all(f"pause?mode={'wait' if self.args.sync_mode == 'wait' else 'abort'}")
-        # a request that reached vLLM after the pause waits in its queue: stop it
-        while self.version.in_flight:
-            if time.monotonic() > deadline:
-                raise TimeoutError(
-                    f"{self.version.in_flight} requests did not answer the pause in "
-                    f"{self.args.sync_timeout} s (--sync-timeout)"
-                )
-            self._all("abort_requests")
-            time.sleep(0.01)
-        adapter = self.args.lora_sync == "adapter"
-        self.sent_bytes = 0  # what this sync sends
+        self._drain(deadline)
+        self.sent_bytes = 0
         try:
-            # --lora-sync adapter: W unmerged where the servers may hold other weights, then the adapter alone
-            if include_frozen or not adapter:
-                part = "base" if adapter else "merged"
-                self._send(model, "receive_weights", deadline, part, include_frozen)
-            if adapter:
-                config = json.loads(json.dumps(model.peft_config["default"].to_dict(), default=sorted))
-                answers = self._send(model, "receive_adapter", deadline, "adapter", config=config)
-                # each server's first worker wrote it; the folder is on that server's host
-                for url, workers in zip(self.urls, answers):
-                    load_adapter(url, workers[0], self.args.sync_timeout)
+            self._send_weights(model, deadline, include_frozen)
         except BaseException:
             # also after a failure: --vllm-url servers outlive the run, and a paused one serves no one; a server
             # that died answers no resume, and the failure is what the run reports
@@ -1070,8 +1070,39 @@ class WeightSync:
         self.version.value += 1
         if self.check:  # the first sync of moved weights: do the servers now sample from them?
             self.check = self.check()
-        self.version.open = True
+        with self.version.lock:
+            self.version.open = True
         return time.perf_counter() - t0
+
+    def _drain(self, deadline):
+        """Pause every server and stop the requests in flight. keep and abort both stop them (vLLM returns what
+        they generated so far); rollout() then continues them with the new weights (keep) or starts their turn
+        over (abort). Pausing also clears vLLM's caches, whose keys/values the old weights computed."""
+        mode = "wait" if self.args.sync_mode == "wait" else "abort"
+        self._all(f"pause?mode={mode}")
+        # a request that reached vLLM after the pause waits in its queue: stop it
+        while self.version.in_flight:
+            if time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"{self.version.in_flight} requests did not answer the pause in "
+                    f"{self.args.sync_timeout} s (--sync-timeout)"
+                )
+            self._all("abort_requests")
+            time.sleep(0.01)
+
+    def _send_weights(self, model, deadline, include_frozen):
+        """The weights, merged (SyncPart.MERGED). --lora-sync adapter: the adapter alone, after W unmerged
+        where the servers may hold other weights (include_frozen)."""
+        if self.args.lora_sync == SyncPart.MERGED:
+            self._send(model, "receive_weights", deadline, SyncPart.MERGED, include_frozen)
+            return
+        if include_frozen:
+            self._send(model, "receive_weights", deadline, SyncPart.BASE, include_frozen)
+        config = json.loads(json.dumps(model.peft_config["default"].to_dict(), default=sorted))
+        answers = self._send(model, "receive_adapter", deadline, SyncPart.ADAPTER, config=config)
+        # each server's first worker wrote it; the folder is on that server's host
+        for url, workers in zip(self.urls, answers):
+            load_adapter(url, workers[0], self.args.sync_timeout)
 
     def _send(self, model, method, deadline, part, include_frozen=False, **kwargs):
         """Broadcast the weights of `part` (served_weights) to every worker, which takes them in `method`;
@@ -1110,7 +1141,7 @@ class WeightSync:
         self.group = None
 
 
-def pack_buckets(model, bucket_bytes, dtype, include_frozen=False, part="merged"):
+def pack_buckets(model, bucket_bytes, dtype, include_frozen=False, part=SyncPart.MERGED):
     """Group the weights to send (served_weights) into flat buffers of about bucket_bytes: one broadcast each."""
     buckets = []
     current = []  # the bucket being filled
@@ -1125,19 +1156,19 @@ def pack_buckets(model, bucket_bytes, dtype, include_frozen=False, part="merged"
     return buckets + [current] if current else buckets
 
 
-def served_weights(model, include_frozen=False, part="merged"):
+def served_weights(model, include_frozen=False, part=SyncPart.MERGED):
     """(name as vLLM knows it, weight, its LoRA layer or None) for each weight a sync sends: the trained ones
     (a frozen vision tower: vLLM holds it already); --lora-rank: those of the modules holding an adapted layer
     and no other, as none can have changed (siblings: vLLM fuses q/k/v into qkv_proj, reloads it whole), or
-    with include_frozen all of them. --lora-sync adapter: part "base", every weight as it is (W, not merged);
-    part "adapter", the adapter's lora_A and lora_B under the names peft saves them with."""
+    with include_frozen all of them. --lora-sync adapter: part BASE, every weight as it is (W, not merged);
+    part ADAPTER, the adapter's lora_A and lora_B under the names peft saves them with."""
     if not hasattr(model, "peft_config"):
         yield from ((name, p, None) for name, p in model.named_parameters() if p.requires_grad)
         return
     from peft.tuners.lora import LoraLayer
     from peft.utils import get_peft_model_state_dict
 
-    if part == "adapter":
+    if part == SyncPart.ADAPTER:
         yield from ((name, p, None) for name, p in get_peft_model_state_dict(model).items())
         return
 
@@ -1148,7 +1179,8 @@ def served_weights(model, include_frozen=False, part="merged"):
     for name, p in base.named_parameters():
         module, _, leaf = name.replace(".base_layer", "").rpartition(".")
         if ".lora_" not in name and (include_frozen or module.rpartition(".")[0] in parents):
-            yield f"{module}.{leaf}", p, adapted.get(module) if leaf == "weight" and part == "merged" else None
+            lora = adapted.get(module) if leaf == "weight" and part == SyncPart.MERGED else None
+            yield f"{module}.{leaf}", p, lora
 
 
 @torch.no_grad()
@@ -2478,8 +2510,8 @@ def parse_args(argv=None, world_size=1, cuda_count=None, local_ranks=None, heads
     )
     g.add_argument(
         "--lora-sync",
-        choices=["merged", "adapter"],
-        default="merged",
+        choices=[SyncPart.MERGED, SyncPart.ADAPTER],
+        default=SyncPart.MERGED,
         help="what a LoRA sync sends: merged, W + scale * B @ A of each adapted module (served as the base "
         "model); adapter, lora_A and lora_B alone (4.6%% of the bytes on SmolLM2-135M at rank 16), served "
         "as a runtime LoRA adapter (--enable-lora; 0.2-0.4x the tokens/s on CPU: docs/performance.md)",
