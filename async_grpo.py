@@ -10,25 +10,24 @@
     torchrun --nproc-per-node 4 async_grpo.py --model Qwen/Qwen3-8B --fsdp --vllm-gpus 4,5  # sharded, not copied
     python async_grpo.py --model M --vllm-url http://host:8000   # servers started as README.md shows
 
-The shape of a run: rank 0 starts a vLLM server and a producer thread. The producer, on its own asyncio loop,
-samples G rollouts per prompt from the server (token ids in, token ids and log-probs out, each token stamped
-with the policy version that sampled it), runs tool calls (and an environment's turns), scores each group with
-the reward functions, computes group-relative advantages, and queues the group. Every rank trains: rank 0
-takes the groups in the order they started and hands each rank its share; the loss is the clipped surrogate
-against the sampler's log-probs. Every --sync-every steps rank 0 pauses vLLM, broadcasts the weights over a
-process group of its own, resumes it, and the policy version grows. Generation never waits for training and
-training waits only for data, within one bound: the producer does not start a group whose tokens would be more
-than --max-staleness versions old when trained (0: synchronous, --sync).
+The shape of a run: rank 0 starts a vLLM server and a producer thread. The producer, on its own asyncio
+loop, samples G rollouts per prompt (token ids in, token ids and log-probs out, each token stamped with
+the policy version that sampled it), runs tool calls (and an environment's turns), scores each group
+with the reward functions, computes group-relative advantages, and queues the group. Every rank trains:
+rank 0 takes the groups in the order they started and hands each rank its share; the loss is the
+clipped surrogate against the sampler's log-probs. Every --sync-every steps rank 0 pauses vLLM,
+broadcasts the weights over a process group of its own, resumes it, and the policy version grows.
+Generation never waits for training and training waits only for data, within one bound: the producer
+does not start a group whose tokens would be more than --max-staleness versions old when trained
+(0: synchronous, --sync).
 
-The file reads in the order a reader needs it: the algorithm first (the rollout and its tool loop; rewards and
-group-relative advantages; the producer and its staleness gate; the loss; the training step; the weight sync),
-then the run's phases (main, and what it calls in the order it calls them), then the machinery that supports
-both, in sections named as such (batches and log-probs, arguments, environments at work, chat templates,
-tool-call parsing). Beside it: tools.py (tools, environments, running them), rewards.py (rewards, built-in
-tasks), data.py (the rows: a built-in task or --dataset), models.py (loading the policy, the start-up probes,
-packed attention), output_layer.py (the output layer's log-probs in chunks), tiny_model.py (the built-in
-model), vllm_server.py (the vLLM servers, the device plan, the sync group and its receiving end in each
-worker), sandbox.py (the interpreter's sandbox), mfu.py (a step's FLOPs).
+The file reads in the order a reader needs it: the algorithm (the rollout and its tool loop, rewards
+and advantages, the producer and its staleness gate, the loss, the training step, the weight sync),
+the run's phases (main, and what it calls in order), then the machinery, in sections named as such.
+Beside it: tools.py (tools, environments), rewards.py (rewards, built-in tasks), data.py (the rows),
+models.py (loading the policy, the start-up probes, packed attention), output_layer.py (log-probs in
+chunks), tiny_model.py (the built-in model), vllm_server.py (the servers, the device plan, the sync
+group and its receiving end), sandbox.py (the interpreter's sandbox), mfu.py (a step's FLOPs).
 `# FORK:` marks where a forker edits (README.md lists them)."""
 
 import argparse, asyncio, contextlib, dataclasses, functools, inspect, itertools, json, math, os, queue, random
@@ -72,7 +71,7 @@ HERE = Path(__file__).resolve().parent
 SAMPLING_ARGS = {"min_tokens", "stop", "ignore_eos"}
 
 
-# --- The rollout: one conversation = generate, run its tool calls, append their results, generate again ---
+# --- The rollout: generate, run the tool calls, append their results, generate again ---
 
 
 @dataclass
@@ -105,10 +104,8 @@ class RolloutContext:
 
 @dataclass
 class RolloutTokens:
-    """A rollout's exact token ids (the prompt's first) and, per token after the prompt: trained on or not
-    (mask 1: the model sampled it; 0: context, a tool's result or an environment's turn), the sampler's
-    log-prob (0.0 for context) and the policy version that sampled it (for context, the version when it was
-    added: every list has one length)."""
+    """A rollout's token ids and, per token after the prompt: mask (1: sampled, trained on; 0: context,
+    a tool's result or the environment's turn), the sampler's log-prob and the version that sampled it."""
 
     ids: list
     n_prompt: int
@@ -117,7 +114,7 @@ class RolloutTokens:
     versions: list = field(default_factory=list)
 
     def add_sampled(self, turn):
-        """A generated turn: its (token id, log-prob, version that sampled it) triples."""
+        """A turn's (token id, log-prob, version that sampled it) triples."""
         for token, logprob, sampled_by in turn:
             self.ids.append(token)
             self.mask.append(1)
@@ -125,7 +122,7 @@ class RolloutTokens:
             self.versions.append(sampled_by)
 
     def add_context(self, ids, version):
-        """Tokens the model did not sample, added under the policy `version`."""
+        """Tokens not sampled: log-prob 0.0; the version now, so that every list has one length."""
         self.ids += ids
         self.mask += [0] * len(ids)
         self.logprobs += [0.0] * len(ids)
@@ -134,10 +131,9 @@ class RolloutTokens:
 
 # FORK: the tool loop (what a turn may do, when a rollout ends); the tools and environments themselves are in tools.py
 async def rollout(session, url, tok, row, args, ctx, version, greedy=False, seed=(), env=None, prompt_ids=None):
-    """Sample one conversation, in `env` if the row has an environment (an instance, reset:
-    environment_instances()). Keeps the exact token ids (RolloutTokens): the prompt's (prompt_ids if reset
-    added to it), then per turn the generated ids and those of the tool results or the environment's user
-    turn. `seed`: what identifies this rollout in the run (its group and index): each request's derives."""
+    """Sample one conversation, in `env` if the row has an environment (an instance, reset). Keeps the
+    exact token ids: the prompt's (prompt_ids if reset added to it), then per turn the sampled ids and the
+    context the tools' results or the environment add. `seed`: the rollout's key in the run (request_seed)."""
     prompt = list(prompt_ids or ctx.prompt_ids[row["id"]])
     tokens = RolloutTokens(ids=prompt, n_prompt=len(prompt))
     # the turns, as the rewards see them
@@ -173,9 +169,8 @@ async def rollout(session, url, tok, row, args, ctx, version, greedy=False, seed
             # the parser runs only with tools: without them any template (or none) must train
             message = {"role": "assistant", "content": text, "tool_calls": [], "tool_call_errors": []}
         messages.append(message)
-        # How the turn ends: out of tokens; an answer the environment does not answer with a user turn (the one
-        # end that does not cut the conversation short); out of turns; else the tools' results or the user turn
-        # follow it.
+        # How the turn ends: out of tokens; an answer the environment has no reply to (the end that cuts
+        # nothing short); out of turns; else the tools' results or the reply follow it.
         if finish_reason != "stop":
             break
         calls = bool(message["tool_calls"] or message["tool_call_errors"])
@@ -380,7 +375,7 @@ class PolicyVersion:
                     self.idle_since = time.perf_counter()
 
 
-# --- Rewards and group-relative advantages --------------------------------------------------------
+# --- Rewards and group-relative advantages ---
 
 
 async def score_group(samples, row, reward_weights, environments=None):
@@ -420,7 +415,7 @@ def group_advantages(rewards, scale=True, eps=1e-4):
     return centred / (rewards.std() + eps) if scale else centred
 
 
-# --- The producer: a thread with its own asyncio loop that keeps the queue full, within the staleness bound ---
+# --- The producer: a thread that keeps the queue full, within the staleness bound ---
 
 
 @dataclass
@@ -439,9 +434,8 @@ class DroppedGroup:
 
 
 def version_at(step, sync_every):
-    """The staleness rule, stated once: the trainer's version during step `step` (0-based). A sync follows
-    every --sync-every-th step and advances it by one. The gate (Producer.admissible) predicts a group's
-    staleness by it, the drop (Producer.lag) measures it, and --resume restarts the count by it."""
+    """The staleness rule: the trainer's version during step `step`, as a sync follows every
+    --sync-every-th step. The gate predicts by it (admissible), the drop measures it (lag)."""
     return step // sync_every
 
 
@@ -499,13 +493,11 @@ class Producer(threading.Thread):
             yield from rows
 
     def admissible(self, index):
-        """The staleness gate: start group `index` only if the trainer, when it trains it, will be at most
-        --max-staleness versions ahead of the weights that would generate it now. It is trained at step
-        (index - groups skipped) // prompts_per_step, at the latest (a later skip makes it earlier).
+        """The staleness gate: start group `index` only if, trained at step (index - skipped) //
+        prompts_per_step (or earlier, after more skips), it is at most --max-staleness versions old.
 
-        Worked example, --prompts-per-step 2 --sync-every 2 --max-staleness 1, no group skipped, vLLM at
-        version 0: groups 0-7 are trained at steps 0-3, under versions 0, 0, 1, 1 (version_at): they pass.
-        Groups 8-11 (steps 4-5, version 2) wait for the sync after step 1, which brings vLLM to version 1."""
+        E.g. --prompts-per-step 2 --sync-every 2 --max-staleness 1, vLLM at version 0: groups 0-7
+        (steps 0-3, versions 0, 0, 1, 1) pass; groups 8-11 (steps 4-5, version 2) wait for version 1."""
         step = (index - self.cursor["skipped_groups"]) // self.args.prompts_per_step
         ahead = version_at(step, self.args.sync_every) - self.version.value
         return ahead <= self.args.max_staleness
@@ -535,13 +527,11 @@ class Producer(threading.Thread):
                 await tools_module.close_environments(self.ctx, self.args.tool_timeout)
 
     def enough_started(self, pending):
-        """Groups started: rollouts up to twice what vLLM takes at once (--max-inflight), so that the next ones
-        wait ready (environments reset) behind PolicyVersion's slots, no more."""
+        """Rollouts started: twice what vLLM takes at once (--max-inflight): the next ones wait ready."""
         return len(pending) * self.args.num_generations >= 2 * self.args.max_inflight
 
     async def _group(self, session, row, index):
-        """Training's group `index`: rolled out on the server with the fewest groups running, scored, its
-        advantages computed, and queued (or, where its environment or rewards failed, a DroppedGroup)."""
+        """Group `index`, on the server with the fewest groups running, scored and queued."""
         url = min(self.urls, key=self.running.get)
         n = self.args.num_generations
         seeds = [(self.args.seed, index, i) for i in range(n)]
@@ -558,11 +548,9 @@ class Producer(threading.Thread):
         self.queue.put(ScoredGroup(index, samples))
 
     async def rollout_and_score(self, session, row, urls, seeds, greedy=False, counted=False):
-        """The group pipeline, training's and evaluation's: the row's environment instances (reset), one
-        rollout per seed (rollout k on urls[k], seeded by seeds[k]; with `greedy` the first is greedy), then
-        the rewards. Returns the rollouts, their rewards and each reward function's values; raises Dropped
-        where an environment or a reward failed. `counted` (training's): the groups running on each server
-        and being scored are counted, for the choice of server and take()'s timeout."""
+        """The group pipeline of training and evaluation: environments reset, rollout k on urls[k]
+        (`greedy`: the first greedy), the rewards. Returns the rollouts, rewards and each reward's values;
+        raises Dropped. `counted`: counted as running on urls[0], then as scoring (for take())."""
         n = len(seeds)
         busy = int(counted)
         timeout = self.args.tool_timeout
@@ -660,9 +648,8 @@ class Producer(threading.Thread):
         return None
 
     def lag(self, group):
-        """Policy versions between the trainer now and the group's oldest trained token: the measured twin of
-        what admissible() predicted. While step s takes its groups, the trainer's version is version_at(s)
-        (the syncs advance it, --resume sets it so): the gate should leave no lag past --max-staleness."""
+        """Versions between the trainer now (version_at the step that takes it) and the group's oldest
+        trained token: what admissible() predicted, measured."""
         versions = [v for s in group for v, m in zip(s["versions"], s["mask"]) if m]
         return self.version.value - min(versions, default=self.version.value)
 
@@ -953,17 +940,15 @@ def train_step(
     return dict(totals)
 
 
-# --- The weight sync: rank 0 pauses vLLM, broadcasts packed buckets to every worker, resumes ------
+# --- The weight sync: pause vLLM, broadcast packed buckets to every worker, resume ---
 
 
 class SyncPart:
-    """What a weight sync sends (served_weights' `part`); --lora-sync picks MERGED or ADAPTER."""
+    """What a weight sync sends (served_weights' `part`; --lora-sync picks MERGED or ADAPTER): the weights
+    as vLLM serves them (LoRA: W + scale * B @ A), W unmerged, or the adapter alone (lora_A, lora_B)."""
 
-    # every trained weight as vLLM serves it: under LoRA, W + scale * B @ A of each adapted module
     MERGED = "merged"
-    # every weight as it is, W unmerged: the base model a runtime adapter is served on
     BASE = "base"
-    # the adapter alone: lora_A and lora_B, under the names peft saves them with
     ADAPTER = "adapter"
 
 
@@ -1233,7 +1218,7 @@ def help_sync(model, args, dtype):
         flatten(bucket, dtype)
 
 
-# --- The run: main's phases in the order they run, and a teardown that leaves nothing running -----
+# --- The run: main's phases in the order they run; a teardown that leaves nothing running ---
 
 
 def main(argv=None):
@@ -1392,31 +1377,63 @@ def load_data(run):
 
 
 def load_policy_and_optimizer(run):
+    """The policy on this rank's device, whole or its shards (run.policy; run.model: DDP around it), probed
+    and laid out; the frozen reference of --beta; the optimizer; --resume's state. In steps."""
     from transformers import AutoProcessor
 
     args = run.args
-    resumed = run.resumed
-
-    def place(path):  # on this rank's device: whole, or its shards
-        return load_sharded(path, run.device) if args.fsdp else load_policy(path).to(run.device)
-
     # the server shares this GPU: the trainer takes only what it leaves
     if run.is_main and args.plan["shared"]:
-        # on the meta device: nothing read or allocated
-        shapes = load_policy(run.model_path, empty=True)
-        trained = 0 if args.lora_rank else sum(p.numel() for p in shapes.parameters() if p.requires_grad)
-        total = torch.cuda.get_device_properties(run.device).total_memory
-        largest = max(p.numel() for p in shapes.parameters())
-        share = memory_share(args, total, sum(p.numel() for p in shapes.parameters()), trained, largest)
-        torch.cuda.set_per_process_memory_fraction(share, run.device)
-    if resumed and resumed.get("lora_rank", 0) != args.lora_rank:
-        raise SystemExit(
-            f"--resume: this checkpoint was trained with --lora-rank {resumed.get('lora_rank', 0)}; resume with it"
-        )
+        limit_memory(run)
+    if run.resumed and run.resumed.get("lora_rank", 0) != args.lora_rank:
+        rank = run.resumed.get("lora_rank", 0)
+        raise SystemExit(f"--resume: this checkpoint was trained with --lora-rank {rank}; resume with it")
+    # a LoRA checkpoint holds merged weights (what vLLM serves): the trainer adds its adapter to the initial
+    # model
+    resumed_lora = args.lora_rank and run.resumed
+    model = load_checked(run, run.initial_model if resumed_lora else run.model_path)
+    run.layout = choose_layout(run, model)
+    if args.gradient_checkpointing:
+        model.gradient_checkpointing_enable()
+    if args.lora_rank:
+        model = with_lora(model, args, run.resumed and Path(run.model_path) / "adapter")
+    run.policy = run.model = model
+    # vLLM serves an image-text checkpoint only with its image processor: checkpoints keep it (--resume).
+    image_text = hasattr(model.config, "vision_config")
+    run.saved_with = AutoProcessor.from_pretrained(run.model_path) if image_text else run.tok
+    if args.beta:
+        run.reference = load_on_device(run, run.initial_model).requires_grad_(False)
+    if run.layout["packed"] and run.reference:
+        # switches the reference's attention to packed rows too (the verdict was the policy's)
+        segments_refused(run.reference, probe_logprobs)
+    if run.world_size > 1 and not args.fsdp:
+        devices = [run.device.index] if run.device.type == "cuda" else None
+        run.model = torch.nn.parallel.DistributedDataParallel(run.policy, device_ids=devices)
+    make_optimizer(run)
+
+
+def limit_memory(run):
+    """Rank 0 beside a server on its GPU: the share of the GPU's memory the trainer may take (memory_share),
+    from the model's shapes (on the meta device: nothing read or allocated)."""
+    shapes = load_policy(run.model_path, empty=True)
+    sizes = [p.numel() for p in shapes.parameters()]
+    trained = 0 if run.args.lora_rank else sum(p.numel() for p in shapes.parameters() if p.requires_grad)
+    total = torch.cuda.get_device_properties(run.device).total_memory
+    share = memory_share(run.args, total, sum(sizes), trained, max(sizes))
+    torch.cuda.set_per_process_memory_fraction(share, run.device)
+
+
+def load_on_device(run, path):
+    """The model at `path` on this rank's device: whole, or its shards (--fsdp)."""
+    if run.args.fsdp:
+        return load_sharded(path, run.device)
+    return load_policy(path).to(run.device)
+
+
+def load_checked(run, path):
+    """The policy to train, loaded and checked: its log-probs are its output layer's; the prompts fit."""
     try:
-        # a LoRA checkpoint holds merged weights (what vLLM serves): the trainer adds its adapter to the
-        # initial model
-        model = place(run.initial_model if args.lora_rank and resumed else run.model_path)
+        model = load_on_device(run, path)
     except Exception as e:
         raise SystemExit(
             f"--model {run.model_path}: cannot load it as a causal or image-text LM "
@@ -1424,133 +1441,73 @@ def load_policy_and_optimizer(run):
         )
     wrong = logprobs_refused(model, probe_logprobs)
     if wrong:
-        raise SystemExit(f"--model {run.model_path}: {wrong}: a transform after its output layer it cannot reproduce")
-    run.layout = choose_layout(run, model)
-    if args.gradient_checkpointing:
-        model.gradient_checkpointing_enable()
-    context = args.max_model_len or getattr(model.config, "max_position_embeddings", None)
-    too_long = [(i, len(ids)) for i, ids in run.ctx.prompt_ids.items() if context and len(ids) >= context]
+        why = "a transform after its output layer it cannot reproduce"
+        raise SystemExit(f"--model {run.model_path}: {wrong}: {why}")
+    # every prompt must fit the context (--max-model-len, or the model's)
+    context = run.args.max_model_len or getattr(model.config, "max_position_embeddings", None)
+    lengths = {i: len(ids) for i, ids in run.ctx.prompt_ids.items()}
+    too_long = [(i, n) for i, n in lengths.items() if context and n >= context]
     if too_long:
         raise SystemExit(
             f"{len(too_long)} prompts do not fit the context of {context} tokens (the first: row id "
             f"{too_long[0][0]}, {too_long[0][1]} tokens); shorten them in --dataset or raise --max-model-len"
         )
-    model = with_lora(model, args, resumed and Path(run.model_path) / "adapter") if args.lora_rank else model
-    run.policy = run.model = model
-    # vLLM serves an image-text checkpoint only with its image processor: checkpoints keep it (--resume).
-    run.saved_with = (
-        AutoProcessor.from_pretrained(run.model_path) if hasattr(model.config, "vision_config") else run.tok
-    )
-    run.reference = place(run.initial_model).requires_grad_(False) if args.beta else None
-    if run.layout["packed"] and run.reference:
-        segments_refused(run.reference, probe_logprobs)
-    if run.world_size > 1 and not args.fsdp:
-        run.model = torch.nn.parallel.DistributedDataParallel(
-            run.policy, device_ids=[run.device.index] if run.device.type == "cuda" else None
-        )
-    # Fused AdamW: on CUDA foreach's step holds a temporary of 4 bytes a trained parameter (memory_share); on CPU
-    # torch loops over the tensors one by one, 0.35 -> 0.08 CPU s a step on SmolLM2-135M (docs/performance.md).
-    # Not on CPU under --fsdp, where its DTensor path was not tested.
+    return model
+
+
+def make_optimizer(run):
+    """AdamW over the trained parameters, the learning rate's warm-up; --resume: their state, the step."""
+    args = run.args
+    # Fused AdamW: on CUDA foreach's step holds a temporary of 4 bytes a trained parameter (memory_share); on
+    # CPU torch loops over the tensors one by one, 0.35 -> 0.08 CPU s a step on SmolLM2-135M
+    # (docs/performance.md). Not on CPU under --fsdp, where its DTensor path was not tested.
     fused = run.device.type == "cuda" or not args.fsdp
     trained = [p for p in run.policy.parameters() if p.requires_grad]
     run.optimizer = torch.optim.AdamW(trained, lr=args.lr, weight_decay=args.weight_decay, fused=fused)
     run.scheduler = torch.optim.lr_scheduler.LambdaLR(
         run.optimizer, lambda s: min(1.0, (s + 1) / (args.warmup_steps + 1))
     )
-    if resumed:
-        if resumed.get("fsdp", False) != args.fsdp:
-            saved = "with" if resumed.get("fsdp", False) else "without"
-            raise SystemExit(
-                f"--resume: this checkpoint's optimizer state was saved {saved} --fsdp; resume {saved} it"
-            )
-        # rank 0 reads the full state and sends each rank its shards
-        if args.fsdp:
-            set_optimizer_state_dict(
-                run.policy,
-                run.optimizer,
-                resumed["optimizer"] if run.is_main else {},
-                options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True),
-            )
-        else:  # each tensor to its parameter's device
-            run.optimizer.load_state_dict(resumed["optimizer"])
-        del resumed["optimizer"]  # applied: not held for the run
-        run.scheduler.load_state_dict(resumed["scheduler"])
-        run.start_step = run.completed = resumed["step"]
-        if run.is_main:
-            print(f"resuming at step {run.start_step} from {run.model_path}", flush=True)
+    resumed = run.resumed
+    if not resumed:
+        return
+    saved_fsdp = resumed.get("fsdp", False)
+    if saved_fsdp != run.args.fsdp:
+        saved = "with" if saved_fsdp else "without"
+        raise SystemExit(f"--resume: this checkpoint's optimizer state was saved {saved} --fsdp; resume {saved} it")
+    # rank 0 reads the full state and sends each rank its shards
+    if run.args.fsdp:
+        set_optimizer_state_dict(
+            run.policy,
+            run.optimizer,
+            resumed["optimizer"] if run.is_main else {},
+            options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True),
+        )
+    else:  # each tensor to its parameter's device
+        run.optimizer.load_state_dict(resumed["optimizer"])
+    del resumed["optimizer"]  # applied: not held for the run
+    run.scheduler.load_state_dict(resumed["scheduler"])
+    run.start_step = run.completed = resumed["step"]
+    if run.is_main:
+        print(f"resuming at step {run.start_step} from {run.model_path}", flush=True)
 
 
 def start_generation(run):
+    """Rank 0: the vLLM servers, the weight sync, the producer, the logs, the evaluation at step 0. Every
+    rank learns the servers' dtype: it packs the weights and rounds the logits as they compute."""
     args = run.args
-    # the servers' dtype, which rank 0 learns
-    dtype = [None]
-    if run.is_main:
-        # --lora-sync adapter: the servers hold the base model, never a merged checkpoint (--resume's)
-        start_from = run.initial_model if args.lora_sync == "adapter" else run.model_path
-        run.servers = [] if args.vllm_url else start_vllm(args, start_from, run.out_dir)
-        run.urls = urls = args.vllm_url.split(",") if args.vllm_url else [server.url for server in run.servers]
-        threading.Thread(target=watch_servers, args=(run,), daemon=True, name="watch_servers").start()
-        configs = [served_config(url, args.lora_rank if args.lora_sync == "adapter" else 0) for url in urls]
-        run.ctx.max_model_len = min(length for length, _, _, _ in configs)
-        run.ctx.seeded = all(seeds for _, _, _, seeds in configs)
-        dtype = [configs[0][1]]
-        if not run.ctx.seeded:
-            print(
-                "warning: requests go unseeded, so a run does not replay: a CPU server with chunked prefill crashes on "
-                "seeded ones (vLLM 0.32); start it with --no-enable-chunked-prefill, as start_vllm does",
-                flush=True,
-            )
-        # the sync's backend follows the devices these servers report (the plan could not know them)
-        if args.vllm_url:
-            ours = range(int(os.environ.get("LOCAL_WORLD_SIZE", 1))) if run.device.type == "cuda" else []
-            ours = [str(torch.cuda.get_device_properties(i).uuid) for i in ours]
-            run.sync_backend = url_sync_backend(urls, [devices for _, _, devices, _ in configs], ours)
-    # every rank packs the weights and rounds the logits as the servers compute
+    dtype = [start_servers(run) if run.is_main else None]
     if run.world_size > 1:
         dist.broadcast_object_list(dtype, 0)
     run.served_dtype = getattr(torch, dtype[0])
     if run.is_main:
-        # On CPU fp32 even with native bf16: autocast there halved the step but moved the log-probs from fp32's
-        # (the CPU server's dtype) by a mismatch KL of 2e-2 to 7e-2; with a bf16 server too, 2.5e-3, and the recipe
-        # learnt less on both seeds measured (docs/performance.md)
+        # On CPU fp32 even with native bf16: autocast there halved the step but moved the log-probs from
+        # fp32's (the CPU server's dtype) by a mismatch KL of 2e-2 to 7e-2; with a bf16 server too, 2.5e-3,
+        # and the recipe learnt less on both seeds measured (docs/performance.md)
         trainer_dtype = "bf16 autocast" if run.device.type == "cuda" else "fp32"
         print(f"the trainer computes in {trainer_dtype}, the servers in {dtype[0]}", flush=True)
-        run.version = PolicyVersion(args.max_inflight)
-        # the watchdog's finding, read at each sync: a server that fails mid-sync is named
-        failure = functools.partial(getattr, run, "server_failure")
-        run.sync = WeightSync(urls, args, run.served_dtype, run.version, failure, backend=run.sync_backend)
-        # a server we did not start may hold other weights than the policy: all of them; --lora-sync
-        # adapter: and the adapter (B = 0, or --resume's) is loaded before the first request names it
-        if args.vllm_url or args.lora_sync == "adapter":
-            run.sync(run.policy, include_frozen=bool(args.vllm_url))
-        # every server's log-probs against the trainer's, now and at the first sync of moved weights. Unchecked:
-        # under --fsdp (the trainer's forward takes every rank) and --lora-sync adapter (vLLM 0.32's CPU LoRA
-        # kernel fails on prompt log-probs, and its engine dies)
-        unchecked = args.fsdp or args.lora_sync == "adapter"
-        run.sync.check = None if unchecked else weights_arrive(urls, args, run, collate, token_logprobs)
-        # the servers hold the weights of the step the run starts at: those of the last finished sync, or
-        # newer where a sync failed mid-way (a count saved with them would lag, and the staleness gate would
-        # wait forever on --resume)
-        run.version.value = version_at(run.start_step, args.sync_every)
-        cursor = run.resumed and run.resumed["data"]
-        run.producer = Producer(args, run.tok, run.train_rows, urls, run.ctx, version=run.version, cursor=cursor)
-        run.producer.start()
-        if args.plan["cpu_server"] and run.world_size == 1:
-            run.share_core = functools.partial(share_idle_core, decoder_layers(run.policy), run.version)
-        run.done_cursor = dict(run.producer.cursor)
-        if args.wandb_project:
-            import wandb
-
-            run.logs["wandb"] = wandb.init(project=args.wandb_project, config=vars(args), dir=str(run.out_dir))
-        for name in ("metrics", "rollouts"):
-            # --resume: the steps after the checkpoint again
-            cut_back(run.out_dir / f"{name}.jsonl", run.start_step)
-            run.logs[name] = open(run.out_dir / f"{name}.jsonl", "a")
-        # every curve starts at the model as loaded: step 0
-        if args.eval_every and not run.start_step:
-            metrics = {"step": 0, "policy_version": 0, **evaluate(run)}
-            write_metrics(run, metrics)
-            print(f"step    0/{args.steps} | eval {metrics.get('eval/reward', math.nan):.3f}", flush=True)
+        start_sync(run)
+        start_producer(run)
+        open_logs(run)
     elif args.fsdp and args.vllm_url:
         # rank 0's first sync gathers the weights from every rank's shards
         help_sync(run.policy, args, run.served_dtype)
@@ -1561,6 +1518,88 @@ def start_generation(run):
         "cpu_start": time.process_time(),
         "idle_start": run.version.idle() if run.is_main else 0.0,
     }
+
+
+def start_servers(run):
+    """The servers, started here or --vllm-url's, and watched; their limits in run.ctx. Returns their
+    dtype."""
+    args = run.args
+    adapter = args.lora_sync == SyncPart.ADAPTER
+    if args.vllm_url:
+        run.urls = args.vllm_url.split(",")
+    else:
+        # --lora-sync adapter: the servers hold the base model, never a merged checkpoint (--resume's)
+        run.servers = start_vllm(args, run.initial_model if adapter else run.model_path, run.out_dir)
+        run.urls = [server.url for server in run.servers]
+    threading.Thread(target=watch_servers, args=(run,), daemon=True, name="watch_servers").start()
+    configs = [served_config(url, args.lora_rank if adapter else 0) for url in run.urls]
+    run.ctx.max_model_len = min(length for length, _, _, _ in configs)
+    run.ctx.seeded = all(seeds for _, _, _, seeds in configs)
+    if not run.ctx.seeded:
+        print(
+            "warning: requests go unseeded, so a run does not replay: a CPU server with chunked prefill "
+            "crashes on seeded ones (vLLM 0.32); start it with --no-enable-chunked-prefill, as start_vllm does",
+            flush=True,
+        )
+    # the sync's backend follows the devices these servers report (the plan could not know them)
+    if args.vllm_url:
+        ours = range(int(os.environ.get("LOCAL_WORLD_SIZE", 1))) if run.device.type == "cuda" else []
+        ours = [str(torch.cuda.get_device_properties(i).uuid) for i in ours]
+        devices = [devices for _, _, devices, _ in configs]
+        run.sync_backend = url_sync_backend(run.urls, devices, ours)
+    return configs[0][1]
+
+
+def start_sync(run):
+    """The policy version and the weight sync; a first sync where the servers may hold other weights."""
+    args = run.args
+    adapter = args.lora_sync == SyncPart.ADAPTER
+    run.version = PolicyVersion(args.max_inflight)
+    # the watchdog's finding, read at each sync: a server that fails mid-sync is named
+    failure = functools.partial(getattr, run, "server_failure")
+    run.sync = WeightSync(run.urls, args, run.served_dtype, run.version, failure, backend=run.sync_backend)
+    # a server we did not start may hold other weights than the policy: all of them; --lora-sync
+    # adapter: and the adapter (B = 0, or --resume's) is loaded before the first request names it
+    if args.vllm_url or adapter:
+        run.sync(run.policy, include_frozen=bool(args.vllm_url))
+    # every server's log-probs against the trainer's, now and at the first sync of moved weights.
+    # Unchecked: under --fsdp (the trainer's forward takes every rank) and --lora-sync adapter (vLLM
+    # 0.32's CPU LoRA kernel fails on prompt log-probs, and its engine dies)
+    if not (args.fsdp or adapter):
+        run.sync.check = weights_arrive(run.urls, args, run, collate, token_logprobs)
+    # the servers hold the weights of the step the run starts at: those of the last finished sync, or
+    # newer where a sync failed mid-way (a count saved with them would lag, and the staleness gate would
+    # wait forever on --resume)
+    run.version.value = version_at(run.start_step, args.sync_every)
+
+
+def start_producer(run):
+    """The producer thread, from --resume's data cursor; on a CPU server's core, the idle core shared."""
+    cursor = run.resumed and run.resumed["data"]
+    producer = Producer(run.args, run.tok, run.train_rows, run.urls, run.ctx, run.version, cursor=cursor)
+    producer.start()
+    run.producer = producer
+    if run.args.plan["cpu_server"] and run.world_size == 1:
+        run.share_core = functools.partial(share_idle_core, decoder_layers(run.policy), run.version)
+    run.done_cursor = dict(producer.cursor)
+
+
+def open_logs(run):
+    """wandb, metrics.jsonl and rollouts.jsonl (--resume: cut back to its step); the evaluation at step 0."""
+    args = run.args
+    if args.wandb_project:
+        import wandb
+
+        run.logs["wandb"] = wandb.init(project=args.wandb_project, config=vars(args), dir=str(run.out_dir))
+    for name in ("metrics", "rollouts"):
+        # --resume: the steps after the checkpoint again
+        cut_back(run.out_dir / f"{name}.jsonl", run.start_step)
+        run.logs[name] = open(run.out_dir / f"{name}.jsonl", "a")
+    # every curve starts at the model as loaded: step 0
+    if args.eval_every and not run.start_step:
+        metrics = {"step": 0, "policy_version": 0, **evaluate(run)}
+        write_metrics(run, metrics)
+        print(f"step    0/{args.steps} | eval {metrics.get('eval/reward', math.nan):.3f}", flush=True)
 
 
 def train_one_step(run, step):
@@ -2291,7 +2330,7 @@ def probe_logprobs(model, samples, **layout):
         return token_logprobs(model, collate(samples, 0, model.device, config=config, **layout))[0]
 
 
-# --- Machinery: arguments, checked before anything loads (the device plan: vllm_server.py) --------
+# --- Machinery: arguments, checked before anything loads (the device plan: vllm_server.py) ---
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -2312,14 +2351,12 @@ def parse_args(argv=None, world_size=1, cuda_count=None, local_ranks=None, heads
     )
     g.add_argument(
         "--dataset",
-        default=None,
         help='rows {"prompt": str or chat messages, ...}: a JSONL, Parquet, CSV or JSON file, a save_to_disk folder or '
         "a Hub name (data.py); the other columns reach the rewards by name. Default: --task",
     )
-    g.add_argument("--dataset-split", default=None, help="--dataset's split; default: train, or its only one")
+    g.add_argument("--dataset-split", help="--dataset's split; default: train, or its only one")
     g.add_argument(
         "--dataset-columns",
-        default=None,
         help="NAME=COLUMN,...: columns under the names the run reads, e.g. prompt=question,answer=solution "
         "(prompt=messages: a chat, its final assistant turn cut, becomes the `answer`)",
     )
@@ -2334,8 +2371,8 @@ def parse_args(argv=None, world_size=1, cuda_count=None, local_ranks=None, heads
     g.add_argument("--terms", type=int, default=2, help="built-in task: operands per problem")
     g.add_argument("--operations", default="+-", help="built-in task: the operators to draw from, of '+-*/'")
     g.add_argument("--eval-size", type=int, default=64, help="rows held out from the dataset for --eval-every")
-    g.add_argument("--system-prompt", default=None, help="system message put before every prompt")
-    g.add_argument("--chat-template", default=None, help="Jinja file that replaces the tokenizer's chat template")
+    g.add_argument("--system-prompt", help="system message put before every prompt")
+    g.add_argument("--chat-template", help="Jinja file that replaces the tokenizer's chat template")
     g.add_argument(
         "--cache-dir",
         default=os.path.expanduser("~/.cache/async_grpo"),
@@ -2364,7 +2401,6 @@ def parse_args(argv=None, world_size=1, cuda_count=None, local_ranks=None, heads
         "--tools",
         nargs="?",
         const="all",
-        default=None,
         help=f"offer tools to the model: 'all' (the bare flag) or a comma list of {sorted(tools_module.TOOLS)}",
     )
     g.add_argument("--env", help="environments (tools.py), a comma list of names or path/to/file.py:Class; see README")
@@ -2394,7 +2430,6 @@ def parse_args(argv=None, world_size=1, cuda_count=None, local_ranks=None, heads
     g = p.add_argument_group("reward")
     g.add_argument(
         "--rewards",
-        default=None,
         help=f"comma list of NAME[:WEIGHT] of {sorted(rewards_module.REWARDS)}; default: correct_answer:1.0,"
         "format_reward:0.2, or countdown:1.0 for --task countdown, env_reward:1.0 for --task guess",
     )
@@ -2406,9 +2441,7 @@ def parse_args(argv=None, world_size=1, cuda_count=None, local_ranks=None, heads
 
     g = p.add_argument_group("loss and optimizer (see grpo_loss)")
     g.add_argument("--steps", type=int, default=60, help="optimizer steps")
-    g.add_argument(
-        "--lr", type=float, default=None, help="AdamW learning rate; default: 3e-4 tiny model, 1e-6 --model; x10 LoRA"
-    )
+    g.add_argument("--lr", type=float, help="AdamW learning rate; default: 3e-4 tiny model, 1e-6 --model; x10 LoRA")
     g.add_argument("--warmup-steps", type=int, default=0, help="linear learning-rate warm-up")
     g.add_argument("--weight-decay", type=float, default=0.0, help="AdamW weight decay")
     g.add_argument("--epsilon", type=float, default=0.2, help="lower clip range of the ratio: 1 - epsilon")
@@ -2499,12 +2532,9 @@ def parse_args(argv=None, world_size=1, cuda_count=None, local_ranks=None, heads
         default=0,
         help="train a LoRA adapter of this rank (peft) instead of every weight (0: full fine-tuning)",
     )
-    g.add_argument(
-        "--lora-alpha", type=float, default=None, help="LoRA's scale: alpha / rank; default: 2 x --lora-rank"
-    )
+    g.add_argument("--lora-alpha", type=float, help="LoRA's scale: alpha / rank; default: 2 x --lora-rank")
     g.add_argument(
         "--lora-targets",
-        default=None,
         help="comma list of the Linear layers LoRA adapts, by name (e.g. "
         "q_proj,v_proj); default: every Linear layer of the decoder layers (attention and MLP projections)",
     )
@@ -2552,9 +2582,7 @@ def parse_args(argv=None, world_size=1, cuda_count=None, local_ranks=None, heads
     )
 
     g = p.add_argument_group("vLLM server")
-    g.add_argument(
-        "--vllm-url", default=None, help="use these running servers (a comma list of URLs) instead of starting any"
-    )
+    g.add_argument("--vllm-url", help="use these running servers (a comma list of URLs) instead of starting any")
     g.add_argument(
         "--vllm-servers",
         type=int,
@@ -2563,7 +2591,6 @@ def parse_args(argv=None, world_size=1, cuda_count=None, local_ranks=None, heads
     )
     g.add_argument(
         "--vllm-gpus",
-        default=None,
         help="CUDA devices of the servers started here, e.g. '1' or '4,5,6,7'; "
         "default: those the trainer ranks leave free, or, none free, trainer rank 0's GPU, shared",
     )
@@ -2578,14 +2605,10 @@ def parse_args(argv=None, world_size=1, cuda_count=None, local_ranks=None, heads
         "--vllm-startup-timeout", type=float, default=600, help="seconds to wait for the server to be healthy"
     )
     g.add_argument("--vllm-args", default="", help='extra arguments for the server, e.g. "--enforce-eager"')
-    g.add_argument(
-        "--max-model-len", type=int, default=None, help="context length of the server (default: the model's)"
-    )
+    g.add_argument("--max-model-len", type=int, help="context length of the server (default: the model's)")
 
     g = p.add_argument_group("logging and checkpoints")
-    g.add_argument(
-        "--output-dir", default=None, help="metrics.jsonl, checkpoints and the server log (default: runs/<time>)"
-    )
+    g.add_argument("--output-dir", help="metrics.jsonl, checkpoints and the server log (default: runs/<time>)")
     g.add_argument(
         "--eval-every",
         type=int,
@@ -2605,7 +2628,7 @@ def parse_args(argv=None, world_size=1, cuda_count=None, local_ranks=None, heads
         help="save a checkpoint every N steps (0: only at the end, on Ctrl-C/SIGTERM and on errors)",
     )
     g.add_argument("--resume", action="store_true", help="continue the run in --output-dir from its latest checkpoint")
-    g.add_argument("--wandb-project", default=None, help="also log to this wandb project (WANDB_MODE=offline works)")
+    g.add_argument("--wandb-project", help="also log to this wandb project (WANDB_MODE=offline works)")
     g.add_argument("--log-rollouts", type=int, default=4, help="rollouts per step written to rollouts.jsonl")
     g.add_argument(
         "--audit",
@@ -2765,7 +2788,7 @@ def parse_args(argv=None, world_size=1, cuda_count=None, local_ranks=None, heads
     return args
 
 
-# --- Machinery: the producer's asyncio (its HTTP session, tasks that fail together), environment instances ---
+# --- Machinery: the producer's asyncio helpers; environment instances per group ---
 
 
 def client_session(args):
@@ -2832,7 +2855,7 @@ async def environment_instances(ctx, tok, row, n, timeout):
         idle += [env for env in envs if id(env) not in tools_module.HUNG]
 
 
-# --- Machinery: chat templates: rendering, the start-up checks, the exact tool-result tokens ------
+# --- Machinery: chat templates: rendering, start-up checks, the exact tool-result tokens ---
 
 
 def rollout_context(tok, schemas, rows, max_model_len=None, stop_ids=None, environments=None):
@@ -3127,7 +3150,7 @@ ROUND_TRIP = [
 ]
 
 
-# --- Machinery: tool-call parsing, every format, as input validation ------------------------------
+# --- Machinery: tool-call parsing, every format, as input validation ---
 
 
 def parse_assistant(text, tok=None, prompt_ids=(), schemas_by_name=None, fmt="tagged", max_calls=None):
