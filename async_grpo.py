@@ -1576,12 +1576,12 @@ def start_sync(run):
 def start_producer(run):
     """The producer thread, from --resume's data cursor; on a CPU server's core, the idle core shared."""
     cursor = run.resumed and run.resumed["data"]
-    producer = Producer(run.args, run.tok, run.train_rows, run.urls, run.ctx, run.version, cursor=cursor)
-    producer.start()
-    run.producer = producer
+    rows = run.train_rows
+    run.producer = Producer(run.args, run.tok, rows, run.urls, run.ctx, version=run.version, cursor=cursor)
+    run.producer.start()
     if run.args.plan["cpu_server"] and run.world_size == 1:
         run.share_core = functools.partial(share_idle_core, decoder_layers(run.policy), run.version)
-    run.done_cursor = dict(producer.cursor)
+    run.done_cursor = dict(run.producer.cursor)
 
 
 def open_logs(run):
