@@ -954,49 +954,49 @@ class SyncPart:
 
 class WeightSync:
     """Trainer side of the sync to every server in `urls`; advances `version` (a PolicyVersion). One group
-    (sync_group) holds the trainer (rank 0) and every worker of every server, so one broadcast reaches them
-    all. It is made at the first sync and kept for the run, unless a sync fails: then it is aborted, and the
-    error names the server."""
+    (sync_group) holds the trainer (rank 0) and every worker of every server: one broadcast reaches all.
+    Made at the first sync and kept, unless a sync fails: then it is aborted; the error names the server."""
 
     def __init__(self, urls, args, dtype, version, failure=lambda: None, backend=None):
         self.urls = urls
         self.args = args
+        # --sync-timeout: a bound on each sync and each request of it
+        self.timeout = args.sync_timeout
         # the servers' (served_config): the weights travel in it
         self.dtype = dtype
         self.version = version
-        # gloo or nccl: the device plan's, unless the run learnt better from --vllm-url servers
-        # (Run.sync_backend)
+        # gloo or nccl: the device plan's, or what --vllm-url servers allow (Run.sync_backend)
         self.backend = backend or args.plan["sync_backend"]
         # why a server failed, from the watchdog (watch_servers), or None
         self.failure = failure
         self.group = None
-        self.pool = ThreadPoolExecutor(len(urls))
-        # the live check the first sync of moved weights runs (weights_arrive), set by start_generation
-        self.check = None
-        # the group's store, which tells the workers of an abort (_abort); made with the group
+        # the group's store: how the workers learn of an abort
         self.store = None
+        self.pool = ThreadPoolExecutor(len(urls))
+        # the live check of the first sync of moved weights (weights_arrive; start_sync sets it)
+        self.check = None
         # the bytes the last sync sent
         self.sent_bytes = 0
 
     def _rpc(self, url, method, **kwargs):
-        """Call `method` on every worker of one server; a future. It runs on the pool's threads: the
-        workers block in the collective until the trainer joins it."""
+        """Call `method` on every worker of one server; a future. On the pool's threads: the workers block
+        in the collective until the trainer joins it."""
         payload = {"method": method, "kwargs": kwargs}
-        return self.pool.submit(http, f"{url}/collective_rpc", payload, self.args.sync_timeout, "--sync-timeout")
+        where = f"{url}/collective_rpc"
+        return self.pool.submit(http, where, payload, self.timeout, "--sync-timeout")
 
     def _all(self, path):
         for url in self.urls:
-            http(f"{url}/{path}", {}, self.args.sync_timeout, "--sync-timeout")
+            http(f"{url}/{path}", {}, self.timeout, "--sync-timeout")
 
     def _connect(self, model):
-        """At the first sync: check that every server knows every name it will receive, then make the group."""
+        """The first sync: every server must know every name it will receive; then the group."""
         names = [name for name, _, _ in served_weights(model, include_frozen=True)]
         refuse_unknown_names(self.urls, names, self._rpc, model.config.model_type)
         # workers per server
         sizes = [http(f"{url}/get_world_size")["world_size"] for url in self.urls]
         host, listener = sync_endpoint(self.urls, self.args.sync_host)
         port = listener.getsockname()[1]
-        backend = self.backend
         world_size = 1 + sum(sizes)
         joined = [
             self._rpc(
@@ -1005,14 +1005,14 @@ class WeightSync:
                 host=host,
                 port=port,
                 world_size=world_size,
-                backend=backend,
+                backend=self.backend,
                 first_rank=1 + sum(sizes[:i]),
-                timeout=self.args.sync_timeout,
+                timeout=self.timeout,
             )
             for i, url in enumerate(self.urls)
         ]
-        self.group = sync_group(host, port, 0, world_size, backend, timeout=self.args.sync_timeout, listener=listener)
-        bound = timedelta(seconds=self.args.sync_timeout)
+        self.group = sync_group(host, port, 0, world_size, self.backend, timeout=self.timeout, listener=listener)
+        bound = timedelta(seconds=self.timeout)
         self.store = dist.TCPStore(host, port, is_master=False, timeout=bound)
 
         # a server's error answer to its join
@@ -1021,24 +1021,25 @@ class WeightSync:
 
         # NCCL makes a group's communicator at its first collective, blocking until every rank is in it:
         # one element sent here, as the workers join and before vLLM pauses, not in the first bucket's
-        first = [("warm-up", torch.zeros(1, device=next(served_weights(model))[1].device), None)]
+        device = next(served_weights(model))[1].device
+        first = [("warm-up", torch.zeros(1, device=device), None)]
         try:
-            send_weights(self.group, [first], torch.float32, self.args.sync_timeout, joining)
+            send_weights(self.group, [first], torch.float32, self.timeout, joining)
             for future in joined:
-                future.result(self.args.sync_timeout)
+                future.result(self.timeout)
         except Exception as e:
             self._abort(e)
             servers = ", ".join(self.urls)
             raise ConnectionError(f"the weight sync group with {servers} failed to start: {e}") from None
 
     def __call__(self, model, include_frozen=False):
-        """One sync, the protocol: close the gate (no request is sent from here until the new weights serve),
-        drain vLLM of the requests in flight, send the weights, resume vLLM, advance the version, open the
-        gate. `include_frozen`: every weight, not only those training changed. Returns its seconds."""
+        """One sync, the protocol: close the gate (no request leaves until the new weights serve), drain
+        vLLM, send the weights, resume, advance the version, open the gate. `include_frozen`: every
+        weight, not only those training changes. Returns its seconds."""
         t0 = time.perf_counter()
         if self.group is None:
             self._connect(model)
-        deadline = time.monotonic() + self.args.sync_timeout
+        deadline = time.monotonic() + self.timeout
         with self.version.lock:
             self.version.open = False
         self._drain(deadline)
@@ -1046,54 +1047,56 @@ class WeightSync:
         try:
             self._send_weights(model, deadline, include_frozen)
         except BaseException:
-            # also after a failure: --vllm-url servers outlive the run, and a paused one serves no one; a server
-            # that died answers no resume, and the failure is what the run reports
+            # also after a failure: --vllm-url servers outlive the run, and a paused one serves no one; a
+            # server that died answers no resume, and the failure is what the run reports
             with contextlib.suppress(Exception):
                 self._all("resume")
             raise
         self._all("resume")
         self.version.value += 1
-        if self.check:  # the first sync of moved weights: do the servers now sample from them?
+        # the first sync of moved weights: do the servers now sample from them?
+        if self.check:
             self.check = self.check()
         with self.version.lock:
             self.version.open = True
         return time.perf_counter() - t0
 
     def _drain(self, deadline):
-        """Pause every server and stop the requests in flight. keep and abort both stop them (vLLM returns what
-        they generated so far); rollout() then continues them with the new weights (keep) or starts their turn
-        over (abort). Pausing also clears vLLM's caches, whose keys/values the old weights computed."""
+        """Pause every server and stop the requests in flight: vLLM returns what they generated so far,
+        which rollout() continues with the new weights (keep) or starts over (abort). Pausing also clears
+        vLLM's caches, whose keys and values the old weights computed."""
         mode = "wait" if self.args.sync_mode == "wait" else "abort"
         self._all(f"pause?mode={mode}")
         # a request that reached vLLM after the pause waits in its queue: stop it
         while self.version.in_flight:
             if time.monotonic() > deadline:
-                raise TimeoutError(
-                    f"{self.version.in_flight} requests did not answer the pause in "
-                    f"{self.args.sync_timeout} s (--sync-timeout)"
-                )
+                late = f"{self.version.in_flight} requests did not answer the pause"
+                raise TimeoutError(f"{late} in {self.timeout} s (--sync-timeout)")
             self._all("abort_requests")
             time.sleep(0.01)
 
     def _send_weights(self, model, deadline, include_frozen):
-        """The weights, merged (SyncPart.MERGED). --lora-sync adapter: the adapter alone, after W unmerged
-        where the servers may hold other weights (include_frozen)."""
+        """The weights, merged. --lora-sync adapter: the adapter, after W where the servers may hold
+        other weights (include_frozen)."""
         if self.args.lora_sync == SyncPart.MERGED:
             self._send(model, "receive_weights", deadline, SyncPart.MERGED, include_frozen)
             return
         if include_frozen:
             self._send(model, "receive_weights", deadline, SyncPart.BASE, include_frozen)
-        config = json.loads(json.dumps(model.peft_config["default"].to_dict(), default=sorted))
+        config = model.peft_config["default"].to_dict()
+        config = json.loads(json.dumps(config, default=sorted))
         answers = self._send(model, "receive_adapter", deadline, SyncPart.ADAPTER, config=config)
         # each server's first worker wrote it; the folder is on that server's host
         for url, workers in zip(self.urls, answers):
-            load_adapter(url, workers[0], self.args.sync_timeout)
+            load_adapter(url, workers[0], self.timeout)
 
     def _send(self, model, method, deadline, part, include_frozen=False, **kwargs):
         """Broadcast the weights of `part` (served_weights) to every worker, which takes them in `method`;
         each server's workers' answers."""
-        buckets = pack_buckets(model, self.args.sync_bucket_bytes, self.dtype, include_frozen, part)
-        self.sent_bytes += sum(p.numel() for b in buckets for _, p, _ in b) * self.dtype.itemsize
+        size = self.args.sync_bucket_bytes
+        buckets = pack_buckets(model, size, self.dtype, include_frozen, part)
+        numel = sum(p.numel() for b in buckets for _, p, _ in b)
+        self.sent_bytes += numel * self.dtype.itemsize
         meta = [
             {
                 "dtype": str(self.dtype).removeprefix("torch."),
@@ -1106,20 +1109,23 @@ class WeightSync:
 
         # why the workers cannot finish: a server's error answer (it names the server), or the watchdog's
         def failed():
-            return next((f.exception() for f in received if f.done() and f.exception()), None) or self.failure()
+            answer = next((f.exception() for f in received if f.done() and f.exception()), None)
+            return answer or self.failure()
 
         try:
-            send_weights(self.group, buckets, self.dtype, deadline - time.monotonic(), failed)
+            left = deadline - time.monotonic()
+            send_weights(self.group, buckets, self.dtype, left, failed)
             # the last bucket loads: bounded by the request's own timeout (http)
             return [future.result()["results"] for future in received]
         except Exception as e:
             self._abort(e)
-            raise ConnectionError(f"the weight sync to {', '.join(self.urls)} failed: {e}") from None
+            servers = ", ".join(self.urls)
+            raise ConnectionError(f"the weight sync to {servers} failed: {e}") from None
 
     def _abort(self, error):
         """The workers are out of step: the group is aborted (a next sync makes a new one), and every
-        worker is told through the group's store (arrived): NCCL's abort reaches no other rank, and a
-        worker left waiting on a broadcast would hold its server until its watchdog ended it."""
+        worker told through its store (arrived): NCCL's abort reaches no other rank, and a worker left
+        waiting on a broadcast would hold its server until its watchdog ended it."""
         with contextlib.suppress(Exception):
             self.store.set("abort", str(error))
         self.group.abort()
