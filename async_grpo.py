@@ -953,9 +953,8 @@ class SyncPart:
 
 
 class WeightSync:
-    """Trainer side of the sync to every server in `urls`; advances `version` (a PolicyVersion). One group
-    (sync_group) holds the trainer (rank 0) and every worker of every server: one broadcast reaches all.
-    Made at the first sync and kept, unless a sync fails: then it is aborted; the error names the server."""
+    """Trainer side of the sync to the servers at `urls`. One group (sync_group) holds rank 0 and every
+    worker of every server: one broadcast reaches all. Made at the first sync, aborted if one fails."""
 
     def __init__(self, urls, args, dtype, version, failure=lambda: None, backend=None):
         self.urls = urls
@@ -1033,9 +1032,8 @@ class WeightSync:
             raise ConnectionError(f"the weight sync group with {servers} failed to start: {e}") from None
 
     def __call__(self, model, include_frozen=False):
-        """One sync, the protocol: close the gate (no request leaves until the new weights serve), drain
-        vLLM, send the weights, resume, advance the version, open the gate. `include_frozen`: every
-        weight, not only those training changes. Returns its seconds."""
+        """One sync: close the gate (no request leaves until the new weights serve), drain vLLM, send the
+        weights (include_frozen: all, not only those training changes), resume, advance the version."""
         t0 = time.perf_counter()
         if self.group is None:
             self._connect(model)
@@ -1062,9 +1060,8 @@ class WeightSync:
         return time.perf_counter() - t0
 
     def _drain(self, deadline):
-        """Pause every server and stop the requests in flight: vLLM returns what they generated so far,
-        which rollout() continues with the new weights (keep) or starts over (abort). Pausing also clears
-        vLLM's caches, whose keys and values the old weights computed."""
+        """Pause every server (which clears the caches the old weights computed) and stop the requests in
+        flight: rollout() continues what they generated (keep) or starts over (abort)."""
         mode = "wait" if self.args.sync_mode == "wait" else "abort"
         self._all(f"pause?mode={mode}")
         # a request that reached vLLM after the pause waits in its queue: stop it
@@ -1394,8 +1391,7 @@ def load_policy_and_optimizer(run):
     if run.resumed and run.resumed.get("lora_rank", 0) != args.lora_rank:
         rank = run.resumed.get("lora_rank", 0)
         raise SystemExit(f"--resume: this checkpoint was trained with --lora-rank {rank}; resume with it")
-    # a LoRA checkpoint holds merged weights (what vLLM serves): the trainer adds its adapter to the initial
-    # model
+    # a LoRA checkpoint holds merged weights (vLLM's): the trainer's adapter goes on the initial model
     resumed_lora = args.lora_rank and run.resumed
     model = load_checked(run, run.initial_model if resumed_lora else run.model_path)
     run.layout = choose_layout(run, model)
@@ -1464,9 +1460,8 @@ def load_checked(run, path):
 def make_optimizer(run):
     """AdamW over the trained parameters, the learning rate's warm-up; --resume: their state, the step."""
     args = run.args
-    # Fused AdamW: on CUDA foreach's step holds a temporary of 4 bytes a trained parameter (memory_share); on
-    # CPU torch loops over the tensors one by one, 0.35 -> 0.08 CPU s a step on SmolLM2-135M
-    # (docs/performance.md). Not on CPU under --fsdp, where its DTensor path was not tested.
+    # Fused AdamW: foreach's step holds 4 bytes a trained parameter on CUDA (memory_share), loops on CPU
+    # (0.35 -> 0.08 CPU s a step, SmolLM2-135M: docs/performance.md). Not on CPU under --fsdp: untested.
     fused = run.device.type == "cuda" or not args.fsdp
     trained = [p for p in run.policy.parameters() if p.requires_grad]
     run.optimizer = torch.optim.AdamW(trained, lr=args.lr, weight_decay=args.weight_decay, fused=fused)
@@ -1568,14 +1563,13 @@ def start_sync(run):
     # adapter: and the adapter (B = 0, or --resume's) is loaded before the first request names it
     if args.vllm_url or adapter:
         run.sync(run.policy, include_frozen=bool(args.vllm_url))
-    # every server's log-probs against the trainer's, now and at the first sync of moved weights.
-    # Unchecked: under --fsdp (the trainer's forward takes every rank) and --lora-sync adapter (vLLM
-    # 0.32's CPU LoRA kernel fails on prompt log-probs, and its engine dies)
+    # the servers' log-probs against the trainer's, now and at the first sync of moved weights; not under
+    # --fsdp (a forward takes every rank) nor --lora-sync adapter (vLLM 0.32's CPU LoRA kernel fails on
+    # prompt log-probs, and its engine dies)
     if not (args.fsdp or adapter):
         run.sync.check = weights_arrive(run.urls, args, run, collate, token_logprobs)
-    # the servers hold the weights of the step the run starts at: those of the last finished sync, or
-    # newer where a sync failed mid-way (a count saved with them would lag, and the staleness gate would
-    # wait forever on --resume)
+    # the servers hold the weights of the step the run starts at (newer, where a sync failed mid-way: a
+    # count saved with them would lag, and the staleness gate would wait forever on --resume)
     run.version.value = version_at(run.start_step, args.sync_every)
 
 
