@@ -227,9 +227,8 @@ async def generate_turn(session, url, ids, budget, version, args, ctx, greedy, s
 
 # FORK: the sampling parameters (each one that shapes the distribution must also shape the trainer's: sampler_logprobs)
 async def generate(session, url, ids, max_tokens, args, stop_ids, greedy=False, generated=0, seed=None):
-    """One completion from vLLM: token ids in; sampled ids, their log-probs and why it ended out ('abort': a
-    weight sync stopped it; the ids so far are kept). `generated`: tokens of this turn that a stopped request
-    already produced."""
+    """One completion from vLLM: token ids in; sampled ids, their log-probs and why it ended out ('abort':
+    a sync stopped it, the ids so far kept). `generated`: the turn's tokens a stopped request produced."""
     # Every parameter that shapes the distribution is sent: vLLM fills the missing ones from the checkpoint's
     # generation_config.json (Qwen3's says top_k 20), and the trainer would not know.
     payload = {
@@ -265,8 +264,7 @@ async def generate(session, url, ids, max_tokens, args, stop_ids, greedy=False, 
                 choice = (await response.json())["choices"][0]
             return choice["token_ids"], choice["logprobs"]["token_logprobs"], choice["finish_reason"]
         except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as e:
-            # a pooled keep-alive connection the server closed just then: the request holds all its state, so
-            # resend it
+            # a keep-alive connection the server closed just then: the request holds all its state, resent
             if attempt == 2:
                 raise ConnectionError(f"the vLLM server {url} dropped a generation request 3 times ({e})") from None
             await asyncio.sleep(0.5 * 2**attempt)
@@ -301,8 +299,7 @@ async def run_tool_calls(message, schemas_by_name, functions, args, stats):
         counts = stats["per_tool"].setdefault(key, [0, 0])
         counts[0] += 1
         counts[1] += not ok
-    # a lone surrogate in a tool's text (from its input, or bytes decoded with surrogateescape) fails the
-    # tokenizer
+    # a lone surrogate in a tool's text (its input's, or a surrogateescape decode's) fails the tokenizer
     return [
         {"role": "tool", "name": n, "content": str(r).encode(errors="replace").decode()}
         for n, (r, _) in zip(names, results)
@@ -335,10 +332,9 @@ async def call_tool(call, schemas_by_name, timeout, functions=tools_module.TOOLS
 
 
 class PolicyVersion:
-    """Which weights vLLM serves: a count the weight sync advances, a gate it closes meanwhile, and the
-    requests in flight (at most max_inflight). The sync closes the gate, pauses vLLM and waits for every
-    request in flight to answer (finished or stopped) before it changes the weights: the version stamped on a
-    token sampled it."""
+    """Which weights vLLM serves: a count the sync advances, a gate it closes meanwhile, the requests in
+    flight (at most max_inflight). The sync waits for every one to answer (finished or stopped) before it
+    changes the weights: the version stamped on a token sampled it."""
 
     def __init__(self, max_inflight=64):
         self.value = 0
@@ -407,9 +403,8 @@ async def score_group(samples, row, reward_weights, environments=None):
 
 # FORK: change the advantages (a group's rewards in, one number per rollout out; the loss weighs its tokens by it)
 def group_advantages(rewards, scale=True, eps=1e-4):
-    """GRPO: each rollout's reward relative to its group, in units of the group's spread (scale) or raw (Dr.
-    GRPO: dividing by the spread over-weights groups nearly all right or wrong); all equal: zero advantages,
-    no signal."""
+    """GRPO: each rollout's reward relative to its group, in units of the group's spread (scale) or raw
+    (Dr. GRPO: the spread over-weights groups nearly all right or wrong); all equal: zero, no signal."""
     rewards = np.asarray(rewards, dtype=np.float64)
     centred = rewards - rewards.mean()
     return centred / (rewards.std() + eps) if scale else centred
@@ -1333,8 +1328,7 @@ def set_up(argv):
         run.model_path = str((run.out_dir / "checkpoint").resolve())
         # to CPU, whatever device wrote it; mapped, so that each rank reads only the tensors it uses
         run.resumed = torch.load(Path(run.model_path) / "trainer_state.pt", "cpu", mmap=True, weights_only=False)
-    # Each rank its own streams: seeded with its rank, and on --resume the step too, so that none repeats its
-    # draws
+    # each rank its own streams, and on --resume the step's too: none repeats its draws
     for seed in (random.seed, np.random.seed, torch.manual_seed):
         seed(args.seed + rank + world_size * (run.resumed["step"] if run.resumed else 0))
     return run
@@ -1920,10 +1914,9 @@ def finish(run):
 
 
 def save_after_error(run, error):
-    """Nothing is lost: the last finished step is saved, unless the error came mid-update (or under --fsdp,
-    where saving takes every rank, and the others may be gone or stuck). A failed server is named as the
-    cause, with its log: the error itself is then only what it did to a request (a reset connection, a
-    timeout)."""
+    """Nothing is lost: the last finished step is saved, unless the error came mid-update (or under
+    --fsdp: saving takes every rank, and others may be gone). A failed server is named as the cause, with
+    its log: the error is then only what it did to a request (a reset connection, a timeout)."""
     failure = run.server_failure or server_failure(run.urls, run.servers)
     # an engine's death fails requests before /health says it
     if not failure and isinstance(error, ConnectionError):
@@ -1984,8 +1977,7 @@ def tear_down(run, handlers):
     # group's objects can abort the process ("terminate called without an active exception", exit -6, seen
     # twice after a finished --vllm-url run)
     if __name__ == "__main__":
-        # printed as the interpreter would, and the run's own errors (SystemExit, a message) without a
-        # traceback
+        # printed as the interpreter would; the run's own errors (SystemExit, a message) without traceback
         if isinstance(error, SystemExit):
             print(error, file=sys.stderr)
         elif error is not None:
@@ -2073,9 +2065,8 @@ def stop_on_signals(stop):
 
 
 def _stop_after_step(stop, signum, frame):
-    """A signal asks to stop after this step; one that finds `stop` set already (a second, or any before
-    training) at once. Silent: a print here, run while the main thread is inside one, raises "reentrant call"
-    (watch_servers says)."""
+    """A signal asks to stop after this step; one that finds `stop` set (a second, or any before training)
+    at once. Silent: a print here, inside the main thread's, raises "reentrant call" (watch_servers)."""
     if stop:
         raise KeyboardInterrupt(f"signal {signum}")
     stop.append(signum)
@@ -2770,9 +2761,8 @@ def parse_args(argv=None, world_size=1, cuda_count=None, local_ranks=None, heads
         args.gradient_checkpointing = bool(cuda_count)
     args.max_staleness = 0 if args.sync else args.max_staleness
     args.sync_bucket_bytes = int(args.sync_bucket_mb * 2**20)
-    # The other ranks' bound in a collective while rank 0 alone starts vLLM, waits for data or syncs: not
-    # torch's (NCCL 10 min, gloo 30) but twice the sum of rank 0's bounds (building the model, evaluation and
-    # checkpoints have none)
+    # The other ranks' bound in a collective while rank 0 alone starts vLLM, waits for data or syncs: twice
+    # rank 0's bounds (building the model, evaluation, checkpoints have none), not torch's (NCCL 10 min)
     args.collective_timeout = 2 * (args.vllm_startup_timeout + args.data_timeout + args.sync_timeout)
     args.output_dir = args.output_dir or time.strftime("runs/%Y%m%d-%H%M%S")
     args.lora_alpha = 2.0 * args.lora_rank if args.lora_alpha is None else args.lora_alpha
@@ -2799,9 +2789,8 @@ def client_session(args):
 
 
 async def all_or_none(coros):
-    """asyncio.gather whose first error cancels the rest and waits for them: gather alone leaves them running
-    against a session about to close, each to fail later with an error that asyncio prints as a traceback
-    nobody retrieved."""
+    """asyncio.gather whose first error cancels the rest and waits for them: gather alone leaves them
+    running against a closing session, each to fail later with a traceback nobody retrieved."""
     tasks = [asyncio.ensure_future(c) for c in coros]
     try:
         return await asyncio.gather(*tasks)
@@ -2817,10 +2806,9 @@ def cancel_all(tasks):
 
 @contextlib.asynccontextmanager
 async def environment_instances(ctx, tok, row, n, timeout):
-    """n instances of the row's environment (None without one), idle ones reused, reset to the row; the row as
-    its rollouts see it (its prompt with what reset said) and its prompt's ids. They are idle again once the
-    group is done. Raises Dropped (tools.py) where a reset fails or the resets say different things: a group answers one
-    task."""
+    """n instances of the row's environment (None without one), idle ones reused, reset to the row; the
+    row as its rollouts see it (its prompt with what reset said) and its prompt's ids. Idle again once the
+    group is done. Raises Dropped where a reset fails or the resets differ: a group answers one task."""
     name = tools_module.environment_of(row, ctx.environments)
     if name is None:
         yield [None] * n, row, ctx.prompt_ids[row["id"]]
@@ -3107,9 +3095,8 @@ PROBE = [
 ]
 
 
-# A tool with every JSON type (a union too; an argument called `name`), and calls to it (one per turn and
-# three per turn) that the start-up check renders with the run's template and parses back: what comes back
-# must be what went in.
+# A tool with every JSON type (a union; an argument called `name`), and calls to it (one and three a
+# turn) that the start-up check renders with the run's template and parses back: they must come back.
 ROUND_TRIP_TOOL = {
     "type": "function",
     "function": {
@@ -3320,9 +3307,8 @@ def argument_errors(schema, arguments):
 
 
 def typed(value, schema):
-    """An XML parameter's text as a non-string type its JSON schema allows (`5` is 5 where an integer may go,
-    `null` None where null may); else the text itself (the argument check tells the model if a string may not
-    go there)."""
+    """An XML parameter's text as a non-string type its JSON schema allows (`5` is 5 where an integer
+    may go, `null` None where null may); else the text (the argument check says where a string may not go)."""
     with contextlib.suppress(ValueError):
         parsed, end = decode_json(value)
         if end == len(value.rstrip()) and any(
