@@ -435,9 +435,9 @@ def version_at(step, sync_every):
 
 
 class Producer(threading.Thread):
-    """Streams scored groups to the trainer, numbered in the order they start; the trainer takes them in that
-    order (`take`), which lets admission control know when a group will be trained. With several servers
-    (`urls`), each group goes to the one with the fewest groups running: its rollouts share the cached prompt."""
+    """Streams scored groups to the trainer, numbered in the order they start; the trainer takes them in
+    that order (`take`): the gate knows when a group will be trained. With several servers (`urls`), each
+    group goes to the one with the fewest running: its rollouts share the cached prompt."""
 
     def __init__(self, args, tok, rows, urls, ctx, version, cursor=None):
         super().__init__(daemon=True, name="producer")
@@ -451,7 +451,7 @@ class Producer(threading.Thread):
         # a ScoredGroup or a DroppedGroup as each group finishes
         self.queue = queue.Queue()
         self.ready = {}  # finished groups by number, until their turn
-        # next_index: the next group to hand out; skipped_groups: not trained (zero variance, too stale or a
+        # next_index: the next group to hand out; skipped_groups: not trained (equal rewards, too stale, a
         # failed reward); stale_samples, reward_failures: counters. A checkpoint saves them all.
         self.cursor = {
             "next_index": 0,
@@ -508,11 +508,12 @@ class Producer(threading.Thread):
                         if not pending:
                             await asyncio.sleep(0.01)
                             continue
-                        done, pending = await asyncio.wait(pending, timeout=0.05, return_when=asyncio.FIRST_COMPLETED)
-                        errors = [task.exception() for task in done if not task.cancelled() and task.exception()]
-                        if errors:
-                            # stops the producer, loudly (each one retrieved: asyncio warns else)
-                            raise errors[0]
+                        first = asyncio.FIRST_COMPLETED
+                        done, pending = await asyncio.wait(pending, timeout=0.05, return_when=first)
+                        # each error retrieved (asyncio warns else); the first stops the producer, loudly
+                        failed = [task for task in done if not task.cancelled() and task.exception()]
+                        if failed:
+                            raise failed[0].exception()
                     pending.add(asyncio.create_task(self._group(session, row, started)))
                     started += 1
             finally:
@@ -527,11 +528,11 @@ class Producer(threading.Thread):
 
     async def _group(self, session, row, index):
         """Group `index`, on the server with the fewest groups running, scored and queued."""
-        url = min(self.urls, key=self.running.get)
         n = self.args.num_generations
+        urls = [min(self.urls, key=self.running.get)] * n
         seeds = [(self.args.seed, index, i) for i in range(n)]
         try:
-            samples, rewards, parts = await self.rollout_and_score(session, row, [url] * n, seeds, counted=True)
+            samples, rewards, parts = await self.rollout_and_score(session, row, urls, seeds, counted=True)
         except tools_module.Dropped as e:
             # the group is not trained (take() reports it), the run goes on
             self.queue.put(DroppedGroup(index, str(e)))
