@@ -580,10 +580,9 @@ class Producer(threading.Thread):
         return samples, rewards, parts
 
     def take(self, n, timeout, interrupted=lambda: False):
-        """The next n trainable groups in start order. Skips zero-variance groups with --skip-zero-variance,
-        and drops (warned and counted) groups too stale to train (admission control should leave none) and
-        groups whose rewards failed. Raises if the producer died, no batch came in time, every recent reward
-        failed or interrupted()."""
+        """The next n trainable groups in start order, past those of equal rewards (--skip-zero-variance)
+        and, warned and counted, those too stale (the gate should leave none) or whose rewards failed.
+        Raises if the producer died, no batch came in time, every recent reward failed or interrupted()."""
         groups = []
         deadline = time.monotonic() + timeout
         # groups skipped for equal rewards, which a timeout's message counts
@@ -650,10 +649,9 @@ class Producer(threading.Thread):
         return self.version.value - min(versions, default=self.version.value)
 
     def wait(self, done, deadline, interrupted, late):
-        """Every wait of the trainer on the producer (data, evaluation): until done(), which may block for
-        0.1 s. Raises once the producer thread has ended, with its error (its loop has stopped: nothing
-        submitted to it will finish), or at the deadline, with late() as the message; returns False if
-        interrupted() (a stop signal) first."""
+        """Every wait of the trainer on the producer (data, evaluation): until done(), which may block 0.1
+        s. Raises once the thread has ended (nothing submitted to its loop will finish), with its error, or
+        at the deadline, with late(); returns False if interrupted() (a stop signal) first."""
         while not done():
             # read before the error, which the thread sets before it ends
             ended = not self.is_alive()
@@ -1816,10 +1814,9 @@ def mean_over_union(dicts):
 
 
 def evaluate(run):
-    """A greedy rollout of each held-out row through the same servers and tool loop, on the producer's event
-    loop; with --eval-samples K also K sampled at the run's temperature, for pass@1 and pass@K of each reward
-    (a sample passes a reward whose value is positive: the built-in ones are 0 or 1). A wait as bounded as the
-    data's (Producer.wait, --data-timeout); none ({}) once a stop signal came: the checkpoint first."""
+    """A greedy rollout of each held-out row through training's group pipeline, on the producer's loop;
+    with --eval-samples K also K sampled, for pass@1 and pass@K of each reward (passed: a positive value).
+    Bounded as the data's wait (--data-timeout); none ({}) once a stop signal came: the checkpoint first."""
     if run.stop:
         return {}
     args = run.args
@@ -1993,10 +1990,9 @@ def tear_down(run, handlers):
 
 def checkpoint(run, step):
     """checkpoint-<step>/: the model (safetensors), tokenizer and trainer state, written whole under a
-    temporary name; then the `checkpoint` link is swapped to it in one rename, so a crash never leaves a
-    broken latest checkpoint. Taken between steps: the data cursor is the last finished step's, and --resume
-    regenerates every group after it (those in flight now are redone). Under --fsdp every rank sends its
-    shards, a tensor at a time, to rank 0's CPU memory."""
+    temporary name, then the `checkpoint` link swapped to it in one rename: a crash never leaves a broken
+    one. Between steps: the data cursor is the last finished step's, and --resume redoes every group after
+    it. Under --fsdp every rank sends its shards, a tensor at a time, to rank 0's CPU memory."""
     weights, optim = None, run.optimizer.state_dict()
     if run.args.fsdp:
         options = StateDictOptions(full_state_dict=True, cpu_offload=True)
