@@ -1124,7 +1124,7 @@ class WeightSync:
 
 
 def pack_buckets(model, bucket_bytes, dtype, include_frozen=False, part=SyncPart.MERGED):
-    """Group the weights to send (served_weights) into flat buffers of about bucket_bytes: one broadcast each."""
+    """The weights to send (served_weights) in buckets of about bucket_bytes: one broadcast each."""
     buckets = []
     current = []  # the bucket being filled
     size = 0  # its bytes
@@ -1139,11 +1139,10 @@ def pack_buckets(model, bucket_bytes, dtype, include_frozen=False, part=SyncPart
 
 
 def served_weights(model, include_frozen=False, part=SyncPart.MERGED):
-    """(name as vLLM knows it, weight, its LoRA layer or None) for each weight a sync sends: the trained ones
-    (a frozen vision tower: vLLM holds it already); --lora-rank: those of the modules holding an adapted layer
-    and no other, as none can have changed (siblings: vLLM fuses q/k/v into qkv_proj, reloads it whole), or
-    with include_frozen all of them. --lora-sync adapter: part BASE, every weight as it is (W, not merged);
-    part ADAPTER, the adapter's lora_A and lora_B under the names peft saves them with."""
+    """(name as vLLM knows it, weight, its LoRA layer or None) for each weight a sync sends: the trained
+    ones (a frozen vision tower: vLLM holds it); --lora-rank: those of the modules holding an adapted layer
+    (siblings: vLLM fuses q/k/v into qkv_proj, reloads it whole), or with include_frozen all. Part BASE:
+    every weight as it is (W); part ADAPTER: lora_A and lora_B under the names peft saves them with."""
     if not hasattr(model, "peft_config"):
         yield from ((name, p, None) for name, p in model.named_parameters() if p.requires_grad)
         return
@@ -1167,15 +1166,14 @@ def served_weights(model, include_frozen=False, part=SyncPart.MERGED):
 
 @torch.no_grad()
 def merged(p, lora):
-    """The weight vLLM serves: p (gathered under --fsdp), or W + scale * B @ A, a new tensor (W stays)."""
+    """The weight vLLM serves: p (gathered under --fsdp), or W + scale * B @ A, a new tensor."""
     p = p.detach().full_tensor() if isinstance(p, DTensor) else p.detach()
     return p + lora.get_delta_weight("default") if lora else p
 
 
 def flatten(bucket, dtype):
-    """One bucket's full weights in one buffer. Under --fsdp, full_tensor() gathers a parameter from every
-    rank's shard, a collective: all ranks flatten the same buckets in the same order (help_sync), and the full
-    weights exist one bucket at a time, never whole on one device."""
+    """One bucket's full weights in one buffer. Under --fsdp full_tensor() gathers a parameter's shards, a
+    collective: every rank flattens the same buckets in order (help_sync); one bucket at a time is whole."""
     flat = torch.empty(sum(p.numel() for _, p, _ in bucket), dtype=dtype, device=bucket[0][1].device)
     for (_, p, lora), part in zip(bucket, flat.split([p.numel() for _, p, _ in bucket])):
         part.copy_(merged(p, lora).flatten())  # casts in the same pass
@@ -1183,11 +1181,10 @@ def flatten(bucket, dtype):
 
 
 def send_weights(group, buckets, dtype, timeout, failed=lambda: None):
-    """Rank 0's broadcast of the buckets, one flat buffer each: bucket k+1 is gathered and packed while bucket
-    k travels. Rank 0 never waits in a collective it cannot leave: it polls each broadcast while it watches
-    failed() (why the workers cannot finish, or None) and a bound of `timeout` seconds for all, and raises
-    before the backend's own timeout (sync_group: above this one), at which NCCL's watchdog would end the
-    process with nothing saved."""
+    """Rank 0's broadcast of the buckets, one flat buffer each: bucket k+1 is packed while bucket k
+    travels. Rank 0 never waits in a collective it cannot leave: it polls each broadcast, watching failed()
+    (why the workers cannot finish, or None) and `timeout` seconds for all, and raises before the backend's
+    own timeout (sync_group's is longer), at which NCCL's watchdog would end the process, nothing saved."""
     deadline = time.monotonic() + timeout
 
     def wait(work):
@@ -2902,10 +2899,10 @@ def render_prompt(tok, messages, schemas, row_id=None):
 
 def tool_result_ids(tok, history, tool_messages, schemas, turn_ends, stopped=True):
     """Token ids of the tool-result turn plus the next assistant header. Only this suffix is tokenised and
-    appended to the ids the model generated: re-tokenising the whole conversation would change earlier tokens
-    and train on tokens the model never sampled. It starts where the template ends an assistant turn: after
-    its end-of-turn token, which the model's stop token stands for, or before it if the model stopped
-    otherwise. What the tools said is data (tools.result_ids); where that cannot be exact, Dropped."""
+    appended to the generated ids: re-tokenising the whole conversation would change earlier tokens, which
+    the model never sampled. It starts where the template ends an assistant turn: after its end-of-turn
+    token (the model's stop token stands for it), or before it if the model stopped otherwise. What the
+    tools said is data (tools.result_ids); where that cannot be exact, Dropped."""
     try:
         before = render(tok, history, schemas)
         after = render(tok, history + tool_messages, schemas, generation_prompt=True)
@@ -2940,10 +2937,9 @@ def stop_token_ids(tok, model_path=None):
 
 
 def prepare_chat_template(tok, args, schemas, stop_ids, model=None, environments=None):
-    """Check, before vLLM starts, that the chat template can do what the run needs; pick the training template
-    if the original is not prefix-preserving. Returns a line for the log. model: the checkpoint's path
-    (default --model). environments: {name: class}, whose tools it must render too, and a user turn after the
-    model's if one answers."""
+    """Check, before vLLM starts, that the chat template can do what the run needs; the training template
+    where the original is not prefix-preserving. Returns a line for the log. model: the checkpoint's path
+    (--model). environments: {name: class}: their tools rendered too, and a user turn if one answers."""
     model = model or args.model
     source = f"--chat-template {args.chat_template}" if args.chat_template else f"the template of {model}"
     if args.chat_template:
@@ -2995,9 +2991,8 @@ def prepare_chat_template(tok, args, schemas, stop_ids, model=None, environments
 
 
 def prefix_preserving(tok, schemas):
-    """True if rendering a conversation one message longer only ever appends tokens. The tool loop
-    relies on it: it tokenises only what the template adds after the model's own tokens. Without tools, the
-    probe's turns without them: what an environment's user turns need."""
+    """True if rendering a conversation one message longer only appends tokens, as the tool loop needs:
+    it tokenises only what the template adds. Without tools, the probe's turns without them."""
     probe = PROBE if schemas else [m for m in PROBE if m["role"] != "tool" and not m.get("tool_calls")]
     renders = (tok.encode(render(tok, probe[:n], schemas), add_special_tokens=False) for n in range(1, len(probe) + 1))
     return all(longer[: len(shorter)] == shorter for shorter, longer in itertools.pairwise(renders))
@@ -3012,14 +3007,14 @@ def training_template(template):
 
 def chat_format(tok, schemas, stop_ids):
     """What the tool loop needs to know of a template, read off renders of probe turns:
-      format     how it writes tool calls: 'tagged' (<tool_call> JSON or XML body), 'mistral' ([TOOL_CALLS]),
-                 'json' (Llama: bare JSON at the start of the turn), or 'transformers' (the tokenizer's own parser)
-      turn_ends  what it writes after an assistant turn, from its last stop token on ('<|im_end|>\\n'), with the
-                 length of that stop token: a generated stop token, whichever it is, stands for it
-      max_calls  1 if it refuses to render several calls in one turn (Llama 3's templates), else None
-    and the round trip: the probe turns' calls, cut out of the render as the model would have generated them and
-    parsed back, must come back equal, with their types. Raises ValueError saying what went wrong. Without schemas (an
-    environment that answers the model, and no tools): turn_ends alone."""
+      format     how it writes tool calls: 'tagged' (<tool_call> JSON or XML), 'mistral' ([TOOL_CALLS]),
+                 'json' (Llama: bare JSON opens the turn), 'transformers' (the tokenizer's own parser)
+      turn_ends  what it writes after an assistant turn, from its last stop token on ('<|im_end|>\\n'),
+                 with that token's length: a generated stop token, whichever, stands for it
+      max_calls  1 if it refuses several calls in one turn (Llama 3's templates), else None
+    and the round trip: the probe turns' calls, cut out of the render as the model would generate them,
+    must parse back equal, with their types. Raises ValueError saying what went wrong. Without schemas (an
+    environment that answers the model, no tools): turn_ends alone."""
     tools = bool(schemas)
     schemas = (schemas or []) + [ROUND_TRIP_TOOL] if tools else None
     user, stops = [{"role": "user", "content": "Use the tools."}], [tok.decode([i]) for i in stop_ids]
