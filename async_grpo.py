@@ -169,8 +169,8 @@ async def rollout(session, url, tok, row, args, ctx, version, greedy=False, seed
             # the parser runs only with tools: without them any template (or none) must train
             message = {"role": "assistant", "content": text, "tool_calls": [], "tool_call_errors": []}
         messages.append(message)
-        # How the turn ends: out of tokens; an answer the environment has no reply to (the end that cuts
-        # nothing short); out of turns; else the tools' results or the reply follow it.
+        # How the turn ends: out of tokens; an answer, unless the environment replies to it (the one end that
+        # cuts nothing short); out of turns; else the tools' results, or the reply, follow it.
         if finish_reason != "stop":
             break
         calls = bool(message["tool_calls"] or message["tool_call_errors"])
@@ -430,7 +430,8 @@ class DroppedGroup:
 
 def version_at(step, sync_every):
     """The staleness rule: the trainer's version during step `step`, as a sync follows every
-    --sync-every-th step. The gate predicts by it (admissible), the drop measures it (lag)."""
+    --sync-every-th step. The gate predicts by it (admissible), the drop measures it (lag), and
+    --resume restarts the count by it (start_sync)."""
     return step // sync_every
 
 
