@@ -489,8 +489,9 @@ class Producer(threading.Thread):
             yield from rows
 
     def admissible(self, index):
-        """The staleness gate: start group `index` only if, trained at step (index - skipped) //
-        prompts_per_step (or earlier, after more skips), it is at most --max-staleness versions old.
+        """The staleness gate: start group `index` only if, at the step that trains it ((index - skipped)
+        // prompts_per_step, or earlier after more skips), the trainer is at most --max-staleness versions
+        past the weights vLLM serves now.
 
         E.g. --prompts-per-step 2 --sync-every 2 --max-staleness 1, vLLM at version 0: groups 0-7
         (steps 0-3, versions 0, 0, 1, 1) pass; groups 8-11 (steps 4-5, version 2) wait for version 1."""
@@ -524,7 +525,8 @@ class Producer(threading.Thread):
                 await tools_module.close_environments(self.ctx, self.args.tool_timeout)
 
     def enough_started(self, pending):
-        """Rollouts started: twice what vLLM takes at once (--max-inflight): the next ones wait ready."""
+        """Rollouts started up to twice what vLLM takes at once (--max-inflight): the next ones wait ready
+        (environments reset) behind PolicyVersion's slots, no more."""
         return len(pending) * self.args.num_generations >= 2 * self.args.max_inflight
 
     async def _group(self, session, row, index):
