@@ -549,7 +549,8 @@ class Producer(threading.Thread):
     async def rollout_and_score(self, session, row, urls, seeds, greedy=False, counted=False):
         """The group pipeline of training and evaluation: environments reset, rollout k on urls[k]
         (`greedy`: the first greedy), the rewards. Returns the rollouts, rewards and each reward's values;
-        raises Dropped. `counted`: counted as running on urls[0], then as scoring (for take())."""
+        raises Dropped. `counted` (training's): running on urls[0], then scoring, as the choice of server
+        and take()'s timeout read."""
         n = len(seeds)
         busy = int(counted)
         timeout = self.args.tool_timeout
