@@ -2340,8 +2340,8 @@ def parse_args(argv=None, world_size=1, cuda_count=None, local_ranks=None, heads
     )
     g.add_argument(
         "--dataset",
-        help='rows {"prompt": str or chat messages, ...}: a JSONL, Parquet, CSV or JSON file, a save_to_disk folder or '
-        "a Hub name (data.py); the other columns reach the rewards by name. Default: --task",
+        help='rows {"prompt": str or chat messages, ...}: a JSONL, Parquet, CSV or JSON file, a '
+        "save_to_disk folder or a Hub name (data.py); other columns reach the rewards by name. Default: --task",
     )
     g.add_argument("--dataset-split", help="--dataset's split; default: train, or its only one")
     g.add_argument(
@@ -2353,8 +2353,8 @@ def parse_args(argv=None, world_size=1, cuda_count=None, local_ranks=None, heads
         "--task",
         choices=["arithmetic", "countdown", "guess"],
         default="arithmetic",
-        help="built-in task without --dataset: 'What is 3 + 4?', reach a target from given numbers, or guess a number "
-        "told higher or lower (the environment GuessNumber)",
+        help="built-in task without --dataset: 'What is 3 + 4?', reach a target from given numbers, or "
+        "guess a number told higher or lower (the environment GuessNumber)",
     )
     g.add_argument("--max-operand", type=int, default=4, help="built-in task: the largest operand")
     g.add_argument("--terms", type=int, default=2, help="built-in task: operands per problem")
@@ -2398,7 +2398,7 @@ def parse_args(argv=None, world_size=1, cuda_count=None, local_ranks=None, heads
         "--max-tool-turns",
         type=int,
         default=3,
-        help="most turns of tool calls (or of an environment's answers) in a rollout; the model then answers once more",
+        help="most turns of tool calls (or of an environment's answers) in a rollout; then one more answer",
     )
     g.add_argument("--tool-timeout", type=float, default=10.0, help="seconds one tool call may take")
     g.add_argument("--python-memory", type=int, default=512, help="--env python: MiB each process of it may map")
@@ -2406,8 +2406,8 @@ def parse_args(argv=None, world_size=1, cuda_count=None, local_ranks=None, heads
         "--python-sandbox",
         action=argparse.BooleanOptionalAction,
         default=True,
-        help="--env python's interpreters in namespaces (sandbox.py); --no-python-sandbox where user namespaces are "
-        "disabled: limits only, and the start-up message lists what is then not isolated",
+        help="--env python's interpreters in namespaces (sandbox.py); --no-python-sandbox where user "
+        "namespaces are disabled: limits only (the start-up message lists what is not isolated)",
     )
     g.add_argument(
         "--tool-latency",
@@ -2462,15 +2462,15 @@ def parse_args(argv=None, world_size=1, cuda_count=None, local_ranks=None, heads
         "--is-level",
         choices=["token", "sequence"],
         default="token",
-        help="importance weight per token, or per sequence: the geometric mean of its tokens' (always with gspo), "
+        help="importance weight per token, or per sequence: its tokens' geometric mean (always with gspo), "
         "not their product, so that --is-threshold means the same for a sequence of any length",
     )
     g.add_argument(
         "--off-policy-mask",
         choices=["none", "sequence", "token"],
         default="none",
-        help="drop from the loss what drifted past --off-policy-threshold from the sampler: sequences with a negative "
-        "advantage whose mean log(pi_sampler / pi_trainer) is past it (DeepSeek-V3.2), or tokens whose "
+        help="drop from the loss what drifted past --off-policy-threshold from the sampler: sequences of "
+        "negative advantage whose mean log(pi_sampler / pi_trainer) is past it (DeepSeek-V3.2), or tokens whose "
         "|log(pi_trainer / pi_sampler)| is (IcePop)",
     )
     g.add_argument("--off-policy-threshold", type=float, default=0.5, help="the bound of --off-policy-mask, in nats")
@@ -2480,8 +2480,8 @@ def parse_args(argv=None, world_size=1, cuda_count=None, local_ranks=None, heads
     g.add_argument(
         "--kl-correction",
         action="store_true",
-        help="weigh the KL penalty's k3 estimate by pi_theta / pi_sampler, which makes it unbiased for tokens that an "
-        "older or different policy sampled (DeepSeek-V3.2; off by default, as in TRL)",
+        help="weigh the KL penalty's k3 estimate by pi_theta / pi_sampler: unbiased for tokens an older or "
+        "different policy sampled (DeepSeek-V3.2; off by default, as in TRL)",
     )
     g.add_argument("--max-grad-norm", type=float, default=1.0, help="gradient clipping norm")
     g.add_argument(
@@ -2501,8 +2501,8 @@ def parse_args(argv=None, world_size=1, cuda_count=None, local_ranks=None, heads
         "--micro-batch-tokens",
         type=int,
         default=32768,
-        help="most tokens forwarded per micro-batch, padding included (a longer sequence goes alone): they bound its "
-        "activations (with --gradient-checkpointing ~4 x hidden size x layers bytes a token) and a mask's size",
+        help="most tokens forwarded per micro-batch, padding included (a longer sequence goes alone): its "
+        "activations (--gradient-checkpointing: ~4 x hidden size x layers bytes a token) and a mask's size",
     )
     g.add_argument(
         "--gradient-checkpointing",
@@ -2576,7 +2576,7 @@ def parse_args(argv=None, world_size=1, cuda_count=None, local_ranks=None, heads
         "--vllm-servers",
         type=int,
         default=0,
-        help="servers to start, each on an equal share of --vllm-gpus (tensor parallel over its share; 0: one per GPU)",
+        help="servers to start, each on an equal share of --vllm-gpus, tensor parallel (0: one per GPU)",
     )
     g.add_argument(
         "--vllm-gpus",
