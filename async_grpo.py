@@ -1239,8 +1239,7 @@ def main(argv=None):
 
 @dataclass
 class Run:
-    """What lives through a run: main's phases fill it in order; rank 0 alone holds the servers, producer and
-    logs."""
+    """What lives through a run, filled by main's phases in order; rank 0 alone holds servers and logs."""
 
     args: argparse.Namespace
     rank: int
