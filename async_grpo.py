@@ -1239,7 +1239,7 @@ def main(argv=None):
 
 @dataclass
 class Run:
-    """What lives through a run, filled by main's phases in order; rank 0 alone holds servers and logs."""
+    """What lives through a run, filled by main's phases in order; rank 0 alone holds servers, producer, logs."""
 
     args: argparse.Namespace
     rank: int
