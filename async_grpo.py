@@ -3345,9 +3345,9 @@ MISTRAL_NAME = re.compile(r"\s*([^\[\]\s]+)(?:\[CALL_ID\][^\[]*)?\[ARGS\]")
 
 
 def xml_value_end(text, pos):
-    """(the </parameter> that ends the value at text[pos:], whether the value's parameter tags balance): the
-    first real one (XML_CLOSE) that closes no <parameter=...> the value opened, so that calls quoted whole in
-    a value stay in it; else the first real one (None if none)."""
+    """(the </parameter> that ends the value at text[pos:], whether the value's tags balance): the first
+    real one (XML_CLOSE) that closes no <parameter=...> the value opened, so that calls quoted whole in a
+    value stay in it; else the first real one (None if none)."""
     depth, first = 0, None
     for tag in XML_TAGS.finditer(text, pos):
         if tag.group() == "</parameter>" and XML_CLOSE.match(text, tag.start()):
@@ -3360,10 +3360,10 @@ def xml_value_end(text, pos):
 
 
 def parse_xml_call(text, start, schemas_by_name):
-    """<function=NAME> <parameter=KEY>VALUE</parameter>... </function> at text[start:] (Qwen3.5, Qwen3-Coder)
-    -> ({'name', 'arguments'}, end). Raises ValueError(message, how far the call's text reaches), also where a
-    value holds a <parameter=KEY> of a parameter not yet given, or an unbalanced </tool_call> that could end
-    the call: either a </parameter> is missing before it, or it is text, and the parser does not guess which."""
+    """<function=NAME> <parameter=KEY>VALUE</parameter>... </function> at text[start:] (Qwen3.5,
+    Qwen3-Coder) -> ({'name', 'arguments'}, end). Raises ValueError(message, how far the call reaches), also
+    where a value holds a <parameter=KEY> not yet given, or an unbalanced </tool_call> that could end the
+    call: a </parameter> missing before it, or text; the parser does not guess which."""
     head = XML_FUNCTION.match(text, start)
     if not head:
         raise ValueError("expected <function=NAME>", start)
@@ -3410,9 +3410,8 @@ def parse_xml_call(text, start, schemas_by_name):
 
 def parse_tagged(text, schemas_by_name):
     """<tool_call>BODY</tool_call>, any number, BODY JSON (Qwen/Hermes) or XML. JSON is decoded from the
-    opening tag, so a '</tool_call>' inside a string does not end the call, and a call that does not parse
-    ends at its closing tag or at the next opening one (not one inside its JSON strings or read in its XML
-    values), never swallowing it."""
+    opening tag: a '</tool_call>' in a string does not end the call. A call that does not parse ends at its
+    closing tag or the next opening one (not one in its JSON strings or XML values), never swallowing it."""
     content = []  # the text between the calls
     found = []
     errors = []
