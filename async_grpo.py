@@ -1390,6 +1390,7 @@ def load_policy_and_optimizer(run):
     run.layout = choose_layout(run, model)
     if args.gradient_checkpointing:
         model.gradient_checkpointing_enable()
+    check_prompts_fit(run, model)
     if args.lora_rank:
         model = with_lora(model, args, run.resumed and Path(run.model_path) / "adapter")
     run.policy = run.model = model
@@ -1426,7 +1427,7 @@ def load_on_device(run, path):
 
 
 def load_checked(run, path):
-    """The policy to train, loaded and checked: its log-probs are its output layer's; the prompts fit."""
+    """The policy to train, loaded and probed: its log-probs must be what its output layer computes."""
     try:
         model = load_on_device(run, path)
     except Exception as e:
@@ -1438,7 +1439,11 @@ def load_checked(run, path):
     if wrong:
         why = "a transform after its output layer it cannot reproduce"
         raise SystemExit(f"--model {run.model_path}: {wrong}: {why}")
-    # every prompt must fit the context (--max-model-len, or the model's)
+    return model
+
+
+def check_prompts_fit(run, model):
+    """Every prompt must fit the context: --max-model-len, or the model's."""
     context = run.args.max_model_len or getattr(model.config, "max_position_embeddings", None)
     lengths = {i: len(ids) for i, ids in run.ctx.prompt_ids.items()}
     too_long = [(i, n) for i, n in lengths.items() if context and n >= context]
@@ -1447,7 +1452,6 @@ def load_checked(run, path):
             f"{len(too_long)} prompts do not fit the context of {context} tokens (the first: row id "
             f"{too_long[0][0]}, {too_long[0][1]} tokens); shorten them in --dataset or raise --max-model-len"
         )
-    return model
 
 
 def make_optimizer(run):
