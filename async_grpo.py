@@ -159,7 +159,7 @@ async def rollout(session, url, tok, row, args, ctx, version, greedy=False, seed
         new = [token for token, _, _ in turn]
         stats["turns"] += 1
         stats["interrupted"] += interruptions
-        # Stopped on a stop token (not a --sampling-args stop string): the template's end of turn stands for it
+        # stopped on a stop token (not a --sampling-args stop string): the template's end of turn stands for it
         stopped = finish_reason == "stop" and bool(new) and new[-1] in ctx.stop_ids
         text = tok.decode(new[:-1] if stopped else new, skip_special_tokens=False)
         if offered:
@@ -282,8 +282,8 @@ def request_seed(*key):
 
 
 async def run_tool_calls(message, schemas_by_name, functions, args, stats):
-    """The turn's well-formed calls, run concurrently, then an error for each call that did not parse: the
-    tool messages the model sees, in that order. Counted in stats (per tool: 'unknown' and 'malformed' apart)."""
+    """The turn's well-formed calls, run concurrently, then an error for each call that did not parse:
+    the tool messages the model sees, in order. Counted in stats (per tool; 'unknown', 'malformed')."""
     start = time.perf_counter()
     calls = [call_tool(call, schemas_by_name, args.tool_timeout, functions) for call in message["tool_calls"]]
     results, _ = await asyncio.gather(asyncio.gather(*calls), asyncio.sleep(args.tool_latency))
@@ -1239,7 +1239,7 @@ def main(argv=None):
 
 @dataclass
 class Run:
-    """What lives through a run, filled by main's phases in order; rank 0 alone holds servers, producer, logs."""
+    """What lives through a run, filled by main's phases in order; rank 0 holds servers, producer, logs."""
 
     args: argparse.Namespace
     rank: int
@@ -3269,7 +3269,7 @@ def decode_json(text, start=0):
 
 
 def parse_call(call):
-    """A decoded call {'name', 'arguments' or 'parameters'} -> the OpenAI shape. Raises (ValueError mostly)."""
+    """A decoded call {'name', 'arguments' or 'parameters'} -> the OpenAI shape; raises (ValueError, mostly)."""
     if not isinstance(call, dict) or not isinstance(call.get("name"), str) or not call["name"]:
         raise ValueError("a call needs a string 'name'")
     arguments = call.get("arguments", call.get("parameters", {}))
@@ -3477,8 +3477,8 @@ def parse_mistral(text):
 
 
 def parse_bare_json(text):
-    """Llama 3: the turn is the call, JSON {"name", "parameters"} (after <|python_tag|>), several separated by
-    ';'. A turn that starts any other way is content; text after the calls is ignored, and the model told so."""
+    """Llama 3: the turn is the call, JSON {"name", "parameters"} (after <|python_tag|>), several separated
+    by ';'. A turn that starts otherwise is content; text after the calls is ignored, the model told so."""
     body = text.lstrip()
     tagged = body.startswith("<|python_tag|>")
     body = body.removeprefix("<|python_tag|>").lstrip()
