@@ -3269,7 +3269,7 @@ def decode_json(text, start=0):
 
 
 def parse_call(call):
-    """A decoded call {'name', 'arguments' or 'parameters'} -> the OpenAI shape; raises (ValueError, mostly)."""
+    """A decoded call {'name', 'arguments' or 'parameters'} -> OpenAI's shape; raises (mostly ValueError)."""
     if not isinstance(call, dict) or not isinstance(call.get("name"), str) or not call["name"]:
         raise ValueError("a call needs a string 'name'")
     arguments = call.get("arguments", call.get("parameters", {}))
