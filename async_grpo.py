@@ -77,7 +77,7 @@ SAMPLING_ARGS = {"min_tokens", "stop", "ignore_eos"}
 @dataclass
 class RolloutContext:
     """What every rollout needs, computed once before vLLM starts (rollout_context), and the servers' limits
-    once they are up (start_generation)."""
+    once they are up (start_servers)."""
 
     # --tools' schemas (None: no tools), and their functions' schemas by name
     schemas: list
@@ -1265,7 +1265,7 @@ class Run:
     urls: list = field(default_factory=list)  # every server's, started here or --vllm-url; watched
     server_failure: str = None  # why a server failed, from watch_servers
     # collate's rows: a group's prompt once (share: --share-prefix, unless the model refuses it), packed in
-    # segments where a varlen kernel runs (load_policy_and_optimizer decides)
+    # segments where a varlen kernel runs (choose_layout decides)
     layout: dict = None
     layout_reasons: dict = None  # each choice of the layout: "on", or why not
     served_dtype: object = None  # the dtype the servers compute in
