@@ -2786,7 +2786,8 @@ def client_session(args):
     """The producer's and the evaluation's HTTP session: idle connections closed before vLLM closes them
     (5 s), no race; a request may take as long as the trainer waits for data."""
     connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=3)
-    return aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=args.data_timeout))
+    timeout = aiohttp.ClientTimeout(total=args.data_timeout)
+    return aiohttp.ClientSession(connector=connector, timeout=timeout)
 
 
 async def all_or_none(coros):
