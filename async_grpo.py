@@ -10,25 +10,24 @@
     torchrun --nproc-per-node 4 async_grpo.py --model Qwen/Qwen3-8B --fsdp --vllm-gpus 4,5  # sharded, not copied
     python async_grpo.py --model M --vllm-url http://host:8000   # servers started as README.md shows
 
-The shape of a run: rank 0 starts a vLLM server and a producer thread. The producer, on its own asyncio loop,
-samples G rollouts per prompt from the server (token ids in, token ids and log-probs out, each token stamped
-with the policy version that sampled it), runs tool calls (and an environment's turns), scores each group with
-the reward functions, computes group-relative advantages, and queues the group. Every rank trains: rank 0
-takes the groups in the order they started and hands each rank its share; the loss is the clipped surrogate
-against the sampler's log-probs. Every --sync-every steps rank 0 pauses vLLM, broadcasts the weights over a
-process group of its own, resumes it, and the policy version grows. Generation never waits for training and
-training waits only for data, within one bound: the producer does not start a group whose tokens would be more
-than --max-staleness versions old when trained (0: synchronous, --sync).
+The shape of a run: rank 0 starts a vLLM server and a producer thread. The producer, on its own asyncio
+loop, samples G rollouts per prompt (token ids in, token ids and log-probs out, each token stamped with
+the policy version that sampled it), runs tool calls (and an environment's turns), scores each group
+with the reward functions, computes group-relative advantages, and queues the group. Every rank trains:
+rank 0 takes the groups in the order they started and hands each rank its share; the loss is the
+clipped surrogate against the sampler's log-probs. Every --sync-every steps rank 0 pauses vLLM,
+broadcasts the weights over a process group of its own, resumes it, and the policy version grows.
+Generation never waits for training and training waits only for data, within one bound: the producer
+does not start a group whose tokens would be more than --max-staleness versions old when trained
+(0: synchronous, --sync).
 
-The file reads in the order a reader needs it: the algorithm first (the rollout and its tool loop; rewards and
-group-relative advantages; the producer and its staleness gate; the loss; the training step; the weight sync),
-then the run's phases (main, and what it calls in the order it calls them), then the machinery that supports
-both, in sections named as such (batches and log-probs, arguments, environments at work, chat templates,
-tool-call parsing). Beside it: tools.py (tools, environments, running them), rewards.py (rewards, built-in
-tasks), data.py (the rows: a built-in task or --dataset), models.py (loading the policy, the start-up probes,
-packed attention), output_layer.py (the output layer's log-probs in chunks), tiny_model.py (the built-in
-model), vllm_server.py (the vLLM servers, the device plan, the sync group and its receiving end in each
-worker), sandbox.py (the interpreter's sandbox), mfu.py (a step's FLOPs).
+The file reads in the order a reader needs it: the algorithm (the rollout and its tool loop, rewards
+and advantages, the producer and its staleness gate, the loss, the training step, the weight sync),
+the run's phases (main, and what it calls in order), then the machinery, in sections named as such.
+Beside it: tools.py (tools, environments), rewards.py (rewards, built-in tasks), data.py (the rows),
+models.py (loading the policy, the start-up probes, packed attention), output_layer.py (log-probs in
+chunks), tiny_model.py (the built-in model), vllm_server.py (the servers, the device plan, the sync
+group and its receiving end), sandbox.py (the interpreter's sandbox), mfu.py (a step's FLOPs).
 `# FORK:` marks where a forker edits (README.md lists them)."""
 
 import argparse, asyncio, contextlib, dataclasses, functools, inspect, itertools, json, math, os, queue, random
@@ -72,13 +71,13 @@ HERE = Path(__file__).resolve().parent
 SAMPLING_ARGS = {"min_tokens", "stop", "ignore_eos"}
 
 
-# --- The rollout: one conversation = generate, run its tool calls, append their results, generate again ---
+# --- The rollout: generate, run the tool calls, append their results, generate again ---
 
 
 @dataclass
 class RolloutContext:
     """What every rollout needs, computed once before vLLM starts (rollout_context), and the servers' limits
-    once they are up (start_generation)."""
+    once they are up (start_servers)."""
 
     # --tools' schemas (None: no tools), and their functions' schemas by name
     schemas: list
@@ -103,21 +102,40 @@ class RolloutContext:
     alive: list = field(default_factory=list)
 
 
+@dataclass
+class RolloutTokens:
+    """A rollout's token ids and, per token after the prompt: mask (1: sampled, trained on; 0: context,
+    a tool's result or the environment's turn), the sampler's log-prob and the version that sampled it."""
+
+    ids: list
+    n_prompt: int
+    mask: list = field(default_factory=list)
+    logprobs: list = field(default_factory=list)
+    versions: list = field(default_factory=list)
+
+    def add_sampled(self, turn):
+        """A turn's (token id, log-prob, version that sampled it) triples."""
+        for token, logprob, sampled_by in turn:
+            self.ids.append(token)
+            self.mask.append(1)
+            self.logprobs.append(logprob)
+            self.versions.append(sampled_by)
+
+    def add_context(self, ids, version):
+        """Tokens not sampled: log-prob 0.0; the version now, so that every list has one length."""
+        self.ids += ids
+        self.mask += [0] * len(ids)
+        self.logprobs += [0.0] * len(ids)
+        self.versions += [version] * len(ids)
+
+
 # FORK: the tool loop (what a turn may do, when a rollout ends); the tools and environments themselves are in tools.py
 async def rollout(session, url, tok, row, args, ctx, version, greedy=False, seed=(), env=None, prompt_ids=None):
-    """Sample one conversation, in `env` if the row has an environment (an instance, reset:
-    environment_instances()). Keeps the exact token ids: the prompt's (prompt_ids if reset added to it), then
-    per turn the generated ids (mask 1, with their log-probs and the policy version that sampled each) and
-    those of the tool results or the environment's user turn (mask 0, context). `seed`: what identifies this
-    rollout in the run (its group and index): each request's derives."""
-    ids = list(prompt_ids or ctx.prompt_ids[row["id"]])
-    n_prompt = len(ids)
-    # per token after the prompt: 1 generated (trained on), 0 a tool result
-    mask = []
-    # the sampler's log-prob of each token (0.0 for tool results)
-    logprobs = []
-    # the policy version that sampled each token
-    versions = []
+    """Sample one conversation, in `env` if the row has an environment (an instance, reset). Keeps the
+    exact token ids: the prompt's (prompt_ids if reset added to it), then per turn the sampled ids and the
+    context the tools' results or the environment add. `seed`: the rollout's key in the run (request_seed)."""
+    prompt = list(prompt_ids or ctx.prompt_ids[row["id"]])
+    tokens = RolloutTokens(ids=prompt, n_prompt=len(prompt))
     # the turns, as the rewards see them
     messages = []
     stats = {"tool_calls": 0, "tool_failures": 0, "tool_seconds": 0.0, "turns": 0, "interrupted": 0}
@@ -125,73 +143,55 @@ async def rollout(session, url, tok, row, args, ctx, version, greedy=False, seed
     stats["truncated"] = True
     # tool name -> [calls, failures]
     stats["per_tool"] = {}
-    # --tools, and the environment's
-    schemas = ctx.offered[tools_module.environment_of(row, ctx.environments)]
-    schemas_by_name = {s["function"]["name"]: s["function"] for s in schemas}
+    # the tools this row is offered: --tools, and its environment's
+    offered = ctx.offered[tools_module.environment_of(row, ctx.environments)]
+    offered_by_name = {s["function"]["name"]: s["function"] for s in offered}
     functions = {name: tools_module.TOOLS[name] for name in ctx.schemas_by_name}
     if env is not None:
         # its tools: its methods, bound to this rollout's instance
         functions.update({name: getattr(env, name) for name in tools_module.environment_tools(type(env))})
-    while len(ids) < ctx.max_model_len:
-        budget = min(args.max_tokens, ctx.max_model_len - len(ids))
+    while len(tokens.ids) < ctx.max_model_len:
+        budget = min(args.max_tokens, ctx.max_model_len - len(tokens.ids))
         turn, finish_reason, interruptions = await generate_turn(
-            session, url, ids, budget, version, args=args, ctx=ctx, greedy=greedy, seed=seed
+            session, url, tokens.ids, budget, version, args=args, ctx=ctx, greedy=greedy, seed=seed
         )
+        tokens.add_sampled(turn)
         new = [token for token, _, _ in turn]
-        ids += new
-        mask += [1] * len(turn)
-        logprobs += [logprob for _, logprob, _ in turn]
-        versions += [sampled_by for _, _, sampled_by in turn]
         stats["turns"] += 1
         stats["interrupted"] += interruptions
-        # Stopped on a stop token (not a --sampling-args stop string): the template's end of turn stands for it
+        # stopped on a stop token (not a --sampling-args stop string): the template's end of turn stands for it
         stopped = finish_reason == "stop" and bool(new) and new[-1] in ctx.stop_ids
         text = tok.decode(new[:-1] if stopped else new, skip_special_tokens=False)
-        if schemas:
-            message = parse_assistant(
-                text, tok, ids[: -len(new)], schemas_by_name, ctx.format, max_calls=ctx.max_calls
-            )
+        if offered:
+            before = tokens.ids[: -len(new)]
+            message = parse_assistant(text, tok, before, offered_by_name, ctx.format, max_calls=ctx.max_calls)
         else:
             # the parser runs only with tools: without them any template (or none) must train
             message = {"role": "assistant", "content": text, "tool_calls": [], "tool_call_errors": []}
         messages.append(message)
-        # How the turn ends: out of tokens; with tool calls, run unless out of turns; or an answer, which ends
-        # the rollout unless the environment answers it with a user turn.
+        # How the turn ends: out of tokens; an answer, unless the environment replies to it (the one end that
+        # cuts nothing short); out of turns; else the tools' results, or the reply, follow it.
         if finish_reason != "stop":
             break
-        if message["tool_calls"] or message["tool_call_errors"]:
-            if stats["turns"] > args.max_tool_turns:
-                break
-            added = await run_tool_calls(message, schemas_by_name, functions, args, stats)
+        calls = bool(message["tool_calls"] or message["tool_call_errors"])
+        reply = None if calls else await env_reply(env, message, args, stats)
+        if not calls and reply is None:
+            stats["truncated"] = False
+            break
+        if stats["turns"] > args.max_tool_turns:
+            break
+        if calls:
+            added = await run_tool_calls(message, offered_by_name, functions, args, stats)
         else:
-            reply = await env_reply(env, message, args, stats)
-            if reply is None:
-                # the model answered: the one end that does not cut the conversation short
-                stats["truncated"] = False
-                break
-            if stats["turns"] > args.max_tool_turns:
-                break
             added = [reply]
         history = row["prompt"] + messages
-        suffix = tool_result_ids(tok, history, added, schemas, ctx.turn_ends, stopped=stopped)
+        suffix = tool_result_ids(tok, history, added, offered, ctx.turn_ends, stopped=stopped)
         messages += added
-        if len(ids) + len(suffix) >= ctx.max_model_len:
+        if len(tokens.ids) + len(suffix) >= ctx.max_model_len:
             # no room left to answer: end here rather than send vLLM a request it rejects
             break
-        ids += suffix
-        mask += [0] * len(suffix)
-        logprobs += [0.0] * len(suffix)
-        # not trained on; kept so that every per-token list has one length
-        versions += [version.value] * len(suffix)
-    return {
-        "ids": ids,
-        "n_prompt": n_prompt,
-        "mask": mask,
-        "logprobs": logprobs,
-        "versions": versions,
-        "messages": messages,
-        **stats,
-    }
+        tokens.add_context(suffix, version.value)
+    return {**vars(tokens), "messages": messages, **stats}
 
 
 async def generate_turn(session, url, ids, budget, version, args, ctx, greedy, seed):
@@ -227,9 +227,8 @@ async def generate_turn(session, url, ids, budget, version, args, ctx, greedy, s
 
 # FORK: the sampling parameters (each one that shapes the distribution must also shape the trainer's: sampler_logprobs)
 async def generate(session, url, ids, max_tokens, args, stop_ids, greedy=False, generated=0, seed=None):
-    """One completion from vLLM: token ids in; sampled ids, their log-probs and why it ended out ('abort': a
-    weight sync stopped it; the ids so far are kept). `generated`: tokens of this turn that a stopped request
-    already produced."""
+    """One completion from vLLM: token ids in; sampled ids, their log-probs and why it ended out ('abort':
+    a sync stopped it, the ids so far kept). `generated`: the turn's tokens a stopped request produced."""
     # Every parameter that shapes the distribution is sent: vLLM fills the missing ones from the checkpoint's
     # generation_config.json (Qwen3's says top_k 20), and the trainer would not know.
     payload = {
@@ -265,8 +264,7 @@ async def generate(session, url, ids, max_tokens, args, stop_ids, greedy=False, 
                 choice = (await response.json())["choices"][0]
             return choice["token_ids"], choice["logprobs"]["token_logprobs"], choice["finish_reason"]
         except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as e:
-            # a pooled keep-alive connection the server closed just then: the request holds all its state, so
-            # resend it
+            # a keep-alive connection the server closed just then: the request holds all its state, resent
             if attempt == 2:
                 raise ConnectionError(f"the vLLM server {url} dropped a generation request 3 times ({e})") from None
             await asyncio.sleep(0.5 * 2**attempt)
@@ -284,8 +282,8 @@ def request_seed(*key):
 
 
 async def run_tool_calls(message, schemas_by_name, functions, args, stats):
-    """The turn's well-formed calls, run concurrently, then an error for each call that did not parse: the
-    tool messages the model sees, in that order. Counted in stats (per tool: 'unknown' and 'malformed' apart)."""
+    """The turn's well-formed calls, run concurrently, then an error for each call that did not parse:
+    the tool messages the model sees, in order. Counted in stats (per tool; 'unknown', 'malformed')."""
     start = time.perf_counter()
     calls = [call_tool(call, schemas_by_name, args.tool_timeout, functions) for call in message["tool_calls"]]
     results, _ = await asyncio.gather(asyncio.gather(*calls), asyncio.sleep(args.tool_latency))
@@ -301,8 +299,7 @@ async def run_tool_calls(message, schemas_by_name, functions, args, stats):
         counts = stats["per_tool"].setdefault(key, [0, 0])
         counts[0] += 1
         counts[1] += not ok
-    # a lone surrogate in a tool's text (from its input, or bytes decoded with surrogateescape) fails the
-    # tokenizer
+    # a lone surrogate in a tool's text (its input's, or a surrogateescape decode's) fails the tokenizer
     return [
         {"role": "tool", "name": n, "content": str(r).encode(errors="replace").decode()}
         for n, (r, _) in zip(names, results)
@@ -334,40 +331,10 @@ async def call_tool(call, schemas_by_name, timeout, functions=tools_module.TOOLS
     return await tools_module.call_function(functions[name], arguments, name, timeout)
 
 
-def rollout_context(tok, schemas, rows, max_model_len=None, stop_ids=None, environments=None):
-    """The RolloutContext of a run; max_model_len is the server's context length, known once it is up.
-    environments: {name: class} of --env and --mcp; their instances are made and kept there too
-    (environment_instances())."""
-    stop_ids = stop_ids or stop_token_ids(tok)
-    environments = environments or {}
-    offered = {None: schemas or []}
-    for name, cls in environments.items():
-        offered[name] = (schemas or []) + tools_module.environment_schemas(cls)
-    all_tools = tools_module.every_tool(schemas, environments)
-    # an environment that answers the model with a user turn needs the template's turn ends too
-    talks = any(hasattr(cls, "respond") for cls in environments.values())
-    prompt_ids = {}
-    for row in rows:
-        row_tools = offered[tools_module.environment_of(row, environments)]
-        prompt_ids[row["id"]] = render_prompt(tok, row["prompt"], row_tools, row["id"])
-    return RolloutContext(
-        schemas=schemas,
-        schemas_by_name={s["function"]["name"]: s["function"] for s in schemas or []},
-        environments=environments,
-        offered=offered,
-        prompt_ids=prompt_ids,
-        stop_ids=stop_ids,
-        max_model_len=max_model_len,
-        idle={name: [] for name in environments},
-        **(chat_format(tok, all_tools, stop_ids) if all_tools or talks else {}),
-    )
-
-
 class PolicyVersion:
-    """Which weights vLLM serves: a count the weight sync advances, a gate it closes meanwhile, and the
-    requests in flight (at most max_inflight). The sync closes the gate, pauses vLLM and waits for every
-    request in flight to answer (finished or stopped) before it changes the weights: the version stamped on a
-    token sampled it."""
+    """Which weights vLLM serves: a count the sync advances, a gate it closes meanwhile, the requests in
+    flight (at most max_inflight). The sync waits for every one to answer (finished or stopped) before it
+    changes the weights: the version stamped on a token sampled it."""
 
     def __init__(self, max_inflight=64):
         self.value = 0
@@ -404,7 +371,7 @@ class PolicyVersion:
                     self.idle_since = time.perf_counter()
 
 
-# --- Rewards and group-relative advantages --------------------------------------------------------
+# --- Rewards and group-relative advantages ---
 
 
 async def score_group(samples, row, reward_weights, environments=None):
@@ -436,15 +403,14 @@ async def score_group(samples, row, reward_weights, environments=None):
 
 # FORK: change the advantages (a group's rewards in, one number per rollout out; the loss weighs its tokens by it)
 def group_advantages(rewards, scale=True, eps=1e-4):
-    """GRPO: each rollout's reward relative to its group, in units of the group's spread (scale) or raw (Dr.
-    GRPO: dividing by the spread over-weights groups nearly all right or wrong); all equal: zero advantages,
-    no signal."""
+    """GRPO: each rollout's reward relative to its group, in units of the group's spread (scale) or raw
+    (Dr. GRPO: the spread over-weights groups nearly all right or wrong); all equal: zero, no signal."""
     rewards = np.asarray(rewards, dtype=np.float64)
     centred = rewards - rewards.mean()
     return centred / (rewards.std() + eps) if scale else centred
 
 
-# --- The producer: a thread with its own asyncio loop that keeps the queue full, within the staleness bound ---
+# --- The producer: a thread that keeps the queue full, within the staleness bound ---
 
 
 @dataclass
@@ -462,10 +428,17 @@ class DroppedGroup:
     why: str
 
 
+def version_at(step, sync_every):
+    """The staleness rule: the trainer's version during step `step`, as a sync follows every
+    --sync-every-th step. The gate predicts by it (admissible), the drop measures it (lag), and
+    --resume restarts the count by it (start_sync)."""
+    return step // sync_every
+
+
 class Producer(threading.Thread):
-    """Streams scored groups to the trainer, numbered in the order they start; the trainer takes them in that
-    order (`take`), which lets admission control know when a group will be trained. With several servers
-    (`urls`), each group goes to the one with the fewest groups running: its rollouts share the cached prompt."""
+    """Streams scored groups to the trainer, numbered in the order they start; the trainer takes them in
+    that order (`take`): the gate knows when a group will be trained. With several servers (`urls`), each
+    group goes to the one with the fewest running: its rollouts share the cached prompt."""
 
     def __init__(self, args, tok, rows, urls, ctx, version, cursor=None):
         super().__init__(daemon=True, name="producer")
@@ -479,7 +452,7 @@ class Producer(threading.Thread):
         # a ScoredGroup or a DroppedGroup as each group finishes
         self.queue = queue.Queue()
         self.ready = {}  # finished groups by number, until their turn
-        # next_index: the next group to hand out; skipped_groups: not trained (zero variance, too stale or a
+        # next_index: the next group to hand out; skipped_groups: not trained (equal rewards, too stale, a
         # failed reward); stale_samples, reward_failures: counters. A checkpoint saves them all.
         self.cursor = {
             "next_index": 0,
@@ -516,88 +489,104 @@ class Producer(threading.Thread):
             yield from rows
 
     def admissible(self, index):
-        """The staleness gate. Group `index` is trained at step (index - groups skipped) // prompts_per_step
-        (at the latest: more skips make it earlier). Do not start it if the trainer will by then be more than
-        --max-staleness versions ahead of the weights that would generate it now."""
-        trained_at = (index - self.cursor["skipped_groups"]) // self.args.prompts_per_step
-        return trained_at // self.args.sync_every - self.version.value <= self.args.max_staleness
+        """The staleness gate: start group `index` only if, at the step that trains it ((index - skipped)
+        // prompts_per_step, or earlier after more skips), the trainer is at most --max-staleness versions
+        past the weights vLLM serves now.
+
+        E.g. --prompts-per-step 2 --sync-every 2 --max-staleness 1, vLLM at version 0: groups 0-7
+        (steps 0-3, versions 0, 0, 1, 1) pass; groups 8-11 (steps 4-5, version 2) wait for version 1."""
+        step = (index - self.cursor["skipped_groups"]) // self.args.prompts_per_step
+        ahead = version_at(step, self.args.sync_every) - self.version.value
+        return ahead <= self.args.max_staleness
 
     async def _produce(self):
-        a = self.args
-        async with client_session(a) as session:
+        async with client_session(self.args) as session:
             pending = set()
             # on --resume, groups not trained are redone
             started = self.cursor["next_index"]
             try:
                 for row in itertools.islice(self.prompt_order(), started, None):
-                    # Groups started: rollouts up to twice what vLLM takes at once (--max-inflight), so that
-                    # the next ones wait ready (environments reset) behind PolicyVersion's slots, no more
-                    while not self.admissible(started) or len(pending) * a.num_generations >= 2 * a.max_inflight:
+                    while not self.admissible(started) or self.enough_started(pending):
                         if not pending:
                             await asyncio.sleep(0.01)
                             continue
-                        done, pending = await asyncio.wait(pending, timeout=0.05, return_when=asyncio.FIRST_COMPLETED)
-                        errors = [task.exception() for task in done if not task.cancelled() and task.exception()]
-                        if errors:
-                            # stops the producer, loudly (each one retrieved: asyncio warns else)
-                            raise errors[0]
+                        first = asyncio.FIRST_COMPLETED
+                        done, pending = await asyncio.wait(pending, timeout=0.05, return_when=first)
+                        # each error retrieved (asyncio warns else); the first stops the producer, loudly
+                        failed = [task for task in done if not task.cancelled() and task.exception()]
+                        if failed:
+                            raise failed[0].exception()
                     pending.add(asyncio.create_task(self._group(session, row, started)))
                     started += 1
             finally:
                 # on stop or error, no group is left running against a server that is going away
                 cancel_all(pending)
                 await asyncio.gather(*pending, return_exceptions=True)
-                await tools_module.close_environments(self.ctx, a.tool_timeout)
+                await tools_module.close_environments(self.ctx, self.args.tool_timeout)
+
+    def enough_started(self, pending):
+        """Rollouts started up to twice what vLLM takes at once (--max-inflight): the next ones wait ready
+        (environments reset) behind PolicyVersion's slots, no more."""
+        return len(pending) * self.args.num_generations >= 2 * self.args.max_inflight
 
     async def _group(self, session, row, index):
-        a = self.args
-        url = min(self.urls, key=self.running.get)
+        """Group `index`, on the server with the fewest groups running, scored and queued."""
+        n = self.args.num_generations
+        urls = [min(self.urls, key=self.running.get)] * n
+        seeds = [(self.args.seed, index, i) for i in range(n)]
         try:
-            async with environment_instances(self.ctx, self.tok, row, a.num_generations, a.tool_timeout) as (
-                envs,
-                row,
-                ids,
-            ):
-                self.running[url] += 1
-                try:
-                    group = [
-                        rollout(
-                            session,
-                            url,
-                            self.tok,
-                            row,
-                            a,
-                            ctx=self.ctx,
-                            version=self.version,
-                            seed=(a.seed, index, i),
-                            env=env,
-                            prompt_ids=ids,
-                        )
-                        for i, env in enumerate(envs)
-                    ]
-                    samples = await all_or_none(group)
-                finally:
-                    self.running[url] -= 1
-                try:
-                    self.scoring += 1
-                    rewards, parts = await score_group(samples, row, a.reward_weights, envs)
-                finally:
-                    self.scoring -= 1
+            samples, rewards, parts = await self.rollout_and_score(session, row, urls, seeds, counted=True)
         except tools_module.Dropped as e:
             # the group is not trained (take() reports it), the run goes on
             self.queue.put(DroppedGroup(index, str(e)))
             return
-        advantages = group_advantages(rewards, scale=a.scale_rewards == "group")
+        advantages = group_advantages(rewards, scale=self.args.scale_rewards == "group")
         for i, sample in enumerate(samples):
             sample.update(reward=float(rewards[i]), advantage=float(advantages[i]), prompt_id=row["id"])
             sample["reward_parts"] = {name: float(values[i]) for name, values in parts.items()}
         self.queue.put(ScoredGroup(index, samples))
 
+    async def rollout_and_score(self, session, row, urls, seeds, greedy=False, counted=False):
+        """The group pipeline of training and evaluation: environments reset, rollout k on urls[k]
+        (`greedy`: the first greedy), the rewards. Returns the rollouts, rewards and each reward's values;
+        raises Dropped. `counted` (training's): running on urls[0], then scoring, as the choice of server
+        and take()'s timeout read."""
+        n = len(seeds)
+        busy = int(counted)
+        timeout = self.args.tool_timeout
+        async with environment_instances(self.ctx, self.tok, row, n, timeout) as (envs, row, ids):
+            group = [
+                rollout(
+                    session,
+                    urls[k],
+                    self.tok,
+                    row,
+                    self.args,
+                    ctx=self.ctx,
+                    version=self.version,
+                    greedy=greedy and k == 0,
+                    seed=seeds[k],
+                    env=env,
+                    prompt_ids=ids,
+                )
+                for k, env in enumerate(envs)
+            ]
+            self.running[urls[0]] += busy
+            try:
+                samples = await all_or_none(group)
+            finally:
+                self.running[urls[0]] -= busy
+            self.scoring += busy
+            try:
+                rewards, parts = await score_group(samples, row, self.args.reward_weights, envs)
+            finally:
+                self.scoring -= busy
+        return samples, rewards, parts
+
     def take(self, n, timeout, interrupted=lambda: False):
-        """The next n trainable groups in start order. Skips zero-variance groups with --skip-zero-variance,
-        and drops (warned and counted) groups too stale to train (admission control should leave none) and
-        groups whose rewards failed. Raises if the producer died, no batch came in time, every recent reward
-        failed or interrupted()."""
+        """The next n trainable groups in start order, past those of equal rewards (--skip-zero-variance)
+        and, warned and counted, those too stale (the gate should leave none) or whose rewards failed.
+        Raises if the producer died, no batch came in time, every recent reward failed or interrupted()."""
         groups = []
         deadline = time.monotonic() + timeout
         # groups skipped for equal rewards, which a timeout's message counts
@@ -658,15 +647,15 @@ class Producer(threading.Thread):
         return None
 
     def lag(self, group):
-        """Policy versions between the trainer now and the group's oldest trained token."""
+        """Versions between the trainer now (version_at the step that takes it) and the group's oldest
+        trained token: what admissible() predicted, measured."""
         versions = [v for s in group for v, m in zip(s["versions"], s["mask"]) if m]
         return self.version.value - min(versions, default=self.version.value)
 
     def wait(self, done, deadline, interrupted, late):
-        """Every wait of the trainer on the producer (data, evaluation): until done(), which may block for
-        0.1 s. Raises once the producer thread has ended, with its error (its loop has stopped: nothing
-        submitted to it will finish), or at the deadline, with late() as the message; returns False if
-        interrupted() (a stop signal) first."""
+        """Every wait of the trainer on the producer (data, evaluation): until done(), which may block 0.1
+        s. Raises once the thread has ended (nothing submitted to its loop will finish), with its error, or
+        at the deadline, with late(); returns False if interrupted() (a stop signal) first."""
         while not done():
             # read before the error, which the thread sets before it ends
             ended = not self.is_alive()
@@ -681,30 +670,6 @@ class Producer(threading.Thread):
             if interrupted():
                 return False
         return True
-
-
-def client_session(args):
-    """The producer's and the evaluation's HTTP session: idle connections closed before vLLM closes them
-    (5 s), no race; a request may take as long as the trainer waits for data."""
-    connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=3)
-    return aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=args.data_timeout))
-
-
-async def all_or_none(coros):
-    """asyncio.gather whose first error cancels the rest and waits for them: gather alone leaves them running
-    against a session about to close, each to fail later with an error that asyncio prints as a traceback
-    nobody retrieved."""
-    tasks = [asyncio.ensure_future(c) for c in coros]
-    try:
-        return await asyncio.gather(*tasks)
-    finally:
-        cancel_all(tasks)
-        await asyncio.gather(*tasks, return_exceptions=True)
-
-
-def cancel_all(tasks):
-    for task in tasks:
-        task.cancel()
 
 
 # --- The loss: clipped surrogate against the sampler's log-probs, normalised as --loss-type says ---
@@ -948,50 +913,62 @@ def micro_batch_loss(batch, logps, settings, num_tokens, num_sequences):
     return loss, stats
 
 
-# --- The weight sync: rank 0 pauses vLLM, broadcasts packed buckets to every worker, resumes ------
+# --- The weight sync: pause vLLM, broadcast packed buckets to every worker, resume ---
+
+
+class SyncPart:
+    """What a weight sync sends (served_weights' `part`; --lora-sync picks MERGED or ADAPTER): the weights
+    as vLLM serves them (LoRA: W + scale * B @ A), W unmerged, or the adapter alone (lora_A, lora_B)."""
+
+    MERGED = "merged"
+    BASE = "base"
+    ADAPTER = "adapter"
 
 
 class WeightSync:
-    """Trainer side of the sync to every server in `urls`; advances `version` (a PolicyVersion). One group
-    (sync_group) holds the trainer (rank 0) and every worker of every server, so one broadcast reaches them
-    all. It is made at the first sync and kept for the run, unless a sync fails: then it is aborted, and the
-    error names the server."""
+    """Trainer side of the sync to the servers at `urls`. One group (sync_group) holds rank 0 and every
+    worker of every server: one broadcast reaches all. Made at the first sync, aborted if one fails."""
 
     def __init__(self, urls, args, dtype, version, failure=lambda: None, backend=None):
         self.urls = urls
         self.args = args
+        # --sync-timeout: a bound on each sync and each request of it
+        self.timeout = args.sync_timeout
         # the servers' (served_config): the weights travel in it
         self.dtype = dtype
         self.version = version
-        # gloo or nccl: the device plan's, unless the run learnt better from --vllm-url servers
-        # (Run.sync_backend)
+        # gloo or nccl: the device plan's, or what --vllm-url servers allow (Run.sync_backend)
         self.backend = backend or args.plan["sync_backend"]
         # why a server failed, from the watchdog (watch_servers), or None
         self.failure = failure
         self.group = None
+        # the group's store: how the workers learn of an abort
+        self.store = None
         self.pool = ThreadPoolExecutor(len(urls))
-        # the live check the first sync of moved weights runs (weights_arrive), set by start_generation
+        # the live check of the first sync of moved weights (weights_arrive; start_sync sets it)
         self.check = None
+        # the bytes the last sync sent
+        self.sent_bytes = 0
 
     def _rpc(self, url, method, **kwargs):
-        """Call `method` on every worker of one server; a future. It runs on the pool's threads: the
-        workers block in the collective until the trainer joins it."""
+        """Call `method` on every worker of one server; a future. On the pool's threads: the workers block
+        in the collective until the trainer joins it."""
         payload = {"method": method, "kwargs": kwargs}
-        return self.pool.submit(http, f"{url}/collective_rpc", payload, self.args.sync_timeout, "--sync-timeout")
+        where = f"{url}/collective_rpc"
+        return self.pool.submit(http, where, payload, self.timeout, "--sync-timeout")
 
     def _all(self, path):
         for url in self.urls:
-            http(f"{url}/{path}", {}, self.args.sync_timeout, "--sync-timeout")
+            http(f"{url}/{path}", {}, self.timeout, "--sync-timeout")
 
     def _connect(self, model):
-        """At the first sync: check that every server knows every name it will receive, then make the group."""
+        """The first sync: every server must know every name it will receive; then the group."""
         names = [name for name, _, _ in served_weights(model, include_frozen=True)]
         refuse_unknown_names(self.urls, names, self._rpc, model.config.model_type)
         # workers per server
         sizes = [http(f"{url}/get_world_size")["world_size"] for url in self.urls]
         host, listener = sync_endpoint(self.urls, self.args.sync_host)
         port = listener.getsockname()[1]
-        backend = self.backend
         world_size = 1 + sum(sizes)
         joined = [
             self._rpc(
@@ -1000,14 +977,14 @@ class WeightSync:
                 host=host,
                 port=port,
                 world_size=world_size,
-                backend=backend,
+                backend=self.backend,
                 first_rank=1 + sum(sizes[:i]),
-                timeout=self.args.sync_timeout,
+                timeout=self.timeout,
             )
             for i, url in enumerate(self.urls)
         ]
-        self.group = sync_group(host, port, 0, world_size, backend, timeout=self.args.sync_timeout, listener=listener)
-        bound = timedelta(seconds=self.args.sync_timeout)
+        self.group = sync_group(host, port, 0, world_size, self.backend, timeout=self.timeout, listener=listener)
+        bound = timedelta(seconds=self.timeout)
         self.store = dist.TCPStore(host, port, is_master=False, timeout=bound)
 
         # a server's error answer to its join
@@ -1016,68 +993,80 @@ class WeightSync:
 
         # NCCL makes a group's communicator at its first collective, blocking until every rank is in it:
         # one element sent here, as the workers join and before vLLM pauses, not in the first bucket's
-        first = [("warm-up", torch.zeros(1, device=next(served_weights(model))[1].device), None)]
+        device = next(served_weights(model))[1].device
+        first = [("warm-up", torch.zeros(1, device=device), None)]
         try:
-            send_weights(self.group, [first], torch.float32, self.args.sync_timeout, joining)
+            send_weights(self.group, [first], torch.float32, self.timeout, joining)
             for future in joined:
-                future.result(self.args.sync_timeout)
+                future.result(self.timeout)
         except Exception as e:
             self._abort(e)
             servers = ", ".join(self.urls)
             raise ConnectionError(f"the weight sync group with {servers} failed to start: {e}") from None
 
     def __call__(self, model, include_frozen=False):
+        """One sync: close the gate (no request leaves until the new weights serve), drain vLLM, send the
+        weights (include_frozen: all, not only those training changes), resume, advance the version."""
         t0 = time.perf_counter()
         if self.group is None:
             self._connect(model)
-        deadline = time.monotonic() + self.args.sync_timeout
+        deadline = time.monotonic() + self.timeout
         with self.version.lock:
-            # no request is sent from here until the new weights serve
             self.version.open = False
-        # keep and abort both stop the requests in flight (vLLM returns what they generated so far);
-        # rollout() then continues them with the new weights (keep) or starts their turn over (abort).
-        # Pausing also clears vLLM's caches, whose keys/values the old weights computed.
-        self._all(f"pause?mode={'wait' if self.args.sync_mode == 'wait' else 'abort'}")
-        # a request that reached vLLM after the pause waits in its queue: stop it
-        while self.version.in_flight:
-            if time.monotonic() > deadline:
-                raise TimeoutError(
-                    f"{self.version.in_flight} requests did not answer the pause in "
-                    f"{self.args.sync_timeout} s (--sync-timeout)"
-                )
-            self._all("abort_requests")
-            time.sleep(0.01)
-        adapter = self.args.lora_sync == "adapter"
-        self.sent_bytes = 0  # what this sync sends
+        self._drain(deadline)
+        self.sent_bytes = 0
         try:
-            # --lora-sync adapter: W unmerged where the servers may hold other weights, then the adapter alone
-            if include_frozen or not adapter:
-                part = "base" if adapter else "merged"
-                self._send(model, "receive_weights", deadline, part, include_frozen)
-            if adapter:
-                config = json.loads(json.dumps(model.peft_config["default"].to_dict(), default=sorted))
-                answers = self._send(model, "receive_adapter", deadline, "adapter", config=config)
-                # each server's first worker wrote it; the folder is on that server's host
-                for url, workers in zip(self.urls, answers):
-                    load_adapter(url, workers[0], self.args.sync_timeout)
+            self._send_weights(model, deadline, include_frozen)
         except BaseException:
-            # also after a failure: --vllm-url servers outlive the run, and a paused one serves no one; a server
-            # that died answers no resume, and the failure is what the run reports
+            # also after a failure: --vllm-url servers outlive the run, and a paused one serves no one; a
+            # server that died answers no resume, and the failure is what the run reports
             with contextlib.suppress(Exception):
                 self._all("resume")
             raise
         self._all("resume")
         self.version.value += 1
-        if self.check:  # the first sync of moved weights: do the servers now sample from them?
+        # the first sync of moved weights: do the servers now sample from them?
+        if self.check:
             self.check = self.check()
-        self.version.open = True
+        with self.version.lock:
+            self.version.open = True
         return time.perf_counter() - t0
+
+    def _drain(self, deadline):
+        """Pause every server (which clears the caches the old weights computed) and stop the requests in
+        flight: rollout() continues what they generated (keep) or starts over (abort)."""
+        mode = "wait" if self.args.sync_mode == "wait" else "abort"
+        self._all(f"pause?mode={mode}")
+        # a request that reached vLLM after the pause waits in its queue: stop it
+        while self.version.in_flight:
+            if time.monotonic() > deadline:
+                late = f"{self.version.in_flight} requests did not answer the pause"
+                raise TimeoutError(f"{late} in {self.timeout} s (--sync-timeout)")
+            self._all("abort_requests")
+            time.sleep(0.01)
+
+    def _send_weights(self, model, deadline, include_frozen):
+        """The weights, merged. --lora-sync adapter: the adapter, after W where the servers may hold
+        other weights (include_frozen)."""
+        if self.args.lora_sync == SyncPart.MERGED:
+            self._send(model, "receive_weights", deadline, SyncPart.MERGED, include_frozen)
+            return
+        if include_frozen:
+            self._send(model, "receive_weights", deadline, SyncPart.BASE, include_frozen)
+        config = model.peft_config["default"].to_dict()
+        config = json.loads(json.dumps(config, default=sorted))
+        answers = self._send(model, "receive_adapter", deadline, SyncPart.ADAPTER, config=config)
+        # each server's first worker wrote it; the folder is on that server's host
+        for url, workers in zip(self.urls, answers):
+            load_adapter(url, workers[0], self.timeout)
 
     def _send(self, model, method, deadline, part, include_frozen=False, **kwargs):
         """Broadcast the weights of `part` (served_weights) to every worker, which takes them in `method`;
         each server's workers' answers."""
-        buckets = pack_buckets(model, self.args.sync_bucket_bytes, self.dtype, include_frozen, part)
-        self.sent_bytes += sum(p.numel() for b in buckets for _, p, _ in b) * self.dtype.itemsize
+        size = self.args.sync_bucket_bytes
+        buckets = pack_buckets(model, size, self.dtype, include_frozen, part)
+        numel = sum(p.numel() for b in buckets for _, p, _ in b)
+        self.sent_bytes += numel * self.dtype.itemsize
         meta = [
             {
                 "dtype": str(self.dtype).removeprefix("torch."),
@@ -1090,28 +1079,31 @@ class WeightSync:
 
         # why the workers cannot finish: a server's error answer (it names the server), or the watchdog's
         def failed():
-            return next((f.exception() for f in received if f.done() and f.exception()), None) or self.failure()
+            answer = next((f.exception() for f in received if f.done() and f.exception()), None)
+            return answer or self.failure()
 
         try:
-            send_weights(self.group, buckets, self.dtype, deadline - time.monotonic(), failed)
+            left = deadline - time.monotonic()
+            send_weights(self.group, buckets, self.dtype, left, failed)
             # the last bucket loads: bounded by the request's own timeout (http)
             return [future.result()["results"] for future in received]
         except Exception as e:
             self._abort(e)
-            raise ConnectionError(f"the weight sync to {', '.join(self.urls)} failed: {e}") from None
+            servers = ", ".join(self.urls)
+            raise ConnectionError(f"the weight sync to {servers} failed: {e}") from None
 
     def _abort(self, error):
         """The workers are out of step: the group is aborted (a next sync makes a new one), and every
-        worker is told through the group's store (arrived): NCCL's abort reaches no other rank, and a
-        worker left waiting on a broadcast would hold its server until its watchdog ended it."""
+        worker told through its store (arrived): NCCL's abort reaches no other rank, and a worker left
+        waiting on a broadcast would hold its server until its watchdog ended it."""
         with contextlib.suppress(Exception):
             self.store.set("abort", str(error))
         self.group.abort()
         self.group = None
 
 
-def pack_buckets(model, bucket_bytes, dtype, include_frozen=False, part="merged"):
-    """Group the weights to send (served_weights) into flat buffers of about bucket_bytes: one broadcast each."""
+def pack_buckets(model, bucket_bytes, dtype, include_frozen=False, part=SyncPart.MERGED):
+    """The weights to send (served_weights) in buckets of about bucket_bytes: one broadcast each."""
     buckets = []
     current = []  # the bucket being filled
     size = 0  # its bytes
@@ -1125,19 +1117,18 @@ def pack_buckets(model, bucket_bytes, dtype, include_frozen=False, part="merged"
     return buckets + [current] if current else buckets
 
 
-def served_weights(model, include_frozen=False, part="merged"):
-    """(name as vLLM knows it, weight, its LoRA layer or None) for each weight a sync sends: the trained ones
-    (a frozen vision tower: vLLM holds it already); --lora-rank: those of the modules holding an adapted layer
-    and no other, as none can have changed (siblings: vLLM fuses q/k/v into qkv_proj, reloads it whole), or
-    with include_frozen all of them. --lora-sync adapter: part "base", every weight as it is (W, not merged);
-    part "adapter", the adapter's lora_A and lora_B under the names peft saves them with."""
+def served_weights(model, include_frozen=False, part=SyncPart.MERGED):
+    """(name as vLLM knows it, weight, its LoRA layer or None) for each weight a sync sends: the trained
+    ones (a frozen vision tower: vLLM holds it); --lora-rank: those of the modules holding an adapted layer
+    (siblings: vLLM fuses q/k/v into qkv_proj, reloads it whole), or with include_frozen all. Part BASE:
+    every weight as it is (W); part ADAPTER: lora_A and lora_B under the names peft saves them with."""
     if not hasattr(model, "peft_config"):
         yield from ((name, p, None) for name, p in model.named_parameters() if p.requires_grad)
         return
     from peft.tuners.lora import LoraLayer
     from peft.utils import get_peft_model_state_dict
 
-    if part == "adapter":
+    if part == SyncPart.ADAPTER:
         yield from ((name, p, None) for name, p in get_peft_model_state_dict(model).items())
         return
 
@@ -1148,20 +1139,20 @@ def served_weights(model, include_frozen=False, part="merged"):
     for name, p in base.named_parameters():
         module, _, leaf = name.replace(".base_layer", "").rpartition(".")
         if ".lora_" not in name and (include_frozen or module.rpartition(".")[0] in parents):
-            yield f"{module}.{leaf}", p, adapted.get(module) if leaf == "weight" and part == "merged" else None
+            lora = adapted.get(module) if leaf == "weight" and part == SyncPart.MERGED else None
+            yield f"{module}.{leaf}", p, lora
 
 
 @torch.no_grad()
 def merged(p, lora):
-    """The weight vLLM serves: p (gathered under --fsdp), or W + scale * B @ A, a new tensor (W stays)."""
+    """The weight vLLM serves: p (gathered under --fsdp), or W + scale * B @ A, a new tensor."""
     p = p.detach().full_tensor() if isinstance(p, DTensor) else p.detach()
     return p + lora.get_delta_weight("default") if lora else p
 
 
 def flatten(bucket, dtype):
-    """One bucket's full weights in one buffer. Under --fsdp, full_tensor() gathers a parameter from every
-    rank's shard, a collective: all ranks flatten the same buckets in the same order (help_sync), and the full
-    weights exist one bucket at a time, never whole on one device."""
+    """One bucket's full weights in one buffer. Under --fsdp full_tensor() gathers a parameter's shards, a
+    collective: every rank flattens the same buckets in order (help_sync); one bucket at a time is whole."""
     flat = torch.empty(sum(p.numel() for _, p, _ in bucket), dtype=dtype, device=bucket[0][1].device)
     for (_, p, lora), part in zip(bucket, flat.split([p.numel() for _, p, _ in bucket])):
         part.copy_(merged(p, lora).flatten())  # casts in the same pass
@@ -1169,11 +1160,10 @@ def flatten(bucket, dtype):
 
 
 def send_weights(group, buckets, dtype, timeout, failed=lambda: None):
-    """Rank 0's broadcast of the buckets, one flat buffer each: bucket k+1 is gathered and packed while bucket
-    k travels. Rank 0 never waits in a collective it cannot leave: it polls each broadcast while it watches
-    failed() (why the workers cannot finish, or None) and a bound of `timeout` seconds for all, and raises
-    before the backend's own timeout (sync_group: above this one), at which NCCL's watchdog would end the
-    process with nothing saved."""
+    """Rank 0's broadcast of the buckets, one flat buffer each: bucket k+1 is packed while bucket k
+    travels. Rank 0 never waits in a collective it cannot leave: it polls each broadcast, watching failed()
+    (why the workers cannot finish, or None) and `timeout` seconds for all, and raises before the backend's
+    own timeout (sync_group's is longer), at which NCCL's watchdog would end the process, nothing saved."""
     deadline = time.monotonic() + timeout
 
     def wait(work):
@@ -1201,7 +1191,7 @@ def help_sync(model, args, dtype):
         flatten(bucket, dtype)
 
 
-# --- The run: main's phases in the order they run, and a teardown that leaves nothing running -----
+# --- The run: main's phases in the order they run; a teardown that leaves nothing running ---
 
 
 def main(argv=None):
@@ -1210,10 +1200,10 @@ def main(argv=None):
     load_policy_and_optimizer(run)  # on its device, sharded or replicated; --resume's state
     handlers = stop_on_signals(["before training"])  # until training starts, Ctrl-C/SIGTERM stop at once
     try:
-        start_generation(run)  # rank 0: the vLLM servers, the weight sync, the producer thread
+        start_generation(run)  # rank 0: vLLM, the weight sync, the producer, the evaluation at step 0
         stop_on_signals(run.stop)  # from here a first Ctrl-C/SIGTERM finishes the step, saves a checkpoint and stops
         for step in range(run.start_step, run.args.steps):
-            train_one_step(run, step)  # take a batch, update, sync the weights, log, checkpoint
+            train_one_step(run, step)  # take a batch, update, sync, evaluate, log, checkpoint
         finish(run)  # the ranks' weights compared, the last checkpoint, summary.json
     except (Exception, KeyboardInterrupt) as e:
         save_after_error(run, e)
@@ -1224,8 +1214,7 @@ def main(argv=None):
 
 @dataclass
 class Run:
-    """What lives through a run: main's phases fill it in order; rank 0 alone holds the servers, producer and
-    logs."""
+    """What lives through a run, filled by main's phases in order; rank 0 holds servers, producer, logs."""
 
     args: argparse.Namespace
     rank: int
@@ -1251,7 +1240,7 @@ class Run:
     urls: list = field(default_factory=list)  # every server's, started here or --vllm-url; watched
     server_failure: str = None  # why a server failed, from watch_servers
     # collate's rows: a group's prompt once (share: --share-prefix, unless the model refuses it), packed in
-    # segments where a varlen kernel runs (load_policy_and_optimizer decides)
+    # segments where a varlen kernel runs (choose_layout decides)
     layout: dict = None
     layout_reasons: dict = None  # each choice of the layout: "on", or why not
     served_dtype: object = None  # the dtype the servers compute in
@@ -1314,8 +1303,7 @@ def set_up(argv):
         run.model_path = str((run.out_dir / "checkpoint").resolve())
         # to CPU, whatever device wrote it; mapped, so that each rank reads only the tensors it uses
         run.resumed = torch.load(Path(run.model_path) / "trainer_state.pt", "cpu", mmap=True, weights_only=False)
-    # Each rank its own streams: seeded with its rank, and on --resume the step too, so that none repeats its
-    # draws
+    # each rank its own streams, and on --resume the step's too: none repeats its draws
     for seed in (random.seed, np.random.seed, torch.manual_seed):
         seed(args.seed + rank + world_size * (run.resumed["step"] if run.resumed else 0))
     return run
@@ -1361,31 +1349,63 @@ def load_data(run):
 
 
 def load_policy_and_optimizer(run):
+    """The policy on this rank's device, whole or its shards (run.policy; run.model: DDP around it), probed
+    and laid out; the frozen reference of --beta; the optimizer; --resume's state. In steps."""
     from transformers import AutoProcessor
 
     args = run.args
-    resumed = run.resumed
-
-    def place(path):  # on this rank's device: whole, or its shards
-        return load_sharded(path, run.device) if args.fsdp else load_policy(path).to(run.device)
-
     # the server shares this GPU: the trainer takes only what it leaves
     if run.is_main and args.plan["shared"]:
-        # on the meta device: nothing read or allocated
-        shapes = load_policy(run.model_path, empty=True)
-        trained = 0 if args.lora_rank else sum(p.numel() for p in shapes.parameters() if p.requires_grad)
-        total = torch.cuda.get_device_properties(run.device).total_memory
-        largest = max(p.numel() for p in shapes.parameters())
-        share = memory_share(args, total, sum(p.numel() for p in shapes.parameters()), trained, largest)
-        torch.cuda.set_per_process_memory_fraction(share, run.device)
-    if resumed and resumed.get("lora_rank", 0) != args.lora_rank:
-        raise SystemExit(
-            f"--resume: this checkpoint was trained with --lora-rank {resumed.get('lora_rank', 0)}; resume with it"
-        )
+        limit_memory(run)
+    if run.resumed and run.resumed.get("lora_rank", 0) != args.lora_rank:
+        rank = run.resumed.get("lora_rank", 0)
+        raise SystemExit(f"--resume: this checkpoint was trained with --lora-rank {rank}; resume with it")
+    # a LoRA checkpoint holds merged weights (vLLM's): the trainer's adapter goes on the initial model
+    resumed_lora = args.lora_rank and run.resumed
+    model = load_checked(run, run.initial_model if resumed_lora else run.model_path)
+    run.layout = choose_layout(run, model)
+    if args.gradient_checkpointing:
+        model.gradient_checkpointing_enable()
+    check_prompts_fit(run, model)
+    if args.lora_rank:
+        model = with_lora(model, args, run.resumed and Path(run.model_path) / "adapter")
+    run.policy = run.model = model
+    # vLLM serves an image-text checkpoint only with its image processor: checkpoints keep it (--resume).
+    image_text = hasattr(model.config, "vision_config")
+    run.saved_with = AutoProcessor.from_pretrained(run.model_path) if image_text else run.tok
+    if args.beta:
+        run.reference = load_on_device(run, run.initial_model).requires_grad_(False)
+    if run.layout["packed"] and run.reference:
+        # switches the reference's attention to packed rows too (the verdict was the policy's)
+        segments_refused(run.reference, probe_logprobs)
+    if run.world_size > 1 and not args.fsdp:
+        devices = [run.device.index] if run.device.type == "cuda" else None
+        run.model = torch.nn.parallel.DistributedDataParallel(run.policy, device_ids=devices)
+    make_optimizer(run)
+
+
+def limit_memory(run):
+    """Rank 0 beside a server on its GPU: the share of the GPU's memory the trainer may take (memory_share),
+    from the model's shapes (on the meta device: nothing read or allocated)."""
+    shapes = load_policy(run.model_path, empty=True)
+    sizes = [p.numel() for p in shapes.parameters()]
+    trained = 0 if run.args.lora_rank else sum(p.numel() for p in shapes.parameters() if p.requires_grad)
+    total = torch.cuda.get_device_properties(run.device).total_memory
+    share = memory_share(run.args, total, sum(sizes), trained, max(sizes))
+    torch.cuda.set_per_process_memory_fraction(share, run.device)
+
+
+def load_on_device(run, path):
+    """The model at `path` on this rank's device: whole, or its shards (--fsdp)."""
+    if run.args.fsdp:
+        return load_sharded(path, run.device)
+    return load_policy(path).to(run.device)
+
+
+def load_checked(run, path):
+    """The policy to train, loaded and probed: its log-probs must be what its output layer computes."""
     try:
-        # a LoRA checkpoint holds merged weights (what vLLM serves): the trainer adds its adapter to the
-        # initial model
-        model = place(run.initial_model if args.lora_rank and resumed else run.model_path)
+        model = load_on_device(run, path)
     except Exception as e:
         raise SystemExit(
             f"--model {run.model_path}: cannot load it as a causal or image-text LM "
@@ -1393,135 +1413,77 @@ def load_policy_and_optimizer(run):
         )
     wrong = logprobs_refused(model, probe_logprobs)
     if wrong:
-        raise SystemExit(f"--model {run.model_path}: {wrong}: a transform after its output layer it cannot reproduce")
-    run.layout = choose_layout(run, model)
-    if args.gradient_checkpointing:
-        model.gradient_checkpointing_enable()
-    context = args.max_model_len or getattr(model.config, "max_position_embeddings", None)
-    too_long = [(i, len(ids)) for i, ids in run.ctx.prompt_ids.items() if context and len(ids) >= context]
+        why = "a transform after its output layer it cannot reproduce"
+        raise SystemExit(f"--model {run.model_path}: {wrong}: {why}")
+    return model
+
+
+def check_prompts_fit(run, model):
+    """Every prompt must fit the context: --max-model-len, or the model's."""
+    context = run.args.max_model_len or getattr(model.config, "max_position_embeddings", None)
+    lengths = {i: len(ids) for i, ids in run.ctx.prompt_ids.items()}
+    too_long = [(i, n) for i, n in lengths.items() if context and n >= context]
     if too_long:
         raise SystemExit(
             f"{len(too_long)} prompts do not fit the context of {context} tokens (the first: row id "
             f"{too_long[0][0]}, {too_long[0][1]} tokens); shorten them in --dataset or raise --max-model-len"
         )
-    model = with_lora(model, args, resumed and Path(run.model_path) / "adapter") if args.lora_rank else model
-    run.policy = run.model = model
-    # vLLM serves an image-text checkpoint only with its image processor: checkpoints keep it (--resume).
-    run.saved_with = (
-        AutoProcessor.from_pretrained(run.model_path) if hasattr(model.config, "vision_config") else run.tok
-    )
-    run.reference = place(run.initial_model).requires_grad_(False) if args.beta else None
-    if run.layout["packed"] and run.reference:
-        segments_refused(run.reference, probe_logprobs)
-    if run.world_size > 1 and not args.fsdp:
-        run.model = torch.nn.parallel.DistributedDataParallel(
-            run.policy, device_ids=[run.device.index] if run.device.type == "cuda" else None
-        )
-    # Fused AdamW: on CUDA foreach's step holds a temporary of 4 bytes a trained parameter (memory_share); on CPU
-    # torch loops over the tensors one by one, 0.35 -> 0.08 CPU s a step on SmolLM2-135M (docs/performance.md).
-    # Not on CPU under --fsdp, where its DTensor path was not tested.
+
+
+def make_optimizer(run):
+    """AdamW over the trained parameters, the learning rate's warm-up; --resume: their state, the step."""
+    args = run.args
+    # Fused AdamW: foreach's step holds 4 bytes a trained parameter on CUDA (memory_share), loops on CPU
+    # (0.35 -> 0.08 CPU s a step, SmolLM2-135M: docs/performance.md). Not on CPU under --fsdp: untested.
     fused = run.device.type == "cuda" or not args.fsdp
     trained = [p for p in run.policy.parameters() if p.requires_grad]
     run.optimizer = torch.optim.AdamW(trained, lr=args.lr, weight_decay=args.weight_decay, fused=fused)
     run.scheduler = torch.optim.lr_scheduler.LambdaLR(
         run.optimizer, lambda s: min(1.0, (s + 1) / (args.warmup_steps + 1))
     )
-    if resumed:
-        if resumed.get("fsdp", False) != args.fsdp:
-            saved = "with" if resumed.get("fsdp", False) else "without"
-            raise SystemExit(
-                f"--resume: this checkpoint's optimizer state was saved {saved} --fsdp; resume {saved} it"
-            )
-        # rank 0 reads the full state and sends each rank its shards
-        if args.fsdp:
-            set_optimizer_state_dict(
-                run.policy,
-                run.optimizer,
-                resumed["optimizer"] if run.is_main else {},
-                options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True),
-            )
-        else:  # each tensor to its parameter's device
-            run.optimizer.load_state_dict(resumed["optimizer"])
-        del resumed["optimizer"]  # applied: not held for the run
-        run.scheduler.load_state_dict(resumed["scheduler"])
-        run.start_step = run.completed = resumed["step"]
-        if run.is_main:
-            print(f"resuming at step {run.start_step} from {run.model_path}", flush=True)
+    resumed = run.resumed
+    if not resumed:
+        return
+    saved_fsdp = resumed.get("fsdp", False)
+    if saved_fsdp != run.args.fsdp:
+        saved = "with" if saved_fsdp else "without"
+        raise SystemExit(f"--resume: this checkpoint's optimizer state was saved {saved} --fsdp; resume {saved} it")
+    # rank 0 reads the full state and sends each rank its shards
+    if run.args.fsdp:
+        set_optimizer_state_dict(
+            run.policy,
+            run.optimizer,
+            resumed["optimizer"] if run.is_main else {},
+            options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True),
+        )
+    else:  # each tensor to its parameter's device
+        run.optimizer.load_state_dict(resumed["optimizer"])
+    del resumed["optimizer"]  # applied: not held for the run
+    run.scheduler.load_state_dict(resumed["scheduler"])
+    run.start_step = run.completed = resumed["step"]
+    if run.is_main:
+        print(f"resuming at step {run.start_step} from {run.model_path}", flush=True)
 
 
 def start_generation(run):
+    """Rank 0: the vLLM servers, the weight sync, the producer, the logs, the evaluation at step 0. Every
+    rank learns the servers' dtype: it packs the weights and rounds the logits as they compute."""
     args = run.args
-    # the servers' dtype, which rank 0 learns
-    dtype = [None]
-    if run.is_main:
-        # --lora-sync adapter: the servers hold the base model, never a merged checkpoint (--resume's)
-        start_from = run.initial_model if args.lora_sync == "adapter" else run.model_path
-        run.servers = [] if args.vllm_url else start_vllm(args, start_from, run.out_dir)
-        run.urls = urls = args.vllm_url.split(",") if args.vllm_url else [server.url for server in run.servers]
-        threading.Thread(target=watch_servers, args=(run,), daemon=True, name="watch_servers").start()
-        configs = [served_config(url, args.lora_rank if args.lora_sync == "adapter" else 0) for url in urls]
-        run.ctx.max_model_len = min(length for length, _, _, _ in configs)
-        run.ctx.seeded = all(seeds for _, _, _, seeds in configs)
-        dtype = [configs[0][1]]
-        if not run.ctx.seeded:
-            print(
-                "warning: requests go unseeded, so a run does not replay: a CPU server with chunked prefill crashes on "
-                "seeded ones (vLLM 0.32); start it with --no-enable-chunked-prefill, as start_vllm does",
-                flush=True,
-            )
-        # the sync's backend follows the devices these servers report (the plan could not know them)
-        if args.vllm_url:
-            ours = range(int(os.environ.get("LOCAL_WORLD_SIZE", 1))) if run.device.type == "cuda" else []
-            ours = [str(torch.cuda.get_device_properties(i).uuid) for i in ours]
-            run.sync_backend = url_sync_backend(urls, [devices for _, _, devices, _ in configs], ours)
-    # every rank packs the weights and rounds the logits as the servers compute
+    dtype = [start_servers(run) if run.is_main else None]
     if run.world_size > 1:
         dist.broadcast_object_list(dtype, 0)
     run.served_dtype = getattr(torch, dtype[0])
     state = dict(layout=run.layout, reference=run.reference, stop_ids=run.ctx.stop_ids, pad_id=run.pad_id)
     run.step_settings = step_settings(args, run.device, run.world_size, served_dtype=run.served_dtype, **state)
     if run.is_main:
-        # On CPU fp32 even with native bf16: autocast there halved the step but moved the log-probs from fp32's
-        # (the CPU server's dtype) by a mismatch KL of 2e-2 to 7e-2; with a bf16 server too, 2.5e-3, and the recipe
-        # learnt less on both seeds measured (docs/performance.md)
+        # On CPU fp32 even with native bf16: autocast there halved the step but moved the log-probs from
+        # fp32's (the CPU server's dtype) by a mismatch KL of 2e-2 to 7e-2; with a bf16 server too, 2.5e-3,
+        # and the recipe learnt less on both seeds measured (docs/performance.md)
         trainer_dtype = "bf16 autocast" if run.device.type == "cuda" else "fp32"
         print(f"the trainer computes in {trainer_dtype}, the servers in {dtype[0]}", flush=True)
-        run.version = PolicyVersion(args.max_inflight)
-        # the watchdog's finding, read at each sync: a server that fails mid-sync is named
-        failure = functools.partial(getattr, run, "server_failure")
-        run.sync = WeightSync(urls, args, run.served_dtype, run.version, failure, backend=run.sync_backend)
-        # a server we did not start may hold other weights than the policy: all of them; --lora-sync
-        # adapter: and the adapter (B = 0, or --resume's) is loaded before the first request names it
-        if args.vllm_url or args.lora_sync == "adapter":
-            run.sync(run.policy, include_frozen=bool(args.vllm_url))
-        # every server's log-probs against the trainer's, now and at the first sync of moved weights. Unchecked:
-        # under --fsdp (the trainer's forward takes every rank) and --lora-sync adapter (vLLM 0.32's CPU LoRA
-        # kernel fails on prompt log-probs, and its engine dies)
-        unchecked = args.fsdp or args.lora_sync == "adapter"
-        run.sync.check = None if unchecked else weights_arrive(urls, args, run, collate, token_logprobs)
-        # the servers hold the weights of the step the run starts at: those of the last finished sync, or
-        # newer where a sync failed mid-way (a count saved with them would lag, and the staleness gate would
-        # wait forever on --resume)
-        run.version.value = run.start_step // args.sync_every
-        cursor = run.resumed and run.resumed["data"]
-        run.producer = Producer(args, run.tok, run.train_rows, urls, run.ctx, version=run.version, cursor=cursor)
-        run.producer.start()
-        if args.plan["cpu_server"] and run.world_size == 1:
-            run.share_core = functools.partial(share_idle_core, decoder_layers(run.policy), run.version)
-        run.done_cursor = dict(run.producer.cursor)
-        if args.wandb_project:
-            import wandb
-
-            run.logs["wandb"] = wandb.init(project=args.wandb_project, config=vars(args), dir=str(run.out_dir))
-        for name in ("metrics", "rollouts"):
-            # --resume: the steps after the checkpoint again
-            cut_back(run.out_dir / f"{name}.jsonl", run.start_step)
-            run.logs[name] = open(run.out_dir / f"{name}.jsonl", "a")
-        # every curve starts at the model as loaded: step 0
-        if args.eval_every and not run.start_step:
-            metrics = {"step": 0, "policy_version": 0, **evaluate(run)}
-            write_metrics(run, metrics)
-            print(f"step    0/{args.steps} | eval {metrics.get('eval/reward', math.nan):.3f}", flush=True)
+        start_sync(run)
+        start_producer(run)
+        open_logs(run)
     elif args.fsdp and args.vllm_url:
         # rank 0's first sync gathers the weights from every rank's shards
         help_sync(run.policy, args, run.served_dtype)
@@ -1542,6 +1504,87 @@ class PendingLine:
     groups: list
     metrics: dict
     trained_version: int
+
+
+def start_servers(run):
+    """The servers, started here or --vllm-url's, and watched; their limits in run.ctx. Returns their
+    dtype."""
+    args = run.args
+    adapter = args.lora_sync == SyncPart.ADAPTER
+    if args.vllm_url:
+        run.urls = args.vllm_url.split(",")
+    else:
+        # --lora-sync adapter: the servers hold the base model, never a merged checkpoint (--resume's)
+        run.servers = start_vllm(args, run.initial_model if adapter else run.model_path, run.out_dir)
+        run.urls = [server.url for server in run.servers]
+    threading.Thread(target=watch_servers, args=(run,), daemon=True, name="watch_servers").start()
+    configs = [served_config(url, args.lora_rank if adapter else 0) for url in run.urls]
+    run.ctx.max_model_len = min(length for length, _, _, _ in configs)
+    run.ctx.seeded = all(seeds for _, _, _, seeds in configs)
+    if not run.ctx.seeded:
+        print(
+            "warning: requests go unseeded, so a run does not replay: a CPU server with chunked prefill "
+            "crashes on seeded ones (vLLM 0.32); start it with --no-enable-chunked-prefill, as start_vllm does",
+            flush=True,
+        )
+    # the sync's backend follows the devices these servers report (the plan could not know them)
+    if args.vllm_url:
+        ours = range(int(os.environ.get("LOCAL_WORLD_SIZE", 1))) if run.device.type == "cuda" else []
+        ours = [str(torch.cuda.get_device_properties(i).uuid) for i in ours]
+        devices = [devices for _, _, devices, _ in configs]
+        run.sync_backend = url_sync_backend(run.urls, devices, ours)
+    return configs[0][1]
+
+
+def start_sync(run):
+    """The policy version and the weight sync; a first sync where the servers may hold other weights."""
+    args = run.args
+    adapter = args.lora_sync == SyncPart.ADAPTER
+    run.version = PolicyVersion(args.max_inflight)
+    # the watchdog's finding, read at each sync: a server that fails mid-sync is named
+    failure = functools.partial(getattr, run, "server_failure")
+    run.sync = WeightSync(run.urls, args, run.served_dtype, run.version, failure, backend=run.sync_backend)
+    # a server we did not start may hold other weights than the policy: all of them; --lora-sync
+    # adapter: and the adapter (B = 0, or --resume's) is loaded before the first request names it
+    if args.vllm_url or adapter:
+        run.sync(run.policy, include_frozen=bool(args.vllm_url))
+    # the servers' log-probs against the trainer's, now and at the first sync of moved weights; not under
+    # --fsdp (a forward takes every rank) nor --lora-sync adapter (vLLM 0.32's CPU LoRA kernel fails on
+    # prompt log-probs, and its engine dies)
+    if not (args.fsdp or adapter):
+        run.sync.check = weights_arrive(run.urls, args, run, collate, token_logprobs)
+    # the servers hold the weights of the step the run starts at (newer, where a sync failed mid-way: a
+    # count saved with them would lag, and the staleness gate would wait forever on --resume)
+    run.version.value = version_at(run.start_step, args.sync_every)
+
+
+def start_producer(run):
+    """The producer thread, from --resume's data cursor; on a CPU server's core, the idle core shared."""
+    cursor = run.resumed and run.resumed["data"]
+    rows = run.train_rows
+    run.producer = Producer(run.args, run.tok, rows, run.urls, run.ctx, version=run.version, cursor=cursor)
+    run.producer.start()
+    if run.args.plan["cpu_server"] and run.world_size == 1:
+        run.share_core = functools.partial(share_idle_core, decoder_layers(run.policy), run.version)
+    run.done_cursor = dict(run.producer.cursor)
+
+
+def open_logs(run):
+    """wandb, metrics.jsonl and rollouts.jsonl (--resume: cut back to its step); the evaluation at step 0."""
+    args = run.args
+    if args.wandb_project:
+        import wandb
+
+        run.logs["wandb"] = wandb.init(project=args.wandb_project, config=vars(args), dir=str(run.out_dir))
+    for name in ("metrics", "rollouts"):
+        # --resume: the steps after the checkpoint again
+        cut_back(run.out_dir / f"{name}.jsonl", run.start_step)
+        run.logs[name] = open(run.out_dir / f"{name}.jsonl", "a")
+    # every curve starts at the model as loaded: step 0
+    if args.eval_every and not run.start_step:
+        metrics = {"step": 0, "policy_version": 0, **evaluate(run)}
+        write_metrics(run, metrics)
+        print(f"step    0/{args.steps} | eval {metrics.get('eval/reward', math.nan):.3f}", flush=True)
 
 
 def train_one_step(run, step):
@@ -1659,7 +1702,7 @@ def log_step(run, pending):
         "perf/generator_idle": (run.version.idle() - clock["idle_start"]) / wall,
         # this process's, producer included
         "perf/cpu_seconds": time.process_time() - clock["cpu_start"],
-        # so far: calls that found every tool thread held (call_tool)
+        # so far: calls that found every tool thread held (tools.bounded)
         "tools/refused": tools_module.TOOLS_REFUSED[0],
     }
     for s in samples[: args.log_rollouts]:
@@ -1745,60 +1788,43 @@ def mean_over_union(dicts):
 
 
 def evaluate(run):
-    """A greedy rollout of each held-out row through the same servers and tool loop, on the producer's event
-    loop; with --eval-samples K also K sampled at the run's temperature, for pass@1 and pass@K of each reward
-    (a sample passes a reward whose value is positive: the built-in ones are 0 or 1). A wait as bounded as the
-    data's (Producer.wait, --data-timeout); none ({}) once a stop signal came: the checkpoint first."""
+    """A greedy rollout of each held-out row through training's group pipeline, on the producer's loop;
+    with --eval-samples K also K sampled, for pass@1 and pass@K of each reward (passed: a positive value).
+    Bounded as the data's wait (--data-timeout); none ({}) once a stop signal came: the checkpoint first."""
     if run.stop:
         return {}
-    p = run.producer
-    rows = run.eval_rows
     args = run.args
-    n = 1 + args.eval_samples  # rollouts per row, the greedy one first
+    # rollouts per row, the greedy one first
+    n = 1 + args.eval_samples
     # rows at once: as many rollouts as training holds
     slots = asyncio.Semaphore(max(1, 2 * args.max_inflight // n))
 
-    # row i's greedy rollout and samples; the servers in turn
+    # row i's rewards, greedy rollout first; the servers in turn
     async def scored(session, i):
+        servers = run.producer.urls
+        urls = [servers[(i * n + k) % len(servers)] for k in range(n)]
+        # the same at every evaluation: the checkpoints are compared alike
+        seeds = [(args.seed, "eval", i, k) for k in range(n)]
+        row = run.eval_rows[i]
         try:
             async with slots:
-                return await scored_row(session, i)
+                _, rewards, parts = await run.producer.rollout_and_score(session, row, urls, seeds, greedy=True)
+            return rewards, parts
         except tools_module.Dropped as e:
             # its environment did not reset or its rewards failed: counted, eval/failed
             return str(e)
 
-    async def scored_row(session, i):
-        async with environment_instances(p.ctx, p.tok, rows[i], n, args.tool_timeout) as (envs, row, ids):
-            samples = await all_or_none(
-                rollout(
-                    session,
-                    p.urls[(i * n + k) % len(p.urls)],
-                    p.tok,
-                    row,
-                    args,
-                    ctx=p.ctx,
-                    version=p.version,
-                    greedy=k == 0,
-                    # the same at every evaluation: the checkpoints are compared alike
-                    seed=(args.seed, "eval", i, k),
-                    env=env,
-                    prompt_ids=ids,
-                )
-                for k, env in enumerate(envs)
-            )
-            return await score_group(samples, row, args.reward_weights, envs)
-
     async def all_rows():
         async with client_session(args) as session:
-            return await all_or_none(scored(session, i) for i in range(len(rows)))
+            return await all_or_none(scored(session, i) for i in range(len(run.eval_rows)))
 
-    future = asyncio.run_coroutine_threadsafe(all_rows(), p.loop)
+    future = asyncio.run_coroutine_threadsafe(all_rows(), run.producer.loop)
     finished = threading.Event()
     future.add_done_callback(lambda _: finished.set())
     deadline = time.monotonic() + args.data_timeout
     late = f"the evaluation did not end in {args.data_timeout} s (--data-timeout)"
     try:
-        if not p.wait(lambda: finished.wait(0.1), deadline, lambda: bool(run.stop), lambda: late):
+        if not run.producer.wait(lambda: finished.wait(0.1), deadline, lambda: bool(run.stop), lambda: late):
             return {}
         results = future.result()
     finally:
@@ -1860,10 +1886,9 @@ def finish(run):
 
 
 def save_after_error(run, error):
-    """Nothing is lost: the last finished step is saved, unless the error came mid-update (or under --fsdp,
-    where saving takes every rank, and the others may be gone or stuck). A failed server is named as the
-    cause, with its log: the error itself is then only what it did to a request (a reset connection, a
-    timeout)."""
+    """Nothing is lost: the last finished step is saved, unless the error came mid-update (or under
+    --fsdp: saving takes every rank, and others may be gone). A failed server is named as the cause, with
+    its log: the error is then only what it did to a request (a reset connection, a timeout)."""
     failure = run.server_failure or server_failure(run.urls, run.servers)
     # an engine's death fails requests before /health says it
     if not failure and isinstance(error, ConnectionError):
@@ -1924,8 +1949,7 @@ def tear_down(run, handlers):
     # group's objects can abort the process ("terminate called without an active exception", exit -6, seen
     # twice after a finished --vllm-url run)
     if __name__ == "__main__":
-        # printed as the interpreter would, and the run's own errors (SystemExit, a message) without a
-        # traceback
+        # printed as the interpreter would; the run's own errors (SystemExit, a message) without traceback
         if isinstance(error, SystemExit):
             print(error, file=sys.stderr)
         elif error is not None:
@@ -1940,10 +1964,9 @@ def tear_down(run, handlers):
 
 def checkpoint(run, step):
     """checkpoint-<step>/: the model (safetensors), tokenizer and trainer state, written whole under a
-    temporary name; then the `checkpoint` link is swapped to it in one rename, so a crash never leaves a
-    broken latest checkpoint. Taken between steps: the data cursor is the last finished step's, and --resume
-    regenerates every group after it (those in flight now are redone). Under --fsdp every rank sends its
-    shards, a tensor at a time, to rank 0's CPU memory."""
+    temporary name, then the `checkpoint` link swapped to it in one rename: a crash never leaves a broken
+    one. Between steps: the data cursor is the last finished step's, and --resume redoes every group after
+    it. Under --fsdp every rank sends its shards, a tensor at a time, to rank 0's CPU memory."""
     weights, optim = None, run.optimizer.state_dict()
     if run.args.fsdp:
         options = StateDictOptions(full_state_dict=True, cpu_offload=True)
@@ -2013,9 +2036,8 @@ def stop_on_signals(stop):
 
 
 def _stop_after_step(stop, signum, frame):
-    """A signal asks to stop after this step; one that finds `stop` set already (a second, or any before
-    training) at once. Silent: a print here, run while the main thread is inside one, raises "reentrant call"
-    (watch_servers says)."""
+    """A signal asks to stop after this step; one that finds `stop` set (a second, or any before training)
+    at once. Silent: a print here, inside the main thread's, raises "reentrant call" (watch_servers)."""
     if stop:
         raise KeyboardInterrupt(f"signal {signum}")
     stop.append(signum)
@@ -2382,7 +2404,7 @@ def probe_logprobs(model, samples, **layout):
         return token_logprobs(model, collate(samples, 0, model.device, config=config, **layout))[0]
 
 
-# --- Machinery: arguments, checked before anything loads (the device plan: vllm_server.py) --------
+# --- Machinery: arguments, checked before anything loads (the device plan: vllm_server.py) ---
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -2403,14 +2425,12 @@ def parse_args(argv=None, world_size=1, cuda_count=None, local_ranks=None, heads
     )
     g.add_argument(
         "--dataset",
-        default=None,
-        help='rows {"prompt": str or chat messages, ...}: a JSONL, Parquet, CSV or JSON file, a save_to_disk folder or '
-        "a Hub name (data.py); the other columns reach the rewards by name. Default: --task",
+        help='rows {"prompt": str or chat messages, ...}: a JSONL, Parquet, CSV or JSON file, a '
+        "save_to_disk folder or a Hub name (data.py); other columns reach the rewards by name. Default: --task",
     )
-    g.add_argument("--dataset-split", default=None, help="--dataset's split; default: train, or its only one")
+    g.add_argument("--dataset-split", help="--dataset's split; default: train, or its only one")
     g.add_argument(
         "--dataset-columns",
-        default=None,
         help="NAME=COLUMN,...: columns under the names the run reads, e.g. prompt=question,answer=solution "
         "(prompt=messages: a chat, its final assistant turn cut, becomes the `answer`)",
     )
@@ -2418,15 +2438,15 @@ def parse_args(argv=None, world_size=1, cuda_count=None, local_ranks=None, heads
         "--task",
         choices=["arithmetic", "countdown", "guess"],
         default="arithmetic",
-        help="built-in task without --dataset: 'What is 3 + 4?', reach a target from given numbers, or guess a number "
-        "told higher or lower (the environment GuessNumber)",
+        help="built-in task without --dataset: 'What is 3 + 4?', reach a target from given numbers, or "
+        "guess a number told higher or lower (the environment GuessNumber)",
     )
     g.add_argument("--max-operand", type=int, default=4, help="built-in task: the largest operand")
     g.add_argument("--terms", type=int, default=2, help="built-in task: operands per problem")
     g.add_argument("--operations", default="+-", help="built-in task: the operators to draw from, of '+-*/'")
     g.add_argument("--eval-size", type=int, default=64, help="rows held out from the dataset for --eval-every")
-    g.add_argument("--system-prompt", default=None, help="system message put before every prompt")
-    g.add_argument("--chat-template", default=None, help="Jinja file that replaces the tokenizer's chat template")
+    g.add_argument("--system-prompt", help="system message put before every prompt")
+    g.add_argument("--chat-template", help="Jinja file that replaces the tokenizer's chat template")
     g.add_argument(
         "--cache-dir",
         default=os.path.expanduser("~/.cache/async_grpo"),
@@ -2455,7 +2475,6 @@ def parse_args(argv=None, world_size=1, cuda_count=None, local_ranks=None, heads
         "--tools",
         nargs="?",
         const="all",
-        default=None,
         help=f"offer tools to the model: 'all' (the bare flag) or a comma list of {sorted(tools_module.TOOLS)}",
     )
     g.add_argument("--env", help="environments (tools.py), a comma list of names or path/to/file.py:Class; see README")
@@ -2464,7 +2483,7 @@ def parse_args(argv=None, world_size=1, cuda_count=None, local_ranks=None, heads
         "--max-tool-turns",
         type=int,
         default=3,
-        help="most turns of tool calls (or of an environment's answers) in a rollout; the model then answers once more",
+        help="most turns of tool calls (or of an environment's answers) in a rollout; then one more answer",
     )
     g.add_argument("--tool-timeout", type=float, default=10.0, help="seconds one tool call may take")
     g.add_argument("--python-memory", type=int, default=512, help="--env python: MiB each process of it may map")
@@ -2472,8 +2491,8 @@ def parse_args(argv=None, world_size=1, cuda_count=None, local_ranks=None, heads
         "--python-sandbox",
         action=argparse.BooleanOptionalAction,
         default=True,
-        help="--env python's interpreters in namespaces (sandbox.py); --no-python-sandbox where user namespaces are "
-        "disabled: limits only, and the start-up message lists what is then not isolated",
+        help="--env python's interpreters in namespaces (sandbox.py); --no-python-sandbox where user "
+        "namespaces are disabled: limits only (the start-up message lists what is not isolated)",
     )
     g.add_argument(
         "--tool-latency",
@@ -2485,7 +2504,6 @@ def parse_args(argv=None, world_size=1, cuda_count=None, local_ranks=None, heads
     g = p.add_argument_group("reward")
     g.add_argument(
         "--rewards",
-        default=None,
         help=f"comma list of NAME[:WEIGHT] of {sorted(rewards_module.REWARDS)}; default: correct_answer:1.0,"
         "format_reward:0.2, or countdown:1.0 for --task countdown, env_reward:1.0 for --task guess",
     )
@@ -2497,9 +2515,7 @@ def parse_args(argv=None, world_size=1, cuda_count=None, local_ranks=None, heads
 
     g = p.add_argument_group("loss and optimizer (see grpo_loss)")
     g.add_argument("--steps", type=int, default=60, help="optimizer steps")
-    g.add_argument(
-        "--lr", type=float, default=None, help="AdamW learning rate; default: 3e-4 tiny model, 1e-6 --model; x10 LoRA"
-    )
+    g.add_argument("--lr", type=float, help="AdamW learning rate; default: 3e-4 tiny model, 1e-6 --model; x10 LoRA")
     g.add_argument("--warmup-steps", type=int, default=0, help="linear learning-rate warm-up")
     g.add_argument("--weight-decay", type=float, default=0.0, help="AdamW weight decay")
     g.add_argument("--epsilon", type=float, default=0.2, help="lower clip range of the ratio: 1 - epsilon")
@@ -2532,15 +2548,15 @@ def parse_args(argv=None, world_size=1, cuda_count=None, local_ranks=None, heads
         "--is-level",
         choices=["token", "sequence"],
         default="token",
-        help="importance weight per token, or per sequence: the geometric mean of its tokens' (always with gspo), "
+        help="importance weight per token, or per sequence: its tokens' geometric mean (always with gspo), "
         "not their product, so that --is-threshold means the same for a sequence of any length",
     )
     g.add_argument(
         "--off-policy-mask",
         choices=["none", "sequence", "token"],
         default="none",
-        help="drop from the loss what drifted past --off-policy-threshold from the sampler: sequences with a negative "
-        "advantage whose mean log(pi_sampler / pi_trainer) is past it (DeepSeek-V3.2), or tokens whose "
+        help="drop from the loss what drifted past --off-policy-threshold from the sampler: sequences of "
+        "negative advantage whose mean log(pi_sampler / pi_trainer) is past it (DeepSeek-V3.2), or tokens whose "
         "|log(pi_trainer / pi_sampler)| is (IcePop)",
     )
     g.add_argument("--off-policy-threshold", type=float, default=0.5, help="the bound of --off-policy-mask, in nats")
@@ -2550,8 +2566,8 @@ def parse_args(argv=None, world_size=1, cuda_count=None, local_ranks=None, heads
     g.add_argument(
         "--kl-correction",
         action="store_true",
-        help="weigh the KL penalty's k3 estimate by pi_theta / pi_sampler, which makes it unbiased for tokens that an "
-        "older or different policy sampled (DeepSeek-V3.2; off by default, as in TRL)",
+        help="weigh the KL penalty's k3 estimate by pi_theta / pi_sampler: unbiased for tokens an older or "
+        "different policy sampled (DeepSeek-V3.2; off by default, as in TRL)",
     )
     g.add_argument("--max-grad-norm", type=float, default=1.0, help="gradient clipping norm")
     g.add_argument(
@@ -2571,8 +2587,8 @@ def parse_args(argv=None, world_size=1, cuda_count=None, local_ranks=None, heads
         "--micro-batch-tokens",
         type=int,
         default=32768,
-        help="most tokens forwarded per micro-batch, padding included (a longer sequence goes alone): they bound its "
-        "activations (with --gradient-checkpointing ~4 x hidden size x layers bytes a token) and a mask's size",
+        help="most tokens forwarded per micro-batch, padding included (a longer sequence goes alone): its "
+        "activations (--gradient-checkpointing: ~4 x hidden size x layers bytes a token) and a mask's size",
     )
     g.add_argument(
         "--gradient-checkpointing",
@@ -2591,19 +2607,16 @@ def parse_args(argv=None, world_size=1, cuda_count=None, local_ranks=None, heads
         default=0,
         help="train a LoRA adapter of this rank (peft) instead of every weight (0: full fine-tuning)",
     )
-    g.add_argument(
-        "--lora-alpha", type=float, default=None, help="LoRA's scale: alpha / rank; default: 2 x --lora-rank"
-    )
+    g.add_argument("--lora-alpha", type=float, help="LoRA's scale: alpha / rank; default: 2 x --lora-rank")
     g.add_argument(
         "--lora-targets",
-        default=None,
         help="comma list of the Linear layers LoRA adapts, by name (e.g. "
         "q_proj,v_proj); default: every Linear layer of the decoder layers (attention and MLP projections)",
     )
     g.add_argument(
         "--lora-sync",
-        choices=["merged", "adapter"],
-        default="merged",
+        choices=[SyncPart.MERGED, SyncPart.ADAPTER],
+        default=SyncPart.MERGED,
         help="what a LoRA sync sends: merged, W + scale * B @ A of each adapted module (served as the base "
         "model); adapter, lora_A and lora_B alone (4.6%% of the bytes on SmolLM2-135M at rank 16), served "
         "as a runtime LoRA adapter (--enable-lora; 0.2-0.4x the tokens/s on CPU: docs/performance.md)",
@@ -2644,18 +2657,15 @@ def parse_args(argv=None, world_size=1, cuda_count=None, local_ranks=None, heads
     )
 
     g = p.add_argument_group("vLLM server")
-    g.add_argument(
-        "--vllm-url", default=None, help="use these running servers (a comma list of URLs) instead of starting any"
-    )
+    g.add_argument("--vllm-url", help="use these running servers (a comma list of URLs) instead of starting any")
     g.add_argument(
         "--vllm-servers",
         type=int,
         default=0,
-        help="servers to start, each on an equal share of --vllm-gpus (tensor parallel over its share; 0: one per GPU)",
+        help="servers to start, each on an equal share of --vllm-gpus, tensor parallel (0: one per GPU)",
     )
     g.add_argument(
         "--vllm-gpus",
-        default=None,
         help="CUDA devices of the servers started here, e.g. '1' or '4,5,6,7'; "
         "default: those the trainer ranks leave free, or, none free, trainer rank 0's GPU, shared",
     )
@@ -2670,14 +2680,10 @@ def parse_args(argv=None, world_size=1, cuda_count=None, local_ranks=None, heads
         "--vllm-startup-timeout", type=float, default=600, help="seconds to wait for the server to be healthy"
     )
     g.add_argument("--vllm-args", default="", help='extra arguments for the server, e.g. "--enforce-eager"')
-    g.add_argument(
-        "--max-model-len", type=int, default=None, help="context length of the server (default: the model's)"
-    )
+    g.add_argument("--max-model-len", type=int, help="context length of the server (default: the model's)")
 
     g = p.add_argument_group("logging and checkpoints")
-    g.add_argument(
-        "--output-dir", default=None, help="metrics.jsonl, checkpoints and the server log (default: runs/<time>)"
-    )
+    g.add_argument("--output-dir", help="metrics.jsonl, checkpoints and the server log (default: runs/<time>)")
     g.add_argument(
         "--eval-every",
         type=int,
@@ -2697,7 +2703,7 @@ def parse_args(argv=None, world_size=1, cuda_count=None, local_ranks=None, heads
         help="save a checkpoint every N steps (0: only at the end, on Ctrl-C/SIGTERM and on errors)",
     )
     g.add_argument("--resume", action="store_true", help="continue the run in --output-dir from its latest checkpoint")
-    g.add_argument("--wandb-project", default=None, help="also log to this wandb project (WANDB_MODE=offline works)")
+    g.add_argument("--wandb-project", help="also log to this wandb project (WANDB_MODE=offline works)")
     g.add_argument("--log-rollouts", type=int, default=4, help="rollouts per step written to rollouts.jsonl")
     g.add_argument(
         "--audit",
@@ -2839,9 +2845,8 @@ def parse_args(argv=None, world_size=1, cuda_count=None, local_ranks=None, heads
         args.gradient_checkpointing = bool(cuda_count)
     args.max_staleness = 0 if args.sync else args.max_staleness
     args.sync_bucket_bytes = int(args.sync_bucket_mb * 2**20)
-    # The other ranks' bound in a collective while rank 0 alone starts vLLM, waits for data or syncs: not
-    # torch's (NCCL 10 min, gloo 30) but twice the sum of rank 0's bounds (building the model, evaluation and
-    # checkpoints have none)
+    # The other ranks' bound in a collective while rank 0 alone starts vLLM, waits for data or syncs: twice
+    # rank 0's bounds (building the model, evaluation, checkpoints have none), not torch's (NCCL 10 min)
     args.collective_timeout = 2 * (args.vllm_startup_timeout + args.data_timeout + args.sync_timeout)
     args.output_dir = args.output_dir or time.strftime("runs/%Y%m%d-%H%M%S")
     args.lora_alpha = 2.0 * args.lora_rank if args.lora_alpha is None else args.lora_alpha
@@ -2857,15 +2862,38 @@ def parse_args(argv=None, world_size=1, cuda_count=None, local_ranks=None, heads
     return args
 
 
-# --- Machinery: environment instances for a group: made, reset, reused, closed (running them: tools.py) ---
+# --- Machinery: the producer's asyncio helpers; environment instances per group ---
+
+
+def client_session(args):
+    """The producer's and the evaluation's HTTP session: idle connections closed before vLLM closes them
+    (5 s), no race; a request may take as long as the trainer waits for data."""
+    connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=3)
+    timeout = aiohttp.ClientTimeout(total=args.data_timeout)
+    return aiohttp.ClientSession(connector=connector, timeout=timeout)
+
+
+async def all_or_none(coros):
+    """asyncio.gather whose first error cancels the rest and waits for them: gather alone leaves them
+    running against a closing session, each to fail later with a traceback nobody retrieved."""
+    tasks = [asyncio.ensure_future(c) for c in coros]
+    try:
+        return await asyncio.gather(*tasks)
+    finally:
+        cancel_all(tasks)
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def cancel_all(tasks):
+    for task in tasks:
+        task.cancel()
 
 
 @contextlib.asynccontextmanager
 async def environment_instances(ctx, tok, row, n, timeout):
-    """n instances of the row's environment (None without one), idle ones reused, reset to the row; the row as
-    its rollouts see it (its prompt with what reset said) and its prompt's ids. They are idle again once the
-    group is done. Raises Dropped (tools.py) where a reset fails or the resets say different things: a group answers one
-    task."""
+    """n instances of the row's environment (None without one), idle ones reused, reset to the row; the
+    row as its rollouts see it (its prompt with what reset said) and its prompt's ids. Idle again once the
+    group is done. Raises Dropped where a reset fails or the resets differ: a group answers one task."""
     name = tools_module.environment_of(row, ctx.environments)
     if name is None:
         yield [None] * n, row, ctx.prompt_ids[row["id"]]
@@ -2900,7 +2928,36 @@ async def environment_instances(ctx, tok, row, n, timeout):
         idle += [env for env in envs if id(env) not in tools_module.HUNG]
 
 
-# --- Machinery: chat templates: rendering, the start-up checks, the exact tool-result tokens ------
+# --- Machinery: chat templates: rendering, start-up checks, the exact tool-result tokens ---
+
+
+def rollout_context(tok, schemas, rows, max_model_len=None, stop_ids=None, environments=None):
+    """The RolloutContext of a run; max_model_len is the server's context length, known once it is up.
+    environments: {name: class} of --env and --mcp; their instances are made and kept there too
+    (environment_instances())."""
+    stop_ids = stop_ids or stop_token_ids(tok)
+    environments = environments or {}
+    offered = {None: schemas or []}
+    for name, cls in environments.items():
+        offered[name] = (schemas or []) + tools_module.environment_schemas(cls)
+    all_tools = tools_module.every_tool(schemas, environments)
+    # an environment that answers the model with a user turn needs the template's turn ends too
+    talks = any(hasattr(cls, "respond") for cls in environments.values())
+    prompt_ids = {}
+    for row in rows:
+        row_tools = offered[tools_module.environment_of(row, environments)]
+        prompt_ids[row["id"]] = render_prompt(tok, row["prompt"], row_tools, row["id"])
+    return RolloutContext(
+        schemas=schemas,
+        schemas_by_name={s["function"]["name"]: s["function"] for s in schemas or []},
+        environments=environments,
+        offered=offered,
+        prompt_ids=prompt_ids,
+        stop_ids=stop_ids,
+        max_model_len=max_model_len,
+        idle={name: [] for name in environments},
+        **(chat_format(tok, all_tools, stop_ids) if all_tools or talks else {}),
+    )
 
 
 def tool_schemas(names):
@@ -2933,10 +2990,10 @@ def render_prompt(tok, messages, schemas, row_id=None):
 
 def tool_result_ids(tok, history, tool_messages, schemas, turn_ends, stopped=True):
     """Token ids of the tool-result turn plus the next assistant header. Only this suffix is tokenised and
-    appended to the ids the model generated: re-tokenising the whole conversation would change earlier tokens
-    and train on tokens the model never sampled. It starts where the template ends an assistant turn: after
-    its end-of-turn token, which the model's stop token stands for, or before it if the model stopped
-    otherwise. What the tools said is data (tools.result_ids); where that cannot be exact, Dropped."""
+    appended to the generated ids: re-tokenising the whole conversation would change earlier tokens, which
+    the model never sampled. It starts where the template ends an assistant turn: after its end-of-turn
+    token (the model's stop token stands for it), or before it if the model stopped otherwise. What the
+    tools said is data (tools.result_ids); where that cannot be exact, Dropped."""
     try:
         before = render(tok, history, schemas)
         after = render(tok, history + tool_messages, schemas, generation_prompt=True)
@@ -2971,10 +3028,9 @@ def stop_token_ids(tok, model_path=None):
 
 
 def prepare_chat_template(tok, args, schemas, stop_ids, model=None, environments=None):
-    """Check, before vLLM starts, that the chat template can do what the run needs; pick the training template
-    if the original is not prefix-preserving. Returns a line for the log. model: the checkpoint's path
-    (default --model). environments: {name: class}, whose tools it must render too, and a user turn after the
-    model's if one answers."""
+    """Check, before vLLM starts, that the chat template can do what the run needs; the training template
+    where the original is not prefix-preserving. Returns a line for the log. model: the checkpoint's path
+    (--model). environments: {name: class}: their tools rendered too, and a user turn if one answers."""
     model = model or args.model
     source = f"--chat-template {args.chat_template}" if args.chat_template else f"the template of {model}"
     if args.chat_template:
@@ -3026,9 +3082,8 @@ def prepare_chat_template(tok, args, schemas, stop_ids, model=None, environments
 
 
 def prefix_preserving(tok, schemas):
-    """True if rendering a conversation one message longer only ever appends tokens. The tool loop
-    relies on it: it tokenises only what the template adds after the model's own tokens. Without tools, the
-    probe's turns without them: what an environment's user turns need."""
+    """True if rendering a conversation one message longer only appends tokens, as the tool loop needs:
+    it tokenises only what the template adds. Without tools, the probe's turns without them."""
     probe = PROBE if schemas else [m for m in PROBE if m["role"] != "tool" and not m.get("tool_calls")]
     renders = (tok.encode(render(tok, probe[:n], schemas), add_special_tokens=False) for n in range(1, len(probe) + 1))
     return all(longer[: len(shorter)] == shorter for shorter, longer in itertools.pairwise(renders))
@@ -3043,14 +3098,14 @@ def training_template(template):
 
 def chat_format(tok, schemas, stop_ids):
     """What the tool loop needs to know of a template, read off renders of probe turns:
-      format     how it writes tool calls: 'tagged' (<tool_call> JSON or XML body), 'mistral' ([TOOL_CALLS]),
-                 'json' (Llama: bare JSON at the start of the turn), or 'transformers' (the tokenizer's own parser)
-      turn_ends  what it writes after an assistant turn, from its last stop token on ('<|im_end|>\\n'), with the
-                 length of that stop token: a generated stop token, whichever it is, stands for it
-      max_calls  1 if it refuses to render several calls in one turn (Llama 3's templates), else None
-    and the round trip: the probe turns' calls, cut out of the render as the model would have generated them and
-    parsed back, must come back equal, with their types. Raises ValueError saying what went wrong. Without schemas (an
-    environment that answers the model, and no tools): turn_ends alone."""
+      format     how it writes tool calls: 'tagged' (<tool_call> JSON or XML), 'mistral' ([TOOL_CALLS]),
+                 'json' (Llama: bare JSON opens the turn), 'transformers' (the tokenizer's own parser)
+      turn_ends  what it writes after an assistant turn, from its last stop token on ('<|im_end|>\\n'),
+                 with that token's length: a generated stop token, whichever, stands for it
+      max_calls  1 if it refuses several calls in one turn (Llama 3's templates), else None
+    and the round trip: the probe turns' calls, cut out of the render as the model would generate them,
+    must parse back equal, with their types. Raises ValueError saying what went wrong. Without schemas (an
+    environment that answers the model, no tools): turn_ends alone."""
     tools = bool(schemas)
     schemas = (schemas or []) + [ROUND_TRIP_TOOL] if tools else None
     user, stops = [{"role": "user", "content": "Use the tools."}], [tok.decode([i]) for i in stop_ids]
@@ -3123,9 +3178,8 @@ PROBE = [
 ]
 
 
-# A tool with every JSON type (a union too; an argument called `name`), and calls to it (one per turn and
-# three per turn) that the start-up check renders with the run's template and parses back: what comes back
-# must be what went in.
+# A tool with every JSON type (a union; an argument called `name`), and calls to it (one and three a
+# turn) that the start-up check renders with the run's template and parses back: they must come back.
 ROUND_TRIP_TOOL = {
     "type": "function",
     "function": {
@@ -3166,7 +3220,7 @@ ROUND_TRIP = [
 ]
 
 
-# --- Machinery: tool-call parsing, every format, as input validation ------------------------------
+# --- Machinery: tool-call parsing, every format, as input validation ---
 
 
 def parse_assistant(text, tok=None, prompt_ids=(), schemas_by_name=None, fmt="tagged", max_calls=None):
@@ -3299,7 +3353,7 @@ def decode_json(text, start=0):
 
 
 def parse_call(call):
-    """A decoded call {'name', 'arguments' or 'parameters'} -> the OpenAI shape. Raises (ValueError mostly)."""
+    """A decoded call {'name', 'arguments' or 'parameters'} -> OpenAI's shape; raises (mostly ValueError)."""
     if not isinstance(call, dict) or not isinstance(call.get("name"), str) or not call["name"]:
         raise ValueError("a call needs a string 'name'")
     arguments = call.get("arguments", call.get("parameters", {}))
@@ -3336,9 +3390,8 @@ def argument_errors(schema, arguments):
 
 
 def typed(value, schema):
-    """An XML parameter's text as a non-string type its JSON schema allows (`5` is 5 where an integer may go,
-    `null` None where null may); else the text itself (the argument check tells the model if a string may not
-    go there)."""
+    """An XML parameter's text as a non-string type its JSON schema allows (`5` is 5 where an integer
+    may go, `null` None where null may); else the text (the argument check says where a string may not go)."""
     with contextlib.suppress(ValueError):
         parsed, end = decode_json(value)
         if end == len(value.rstrip()) and any(
@@ -3380,9 +3433,9 @@ MISTRAL_NAME = re.compile(r"\s*([^\[\]\s]+)(?:\[CALL_ID\][^\[]*)?\[ARGS\]")
 
 
 def xml_value_end(text, pos):
-    """(the </parameter> that ends the value at text[pos:], whether the value's parameter tags balance): the
-    first real one (XML_CLOSE) that closes no <parameter=...> the value opened, so that calls quoted whole in
-    a value stay in it; else the first real one (None if none)."""
+    """(the </parameter> that ends the value at text[pos:], whether the value's tags balance): the first
+    real one (XML_CLOSE) that closes no <parameter=...> the value opened, so that calls quoted whole in a
+    value stay in it; else the first real one (None if none)."""
     depth, first = 0, None
     for tag in XML_TAGS.finditer(text, pos):
         if tag.group() == "</parameter>" and XML_CLOSE.match(text, tag.start()):
@@ -3395,10 +3448,10 @@ def xml_value_end(text, pos):
 
 
 def parse_xml_call(text, start, schemas_by_name):
-    """<function=NAME> <parameter=KEY>VALUE</parameter>... </function> at text[start:] (Qwen3.5, Qwen3-Coder)
-    -> ({'name', 'arguments'}, end). Raises ValueError(message, how far the call's text reaches), also where a
-    value holds a <parameter=KEY> of a parameter not yet given, or an unbalanced </tool_call> that could end
-    the call: either a </parameter> is missing before it, or it is text, and the parser does not guess which."""
+    """<function=NAME> <parameter=KEY>VALUE</parameter>... </function> at text[start:] (Qwen3.5,
+    Qwen3-Coder) -> ({'name', 'arguments'}, end). Raises ValueError(message, how far the call reaches), also
+    where a value holds a <parameter=KEY> not yet given, or an unbalanced </tool_call> that could end the
+    call: a </parameter> missing before it, or text; the parser does not guess which."""
     head = XML_FUNCTION.match(text, start)
     if not head:
         raise ValueError("expected <function=NAME>", start)
@@ -3445,9 +3498,8 @@ def parse_xml_call(text, start, schemas_by_name):
 
 def parse_tagged(text, schemas_by_name):
     """<tool_call>BODY</tool_call>, any number, BODY JSON (Qwen/Hermes) or XML. JSON is decoded from the
-    opening tag, so a '</tool_call>' inside a string does not end the call, and a call that does not parse
-    ends at its closing tag or at the next opening one (not one inside its JSON strings or read in its XML
-    values), never swallowing it."""
+    opening tag: a '</tool_call>' in a string does not end the call. A call that does not parse ends at its
+    closing tag or the next opening one (not one in its JSON strings or XML values), never swallowing it."""
     content = []  # the text between the calls
     found = []
     errors = []
@@ -3509,8 +3561,8 @@ def parse_mistral(text):
 
 
 def parse_bare_json(text):
-    """Llama 3: the turn is the call, JSON {"name", "parameters"} (after <|python_tag|>), several separated by
-    ';'. A turn that starts any other way is content; text after the calls is ignored, and the model told so."""
+    """Llama 3: the turn is the call, JSON {"name", "parameters"} (after <|python_tag|>), several separated
+    by ';'. A turn that starts otherwise is content; text after the calls is ignored, the model told so."""
     body = text.lstrip()
     tagged = body.startswith("<|python_tag|>")
     body = body.removeprefix("<|python_tag|>").lstrip()

@@ -1708,6 +1708,29 @@ def test_learning_through_the_whole_loop(server, tmp_path, mode):
 # ------------------------------------------------------------------------------------------------
 
 
+def test_version_at_is_the_rule_the_gate_predicts_and_the_drop_measures():
+    """The staleness rule stated once (version_at), on admissible's worked example: --prompts-per-step 2 --sync-every
+    2 --max-staleness 1. With vLLM at version 0, groups 0-7 (steps 0-3, versions 0, 0, 1, 1) pass and 8-11 (steps 4-5,
+    version 2) wait; two skipped groups make group 8 a step earlier; the sync after step 1 (version 1) lets 8-11 pass.
+    The drop measures the same: taken while step 4 trains (version_at(4) = 2), a group sampled at version 0 is two
+    versions old, dropped; one sampled at version 1 is trained."""
+    flags = ["--output-dir", "unused", "--prompts-per-step", "2", "--sync-every", "2", "--max-staleness", "1"]
+    args = ag.parse_args(flags)
+    assert [ag.version_at(step, 2) for step in range(6)] == [0, 0, 1, 1, 2, 2]
+    version = ag.PolicyVersion()
+    producer = ag.Producer(args, None, [], ["unused"], None, version)
+    assert [producer.admissible(i) for i in range(12)] == [True] * 8 + [False] * 4
+    producer.cursor["skipped_groups"] = 2
+    assert [producer.admissible(i) for i in (8, 9, 10)] == [True, True, False]
+    producer.cursor["skipped_groups"] = 0
+    version.value = ag.version_at(2, 2)  # the sync after step 1
+    assert [producer.admissible(i) for i in range(13)] == [True] * 12 + [False]
+    version.value = ag.version_at(4, 2)
+    old, recent = ([{"versions": [v, v, 0], "mask": [1, 1, 0], "reward": r} for r in (0, 1)] for v in (0, 1))
+    assert producer.lag(old) == 2 and producer.why_not_trained(ag.ScoredGroup(8, old)) == "too stale"
+    assert producer.lag(recent) == 1 and producer.why_not_trained(ag.ScoredGroup(9, recent)) is None
+
+
 @pytest.mark.parametrize(
     "loss_type, expected",
     [
@@ -3136,6 +3159,17 @@ def test_malformed_generations_never_raise_and_every_bad_call_reaches_the_model(
         appended = tok.decode([i for i, m in zip(s["ids"][s["n_prompt"] :], s["mask"]) if not m])
         assert all(m["content"] in appended for m in results), case
         assert s["turns"] == 2 and s["messages"][-1]["role"] == "assistant", case
+
+
+def test_rollout_tokens_keep_every_per_token_list_one_length():
+    """RolloutTokens: sampled tokens (mask 1, the sampler's log-prob and version) and context (mask 0, log-prob 0.0,
+    the version when it was added) each go in through one method, and every per-token list stays one length."""
+    tokens = ag.RolloutTokens(ids=[1, 2], n_prompt=2)
+    tokens.add_sampled([(5, -0.5, 3), (6, -0.25, 4)])
+    tokens.add_context([7, 8, 9], version=4)
+    tokens.add_sampled([(10, -1.0, 5)])
+    assert tokens.ids == [1, 2, 5, 6, 7, 8, 9, 10] and tokens.mask == [1, 1, 0, 0, 0, 1]
+    assert tokens.logprobs == [-0.5, -0.25, 0.0, 0.0, 0.0, -1.0] and tokens.versions == [3, 4, 4, 4, 4, 5]
 
 
 def test_a_turn_ending_on_any_stop_token_appends_the_templates_own_tool_result_tokens(monkeypatch):
@@ -8104,6 +8138,28 @@ def readability(source):
         "past_110_per_100": 100 * sum(len(line) > 110 for line in lines) / len(lines),
         "comments_on_their_own_line": own_line / max(1, len(comments)),
     }
+
+
+def test_stateful_classes_declare_every_attribute_in_init():
+    """Where state lives (PolicyVersion, Producer, WeightSync), each attribute a method sets is declared in
+    __init__: a reader finds all of it in one place."""
+    tree = ast.parse((HERE / "async_grpo.py").read_text())
+    late = []
+    for cls in (n for n in tree.body if isinstance(n, ast.ClassDef)):
+        methods = [f for f in cls.body if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))]
+        init = next((f for f in methods if f.name == "__init__"), None)
+        if init is None:
+            continue
+
+        def stored(fn):
+            return {
+                n.attr
+                for n in ast.walk(fn)
+                if isinstance(n, ast.Attribute) and isinstance(n.ctx, ast.Store) and ast.unparse(n.value) == "self"
+            }
+
+        late += [f"{cls.name}.{f.name}: self.{a}" for f in methods if f is not init for a in stored(f) - stored(init)]
+    assert not late, late
 
 
 def test_async_grpo_reads_one_meaning_per_name():
