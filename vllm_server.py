@@ -1,10 +1,10 @@
-"""The vLLM servers a run starts (async_grpo.py, start_generation): each a `vllm serve` process in a process
-group of its own, on its share of the device plan's GPUs or on the CPU, with this file's WeightSyncExtension
-as its workers' extension (the weight sync's receiving end); waited for until healthy, watched
-(server_failure, watch_servers) and stopped with every process it started (stop_vllm): none outlives a run, a
-test or Ctrl-C. Servers of --vllm-url are checked to be such servers (served_config). The sync group
-(sync_group) where the trainer and every worker meet. And on the CPU, the cores the trainer takes beside its
-server (cpu_threads, share_idle_core)."""
+"""The vLLM servers a run starts (async_grpo.py, start_generation): each a `vllm serve` process in a
+process group of its own, on its share of the device plan's GPUs or on the CPU, with this file's
+WeightSyncExtension as its workers' extension (the weight sync's receiving end); waited for until
+healthy, watched (server_failure, watch_servers) and stopped with every process it started
+(stop_vllm): none outlives a run, a test or Ctrl-C. Servers of --vllm-url are checked to be such
+servers (served_config). The sync group (sync_group) where the trainer and every worker meet. And on
+the CPU, the cores the trainer takes beside its server (cpu_threads, share_idle_core)."""
 
 import contextlib, ctypes, functools, http.client as http_client, json, math, os, re, shlex
 import shutil, signal, socket, subprocess, sys, tempfile, time, urllib.error, urllib.parse, urllib.request
@@ -20,33 +20,38 @@ HERE = Path(__file__).resolve().parent
 SERVED_MODEL = "policy"
 # --lora-sync adapter: the name the adapter is loaded under (/v1/load_lora_adapter), which requests then name
 SERVED_ADAPTER = "policy-adapter"
-# where a server started here writes the adapter it serves (receive_adapter): an environment variable of its
-# workers
+# where a server started here writes the adapter it serves (receive_adapter): an
+# environment variable of its workers
 ADAPTER_DIR = "ASYNC_GRPO_ADAPTER_DIR"
 # the ranks vLLM takes for --max-lora-rank (vllm/config/lora.py, MaxLoRARanks)
 LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
-# Measured: the default run's "vLLM is up after N s" from a fresh clone and an empty home directory, its
-# server eager (issue 63): 65, 67 and 74 s on 2 cores that other jobs' light work shared (a load of 2-4);
-# compiled, as before, 133 s there, half of it "Warming up model for the compilation", and 406 s under a load
-# of 27-44 (issue 54)
+# Measured: the default run's "vLLM is up after N s" from a fresh clone and an empty home directory,
+# its server eager (issue 63): 65, 67 and 74 s on 2 cores that other jobs' light work shared (a load
+# of 2-4); compiled, as before, 133 s there, half of it "Warming up model for the compilation", and
+# 406 s under a load of 27-44 (issue 54)
 CPU_START_SECONDS = 70
 
 
 def vllm_flag(args, *names):
     """The value that --vllm-args gives one of these vLLM flags ('' for a bare one), or None."""
+    # "--flag value" and "--flag=value" alike: each flag, then its value
     words = [w for word in shlex.split(args.vllm_args) for w in word.split("=", 1)] + [""]
-    return next((words[i + 1] for i, w in enumerate(words[:-1]) if w.replace("_", "-") in names), None)
+    for i, word in enumerate(words[:-1]):
+        if word.replace("_", "-") in names:
+            return words[i + 1]
+    return None
 
 
 # --- The device plan: which GPUs the trainer ranks and each server use, and the sync's backend -------
 
 
 def plan_devices(args, cuda_count, local_ranks, fail, heads=None):
-    """Where everything runs, decided before anything loads: the trainer ranks on cuda:0..local_ranks-1 or the
-    CPU, each server started here on its share of --vllm-gpus or the CPU, and the sync backend: NCCL between
-    devices, else gloo (which takes CUDA tensors: NCCL refuses two ranks on one device). By default a server
-    per GPU (README.md, "On GPUs": why). heads: the model's (attention heads, KV heads), read where None.
-    fail(message) for a bad plan."""
+    """Where everything runs, decided before anything loads: the trainer ranks on
+    cuda:0..local_ranks-1 or the CPU, each server started here on its share of --vllm-gpus
+    or the CPU, and the sync backend: NCCL between devices, else gloo (which takes CUDA
+    tensors: NCCL refuses two ranks on one device). By default a server per GPU
+    (README.md, "On GPUs": why). heads: the model's (attention heads, KV heads), read
+    where None. fail(message) for a bad plan."""
     url = args.vllm_url
     # the devices the trainer ranks leave free
     free = [str(d) for d in range(local_ranks, cuda_count)]
@@ -75,8 +80,8 @@ def plan_devices(args, cuda_count, local_ranks, fail, heads=None):
 
 
 def server_gpus(args, free):
-    """The GPUs of the servers started here (as CUDA indices): --vllm-gpus, else as many of the free ones as
-    --vllm-servers divides evenly; none for --vllm-url."""
+    """The GPUs of the servers started here (as CUDA indices): --vllm-gpus, else as many of the free
+    ones as --vllm-servers divides evenly; none for --vllm-url."""
     if args.vllm_gpus:
         return args.vllm_gpus.split(",")
     if args.vllm_url:
@@ -100,7 +105,10 @@ def plan_refusals(args, cuda_count, local_ranks, gpus, n, shared):
             args.vllm_url and args.vllm_gpus,
             "--vllm-gpus places servers started here, and --vllm-url starts none: drop one",
         ),
-        (len(gpus) % n, f"--vllm-servers {n} must divide the --vllm-gpus {args.vllm_gpus} evenly"),
+        (
+            len(gpus) % n,
+            f"--vllm-servers {n} must divide the --vllm-gpus {args.vllm_gpus} evenly",
+        ),
         (
             cuda_count and local_ranks > cuda_count,
             f"{local_ranks} trainer ranks on this node, {cuda_count} CUDA devices: "
@@ -126,8 +134,8 @@ def plan_refusals(args, cuda_count, local_ranks, gpus, n, shared):
 
 
 def refuse_tensor_parallel(args, gpus, n, heads, fail):
-    """fail() unless n servers on `gpus` GPUs split the model's heads (read from --model where `heads` is
-    None) as vLLM requires of tensor parallel."""
+    """fail() unless n servers on `gpus` GPUs split the model's heads (read from --model where
+    `heads` is None) as vLLM requires of tensor parallel."""
     # tensor parallel: each server's GPUs
     tp = gpus // n
     try:
@@ -145,8 +153,8 @@ def refuse_tensor_parallel(args, gpus, n, heads, fail):
 
 
 def heads_split(tp, heads, kv_heads):
-    """Whether tensor parallel `tp` splits a model's heads as vLLM does: the attention heads over the GPUs,
-    and the KV heads or copies of each (layers/linear.py)."""
+    """Whether tensor parallel `tp` splits a model's heads as vLLM does: the attention heads over
+    the GPUs, and the KV heads or copies of each (layers/linear.py)."""
     if heads % tp:
         return False
     if kv_heads >= tp:
@@ -155,8 +163,8 @@ def heads_split(tp, heads, kv_heads):
 
 
 def server_devices(gpus, n, shared, cuda_count):
-    """Each of the n servers' devices as CUDA_VISIBLE_DEVICES names them (a comma-separated string): its share
-    of `gpus`, or trainer rank 0's GPU where `shared`, or none (the CPU)."""
+    """Each of the n servers' devices as CUDA_VISIBLE_DEVICES names them (a comma-separated string):
+    its share of `gpus`, or trainer rank 0's GPU where `shared`, or none (the CPU)."""
     visible = os.environ.get("CUDA_VISIBLE_DEVICES") or ",".join(map(str, range(cuda_count)))
     physical = visible.split(",")
     if gpus:
@@ -173,23 +181,24 @@ def all_local(url):
 
 
 def attention_heads(model):
-    """(attention heads, KV heads) of --model from its config alone (a local folder's, a GGUF file's, the
-    hub's); the built-in model's are tiny_model.py's."""
+    """(attention heads, KV heads) of --model from its config alone (a local folder's, a GGUF
+    file's, the hub's); the built-in model's are tiny_model.py's."""
     from transformers import AutoConfig
 
     if model is None:
         return 4, 2
     gguf = {"gguf_file": Path(model).name} if model.endswith(".gguf") else {}
-    config = AutoConfig.from_pretrained(Path(model).parent if gguf else model, **gguf).get_text_config()
+    source = Path(model).parent if gguf else model
+    config = AutoConfig.from_pretrained(source, **gguf).get_text_config()
     heads = config.num_attention_heads
     return heads, getattr(config, "num_key_value_heads", None) or heads
 
 
 def memory_share(args, total, params, trained, largest=0):
-    """The share of one GPU (`total` bytes) that the trainer may take beside a server: what the server's share
-    (its weights, 2 bytes a parameter, in half; its KV cache) and a margin leave (the worker's two buckets in
-    flight, CUDA contexts and a reloaded layer: 1 GiB). A model that does not fit is refused here, with
-    trainer_bytes' parts."""
+    """The share of one GPU (`total` bytes) that the trainer may take beside a server: what the
+    server's share (its weights, 2 bytes a parameter, in half; its KV cache) and a margin leave (the
+    worker's two buckets in flight, CUDA contexts and a reloaded layer: 1 GiB). A model that does
+    not fit is refused here, with trainer_bytes' parts."""
     server = args.plan["gpu_memory"]
     share = 1 - server - (2 * args.sync_bucket_bytes + 2**30) / total
     parts = trainer_bytes(args, params, trained, largest)
@@ -211,12 +220,13 @@ def memory_share(args, total, params, trained, largest=0):
 
 
 def trainer_bytes(args, params, trained, largest=0):
-    """What a training step on CUDA holds besides activations, in bytes, by part: the fp32 weights (4 a
-    parameter); gradients and AdamW's moments (12 a trained one; fused AdamW makes no temporaries, foreach's
-    would be 4 more); the --beta reference (4); without gradient checkpointing the bf16 copy of every weight
-    that autocast makes and autograd keeps for the backward (2; with it, a layer's at a time); and in flight
-    the largest weight's bf16 copy and gradient and its fp32 gradient before it is added (8 bytes x `largest`,
-    the output layer's parameters)."""
+    """What a training step on CUDA holds besides activations, in bytes, by part: the fp32
+    weights (4 a parameter); gradients and AdamW's moments (12 a trained one; fused AdamW
+    makes no temporaries, foreach's would be 4 more); the --beta reference (4); without
+    gradient checkpointing the bf16 copy of every weight that autocast makes and autograd
+    keeps for the backward (2; with it, a layer's at a time); and in flight the largest
+    weight's bf16 copy and gradient and its fp32 gradient before it is added (8 bytes x
+    `largest`, the output layer's parameters)."""
     return {
         "weights": 4 * params,
         "gradients and AdamW's moments": 12 * trained,
@@ -235,9 +245,9 @@ def free_port():
 
 
 def start_vllm(args, model_path, out_dir):
-    """Start the `vllm serve` processes of the device plan (args.plan) with WeightSyncExtension as their
-    workers', each on its share of --vllm-gpus or on the CPU, and wait until all are healthy. Returns the
-    processes (.url, .log_path)."""
+    """Start the `vllm serve` processes of the device plan (args.plan) with WeightSyncExtension as
+    their workers', each on its share of --vllm-gpus or on the CPU, and wait until all are healthy.
+    Returns the processes (.url, .log_path)."""
     procs = []
     t0 = time.monotonic()
     try:
@@ -262,19 +272,21 @@ def start_vllm(args, model_path, out_dir):
 
 
 def launch_server(args, model_path, out_dir, i):
-    """Start server i of the device plan, its output appended to its log in out_dir. Returns its process
-    (.url, .log_path, .log_start)."""
+    """Start server i of the device plan, its output appended to its log in out_dir. Returns its
+    process (.url, .log_path, .log_start)."""
     plan = args.plan
     share = plan["servers"][i]
     # of each server's log and adapter folder
     suffix = "" if len(plan["servers"]) == 1 else f"-{i}"
     port = args.vllm_port + i if args.vllm_port else free_port()
     cmd = server_command(args, model_path, port, share)
+    # this folder first: vLLM's workers import WeightSyncExtension from it
+    path = os.pathsep.join(filter(None, [str(HERE), os.environ.get("PYTHONPATH")]))
     env = dict(
         os.environ,
         # the /pause, /resume, /collective_rpc routes
         VLLM_SERVER_DEV_MODE="1",
-        PYTHONPATH=os.pathsep.join(filter(None, [str(HERE), os.environ.get("PYTHONPATH")])),
+        PYTHONPATH=path,
     )
     if plan["cpu_server"]:
         # GiB; the default takes a large share of RAM
@@ -282,14 +294,14 @@ def launch_server(args, model_path, out_dir, i):
     if share:
         env["CUDA_VISIBLE_DEVICES"] = share
     if args.lora_sync == "adapter":
-        # the adapter is served at run time (/v1/load_lora_adapter); its workers write it into the run's
-        # folder (receive_adapter)
+        # the adapter is served at run time (/v1/load_lora_adapter); its workers write it
+        # into the run's folder (receive_adapter)
         env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"
         env[ADAPTER_DIR] = str(Path(out_dir).resolve() / f"vllm-adapter{suffix}")
-    # A CPU server takes one core, whole: its worker (which busy-polls for a second after each engine step)
-    # and its HTTP and engine front end, which would otherwise preempt the trainer on the other cores
-    # (measured on 2 cores: async 1.15x -> 1.62x the samples/s of --sync on average; --sync itself
-    # unchanged).
+    # A CPU server takes one core, whole: its worker (which busy-polls for a second after each
+    # engine step) and its HTTP and engine front end, which would otherwise preempt the
+    # trainer on the other cores (measured on 2 cores: async 1.15x -> 1.62x the samples/s of
+    # --sync on average; --sync itself unchanged).
     cores = None
     if plan["cpu_server"] and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
         cores = {i % (os.cpu_count() or 1)}
@@ -314,8 +326,8 @@ def launch_server(args, model_path, out_dir, i):
 
 
 def server_command(args, model_path, port, share):
-    """The command line of a server started here on `port`, on the GPUs of `share` or on the CPU: ours, then
-    --vllm-args (which may override ours)."""
+    """The command line of a server started here on `port`, on the GPUs of `share` or on the CPU:
+    ours, then --vllm-args (which may override ours)."""
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model_path]
     cmd += ["--host", "127.0.0.1", "--port", str(port), "--seed", str(args.seed)]
     cmd += ["--served-model-name", SERVED_MODEL]
@@ -327,7 +339,9 @@ def server_command(args, model_path, port, share):
         "--tensor-parallel-size": share and len(share.split(",")),
         "--gpu-memory-utilization": args.plan["gpu_memory"],
     }
-    cmd += [word for flag, value in optional.items() if value for word in (flag, str(value))]
+    for flag, value in optional.items():
+        if value:
+            cmd += [flag, str(value)]
     if args.plan["cpu_server"]:
         cmd += cpu_server_flags(args)
     if args.lora_sync == "adapter":
@@ -342,8 +356,9 @@ def cpu_server_flags(args):
     """What a CPU server is started with where --vllm-args does not say otherwise."""
     flags = []
     if vllm_flag(args, "--dtype") is None:
-        # fp32 on CPU: bf16 arithmetic without AVX-512 is slow (a 25M-parameter model here generated
-        # 150 tokens/s in bf16, 680-780 in fp32), and an fp32 server holds exactly the trainer's weights
+        # fp32 on CPU: bf16 arithmetic without AVX-512 is slow (a 25M-parameter
+        # model here generated 150 tokens/s in bf16, 680-780 in fp32), and an fp32
+        # server holds exactly the trainer's weights
         flags += ["--dtype", "float32"]
     compiled = vllm_flag(args, "--enforce-eager", "-O", "--compilation-config", "--optimization-level")
     if args.model is None and compiled is None:
@@ -358,8 +373,9 @@ def cpu_server_flags(args):
 
 
 def wait_healthy(procs, timeout, t0):
-    """Wait until every server answers /health, saying every 10 s where the first still starting is. One
-    that exits, or is not healthy after `timeout` seconds (--vllm-startup-timeout), raises with its log."""
+    """Wait until every server answers /health, saying every 10 s where the first still
+    starting is. One that exits, or is not healthy after `timeout` seconds
+    (--vllm-startup-timeout), raises with its log."""
     deadline = time.monotonic() + timeout
     starting = list(procs)
     # when to say that it is still starting, and where it is
@@ -397,14 +413,15 @@ def refuse_failed_start(proc, deadline, timeout):
 def _server_preexec(cores=None):
     # If the trainer is killed outright (SIGKILL), the server still gets SIGTERM from the kernel.
     with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+        # PR_SET_PDEATHSIG
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)
     if cores:
         os.sched_setaffinity(0, cores)
 
 
 def log_now(proc):
-    """What a starting server last logged, without its prefix ('(APIServer pid=1) INFO 11-27 06:46:52
-    [model.py:733] ') and cut short: where its start-up is (loading, compiling, ...)."""
+    """What a starting server last logged, without its prefix ('(APIServer pid=1) INFO 11-27
+    06:46:52 [model.py:733] ') and cut short: where its start-up is (loading, compiling, ...)."""
     with contextlib.suppress(OSError), open(proc.log_path, "rb") as log:
         log.seek(max(proc.log_start, log.seek(0, os.SEEK_END) - 4096))
         prefix = re.compile(r"^\(\w[^)]*\) +[A-Z]+ +[\d-]+ [\d:]+ \[[^]]*\] *")
@@ -417,9 +434,9 @@ def log_now(proc):
 
 
 def log_tail(proc, n=25):
-    """What a server's log says of why it failed: the n lines from just before the first error this run's
-    server logged (the cause: the engine's own traceback, or that it exited; then come the errors of every
-    request it failed), or else its last n lines."""
+    """What a server's log says of why it failed: the n lines from just before the first error this
+    run's server logged (the cause: the engine's own traceback, or that it exited; then come the
+    errors of every request it failed), or else its last n lines."""
     with contextlib.suppress(OSError), open(proc.log_path, "rb") as log:
         log.seek(proc.log_start)
         lines = log.read().decode(errors="replace").splitlines(keepends=True)
@@ -453,10 +470,10 @@ def stop_vllm(proc, grace=15):
 
 
 def server_failure(urls, servers):
-    """Why a server is gone, or None: its process exited (servers: those started here), or its engine died.
-    vLLM's API server outlives a dead engine (a GPU out-of-memory, say), answering /health with 503 and
-    waiting for the open connections to close; a server that merely does not answer in time is left to the
-    bound of whatever waits on it."""
+    """Why a server is gone, or None: its process exited (servers: those started here), or its
+    engine died. vLLM's API server outlives a dead engine (a GPU out-of-memory, say), answering
+    /health with 503 and waiting for the open connections to close; a server that merely does not
+    answer in time is left to the bound of whatever waits on it."""
     procs = {server.url: server for server in servers}
     for url in urls:
         proc = procs.get(url)
@@ -466,7 +483,9 @@ def server_failure(urls, servers):
         if not cause:
             continue
         log = log_tail(proc) if proc else ""
-        if cause.endswith("503") or re.search("EngineDeadError|engine core exited unexpectedly", log):
+        # 503: the API server outlives its engine
+        died = re.search("EngineDeadError|engine core exited unexpectedly", log)
+        if cause.endswith("503") or died:
             cause += ": its engine died"
         if proc:
             return f"the vLLM server {url} {cause}. Its log, {proc.log_path}:\n{log}"
@@ -474,8 +493,8 @@ def server_failure(urls, servers):
 
 
 def health_failure(url):
-    """What a server's /health says is wrong with it, or None: it answers with an error, refuses or drops the
-    connection. No answer in time is None: left to the bound of what waits on it."""
+    """What a server's /health says is wrong with it, or None: it answers with an error, refuses or
+    drops the connection. No answer in time is None: left to the bound of what waits on it."""
     try:
         urllib.request.urlopen(f"{url}/health", timeout=10).close()
     except urllib.error.HTTPError as e:
@@ -491,22 +510,26 @@ def health_failure(url):
 
 
 def cpu_threads(world_size=1, reserve=1):
-    """Torch threads per rank on CPU: every core but one a server here polls busy (reserve); a trainer thread
-    there holds up every parallel op (measured on 2 cores: 2.7x slower steps, 2.2x slower syncs)."""
+    """Torch threads per rank on CPU: every core but one a server here polls busy
+    (reserve); a trainer thread there holds up every parallel op (measured on 2 cores:
+    2.7x slower steps, 2.2x slower syncs)."""
     return max(1, ((os.cpu_count() or 2) - reserve) // world_size)
 
 
 @contextlib.contextmanager
 def share_idle_core(layers, version, idle_after=1.0):
-    """CPU, one trainer: around a training step, the trainer takes the server's core too whenever vLLM has had
-    no request of ours for idle_after seconds (its worker busy-polls for a second after its last step), and
-    gives it back as soon as one is in flight; decided before each decoder layer's forward and backward.
-    Generation is hidden behind training and then waits for the sync, so the server's core is often idle for
-    much of a step."""
-    busy, every = torch.get_num_threads(), os.cpu_count() or 1
+    """CPU, one trainer: around a training step, the trainer takes the server's core too whenever
+    vLLM has had no request of ours for idle_after seconds (its worker busy-polls for a second after
+    its last step), and gives it back as soon as one is in flight; decided before each decoder
+    layer's forward and backward. Generation is hidden behind training and then waits for the sync,
+    so the server's core is often idle for much of a step."""
+    # the trainer's own threads, and every core
+    busy = torch.get_num_threads()
+    every = os.cpu_count() or 1
 
     def decide(*_):
-        idle = not version.in_flight and time.perf_counter() - version.idle_since > idle_after
+        quiet = time.perf_counter() - version.idle_since
+        idle = not version.in_flight and quiet > idle_after
         torch.set_num_threads(max(every, busy) if idle else busy)
 
     # the hook on a layer's output runs just before the layer's backward
@@ -532,9 +555,9 @@ def share_idle_core(layers, version, idle_after=1.0):
 
 
 def http(url, payload=None, timeout=60, bound="its bound"):
-    """One request to a server, bounded by `timeout` seconds (`bound`: the flag that sets them). A failure is
-    a ConnectionError that names the server, what it was asked and what went wrong: a socket traceback says
-    none of it."""
+    """One request to a server, bounded by `timeout` seconds (`bound`: the flag that sets
+    them). A failure is a ConnectionError that names the server, what it was asked and what
+    went wrong: a socket traceback says none of it."""
     data = None if payload is None else json.dumps(payload).encode()
     headers = {"Content-Type": "application/json"}
     request = urllib.request.Request(url, data=data, headers=headers)
@@ -561,10 +584,10 @@ def http(url, payload=None, timeout=60, bound="its bound"):
 
 
 def watch_servers(run, every=1.0):
-    """Rank 0's watchdog thread: a server that fails is noticed within seconds wherever the run is
-    (generating, waiting for data, syncing, evaluating). One started here is then killed, which fails at once
-    every request that waits on it; the error handler (save_after_error) reports run.server_failure as the
-    cause."""
+    """Rank 0's watchdog thread: a server that fails is noticed within seconds wherever the run
+    is (generating, waiting for data, syncing, evaluating). One started here is then killed,
+    which fails at once every request that waits on it; the error handler (save_after_error)
+    reports run.server_failure as the cause."""
     stop_seen = False
     while not run.server_failure and run.urls:
         time.sleep(every)
@@ -583,10 +606,11 @@ def watch_servers(run, every=1.0):
 
 
 def served_config(url, lora_rank=0):
-    """(context length, dtype, its workers' devices, whether it takes seeded requests) of a server, checked to
-    be one that start_vllm would start (--vllm-url may be anything): data-parallel engines would join the sync
-    under the same ranks, and pipeline stages hold part of the weights each; with lora_rank (--lora-sync
-    adapter), one that serves adapters of that rank loaded at run time."""
+    """(context length, dtype, its workers' devices, whether it takes seeded requests) of a
+    server, checked to be one that start_vllm would start (--vllm-url may be anything):
+    data-parallel engines would join the sync under the same ranks, and pipeline stages
+    hold part of the weights each; with lora_rank (--lora-sync adapter), one that serves
+    adapters of that rank loaded at run time."""
     how = (
         f"start it with --served-model-name {SERVED_MODEL} "
         "--worker-extension-cls vllm_server.WeightSyncExtension "
@@ -629,14 +653,14 @@ def quoted(error):
 
 
 def max_lora_rank(rank):
-    """The --max-lora-rank a server needs for an adapter of `rank` (<= 512, parse_args checks): the least vLLM
-    takes."""
+    """The --max-lora-rank a server needs for an adapter of `rank` (<= 512,
+    parse_args checks): the least vLLM takes."""
     return next(r for r in LORA_RANKS if r >= rank)
 
 
 def check_served_lora(url, rank):
-    """--lora-sync adapter: the server at url serves adapters of `rank` loaded at run time, or SystemExit says
-    how to start one that does."""
+    """--lora-sync adapter: the server at url serves adapters of `rank` loaded at run time, or
+    SystemExit says how to start one that does."""
     how = (
         f"start it with --enable-lora --max-lora-rank {max_lora_rank(rank)} and "
         "VLLM_ALLOW_RUNTIME_LORA_UPDATING=True, or pass --lora-sync merged"
@@ -649,18 +673,19 @@ def check_served_lora(url, rank):
     if not served_rank:
         raise SystemExit(f"--vllm-url {url} serves no LoRA adapter (--lora-sync adapter): {how}")
     if not runtime:
-        raise SystemExit(f"--vllm-url {url} loads no LoRA adapter at run time (--lora-sync adapter): {how}")
+        loads = "loads no LoRA adapter at run time (--lora-sync adapter)"
+        raise SystemExit(f"--vllm-url {url} {loads}: {how}")
     if served_rank < rank:
         below = f"serves LoRA ranks up to {served_rank}, below --lora-rank {rank}"
         raise SystemExit(f"--vllm-url {url} {below}: {how}")
 
 
 def load_adapter(url, folder, timeout):
-    """--lora-sync adapter: serve the adapter a worker wrote to `folder` as SERVED_ADAPTER. Unloaded and
-    loaded again, not in place: a request names the adapter as it was loaded, and one loaded in place
-    (load_inplace) is read from its folder again at every engine step (vllm/lora/worker_manager.py,
-    add_adapter). vLLM is paused: no request waits on the name in between, and its cache of what the old
-    adapter computed was cleared."""
+    """--lora-sync adapter: serve the adapter a worker wrote to `folder` as SERVED_ADAPTER. Unloaded
+    and loaded again, not in place: a request names the adapter as it was loaded, and one loaded in
+    place (load_inplace) is read from its folder again at every engine step
+    (vllm/lora/worker_manager.py, add_adapter). vLLM is paused: no request waits on the name in
+    between, and its cache of what the old adapter computed was cleared."""
     served = {m["id"] for m in http(f"{url}/v1/models", timeout=timeout)["data"]}
     if SERVED_ADAPTER in served:
         unload = {"lora_name": SERVED_ADAPTER}
@@ -670,9 +695,9 @@ def load_adapter(url, folder, timeout):
 
 
 def url_sync_backend(urls, devices, ours):
-    """The sync's backend for --vllm-url servers, from their workers' devices (served_config) and ours (the
-    trainer ranks' GPUs here): NCCL where all have GPUs, else gloo; a server on one of ours is refused (NCCL
-    refuses it)."""
+    """The sync's backend for --vllm-url servers, from their workers' devices (served_config)
+    and ours (the trainer ranks' GPUs here): NCCL where all have GPUs, else gloo; a server on
+    one of ours is refused (NCCL refuses it)."""
     for url, found in zip(urls, devices):
         if set(found) & set(ours):
             raise SystemExit(
@@ -680,7 +705,8 @@ def url_sync_backend(urls, devices, ours):
                 "or leave --vllm-url out to share trainer rank 0's GPU "
                 "with a server started here (its memory planned)"
             )
-    return "nccl" if ours and all(d != "cpu" for found in devices for d in found) else "gloo"
+    on_gpus = all(d != "cpu" for found in devices for d in found)
+    return "nccl" if ours and on_gpus else "gloo"
 
 
 # --- The sync group, where the trainer and the servers' workers meet ---------------------------------
@@ -694,47 +720,53 @@ def local_address(host):
 
 
 def sync_endpoint(urls, host=None):
-    """Where the servers meet the sync group: --sync-host, or this machine's address on its route to the first
-    server (the hostname's lookup is often 127.0.1.1); and a socket for its store, on every interface unless
-    on the loopback one."""
+    """Where the servers meet the sync group: --sync-host, or this machine's address on its route to
+    the first server (the hostname's lookup is often 127.0.1.1); and a socket for its store, on
+    every interface unless on the loopback one."""
     host = host or local_address(urllib.parse.urlparse(urls[0]).hostname)
-    return host, socket.create_server(("127.0.0.1" if host == "127.0.0.1" else "0.0.0.0", 0))
+    interface = "127.0.0.1" if host == "127.0.0.1" else "0.0.0.0"
+    return host, socket.create_server((interface, 0))
 
 
 def sync_group(host, port, rank, world_size, backend, timeout, listener=None):
-    """The weight-sync group: the trainer (rank 0) and every worker of every server, outside the training
-    ranks' default world. Rank 0 hosts its store on `listener`, a socket it bound (torch's rendezvous would
-    join torchrun's store). gloo takes CUDA tensors too, through pinned host memory: the path where a server
-    shares the trainer's GPU."""
+    """The weight-sync group: the trainer (rank 0) and every worker of every server, outside the
+    training ranks' default world. Rank 0 hosts its store on `listener`, a socket it bound (torch's
+    rendezvous would join torchrun's store). gloo takes CUDA tensors too, through pinned host
+    memory: the path where a server shares the trainer's GPU."""
     timeout = timedelta(seconds=timeout)
     gloo = backend == "gloo"
     hosting = listener is not None
     fd = listener and listener.detach()
     store = dist.TCPStore(host, port, world_size, hosting, timeout, master_listen_fd=fd)
-    options = dist.ProcessGroupGloo._Options() if gloo else dist.ProcessGroupNCCL.Options()
-    # the backend's own bound, above send_weights': Python ends a failed sync first
-    options._timeout = 2 * timeout
     if gloo:
+        options = dist.ProcessGroupGloo._Options()
         # this machine's address on its route to host, not the hostname's
         address = local_address(host)
         options._devices = [dist.ProcessGroupGloo.create_device(hostname=address)]
-    kind = dist.ProcessGroup.BackendType.GLOO if gloo else dist.ProcessGroup.BackendType.NCCL
-    make_backend = dist.ProcessGroupGloo if gloo else dist.ProcessGroupNCCL
+        kind = dist.ProcessGroup.BackendType.GLOO
+        make_backend = dist.ProcessGroupGloo
+        # the devices whose tensors this group's broadcasts take
+        devices = ("cpu", "cuda")
+    else:
+        options = dist.ProcessGroupNCCL.Options()
+        kind = dist.ProcessGroup.BackendType.NCCL
+        make_backend = dist.ProcessGroupNCCL
+        devices = ("cuda",)
+    # the backend's own bound, above send_weights': Python ends a failed sync first
+    options._timeout = 2 * timeout
     backend = make_backend(store, rank, world_size, options)
     backend._set_sequence_number_for_group()
     group = dist.ProcessGroup(store, rank, world_size)
     group._set_default_backend(kind)
-    # the devices whose tensors this group's broadcasts take
-    devices = ("cpu", "cuda") if gloo else ("cuda",)
     for device in devices:
         group._register_backend(torch.device(device), kind, backend)
     return group
 
 
 def arrived(work, store):
-    """A worker's wait for a broadcast of the sync group, which ends in an error where the trainer has aborted
-    the sync (its `abort` key in the group's store, or the store gone with it): NCCL's wait would hold until
-    its watchdog."""
+    """A worker's wait for a broadcast of the sync group, which ends in an error where the
+    trainer has aborted the sync (its `abort` key in the group's store, or the store gone with
+    it): NCCL's wait would hold until its watchdog."""
     checked = 0.0
     while not work.is_completed():
         # a round trip to the trainer's store: not every millisecond
@@ -756,14 +788,14 @@ def arrived(work, store):
 
 
 class NotArrived(ConnectionError):
-    """The servers do not hold the weights the trainer sent them (a family whose tensors vLLM does not all
-    take)."""
+    """The servers do not hold the weights the trainer sent them (a family whose
+    tensors vLLM does not all take)."""
 
 
 def refuse_unknown_names(urls, names, rpc, model_type):
     """Before the first sync: every server has a parameter for every name it will receive
-    (unknown_weight_names, after its own renaming and fusing), or NotArrived: a wrong name would fail halfway
-    through a load, or be dropped."""
+    (unknown_weight_names, after its own renaming and fusing), or NotArrived: a wrong name would
+    fail halfway through a load, or be dropped."""
     unknown = set()
     for url in urls:
         for worker in rpc(url, "unknown_weight_names", names=names).result()["results"]:
@@ -777,8 +809,8 @@ def refuse_unknown_names(urls, names, rpc, model_type):
 
 
 def fixed_samples(vocab, count=4, length=24):
-    """A few fixed sequences of token ids below `vocab` (seeded), as collate takes them: the log-probs of
-    every token after the first."""
+    """A few fixed sequences of token ids below `vocab` (seeded), as collate takes them: the
+    log-probs of every token after the first."""
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(3, vocab, (count, length), generator=g).tolist()
     blank = {
@@ -791,8 +823,9 @@ def fixed_samples(vocab, count=4, length=24):
 
 
 def served_logprobs(url, samples, model, timeout):
-    """[samples, length - 1]: the server's log-probs of each sample's tokens after the first, in one request
-    (prompt_logprobs: the model's own distribution, whatever --logprobs-mode and the sampling flags)."""
+    """[samples, length - 1]: the server's log-probs of each sample's tokens after the
+    first, in one request (prompt_logprobs: the model's own distribution, whatever
+    --logprobs-mode and the sampling flags)."""
     prompts = [s["ids"] for s in samples]
     request = {"model": model, "prompt": prompts, "max_tokens": 1, "prompt_logprobs": 0}
     answer = http(f"{url}/v1/completions", request, timeout, "--sync-timeout")
@@ -806,16 +839,18 @@ def served_logprobs(url, samples, model, timeout):
 
 
 def weights_arrive(urls, args, run, collate, token_logprobs):
-    """The live check of a run's weights (async_grpo.py's collate and token_logprobs: the trainer's log-probs
-    as train_step takes them): the mean |log-prob gap| between every server and the trainer on fixed_samples,
-    measured now, while the servers hold the trainer's weights (loaded from its checkpoint, or just synced
-    whole): the served dtype's rounding as these servers and this trainer compute it. Returns the check the
-    first sync of moved weights runs (WeightSync): a server whose gap then exceeds 16x its rounding plus half
-    the dtype's eps does not sample from the weights the trainer holds, and the run stops with NotArrived.
-    Measured (the matrix's test, every weight moved by ~20%, bf16): a gap 1-10x the one at start where the
-    sync is exact (OlmoE's 10x); where it was not (before the worker's fixes), GPT-OSS's experts 0.23 against
-    a rounding of 0.0025 (its sinks alone, 0.025, pass in bf16), Qwen3-MoE's experts on CPU 0.24 against 1e-7
-    (fp32), a doubled down_proj 0.79 against 7e-7 (fp32). One request a server: a fraction of a second."""
+    """The live check of a run's weights (async_grpo.py's collate and token_logprobs: the
+    trainer's log-probs as train_step takes them): the mean |log-prob gap| between every server
+    and the trainer on fixed_samples, measured now, while the servers hold the trainer's weights
+    (loaded from its checkpoint, or just synced whole): the served dtype's rounding as these
+    servers and this trainer compute it. Returns the check the first sync of moved weights runs
+    (WeightSync): a server whose gap then exceeds 16x its rounding plus half the dtype's eps
+    does not sample from the weights the trainer holds, and the run stops with NotArrived.
+    Measured (the matrix's test, every weight moved by ~20%, bf16): a gap 1-10x the one at start
+    where the sync is exact (OlmoE's 10x); where it was not (before the worker's fixes),
+    GPT-OSS's experts 0.23 against a rounding of 0.0025 (its sinks alone, 0.025, pass in bf16),
+    Qwen3-MoE's experts on CPU 0.24 against 1e-7 (fp32), a doubled down_proj 0.79 against 7e-7
+    (fp32). One request a server: a fraction of a second."""
     config = run.policy.config
     samples = fixed_samples(min(len(run.tok), config.get_text_config().vocab_size))
     model_type = config.model_type
@@ -833,8 +868,8 @@ def weights_arrive(urls, args, run, collate, token_logprobs):
         return gap
 
     rounding = gaps()
-    # 64 eps: SmolLM2-135M's bf16 server measured 0.078 (10 eps) on the same weights; another model differs by
-    # nats
+    # 64 eps: SmolLM2-135M's bf16 server measured 0.078 (10 eps) on the same
+    # weights; another model differs by nats
     wrong = {url: gap for url, gap in rounding.items() if not gap <= 64 * eps}
     # a --vllm-url server that holds other weights after the whole sync, or a server of another model
     if wrong:
@@ -870,9 +905,9 @@ def weights_arrive(urls, args, run, collate, token_logprobs):
 # --- The sync's receiving end, inside every vLLM worker ----------------------------------------------
 
 
-# the tensors a family's vLLM load_weights copies into its parameters itself (param.copy_), not by a
-# weight_loader: vLLM 0.32's reload_weights does not see them (GPT-OSS's experts, their biases, its attention
-# sinks)
+# the tensors a family's vLLM load_weights copies into its parameters itself
+# (param.copy_), not by a weight_loader: vLLM 0.32's reload_weights does not see them
+# (GPT-OSS's experts, their biases, its attention sinks)
 SELF_COPIED = {"GptOssForCausalLM": (".mlp.experts.", ".sinks")}
 
 
@@ -883,10 +918,10 @@ def noted_processing(process, processed, layer):
 
 
 def experts_loaded(module, reprocess):
-    """An MoE layer's weights were loaded again: its kernel's own post-load step runs again (vLLM 0.32's
-    weight update skips it, so on CPU the new experts went unpacked into the kernel's pre-packed layout); with
-    `reprocess` (loaded into the live parameters) the layer's whole post-load processing first, as at
-    start-up."""
+    """An MoE layer's weights were loaded again: its kernel's own post-load step runs again (vLLM
+    0.32's weight update skips it, so on CPU the new experts went unpacked into the kernel's
+    pre-packed layout); with `reprocess` (loaded into the live parameters) the layer's whole
+    post-load processing first, as at start-up."""
     kernel = getattr(getattr(module, "quant_method", None), "moe_kernel", None)
     if kernel is None:
         return
@@ -899,36 +934,39 @@ class WeightSyncExtension:
     """Mixed into every vLLM worker (--worker-extension-cls); its methods run via /collective_rpc."""
 
     def init_weight_sync(self, host, port, world_size, timeout, backend, first_rank=1):
-        """Join the sync group: this worker's rank is its server's first rank (1 for the first server) plus
-        its own."""
+        """Join the sync group: this worker's rank is its server's first rank (1
+        for the first server) plus its own."""
         rank = first_rank + self.rank
         self.weight_sync_group = sync_group(host, port, rank, world_size, backend, timeout=timeout)
         bound = timedelta(seconds=timeout)
         self.weight_sync_store = dist.TCPStore(host, port, is_master=False, timeout=bound)
-        # the trainer's first broadcast, one element: NCCL makes its communicator now, not in the first
-        # bucket's (through arrived: a trainer whose warm-up fails aborts it, which NCCL's wait would not see)
+        # the trainer's first broadcast, one element: NCCL makes its communicator now,
+        # not in the first bucket's (through arrived: a trainer whose warm-up fails
+        # aborts it, which NCCL's wait would not see)
         warm_up = self.weight_sync_group.broadcast(torch.empty(1, device=self.device), 0)
         arrived(warm_up, self.weight_sync_store)
 
     def served_config(self):
-        """(dtype, log-probs mode, device, pipeline stages, whether it takes seeded requests): the weights
-        travel in the server's dtype (the trainer rounds its logits to it) over a backend that suits the
-        device (a GPU's UUID, or 'cpu'). On CPU a seeded request whose prompt is prefilled in chunks kills the
-        engine (vLLM 0.32: "CPU Generator does not use offset"), so a CPU server takes seeds only without
-        chunked prefill."""
+        """(dtype, log-probs mode, device, pipeline stages, whether it takes seeded requests): the
+        weights travel in the server's dtype (the trainer rounds its logits to it) over a backend
+        that suits the device (a GPU's UUID, or 'cpu'). On CPU a seeded request whose prompt is
+        prefilled in chunks kills the engine (vLLM 0.32: "CPU Generator does not use offset"), so a
+        CPU server takes seeds only without chunked prefill."""
         config = self.vllm_config.model_config
         device = "cpu"
         if self.device.type == "cuda":
             device = str(torch.cuda.get_device_properties(self.device).uuid)
         stages = self.vllm_config.parallel_config.pipeline_parallel_size
-        seeds = device != "cpu" or not self.vllm_config.scheduler_config.enable_chunked_prefill
+        chunked = self.vllm_config.scheduler_config.enable_chunked_prefill
+        seeds = device != "cpu" or not chunked
         dtype = str(config.dtype).removeprefix("torch.")
         return dtype, config.logprobs_mode, device, stages, seeds
 
     def unknown_weight_names(self, names):
-        """The names among `names` that this server's model has no parameter for, after vLLM's own
-        renaming (hf_to_vllm_mapper) and fusing (q/k/v_proj into qkv_proj, ...). Checked before the
-        first sync: a wrong name would otherwise fail halfway through a load, or be silently dropped."""
+        """The names among `names` that this server's model has no parameter for, after
+        vLLM's own renaming (hf_to_vllm_mapper) and fusing (q/k/v_proj into qkv_proj,
+        ...). Checked before the first sync: a wrong name would otherwise fail halfway
+        through a load, or be silently dropped."""
         model = self.model_runner.get_model()
         # the model's renaming, or its inner model's (GraniteMoE's: its experts under their legacy names)
         mappers = {}
@@ -938,8 +976,8 @@ class WeightSyncExtension:
         # each part of a fused module (q_proj) -> the module (qkv_proj)
         packed = getattr(model, "packed_modules_mapping", {})
         fused = {part: whole for whole, parts in packed.items() for part in parts}
-        # a server with --enable-lora holds each adapted layer's own weights under base_layer (reload_weights
-        # too)
+        # a server with --enable-lora holds each adapted layer's own weights
+        # under base_layer (reload_weights too)
         parameters = model.named_parameters(remove_duplicate=False)
         known = {n.replace(".base_layer.", ".") for n, _ in parameters}
 
@@ -967,8 +1005,8 @@ class WeightSyncExtension:
         return [n for n in names if refused(n)]
 
     def hf_tensor(self, name):
-        """The trainer's tensor `name` on the meta device (its shape), from the family's transformers
-        model."""
+        """The trainer's tensor `name` on the meta device (its shape), from the
+        family's transformers model."""
         # makes hf_meta_model
         list(self.checkpoint_format([]))
         try:
@@ -978,8 +1016,8 @@ class WeightSyncExtension:
             return torch.empty(0, device="meta")
 
     def served_lora(self):
-        """(the largest LoRA rank this server serves, 0 without --enable-lora; whether it loads adapters at
-        run time)."""
+        """(the largest LoRA rank this server serves, 0 without --enable-lora;
+        whether it loads adapters at run time)."""
         import vllm.envs
 
         lora = self.vllm_config.lora_config
@@ -987,8 +1025,8 @@ class WeightSyncExtension:
         return rank, vllm.envs.VLLM_ALLOW_RUNTIME_LORA_UPDATING
 
     def _received(self, buckets):
-        """The (name, tensor) pairs of the trainer's broadcasts, as they arrive: bucket k+1 is on its way
-        while the caller takes bucket k."""
+        """The (name, tensor) pairs of the trainer's broadcasts, as they arrive: bucket k+1 is on
+        its way while the caller takes bucket k."""
 
         def receive(bucket):
             dtype = getattr(torch, bucket["dtype"])
@@ -1006,17 +1044,18 @@ class WeightSyncExtension:
                 yield name, part.view(shape)
 
     def receive_adapter(self, buckets, config):
-        """--lora-sync adapter: the trainer's adapter (peft's lora_A/lora_B tensors) written as peft saves one
-        (adapter_model.safetensors, adapter_config.json: `config`) into a folder on the server's host: the
-        run's (ADAPTER_DIR) where the run started the server, else one made at the first sync and removed when
-        the worker exits normally. Returns the folder (the server's first worker; the others None), which the
-        trainer then loads under SERVED_ADAPTER (/v1/load_lora_adapter)."""
+        """--lora-sync adapter: the trainer's adapter (peft's lora_A/lora_B tensors) written as
+        peft saves one (adapter_model.safetensors, adapter_config.json: `config`) into a folder
+        on the server's host: the run's (ADAPTER_DIR) where the run started the server, else one
+        made at the first sync and removed when the worker exits normally. Returns the folder
+        (the server's first worker; the others None), which the trainer then loads under
+        SERVED_ADAPTER (/v1/load_lora_adapter)."""
         import atexit
         from safetensors.torch import save_file
 
         try:
-            # the parts are views of one buffer, which safetensors refuses: a copy each (an adapter is
-            # small)
+            # the parts are views of one buffer, which safetensors refuses: a
+            # copy each (an adapter is small)
             received = self._received(buckets)
             tensors = {name: part.to("cpu", copy=True) for name, part in received}
         except BaseException:
@@ -1044,8 +1083,9 @@ class WeightSyncExtension:
             raise
 
     def load_received(self, weights):
-        """Load (name, tensor) pairs in the trainer's names (its transformers model's) into the live model,
-        every family's tensors where vLLM's reload leaves some out (each gap: docs/architectures.md)."""
+        """Load (name, tensor) pairs in the trainer's names (its transformers model's)
+        into the live model, every family's tensors where vLLM's reload leaves some
+        out (each gap: docs/architectures.md)."""
         from vllm.config import set_current_vllm_config
 
         model = self.model_runner.get_model()
@@ -1060,8 +1100,8 @@ class WeightSyncExtension:
                 else:
                     yield name, tensor
 
-        # the MoE layers (name -> layer holding the experts) and those the reload processes again (noted as it
-        # does)
+        # the MoE layers (name -> layer holding the experts) and those the
+        # reload processes again (noted as it does)
         moe = {}
         for name, m in model.named_modules():
             if hasattr(m, "w13_weight") and hasattr(m, "quant_method"):
@@ -1071,10 +1111,12 @@ class WeightSyncExtension:
         # an instance attribute over the method, until the reload ends
         for method in methods:
             process = method.process_weights_after_loading
-            method.process_weights_after_loading = functools.partial(noted_processing, process, processed)
+            noting = functools.partial(noted_processing, process, processed)
+            method.process_weights_after_loading = noting
+
         try:
-            # reload_weights, unlike plain load_weights, re-runs the post-load processing of each layer it
-            # loads...
+            # reload_weights, unlike plain load_weights, re-runs the post-load
+            # processing of each layer it loads...
             pairs = noted(self.checkpoint_format(weights))
             self.reload_weights(weights_iterator=pairs, is_checkpoint_format=True)
         finally:
@@ -1083,19 +1125,18 @@ class WeightSyncExtension:
         with set_current_vllm_config(self.vllm_config):
             for layer in processed.values():
                 experts_loaded(layer, reprocess=False)
-            # ...on parameters it holds on the meta device meanwhile, where a family's own param.copy_
-            # (GPT-OSS's experts and sinks) lands nowhere: those load now, into the live parameters, then
-            # their layer is processed as at start-up
+            # ...on parameters it holds on the meta device meanwhile, where a family's own
+            # param.copy_ (GPT-OSS's experts and sinks) lands nowhere: those load now, into the live
+            # parameters, then their layer is processed as at start-up
             if copied:
                 model.load_weights(copied)
             for name, layer in moe.items():
                 experts = name.rpartition(".experts")[0] + ".experts."
                 if any(n.startswith(experts) for n, _ in copied):
                     experts_loaded(layer, reprocess=True)
-            # ...but only of the layer that loaded a tied weight. A module sharing it (lm_head tied to the
-            # embedding) keeps what it derived from the old values (on CPU, a pre-packed GEMM copy): vLLM
-            # would sample from the old head.
-            # parameter -> the modules that hold it
+            # ...but only of the layer that loaded a tied weight. A module sharing it (lm_head tied
+            # to the embedding) keeps what it derived from the old values (on CPU, a pre-packed GEMM
+            # copy): vLLM would sample from the old head. parameter -> the modules that hold it
             owners = defaultdict(list)
             for name, param in model.named_parameters(remove_duplicate=False):
                 owners[id(param)].append(model.get_submodule(name.rpartition(".")[0]))
@@ -1105,10 +1146,10 @@ class WeightSyncExtension:
                     module.quant_method.process_weights_after_loading(module)
 
     def checkpoint_format(self, weights):
-        """The pairs under the names and layout of the family's checkpoints, which vLLM's loaders take:
-        transformers 5 holds some families' experts fused under other names (Mixtral's
-        mlp.experts.gate_up_proj, its checkpoints' block_sparse_moe.experts.0.w1/w3), and reverts them itself
-        when it saves (revert_weight_conversion)."""
+        """The pairs under the names and layout of the family's checkpoints, which vLLM's loaders
+        take: transformers 5 holds some families' experts fused under other names (Mixtral's
+        mlp.experts.gate_up_proj, its checkpoints' block_sparse_moe.experts.0.w1/w3), and reverts
+        them itself when it saves (revert_weight_conversion)."""
         from transformers import AutoModelForCausalLM
         from transformers.conversion_mapping import get_model_conversion_mapping
         from transformers.core_model_loading import PrefixChange, revert_weight_conversion
