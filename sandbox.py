@@ -502,8 +502,9 @@ class Interpreter:
         `timeout` seconds, exited, or its answer was not its own (the code wrote over it). Never blocks the
         event loop: runs alongside other calls."""
         if len(code) > CELL_CHARS:
-            bound = f"a call runs at most {CELL_CHARS}: split it"
-            raise ValueError(f"the code is {len(code)} characters long; {bound}")
+            limit = f"a call runs at most {CELL_CHARS}: split it"
+            raise ValueError(f"the code is {len(code)} characters long; {limit}")
+
         # stopped as its last call was cancelled
         if self.proc is None:
             self.start()

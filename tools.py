@@ -315,8 +315,7 @@ class MCPSession:
                     parameters = StdioServerParameters(command=command, args=args)
                     transport = stdio_client(parameters, errlog=log)
                 # the handshake protocol: its sessions (Mcp-Session-Id) are what a server keeps state in
-                bound = self.start_timeout
-                connecting = mcp.Client(transport, mode="legacy", read_timeout_seconds=bound)
+                connecting = mcp.Client(transport, mode="legacy", read_timeout_seconds=self.start_timeout)
                 async with connecting as client:
                     opened.set_result(client)
                     await self.closing.wait()
@@ -336,8 +335,7 @@ class MCPSession:
         if not getattr(self, "session", None):
             await self.reset()
         try:
-            bound = self.timeout
-            result = await self.client.call_tool(name, arguments, read_timeout_seconds=bound)
+            result = await self.client.call_tool(name, arguments, read_timeout_seconds=self.timeout)
         except MCPError as e:
             if e.code != CONNECTION_CLOSED:
                 raise
@@ -413,14 +411,14 @@ def mcp_environment(server, log=None, timeout=10.0):
         try:
             # one server, started alone (16 at once took 12.6 s on 2 cores): a bound of its own, not
             # a session's two tries of start_timeout
-            bound = max(timeout, LISTING_SECONDS)
+            seconds = max(timeout, LISTING_SECONDS)
             try:
-                async with asyncio.timeout(bound):
+                async with asyncio.timeout(seconds):
                     await probe.reset()
             except TimeoutError:
                 # its handshake would wait out start_timeout
                 probe.session.cancel()
-                raise TimeoutError(f"no session in {bound:.0f} s, its start included") from None
+                raise TimeoutError(f"no session in {seconds:.0f} s, its start included") from None
             page = await probe.client.list_tools()
             tools = list(page.tools)
             # pages, a bound that a server paging forever cannot pass
@@ -679,8 +677,8 @@ async def close_environments(ctx, timeout):
 async def bounded_reset(env, row, timeout):
     """env.reset(**row) within `timeout` seconds, or its class's start_timeout where
     longer (an MCP server's start)."""
-    bound = max(timeout, getattr(env, "start_timeout", 0))
-    return await bounded(env.reset, row, bound)
+    seconds = max(timeout, getattr(env, "start_timeout", 0))
+    return await bounded(env.reset, row, seconds)
 
 
 def named(fn):
