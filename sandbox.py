@@ -332,7 +332,8 @@ NUMBERS = {
     "socketpair": (53, 199),
     "fcntl": (72, 25),
 }
-# by architecture: (its AUDIT_ARCH, {name: number})
+# by architecture: (its AUDIT_ARCH, {name: number}); another architecture is a number more in each row of
+# NUMBERS and a line here
 SYSCALLS = {
     "x86_64": (0xC000003E, {name: pair[0] for name, pair in NUMBERS.items()}),
     "aarch64": (0xC00000B7, {name: pair[1] for name, pair in NUMBERS.items() if pair[1] is not None}),
