@@ -293,7 +293,9 @@ def remove_cgroup(path):
 # capability it does not have), clone3 (whose flags a filter cannot read) with ENOSYS: the C library then uses
 # clone. socket and socketpair take the families of SOCKET_FAMILIES only (EAFNOSUPPORT): vsock is not
 # namespaced (in a VM it reaches the host past the network namespace), AF_ALG and AF_PACKET are kernel surface
-# no interpreter needs. each call's number on x86_64 and on aarch64 (None: no such call there)
+# no interpreter needs.
+#
+# Each call's number on x86_64 and on aarch64 (None: no such call there).
 NUMBERS = {
     "add_key": (248, 217),
     "request_key": (249, 218),

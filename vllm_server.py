@@ -1136,7 +1136,9 @@ class WeightSyncExtension:
                     experts_loaded(layer, reprocess=True)
             # ...but only of the layer that loaded a tied weight. A module sharing it (lm_head tied
             # to the embedding) keeps what it derived from the old values (on CPU, a pre-packed GEMM
-            # copy): vLLM would sample from the old head. parameter -> the modules that hold it
+            # copy): vLLM would sample from the old head.
+            #
+            # parameter -> the modules that hold it
             owners = defaultdict(list)
             for name, param in model.named_parameters(remove_duplicate=False):
                 owners[id(param)].append(model.get_submodule(name.rpartition(".")[0]))
