@@ -997,12 +997,12 @@ class WeightSyncExtension:
                 return True
             return experts != name and any(k.startswith(experts) for k in known)
 
-        def refused(name):
+        def unknown(name):
             # the name as the family's checkpoints hold it (one or several tensors)
             stored = self.checkpoint_format([(name, self.hf_tensor(name))])
             return not all(served(c) for c, _ in stored)
 
-        return [n for n in names if refused(n)]
+        return [n for n in names if unknown(n)]
 
     def hf_tensor(self, name):
         """The trainer's tensor `name` on the meta device (its shape), from the
