@@ -280,24 +280,6 @@ def launch_server(args, model_path, out_dir, i):
     suffix = "" if len(plan["servers"]) == 1 else f"-{i}"
     port = args.vllm_port + i if args.vllm_port else free_port()
     cmd = server_command(args, model_path, port, share)
-    # this folder first: vLLM's workers import WeightSyncExtension from it
-    path = os.pathsep.join(filter(None, [str(HERE), os.environ.get("PYTHONPATH")]))
-    env = dict(
-        os.environ,
-        # the /pause, /resume, /collective_rpc routes
-        VLLM_SERVER_DEV_MODE="1",
-        PYTHONPATH=path,
-    )
-    if plan["cpu_server"]:
-        # GiB; the default takes a large share of RAM
-        env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    if share:
-        env["CUDA_VISIBLE_DEVICES"] = share
-    if args.lora_sync == "adapter":
-        # the adapter is served at run time (/v1/load_lora_adapter); its workers write it
-        # into the run's folder (receive_adapter)
-        env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"
-        env[ADAPTER_DIR] = str(Path(out_dir).resolve() / f"vllm-adapter{suffix}")
     # A CPU server takes one core, whole: its worker (which busy-polls for a second after each
     # engine step) and its HTTP and engine front end, which would otherwise preempt the
     # trainer on the other cores (measured on 2 cores: async 1.15x -> 1.62x the samples/s of
@@ -305,7 +287,8 @@ def launch_server(args, model_path, out_dir, i):
     cores = None
     if plan["cpu_server"] and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
         cores = {i % (os.cpu_count() or 1)}
-        env["VLLM_CPU_OMP_THREADS_BIND"] = str(*cores)
+    adapter_dir = Path(out_dir).resolve() / f"vllm-adapter{suffix}"
+    env = server_env(args, share, cores, adapter_dir)
     log_path = Path(out_dir) / f"vllm{suffix}.log"
     with open(log_path, "ab") as log:
         # --resume appends to the log: what this server says begins here
@@ -323,6 +306,32 @@ def launch_server(args, model_path, out_dir, i):
     proc.log_start = log_start
     proc.url = f"http://127.0.0.1:{port}"
     return proc
+
+
+def server_env(args, share, cores, adapter_dir):
+    """The environment of a server started here: this process's, with vLLM's development routes,
+    WeightSyncExtension importable, and the server's GPUs (`share`), core and adapter folder."""
+    # this folder first: vLLM's workers import WeightSyncExtension from it
+    path = os.pathsep.join(filter(None, [str(HERE), os.environ.get("PYTHONPATH")]))
+    env = dict(
+        os.environ,
+        # the /pause, /resume, /collective_rpc routes
+        VLLM_SERVER_DEV_MODE="1",
+        PYTHONPATH=path,
+    )
+    if args.plan["cpu_server"]:
+        # GiB; the default takes a large share of RAM
+        env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    if share:
+        env["CUDA_VISIBLE_DEVICES"] = share
+    if args.lora_sync == "adapter":
+        # the adapter is served at run time (/v1/load_lora_adapter); its workers write it
+        # into the run's folder (receive_adapter)
+        env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"
+        env[ADAPTER_DIR] = str(adapter_dir)
+    if cores:
+        env["VLLM_CPU_OMP_THREADS_BIND"] = str(*cores)
+    return env
 
 
 def server_command(args, model_path, port, share):
