@@ -1,44 +1,52 @@
 """Tools and environments the model can use.
 
-Tools: add a function with type hints and a Google-style docstring, register it in TOOLS below, and `--tools NAME`
-offers it to the model. Its JSON schema is derived from the signature and docstring by transformers' `get_json_schema`,
-so the description the model sees is the one written here. Sync tools run in a thread pool, `async def` tools are
-awaited; both get `--tool-timeout`. A tool signals bad input by raising: the message goes back to the model and the call
-counts as a failure.
+Tools: add a function with type hints and a Google-style docstring, register it in TOOLS below, and
+`--tools NAME` offers it to the model. Its JSON schema is derived from the signature and docstring by
+transformers' `get_json_schema`, so the description the model sees is the one written here. Sync tools run in
+a thread pool, `async def` tools are awaited; both get `--tool-timeout`. A tool signals bad input by raising:
+the message goes back to the model and the call counts as a failure.
 
-Environments: a class, registered in ENVIRONMENTS below (`--env NAME`) or anywhere (`--env path/to/file.py:Class`). Each
-rollout has an instance of its own, never shared by two in flight; an instance is reused after a reset, so no more exist
-than rollouts in flight (evaluation included). An instance runs one call at a time: calls in one turn run in the order
-the model wrote them. Every method may be sync (in a thread, never on the event loop) or `async def`, bounded by
---tool-timeout (a reset by the class's start_timeout where longer); an async call past it is cancelled and the instance
-released (its state unknown: its session or process ends), a sync one (reward() and release() too) holds its thread and
-the instance, which takes no further call and is not reused (a TimeoutError it raises itself is an error, not ours):
-    reset(**row)      the dataset row, every column (a parameter without a default names a column that every row of
-                      the environment must have: checked at start). Returns None, or text appended to the prompt's last
-                      message: the same for the G rollouts of a group (they answer one task), else the group is dropped
+Environments: a class, registered in ENVIRONMENTS below (`--env NAME`) or anywhere
+(`--env path/to/file.py:Class`). Each rollout has an instance of its own, never shared by two in flight; an
+instance is reused after a reset, so no more exist than rollouts in flight (evaluation included). An instance
+runs one call at a time: calls in one turn run in the order the model wrote them. Every method may be sync (in
+a thread, never on the event loop) or `async def`, bounded by --tool-timeout (a reset by the class's
+start_timeout where longer); an async call past it is cancelled and the instance released (its state unknown:
+its session or process ends), a sync one (reward() and release() too) holds its thread and the instance, which
+takes no further call and is not reused (a TimeoutError it raises itself is an error, not ours):
+    reset(**row)      the dataset row, every column (a parameter without a default names a column that every
+                      row of the environment must have: checked at start). Returns None, or text appended to
+                      the prompt's last message: the same for the G rollouts of a group (they answer one
+                      task), else the group is dropped
     public methods    typed and documented as tools are: the tools the model sees in this environment's rows
-    respond(message)  optional: the model ended a turn without a tool call (message: that turn, as the rewards see it).
-                      Text is the user's next turn; None ends the rollout. Turns are bounded by --max-tool-turns
-    reward()          optional: its score of its final state, the reward `env_reward`; every reward function gets the
-                      instances as `environments`. TRL's name, get_reward(), where reward() is absent
-    release()         optional: its group is done (scored), or a call timed out; what it holds until its next reset may
-                      go (a process, a session). A method called after it must work again (start afresh), or raise
-    close()           optional: called once per instance at the end of the run, also after an error or Ctrl-C; it and
-                      release() run in a thread of their own if sync: never refused for want of a tool thread
-    configured(args)  optional classmethod: the class to run with, given the run's flags; may refuse the run (SystemExit)
-A method that raises or hangs is an error message to the model and a counted failure; a reset that does drops its group
-(counted). One that raises EnvironmentGone (its server or process is gone) ends the run, the last finished step saved.
---mcp makes an environment of an MCP server (MCPSession), --env python one of a code interpreter (Python, in the sandbox
-of sandbox.py); with several environments, a row's column `env` names its own (TRL's `environment`, where `env` is
-absent). A class written to TRL's environment_factory contract (reset, tools, get_reward) runs unchanged.
+    respond(message)  optional: the model ended a turn without a tool call (message: that turn, as the rewards
+                      see it). Text is the user's next turn; None ends the rollout. Turns are bounded by
+                      --max-tool-turns
+    reward()          optional: its score of its final state, the reward `env_reward`; every reward function
+                      gets the instances as `environments`. TRL's name, get_reward(), where reward() is absent
+    release()         optional: its group is done (scored), or a call timed out; what it holds until its next
+                      reset may go (a process, a session). A method called after it must work again (start
+                      afresh), or raise
+    close()           optional: called once per instance at the end of the run, also after an error or Ctrl-C;
+                      it and release() run in a thread of their own if sync: never refused for want of a tool
+                      thread
+    configured(args)  optional classmethod: the class to run with, given the run's flags; may refuse the run
+                      (SystemExit)
+A method that raises or hangs is an error message to the model and a counted failure; a reset that does drops
+its group (counted). One that raises EnvironmentGone (its server or process is gone) ends the run, the last
+finished step saved. --mcp makes an environment of an MCP server (MCPSession), --env python one of a code
+interpreter (Python, in the sandbox of sandbox.py); with several environments, a row's column `env` names its
+own (TRL's `environment`, where `env` is absent). A class written to TRL's environment_factory contract
+(reset, tools, get_reward) runs unchanged.
 
-What a tool may do, since its arguments are whatever the model wrote: a sync tool may wait (I/O, a lock), better with
-a timeout of its own: at `--tool-timeout` the model gets an error, but Python cannot stop the thread, which stays
-held until the call returns; a call that finds all 64 threads held is refused at once and counted (`tools/refused`).
-It may not compute for long: CPU-bound work holds the interpreter lock (a C-level operation on a huge number holds it
-for its whole length), which stops the run's event loop, its timeouts and its signal handlers. Bound the work by the
-size of the input, as the calculator bounds its numbers, or run it in a process of its own, as a code interpreter
-must (generated code is hostile input). An `async def` tool runs on the run's event loop: it must never block.
+What a tool may do, since its arguments are whatever the model wrote: a sync tool may wait (I/O, a lock),
+better with a timeout of its own: at `--tool-timeout` the model gets an error, but Python cannot stop the
+thread, which stays held until the call returns; a call that finds all 64 threads held is refused at once and
+counted (`tools/refused`). It may not compute for long: CPU-bound work holds the interpreter lock (a C-level
+operation on a huge number holds it for its whole length), which stops the run's event loop, its timeouts and
+its signal handlers. Bound the work by the size of the input, as the calculator bounds its numbers, or run it
+in a process of its own, as a code interpreter must (generated code is hostile input). An `async def` tool
+runs on the run's event loop: it must never block.
 """
 
 import ast
@@ -74,7 +82,8 @@ _BINARY = {
     ast.FloorDiv: operator.floordiv,
 }
 _UNARY = {ast.UAdd: operator.pos, ast.USub: operator.neg}
-MAX_BITS = 4096  # of a numerator or denominator (1,233 digits): (9**64)**64 alone would take 13,000
+# of a numerator or denominator (1,233 digits): (9**64)**64 alone would take 13,000
+MAX_BITS = 4096
 
 
 def _bits(value):
@@ -91,20 +100,23 @@ def _evaluate(node):
         left, right = _evaluate(node.left), _evaluate(node.right)
         if isinstance(node.op, ast.Pow) and (right.denominator != 1 or abs(right) > 64):
             raise ValueError("exponents must be integers of at most 64")
-        # A product's size is bounded before it is computed: one power of a huge number is a single C call that holds
-        # the interpreter lock for hours ((((9**64)**64)**64)**64 took 13 s), and no timeout can interrupt it.
+        # A product's size is bounded before it is computed: one power of a huge number is a
+        # single C call that holds the interpreter lock for hours ((((9**64)**64)**64)**64 took
+        # 13 s), and no timeout can interrupt it.
         if isinstance(node.op, ast.Pow):
             size = _bits(left) * abs(right)
         elif isinstance(node.op, (ast.Mult, ast.Div)):
             size = _bits(left) + _bits(right)
-        else:  # + - % // add their operands' sizes at most, which the expression's 200 characters bound
+        # + - % // add their operands' sizes at most, which the expression's 200 characters bound
+        else:
             size = 0
         if size > MAX_BITS:
             raise ValueError(f"numbers of more than {MAX_BITS} bits are not supported")
         return _BINARY[type(node.op)](left, right)
     if isinstance(node, ast.UnaryOp) and type(node.op) in _UNARY:
         return _UNARY[type(node.op)](_evaluate(node.operand))
-    raise ValueError(f"only numbers and + - * / // % ** are allowed, got {ast.dump(node)[:60]}")
+    got = ast.dump(node)[:60]
+    raise ValueError(f"only numbers and + - * / // % ** are allowed, got {got}")
 
 
 def calculator(expression: str) -> str:
@@ -168,8 +180,10 @@ def convert_units(value: float, from_unit: str, to_unit: str) -> str:
     for unit in (from_unit, to_unit):
         if unit not in _UNITS:
             raise ValueError(f"unknown unit {unit!r}; known: {', '.join(_UNITS)}")
-    if _DIMENSION[from_unit] != _DIMENSION[to_unit]:
-        raise ValueError(f"cannot convert {_DIMENSION[from_unit]} ({from_unit}) to {_DIMENSION[to_unit]} ({to_unit})")
+    have = _DIMENSION[from_unit]
+    want = _DIMENSION[to_unit]
+    if have != want:
+        raise ValueError(f"cannot convert {have} ({from_unit}) to {want} ({to_unit})")
     return f"{value * _UNITS[from_unit] / _UNITS[to_unit]:.6g} {to_unit}"
 
 
@@ -187,7 +201,8 @@ async def lookup(topic: str) -> str:
     Args:
         topic: The fact to look up, e.g. "speed of light".
     """
-    await asyncio.sleep(0.05)  # stands in for a network round trip; the event loop keeps running
+    # stands in for a network round trip; the event loop keeps running
+    await asyncio.sleep(0.05)
     key = topic.strip().lower()
     if key not in _FACTS:
         raise KeyError(f"no entry for {topic!r}; known topics: {', '.join(_FACTS)}")
@@ -198,23 +213,26 @@ async def lookup(topic: str) -> str:
 TOOLS = {fn.__name__: fn for fn in (calculator, convert_units, lookup)}
 
 
-# --- Environments: their contract is this file's docstring ------------------------------------------------------------
+# --- Environments: their contract is this file's docstring ------------------------------------------
 
 
 class TimedOut(TimeoutError):
-    """One of our bounds passed (a call's, a reset's, a wait for its instance), told apart from a TimeoutError that a
-    tool raises itself (a socket's, say): that one is the tool's error, which the model sees as it is."""
+    """One of our bounds passed (a call's, a reset's, a wait for its instance), told apart
+    from a TimeoutError that a tool raises itself (a socket's, say): that one is the tool's
+    error, which the model sees as it is."""
 
 
 class EnvironmentGone(ConnectionError):
-    """Raised by an environment that cannot go on (its server or process is gone): the run ends with this message, its
-    last finished step saved, where any other error would only be the model's to see, call after call."""
+    """Raised by an environment that cannot go on (its server or process is gone): the run
+    ends with this message, its last finished step saved, where any other error would only
+    be the model's to see, call after call."""
 
 
 class GuessNumber:
-    """A game whose next observation depends on the last guess: find a whole number from 1 to 7 in 3 guesses, told after
-    a wrong one "Higher" or "Lower" and what is left ("Higher: 5 to 7."). The rows of --task guess hold the number; the
-    reward is 1 for a win. Halving what is left always wins; guessing anywhere in it, 2 games in 3."""
+    """A game whose next observation depends on the last guess: find a whole number from 1 to 7 in 3
+    guesses, told after a wrong one "Higher" or "Lower" and what is left ("Higher: 5 to 7."). The rows
+    of --task guess hold the number; the reward is 1 for a win. Halving what is left always wins;
+    guessing anywhere in it, 2 games in 3."""
 
     largest = 7
     guesses = 3
@@ -229,7 +247,10 @@ class GuessNumber:
     def respond(self, message):
         """The game's answer to the last number in the model's turn; None once the game is over."""
         numbers = re.findall(r"\d+", message["content"])
-        guess = int(numbers[-1]) if numbers and len(numbers[-1]) < 20 else None  # not a million digits
+        # the last number, unless it is a million digits long
+        guess = None
+        if numbers and len(numbers[-1]) < 20:
+            guess = int(numbers[-1])
         self.tries += 1
         self.solved = guess == self.secret
         if self.solved or self.tries == self.guesses:
@@ -247,21 +268,26 @@ class GuessNumber:
 
 
 class MCPSession:
-    """The tools of an MCP server as an environment (--mcp), through the official `mcp` package. An instance holds one
-    session: to a URL over streamable HTTP, or with a process of its own started from a command line (stdio). Each reset
-    opens a new session (a rollout's calls may have changed the last one's state) and release() ends it: an idle
-    instance holds none. A session that closes under a call (its server crashed) is a failed call and a new session;
-    EnvironmentGone only where none opens. mcp_environment() makes the subclass whose methods are the server's tools."""
+    """The tools of an MCP server as an environment (--mcp), through the official `mcp` package. An instance
+    holds one session: to a URL over streamable HTTP, or with a process of its own started from a command line
+    (stdio). Each reset opens a new session (a rollout's calls may have changed the last one's state) and
+    release() ends it: an idle instance holds none. A session that closes under a call (its server crashed) is
+    a failed call and a new session; EnvironmentGone only where none opens. mcp_environment() makes the
+    subclass whose methods are the server's tools."""
 
-    server = None  # the --mcp value
-    log = None  # a started server's stderr goes there
-    timeout = 10.0  # seconds a request may take (--tool-timeout): cancelling one does not stop the mcp package
-    # seconds a session may take to open (its reset's bound): a stdio server is a process to start, and many start
-    # at once after an evaluation or a crash (16 took 12.6 s on 2 cores), at most OPENING at a time
+    # the --mcp value
+    server = None
+    # a started server's stderr goes there
+    log = None
+    # seconds a request may take (--tool-timeout): cancelling one does not stop the mcp package
+    timeout = 10.0
+    # seconds a session may take to open (its reset's bound): a stdio server is a process to start, and many
+    # start at once after an evaluation or a crash (16 took 12.6 s on 2 cores), at most OPENING at a time
     start_timeout = 60.0
 
     async def reset(self, **row):
-        for attempt in range(2):  # a server that crashed as its session opened: once more, else it is gone
+        # a server that crashed as its session opened: once more, else it is gone
+        for attempt in range(2):
             await self.close()
             self.closing = asyncio.Event()
             opened = asyncio.get_running_loop().create_future()
@@ -275,7 +301,8 @@ class MCPSession:
                         raise
 
     async def _hold(self, opened):
-        # anyio, under mcp, closes a session in the task that opened it: this one, which lives as long as the session
+        # anyio, under mcp, closes a session in the task that opened it: this one, which
+        # lives as long as the session
         import mcp
         from mcp.client.stdio import StdioServerParameters, stdio_client
 
@@ -285,35 +312,41 @@ class MCPSession:
                     transport = self.server
                 else:
                     command, *args = shlex.split(self.server)
-                    transport = stdio_client(StdioServerParameters(command=command, args=args), errlog=log)
+                    parameters = StdioServerParameters(command=command, args=args)
+                    transport = stdio_client(parameters, errlog=log)
                 # the handshake protocol: its sessions (Mcp-Session-Id) are what a server keeps state in
-                async with mcp.Client(transport, mode="legacy", read_timeout_seconds=self.start_timeout) as client:
+                connecting = mcp.Client(transport, mode="legacy", read_timeout_seconds=self.start_timeout)
+                async with connecting as client:
                     opened.set_result(client)
                     await self.closing.wait()
         except Exception as e:
-            while getattr(e, "exceptions", None):  # anyio's task groups wrap the cause in groups
+            # anyio's task groups wrap the cause in groups
+            while getattr(e, "exceptions", None):
                 e = e.exceptions[0]
             if not opened.done():
-                opened.set_exception(EnvironmentGone(f"--mcp {self.server}: no session ({type(e).__name__}: {e})"))
+                why = f"--mcp {self.server}: no session ({type(e).__name__}: {e})"
+                opened.set_exception(EnvironmentGone(why))
 
     async def _call(self, name, arguments):
         from mcp import MCPError
         from mcp_types import CONNECTION_CLOSED
 
-        if not getattr(self, "session", None):  # released after a call that timed out: a fresh session
+        # released after a call that timed out: a fresh session
+        if not getattr(self, "session", None):
             await self.reset()
         try:
             result = await self.client.call_tool(name, arguments, read_timeout_seconds=self.timeout)
         except MCPError as e:
             if e.code != CONNECTION_CLOSED:
                 raise
-            # its process crashed (now, or while the rollout's model wrote its turn): a failed call and a fresh
-            # session, the run ended only where none opens
+            # its process crashed (now, or while the rollout's model wrote its turn): a failed call and a
+            # fresh session, the run ended only where none opens
             try:
                 await self.reset()
             except EnvironmentGone as gone:
                 raise EnvironmentGone(f"the MCP server {self.server} is gone: {e}; {gone}") from None
-            raise RuntimeError(f"the MCP server's session ended during the call ({e}): a new one is open") from None
+            ended = f"the MCP server's session ended during the call ({e})"
+            raise RuntimeError(f"{ended}: a new one is open") from None
         text = "\n".join(getattr(part, "text", f"[{part.type}]") for part in result.content)
         if result.is_error:
             raise RuntimeError(text)
@@ -326,58 +359,70 @@ class MCPSession:
 
     async def close(self):
         if getattr(self, "session", None):
-            self.closing.set()  # an open session closes itself, in its task; one opening ends within `timeout`
+            # an open session closes itself, in its task; one opening ends within `timeout`
+            self.closing.set()
             await asyncio.gather(self.session, return_exceptions=True)
             self.session = None
 
 
-OPENING = weakref.WeakKeyDictionary()  # the event loop -> its Semaphore: sessions opening at once
+# the event loop -> its Semaphore: sessions opening at once
+OPENING = weakref.WeakKeyDictionary()
 
 
 def opening():
-    """The running loop's bound on sessions opening at once: a stdio server's start is a process's (CPU-bound)."""
+    """The running loop's bound on sessions opening at once: a stdio server's start is a
+    process's (CPU-bound)."""
     loop = asyncio.get_running_loop()
     if loop not in OPENING:
         OPENING[loop] = asyncio.Semaphore(os.cpu_count() or 1)
     return OPENING[loop]
 
 
-LISTING_SECONDS = 20.0  # what listing an MCP server's tools at start may take, with its start
+# what listing an MCP server's tools at start may take, with its start
+LISTING_SECONDS = 20.0
 
 
 def mcp_environment(server, log=None, timeout=10.0):
-    """The environment class of `--mcp server`: a method per tool the server lists now, its schema the server's;
-    `timeout`: the seconds a request may take."""
+    """The environment class of `--mcp server`: a method per tool the server lists now, its schema the
+    server's; `timeout`: the seconds a request may take."""
     cls = type("mcp", (MCPSession,), {"server": server, "log": log, "timeout": timeout})
-    # its warnings (a session that could not be closed on a dead server, one per rollout) would bury the one message
-    # that ends the run: what goes wrong reaches the run as exceptions
+    # its warnings (a session that could not be closed on a dead server, one per rollout) would bury the one
+    # message that ends the run: what goes wrong reaches the run as exceptions
     logging.getLogger("mcp").setLevel(logging.CRITICAL)
 
     def method(tool):
         async def call(self, **arguments):
             return await self._call(tool.name, arguments)
 
-        call.__name__ = call.__qualname__ = tool.name  # what a timeout's message names
-        function = {"name": tool.name, "description": tool.description or "", "parameters": tool.input_schema}
-        call.schema = {"type": "function", "function": function}  # what environment_schemas() takes for this tool
+        # what a timeout's message names
+        call.__name__ = tool.name
+        call.__qualname__ = tool.name
+        function = {
+            "name": tool.name,
+            "description": tool.description or "",
+            "parameters": tool.input_schema,
+        }
+        # what environment_schemas() takes for this tool
+        call.schema = {"type": "function", "function": function}
         return call
 
     async def listed():
         probe = cls()
         try:
-            # one server, started alone (16 at once took 12.6 s on 2 cores): a bound of its own, not a session's two
-            # tries of start_timeout
+            # one server, started alone (16 at once took 12.6 s on 2 cores): a bound of its own, not
+            # a session's two tries of start_timeout
+            seconds = max(timeout, LISTING_SECONDS)
             try:
-                async with asyncio.timeout(max(timeout, LISTING_SECONDS)):
+                async with asyncio.timeout(seconds):
                     await probe.reset()
             except TimeoutError:
-                probe.session.cancel()  # its handshake would wait out start_timeout
-                raise TimeoutError(
-                    f"no session in {max(timeout, LISTING_SECONDS):.0f} s, its start included"
-                ) from None
+                # its handshake would wait out start_timeout
+                probe.session.cancel()
+                raise TimeoutError(f"no session in {seconds:.0f} s, its start included") from None
             page = await probe.client.list_tools()
             tools = list(page.tools)
-            for _ in range(100):  # pages, a bound that a server paging forever cannot pass
+            # pages, a bound that a server paging forever cannot pass
+            for _ in range(100):
                 if page.next_cursor:
                     page = await probe.client.list_tools(cursor=page.next_cursor)
                     tools += page.tools
@@ -387,26 +432,36 @@ def mcp_environment(server, log=None, timeout=10.0):
 
     for tool in asyncio.run(listed()):
         if hasattr(cls, tool.name) or tool.name.startswith("_"):
-            raise ValueError(f"its tool {tool.name!r} has the name of a method of MCPSession; rename it")
+            clash = f"its tool {tool.name!r} has the name of a method of MCPSession"
+            raise ValueError(f"{clash}; rename it")
         setattr(cls, tool.name, method(tool))
     return cls
 
 
 class Python:
-    """--env python: a code interpreter per rollout, each in a sandbox of its own (sandbox.py: what it isolates, and how).
-    reset starts the rollout's interpreter, which boots while the model writes its first turn; release ends it and all
-    it started (its scratch directory too). Its methods are async: a call waits on the event loop, not in one of the
-    64 tool threads, so that every rollout in flight may run code at once."""
+    """--env python: a code interpreter per rollout, each in a sandbox of its own (sandbox.py: what
+    it isolates, and how). reset starts the rollout's interpreter, which boots while the model
+    writes its first turn; release ends it and all it started (its scratch directory too). Its
+    methods are async: a call waits on the event loop, not in one of the 64 tool threads, so that
+    every rollout in flight may run code at once."""
 
-    timeout = 10.0  # --tool-timeout: a call gets 0.9 of it, so that the model sees the interpreter's own error
-    memory_mb = 512  # --python-memory
-    sandboxed = True  # --no-python-sandbox: False
+    # --tool-timeout: a call gets 0.9 of it, so that the model sees the interpreter's own error
+    timeout = 10.0
+    # --python-memory
+    memory_mb = 512
+    # --no-python-sandbox: False
+    sandboxed = True
     interpreter = None
 
     @classmethod
     def configured(cls, args):
-        sandbox.check(args.python_memory, args.python_sandbox)  # refuses the run where the sandbox cannot start
-        flags = {"timeout": args.tool_timeout, "memory_mb": args.python_memory, "sandboxed": args.python_sandbox}
+        # refuses the run where the sandbox cannot start
+        sandbox.check(args.python_memory, args.python_sandbox)
+        flags = {
+            "timeout": args.tool_timeout,
+            "memory_mb": args.python_memory,
+            "sandboxed": args.python_sandbox,
+        }
         return type("python", (cls,), flags)
 
     async def reset(self, **row):
@@ -420,7 +475,8 @@ class Python:
         Args:
             code: Python source, e.g. "print(3 + 4)".
         """
-        if self.interpreter is None:  # released after a call that timed out: a fresh interpreter
+        # released after a call that timed out: a fresh interpreter
+        if self.interpreter is None:
             self.interpreter = sandbox.Interpreter(self.memory_mb, self.sandboxed)
         return await self.interpreter.run(code, 0.9 * self.timeout)
 
@@ -431,11 +487,12 @@ class Python:
 
     async def close(self):
         await self.release()
-        # the run ends: every stopped interpreter's bwrap reaped (a thread does it), so that none outlives the run
+        # the run ends: every stopped interpreter's bwrap reaped (a thread does it), so
+        # that none outlives the run
         await asyncio.to_thread(sandbox.reaped)
 
 
-# --- Tools and environment instances at work: bounded calls, threads, one call at a time, lifecycle methods ----
+# --- Tools and environment instances at work: bounded calls, threads, one call at a time, lifecycle methods
 
 # a sync tool that waits holds a thread, not the loop
 TOOL_THREADS = ThreadPoolExecutor(64, thread_name_prefix="tool")
@@ -444,8 +501,10 @@ TOOL_THREADS = ThreadPoolExecutor(64, thread_name_prefix="tool")
 # them to time out unseen; calls merely busy queue. What a sync tool may do (computing holds the interpreter,
 # not a thread): tools.py.
 TOOL_SLOTS = threading.BoundedSemaphore(64)
-TOOLS_REFUSED = [0]  # calls refused so far
-# ids of the environment instances whose sync call went on past its timeout: never reused (async_grpo.environment_instances)
+# calls refused so far
+TOOLS_REFUSED = [0]
+# ids of the environment instances whose sync call went on past its timeout: never reused
+# (async_grpo.environment_instances)
 HUNG = set()
 
 
@@ -480,14 +539,17 @@ async def bounded(fn, arguments, timeout):
         pending = asyncio.wrap_future(running)
     else:
         TOOLS_REFUSED[0] += 1
-        if TOOLS_REFUSED[0] == 1:  # the first; tools/refused counts them all
-            print("warning: a tool call refused: every tool thread is held by a call still running", flush=True)
+        # the first; tools/refused counts them all
+        if TOOLS_REFUSED[0] == 1:
+            held = "every tool thread is held by a call still running"
+            print(f"warning: a tool call refused: {held}", flush=True)
         raise RuntimeError("not run: every tool thread is held by a call that has not returned")
     try:
         async with asyncio.timeout(timeout) as bound:
             return await pending
     except TimeoutError:
-        if not bound.expired():  # the tool's own
+        # the tool's own
+        if not bound.expired():
             raise
         # one still queued was cancelled with it; one running holds its thread until it returns
         if running is not None and not running.cancelled():
@@ -502,30 +564,36 @@ class Dropped(Exception):
     counts it."""
 
 
-METHOD_TIMEOUT = 10.0  # --tool-timeout (load_environments): what reward() may take, called from env_reward
-_LOCKS = {}  # id(instance) -> (the event loop, an asyncio.Lock): its calls on that loop, one at a time
+# --tool-timeout (load_environments): what reward() may take, called from env_reward
+METHOD_TIMEOUT = 10.0
+# id(instance) -> (the event loop, an asyncio.Lock): its calls on that loop, one at a time
+_LOCKS = {}
 
 
 def instance_lock(fn):
-    """The lock of the instance whose method fn is, on the running loop; None for a plain function (a tool of --tools,
-    which holds no state: its calls run concurrently). asyncio's locks are first come, first served: the calls of one
-    turn, started in the order the model wrote them, run in that order, each seeing what the one before left."""
+    """The lock of the instance whose method fn is, on the running loop; None for a plain function (a
+    tool of --tools, which holds no state: its calls run concurrently). asyncio's locks are first come,
+    first served: the calls of one turn, started in the order the model wrote them, run in that order,
+    each seeing what the one before left."""
     instance = getattr(fn, "__self__", None)
     if instance is None or inspect.isclass(instance) or inspect.ismodule(instance):
         return None
     loop = asyncio.get_running_loop()
     held = _LOCKS.get(id(instance))
-    if held is None or held[0] is not loop:  # a test may run an instance on several loops, one after another
-        held = _LOCKS[id(instance)] = (loop, asyncio.Lock())
+    # a test may run an instance on several loops, one after another
+    if held is None or held[0] is not loop:
+        held = (loop, asyncio.Lock())
+        _LOCKS[id(instance)] = held
     return held[1]
 
 
 @contextlib.asynccontextmanager
 async def one_call_at_a_time(fn, timeout, hung):
-    """Around a call of fn (its bounded run, in async_grpo.py): after the calls to its instance before it (a plain
-    function: at once). `hung`: ids of the instances in which a sync call goes on past its timeout: they take no other.
-    An async call past its timeout, cancelled, left its instance in a state unknown: released, its session or process
-    ends (tools.py's contract), and its next call starts afresh: nothing is held per timeout."""
+    """Around a call of fn (its bounded run, in async_grpo.py): after the calls to its instance before
+    it (a plain function: at once). `hung`: ids of the instances in which a sync call goes on past its
+    timeout: they take no other. An async call past its timeout, cancelled, left its instance in a
+    state unknown: released, its session or process ends (tools.py's contract), and its next call
+    starts afresh: nothing is held per timeout."""
     lock = instance_lock(fn)
     if lock is None:
         yield
@@ -534,7 +602,8 @@ async def one_call_at_a_time(fn, timeout, hung):
     try:
         await asyncio.wait_for(lock.acquire(), timeout)
     except TimeoutError:
-        raise TimedOut(f"{named(fn)} waited more than {timeout} s for its instance's call before it") from None
+        waited = f"waited more than {timeout} s for its instance's call before it"
+        raise TimedOut(f"{named(fn)} {waited}") from None
     try:
         if id(instance) in hung:
             raise RuntimeError("not run: a call of this environment that timed out still runs in it")
@@ -548,15 +617,17 @@ async def one_call_at_a_time(fn, timeout, hung):
 
 
 async def call_method(fn, arguments, timeout):
-    """fn(**arguments), a method of an environment's life (reward, release, close), within `timeout` seconds: awaited
-    if async, else in a daemon thread of its own, not one of the tool threads, which calls past their timeout may all
-    hold: it is never refused nor queued, so close() runs whatever the pool holds (and one that hangs keeps a thread
-    the exit does not wait for, and its instance is retired, as a call's: HUNG). An awaitable it returns is awaited
-    too. Not run, but close(), in an instance in which a call still runs (HUNG): one call at a time."""
+    """fn(**arguments), a method of an environment's life (reward, release, close), within `timeout`
+    seconds: awaited if async, else in a daemon thread of its own, not one of the tool threads, which calls
+    past their timeout may all hold: it is never refused nor queued, so close() runs whatever the pool holds
+    (and one that hangs keeps a thread the exit does not wait for, and its instance is retired, as a call's:
+    HUNG). An awaitable it returns is awaited too. Not run, but close(), in an instance in which a call
+    still runs (HUNG): one call at a time."""
     thread = None
     instance = getattr(fn, "__self__", None)
     if instance is not None and id(instance) in HUNG and fn.__name__ != "close":
-        raise RuntimeError(f"{named(fn)} not run: a call of this environment that timed out still runs in it")
+        hung = "a call of this environment that timed out still runs in it"
+        raise RuntimeError(f"{named(fn)} not run: {hung}")
     if inspect.iscoroutinefunction(fn):
         running = fn(**arguments)
     else:
@@ -567,45 +638,56 @@ async def call_method(fn, arguments, timeout):
                 value = fn(**arguments)
             except BaseException as e:
                 value = e
-            if not done.set_running_or_notify_cancel():  # its wait ended already
+            # its wait ended already
+            if not done.set_running_or_notify_cancel():
                 return
             if isinstance(value, BaseException):
                 done.set_exception(value)
             else:
                 done.set_result(value)
 
-        thread = threading.Thread(target=target, daemon=True, name=f"environment-{fn.__name__}")
+        name = f"environment-{fn.__name__}"
+        thread = threading.Thread(target=target, daemon=True, name=name)
         thread.start()
         running = asyncio.wrap_future(done)
     try:
         async with asyncio.timeout(timeout) as bound:
             value = await running
-            return await value if inspect.isawaitable(value) else value
+            if inspect.isawaitable(value):
+                return await value
+            return value
     except TimeoutError:
-        if not bound.expired():  # its own
+        # its own
+        if not bound.expired():
             raise
-        if thread is not None and thread.is_alive() and instance is not None:  # it goes on in its instance
+        # it goes on in its instance
+        if thread is not None and thread.is_alive() and instance is not None:
             HUNG.add(id(instance))
         raise TimedOut(f"{named(fn)} took more than {timeout} s (--tool-timeout)") from None
 
 
 async def close_environments(ctx, timeout):
     """close() every instance made (ctx.alive), once, each within `timeout` seconds, however the run ends."""
-    closing = [call_method(env.close, {}, timeout) for env in ctx.alive if hasattr(env, "close")]
+    closable = [env for env in ctx.alive if hasattr(env, "close")]
+    closing = [call_method(env.close, {}, timeout) for env in closable]
     ctx.alive.clear()
     await asyncio.gather(*closing, return_exceptions=True)
 
 
 async def bounded_reset(env, row, timeout):
-    """env.reset(**row) within `timeout` seconds, or its class's start_timeout where longer (an MCP server's start)."""
-    return await bounded(env.reset, row, max(timeout, getattr(env, "start_timeout", 0)))
+    """env.reset(**row) within `timeout` seconds, or its class's start_timeout where
+    longer (an MCP server's start)."""
+    seconds = max(timeout, getattr(env, "start_timeout", 0))
+    return await bounded(env.reset, row, seconds)
 
 
 def named(fn):
     """Class.method for an instance's method, else the function's name: what a timeout's message names."""
     instance = getattr(fn, "__self__", None)
     name = getattr(fn, "__name__", str(fn))
-    return f"{type(instance).__name__}.{name}" if instance is not None and not inspect.ismodule(instance) else name
+    if instance is not None and not inspect.ismodule(instance):
+        return f"{type(instance).__name__}.{name}"
+    return name
 
 
 # FORK: add an environment (a class above, its name here; --env NAME picks it)
@@ -617,37 +699,44 @@ def environment_class(spec):
     if spec in ENVIRONMENTS:
         return ENVIRONMENTS[spec]
     path, _, name = spec.rpartition(":")
-    module = importlib.util.module_from_spec(importlib.util.spec_from_file_location(Path(path).stem, path))
+    location = importlib.util.spec_from_file_location(Path(path).stem, path)
+    module = importlib.util.module_from_spec(location)
     module.__spec__.loader.exec_module(module)
     return getattr(module, name)
 
 
 def environment_tools(cls):
-    """{name: method}: the tools of an environment class, its public methods but the contract's (and get_reward)."""
+    """{name: method}: the tools of an environment class, its public methods but the
+    contract's (and get_reward)."""
     contract = ("reset", "respond", "reward", "get_reward", "release", "close", "configured")
     names = [n for n in dir(cls) if not n.startswith("_") and n not in contract]
     return {name: getattr(cls, name) for name in names if callable(getattr(cls, name))}
 
 
 def environment_schemas(cls):
-    """Their schemas, by transformers' get_json_schema as for TOOLS, or their own (`schema`: an MCP server's)."""
+    """Their schemas, by transformers' get_json_schema as for TOOLS, or their own
+    (`schema`: an MCP server's)."""
     from transformers.utils import get_json_schema
 
     return [getattr(fn, "schema", None) or get_json_schema(fn) for fn in environment_tools(cls).values()]
 
 
 def load_environments(args, log=None):
-    """--env and --mcp as {name: class}: from tools.ENVIRONMENTS, from a file (path/to/file.py:Class), or an MCP
-    server's (its tools listed now; `log`: a started server's stderr). Checked here, before vLLM starts."""
+    """--env and --mcp as {name: class}: from tools.ENVIRONMENTS, from a file
+    (path/to/file.py:Class), or an MCP server's (its tools listed now; `log`: a started server's
+    stderr). Checked here, before vLLM starts."""
     environments = {}
     for spec in args.env_names:
         try:
             cls = environment_class(spec)
-            cls = cls.configured(args) if hasattr(cls, "configured") else cls  # its flags; it may refuse the run
+            # its flags; it may refuse the run
+            if hasattr(cls, "configured"):
+                cls = cls.configured(args)
             environments[cls.__name__] = cls
             environment_schemas(cls)
         except Exception as e:
-            raise SystemExit(f"--env {spec}: cannot load it, or its tools' schemas ({type(e).__name__}: {e})")
+            why = f"{type(e).__name__}: {e}"
+            raise SystemExit(f"--env {spec}: cannot load it, or its tools' schemas ({why})")
     if args.mcp:
         try:
             environments["mcp"] = mcp_environment(args.mcp, log, args.tool_timeout)
@@ -656,26 +745,31 @@ def load_environments(args, log=None):
     for name, cls in environments.items():
         clash = sorted(set(environment_tools(cls)) & set(args.tool_names))
         if clash or not hasattr(cls, "reset"):
-            raise SystemExit(f"--env {name}: needs a reset(**row) method, and tools not named as --tools' {clash}")
-    if "env_reward" in args.reward_weights and not all([reward_method(c) for c in environments.values()] or [0]):
-        raise SystemExit(
-            "--rewards env_reward: it is every row's environment's reward() or get_reward() (--env, --task guess)"
-        )
+            needs = f"needs a reset(**row) method, and tools not named as --tools' {clash}"
+            raise SystemExit(f"--env {name}: {needs}")
+    scored = [reward_method(c) for c in environments.values()]
+    # no environment at all: nothing to score either
+    if "env_reward" in args.reward_weights and not all(scored or [0]):
+        meaning = "every row's environment's reward() or get_reward() (--env, --task guess)"
+        raise SystemExit(f"--rewards env_reward: it is {meaning}")
+
     global METHOD_TIMEOUT
     METHOD_TIMEOUT = args.tool_timeout
     descriptors(args, environments)
     return environments
 
 
-# an instance's descriptors in the trainer, at most: an interpreter's 3 pipes, bwrap's info, a pidfd at its stop
+# an instance's descriptors in the trainer, at most: an interpreter's 3 pipes, bwrap's
+# info, a pidfd at its stop
 INSTANCE_DESCRIPTORS = 8
 
 
 def descriptors(args, environments):
-    """The soft limit on open descriptors raised to the hard one (1,024 of most installs' soft limit is less than a
-    --env python run at the default flags holds), and a run whose instances (training's, up to 2 x --max-inflight
-    rollouts and a group; an evaluation's, as many again) and requests cannot fit in it refused at start: a shortage
-    mid-run fails rows, resets and new connections to vLLM alike (EMFILE), and reads as a failed server."""
+    """The soft limit on open descriptors raised to the hard one (1,024 of most installs' soft limit is
+    less than a --env python run at the default flags holds), and a run whose instances (training's, up
+    to 2 x --max-inflight rollouts and a group; an evaluation's, as many again) and requests cannot fit
+    in it refused at start: a shortage mid-run fails rows, resets and new connections to vLLM alike
+    (EMFILE), and reads as a failed server."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if soft < hard:
         resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
@@ -683,56 +777,76 @@ def descriptors(args, environments):
     # the run's own (512), its instances', and its requests' (connections to vLLM)
     needed = 512 + INSTANCE_DESCRIPTORS * instances * bool(environments) + 4 * args.max_inflight
     if hard != resource.RLIM_INFINITY and needed > hard:
+        evaluating = " with --eval-every" if args.eval_every else ""
         raise SystemExit(
-            f"--max-inflight {args.max_inflight}{' with --eval-every' * bool(args.eval_every)}: up to {instances} "
-            f"environment instances and their requests need about {needed} open descriptors, over this process's "
-            f"limit of {hard} (ulimit -Hn): lower --max-inflight, or raise the hard limit"
+            f"--max-inflight {args.max_inflight}{evaluating}: up to {instances} environment instances "
+            f"and their requests need about {needed} open descriptors, "
+            f"over this process's limit of {hard} (ulimit -Hn): "
+            "lower --max-inflight, or raise the hard limit"
         )
 
 
 def reward_method(env):
-    """The name of an environment's (class or instance) score of its final state: reward, else TRL's get_reward, else
-    None."""
-    return next((name for name in ("reward", "get_reward") if callable(getattr(env, name, None))), None)
+    """The name of an environment's (class or instance) score of its final state: reward,
+    else TRL's get_reward, else None."""
+    for name in ("reward", "get_reward"):
+        if callable(getattr(env, name, None)):
+            return name
+    return None
 
 
 def check_columns(environments, rows, args):
-    """Every row has the columns its environment's reset needs (its parameters without a default), or the run stops
-    here, at start, naming the class, the column and a row: not after groups failed their resets one by one."""
+    """Every row has the columns its environment's reset needs (its parameters without a
+    default), or the run stops here, at start, naming the class, the column and a row: not after
+    groups failed their resets one by one."""
     source = f"--dataset {args.dataset}" if args.dataset else f"--task {args.task}"
     for name, cls in environments.items():
-        reset = inspect.getattr_static(cls, "reset", None)
-        parameters = list(inspect.signature(cls.reset).parameters.values())
-        if inspect.isfunction(reset):  # a plain method: its first parameter is the instance
-            parameters = parameters[1:]
-        needed = [
-            p.name
-            for p in parameters
-            if p.default is p.empty and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY, p.POSITIONAL_ONLY)
-        ]
+        needed = needed_columns(cls)
         own = [row for row in rows if environment_of(row, environments) == name]
         for column in needed:
             lacking = [row for row in own if column not in row]
             if lacking:
+                first = lacking[0]["id"]
                 raise SystemExit(
-                    f"--env {name}: {cls.__name__}.reset needs the column `{column}`, which {len(lacking)} of its "
-                    f"{len(own)} rows of {source} lack (the first: id {lacking[0]['id']!r}); add the column, or give "
-                    "the parameter a default"
+                    f"--env {name}: {cls.__name__}.reset needs the column `{column}`, "
+                    f"which {len(lacking)} of its {len(own)} rows of {source} lack "
+                    f"(the first: id {first!r}); add the column, or give the parameter a default"
                 )
+
+
+def needed_columns(cls):
+    """The columns an environment class's reset needs: its named parameters without a default."""
+    reset = inspect.getattr_static(cls, "reset", None)
+    parameters = list(inspect.signature(cls.reset).parameters.values())
+    # a plain method: its first parameter is the instance
+    if inspect.isfunction(reset):
+        parameters = parameters[1:]
+    named = (
+        inspect.Parameter.POSITIONAL_OR_KEYWORD,
+        inspect.Parameter.KEYWORD_ONLY,
+        inspect.Parameter.POSITIONAL_ONLY,
+    )
+    return [p.name for p in parameters if p.default is p.empty and p.kind in named]
 
 
 def every_tool(schemas, environments):
     """The schemas of --tools and of every environment's tools, once each."""
-    every = (schemas or []) + [s for cls in environments.values() for s in environment_schemas(cls)]
+    every = list(schemas or [])
+    for cls in environments.values():
+        every += environment_schemas(cls)
+    # once each
     return list({s["function"]["name"]: s for s in every}.values())
 
 
 def environment_of(row, environments):
-    """The name of a row's environment: its column `env` (or TRL's `environment`), else the one environment of the run
-    (None without any)."""
+    """The name of a row's environment: its column `env` (or TRL's `environment`), else the one
+    environment of the run (None without any)."""
     if not environments:
         return None
-    name = row.get("env", row.get("environment", next(iter(environments)) if len(environments) == 1 else None))
+    # the run's one environment, where it has one
+    only = next(iter(environments)) if len(environments) == 1 else None
+    name = row.get("env", row.get("environment", only))
+
     if name not in environments:
         names = ",".join(environments)
         raise SystemExit(
@@ -741,49 +855,66 @@ def environment_of(row, environments):
     return name
 
 
-# --- What tools say goes into the context as data -------------------------------------------------------------------
+# --- What tools say goes into the context as data ---------------------------------------------------
 
 
 def result_ids(tok, head, suffix, messages, render_suffix):
-    """Token ids of `head + suffix`, the tool-result turn as the template renders it, in which the messages' contents
-    (what tools, environments and MCP servers said) are data: ordinary tokens, never an added token of the tokenizer
-    (<|im_end|>, </tool_response>, [TOOL_RESULTS], ...), or a tool's text could write turns, roles and framing into the
-    trained context. Where no content holds such a token's text (the common case), the text tokenized whole; else the
-    template's own text (found by rendering the messages with markers in place of their contents: render_suffix(messages)
-    -> that suffix) keeps its added tokens, and the whole is tokenized as the tokenizer would if the contents' were not
-    added tokens (plain_ids). Neither split_special_tokens (it leaves added tokens not marked special: Qwen3's
-    <tool_response>) nor tokenizing the contents in pieces (a SentencePiece-style tokenizer gives each piece a prefix
-    space) does that. Raises Dropped (the group is not trained, the run goes on) where it cannot be done exactly."""
+    """Token ids of `head + suffix`, the tool-result turn as the template renders it, in which the messages'
+    contents (what tools, environments and MCP servers said) are data: ordinary tokens, never an added token
+    of the tokenizer (<|im_end|>, </tool_response>, [TOOL_RESULTS], ...), or a tool's text could write turns,
+    roles and framing into the trained context. Where no content holds such a token's text (the common case),
+    the text tokenized whole; else the template's own text (found by rendering the messages with markers in
+    place of their contents: render_suffix(messages) -> that suffix) keeps its added tokens, and the whole is
+    tokenized as the tokenizer would if the contents' were not added tokens (plain_ids). Neither
+    split_special_tokens (it leaves added tokens not marked special: Qwen3's <tool_response>) nor tokenizing
+    the contents in pieces (a SentencePiece-style tokenizer gives each piece a prefix space) does that. Raises
+    Dropped (the group is not trained, the run goes on) where it cannot be done exactly."""
     try:
         added = {i: t for i, t in tok.added_tokens_decoder.items() if len(t.content) > 1}
         contents = [m["content"] for m in messages]
         if not any(t.content in content for content in contents for t in added.values()):
             return tok.encode(head + suffix, add_special_tokens=False)
-        markers = [f"\ue000{i}\ue001" for i in range(len(messages))]  # private-use characters: no template writes them
+        # private-use characters: no template writes them
+        markers = [f"\ue000{i}\ue001" for i in range(len(messages))]
         marked = render_suffix([{**m, "content": marker} for m, marker in zip(messages, markers)])
         framing = re.split("|".join(map(re.escape, markers)), marked)
-        if suffix != "".join(f + c for f, c in zip(framing, [*contents, ""])):
-            # a template that changes a content as it renders it (escapes, strips): what lies between its own pieces
-            contents, at = [], len(framing[0])
-            for piece in framing[1:]:
-                end = suffix.find(piece, at) if piece else len(suffix)
-                contents.append(suffix[at : max(end, at)])
-                at = max(end, at) + len(piece)
+        if suffix != interleaved(framing, contents):
+            # a template that changes a content as it renders it (escapes, strips)
+            contents = rendered_contents(suffix, framing)
         framing[0] = head + framing[0]
-        if head + suffix != "".join(f + c for f, c in zip(framing, [*contents, ""])):
+        if head + suffix != interleaved(framing, contents):
             raise ValueError("the template's own text is not found around the contents")
         return plain_ids(tok, framing, contents, added)
     except Dropped:
         raise
-    except Exception as e:  # the tokenizer's or the template's: one print must not end the run
-        raise Dropped(f"a tool result could not be tokenized as data ({type(e).__name__}: {e})") from None
+    # the tokenizer's or the template's: one print must not end the run
+    except Exception as e:
+        why = f"{type(e).__name__}: {e}"
+        raise Dropped(f"a tool result could not be tokenized as data ({why})") from None
+
+
+def interleaved(framing, contents):
+    """framing[0] + contents[0] + framing[1] + ...: the text of a turn from its pieces."""
+    return "".join(f + c for f, c in zip(framing, [*contents, ""]))
+
+
+def rendered_contents(suffix, framing):
+    """The contents as a template rendered them into `suffix`: what lies between its own pieces."""
+    contents = []
+    at = len(framing[0])
+    for piece in framing[1:]:
+        end = suffix.find(piece, at) if piece else len(suffix)
+        contents.append(suffix[at : max(end, at)])
+        at = max(end, at) + len(piece)
+    return contents
 
 
 def plain_ids(tok, framing, contents, added):
-    """Ids of framing[0] + contents[0] + framing[1] + ... tokenized whole, with the added tokens (`added`, by id) that the
-    tokenizer finds in each framing piece and none in the contents: each one found stands in the text as its marker, the
-    only added token of a copy of the tokenizer (plain_tokenizer), mapped back after. So the text between two of the
-    template's added tokens is one piece, as the tokenizer cuts it: no prefix space or merge of its own."""
+    """Ids of framing[0] + contents[0] + framing[1] + ... tokenized whole, with the added tokens (`added`,
+    by id) that the tokenizer finds in each framing piece and none in the contents: each one found stands
+    in the text as its marker, the only added token of a copy of the tokenizer (plain_tokenizer), mapped
+    back after. So the text between two of the template's added tokens is one piece, as the tokenizer cuts
+    it: no prefix space or merge of its own."""
     plain, marker_of, unknown = plain_tokenizer(tok, tuple(sorted(added)))
     text, framed = [], []
     for piece, content in zip(framing, [*contents, ""]):
@@ -798,40 +929,59 @@ def plain_ids(tok, framing, contents, added):
     original = {marker: i for i, marker in marker_of.items()}
     encoding = plain.encode("".join(text), add_special_tokens=False)
     ids = [original.get(token, i) for token, i in zip(encoding.tokens, encoding.ids)]
-    # a content that holds a marker; a model that makes an added token of ordinary text (its unknown token aside)
-    if [i for i in ids if i in added and i != unknown] != [i for i in framed if i != unknown]:
+    # a content that holds a marker; a model that makes an added token of ordinary text (its unknown token
+    # aside)
+    found = [i for i in ids if i in added and i != unknown]
+    if found != [i for i in framed if i != unknown]:
         raise ValueError("its added tokens are not the template's")
     return ids
 
 
 @functools.lru_cache(maxsize=4)
 def plain_tokenizer(tok, ids):
-    """(a copy of tok's tokenizers.Tokenizer without the added tokens of `ids`, {id: marker}, the id of its model's
-    unknown token): in the place of each token a marker, eight random private-use characters (no text holds them but
-    by chance, which plain_ids refuses), an added token with the same flags (lstrip, rstrip, single_word, normalized),
-    so that it cuts the text as that token does."""
+    """(a copy of tok's tokenizers.Tokenizer without the added tokens of `ids`, {id: marker}, the id of its
+    model's unknown token): in the place of each token a marker, eight random private-use characters (no text
+    holds them but by chance, which plain_ids refuses), an added token with the same flags (lstrip, rstrip,
+    single_word, normalized), so that it cuts the text as that token does."""
     from tokenizers import AddedToken, Tokenizer
 
     data = json.loads(tok.backend_tokenizer.to_str())
     data["added_tokens"] = [t for t in data["added_tokens"] if t["id"] not in ids]
-    data["truncation"] = data["padding"] = None
-    # nor made by the model of ordinary text: a vocabulary entry (WordPiece, BPE that ignores merges), a merge (BPE)
+    data["truncation"] = None
+    data["padding"] = None
+    # nor made by the model of ordinary text: a vocabulary entry (WordPiece, BPE that
+    # ignores merges), a merge (BPE)
     model = data["model"]
     removed = {tok.added_tokens_decoder[i].content for i in ids} - {model.get("unk_token")}
-    hidden = "".join(chr(random.SystemRandom().randrange(0xF0000, 0xFFFFE)) for _ in range(8))
+    hidden = unseen_text(random.SystemRandom())
     if isinstance(model.get("vocab"), dict):
         model["vocab"] = {piece: i for piece, i in model["vocab"].items() if piece not in removed}
-    else:  # Unigram's [piece, score] by id: a piece renamed to one no text holds
-        model["vocab"] = [[piece + hidden if piece in removed else piece, score] for piece, score in model["vocab"]]
+    # Unigram's [piece, score] by id: a piece renamed to one no text holds
+    else:
+        vocab = []
+        for piece, score in model["vocab"]:
+            vocab.append([piece + hidden if piece in removed else piece, score])
+        model["vocab"] = vocab
     if "merges" in model:
         pairs = [m.split(" ", 1) if isinstance(m, str) else m for m in model["merges"]]
-        model["merges"] = [m for m, pair in zip(model["merges"], pairs) if not removed & {*pair, "".join(pair)}]
+        merges = []
+        for m, pair in zip(model["merges"], pairs):
+            if not removed & {*pair, "".join(pair)}:
+                merges.append(m)
+        model["merges"] = merges
     plain = Tokenizer.from_str(json.dumps(data))
     rng = random.SystemRandom()
-    marker_of = {i: "".join(chr(rng.randrange(0xF0000, 0xFFFFE)) for _ in range(8)) for i in ids}
+    marker_of = {i: unseen_text(rng) for i in ids}
     for i, marker in marker_of.items():
         token = tok.added_tokens_decoder[i]
-        flags = {name: getattr(token, name) for name in ("single_word", "lstrip", "rstrip", "normalized")}
+        names = ("single_word", "lstrip", "rstrip", "normalized")
+        flags = {name: getattr(token, name) for name in names}
         plain.add_special_tokens([AddedToken(marker, special=True, **flags)])
-    unknown = model.get("unk_id", tok.backend_tokenizer.token_to_id(str(model.get("unk_token"))))
+    unknown_token = tok.backend_tokenizer.token_to_id(str(model.get("unk_token")))
+    unknown = model.get("unk_id", unknown_token)
     return plain, marker_of, unknown
+
+
+def unseen_text(rng):
+    """Eight random private-use characters: a text that nothing holds but by chance."""
+    return "".join(chr(rng.randrange(0xF0000, 0xFFFFE)) for _ in range(8))
