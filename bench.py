@@ -118,21 +118,18 @@ def cpu_seconds(pgid):
     return total / os.sysconf("SC_CLK_TCK")
 
 
+def comparison_flags(args, task, mode):
+    """The flags of one run of a comparison: the task's, then the tool latency and the run's size from args, then
+    the mode's (MODES)."""
+    size = ["--steps", str(args.steps), "--prompts-per-step", str(args.prompts_per_step)]
+    size += ["--num-generations", str(args.num_generations)]
+    return [*task, "--tool-latency", str(args.tool_latency), *size, *MODES[mode]]
+
+
 def async_vs_sync(args, server, out_dir):
     results = {"tool_latency": args.tool_latency, "cpu_cores": os.cpu_count()}
     for mode in MODES:
-        flags = [
-            "--tools",
-            "--tool-latency",
-            str(args.tool_latency),
-            "--steps",
-            str(args.steps),
-            "--prompts-per-step",
-            str(args.prompts_per_step),
-            "--num-generations",
-            str(args.num_generations),
-            *MODES[mode],
-        ]
+        flags = comparison_flags(args, ["--tools"], mode)
         metrics, cpu = run(f"tools-{mode}", flags, args, server.url, server.pid, out_dir)
         if mode == "async":
             results["bound_samples_per_s"] = training_bound(
@@ -164,19 +161,7 @@ def environment(args, server, out_dir):
     after --tool-latency seconds, with --sync and async."""
     results = {"tool_latency": args.tool_latency}
     for mode in ("sync", "async"):
-        flags = [
-            "--task",
-            "guess",
-            "--tool-latency",
-            str(args.tool_latency),
-            "--steps",
-            str(args.steps),
-            "--prompts-per-step",
-            str(args.prompts_per_step),
-            "--num-generations",
-            str(args.num_generations),
-            *MODES[mode],
-        ]
+        flags = comparison_flags(args, ["--task", "guess"], mode)
         metrics, _ = run(f"env-{mode}", flags, args, server.url, server.pid, out_dir)
         k = max(1, len(metrics) // 4)
         results[mode] = {
@@ -630,6 +615,26 @@ TRAINER_SHAPES = {
     "qwen3-1.7b": dict(QWEN3, hidden=2048, layers=28, heads=16, ffn=6144),
     "qwen3-4b": dict(QWEN3, hidden=2560, layers=36, heads=32, ffn=9728),
 }
+
+
+def trainer_config(shape, positions):
+    """The Qwen3Config of a shape of TRAINER_SHAPES (head_dim: hidden / heads unless the shape says), for sequences
+    of up to `positions` tokens."""
+    from transformers import Qwen3Config
+
+    return Qwen3Config(
+        vocab_size=shape["vocab"],
+        hidden_size=shape["hidden"],
+        intermediate_size=shape["ffn"],
+        num_hidden_layers=shape["layers"],
+        num_attention_heads=shape["heads"],
+        num_key_value_heads=shape["kv_heads"],
+        head_dim=shape.get("head_dim", shape["hidden"] // shape["heads"]),
+        max_position_embeddings=positions,
+        tie_word_embeddings=True,
+    )
+
+
 LAYOUTS = {"unshared": (["--no-share-prefix"], False), "shared": ([], False), "packed": ([], True)}
 
 
@@ -639,23 +644,13 @@ def trainer_only(args):
     mask, where rows_of finds that cheaper than rows of their own) and packed (segments through segment_attention: one
     varlen flash kernel on CUDA, SDPA a segment at a time elsewhere). Each: step_cost (seconds, peak memory, tokens
     forwarded, and the loss, the same in every layout). Then collate's host seconds for one group at growing lengths."""
-    from transformers import Qwen3Config, Qwen3ForCausalLM
+    from transformers import Qwen3ForCausalLM
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     shape = dict(TRAINER_SHAPES[args.shape or ("tiny" if args.tiny else device.type)])
     shape.update({k: getattr(args, k) for k in ("group", "prompt", "new") if getattr(args, k)})
     layouts = {k: v for k, v in LAYOUTS.items() if k in args.layouts.split(",")}
-    config = Qwen3Config(
-        vocab_size=shape["vocab"],
-        hidden_size=shape["hidden"],
-        intermediate_size=shape["ffn"],
-        num_hidden_layers=shape["layers"],
-        num_attention_heads=shape["heads"],
-        num_key_value_heads=shape["kv_heads"],
-        head_dim=shape.get("head_dim", shape["hidden"] // shape["heads"]),
-        max_position_embeddings=shape["prompt"] + 8 * shape["new"],
-        tie_word_embeddings=True,
-    )
+    config = trainer_config(shape, positions=shape["prompt"] + 8 * shape["new"])
     torch.manual_seed(0)
     with device:
         model = Qwen3ForCausalLM(config)

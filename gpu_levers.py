@@ -155,19 +155,9 @@ def build(shape, device, levers):
     """The model of the shape (random weights, seed 0: every variant the same), with the levers of model building."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
-    from transformers import Qwen3Config, Qwen3ForCausalLM
+    from transformers import Qwen3ForCausalLM
 
-    config = Qwen3Config(
-        vocab_size=shape["vocab"],
-        hidden_size=shape["hidden"],
-        intermediate_size=shape["ffn"],
-        num_hidden_layers=shape["layers"],
-        num_attention_heads=shape["heads"],
-        num_key_value_heads=shape["kv_heads"],
-        head_dim=shape["head_dim"],
-        max_position_embeddings=shape["prompt"] + 2 * shape["new"],
-        tie_word_embeddings=True,
-    )
+    config = bench.trainer_config(shape, positions=shape["prompt"] + 2 * shape["new"])
     torch.manual_seed(0)
     with device:
         model = Qwen3ForCausalLM(config)

@@ -44,17 +44,28 @@ server.run("stdio")
 '''
 
 
-def children_of(pid):
-    """PIDs of the live processes (zombies aside) whose parent is pid."""
-    found = []
+def live_processes():
+    """{pid: the fields of /proc/pid/stat after the command's name} of the live processes, zombies aside (the
+    state is field 0, the parent's PID 1, the process group 2)."""
+    found = {}
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
             fields = stat.read_text().rsplit(")", 1)[1].split()
         except OSError:
             continue
-        if fields[0] != "Z" and int(fields[1]) == pid:
-            found.append(int(stat.parent.name))
+        if fields[0] != "Z":
+            found[int(stat.parent.name)] = fields
     return found
+
+
+def children_of(pid):
+    """PIDs of the live processes (zombies aside) whose parent is pid."""
+    return [child for child, fields in live_processes().items() if int(fields[1]) == pid]
+
+
+def processes_in_group(pgid):
+    """PIDs of the live processes (zombies aside) whose process group is pgid."""
+    return [member for member, fields in live_processes().items() if int(fields[2]) == pgid]
 
 
 def sample(pid):
