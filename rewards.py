@@ -66,11 +66,12 @@ _JUDGES = {"idle": [], "slots": threading.BoundedSemaphore(JUDGES)}
 
 
 def math_answer(completions, answer, **kwargs):
-    """1 if the final assistant turn's answer equals `answer` (a dataset column) as Hugging Face's math-verify judges it
-    (TRL's and open-r1's accuracy reward): the answer is the last \\boxed{...}, else the last formula or number;
-    `answer` is a number, a LaTeX expression, or a worked solution that boxes it. Equal forms are equal: 1/2,
-    \\frac{1}{2} and 0.5, (x+1)^2 and x^2+2x+1, x=3 and 3. Judged in a process of its own, one comparison at most
-    MATH_SECONDS: sympy on what a model writes (9^{9^{9^9}}) can hold the interpreter in one C call for hours."""
+    """1 if the final assistant turn's answer equals `answer` (a dataset column) as Hugging Face's
+    math-verify judges it (TRL's and open-r1's accuracy reward): the answer is the last \\boxed{...}, else
+    the last formula or number; `answer` is a number, a LaTeX expression, or a worked solution that boxes
+    it. Equal forms are equal: 1/2, \\frac{1}{2} and 0.5, (x+1)^2 and x^2+2x+1, x=3 and 3. Judged in a
+    process of its own, one comparison at most MATH_SECONDS: sympy on what a model writes (9^{9^{9^9}}) can
+    hold the interpreter in one C call for hours."""
     # groups are scored on several threads: each takes a judge of its own (one answers one question at a time)
     with _JUDGES["slots"]:
         judge = None
@@ -134,8 +135,8 @@ def _ended(process):
 
 
 def judge():
-    """The judge's process (math_answer): a line [gold, text] in, a line 1 or 0 out, until its input closes. It dies
-    with the run (PR_SET_PDEATHSIG) and holds at most 2 GiB."""
+    """The judge's process (math_answer): a line [gold, text] in, a line 1 or 0 out, until its input
+    closes. It dies with the run (PR_SET_PDEATHSIG) and holds at most 2 GiB."""
     ctypes.CDLL(None).prctl(1, signal.SIGKILL)
     resource.setrlimit(resource.RLIMIT_AS, (2**31, 2**31))
     # its notes that the timeouts are ours (its own, signal.alarm, need a main thread)
@@ -148,7 +149,8 @@ def judge():
     for line in sys.stdin:
         gold, text = json.loads(line)
         try:
-            # a gold without $...$ or \\boxed is read as one formula first: (1, 2) is a pair, not its last number
+            # a gold without $...$ or \\boxed is read as one formula first: (1, 2) is a pair, not its last
+            # number
             expected = None if "$" in gold or "\\boxed" in gold else parse(f"${gold}$", parsing_timeout=None)
             expected = expected or parse(gold, parsing_timeout=None)
             found = parse(text, parsing_timeout=None)
@@ -167,8 +169,9 @@ def format_reward(completions, truncated, **kwargs):
 
 
 def countdown(completions, numbers, target, **kwargs):
-    """1 if the final assistant turn's last expression uses each of `numbers` exactly once and equals `target` (the
-    columns of the built-in countdown task), evaluated exactly by the calculator tool's arithmetic."""
+    """1 if the final assistant turn's last expression uses each of `numbers` exactly once and equals
+    `target` (the columns of the built-in countdown task), evaluated exactly by the calculator tool's
+    arithmetic."""
     rewards = []
     for messages, given, goal in zip(completions, numbers, target):
         expressions = [e.strip() for e in _EXPRESSION.findall(final_text(messages)) if re.search(r"\d\s*[-+*/]", e)]
@@ -188,9 +191,9 @@ def tool_use(tool_calls, tool_failures, **kwargs):
 
 
 async def env_reward(environments, **kwargs):
-    """Each rollout's environment's score of its final state: its reward() method, or TRL's get_reward() (tools.py),
-    bounded by --tool-timeout and, if sync, in a thread: never on the event loop, which every rollout in flight
-    shares."""
+    """Each rollout's environment's score of its final state: its reward() method, or TRL's get_reward()
+    (tools.py), bounded by --tool-timeout and, if sync, in a thread: never on the event loop, which every
+    rollout in flight shares."""
     return await asyncio.gather(
         *[
             tools.call_method(getattr(environment, reward_method(environment)), {}, tools.METHOD_TIMEOUT)
@@ -205,11 +208,12 @@ REWARDS = {fn.__name__: fn for fn in (correct_answer, math_answer, format_reward
 
 # FORK: add a task (its rows here, its reward above and in REWARDS)
 def task_rows(n, seed, task="arithmetic", max_operand=4, terms=2, operations="+-"):
-    """The built-in tasks, as dataset rows with the columns their rewards read. arithmetic: 'What is 3 + 4?', the
-    answer a column (reward correct_answer); with the defaults, 50 distinct problems, few enough for the tiny model to
-    learn in a few dozen steps. countdown: reach a target from given numbers, each used once (reward countdown): a
-    search, not a recall. `terms` operands up to max_operand, operators drawn from `operations`. guess: the game of
-    tools.GuessNumber, the number to find a column (reward env_reward)."""
+    """The built-in tasks, as dataset rows with the columns their rewards read. arithmetic: 'What is 3 +
+    4?', the answer a column (reward correct_answer); with the defaults, 50 distinct problems, few enough
+    for the tiny model to learn in a few dozen steps. countdown: reach a target from given numbers, each
+    used once (reward countdown): a search, not a recall. `terms` operands up to max_operand, operators
+    drawn from `operations`. guess: the game of tools.GuessNumber, the number to find a column (reward
+    env_reward)."""
     rng, rows = random.Random(seed), []
     if task == "guess":
         game = f"Guess my number from 1 to {GuessNumber.largest}. If wrong, I say higher or lower and what is left."

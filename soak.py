@@ -1,12 +1,13 @@
-"""Soak: a long run under faults, with what it holds sampled over time. A run that leaks grows in one of these columns.
+"""Soak: a long run under faults, with what it holds sampled over time. A run that leaks grows in one of these
+columns.
 
     python soak.py --part python --minutes 6     # --env python, an evaluation every 2 steps
     python soak.py --part mcp --minutes 6        # --mcp over stdio (a process a session), one killed every 5 s
 
-Each part runs async_grpo.py as a user does (its own vLLM server, the built-in model and task), samples the trainer
-every --every seconds: its open descriptors, threads, resident memory, child processes (interpreters' bwraps, MCP
-servers, the math judge, the vLLM server), and the steps done; then stops it with a Ctrl-C and checks that it ended with
-the stop's line and left no process. Prints a table; nothing is asserted by time.
+Each part runs async_grpo.py as a user does (its own vLLM server, the built-in model and task), samples the
+trainer every --every seconds: its open descriptors, threads, resident memory, child processes (interpreters'
+bwraps, MCP servers, the math judge, the vLLM server), and the steps done; then stops it with a Ctrl-C and
+checks that it ended with the stop's line and left no process. Prints a table; nothing is asserted by time.
 """
 
 import argparse
@@ -88,8 +89,9 @@ def running(text):
 
 
 def killer(trainer, script, every, stop, killed, started):
-    """Kills one of the trainer's MCP server processes (the script's) every `every` seconds, at random, once the
-    run has started (the file `started` exists): a crash. One at start would end the run, as it should."""
+    """Kills one of the trainer's MCP server processes (the script's) every `every` seconds, at random,
+    once the run has started (the file `started` exists): a crash. One at start would end the run, as it
+    should."""
     while not stop.wait(every):
         if not started.exists():
             continue
