@@ -63,12 +63,12 @@ import mfu
 import rewards
 import tiny_model as tiny
 import vllm_server
-import vllm_server
 
 
 def serve(path, out_dir):
     """A vLLM server as async_grpo.py starts it, with the bench's worker extension."""
-    args = ag.parse_args(["--output-dir", str(out_dir), "--vllm-args", "--worker-extension-cls bench.BenchExtension"])
+    extension = "--worker-extension-cls bench.BenchExtension"
+    args = ag.parse_args(["--output-dir", str(out_dir), "--vllm-args", extension])
     server = ag.start_vllm(args, path, out_dir)[0]
     server.model_path = path
     return server
@@ -101,7 +101,8 @@ def run(name, flags, args, url, server_pid, out_dir):
         *flags,
     ]
     print(f"{name}: {' '.join(cmd[1:])} (log {run_dir}.log)", flush=True)
-    vllm_cpu = cpu_seconds(server_pid)  # the server idles while the run starts: its CPU time is the training's
+    # the server idles while the run starts: its CPU time is the training's
+    vllm_cpu = cpu_seconds(server_pid)
     with open(f"{run_dir}.log", "w") as log:
         if subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT).returncode:
             tail = "".join(Path(f"{run_dir}.log").read_text(errors="replace").splitlines(keepends=True)[-25:])
@@ -121,6 +122,11 @@ def cpu_seconds(pgid):
     return total / os.sysconf("SC_CLK_TCK")
 
 
+def samples_per_step(args):
+    """The rollouts of one step: --prompts-per-step x --num-generations."""
+    return args.prompts_per_step * args.num_generations
+
+
 def comparison_flags(args, task, mode):
     """The flags of one run of a comparison: the task's, then the tool latency and the run's size from
     args, then the mode's (MODES)."""
@@ -136,7 +142,7 @@ def async_vs_sync(args, server, out_dir):
         metrics, cpu = run(f"tools-{mode}", flags, args, server.url, server.pid, out_dir)
         if mode == "async":
             results["bound_samples_per_s"] = training_bound(
-                server.model_path, metrics, args.prompts_per_step * args.num_generations, args.reps
+                server.model_path, metrics, samples_per_step(args), args.reps
             )
         last, k = metrics[-1], max(1, len(metrics) // 4)
         results[mode] = {
@@ -153,8 +159,9 @@ def async_vs_sync(args, server, out_dir):
             # generation and training overlap
             "cpu_floor_step_seconds": sum(cpu.values()) / len(metrics) / os.cpu_count(),
         }
-    results["speedup"] = results["async"]["samples_per_s"] / results["sync"]["samples_per_s"]
-    results["speedup_staleness_2"] = results["async_staleness_2"]["samples_per_s"] / results["sync"]["samples_per_s"]
+    sync_rate = results["sync"]["samples_per_s"]
+    results["speedup"] = results["async"]["samples_per_s"] / sync_rate
+    results["speedup_staleness_2"] = results["async_staleness_2"]["samples_per_s"] / sync_rate
     results["ratio"] = results["async"]["samples_per_s"] / results["bound_samples_per_s"]
     return results
 
@@ -167,11 +174,11 @@ def environment(args, server, out_dir):
         flags = comparison_flags(args, ["--task", "guess"], mode)
         metrics, _ = run(f"env-{mode}", flags, args, server.url, server.pid, out_dir)
         k = max(1, len(metrics) // 4)
+        answers = statistics.mean(m["tools/respond/calls"] for m in metrics)
         results[mode] = {
             "wall_seconds": metrics[-1]["perf/wall_seconds"],
             "samples_per_s": metrics[-1]["perf/samples_per_second"],
-            "answers_per_sample": statistics.mean(m["tools/respond/calls"] for m in metrics)
-            / (args.prompts_per_step * args.num_generations),
+            "answers_per_sample": answers / samples_per_step(args),
             "reward_first": statistics.mean(m["reward/mean"] for m in metrics[:k]),
             "reward_last": statistics.mean(m["reward/mean"] for m in metrics[-k:]),
         }
@@ -188,7 +195,7 @@ def code_interpreter(args, server, out_dir):
 
     import sandbox
 
-    n = args.prompts_per_step * args.num_generations
+    n = samples_per_step(args)
     memory = ag.parse_args(["--output-dir", "unused"]).python_memory  # a run's default --python-memory
     cell = "x = sum(i * i for i in range(1000))\nprint(x % 97)"
 
@@ -230,22 +237,23 @@ def code_interpreter(args, server, out_dir):
 
 def print_interpreter(r, args):
     print(
-        f"--env python: {r['interpreters']} sandboxed interpreters started at once in {r['start_seconds']:.2f} s, then "
-        f"{r['calls_per_s']:.0f} calls/s running concurrently; {args.steps} steps x "
-        f"{args.prompts_per_step * args.num_generations} samples, async:"
+        f"--env python: {r['interpreters']} sandboxed interpreters started at once in "
+        f"{r['start_seconds']:.2f} s, then {r['calls_per_s']:.0f} calls/s running concurrently; "
+        f"{args.steps} steps x {samples_per_step(args)} samples, async:"
     )
-    for name in ("python", "calculator"):
+    for name, label in (("python", "--env python"), ("calculator", "--tools calculator")):
         m = r[name]
+        reward = f"reward {m['reward_first']:.3f} -> {m['reward_last']:.3f}"
         print(
-            f"  {'--env python' if name == 'python' else '--tools calculator':18s} {m['samples_per_s']:6.2f} samples/s, "
-            f"{m['tool_calls_per_sample']:.2f} calls a sample, reward {m['reward_first']:.3f} -> {m['reward_last']:.3f}"
+            f"  {label:18s} {m['samples_per_s']:6.2f} samples/s, "
+            f"{m['tool_calls_per_sample']:.2f} calls a sample, {reward}"
         )
 
 
 def print_environment(r, args):
     print(
-        f"the built-in game (--task guess), {args.steps} steps x {args.prompts_per_step * args.num_generations} "
-        f"samples, each answer after {r['tool_latency']} s ({r['async']['answers_per_sample']:.2f} per sample):"
+        f"the built-in game (--task guess), {args.steps} steps x {samples_per_step(args)} samples, "
+        f"each answer after {r['tool_latency']} s ({r['async']['answers_per_sample']:.2f} per sample):"
     )
     for mode in ("sync", "async"):
         m = r[mode]
@@ -369,11 +377,8 @@ def weight_sync(args, url, path):
 
     def per_tensor():  # one RPC and one broadcast per tensor, as a loop over named_parameters does
         for name, param in model.named_parameters():
-            received = sync._rpc(
-                url,
-                "receive_weights",
-                buckets=[{"dtype": "bfloat16", "numel": param.numel(), "params": [(name, list(param.shape))]}],
-            )
+            bucket = {"dtype": "bfloat16", "numel": param.numel(), "params": [(name, list(param.shape))]}
+            received = sync._rpc(url, "receive_weights", buckets=[bucket])
             sync.group.broadcast(param.detach().to(torch.bfloat16).flatten(), 0).wait()
             received.result()
 
@@ -412,7 +417,8 @@ def random_samples(n, vocab_size, n_prompt=30, new=(2, 48), group=1):
     new[1] - 1 generated ones."""
     g, samples = torch.Generator().manual_seed(0), []
     for i in range(n):
-        prompt = torch.randint(3, vocab_size, (n_prompt,), generator=g).tolist() if i % group == 0 else prompt
+        if i % group == 0:
+            prompt = torch.randint(3, vocab_size, (n_prompt,), generator=g).tolist()
         n_new = int(torch.randint(*new, (1,), generator=g))
         samples.append(
             {
@@ -469,7 +475,8 @@ def training_bound(path, metrics, samples_per_step, reps):
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     length = round(statistics.mean(m["rollout/sequence_tokens"] for m in metrics))
     new = round(statistics.mean(m["rollout/completion_tokens"] for m in metrics))
-    samples = random_samples(samples_per_step, model.config.vocab_size, n_prompt=length - new, new=(new, new + 1))
+    vocab = model.config.vocab_size
+    samples = random_samples(samples_per_step, vocab, n_prompt=length - new, new=(new, new + 1))
     run_args = ag.parse_args(["--output-dir", "unused"])
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.0)  # lr 0: every repetition trains the same model
     torch.set_num_threads(os.cpu_count())
@@ -554,7 +561,8 @@ def step_cost(model, samples, flags, reps, packed=False):
         )
         if device.type == "cuda":
             peaks.append((torch.cuda.max_memory_allocated(device) - start) / 2**20)
-            whole.append(torch.cuda.max_memory_allocated(device) / 2**20)  # weights, gradients, AdamW's state too
+            # weights, gradients, AdamW's state too
+            whole.append(torch.cuda.max_memory_allocated(device) / 2**20)
         else:
             peaks.append(memory_mb("VmHWM") - start)
         cpu[-1] = time.process_time() - cpu[-1]
@@ -562,7 +570,8 @@ def step_cost(model, samples, flags, reps, packed=False):
     seconds = timed(step, reps)
     return {
         "seconds": seconds,
-        "cpu_seconds": statistics.median(cpu[1:]),  # this process's: steadier than the wall time on a loaded machine
+        # this process's: steadier than the wall time on a loaded machine
+        "cpu_seconds": statistics.median(cpu[1:]),
         "peak_mb": statistics.median(peaks[1:]),
         "allocated_peak_mb": max(whole, default=None),
         "loss": stats[-1]["loss"],
@@ -586,7 +595,8 @@ def process_peak_mb(path, sample_args, flags, above_model=False):
         f"torch.device('cpu'), 1)\n"
         f"print(max(peak, bench.memory_mb('VmHWM')), bench.memory_mb('VmHWM') - loaded)"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ag.HERE)
+    command = [sys.executable, "-c", code]
+    out = subprocess.run(command, capture_output=True, text=True, check=True, cwd=ag.HERE)
     peak, step = map(float, out.stdout.split()[-2:])
     return (peak, step) if above_model else peak
 
@@ -604,7 +614,8 @@ def truncation_cost(args):
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
         vocab = model.config.vocab_size
         samples = random_samples(args.truncation_samples, vocab)
-        results[name] = {"vocab": vocab, "samples": len(samples), "tokens": sum(len(s["ids"]) for s in samples)}
+        tokens = sum(len(s["ids"]) for s in samples)
+        results[name] = {"vocab": vocab, "samples": len(samples), "tokens": tokens}
         for top_p in (1.0, 0.9):
             results[name][f"top_p_{top_p}"] = step_cost(model, samples, ["--top-p", str(top_p)], args.reps)
     return results
@@ -646,6 +657,11 @@ def trainer_config(shape, positions):
 LAYOUTS = {"unshared": (["--no-share-prefix"], False), "shared": ([], False), "packed": ([], True)}
 
 
+def device_name(device):
+    """The GPU's name, or the CPU cores."""
+    return torch.cuda.get_device_name() if device.type == "cuda" else f"{os.cpu_count()} CPU cores"
+
+
 def trainer_only(args):
     """The training step alone on synthetic long rollouts (random weights and tokens; no vLLM), on CUDA if
     there is one, in collate's three layouts: unshared (a row per sequence, no mask), shared (a group's
@@ -667,20 +683,21 @@ def trainer_only(args):
         model.gradient_checkpointing_enable()
     new = (shape["new"], shape["new"] + 1)
     samples = random_samples(shape["group"], shape["vocab"], shape["prompt"], new, shape["group"])
-    results = {"device": torch.cuda.get_device_name() if device.type == "cuda" else f"{os.cpu_count()} CPU cores"}
+    results = {"device": device_name(device)}
     params = sum(p.numel() for p in model.parameters())
     peak, label = mfu.peak_flops(device)
     results |= {"shape": shape, "params": params, "peak_flops": peak, "peak": label, "layouts": list(layouts)}
     # what memory_share counts for this model before activations (trainer_bytes), against the allocator's peak
     run_args = ag.parse_args(["--output-dir", "unused"])
-    predicted = vllm_server.trainer_bytes(run_args, params, params, max(p.numel() for p in model.parameters()))
-    results["memory_share_bytes"] = predicted
+    largest = max(p.numel() for p in model.parameters())
+    results["memory_share_bytes"] = vllm_server.trainer_bytes(run_args, params, params, largest)
     for layout, (flags, packed) in layouts.items():
         if packed:
             # without segments (the other layouts) it runs SDPA as before: done last all the same
             ag.segments_refused(model, ag.probe_logprobs)
         results[layout] = step_cost(model, samples, flags, args.reps, packed=packed)
-        flops, tokens = mfu.step_flops(config, samples, share=layout != "unshared", tokens=results[layout]["tokens"])
+        forwarded = results[layout]["tokens"]
+        flops, tokens = mfu.step_flops(config, samples, share=layout != "unshared", tokens=forwarded)
         results[layout] |= {
             "flops": flops,
             "tokens_per_second": tokens / results[layout]["seconds"],
@@ -703,17 +720,19 @@ def trainer_only(args):
 
 def print_trainer(r):
     s = r["shape"]
+    model = f"a {r['params'] / 1e6:.0f}M-parameter Qwen3 (hidden {s['hidden']}, {s['layers']} layers, "
+    model += f"vocabulary {s['vocab']})"
     print(
-        f"trainer alone, {r['device']}, a {r['params'] / 1e6:.0f}M-parameter Qwen3 (hidden {s['hidden']}, {s['layers']} "
-        f"layers, vocabulary {s['vocab']}), {s['group']} x ({s['prompt']} + {s['new']}) tokens; MFU against "
-        f"{r['peak_flops'] / 1e12:.3g} TFLOP/s ({r['peak']}):"
+        f"trainer alone, {r['device']}, {model}, {s['group']} x ({s['prompt']} + {s['new']}) tokens; "
+        f"MFU against {r['peak_flops'] / 1e12:.3g} TFLOP/s ({r['peak']}):"
     )
     for layout in r["layouts"]:
         m = r[layout]
+        step = f"step {m['seconds']:7.2f} s ({m['cpu_seconds']:.2f} s of CPU)"
+        rate = f"{m['tokens']:.0f} tokens forwarded, {m['tokens_per_second']:.0f} tokens/s"
         print(
-            f"  {layout:9s} step {m['seconds']:7.2f} s ({m['cpu_seconds']:.2f} s of CPU), peak {m['peak_mb']:8.0f} MB "
-            f"above the step's start, {m['tokens']:.0f} tokens forwarded, {m['tokens_per_second']:.0f} tokens/s, MFU "
-            f"{100 * m['mfu']:.1f}%, loss {m['loss']:.6f}"
+            f"  {layout:9s} {step}, peak {m['peak_mb']:8.0f} MB above the step's start, {rate}, "
+            f"MFU {100 * m['mfu']:.1f}%, loss {m['loss']:.6f}"
         )
     print(f"  memory_share counts {sum(r['memory_share_bytes'].values()) / 2**30:.2f} GiB before activations")
     if "collate_host_seconds" in r:
@@ -735,6 +754,10 @@ def long_prompt_rows(path, n, tokens):
             page += " ".join(str(rng.randint(0, 9)) for _ in range(50)) + "\n"
         row["prompt"] = f"{page}{row['prompt']}"
     return rows
+
+
+# the metrics an end-to-end run of prefix_sharing reports as means over its steps
+PREFIX_MEANS = ("train/tokens", "train/tokens_unshared", "rollout/sequence_tokens", "perf/step_seconds")
 
 
 def prefix_sharing(args, path, server, out_dir):
@@ -763,11 +786,13 @@ def prefix_sharing(args, path, server, out_dir):
                 for mode, flags in modes.items()
             },
         }
-        results[shape]["speedup"] = results[shape]["unshared"]["seconds"] / results[shape]["shared"]["seconds"]
+        unshared, shared = (results[shape][mode]["seconds"] for mode in ("unshared", "shared"))
+        results[shape]["speedup"] = unshared / shared
         print(shape, results[shape], flush=True)
     del model
     dataset = out_dir / "long_prompts.jsonl"
-    dataset.write_text("".join(json.dumps(row) + "\n" for row in long_prompt_rows(path, 200, args.prefix_prompt)))
+    rows = long_prompt_rows(path, 200, args.prefix_prompt)
+    dataset.write_text("".join(json.dumps(row) + "\n" for row in rows))
     for mode, flags in modes.items():
         metrics, _ = run(
             f"prefix-{mode}",
@@ -795,10 +820,7 @@ def prefix_sharing(args, path, server, out_dir):
             "samples_per_s": metrics[-1]["perf/samples_per_second"],
             "trainer_idle": metrics[-1]["perf/trainer_idle"],
             "generator_idle": metrics[-1]["perf/generator_idle"],
-            **{
-                k: statistics.mean(m[k] for m in metrics)
-                for k in ("train/tokens", "train/tokens_unshared", "rollout/sequence_tokens", "perf/step_seconds")
-            },
+            **{k: statistics.mean(m[k] for m in metrics) for k in PREFIX_MEANS},
         }
     results["end_to_end_speedup"] = (
         results["end_to_end_shared"]["samples_per_s"] / results["end_to_end_unshared"]["samples_per_s"]
@@ -844,12 +866,13 @@ def lora_cost(args, path):
 
 def print_lora(r):
     f, l, qv = r["full"], r["lora_16"], r["lora_16_q_v"]
+    memory = f"trainer peak memory {f['process_peak_mb']:.0f} -> {l['process_peak_mb']:.0f} MB"
+    above = f"{f['step_peak_mb']:.0f} -> {l['step_peak_mb']:.0f} MB above the loaded model"
+    trained = f"{f['trained_params'] / 1e6:.2f}M -> {l['trained_params'] / 1e6:.2f}M trained parameters"
     print(
-        f"LoRA rank 16 against full fine-tuning, {r['params'] / 1e6:.0f}M parameters, 64 samples of the default task's "
-        f"shape: step {f['seconds']:.2f} -> {l['seconds']:.2f} s, trainer peak memory {f['process_peak_mb']:.0f} -> "
-        f"{l['process_peak_mb']:.0f} MB ({f['step_peak_mb']:.0f} -> {l['step_peak_mb']:.0f} MB above the loaded model), "
-        f"{f['trained_params'] / 1e6:.2f}M -> {l['trained_params'] / 1e6:.2f}M trained "
-        f"parameters; a sync sends {f['sync_bytes'] / 1e6:.1f} -> {l['sync_bytes'] / 1e6:.1f} MB "
+        f"LoRA rank 16 against full fine-tuning, {r['params'] / 1e6:.0f}M parameters, 64 samples of the "
+        f"default task's shape: step {f['seconds']:.2f} -> {l['seconds']:.2f} s, {memory} ({above}), "
+        f"{trained}; a sync sends {f['sync_bytes'] / 1e6:.1f} -> {l['sync_bytes'] / 1e6:.1f} MB "
         f"({qv['sync_bytes'] / 1e6:.1f} MB with --lora-targets q_proj,v_proj)"
     )
 
@@ -869,7 +892,8 @@ def lora_sync_cost(args, path, out_dir, rank=16, requests=8, tokens=128):
     prompt = ag.render_prompt(tok, [{"role": "user", "content": "What is 3 + 4?"}], None)
     results = {}
     for mode in ("merged", "adapter"):
-        run_args = ag.parse_args(["--output-dir", str(out_dir), "--lora-rank", str(rank), "--lora-sync", mode])
+        lora = ["--lora-rank", str(rank), "--lora-sync", mode]
+        run_args = ag.parse_args(["--output-dir", str(out_dir), *lora])
         server = ag.start_vllm(run_args, path, out_dir)[0]
         try:
             torch.manual_seed(0)
@@ -884,9 +908,12 @@ def lora_sync_cost(args, path, out_dir, rank=16, requests=8, tokens=128):
             def tokens_per_s(name):
                 request = {"model": name, "prompt": prompt, "max_tokens": tokens, "ignore_eos": True}
 
+                def complete(_):
+                    return ag.http(f"{server.url}/v1/completions", request)
+
                 def generate():
                     with ThreadPoolExecutor(requests) as pool:
-                        list(pool.map(lambda _: ag.http(f"{server.url}/v1/completions", request), range(requests)))
+                        list(pool.map(complete, range(requests)))
 
                 return requests * tokens / timed(generate, args.reps)
 
@@ -908,8 +935,9 @@ def lora_sync_cost(args, path, out_dir, rank=16, requests=8, tokens=128):
 def print_lora_sync(r):
     for name, m in r.items():
         merged, adapter = m["merged"], m["adapter"]
+        adapter_size = f"a rank-16 adapter of {m['adapter_params'] / 1e6:.2f}M"
         print(
-            f"LoRA sync, {name} ({m['params'] / 1e6:.1f}M parameters, a rank-16 adapter of {m['adapter_params'] / 1e6:.2f}M, "
+            f"LoRA sync, {name} ({m['params'] / 1e6:.1f}M parameters, {adapter_size}, "
             f"{m['dtype']}): merged {merged['sync_bytes'] / 1e6:.2f} MB in {merged['sync_seconds']:.3f} s, "
             f"{merged['tokens_per_s']:.0f} tokens/s; adapter {adapter['sync_bytes'] / 1e6:.2f} MB in "
             f"{adapter['sync_seconds']:.3f} s, {adapter['tokens_per_s']:.0f} tokens/s "
@@ -1000,9 +1028,11 @@ def learn(args, output):
     fig, (left, right) = plt.subplots(1, 2, figsize=(9, 3.5))
     for label, r in results["runs"].items():
         style = "--" if "share" in label else "-"
-        left.plot([e["wall_seconds"] for e in r["eval"]], [e["accuracy"] for e in r["eval"]], "o" + style, label=label)
+        wall = [e["wall_seconds"] for e in r["eval"]]
+        left.plot(wall, [e["accuracy"] for e in r["eval"]], "o" + style, label=label)
         right.plot(*zip(*r["train"]), style, label=label)
-    left.set(xlabel="wall time (s)", ylabel="held-out greedy accuracy", title="SmolLM2-135M, arithmetic to 20")
+    title = "SmolLM2-135M, arithmetic to 20"
+    left.set(xlabel="wall time (s)", ylabel="held-out greedy accuracy", title=title)
     right.set(xlabel="wall time (s)", ylabel="mean training reward", title="reward of each step's rollouts")
     left.legend(fontsize=8)
     fig.tight_layout()
@@ -1104,7 +1134,8 @@ def recipe_samples(run, seed=0, tokens=STEP_TOKENS):
 
 @torch.no_grad()
 def trainer_logprobs(run, samples, bf16=False):
-    """Each sample's completion log-probs by the trainer (eval mode, one batch), fp32 or under bf16 autocast."""
+    """Each sample's completion log-probs by the trainer (eval mode, one batch), fp32 or under bf16
+    autocast."""
     sampling = {k: getattr(run.args, k) for k in ("temperature", "top_k", "top_p", "min_p")}
     batch = ag.collate(samples, run.pad_id, run.device, config=run.policy.config, **run.layout)
     run.policy.eval()
@@ -1211,9 +1242,8 @@ def profiled_step(run, samples, optimizer, bf16=False, micro_batch_size=None):
     # the gather of the completions' hidden states
     logprobs = seconds.pop("token_logprobs")
     seconds["gather"] = [t - f - s for t, f, s in zip(logprobs, seconds["forward"], seconds["output layer"])]
-    seconds["other (train_step)"] = [
-        total - sum(v[i] for k, v in seconds.items() if k not in ("step",)) for i, total in enumerate(seconds["step"])
-    ]
+    phases = [v for k, v in seconds.items() if k != "step"]
+    seconds["other (train_step)"] = [total - sum(v[i] for v in phases) for i, total in enumerate(seconds["step"])]
     return seconds, metrics
 
 
@@ -1241,7 +1271,8 @@ def step_profile(args, output):
     # AdamW per tensor and fused, with the run's settings, sharing one copy of the moments (1 GB) in memory
     kinds = {}
     for fused in (False, True):
-        kinds[fused] = torch.optim.AdamW(params, lr=run.args.lr, weight_decay=run.args.weight_decay, fused=fused)
+        settings = {"lr": run.args.lr, "weight_decay": run.args.weight_decay}
+        kinds[fused] = torch.optim.AdamW(params, **settings, fused=fused)
         kinds[fused].state = run.optimizer.state
     optimizers = {name: kinds[v["fused"]] for name, v in STEP_VARIANTS.items()}
     steps = {name: [] for name in STEP_VARIANTS}
@@ -1254,9 +1285,8 @@ def step_profile(args, output):
         if rep:
             packing.append(sync_packing(run))
         if rep:
-            print(
-                f"rep {rep}: " + ", ".join(f"{n} {steps[n][-1]['step'][0]:.2f} CPU s" for n in steps), file=sys.stderr
-            )
+            timings = ", ".join(f"{n} {steps[n][-1]['step'][0]:.2f} CPU s" for n in steps)
+            print(f"rep {rep}: {timings}", file=sys.stderr)
     fp32 = [x for s in samples for x in s["logprobs"]]
     bf16 = [x for logp in trainer_logprobs(run, samples, bf16=True) for x in logp]
     gap = torch.tensor(bf16) - torch.tensor(fp32)  # log(pi_bf16 / pi_fp32) per token
@@ -1317,11 +1347,11 @@ def print_step_profile(r):
     print(f"  {'phase':20s}" + "".join(f"{n:>30s}" for n in names))
     for phase in ("step", *STEP_PHASES):
         cells = [r["variants"][n][phase] for n in names]
-        print(f"  {phase:20s}" + "".join(f"{c['cpu_seconds']:17.3f} ({c['wall_seconds']:7.3f}) " for c in cells))
+        row = "".join(f"{c['cpu_seconds']:17.3f} ({c['wall_seconds']:7.3f}) " for c in cells)
+        print(f"  {phase:20s}" + row)
     p = r["sync_packing"]
-    print(
-        f"  sync packing (pack_buckets + flatten, {p['dtype']}): {p['cpu_seconds']:.3f} CPU s ({p['wall_seconds']:.3f})"
-    )
+    packing = f"{p['cpu_seconds']:.3f} CPU s ({p['wall_seconds']:.3f})"
+    print(f"  sync packing (pack_buckets + flatten, {p['dtype']}): {packing}")
     g = r["bf16_gap_to_fp32"]
     print(
         f"  bf16 autocast against fp32 log-probs: mismatch KL {g['mismatch_kl']:.2e}, mean |gap| "

@@ -52,7 +52,7 @@ def main():
     reps = args.reps or (1 if args.tiny else 2)
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ag.HERE)
     results = {
-        "device": torch.cuda.get_device_name() if device.type == "cuda" else f"{os.cpu_count()} CPU cores",
+        "device": bench.device_name(device),
         "torch": torch.__version__,
         "commit": commit.stdout.strip() or None,
         "peak_flops": mfu.peak_flops(device)[0],
