@@ -3,7 +3,6 @@ parameter names vLLM serves (a causal LM, or an image-text model with its vision
 dequantised once, a LoRA adapter on it, under --fsdp its FSDP2 shards, read by rank 0 alone, and the
 attention function of packed rows."""
 
-import contextlib
 import os
 from pathlib import Path
 
@@ -24,12 +23,14 @@ def load_policy(path, empty=False):
 
     config = AutoConfig.from_pretrained(path)
     kind = AutoModelForImageTextToText if hasattr(config, "vision_config") else AutoModelForCausalLM
-    with torch.device("meta") if empty else contextlib.nullcontext():
-        model = (
-            kind.from_config(config, dtype=torch.float32) if empty else kind.from_pretrained(path, dtype=torch.float32)
-        )
+    if empty:
+        with torch.device("meta"):
+            model = kind.from_config(config, dtype=torch.float32)
+    else:
+        model = kind.from_pretrained(path, dtype=torch.float32)
     if kind is AutoModelForImageTextToText:
-        trained = {id(p) for m in (model.get_decoder(), model.get_output_embeddings()) for p in m.parameters()}
+        language = (model.get_decoder(), model.get_output_embeddings())
+        trained = {id(p) for m in language for p in m.parameters()}
         for p in model.parameters():
             p.requires_grad_(id(p) in trained)
     return model
@@ -42,23 +43,25 @@ def with_lora(model, args, adapter=None):
 
     if adapter:
         return PeftModel.from_pretrained(model, adapter, is_trainable=True)
-    linear = sorted(
-        {
-            name.rpartition(".")[2]
-            for layer in decoder_layers(model)
-            for name, m in layer.named_modules()
-            if isinstance(m, torch.nn.Linear) and m.weight.requires_grad
-        }
-    )
+    linear = trained_linear_names(model)
     targets = args.lora_targets.split(",") if args.lora_targets else linear
     unknown = sorted(set(targets) - set(linear))
     if unknown:
         raise SystemExit(
             f"--lora-targets: no Linear layer {unknown} in the decoder layers; theirs: {','.join(linear)}"
         )
-    return get_peft_model(
-        model, LoraConfig(r=args.lora_rank, lora_alpha=args.lora_alpha, target_modules=targets, task_type="CAUSAL_LM")
-    )
+    config = LoraConfig(r=args.lora_rank, lora_alpha=args.lora_alpha, target_modules=targets, task_type="CAUSAL_LM")
+    return get_peft_model(model, config)
+
+
+def trained_linear_names(model):
+    """The names (the last part: q_proj, ...) of the trained Linear layers in the decoder layers, sorted."""
+    names = set()
+    for layer in decoder_layers(model):
+        for name, m in layer.named_modules():
+            if isinstance(m, torch.nn.Linear) and m.weight.requires_grad:
+                names.add(name.rpartition(".")[2])
+    return sorted(names)
 
 
 def load_sharded(path, device):
@@ -107,7 +110,8 @@ def dequantise_gguf(path, cache_dir):
     print(f"dequantising {path} into {out} (once)", flush=True)
     try:
         tok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
-        quantised = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+        read = AutoModelForCausalLM.from_pretrained
+        quantised = read(path.parent, gguf_file=path.name, dtype=torch.float32)
     except Exception as e:
         raise SystemExit(
             f"--model {path}: cannot read it as a GGUF causal LM ({type(e).__name__}: {str(e)[:300]}); "
@@ -153,16 +157,33 @@ def segment_attention(module, query, key, value, mask, scaling=None, sliding_win
     # [every segment's keys, kv heads, head_dim]
     k = key[0].transpose(0, 1)[kv_index]
     v = value[0].transpose(0, 1)[kv_index]
-    # flash kernels take half precision (under autocast, rotary embeddings leave q and k in fp32)
     if q.is_cuda and sinks is None:
-        half = torch.bfloat16 if q.dtype == torch.float32 else q.dtype
-        # (-1, 0): causal, aligned at the end
-        window = (sliding_window - 1 if sliding_window else -1, 0)
-        tensors = [x.to(half) for x in (q, k, v)]
-        out = varlen_attn(*tensors, cu_q, cu_k, max_q, max_k, scale=scaling, window_size=window, enable_gqa=True)
-        return out.to(q.dtype)[None], None
+        out = varlen_segments(q, k, v, segments, scaling, sliding_window)
+    else:
+        out = sdpa_segments(q, k, v, segments, scaling, sliding_window, sinks)
+    return out[None], None
+
+
+def varlen_segments(q, k, v, segments, scaling, sliding_window):
+    """segment_attention in one varlen flash kernel (CUDA): [T, heads, head_dim]."""
+    cu_q, cu_k, _, max_q, max_k = segments
+    # flash kernels take half precision (under autocast, rotary embeddings leave q and k in fp32)
+    half = torch.bfloat16 if q.dtype == torch.float32 else q.dtype
+    # (-1, 0): causal, aligned at the end
+    window = (sliding_window - 1 if sliding_window else -1, 0)
+    tensors = [x.to(half) for x in (q, k, v)]
+    sizes = (cu_q, cu_k, max_q, max_k)
+    out = varlen_attn(*tensors, *sizes, scale=scaling, window_size=window, enable_gqa=True)
+    return out.to(q.dtype)
+
+
+def sdpa_segments(q, k, v, segments, scaling, sliding_window, sinks):
+    """segment_attention through SDPA a segment at a time (the same metadata as the varlen kernel's), with
+    GPT-OSS's sinks where given: [T, heads, head_dim]."""
+    cu_q, cu_k = segments[:2]
     out = []
-    for a, b, c, d in zip(cu_q[:-1].tolist(), cu_q[1:].tolist(), cu_k[:-1].tolist(), cu_k[1:].tolist()):
+    bounds = zip(cu_q[:-1].tolist(), cu_q[1:].tolist(), cu_k[:-1].tolist(), cu_k[1:].tolist())
+    for a, b, c, d in bounds:
         # [queries, keys]: how far back
         behind = torch.arange(d - c - (b - a), d - c)[:, None] - torch.arange(d - c)
         seen = (behind >= 0) & (behind < (sliding_window or d - c))
@@ -172,10 +193,12 @@ def segment_attention(module, query, key, value, mask, scaling=None, sliding_win
         if sinks is not None:
             qkv[1:] = [torch.cat([x, torch.zeros_like(x[:, :, :1])], 2) for x in qkv[1:]]
             bias = torch.where(seen, 0.0, -torch.inf).to(q.dtype).expand(len(sinks), -1, -1)
-            seen = torch.cat([bias, sinks[:, None, None].expand(-1, b - a, 1).to(q.dtype)], -1)[None]
-        part = torch.nn.functional.scaled_dot_product_attention(*qkv, attn_mask=seen, scale=scaling, enable_gqa=True)
+            sink = sinks[:, None, None].expand(-1, b - a, 1).to(q.dtype)
+            seen = torch.cat([bias, sink], -1)[None]
+        attend = torch.nn.functional.scaled_dot_product_attention
+        part = attend(*qkv, attn_mask=seen, scale=scaling, enable_gqa=True)
         out.append(part[0].transpose(0, 1))
-    return torch.cat(out)[None], None
+    return torch.cat(out)
 
 
 # The start-up probes: async_grpo.py's load_policy_and_optimizer runs them on the loaded model, through
@@ -205,8 +228,20 @@ def probe_rounding(model, samples, dtype, logprobs):
     longer = probe_sample(list(range(9, 9 + len(samples[0]["ids"]) + 4)), samples[0]["n_prompt"])
     beside = logprobs(model, samples + [longer])[: len(samples), : shared.shape[1]]
     ulp = torch.finfo(dtype).eps * whole.abs().max().item()
-    gaps = [(whole[i, : len(x)] - x).abs().max().item() for i, x in enumerate(alone)]
-    return max(*gaps, (shared - beside).abs().max().item(), ulp)
+    gaps = [largest_gap(whole[i, : len(x)], x) for i, x in enumerate(alone)]
+    return max(*gaps, largest_gap(shared, beside), ulp)
+
+
+def largest_gap(a, b):
+    """The largest absolute difference between two tensors of log-probs, a float."""
+    return (a - b).abs().max().item()
+
+
+def reshard(model):
+    """FSDP2 leaves the root's weights gathered after a forward (for the backward): a probe reshards them,
+    so that what comes next (the optimizer, made after the probes) holds its shards. Others: nothing."""
+    if hasattr(model, "reshard"):
+        model.reshard()
 
 
 def probe_gap(gap, rounding, what):
@@ -228,12 +263,9 @@ def sharing_refused(model, logprobs):
     moved = [probe_sample(prompt + [40, 50, 60], 3), probe[1]]
     rounding = probe_rounding(model, probe, next(model.parameters()).dtype, logprobs)
     shared = logprobs(model, probe)
-    leak = (shared[1] - logprobs(model, moved)[1]).abs().max().item()
-    gap = (shared - logprobs(model, probe, share=False)).abs().max().item()
-    # FSDP2 leaves the root's weights gathered after a forward (for the backward): the optimizer, made next,
-    # must hold its shards
-    if hasattr(model, "reshard"):
-        model.reshard()
+    leak = largest_gap(shared[1], logprobs(model, moved)[1])
+    gap = largest_gap(shared, logprobs(model, probe, share=False))
+    reshard(model)
     why = probe_gap(leak, rounding, "a completion's log-probs move with another's tokens")
     return why or probe_gap(gap, rounding, "a probe's log-probs differ shared")
 
@@ -249,15 +281,12 @@ def logprobs_refused(model, logprobs):
         logits = [model(input_ids=x).logits[:1, 2:-1].float() for x in (ids, torch.cat([ids, ids.flip(1)]))]
     own = [x.log_softmax(-1).gather(-1, ids[:, 3:, None])[0, :, 0] for x in logits]
     ours = logprobs(model, [probe_sample(ids[0].tolist(), 3)], share=False)[0]
-    # as in sharing_refused
-    if hasattr(model, "reshard"):
-        model.reshard()
+    reshard(model)
     ulp = torch.finfo(next(model.parameters()).dtype).eps * own[0].abs().max().item()
-    rounding = max((own[0] - own[1]).abs().max().item(), ulp)
+    rounding = max(largest_gap(own[0], own[1]), ulp)
     kind = model.config.get_text_config().model_type
-    return probe_gap(
-        (ours - own[0]).abs().max().item(), rounding, f"the trainer's log-probs of {kind} differ from its own logits'"
-    )
+    what = f"the trainer's log-probs of {kind} differ from its own logits'"
+    return probe_gap(largest_gap(ours, own[0]), rounding, what)
 
 
 def segments_refused(model, logprobs):
@@ -282,17 +311,15 @@ def segments_refused(model, logprobs):
     model.set_attn_implementation("segments")
     try:
         packed = logprobs(model, probe, packed=True)
-        leak = (packed[1] - logprobs(model, moved, packed=True)[1]).abs().max().item()
+        leak = largest_gap(packed[1], logprobs(model, moved, packed=True)[1])
         why = probe_gap(leak, rounding, "a segment's log-probs move with another's tokens")
-        why = why or probe_gap((packed - rows).abs().max().item(), rounding, "a probe's log-probs differ packed")
+        why = why or probe_gap(largest_gap(packed, rows), rounding, "a probe's log-probs differ packed")
     except ValueError as e:
         why = str(e)
     # layers that do not hand the attention the segments leave SDPA the packed rows' empty mask
     except RuntimeError as e:
         why = f"its layers do not hand their attention the segments ({str(e).splitlines()[0][:80]})"
-    # as in sharing_refused
-    if hasattr(model, "reshard"):
-        model.reshard()
+    reshard(model)
     if why or config._attn_implementation != "segments":
         model.set_attn_implementation(before)
     return why or (config._attn_implementation != "segments" and "no attention function")

@@ -38,15 +38,23 @@ def sampler_logprobs(
     targets = targets[..., None]
     settings = dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, stop_ids=stop_ids)
     scaled, kept = truncated(logits, targets, stop_masked=stop_masked, served_dtype=served_dtype, **settings)
+    return kept_logprobs(scaled, kept, targets)[:3]
+
+
+def kept_logprobs(scaled, kept, targets):
+    """From truncated's (scaled, kept) [..., V] and targets [..., 1]: the targets' log-probs over the kept
+    tokens (with gradient), the probability mass the truncation removed, the entropy of the distribution
+    sampled from, and the log-sum-exp over the kept tokens, each [...]."""
     log_kept = kept.logsumexp(-1)
     removed = torch.zeros_like(log_kept)
     if kept is not scaled:
         removed = 1 - (log_kept.detach() - scaled.detach().logsumexp(-1)).exp()
-    # what backward keeps is unchanged: these [B, T, V] temporaries are freed here
+    # what backward keeps is unchanged: these [..., V] temporaries are freed here
     with torch.no_grad():
         # -sum p log p, 0 log 0 = 0
         entropy = torch.special.entr((kept - log_kept[..., None]).exp()).sum(-1)
-    return kept.gather(-1, targets).squeeze(-1) - log_kept, removed, entropy
+    logp = kept.gather(-1, targets).squeeze(-1) - log_kept
+    return logp, removed, entropy, log_kept
 
 
 def truncated(logits, targets, temperature, top_k, top_p, min_p, stop_masked, stop_ids, served_dtype):
@@ -121,15 +129,10 @@ class ChunkedLogprobs(torch.autograd.Function):
         # every product cast by hand (autocast would leave each as it is: it is already in the compute dtype)
         with torch.no_grad():
             cast = weight.to(dtype)
-            for h, t, stop in zip(hidden.split(rows), targets[:, None].split(rows), stop_masked.split(rows)):
+            for h, t, stop in chunks(hidden, targets, stop_masked, rows):
                 logits = head_logits(h, cast, bias, scale, softcap)
                 scaled, kept = truncated(logits, t, stop_masked=stop, **sampling)
-                log_kept = kept.logsumexp(-1)
-                removed = torch.zeros_like(log_kept)
-                if kept is not scaled:
-                    removed = 1 - (log_kept - scaled.logsumexp(-1)).exp()
-                entropy = torch.special.entr((kept - log_kept[:, None]).exp()).sum(-1)
-                for x, part in zip(out, (kept.gather(-1, t)[:, 0] - log_kept, removed, entropy, log_kept)):
+                for x, part in zip(out, kept_logprobs(scaled, kept, t)):
                     x.append(part)
         logp, removed, entropy, log_kept = (torch.cat(x) for x in out)
         ctx.save_for_backward(hidden, weight, bias, targets, stop_masked, log_kept)
@@ -149,14 +152,15 @@ class ChunkedLogprobs(torch.autograd.Function):
             grad_bias = torch.zeros_like(bias, dtype=torch.float32)
         cast = weight.to(dtype)
         start = 0
-        for h, t, stop in zip(hidden.split(rows), targets[:, None].split(rows), stop_masked.split(rows)):
+        for h, t, stop in chunks(hidden, targets, stop_masked, rows):
             n = len(h)
             grad = grad_logp[start : start + n, None]
             logits = head_logits(h, cast, bias, scale, softcap)
             kept = truncated(logits, t, stop_masked=stop, **sampling)[1]
+            p_kept = (kept - log_kept[start : start + n, None]).exp_()
             # d log p(target) / d scaled logits: onehot(target) - p over the kept tokens (0 where cut or
             # masked)
-            g = (kept - log_kept[start : start + n, None]).exp_().mul_(-grad).scatter_add_(-1, t, grad)
+            g = p_kept.mul_(-grad).scatter_add_(-1, t, grad)
             g /= temperature
             # back through what the forward did after its head: d tanh(x / c) c / dx = 1 - (tanh(x / c))^2
             g = g * (1 - (logits / softcap) ** 2) if softcap else g * scale
@@ -171,6 +175,11 @@ class ChunkedLogprobs(torch.autograd.Function):
         grad_weight = grad_weight.to(weight.dtype) if grad_weight is not None else None
         grad_bias = grad_bias.to(bias.dtype) if grad_bias is not None else None
         return grad_hidden, grad_weight, grad_bias, None, None, None, None, None, None
+
+
+def chunks(hidden, targets, stop_masked, rows):
+    """(hidden states, targets [rows, 1], stop_masked) of `rows` tokens at a time."""
+    return zip(hidden.split(rows), targets[:, None].split(rows), stop_masked.split(rows))
 
 
 def chunked_logprobs(hidden, head, targets, stop_masked, scale, softcap, chunk, **sampling):
