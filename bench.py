@@ -580,10 +580,10 @@ def step_cost(model, samples, flags, reps, packed=False):
 
 
 def process_peak_mb(path, sample_args, flags, above_model=False):
-    """The peak resident memory of a fresh process that loads `path` and takes one training step (AdamW, lr
-    0) on random_samples(*sample_args): the trainer's whole footprint, whatever this process held before.
-    above_model: and the peak above what it held with the model loaded (what the step adds: gradients,
-    optimizer state, activations)."""
+    """The peak resident memory of a fresh process that loads `path` and takes one training step (AdamW,
+    lr 0) on random_samples(*sample_args): the trainer's whole footprint, whatever this process held
+    before. above_model: and the peak above what it held with the model loaded (what the step adds:
+    gradients, optimizer state, activations)."""
     code = (
         f"import bench, torch, async_grpo as ag\nfrom pathlib import Path\nfrom transformers import AutoModelForCausalLM\n"
         f"model = AutoModelForCausalLM.from_pretrained({path!r}, dtype=torch.float32)\n"
@@ -621,10 +621,10 @@ def truncation_cost(args):
     return results
 
 
-# The trainer-only bench's shapes: Qwen2.5-1.5B's widths on CUDA (random weights) with the issue's 8 x (1k +
-# 8k), a small model on CPU where sharing pays (long prompt, short completions), and a tiny one for the test.
-# --shape picks Qwen3's own (0.6B, 1.7B, 4B: the widths of the MFU anchors of prime-rl and TRL), with
-# --group/--prompt/--new.
+# The trainer-only bench's shapes: Qwen2.5-1.5B's widths on CUDA (random weights) with the issue's
+# 8 x (1k + 8k), a small model on CPU where sharing pays (long prompt, short completions), and a tiny one
+# for the test. --shape picks Qwen3's own (0.6B, 1.7B, 4B: the widths of the MFU anchors of prime-rl and
+# TRL), with --group/--prompt/--new.
 QWEN3 = dict(vocab=151936, head_dim=128, kv_heads=8, group=8, prompt=1024, new=7168)
 TRAINER_SHAPES = {
     "cuda": dict(hidden=1536, layers=28, heads=12, kv_heads=2, ffn=8960, vocab=151936, group=8, prompt=1024, new=8192),
@@ -1205,9 +1205,9 @@ def step_phases(run, optimizer, seconds):
 
 
 def profiled_step(run, samples, optimizer, bf16=False, micro_batch_size=None):
-    """One train_step of the run (its flags, layout, served dtype) on samples, phase by phase: {phase: [CPU
-    s, wall s]}, the whole step's under "step", and the step's metrics. bf16: under CPU autocast
-    (train_step turns autocast off on CPU; torch.autocast is swapped for the step)."""
+    """One train_step of the run (its flags, layout, served dtype) on samples, phase by phase:
+    {phase: [CPU s, wall s]}, the whole step's under "step", and the step's metrics. bf16: under CPU
+    autocast (train_step turns autocast off on CPU; torch.autocast is swapped for the step)."""
     seconds, args = {}, run.args
     if micro_batch_size:
         args = argparse.Namespace(**{**vars(args), "micro_batch_size": micro_batch_size})
@@ -1365,6 +1365,11 @@ def print_step_profile(r):
         print(f"    {op['op'][:60]:60s} {100 * op['self_share']:5.1f}%  {op['calls']:6d} calls")
 
 
+def output_path(args, default):
+    """Where a part run alone writes: --output, or `default` where --output is left at bench.json."""
+    return Path(args.output if args.output != "bench.json" else default).resolve()
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--tiny", action="store_true", help="a small configuration that runs every part quickly")
@@ -1412,11 +1417,11 @@ def main():
     args = p.parse_args()
     if args.step_profile:
         args.reps = args.reps or 5
-        return step_profile(args, Path(args.output if args.output != "bench.json" else "step_profile.json").resolve())
+        return step_profile(args, output_path(args, "step_profile.json"))
     if args.learn:
-        return learn(args, Path(args.output if args.output != "bench.json" else "learn.json").resolve())
+        return learn(args, output_path(args, "learn.json"))
     if args.lora_sync:
-        output = Path(args.output if args.output != "bench.json" else "lora_sync.json").resolve()
+        output = output_path(args, "lora_sync.json")
         out_dir = output.parent / "bench_runs"
         out_dir.mkdir(parents=True, exist_ok=True)
         args.reps = args.reps or 5
@@ -1428,10 +1433,11 @@ def main():
             results[name] = lora_sync_cost(args, path, out_dir)
             output.write_text(json.dumps(results, indent=1))
         return print_lora_sync({name: results[name] for name in models})
-    torch.set_num_threads(ag.cpu_threads())  # the trainer's side of every measurement here runs as in async_grpo.py
+    # the trainer's side of every measurement here runs as in async_grpo.py
+    torch.set_num_threads(ag.cpu_threads())
     if args.trainer:
         args.reps = args.reps or (1 if args.tiny else 3)
-        output = Path(args.output if args.output != "bench.json" else "trainer.json").resolve()
+        output = output_path(args, "trainer.json")
         results = trainer_only(args)
         output.write_text(json.dumps(results, indent=1))
         return print_trainer(results)

@@ -72,7 +72,8 @@ def main():
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=0, world_size=1)
     for kernel in ("cudnn", "flash", "varlen"):
         record(guarded(f"attention {kernel}", attention_rate, kernel, shape, device))
-    samples = bench.random_samples(shape["group"], shape["vocab"], shape["prompt"], (shape["new"], shape["new"] + 1))
+    new = (shape["new"], shape["new"] + 1)
+    samples = bench.random_samples(shape["group"], shape["vocab"], shape["prompt"], new)
     first = None
     for i, lever in enumerate(LEVERS):
         line = guarded(lever, lever_step, LEVERS[: i + 1], shape, samples, device, reps, first)
@@ -129,8 +130,9 @@ def attention_rate(kernel, shape, device):
         # the flash kernel takes no grouped heads: K and V repeated for it, as SDPA would do for the math
         # kernel
         kk, vv = (k, v) if kernel == "cudnn" else (x.repeat_interleave(heads // kv, 1) for x in (k, v))
+        attend = torch.nn.functional.scaled_dot_product_attention
         with sdpa_kernel(backend):
-            return torch.nn.functional.scaled_dot_product_attention(q, kk, vv, is_causal=True, enable_gqa=True)
+            return attend(q, kk, vv, is_causal=True, enable_gqa=True)
 
     grad = None
     forward_s, backward_s = [], []

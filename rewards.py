@@ -222,12 +222,12 @@ REWARDS = {fn.__name__: fn for fn in (correct_answer, math_answer, format_reward
 
 # FORK: add a task (its rows here, its reward above and in REWARDS)
 def task_rows(n, seed, task="arithmetic", max_operand=4, terms=2, operations="+-"):
-    """The built-in tasks, as dataset rows with the columns their rewards read. arithmetic: 'What is 3 +
-    4?', the answer a column (reward correct_answer); with the defaults, 50 distinct problems, few enough
-    for the tiny model to learn in a few dozen steps. countdown: reach a target from given numbers, each
-    used once (reward countdown): a search, not a recall. `terms` operands up to max_operand, operators
-    drawn from `operations`. guess: the game of tools.GuessNumber, the number to find a column (reward
-    env_reward)."""
+    """The built-in tasks, as dataset rows with the columns their rewards read. arithmetic:
+    'What is 3 + 4?', the answer a column (reward correct_answer); with the defaults, 50 distinct
+    problems, few enough for the tiny model to learn in a few dozen steps. countdown: reach a target from
+    given numbers, each used once (reward countdown): a search, not a recall. `terms` operands up to
+    max_operand, operators drawn from `operations`. guess: the game of tools.GuessNumber, the number to
+    find a column (reward env_reward)."""
     rng, rows = random.Random(seed), []
     if task == "guess":
         largest = GuessNumber.largest

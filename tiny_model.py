@@ -80,7 +80,8 @@ def warm_start_conversations(n, seed):
     with_tools = []  # answered with the calculator's result
     with_python = []  # answered with what the interpreter printed
     games = []
-    for row in rewards.task_rows(n, seed + 1, task="guess"):  # not rng's seed: its guesses would be the numbers
+    # not rng's seed: its guesses would be the numbers
+    for row in rewards.task_rows(n, seed + 1, task="guess"):
         game = tools.GuessNumber()
         game.reset(**row)
         conversation = [{"role": "user", "content": row["prompt"]}]
@@ -249,7 +250,8 @@ def make(path, warm_start_steps=WARM_START_STEPS):
         "losses": losses,
     }
     path = Path(path)
-    tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")  # renamed once whole: a half-built model is never loaded
+    # renamed once whole: a half-built model is never loaded
+    tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
     model.save_pretrained(tmp)
     tok.save_pretrained(tmp)
     (tmp / "build.json").write_text(json.dumps(record) + "\n")
@@ -381,7 +383,8 @@ def save_tiny_architecture(name, cache_dir, tokenizer_from):
     if (path / "config.json").exists():
         return str(path)
     tok = AutoTokenizer.from_pretrained(tokenizer_from)
-    model = tiny_architecture(name, vocab_size=len(tok), pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
+    special = {"pad_token_id": tok.pad_token_id, "eos_token_id": tok.eos_token_id}
+    model = tiny_architecture(name, vocab_size=len(tok), **special)
     tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
     model.save_pretrained(tmp)
     tok.save_pretrained(tmp)
