@@ -1365,6 +1365,22 @@ def print_step_profile(r):
         print(f"    {op['op'][:60]:60s} {100 * op['self_share']:5.1f}%  {op['calls']:6d} calls")
 
 
+def set_sizes(args):
+    """The sizes of the runs and measurements, on args: the tiny configuration is the same measurements,
+    smaller; not comparable figures."""
+    args.steps = args.steps or (3 if args.tiny else 40)
+    args.prompts_per_step, args.num_generations = (2, 4) if args.tiny else (4, 8)
+    args.train_samples = 16 if args.tiny else 64
+    args.mid_steps, args.mid_max_tokens = (2, 16) if args.tiny else (8, 128)
+    args.truncation_samples = 1 if args.tiny else 32
+    args.reps = args.reps or (1 if args.tiny else 5)
+    prefix = (200, 16, 1) if args.tiny else (1024, 128, 1)
+    args.prefix_prompt, args.prefix_new, args.prefix_groups = prefix
+    args.prefix_steps = 2 if args.tiny else 6
+    args.prefix_reps = 1 if args.tiny else 3
+    args.cells = 2 if args.tiny else 10
+
+
 def output_path(args, default):
     """Where a part run alone writes: --output, or `default` where --output is left at bench.json."""
     return Path(args.output if args.output != "bench.json" else default).resolve()
@@ -1441,20 +1457,9 @@ def main():
         results = trainer_only(args)
         output.write_text(json.dumps(results, indent=1))
         return print_trainer(results)
-    # the tiny configuration is the same measurements, smaller; not comparable figures
-    args.steps = args.steps or (3 if args.tiny else 40)
-    args.prompts_per_step, args.num_generations = (2, 4) if args.tiny else (4, 8)
-    args.train_samples = 16 if args.tiny else 64
-    args.mid_steps, args.mid_max_tokens = (2, 16) if args.tiny else (8, 128)
-    args.truncation_samples = 1 if args.tiny else 32
-    args.reps = args.reps or (1 if args.tiny else 5)
-    args.prefix_prompt, args.prefix_new, args.prefix_groups = (200, 16, 1) if args.tiny else (1024, 128, 1)
-    args.prefix_steps = 2 if args.tiny else 6
-    args.prefix_reps = 1 if args.tiny else 3
-    args.cells = 2 if args.tiny else 10
-    alone = [
-        name for name in ("prefix", "lora", "env", "python") if getattr(args, name)
-    ]  # one part alone: its own file
+    set_sizes(args)
+    # one part alone: its own file
+    alone = [name for name in ("prefix", "lora", "env", "python") if getattr(args, name)]
     output = Path(f"{alone[0]}.json" if alone and args.output == "bench.json" else args.output).resolve()
     out_dir = output.parent / "bench_runs"
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -1505,49 +1510,80 @@ def main():
     results["lora"] = lora_cost(args, prefix_model)  # the 25M model (--tiny: the built-in one)
     output.write_text(json.dumps(results, indent=1))
     plot(results["async_vs_sync"], output.with_suffix(".png"))
-    a, s, t = results["async_vs_sync"], results["weight_sync"], results["trainer"]
+    print_report(results, args)
+    print(f"JSON: {output}\nplot: {output.with_suffix('.png')}")
+
+
+def print_report(results, args):
+    """The full run's table, part by part."""
+    print_async_vs_sync(results["async_vs_sync"], args)
+    print_weight_sync(results["weight_sync"])
+    print_trainer_throughput(results["trainer"])
+    print_mid_model(results["mid_model"], args)
+    print_truncation(results["truncation"])
+    print_prefix(results["prefix"])
+    print_lora(results["lora"])
+    print_environment(results["environment"], args)
+    print_interpreter(results["python"], args)
+
+
+def print_async_vs_sync(a, args):
+    calls = a["async"]["tool_calls_per_sample"]
     print(
-        f"\nasync vs sync: {args.steps} steps x {args.prompts_per_step * args.num_generations} samples, tools with "
-        f"{args.tool_latency} s latency ({a['async']['tool_calls_per_sample']:.2f} calls per sample)"
+        f"\nasync vs sync: {args.steps} steps x {samples_per_step(args)} samples, tools with "
+        f"{args.tool_latency} s latency ({calls:.2f} calls per sample)"
     )
+    idle = f"{'gen. idle':>10s} {'trainer idle':>13s}"
     print(
-        f"  {'':23s} {'wall s':>7s} {'samples/s':>10s} {'gen. idle':>10s} {'trainer idle':>13s} {'s/step':>7s} "
+        f"  {'':23s} {'wall s':>7s} {'samples/s':>10s} {idle} {'s/step':>7s} "
         f"{'CPU s/step: trainer + vLLM':>27s} {'reward':>15s}"
     )
     for mode in MODES:
         m, cpu = a[mode], a[mode]["cpu_seconds_per_step"]
+        idle = f"{100 * m['generator_idle']:9.0f}% {100 * m['trainer_idle']:12.0f}%"
+        both = f"{cpu['trainer']:11.2f} + {cpu['vllm']:.2f} = {cpu['trainer'] + cpu['vllm']:.2f}"
         print(
-            f"  {LABELS[mode]:23s} {m['wall_seconds']:7.1f} {m['samples_per_s']:10.2f} {100 * m['generator_idle']:9.0f}% "
-            f"{100 * m['trainer_idle']:12.0f}% {m['wall_seconds'] / args.steps:7.2f} "
-            f"{cpu['trainer']:11.2f} + {cpu['vllm']:.2f} = {cpu['trainer'] + cpu['vllm']:.2f} "
+            f"  {LABELS[mode]:23s} {m['wall_seconds']:7.1f} {m['samples_per_s']:10.2f} {idle} "
+            f"{m['wall_seconds'] / args.steps:7.2f} {both} "
             f"{m['reward_first']:7.3f} -> {m['reward_last']:.3f}"
         )
+    floor = a["async"]["cpu_floor_step_seconds"]
     print(
-        f"  async is {a['speedup']:.2f}x the samples/s of --sync ({a['speedup_staleness_2']:.2f}x with --max-staleness 2); "
-        f"on {a['cpu_cores']} cores the CPU time of an async step alone takes {a['async']['cpu_floor_step_seconds']:.2f} s"
+        f"  async is {a['speedup']:.2f}x the samples/s of --sync "
+        f"({a['speedup_staleness_2']:.2f}x with --max-staleness 2); "
+        f"on {a['cpu_cores']} cores the CPU time of an async step alone takes {floor:.2f} s"
     )
     print(
-        f"  training-only bound (the bare step on batches of this shape, every core) {a['bound_samples_per_s']:.2f} "
-        f"samples/s: async is {a['ratio']:.2f} of it"
+        "  training-only bound (the bare step on batches of this shape, every core) "
+        f"{a['bound_samples_per_s']:.2f} samples/s: async is {a['ratio']:.2f} of it"
     )
-    print(
-        f"weight sync, {s['params'] / 1e6:.0f}M parameters ({s['gigabytes']:.2f} GB in bf16, {s['tensors']} tensors)"
-    )
+
+
+def print_weight_sync(s):
+    size = f"{s['gigabytes']:.2f} GB in bf16, {s['tensors']} tensors"
+    print(f"weight sync, {s['params'] / 1e6:.0f}M parameters ({size})")
     for name in ("packed", "per_tensor", "raw_broadcast"):
         print(f"  {name:14s} {s[name + '_seconds']:8.3f} s  {s[name + '_gb_per_s']:6.2f} GB/s")
     print(
-        f"  packed ({s['bucket_mb']:g} MB buckets) is {s['packed_speedup_over_per_tensor']:.1f}x per-tensor and "
-        f"{100 * s['packed_share_of_ceiling']:.0f}% of the raw-broadcast ceiling; vLLM's load alone (no transfer) takes "
-        f"{s['vllm_load_only_seconds']:.3f} s"
+        f"  packed ({s['bucket_mb']:g} MB buckets) is {s['packed_speedup_over_per_tensor']:.1f}x per-tensor "
+        f"and {100 * s['packed_share_of_ceiling']:.0f}% of the raw-broadcast ceiling; "
+        f"vLLM's load alone (no transfer) takes {s['vllm_load_only_seconds']:.3f} s"
     )
+
+
+def print_trainer_throughput(t):
     print(
-        f"trainer, {t['samples']} samples, {t['tokens']} tokens: loop {t['loop_tokens_per_s']:.0f} tokens/s, bare "
-        f"forward+backward {t['bare_tokens_per_s']:.0f} tokens/s, overhead {100 * t['loop_overhead']:.0f}%"
+        f"trainer, {t['samples']} samples, {t['tokens']} tokens: loop {t['loop_tokens_per_s']:.0f} tokens/s, "
+        f"bare forward+backward {t['bare_tokens_per_s']:.0f} tokens/s, "
+        f"overhead {100 * t['loop_overhead']:.0f}%"
     )
-    m = results["mid_model"]
+
+
+def print_mid_model(m, args):
+    tokens = m["async"]["completion_tokens"]
     print(
         f"a {m['params'] / 1e6:.0f}M-parameter model, {args.mid_steps} steps x "
-        f"{args.prompts_per_step * args.num_generations} samples of {m['async']['completion_tokens']:.0f} tokens, no tools:"
+        f"{samples_per_step(args)} samples of {tokens:.0f} tokens, no tools:"
     )
     for mode in ("async", "sync"):
         r = m[mode]
@@ -1556,22 +1592,20 @@ def main():
             f"{100 * r['generator_idle']:.0f}%, trainer idle {100 * r['trainer_idle']:.0f}%"
         )
     print(
-        f"  training-only bound (the bare step, every core) {m['bound_samples_per_s']:.2f} samples/s: async is "
-        f"{m['ratio']:.2f} of it, {m['speedup']:.2f}x --sync"
+        f"  training-only bound (the bare step, every core) {m['bound_samples_per_s']:.2f} samples/s: "
+        f"async is {m['ratio']:.2f} of it, {m['speedup']:.2f}x --sync"
     )
+
+
+def print_truncation(results):
     print("training step at --top-p 0.9 against 1.0 (the same batch; peak memory above the step's start):")
-    for name, r in results["truncation"].items():
+    for r in results.values():
         one, nine = r["top_p_1.0"], r["top_p_0.9"]
+        seconds = f"{one['seconds']:.3f} -> {nine['seconds']:.3f} s ({nine['seconds'] / one['seconds']:.2f}x)"
         print(
-            f"  vocabulary {r['vocab']:6d}, {r['samples']} samples, {r['tokens']} tokens: {one['seconds']:.3f} -> "
-            f"{nine['seconds']:.3f} s ({nine['seconds'] / one['seconds']:.2f}x), {one['peak_mb']:.0f} -> "
-            f"{nine['peak_mb']:.0f} MB"
+            f"  vocabulary {r['vocab']:6d}, {r['samples']} samples, {r['tokens']} tokens: {seconds}, "
+            f"{one['peak_mb']:.0f} -> {nine['peak_mb']:.0f} MB"
         )
-    print_prefix(results["prefix"])
-    print_lora(results["lora"])
-    print_environment(results["environment"], args)
-    print_interpreter(results["python"], args)
-    print(f"JSON: {output}\nplot: {output.with_suffix('.png')}")
 
 
 def print_prefix(r):
