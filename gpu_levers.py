@@ -200,8 +200,9 @@ def build(shape, device, levers):
 
 
 def before_output_layer(hidden, head, targets, stop_masked, scale, softcap, chunk, **sampling):
-    """The output layer as token_logprobs ran it before issue 60: chunks of 2^26 logits, each under
-    torch.utils.checkpoint (its forward, entropy included, again in backward), the head's weight cast in each."""
+    """The output layer as token_logprobs ran it before issue 60: chunks of 2^26 logits,
+    each under torch.utils.checkpoint (its forward, entropy included, again in backward),
+    the head's weight cast in each."""
     rows = max(1, 2**26 // head.out_features)
 
     def part(h, t, s):
