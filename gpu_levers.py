@@ -1,18 +1,22 @@
-"""The device check of the trainer's levers (issue 60): one call, about 6 minutes on one H100, every result appended to
-a JSON file as it comes (a variant that runs out of memory or fails is recorded so, and the next one runs).
+"""The device check of the trainer's levers (issue 60): one call, about 6 minutes on one H100, every result
+appended to a JSON file as it comes (a variant that runs out of memory or fails is recorded so, and the next
+one runs).
 
-1. Attention kernels at 16k tokens (Qwen3-1.7B's heads): SDPA's cuDNN and flash kernels and torch's varlen flash
-   kernel, TFLOP/s forward and backward.
-2. The 1.7B step, 4 x (1,024 + 15,360) in rows of their own, as the trainer ran it before issue 60 (the output layer in
-   checkpointed chunks of 2^26 logits), then each lever stacked on the last: the fused output layer (output_layer.py),
-   each decoder layer compiled, bf16 compute through FSDP2's MixedPrecisionPolicy (autocast off), selective activation
-   checkpointing (the matrix products' and attention's outputs saved), no checkpointing. Each line: seconds, MFU, peak
-   memory, loss, and the largest log-prob difference from the first variant.
-3. A batch of varied lengths (1.7B, G 8, completions of 512 to 15,360 tokens) as rows with the padding at position 0
-   (before issue 60), rows with the positions continued, and packed; then the constants of a cost model (seconds a
-   token and a pair of attention) fitted for rows and for packed from the equal and the varied batch.
+1. Attention kernels at 16k tokens (Qwen3-1.7B's heads): SDPA's cuDNN and flash kernels and torch's varlen
+   flash kernel, TFLOP/s forward and backward.
+2. The 1.7B step, 4 x (1,024 + 15,360) in rows of their own, as the trainer ran it before issue 60 (the output
+   layer in checkpointed chunks of 2^26 logits), then each lever stacked on the last: the fused output layer
+   (output_layer.py), each decoder layer compiled, bf16 compute through FSDP2's MixedPrecisionPolicy (autocast
+   off), selective activation checkpointing (the matrix products' and attention's outputs saved), no
+   checkpointing. Each line: seconds, MFU, peak memory, loss, and the largest log-prob difference from the
+   first variant.
+3. A batch of varied lengths (1.7B, G 8, completions of 512 to 15,360 tokens) as rows with the padding at
+   position 0 (before issue 60), rows with the positions continued, and packed; then the constants of a cost
+   model (seconds a token and a pair of attention) fitted for rows and for packed from the equal and the
+   varied batch.
 
-Run:  python gpu_levers.py [--output levers.json]     CPU dry run (tiny shapes, every line):  python gpu_levers.py --tiny
+Run:  python gpu_levers.py [--output levers.json]
+CPU dry run (tiny shapes, every line):  python gpu_levers.py --tiny
 """
 
 import argparse, contextlib, functools, json, os, subprocess, sys, time
@@ -48,7 +52,7 @@ def main():
     reps = args.reps or (1 if args.tiny else 2)
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ag.HERE)
     results = {
-        "device": torch.cuda.get_device_name() if device.type == "cuda" else f"{os.cpu_count()} CPU cores",
+        "device": bench.device_name(device),
         "torch": torch.__version__,
         "commit": commit.stdout.strip() or None,
         "peak_flops": mfu.peak_flops(device)[0],
@@ -68,7 +72,8 @@ def main():
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=0, world_size=1)
     for kernel in ("cudnn", "flash", "varlen"):
         record(guarded(f"attention {kernel}", attention_rate, kernel, shape, device))
-    samples = bench.random_samples(shape["group"], shape["vocab"], shape["prompt"], (shape["new"], shape["new"] + 1))
+    new = (shape["new"], shape["new"] + 1)
+    samples = bench.random_samples(shape["group"], shape["vocab"], shape["prompt"], new)
     first = None
     for i, lever in enumerate(LEVERS):
         line = guarded(lever, lever_step, LEVERS[: i + 1], shape, samples, device, reps, first)
@@ -105,8 +110,8 @@ def guarded(name, fn, *args):
 
 
 def attention_rate(kernel, shape, device):
-    """TFLOP/s of causal attention over shape["attention"] tokens, forward and backward (4 and 8 FLOPs a pair a head
-    a head dimension, mfu.py's count)."""
+    """TFLOP/s of causal attention over shape["attention"] tokens, forward and backward (4 and 8 FLOPs a
+    pair a head a head dimension, mfu.py's count)."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from torch.nn.attention.varlen import varlen_attn
 
@@ -122,10 +127,12 @@ def attention_rate(kernel, shape, device):
             flat = [x[0].transpose(0, 1) for x in (q, k, v)]
             return varlen_attn(*flat, cu, cu, T, T, window_size=(-1, 0), enable_gqa=True)
         backend = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION}[kernel]
-        # the flash kernel takes no grouped heads: K and V repeated for it, as SDPA would do for the math kernel
+        # the flash kernel takes no grouped heads: K and V repeated for it, as SDPA would do for the math
+        # kernel
         kk, vv = (k, v) if kernel == "cudnn" else (x.repeat_interleave(heads // kv, 1) for x in (k, v))
+        attend = torch.nn.functional.scaled_dot_product_attention
         with sdpa_kernel(backend):
-            return torch.nn.functional.scaled_dot_product_attention(q, kk, vv, is_causal=True, enable_gqa=True)
+            return attend(q, kk, vv, is_causal=True, enable_gqa=True)
 
     grad = None
     forward_s, backward_s = [], []
@@ -152,22 +159,13 @@ def clock(device):
 
 
 def build(shape, device, levers):
-    """The model of the shape (random weights, seed 0: every variant the same), with the levers of model building."""
+    """The model of the shape (random weights, seed 0: every variant the same), with the levers of model
+    building."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
-    from transformers import Qwen3Config, Qwen3ForCausalLM
+    from transformers import Qwen3ForCausalLM
 
-    config = Qwen3Config(
-        vocab_size=shape["vocab"],
-        hidden_size=shape["hidden"],
-        intermediate_size=shape["ffn"],
-        num_hidden_layers=shape["layers"],
-        num_attention_heads=shape["heads"],
-        num_key_value_heads=shape["kv_heads"],
-        head_dim=shape["head_dim"],
-        max_position_embeddings=shape["prompt"] + 2 * shape["new"],
-        tie_word_embeddings=True,
-    )
+    config = bench.trainer_config(shape, positions=shape["prompt"] + 2 * shape["new"])
     torch.manual_seed(0)
     with device:
         model = Qwen3ForCausalLM(config)
@@ -202,8 +200,9 @@ def build(shape, device, levers):
 
 
 def before_output_layer(hidden, head, targets, stop_masked, scale, softcap, chunk, **sampling):
-    """The output layer as token_logprobs ran it before issue 60: chunks of 2^26 logits, each under
-    torch.utils.checkpoint (its forward, entropy included, again in backward), the head's weight cast in each."""
+    """The output layer as token_logprobs ran it before issue 60: chunks of 2^26 logits,
+    each under torch.utils.checkpoint (its forward, entropy included, again in backward),
+    the head's weight cast in each."""
     rows = max(1, 2**26 // head.out_features)
 
     def part(h, t, s):
@@ -220,8 +219,8 @@ def before_output_layer(hidden, head, targets, stop_masked, scale, softcap, chun
 
 @contextlib.contextmanager
 def patched(levers, positions_at_zero=False):
-    """The levers that are not in the model: the output layer before issue 60 (unless fused), autocast off (bf16
-    policy: the weights are bf16 in compute), and collate's padding at position 0 as before issue 60."""
+    """The levers that are not in the model: the output layer before issue 60 (unless fused), autocast off
+    (bf16 policy: the weights are bf16 in compute), and collate's padding at position 0 as before issue 60."""
     real = (ag.chunked_logprobs, torch.autocast, ag.collate)
     if "fused output layer" not in levers:
         ag.chunked_logprobs = before_output_layer
@@ -272,8 +271,8 @@ def layout_step(layout, shape, samples, device, reps):
 
 
 def measured(model, samples, flags, reps, packed, share):
-    """bench.step_cost's line (seconds, peak memory, loss, tokens), MFU, and the log-probs of the completions (under
-    the step's autocast) for the difference between variants."""
+    """bench.step_cost's line (seconds, peak memory, loss, tokens), MFU, and the log-probs of the
+    completions (under the step's autocast) for the difference between variants."""
     config = model.config
     line = bench.step_cost(model, samples, flags, reps, packed=packed)
     flops = mfu.step_flops(config, samples, share=share, tokens=line["tokens"])[0]

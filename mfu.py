@@ -1,20 +1,24 @@
-"""Model FLOPs utilisation of a training step: the FLOPs its tokens need, counted from the model's config, over what
-the device can do. async_grpo.py logs it (perf/mfu, perf/tokens_per_second); bench.py --trainer prints it.
+"""Model FLOPs utilisation of a training step: the FLOPs its tokens need, counted from the model's config,
+over what the device can do. async_grpo.py logs it (perf/mfu, perf/tokens_per_second); bench.py --trainer
+prints it.
 
-The count is the usual one (PaLM's appendix B, prime-rl's and TRL's logs): 6 FLOPs a parameter a token forwarded (2 in
-the forward, 4 in the backward; 4 in all with LoRA, whose frozen weights get no gradient), and per layer 12 x heads x
-head_dim a (query, key) pair that causal attention computes (the two matmuls, 2 FLOPs a multiply-add, forward and
-twice backward). The output layer runs on the completions' tokens alone (token_logprobs). Recomputation (gradient
-checkpointing, the output layer's chunks) is not counted: it is work the device does that the model does not need.
+The count is the usual one (PaLM's appendix B, prime-rl's and TRL's logs): 6 FLOPs a parameter a token
+forwarded (2 in the forward, 4 in the backward; 4 in all with LoRA, whose frozen weights get no gradient), and
+per layer 12 x heads x head_dim a (query, key) pair that causal attention computes (the two matmuls, 2 FLOPs a
+multiply-add, forward and twice backward). The output layer runs on the completions' tokens alone
+(token_logprobs). Recomputation (gradient checkpointing, the output layer's chunks) is not counted: it is work
+the device does that the model does not need.
 
-The peak: a GPU's dense bf16 peak from its data sheet (PEAKS), else the rate of a large matmul measured once on the
-device (bf16 on a GPU, fp32 on the CPU, where the trainer computes in fp32), labelled as measured."""
+The peak: a GPU's dense bf16 peak from its data sheet (PEAKS), else the rate of a large matmul measured
+once on the device (bf16 on a GPU, fp32 on the CPU, where the trainer computes in fp32), labelled as
+measured."""
 
 import time
 
 import torch
 
-# dense bf16 tensor-core peaks (no sparsity), FLOP/s, by what torch.cuda.get_device_name() contains; the first match
+# dense bf16 tensor-core peaks (no sparsity), FLOP/s, by what torch.cuda.get_device_name() contains; the first
+# match
 PEAKS = [
     ("H100 PCIe", 756e12),
     ("H100 NVL", 835e12),
@@ -33,7 +37,8 @@ MEASURED = {}  # device -> (FLOP/s, label): measured once per process
 
 
 def peak_flops(device):
-    """(FLOP/s, label): the device's bf16 peak from PEAKS, or a matmul rate measured once (the label says which)."""
+    """(FLOP/s, label): the device's bf16 peak from PEAKS, or a matmul rate measured once (the label says
+    which)."""
     device = torch.device(device)
     if device.type == "cuda":
         name = torch.cuda.get_device_name(device)
@@ -69,8 +74,8 @@ def matmul_rate(device, dtype, n=None, reps=5):
 
 
 def causal_pairs(start, end, window=None):
-    """The (query, key) pairs causal attention computes for queries at positions start..end - 1 (each sees itself and
-    what precedes it, at most `window` keys)."""
+    """The (query, key) pairs causal attention computes for queries at positions start..end - 1 (each sees
+    itself and what precedes it, at most `window` keys)."""
 
     def upto(x):  # pairs of queries 0..x - 1
         if window is None or x <= window:
@@ -81,8 +86,9 @@ def causal_pairs(start, end, window=None):
 
 
 def weights_per_token(config):
-    """(multiply-adds a token in the decoder layers' weights, in the output layer's) from a transformers text config:
-    q, k, v, o and a gated MLP (gate, up, down) a layer; a mixture of experts counts the experts a token goes through."""
+    """(multiply-adds a token in the decoder layers' weights, in the output layer's) from a transformers
+    text config: q, k, v, o and a gated MLP (gate, up, down) a layer; a mixture of experts counts the
+    experts a token goes through."""
     hidden = config.hidden_size
     heads = config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or hidden // heads
@@ -95,9 +101,9 @@ def weights_per_token(config):
 
 
 def attention_pairs(samples, share=True, window=None):
-    """(query, key) pairs a layer's causal attention computes over `samples` ({'ids', 'n_prompt'}), at most `window`
-    keys a query: where `share`, a prompt once and each completion after it (collate's layouts), else each sequence
-    whole. Returns (pairs, tokens forwarded, completion tokens)."""
+    """(query, key) pairs a layer's causal attention computes over `samples` ({'ids', 'n_prompt'}), at most
+    `window` keys a query: where `share`, a prompt once and each completion after it (collate's layouts),
+    else each sequence whole. Returns (pairs, tokens forwarded, completion tokens)."""
     prompts = set()
     pairs = 0
     forwarded = 0
@@ -117,9 +123,10 @@ def attention_pairs(samples, share=True, window=None):
 
 
 def step_flops(config, samples, share=True, lora=False, tokens=None):
-    """FLOPs of a training step on `samples` (every rank's), counted from the model's `config` (a transformers text
-    config) for the layout `share` says (attention_pairs). tokens: the tokens forwarded if known (train/tokens: the
-    micro-batches may forward a prompt more than once), else attention_pairs' count. Returns (FLOPs, tokens)."""
+    """FLOPs of a training step on `samples` (every rank's), counted from the model's `config` (a
+    transformers text config) for the layout `share` says (attention_pairs). tokens: the tokens forwarded
+    if known (train/tokens: the micro-batches may forward a prompt more than once), else attention_pairs'
+    count. Returns (FLOPs, tokens)."""
     heads = config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
     window = getattr(config, "sliding_window", None)
@@ -136,8 +143,8 @@ def step_flops(config, samples, share=True, lora=False, tokens=None):
 
 
 def step_metrics(config, samples, seconds, device, world_size=1, share=True, lora=False, tokens=None):
-    """perf/tokens_per_second (tokens forwarded a second of training, every rank's), perf/mfu (the step's FLOPs over
-    `seconds` x world_size x the peak) and perf/peak_flops, for metrics.jsonl."""
+    """perf/tokens_per_second (tokens forwarded a second of training, every rank's), perf/mfu (the step's
+    FLOPs over `seconds` x world_size x the peak) and perf/peak_flops, for metrics.jsonl."""
     flops, tokens = step_flops(config, samples, share, lora, tokens)
     peak = peak_flops(device)[0]
     return {

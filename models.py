@@ -1,8 +1,10 @@
-"""Loading the policy (async_grpo.py's load_policy_and_optimizer): a checkpoint as the class whose parameter names
-vLLM serves (a causal LM, or an image-text model with its vision tower frozen), a GGUF file dequantised once, a LoRA
-adapter on it, under --fsdp its FSDP2 shards, read by rank 0 alone, and the attention function of packed rows."""
+"""Loading the policy (async_grpo.py's load_policy_and_optimizer): a
+checkpoint as the class whose parameter names vLLM serves (a causal
+LM, or an image-text model with its vision tower frozen), a GGUF file
+dequantised once, a LoRA adapter on it, under --fsdp its FSDP2
+shards, read by rank 0 alone, and the attention function of packed
+rows."""
 
-import contextlib
 import os
 from pathlib import Path
 
@@ -14,56 +16,64 @@ from torch.nn.attention.varlen import varlen_attn
 
 
 def load_policy(path, empty=False):
-    """A causal LM, or an image-text checkpoint (Qwen2-VL, SmolVLM, ...) as its *ForConditionalGeneration
-    class: its parameter names are the checkpoint's, which vLLM's loader maps to its own (a bare AutoModel
-    drops the `model.` prefix). Text-only RL trains its language model and output head; the vision tower and
-    projector get no gradient from text, so they are frozen: not optimised, not synced. empty: only the
-    shapes, on the meta device."""
+    """A causal LM, or an image-text checkpoint (Qwen2-VL, SmolVLM,
+    ...) as its *ForConditionalGeneration class: its parameter names
+    are the checkpoint's, which vLLM's loader maps to its own (a bare
+    AutoModel drops the `model.` prefix). Text-only RL trains its
+    language model and output head; the vision tower and projector
+    get no gradient from text, so they are frozen: not optimised, not
+    synced. empty: only the shapes, on the meta device."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
 
     config = AutoConfig.from_pretrained(path)
     kind = AutoModelForImageTextToText if hasattr(config, "vision_config") else AutoModelForCausalLM
-    with torch.device("meta") if empty else contextlib.nullcontext():
-        model = (
-            kind.from_config(config, dtype=torch.float32) if empty else kind.from_pretrained(path, dtype=torch.float32)
-        )
+    if empty:
+        with torch.device("meta"):
+            model = kind.from_config(config, dtype=torch.float32)
+    else:
+        model = kind.from_pretrained(path, dtype=torch.float32)
     if kind is AutoModelForImageTextToText:
-        trained = {id(p) for m in (model.get_decoder(), model.get_output_embeddings()) for p in m.parameters()}
+        language = (model.get_decoder(), model.get_output_embeddings())
+        trained = {id(p) for m in language for p in m.parameters()}
         for p in model.parameters():
             p.requires_grad_(id(p) in trained)
     return model
 
 
 def with_lora(model, args, adapter=None):
-    """--lora-rank: a LoRA adapter (peft) on the --lora-targets, B = 0, or the one saved in `adapter`
-    (--resume)."""
+    """--lora-rank: a LoRA adapter (peft) on the --lora-targets,
+    B = 0, or the one saved in `adapter` (--resume)."""
     from peft import LoraConfig, PeftModel, get_peft_model
 
     if adapter:
         return PeftModel.from_pretrained(model, adapter, is_trainable=True)
-    linear = sorted(
-        {
-            name.rpartition(".")[2]
-            for layer in decoder_layers(model)
-            for name, m in layer.named_modules()
-            if isinstance(m, torch.nn.Linear) and m.weight.requires_grad
-        }
-    )
+    linear = trained_linear_names(model)
     targets = args.lora_targets.split(",") if args.lora_targets else linear
     unknown = sorted(set(targets) - set(linear))
     if unknown:
         raise SystemExit(
             f"--lora-targets: no Linear layer {unknown} in the decoder layers; theirs: {','.join(linear)}"
         )
-    return get_peft_model(
-        model, LoraConfig(r=args.lora_rank, lora_alpha=args.lora_alpha, target_modules=targets, task_type="CAUSAL_LM")
-    )
+    config = LoraConfig(r=args.lora_rank, lora_alpha=args.lora_alpha, target_modules=targets, task_type="CAUSAL_LM")
+    return get_peft_model(model, config)
+
+
+def trained_linear_names(model):
+    """The names (the last part: q_proj, ...) of the trained Linear
+    layers in the decoder layers, sorted."""
+    names = set()
+    for layer in decoder_layers(model):
+        for name, m in layer.named_modules():
+            if isinstance(m, torch.nn.Linear) and m.weight.requires_grad:
+                names.add(name.rpartition(".")[2])
+    return sorted(names)
 
 
 def load_sharded(path, device):
-    """--fsdp: rank 0 alone reads the checkpoint (the whole model, fp32, in its host memory); every rank
-    builds it on the meta device, shards it and receives its shards, a tensor at a time, and the buffers
-    outside the state dict whole."""
+    """--fsdp: rank 0 alone reads the checkpoint (the whole model,
+    fp32, in its host memory); every rank builds it on the meta
+    device, shards it and receives its shards, a tensor at a time,
+    and the buffers outside the state dict whole."""
     full = load_policy(path) if dist.get_rank() == 0 else None
     model = shard(load_policy(path, empty=True)).to_empty(device=device)
     set_model_state_dict(
@@ -79,24 +89,28 @@ def load_sharded(path, device):
 
 
 def shard(model):
-    """FSDP2: each decoder layer is one unit, whose weights are gathered only while it computes; the root unit
-    holds the rest (embeddings, head). Done in place: the module keeps its names, its parameters become
-    DTensor shards."""
+    """FSDP2: each decoder layer is one unit, whose weights are
+    gathered only while it computes; the root unit holds the rest
+    (embeddings, head). Done in place: the module keeps its names,
+    its parameters become DTensor shards."""
     for layer in decoder_layers(model):
         fully_shard(layer)
     return fully_shard(model)
 
 
 def decoder_layers(model):
-    """The model's repeated blocks (transformers names their classes in _no_split_modules)."""
+    """The model's repeated blocks (transformers names their classes
+    in _no_split_modules)."""
     return [m for m in model.modules() if type(m).__name__ in (model._no_split_modules or ())]
 
 
 def dequantise_gguf(path, cache_dir):
-    """A GGUF file as a plain checkpoint, built once into cache_dir: vLLM and the trainer load that, and a
-    sync sends plain weights. transformers reads GGUF but marks the model quantised and will not save it: a
-    fresh model of its config takes the dequantised weights, saved in bf16 (half fp32's size; both sides load
-    the same values)."""
+    """A GGUF file as a plain checkpoint, built once into cache_dir:
+    vLLM and the trainer load that, and a sync sends plain weights.
+    transformers reads GGUF but marks the model quantised and will
+    not save it: a fresh model of its config takes the dequantised
+    weights, saved in bf16 (half fp32's size; both sides load the
+    same values)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     path = Path(path).resolve()
@@ -106,7 +120,8 @@ def dequantise_gguf(path, cache_dir):
     print(f"dequantising {path} into {out} (once)", flush=True)
     try:
         tok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
-        quantised = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+        read = AutoModelForCausalLM.from_pretrained
+        quantised = read(path.parent, gguf_file=path.name, dtype=torch.float32)
     except Exception as e:
         raise SystemExit(
             f"--model {path}: cannot read it as a GGUF causal LM ({type(e).__name__}: {str(e)[:300]}); "
@@ -119,7 +134,8 @@ def dequantise_gguf(path, cache_dir):
 
 
 def save_whole(path, *parts):
-    """Save under a temporary name, then rename: a half-built model is never picked up."""
+    """Save under a temporary name, then rename: a half-built model
+    is never picked up."""
     tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
     for part in parts:
         part.save_pretrained(tmp)
@@ -127,16 +143,20 @@ def save_whole(path, *parts):
     return str(path)
 
 
-# what a model's layers hand their attention function that leaves its result alone (dropout: 0 but in training)
+# what a model's layers hand their attention function that leaves its
+# result alone (dropout: 0 but in training)
 IGNORED_ATTENTION_ARGUMENTS = ("dropout", "position_ids", "use_cache", "output_router_logits", "output_attentions")
 
 
 def segment_attention(module, query, key, value, mask, scaling=None, sliding_window=None, segments=None, **kw):
-    """Attention within collate's segments (query [1, heads, T, head_dim]): a segment's queries see its keys
-    (kv_index: a completion's prompt and itself, in position order) causally, aligned at the ends; on CUDA in
-    one varlen flash kernel (only the pairs needed), elsewhere through SDPA a segment at a time (the same
-    metadata, tested on CPU). GPT-OSS's sinks (s_aux: a logit a head in every softmax) take the SDPA path: the
-    varlen kernel has no such term."""
+    """Attention within collate's segments (query
+    [1, heads, T, head_dim]): a segment's queries see its keys
+    (kv_index: a completion's prompt and itself, in position order)
+    causally, aligned at the ends; on CUDA in one varlen flash kernel
+    (only the pairs needed), elsewhere through SDPA a segment at a
+    time (the same metadata, tested on CPU). GPT-OSS's sinks (s_aux:
+    a logit a head in every softmax) take the SDPA path: the varlen
+    kernel has no such term."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     sinks = kw.pop("s_aux", None)
@@ -151,113 +171,165 @@ def segment_attention(module, query, key, value, mask, scaling=None, sliding_win
     # [every segment's keys, kv heads, head_dim]
     k = key[0].transpose(0, 1)[kv_index]
     v = value[0].transpose(0, 1)[kv_index]
-    # flash kernels take half precision (under autocast, rotary embeddings leave q and k in fp32)
     if q.is_cuda and sinks is None:
-        half = torch.bfloat16 if q.dtype == torch.float32 else q.dtype
-        # (-1, 0): causal, aligned at the end
-        window = (sliding_window - 1 if sliding_window else -1, 0)
-        tensors = [x.to(half) for x in (q, k, v)]
-        out = varlen_attn(*tensors, cu_q, cu_k, max_q, max_k, scale=scaling, window_size=window, enable_gqa=True)
-        return out.to(q.dtype)[None], None
+        out = varlen_segments(q, k, v, segments, scaling, sliding_window)
+    else:
+        out = sdpa_segments(q, k, v, segments, scaling, sliding_window, sinks)
+    return out[None], None
+
+
+def varlen_segments(q, k, v, segments, scaling, sliding_window):
+    """segment_attention in one varlen flash kernel (CUDA):
+    [T, heads, head_dim]."""
+    cu_q, cu_k, _, max_q, max_k = segments
+    # flash kernels take half precision (under autocast, rotary
+    # embeddings leave q and k in fp32)
+    half = torch.bfloat16 if q.dtype == torch.float32 else q.dtype
+    # (-1, 0): causal, aligned at the end
+    window = (sliding_window - 1 if sliding_window else -1, 0)
+    tensors = [x.to(half) for x in (q, k, v)]
+    sizes = (cu_q, cu_k, max_q, max_k)
+    out = varlen_attn(*tensors, *sizes, scale=scaling, window_size=window, enable_gqa=True)
+    return out.to(q.dtype)
+
+
+def sdpa_segments(q, k, v, segments, scaling, sliding_window, sinks):
+    """segment_attention through SDPA a segment at a time (the same
+    metadata as the varlen kernel's), with GPT-OSS's sinks where
+    given: [T, heads, head_dim]."""
+    cu_q, cu_k = segments[:2]
     out = []
-    for a, b, c, d in zip(cu_q[:-1].tolist(), cu_q[1:].tolist(), cu_k[:-1].tolist(), cu_k[1:].tolist()):
+    bounds = zip(cu_q[:-1].tolist(), cu_q[1:].tolist(), cu_k[:-1].tolist(), cu_k[1:].tolist())
+    for a, b, c, d in bounds:
         # [queries, keys]: how far back
         behind = torch.arange(d - c - (b - a), d - c)[:, None] - torch.arange(d - c)
         seen = (behind >= 0) & (behind < (sliding_window or d - c))
         # 4D: SDPA's CPU flash kernel takes no other
         qkv = [x.transpose(0, 1)[None] for x in (q[a:b], k[c:d], v[c:d])]
-        # a sink: a key of zeros with a value of zeros, seen by all, whose bias is the head's sink
+        # a sink: a key of zeros with a value of zeros, seen by all,
+        # whose bias is the head's sink
         if sinks is not None:
             qkv[1:] = [torch.cat([x, torch.zeros_like(x[:, :, :1])], 2) for x in qkv[1:]]
             bias = torch.where(seen, 0.0, -torch.inf).to(q.dtype).expand(len(sinks), -1, -1)
-            seen = torch.cat([bias, sinks[:, None, None].expand(-1, b - a, 1).to(q.dtype)], -1)[None]
-        part = torch.nn.functional.scaled_dot_product_attention(*qkv, attn_mask=seen, scale=scaling, enable_gqa=True)
+            sink = sinks[:, None, None].expand(-1, b - a, 1).to(q.dtype)
+            seen = torch.cat([bias, sink], -1)[None]
+        attend = torch.nn.functional.scaled_dot_product_attention
+        part = attend(*qkv, attn_mask=seen, scale=scaling, enable_gqa=True)
         out.append(part[0].transpose(0, 1))
-    return torch.cat(out)[None], None
+    return torch.cat(out)
 
 
-# The start-up probes: async_grpo.py's load_policy_and_optimizer runs them on the loaded model, through `logprobs`,
-# its probe_logprobs (the trainer's own log-prob path). A probe compares that path with another on a few tokens and refuses what differs by more than PROBE_MARGIN
-# times the rounding it measures beside the comparison (probe_rounding): a bound of its own on every processor,
-# thread count and dtype. Measured (docs/performance.md): honest gaps reach 2.1 times that rounding (SmolLM2 on
-# another processor of this kind), a tiny random FalconH1's Mamba layers give 190 times it, a planted bias 10^5.
+# The start-up probes: async_grpo.py's load_policy_and_optimizer runs
+# them on the loaded model, through `logprobs`, its probe_logprobs (the
+# trainer's own log-prob path). A probe compares that path with another
+# on a few tokens and refuses what differs by more than PROBE_MARGIN
+# times the rounding it measures beside the comparison (probe_rounding):
+# a bound of its own on every processor, thread count and dtype.
+# Measured (docs/performance.md): honest gaps reach 2.1 times that
+# rounding (SmolLM2 on another processor of this kind), a tiny random
+# FalconH1's Mamba layers give 190 times it, a planted bias 10^5.
 PROBE_MARGIN = 20
 
 
 def probe_sample(ids, n_prompt):
-    """A sample (async_grpo.py's collate takes it) of ids whose completion (after n_prompt) is all sampled tokens."""
+    """A sample (async_grpo.py's collate takes it) of ids whose
+    completion (after n_prompt) is all sampled tokens."""
     n = len(ids) - n_prompt
     return {"ids": ids, "n_prompt": n_prompt, "mask": [1] * n, "logprobs": [0.0] * n, "advantage": 0}
 
 
 def probe_rounding(model, samples, dtype, logprobs):
-    """What float rounding alone moves these samples' log-probs by, measured: their rows in one batch against each
-    in a batch of its own, and shared against shared beside a longer row (other shapes, other kernels' blocking),
-    and at least one unit in the last place of `dtype` (what the compared path computes in) at their magnitude."""
+    """What float rounding alone moves these samples' log-probs by,
+    measured: their rows in one batch against each in a batch of its
+    own, and shared against shared beside a longer row (other shapes,
+    other kernels' blocking), and at least one unit in the last place
+    of `dtype` (what the compared path computes in) at their
+    magnitude."""
     whole = logprobs(model, samples, share=False)
     alone = [logprobs(model, [s], share=False)[0] for s in samples]
     shared = logprobs(model, samples)
     longer = probe_sample(list(range(9, 9 + len(samples[0]["ids"]) + 4)), samples[0]["n_prompt"])
     beside = logprobs(model, samples + [longer])[: len(samples), : shared.shape[1]]
     ulp = torch.finfo(dtype).eps * whole.abs().max().item()
-    gaps = [(whole[i, : len(x)] - x).abs().max().item() for i, x in enumerate(alone)]
-    return max(*gaps, (shared - beside).abs().max().item(), ulp)
+    gaps = [largest_gap(whole[i, : len(x)], x) for i, x in enumerate(alone)]
+    return max(*gaps, largest_gap(shared, beside), ulp)
+
+
+def largest_gap(a, b):
+    """The largest absolute difference between two tensors of
+    log-probs, a float."""
+    return (a - b).abs().max().item()
+
+
+def reshard(model):
+    """FSDP2 leaves the root's weights gathered after a forward (for
+    the backward): a probe reshards them, so that what comes next
+    (the optimizer, made after the probes) holds its shards. Others:
+    nothing."""
+    if hasattr(model, "reshard"):
+        model.reshard()
 
 
 def probe_gap(gap, rounding, what):
-    """Why a probe refuses (what differs by `gap`, against PROBE_MARGIN times `rounding`), or None."""
+    """Why a probe refuses (what differs by `gap`, against
+    PROBE_MARGIN times `rounding`), or None."""
     if gap <= PROBE_MARGIN * rounding:
         return None
     return f"{what} by {gap:.2g}, {gap / rounding:.0f} times the rounding measured beside it ({rounding:.2g})"
 
 
 def sharing_refused(model, logprobs):
-    """Why shared rows (collate) would not give this model's log-probs, or None. Sharing rests on the model
-    attending as the 4D mask says at the positions given (a sliding window included: collate): linear
-    attention, recurrent layers, a mask left unread or a position scheme of its own do not. Two checks on a probe
-    group, in the model's dtype: a completion's log-probs must not move when another completion's tokens change
-    (rounding cancels there: the same kernels run), and shared rows must give what rows of their own give."""
+    """Why shared rows (collate) would not give this model's
+    log-probs, or None. Sharing rests on the model attending as the
+    4D mask says at the positions given (a sliding window included:
+    collate): linear attention, recurrent layers, a mask left unread
+    or a position scheme of its own do not. Two checks on a probe
+    group, in the model's dtype: a completion's log-probs must not
+    move when another completion's tokens change (rounding cancels
+    there: the same kernels run), and shared rows must give what rows
+    of their own give."""
     prompt = [1, 2, 3]
     probe = [probe_sample(prompt + c, 3) for c in ([4, 5, 6], [7, 8])]
     moved = [probe_sample(prompt + [40, 50, 60], 3), probe[1]]
     rounding = probe_rounding(model, probe, next(model.parameters()).dtype, logprobs)
     shared = logprobs(model, probe)
-    leak = (shared[1] - logprobs(model, moved)[1]).abs().max().item()
-    gap = (shared - logprobs(model, probe, share=False)).abs().max().item()
-    # FSDP2 leaves the root's weights gathered after a forward (for the backward): the optimizer, made next,
-    # must hold its shards
-    if hasattr(model, "reshard"):
-        model.reshard()
+    leak = largest_gap(shared[1], logprobs(model, moved)[1])
+    gap = largest_gap(shared, logprobs(model, probe, share=False))
+    reshard(model)
     why = probe_gap(leak, rounding, "a completion's log-probs move with another's tokens")
     return why or probe_gap(gap, rounding, "a probe's log-probs differ shared")
 
 
 def logprobs_refused(model, logprobs):
-    """Why the trainer's log-probs (token_logprobs) are not the log-softmax of the model's own logits, or
-    None: a family whose forward does after its head what token_logprobs does not (a transform that is not a
-    scale). On a probe, in the model's dtype; the rounding measured on the model's own logits (the trainer's path
-    fits the scale it reproduces, which a wrong transform would move too)."""
+    """Why the trainer's log-probs (token_logprobs) are not the
+    log-softmax of the model's own logits, or None: a family whose
+    forward does after its head what token_logprobs does not (a
+    transform that is not a scale). On a probe, in the model's dtype;
+    the rounding measured on the model's own logits (the trainer's
+    path fits the scale it reproduces, which a wrong transform would
+    move too)."""
     ids = torch.arange(1, 8, device=model.device)[None]
     with torch.no_grad():
-        # [rows, 7, V]: the probe alone, and beside another row (other shapes)
+        # [rows, 7, V]: the probe alone, and beside another row (other
+        # shapes)
         logits = [model(input_ids=x).logits[:1, 2:-1].float() for x in (ids, torch.cat([ids, ids.flip(1)]))]
     own = [x.log_softmax(-1).gather(-1, ids[:, 3:, None])[0, :, 0] for x in logits]
     ours = logprobs(model, [probe_sample(ids[0].tolist(), 3)], share=False)[0]
-    # as in sharing_refused
-    if hasattr(model, "reshard"):
-        model.reshard()
+    reshard(model)
     ulp = torch.finfo(next(model.parameters()).dtype).eps * own[0].abs().max().item()
-    rounding = max((own[0] - own[1]).abs().max().item(), ulp)
+    rounding = max(largest_gap(own[0], own[1]), ulp)
     kind = model.config.get_text_config().model_type
-    return probe_gap(
-        (ours - own[0]).abs().max().item(), rounding, f"the trainer's log-probs of {kind} differ from its own logits'"
-    )
+    what = f"the trainer's log-probs of {kind} differ from its own logits'"
+    return probe_gap(largest_gap(ours, own[0]), rounding, what)
 
 
 def segments_refused(model, logprobs):
-    """None, the model's attention now segment_attention (packed rows); else why not, its own attention kept: it
-    takes no registered function, passes an argument segment_attention does not implement, or a probe's packed
-    log-probs are not those of rows of their own (StableLM's layers do not hand the segments on)."""
+    """None, the model's attention now segment_attention (packed
+    rows); else why not, its own attention kept: it takes no
+    registered function, passes an argument segment_attention does
+    not implement, or a probe's packed log-probs are not those of
+    rows of their own (StableLM's layers do not hand the segments
+    on)."""
     from transformers import AttentionInterface, AttentionMaskInterface
     from transformers.masking_utils import sdpa_mask
 
@@ -275,17 +347,16 @@ def segments_refused(model, logprobs):
     model.set_attn_implementation("segments")
     try:
         packed = logprobs(model, probe, packed=True)
-        leak = (packed[1] - logprobs(model, moved, packed=True)[1]).abs().max().item()
+        leak = largest_gap(packed[1], logprobs(model, moved, packed=True)[1])
         why = probe_gap(leak, rounding, "a segment's log-probs move with another's tokens")
-        why = why or probe_gap((packed - rows).abs().max().item(), rounding, "a probe's log-probs differ packed")
+        why = why or probe_gap(largest_gap(packed, rows), rounding, "a probe's log-probs differ packed")
     except ValueError as e:
         why = str(e)
-    # layers that do not hand the attention the segments leave SDPA the packed rows' empty mask
+    # layers that do not hand the attention the segments leave SDPA the
+    # packed rows' empty mask
     except RuntimeError as e:
         why = f"its layers do not hand their attention the segments ({str(e).splitlines()[0][:80]})"
-    # as in sharing_refused
-    if hasattr(model, "reshard"):
-        model.reshard()
+    reshard(model)
     if why or config._attn_implementation != "segments":
         model.set_attn_implementation(before)
     return why or (config._attn_implementation != "segments" and "no attention function")

@@ -3,8 +3,8 @@
 Every reward function is called once per group with keyword arguments, each a list with one entry
 per rollout of the group, and returns one float per rollout (`async def` works too):
     prompts         the prompt as chat messages
-    completions     the messages the rollout added: assistant turns, tool results, an environment's user turns.
-                    An assistant turn is {"role": "assistant", "content": str, "tool_calls": [...],
+    completions     the messages the rollout added: assistant turns, tool results, an environment's user
+                    turns. An assistant turn is {"role": "assistant", "content": str, "tool_calls": [...],
                     "tool_call_errors": [...]} (and "reasoning_content": str if it had a think block):
                     tool_calls holds only the well-formed calls, each {"type": "function", "function":
                     {"name": str, "arguments": dict}}; tool_call_errors one message (str) per call that
@@ -60,17 +60,20 @@ def correct_answer(completions, answer, **kwargs):
     return rewards
 
 
-MATH_SECONDS = 5.0  # a comparison's bound: past it the judge is killed and the rollout scores 0
-JUDGES = 4  # judge processes at most: a slow answer holds one, while the other groups are judged by the others
+# a comparison's bound: past it the judge is killed and the rollout scores 0
+MATH_SECONDS = 5.0
+# judge processes at most: a slow answer holds one, while the other groups are judged by the others
+JUDGES = 4
 _JUDGES = {"idle": [], "slots": threading.BoundedSemaphore(JUDGES)}
 
 
 def math_answer(completions, answer, **kwargs):
-    """1 if the final assistant turn's answer equals `answer` (a dataset column) as Hugging Face's math-verify judges it
-    (TRL's and open-r1's accuracy reward): the answer is the last \\boxed{...}, else the last formula or number;
-    `answer` is a number, a LaTeX expression, or a worked solution that boxes it. Equal forms are equal: 1/2,
-    \\frac{1}{2} and 0.5, (x+1)^2 and x^2+2x+1, x=3 and 3. Judged in a process of its own, one comparison at most
-    MATH_SECONDS: sympy on what a model writes (9^{9^{9^9}}) can hold the interpreter in one C call for hours."""
+    """1 if the final assistant turn's answer equals `answer` (a dataset column) as Hugging Face's
+    math-verify judges it (TRL's and open-r1's accuracy reward): the answer is the last \\boxed{...}, else
+    the last formula or number; `answer` is a number, a LaTeX expression, or a worked solution that boxes
+    it. Equal forms are equal: 1/2, \\frac{1}{2} and 0.5, (x+1)^2 and x^2+2x+1, x=3 and 3. Judged in a
+    process of its own, one comparison at most MATH_SECONDS: sympy on what a model writes (9^{9^{9^9}}) can
+    hold the interpreter in one C call for hours."""
     # groups are scored on several threads: each takes a judge of its own (one answers one question at a time)
     with _JUDGES["slots"]:
         judge = None
@@ -89,24 +92,30 @@ def math_answer(completions, answer, **kwargs):
 
 def _judged(process, gold, text):
     """(the judge, its score): a judge started where `process` is None or dead; None after it was killed."""
-    if process is not None and process.poll() is not None:  # it died between questions
+    # it died between questions
+    if process is not None and process.poll() is not None:
         _ended(process)
         process = None
     process = process or _started_judge()
+    # the answer is at the end
+    question = json.dumps([gold, text[-4000:]]) + "\n"
     try:
-        process.stdin.write((json.dumps([gold, text[-4000:]]) + "\n").encode())  # the answer is at the end
+        process.stdin.write(question.encode())
         process.stdin.flush()
         if _readable(process.stdout, MATH_SECONDS):
             return process, float(process.stdout.readline().strip() == b"1")
-    except OSError:  # it died (its memory bound): the next question starts another
+    # it died (its memory bound): the next question starts another
+    except OSError:
         pass
     _ended(process)
     return None, 0.0
 
 
 def _started_judge():
-    code = f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); import rewards; rewards.judge()"
-    process = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    here = str(Path(__file__).parent)
+    code = f"import sys; sys.path.insert(0, {here!r}); import rewards; rewards.judge()"
+    command = [sys.executable, "-c", code]
+    process = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
     # its imports (sympy) take seconds, more on a loaded machine: not counted in a comparison's bound
     try:
         if _readable(process.stdout, 120) and process.stdout.readline() == b"ready\n":
@@ -134,8 +143,8 @@ def _ended(process):
 
 
 def judge():
-    """The judge's process (math_answer): a line [gold, text] in, a line 1 or 0 out, until its input closes. It dies
-    with the run (PR_SET_PDEATHSIG) and holds at most 2 GiB."""
+    """The judge's process (math_answer): a line [gold, text] in, a line 1 or 0 out, until its input
+    closes. It dies with the run (PR_SET_PDEATHSIG) and holds at most 2 GiB."""
     ctypes.CDLL(None).prctl(1, signal.SIGKILL)
     resource.setrlimit(resource.RLIMIT_AS, (2**31, 2**31))
     # its notes that the timeouts are ours (its own, signal.alarm, need a main thread)
@@ -143,17 +152,22 @@ def judge():
     from math_verify import parse, verify
 
     answers = os.fdopen(os.dup(1), "w")
-    os.dup2(2, 1)  # what the libraries print goes to stderr, not into the answers
+    # what the libraries print goes to stderr, not into the answers
+    os.dup2(2, 1)
     print("ready", file=answers, flush=True)
     for line in sys.stdin:
         gold, text = json.loads(line)
         try:
-            # a gold without $...$ or \\boxed is read as one formula first: (1, 2) is a pair, not its last number
-            expected = None if "$" in gold or "\\boxed" in gold else parse(f"${gold}$", parsing_timeout=None)
+            # a gold without $...$ or \\boxed is read as one formula first: (1, 2) is a pair, not its last
+            # number
+            expected = None
+            if "$" not in gold and "\\boxed" not in gold:
+                expected = parse(f"${gold}$", parsing_timeout=None)
             expected = expected or parse(gold, parsing_timeout=None)
             found = parse(text, parsing_timeout=None)
             equal = bool(expected and found) and verify(expected, found, timeout_seconds=None)
-        except Exception:  # what it cannot read is not equal
+        # what it cannot read is not equal
+        except Exception:
             equal = False
         print(int(equal), file=answers, flush=True)
 
@@ -167,16 +181,19 @@ def format_reward(completions, truncated, **kwargs):
 
 
 def countdown(completions, numbers, target, **kwargs):
-    """1 if the final assistant turn's last expression uses each of `numbers` exactly once and equals `target` (the
-    columns of the built-in countdown task), evaluated exactly by the calculator tool's arithmetic."""
+    """1 if the final assistant turn's last expression uses each of `numbers` exactly once and equals
+    `target` (the columns of the built-in countdown task), evaluated exactly by the calculator tool's
+    arithmetic."""
     rewards = []
     for messages, given, goal in zip(completions, numbers, target):
-        expressions = [e.strip() for e in _EXPRESSION.findall(final_text(messages)) if re.search(r"\d\s*[-+*/]", e)]
+        candidates = _EXPRESSION.findall(final_text(messages))
+        expressions = [e.strip() for e in candidates if re.search(r"\d\s*[-+*/]", e)]
         try:
-            ok = sorted(map(int, re.findall(r"\d+", expressions[-1]))) == sorted(given) and calculator(
-                expressions[-1]
-            ) == str(goal)
-        except Exception:  # no expression, or one that is not arithmetic (unbalanced, division by zero, ...)
+            last = expressions[-1]
+            uses_each_once = sorted(map(int, re.findall(r"\d+", last))) == sorted(given)
+            ok = uses_each_once and calculator(last) == str(goal)
+        # no expression, or one that is not arithmetic (unbalanced, division by zero, ...)
+        except Exception:
             ok = False
         rewards.append(float(ok))
     return rewards
@@ -188,15 +205,15 @@ def tool_use(tool_calls, tool_failures, **kwargs):
 
 
 async def env_reward(environments, **kwargs):
-    """Each rollout's environment's score of its final state: its reward() method, or TRL's get_reward() (tools.py),
-    bounded by --tool-timeout and, if sync, in a thread: never on the event loop, which every rollout in flight
-    shares."""
-    return await asyncio.gather(
-        *[
-            tools.call_method(getattr(environment, reward_method(environment)), {}, tools.METHOD_TIMEOUT)
-            for environment in environments
-        ]
-    )
+    """Each rollout's environment's score of its final state: its reward() method, or TRL's get_reward()
+    (tools.py), bounded by --tool-timeout and, if sync, in a thread: never on the event loop, which every
+    rollout in flight shares."""
+
+    def score(environment):
+        method = getattr(environment, reward_method(environment))
+        return tools.call_method(method, {}, tools.METHOD_TIMEOUT)
+
+    return await asyncio.gather(*[score(environment) for environment in environments])
 
 
 # FORK: add a reward (a function above, its name here; --rewards NAME:WEIGHT picks it)
@@ -205,15 +222,17 @@ REWARDS = {fn.__name__: fn for fn in (correct_answer, math_answer, format_reward
 
 # FORK: add a task (its rows here, its reward above and in REWARDS)
 def task_rows(n, seed, task="arithmetic", max_operand=4, terms=2, operations="+-"):
-    """The built-in tasks, as dataset rows with the columns their rewards read. arithmetic: 'What is 3 + 4?', the
-    answer a column (reward correct_answer); with the defaults, 50 distinct problems, few enough for the tiny model to
-    learn in a few dozen steps. countdown: reach a target from given numbers, each used once (reward countdown): a
-    search, not a recall. `terms` operands up to max_operand, operators drawn from `operations`. guess: the game of
-    tools.GuessNumber, the number to find a column (reward env_reward)."""
+    """The built-in tasks, as dataset rows with the columns their rewards read. arithmetic:
+    'What is 3 + 4?', the answer a column (reward correct_answer); with the defaults, 50 distinct
+    problems, few enough for the tiny model to learn in a few dozen steps. countdown: reach a target from
+    given numbers, each used once (reward countdown): a search, not a recall. `terms` operands up to
+    max_operand, operators drawn from `operations`. guess: the game of tools.GuessNumber, the number to
+    find a column (reward env_reward)."""
     rng, rows = random.Random(seed), []
     if task == "guess":
-        game = f"Guess my number from 1 to {GuessNumber.largest}. If wrong, I say higher or lower and what is left."
-        return [{"id": i, "prompt": game, "secret": rng.randint(1, GuessNumber.largest)} for i in range(n)]
+        largest = GuessNumber.largest
+        game = f"Guess my number from 1 to {largest}. If wrong, I say higher or lower and what is left."
+        return [{"id": i, "prompt": game, "secret": rng.randint(1, largest)} for i in range(n)]
     for attempt in itertools.count():
         if len(rows) == n:
             return rows
@@ -224,21 +243,21 @@ def task_rows(n, seed, task="arithmetic", max_operand=4, terms=2, operations="+-
             )
         numbers = [rng.randint(0 if task == "arithmetic" else 1, max_operand) for _ in range(terms)]
         expression = str(numbers[0])
-        for x in numbers[1:]:  # countdown nests at random: its target is not simply read left to right
+        # countdown nests at random: its target is not simply read left to right
+        for x in numbers[1:]:
             expression = f"{expression} {rng.choice(operations)} {x}"
             expression = f"({expression})" if task == "countdown" and rng.random() < 0.5 else expression
-        with contextlib.suppress(ZeroDivisionError, ValueError):  # ValueError: longer than the calculator takes
+        # ValueError: longer than the calculator takes
+        with contextlib.suppress(ZeroDivisionError, ValueError):
             value = calculator(expression)
             if task == "arithmetic" and re.fullmatch(r"-?\d+", value):
                 rows.append({"id": len(rows), "prompt": f"What is {expression}?", "answer": int(value)})
-            elif task == "countdown" and value.isdigit() and value != "0":  # a positive whole target
+            # a positive whole target
+            elif task == "countdown" and value.isdigit() and value != "0":
                 rng.shuffle(numbers)
-                rows.append(
-                    {
-                        "id": len(rows),
-                        "numbers": numbers,
-                        "target": int(value),
-                        "prompt": f"Using the numbers {', '.join(map(str, numbers))}, each exactly once, and the operations "
-                        f"{' '.join(operations)}, write an expression equal to {value}.",
-                    }
+                given = ", ".join(map(str, numbers))
+                prompt = (
+                    f"Using the numbers {given}, each exactly once, and the operations "
+                    f"{' '.join(operations)}, write an expression equal to {value}."
                 )
+                rows.append({"id": len(rows), "numbers": numbers, "target": int(value), "prompt": prompt})

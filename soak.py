@@ -1,12 +1,13 @@
-"""Soak: a long run under faults, with what it holds sampled over time. A run that leaks grows in one of these columns.
+"""Soak: a long run under faults, with what it holds sampled over time. A run that leaks grows in one of these
+columns.
 
     python soak.py --part python --minutes 6     # --env python, an evaluation every 2 steps
     python soak.py --part mcp --minutes 6        # --mcp over stdio (a process a session), one killed every 5 s
 
-Each part runs async_grpo.py as a user does (its own vLLM server, the built-in model and task), samples the trainer
-every --every seconds: its open descriptors, threads, resident memory, child processes (interpreters' bwraps, MCP
-servers, the math judge, the vLLM server), and the steps done; then stops it with a Ctrl-C and checks that it ended with
-the stop's line and left no process. Prints a table; nothing is asserted by time.
+Each part runs async_grpo.py as a user does (its own vLLM server, the built-in model and task), samples the
+trainer every --every seconds: its open descriptors, threads, resident memory, child processes (interpreters'
+bwraps, MCP servers, the math judge, the vLLM server), and the steps done; then stops it with a Ctrl-C and
+checks that it ended with the stop's line and left no process. Prints a table; nothing is asserted by time.
 """
 
 import argparse
@@ -44,17 +45,28 @@ server.run("stdio")
 '''
 
 
-def children_of(pid):
-    """PIDs of the live processes (zombies aside) whose parent is pid."""
-    found = []
+def live_processes():
+    """{pid: the fields of /proc/pid/stat after the command's name} of the live processes, zombies aside (the
+    state is field 0, the parent's PID 1, the process group 2)."""
+    found = {}
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
             fields = stat.read_text().rsplit(")", 1)[1].split()
         except OSError:
             continue
-        if fields[0] != "Z" and int(fields[1]) == pid:
-            found.append(int(stat.parent.name))
+        if fields[0] != "Z":
+            found[int(stat.parent.name)] = fields
     return found
+
+
+def children_of(pid):
+    """PIDs of the live processes (zombies aside) whose parent is pid."""
+    return [child for child, fields in live_processes().items() if int(fields[1]) == pid]
+
+
+def processes_in_group(pgid):
+    """PIDs of the live processes (zombies aside) whose process group is pgid."""
+    return [member for member, fields in live_processes().items() if int(fields[2]) == pgid]
 
 
 def sample(pid):
@@ -77,8 +89,9 @@ def running(text):
 
 
 def killer(trainer, script, every, stop, killed, started):
-    """Kills one of the trainer's MCP server processes (the script's) every `every` seconds, at random, once the
-    run has started (the file `started` exists): a crash. One at start would end the run, as it should."""
+    """Kills one of the trainer's MCP server processes (the script's) every `every` seconds, at random,
+    once the run has started (the file `started` exists): a crash. One at start would end the run, as it
+    should."""
     while not stop.wait(every):
         if not started.exists():
             continue

@@ -1,9 +1,9 @@
-"""The built-in model, for the default run and the tests: a ~0.5M-parameter Qwen3 with a byte-level BPE tokenizer, no
-network. It ships built (builtin_model/, made by `python tiny_model.py`); a change to its recipe builds it once into
---cache-dir instead until it is remade. async_grpo.py loads it as it would any checkpoint.
+"""The built-in model, for the default run and the tests: a ~0.5M-parameter Qwen3 with a byte-level BPE
+tokenizer, no network. It ships built (builtin_model/, made by `python tiny_model.py`); a change to its recipe
+builds it once into --cache-dir instead until it is remade. async_grpo.py loads it as it would any checkpoint.
 
-Its template: ChatML with Qwen-style tool calls, so the same parser serves this model and Qwen models. Tools are listed as
-`name(arg, ...)`: full JSON schemas would make a tiny model's prompts ten times longer.
+Its template: ChatML with Qwen-style tool calls, so the same parser serves this model and Qwen models. Tools
+are listed as `name(arg, ...)`: full JSON schemas would make a tiny model's prompts ten times longer.
 """
 
 import json
@@ -62,25 +62,26 @@ SPECIAL_TOKENS = [
 VERSION = "tiny-qwen3-v4"  # bump when the recipe below changes, so caches rebuild (and remake SHIPPED)
 WARM_START_STEPS = 800
 # The built-in model as make() makes it, committed with this file (1.8 MB): the first run loads it instead of
-# building it, which took BUILD_SECONDS (measured: the 800 steps of a fresh-home default run, issue 54, on 2 cores;
-# under a load of 20 on them a rebuild ran at 5-7 s a step).
-# test_the_shipped_built_in_model_is_the_one_its_recipe_makes checks that a rebuild makes the same model as far as
-# its first 10 steps, against build.json.
+# building it, which took BUILD_SECONDS (measured: the 800 steps of a fresh-home default run, issue 54, on 2
+# cores; under a load of 20 on them a rebuild ran at 5-7 s a step).
+# test_the_shipped_built_in_model_is_the_one_its_recipe_makes checks that a rebuild makes the same model as
+# far as its first 10 steps, against build.json.
 SHIPPED = Path(__file__).resolve().parent / "builtin_model"
 BUILD_SECONDS = 150
 
 
 def warm_start_conversations(n, seed):
-    """Supervised conversations for the built-in model: answer directly (without tools), or, with tools offered (the
-    calculator alone or all of them), call the calculator and copy its result; with --env python's tool, print the
-    expression in it and copy what it shows; and games of --task guess, each guess anywhere the answers so far leave
-    possible: the moves, not the halving that wins every game."""
+    """Supervised conversations for the built-in model: answer directly (without tools), or, with tools
+    offered (the calculator alone or all of them), call the calculator and copy its result; with --env
+    python's tool, print the expression in it and copy what it shows; and games of --task guess, each guess
+    anywhere the answers so far leave possible: the moves, not the halving that wins every game."""
     rng = random.Random(seed)
     plain = []  # (conversation, tool schemas): answered directly
     with_tools = []  # answered with the calculator's result
     with_python = []  # answered with what the interpreter printed
     games = []
-    for row in rewards.task_rows(n, seed + 1, task="guess"):  # not rng's seed: its guesses would be the numbers
+    # not rng's seed: its guesses would be the numbers
+    for row in rewards.task_rows(n, seed + 1, task="guess"):
         game = tools.GuessNumber()
         game.reset(**row)
         conversation = [{"role": "user", "content": row["prompt"]}]
@@ -128,8 +129,8 @@ def warm_start_conversations(n, seed):
 
 
 def build(cache_dir, warm_start_steps=WARM_START_STEPS):
-    """The built-in model's directory: SHIPPED, committed with this file, when this recipe made it (its build.json
-    names VERSION and warm_start_steps); else one built once into cache_dir by make()."""
+    """The built-in model's directory: SHIPPED, committed with this file, when this recipe made it (its
+    build.json names VERSION and warm_start_steps); else one built once into cache_dir by make()."""
     if shipped(warm_start_steps):
         return str(SHIPPED)
     path = Path(cache_dir) / f"{VERSION}-ws{warm_start_steps}"
@@ -145,7 +146,8 @@ def build(cache_dir, warm_start_steps=WARM_START_STEPS):
 
 
 def shipped(warm_start_steps=WARM_START_STEPS):
-    """Whether SHIPPED holds the model this recipe makes with warm_start_steps (a stale one is built anew instead)."""
+    """Whether SHIPPED holds the model this recipe makes with warm_start_steps (a stale one is built anew
+    instead)."""
     try:
         record = json.loads((SHIPPED / "build.json").read_text())
     except (OSError, ValueError):
@@ -155,8 +157,8 @@ def shipped(warm_start_steps=WARM_START_STEPS):
 
 
 def recipe():
-    """The built-in model before its warm start, and what it is trained on: (conversations of each kind, tokenizer,
-    model), the same on every call (seeded)."""
+    """The built-in model before its warm start, and what it is trained on: (conversations of each kind,
+    tokenizer, model), the same on every call (seeded)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
 
@@ -195,8 +197,8 @@ def recipe():
 
 
 def step_loss(model, tok, kinds, step):
-    """The warm start's loss at this step: 32 conversations of one kind, the kinds in turn (padding a plain batch to
-    tool length would waste most of it)."""
+    """The warm start's loss at this step: 32 conversations of one kind, the kinds in turn (padding a plain
+    batch to tool length would waste most of it)."""
     batch = random.Random(step).sample(kinds[step % len(kinds)], 32)
     batch = tok(
         [tok.apply_chat_template(c, tools=t, tokenize=False) for c, t in batch],
@@ -208,17 +210,18 @@ def step_loss(model, tok, kinds, step):
 
 
 def check_losses(model, tok, kinds):
-    """The losses of a model on the first batch of each kind: the shipped weights give those their build recorded."""
+    """The losses of a model on the first batch of each kind: the shipped weights give those their build
+    recorded."""
     with torch.no_grad():
         return [round(step_loss(model, tok, kinds, step).item(), 6) for step in range(len(kinds))]
 
 
 def make(path, warm_start_steps=WARM_START_STEPS):
-    """Make the built-in model into path (replaced whole): a ~0.5M-parameter Qwen3 and a byte-level BPE tokenizer
-    trained on the task. Random weights would give every rollout the same zero reward, hence no signal. A few hundred
-    supervised steps teach the answer format and the tool-call syntax, and leave the arithmetic mostly unlearned (~25%
-    greedy accuracy without tools). build.json records the recipe and every step's loss, which a test compares a
-    rebuild to."""
+    """Make the built-in model into path (replaced whole): a ~0.5M-parameter Qwen3 and a byte-level BPE
+    tokenizer trained on the task. Random weights would give every rollout the same zero reward, hence no
+    signal. A few hundred supervised steps teach the answer format and the tool-call syntax, and leave the
+    arithmetic mostly unlearned (~25% greedy accuracy without tools). build.json records the recipe and
+    every step's loss, which a test compares a rebuild to."""
     t0 = time.monotonic()
     kinds, tok, model = recipe()
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
@@ -247,7 +250,8 @@ def make(path, warm_start_steps=WARM_START_STEPS):
         "losses": losses,
     }
     path = Path(path)
-    tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")  # renamed once whole: a half-built model is never loaded
+    # renamed once whole: a half-built model is never loaded
+    tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
     model.save_pretrained(tmp)
     tok.save_pretrained(tmp)
     (tmp / "build.json").write_text(json.dumps(record) + "\n")
@@ -276,7 +280,8 @@ SHAPE = dict(
 MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
 SLIDING = dict(sliding_window=4, layer_types=["sliding_attention", "full_attention"])
 
-# architecture -> (config class name, its quirks, the quirks' names): each one in both transformers' and vLLM's registry
+# architecture -> (config class name, its quirks, the quirks' names): each one in both transformers' and
+# vLLM's registry
 ARCHITECTURES = {
     "LlamaForCausalLM": ("LlamaConfig", dict(tie_word_embeddings=True), "tied embeddings"),
     "Qwen2ForCausalLM": (
@@ -359,8 +364,9 @@ def tiny_architecture(name, vocab_size=512, seed=0, **extra):
     config = getattr(transformers, config_class)(**{**SHAPE, **quirks, **extra, "vocab_size": vocab_size})
     torch.manual_seed(seed)
     model = getattr(transformers, name)(config).float().eval()
-    # Decisive routers: at a random init every router logit is close to the others, and rounding that differs between
-    # the trainer's paths (or thread counts) would flip which experts a token takes, a change no path is wrong about
+    # Decisive routers: at a random init every router logit is close to the others, and rounding that differs
+    # between the trainer's paths (or thread counts) would flip which experts a token takes, a change no path
+    # is wrong about
     with torch.no_grad():
         for key, p in model.named_parameters():
             if key.endswith((".gate.weight", ".router.weight")):
@@ -369,15 +375,16 @@ def tiny_architecture(name, vocab_size=512, seed=0, **extra):
 
 
 def save_tiny_architecture(name, cache_dir, tokenizer_from):
-    """tiny_architecture(name) saved once into cache_dir with the tokenizer of `tokenizer_from` (the built-in model's),
-    a checkpoint vLLM serves; its path."""
+    """tiny_architecture(name) saved once into cache_dir with the tokenizer of `tokenizer_from` (the
+    built-in model's), a checkpoint vLLM serves; its path."""
     from transformers import AutoTokenizer
 
     path = Path(cache_dir) / f"arch-{name}-v1"
     if (path / "config.json").exists():
         return str(path)
     tok = AutoTokenizer.from_pretrained(tokenizer_from)
-    model = tiny_architecture(name, vocab_size=len(tok), pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
+    special = {"pad_token_id": tok.pad_token_id, "eos_token_id": tok.eos_token_id}
+    model = tiny_architecture(name, vocab_size=len(tok), **special)
     tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
     model.save_pretrained(tmp)
     tok.save_pretrained(tmp)
