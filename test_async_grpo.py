@@ -46,6 +46,7 @@ import sandbox
 import tiny_model as tiny
 import tools
 import vllm_server
+from soak import children_of, processes_in_group
 
 HERE = Path(__file__).resolve().parent
 CACHE = os.environ.get("ASYNC_GRPO_CACHE", os.path.expanduser("~/.cache/async_grpo"))
@@ -62,19 +63,6 @@ REQUIRED_METRICS = {
     "perf/mfu",
     "perf/tokens_per_second",
 }
-
-
-def processes_in_group(pgid):
-    """PIDs of live processes whose process group is pgid (read from /proc, no external tools)."""
-    found = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[2]) == pgid and fields[0] != "Z":
-            found.append(int(stat.parent.name))
-    return found
 
 
 def run_cli(*flags, timeout=900, launcher=(sys.executable,), env=None):
@@ -4511,17 +4499,6 @@ def test_a_ctrl_c_during_the_teardown_still_ends_the_run_cleanly_with_nothing_le
     made = events()["made"]
     assert events()["closing"] and sorted(events()["closed"]) == sorted(made) == sorted(events()["closing"])
     assert running(tmp_path / "run") == []
-
-
-def children_of(pid):
-    """Live processes (zombies aside) whose parent is pid."""
-    found = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        with contextlib.suppress(OSError):
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-            if fields[0] != "Z" and int(fields[1]) == pid:
-                found.append(int(stat.parent.name))
-    return found
 
 
 def test_an_evaluation_holds_no_more_instances_at_once_than_training(server, tmp_path):
