@@ -8108,8 +8108,8 @@ def test_async_grpo_stays_in_its_budget_with_the_algorithm_first():
 
 def readability(source):
     """How a file reads, measured as the anchors are (nanoGPT, CleanRL, nano-aha-moment, open-instruct;
-    docs/performance.md): characters per non-blank line, lines past 110 columns per 100 non-blank ones, and
-    full-line comments among the comments."""
+    docs/performance.md, "Readability"): characters per non-blank line, lines past 110 columns per 100
+    non-blank ones, and full-line comments among the comments."""
     lines = [line for line in source.splitlines() if line.strip()]
     tokens = tokenize.generate_tokens(io.StringIO(source).readline)
     comments = [t for t in tokens if t.type == tokenize.COMMENT]
