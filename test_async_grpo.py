@@ -2226,7 +2226,13 @@ def test_sync_modes_with_generations_spanning_a_sync(server, tiny_model, mode):
         logp = logits.log_softmax(-1).gather(2, ids[0, n:].expand(2, -1)[..., None])[..., 0]
         error = (logp - torch.tensor(s["logprobs"])).abs()
         own, other = error[v, range(600)], error[[1 - x for x in v], range(600)]
-        assert own.mean() < 0.03 and own.max() < 0.3, "a token's log-prob does not match the weights of its version"
+        # where the two versions' log-probs differ by more than a nat, each token is nearer its own: a
+        # token stamped with the wrong version fails here, and a bf16 server's rounding cannot (a max
+        # bound of 0.3 on every token failed on one token at 0.33, mean 0.012, in CI's wait mode)
+        apart = (logp[0] - logp[1]).abs() > 1
+        print(f"{mode}: own error mean {own.mean():.4f} max {own.max():.3f}, {int(apart.sum())} tokens apart")
+        assert own.mean() < 0.03, "a token's log-prob does not match the weights of its version"
+        assert (own < other)[apart].all(), "a token is nearer the other version's log-prob than its own"
         assert (
             other.mean() > 0.3
         )  # ...and the check can tell the two versions apart (10x own's bound; measured 0.47-0.7)
