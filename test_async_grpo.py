@@ -8650,26 +8650,7 @@ def test_a_sliding_window_goes_in_the_mask_shared_or_not(family):
     a window of 4, shared or not). Real configs of three families (Mistral: every layer slides; Qwen2 and
     Gemma3: some layers), random weights, a window of 4, sequences of 6 to 13 tokens: shared rows and a row
     each give the log-probs of the model's own forward, which applies its window."""
-    from transformers import AutoModelForCausalLM, Gemma3TextConfig, MistralConfig, Qwen2Config
-
-    shape = dict(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        sliding_window=4,
-        attn_implementation="sdpa",
-    )
-    config = {
-        "mistral": lambda: MistralConfig(**shape),
-        "qwen2": lambda: Qwen2Config(use_sliding_window=True, max_window_layers=1, **shape),
-        "gemma3": lambda: Gemma3TextConfig(sliding_window_pattern=2, **shape),
-    }[family]()
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config).eval()
+    model = small_model(family, window=4).eval()
     assert ag.sharing_refused(model, ag.probe_logprobs) is None
     samples = [
         {"ids": [1, 2, 3, 4, 5] + c, "n_prompt": 5, "mask": [1] * len(c), "logprobs": [0.0] * len(c), "advantage": 0.0}
