@@ -1496,16 +1496,6 @@ def start_generation(run):
     }
 
 
-@dataclass
-class PendingLine:
-    """A step's metrics line until log_step writes it (Run.unlogged), or save_after_error."""
-
-    step: int
-    groups: list
-    metrics: dict
-    trained_version: int
-
-
 def start_servers(run):
     """The servers, started here or --vllm-url's, and watched; their limits in run.ctx. Returns their
     dtype."""
@@ -1585,6 +1575,16 @@ def open_logs(run):
         metrics = {"step": 0, "policy_version": 0, **evaluate(run)}
         write_metrics(run, metrics)
         print(f"step    0/{args.steps} | eval {metrics.get('eval/reward', math.nan):.3f}", flush=True)
+
+
+@dataclass
+class PendingLine:
+    """A step's metrics line until log_step writes it (Run.unlogged), or save_after_error."""
+
+    step: int
+    groups: list
+    metrics: dict
+    trained_version: int
 
 
 def train_one_step(run, step):
