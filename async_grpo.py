@@ -53,7 +53,7 @@ import torch.utils.checkpoint
 import data as data_module
 import mfu
 from models import decoder_layers, dequantise_gguf, load_policy, load_sharded, with_lora
-from models import logprobs_refused, segments_refused, sharing_refused
+from models import logprobs_refused, packed_segments, segments_refused, shared_rows_mask, sharing_refused
 from output_layer import chunked_logprobs, kept_threshold, sampler_logprobs
 import rewards as rewards_module
 import tiny_model
@@ -2246,42 +2246,6 @@ def padded(rows, kind=torch.float, value=0):
     for r, row in enumerate(rows):
         out[r, : len(row)] = torch.tensor(row, dtype=kind)
     return out
-
-
-def packed_segments(segments, device):
-    """segment_attention's inputs: each segment's query count and key columns, for collate's
-    row (3, [0 1 2]), (2, [0 1 2 3 4]), (3, [0 1 2 5 6 7]), as a varlen kernel takes them."""
-    queries, keys = zip(*segments)
-    key_counts = [len(k) for k in keys]
-    int32 = functools.partial(torch.tensor, dtype=torch.int32, device=device)
-    query_starts = int32([0, *itertools.accumulate(queries)])
-    key_starts = int32([0, *itertools.accumulate(key_counts)])
-    # kv_index: each segment's keys
-    kv_index = torch.tensor([column for k in keys for column in k], device=device)
-    inputs = (query_starts, key_starts, kv_index, max(queries), max(key_counts))
-    # segment_attention reads the segments, no mask. An empty 4D one is passed on as it is:
-    # without it, packed positions (restarting at each completion) make transformers build
-    # a [1, 1, T, T] mask that nothing reads
-    empty = torch.ones(1, 1, 0, 0, dtype=torch.bool, device=device)
-    return {"segments": inputs, "attention_mask": empty}
-
-
-def shared_rows_mask(segment, position, config, dtype):
-    """Shared rows' 4D mask, built on the device (host work linear in T) as the float bias SDPA
-    would make of it in every layer, once, in `dtype`; with the model's sliding window."""
-    size = segment.shape[1]
-    causal = torch.ones(size, size, dtype=torch.bool, device=segment.device).tril()
-    own = (segment[:, None] == 0) | (segment[:, None] == segment[..., None])
-    full = (causal & own)[:, None]
-    attend = {"full_attention": full}
-    window = getattr(config, "sliding_window", None)
-    # the window, in the mask that replaces the model's own: over positions; per layer type
-    if window:
-        distance = position[:, None, :, None] - position[:, None, None, :]
-        types = set(getattr(config, "layer_types", None) or ["sliding_attention"])
-        attend = {t: full & (distance < window) if t == "sliding_attention" else full for t in types}
-    bias = {t: torch.where(a, 0.0, -torch.inf).to(dtype) for t, a in attend.items()}
-    return bias if len(bias) > 1 else next(iter(bias.values()))
 
 
 def completion_tensors(samples, at, min_tokens, pad_id):

@@ -5,6 +5,8 @@ dequantised once, a LoRA adapter on it, under --fsdp its FSDP2
 shards, read by rank 0 alone, and the attention function of packed
 rows."""
 
+import functools
+import itertools
 import os
 from pathlib import Path
 
@@ -219,15 +221,56 @@ def sdpa_segments(q, k, v, segments, scaling, sliding_window, sinks):
     return torch.cat(out)
 
 
-# The start-up probes: async_grpo.py's load_policy_and_optimizer runs
-# them on the loaded model, through `logprobs`, its probe_logprobs (the
-# trainer's own log-prob path). A probe compares that path with another
-# on a few tokens and refuses what differs by more than PROBE_MARGIN
-# times the rounding it measures beside the comparison (probe_rounding):
-# a bound of its own on every processor, thread count and dtype.
-# Measured (docs/performance.md): honest gaps reach 2.1 times that
-# rounding (SmolLM2 on another processor of this kind), a tiny random
-# FalconH1's Mamba layers give 190 times it, a planted bias 10^5.
+def packed_segments(segments, device):
+    """segment_attention's inputs: each segment's query count and key
+    columns, for collate's row (3, [0 1 2]), (2, [0 1 2 3 4]), (3, [0
+    1 2 5 6 7]), as a varlen kernel takes them."""
+    queries, keys = zip(*segments)
+    key_counts = [len(k) for k in keys]
+    int32 = functools.partial(torch.tensor, dtype=torch.int32, device=device)
+    query_starts = int32([0, *itertools.accumulate(queries)])
+    key_starts = int32([0, *itertools.accumulate(key_counts)])
+    # kv_index: each segment's keys
+    kv_index = torch.tensor([column for k in keys for column in k], device=device)
+    inputs = (query_starts, key_starts, kv_index, max(queries), max(key_counts))
+    # segment_attention reads the segments, no mask. An empty
+    # 4D one is passed on as it is: without it, packed
+    # positions (restarting at each completion) make
+    # transformers build a [1, 1, T, T] mask that nothing reads
+    empty = torch.ones(1, 1, 0, 0, dtype=torch.bool, device=device)
+    return {"segments": inputs, "attention_mask": empty}
+
+
+def shared_rows_mask(segment, position, config, dtype):
+    """Shared rows' 4D mask, built on the device (host work linear in
+    T) as the float bias SDPA would make of it in every layer, once,
+    in `dtype`; with the model's sliding window."""
+    size = segment.shape[1]
+    causal = torch.ones(size, size, dtype=torch.bool, device=segment.device).tril()
+    own = (segment[:, None] == 0) | (segment[:, None] == segment[..., None])
+    full = (causal & own)[:, None]
+    attend = {"full_attention": full}
+    window = getattr(config, "sliding_window", None)
+    # the window, in the mask that replaces the
+    # model's own: over positions; per layer type
+    if window:
+        distance = position[:, None, :, None] - position[:, None, None, :]
+        types = set(getattr(config, "layer_types", None) or ["sliding_attention"])
+        attend = {t: full & (distance < window) if t == "sliding_attention" else full for t in types}
+    bias = {t: torch.where(a, 0.0, -torch.inf).to(dtype) for t, a in attend.items()}
+    return bias if len(bias) > 1 else next(iter(bias.values()))
+
+
+# The start-up probes: async_grpo.py's load_policy_and_optimizer
+# runs them on the loaded model, through `logprobs`, its
+# probe_logprobs (the trainer's own log-prob path). A probe compares
+# that path with another on a few tokens and refuses what differs by
+# more than PROBE_MARGIN times the rounding it measures beside the
+# comparison (probe_rounding): a bound of its own on every
+# processor, thread count and dtype. Measured (docs/performance.md):
+# honest gaps reach 2.1 times that rounding (SmolLM2 on another
+# processor of this kind), a tiny random FalconH1's Mamba layers
+# give 190 times it, a planted bias 10^5.
 PROBE_MARGIN = 20
 
 
@@ -352,8 +395,8 @@ def segments_refused(model, logprobs):
         why = why or probe_gap(largest_gap(packed, rows), rounding, "a probe's log-probs differ packed")
     except ValueError as e:
         why = str(e)
-    # layers that do not hand the attention the segments leave SDPA the
-    # packed rows' empty mask
+    # layers that do not hand the attention the segments
+    # leave SDPA the packed rows' empty mask
     except RuntimeError as e:
         why = f"its layers do not hand their attention the segments ({str(e).splitlines()[0][:80]})"
     reshard(model)
