@@ -54,10 +54,11 @@ import data as data_module
 import mfu
 from models import decoder_layers, dequantise_gguf, load_policy, load_sharded, with_lora
 from models import logprobs_refused, packed_segments, segments_refused, shared_rows_mask, sharing_refused
-from output_layer import chunked_logprobs, kept_threshold, sampler_logprobs
+from output_layer import chunked_logprobs, sampler_logprobs
 import rewards as rewards_module
 import tiny_model
 import tools as tools_module
+from tools import JSON, MAX_ARGUMENT_DEPTH, argument_errors, decode_json, typed
 
 # vllm_server.py: the servers (started, checked, watched), the device plan, the sync group
 from vllm_server import SERVED_MODEL, cpu_threads, http, memory_share, plan_devices, served_config, server_failure
@@ -3251,71 +3252,6 @@ def remove_think(text, opened):
 # Parsing is input validation: a model under RL writes anything. Nothing here raises; every call that does not
 # parse becomes an error message the model sees, and everything else is content. The parser of each format
 # (parse_tagged, parse_mistral, parse_bare_json) returns (content, decoded calls with their text, errors).
-# deeper arguments are refused: rendering or printing them could exhaust the stack
-MAX_ARGUMENT_DEPTH = 16
-
-
-def _no_constant(name):
-    raise ValueError(f"{name} is not a JSON number")
-
-
-def _finite(text):
-    value = float(text)
-    if not math.isfinite(value):
-        raise ValueError(f"{text[:20]} is out of range")
-    return value
-
-
-def _no_duplicates(pairs):
-    obj = dict(pairs)
-    if len(obj) < len(pairs):
-        raise ValueError(f"duplicate key in {str(pairs)[:100]}")
-    return obj
-
-
-JSON_TYPES = {
-    "string": str,
-    "integer": int,
-    "number": (int, float),
-    "boolean": bool,
-    "array": list,
-    "object": dict,
-    "null": type(None),
-}
-
-
-JSON = json.JSONDecoder(parse_constant=_no_constant, parse_float=_finite, object_pairs_hook=_no_duplicates)
-
-
-def is_json_type(value, kind, unknown=True):
-    """JSON schema's type check (a bool is not a number); `unknown` for a type it does not name."""
-    return (
-        unknown
-        if kind not in JSON_TYPES
-        else isinstance(value, JSON_TYPES[kind]) and not (isinstance(value, bool) and kind in ("integer", "number"))
-    )
-
-
-def schema_types(schema):
-    """The JSON types a schema allows (none: any), through type lists, anyOf/oneOf and nullable
-    (Optional[int])."""
-    schema = schema if isinstance(schema, dict) else {}
-    kinds = [schema["type"]] if isinstance(schema.get("type"), str) else list(schema.get("type", []))
-    kinds += [t for part in schema.get("anyOf", []) + schema.get("oneOf", []) for t in schema_types(part)]
-    return kinds + ["null"] * bool(kinds and schema.get("nullable"))
-
-
-def decode_json(text, start=0):
-    """Strict JSON value at text[start:] (whitespace skipped) -> (value, end). Raises ValueError."""
-    start = len(text) - len(text[start:].lstrip())
-    try:
-        return JSON.raw_decode(text, start)
-    except RecursionError:
-        raise ValueError(f"JSON nested too deeply at {text[start : start + 40]!r}...")
-    except ValueError as e:
-        raise ValueError(f"not JSON ({e})")
-
-
 def parse_call(call):
     """A decoded call {'name', 'arguments' or 'parameters'} -> OpenAI's shape; raises (mostly ValueError)."""
     if not isinstance(call, dict) or not isinstance(call.get("name"), str) or not call["name"]:
@@ -3338,31 +3274,6 @@ def parse_call(call):
         elif isinstance(item, (dict, list)):
             stack += [(x, depth + 1) for x in (list(item) + list(item.values()) if isinstance(item, dict) else item)]
     return _call(call["name"], arguments)
-
-
-def argument_errors(schema, arguments):
-    """What is wrong with a call's arguments against the tool's JSON schema (empty: nothing)."""
-    properties = schema["parameters"].get("properties", {})
-    required = schema["parameters"].get("required", [])
-    errors = [f"missing argument {k!r}" for k in required if k not in arguments]
-    errors += [f"unknown argument {k!r}" for k in arguments if k not in properties]
-    for key, value in arguments.items():
-        types = schema_types(properties.get(key))
-        if types and not any(is_json_type(value, t) for t in types):
-            errors.append(f"argument {key!r} must be {' or '.join(types)}, got {json.dumps(value)[:50]}")
-    return errors
-
-
-def typed(value, schema):
-    """An XML parameter's text as a non-string type its JSON schema allows (`5` is 5 where an integer
-    may go, `null` None where null may); else the text (the argument check says where a string may not go)."""
-    with contextlib.suppress(ValueError):
-        parsed, end = decode_json(value)
-        if end == len(value.rstrip()) and any(
-            is_json_type(parsed, kind, unknown=False) for kind in schema_types(schema) if kind != "string"
-        ):
-            return parsed
-    return value
 
 
 # An XML value may hold the format's own tags (a file with tool calls in it). A real </parameter> is followed

@@ -3280,13 +3280,13 @@ def bfcl_turns():
                 continue
             schemas, calls = {f["name"]: bfcl_schema(f) for f in questions[answer["id"]]["function"]}, []
             for name, accepted in (item for c in answer["ground_truth"] for item in c.items()):
-                types = {k: ag.schema_types(p) for k, p in schemas[name]["parameters"]["properties"].items()}
+                types = {k: tools.schema_types(p) for k, p in schemas[name]["parameters"]["properties"].items()}
                 first = {
                     k: next(
                         (
                             v
                             for v in values
-                            if v == "" or not types.get(k) or any(ag.is_json_type(v, t) for t in types[k])
+                            if v == "" or not types.get(k) or any(tools.is_json_type(v, t) for t in types[k])
                         ),
                         values[0],
                     )
@@ -3301,11 +3301,11 @@ def bfcl_turns():
 def xml_holds(value, schema):
     """Whether XML's untyped text can carry the value: the schema must name its type, and a string must not
     read as JSON of another type the schema allows ('5' where an integer may go)."""
-    kinds = [k for k in ag.schema_types(schema) if k != "string"]
+    kinds = [k for k in tools.schema_types(schema) if k != "string"]
     if not isinstance(value, str):
-        return any(ag.is_json_type(value, k) for k in kinds)
+        return any(tools.is_json_type(value, k) for k in kinds)
     try:
-        return not any(ag.is_json_type(json.loads(value), k) for k in kinds)
+        return not any(tools.is_json_type(json.loads(value), k) for k in kinds)
     except ValueError:
         return True
 
@@ -3397,7 +3397,9 @@ SIBLING = ag._call("calculator", {"expression": "1+1"})
 
 def json_type(value):
     return next(
-        k for k in ("boolean", "integer", "number", "string", "array", "object", "null") if ag.is_json_type(value, k)
+        k
+        for k in ("boolean", "integer", "number", "string", "array", "object", "null")
+        if tools.is_json_type(value, k)
     )
 
 
