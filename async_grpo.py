@@ -24,7 +24,7 @@ does not start a group whose tokens would be more than --max-staleness versions 
 The file reads in the order a reader needs it: the algorithm (the rollout and its tool loop, rewards
 and advantages, the producer and its staleness gate, the loss, the training step, the weight sync),
 the run's phases (main, and what it calls in order), then the machinery, in sections named as such.
-Beside it: tools.py (tools, environments), rewards.py (rewards, built-in tasks), data.py (the rows),
+Beside it: tools.py (tools, environments, a call's arguments), rewards.py (rewards, tasks), data.py (rows),
 models.py (loading the policy, the start-up probes, packed attention), output_layer.py (log-probs in
 chunks), tiny_model.py (the built-in model), vllm_server.py (the servers, the device plan, the sync
 group and its receiving end), sandbox.py (the interpreter's sandbox), mfu.py (a step's FLOPs).
@@ -66,9 +66,9 @@ from vllm_server import share_idle_core, start_vllm, stop_vllm, sync_endpoint, s
 from vllm_server import LORA_RANKS, SERVED_ADAPTER, load_adapter, refuse_unknown_names, watch_servers, weights_arrive
 
 HERE = Path(__file__).resolve().parent
-# What --sampling-args may hold: parameters that end or seed a generation but leave its distribution as the
-# trainer computes it (min_tokens does change it: the trainer holds the stop tokens back in the same places).
-# (every request's seed comes from --seed: request_seed)
+# What --sampling-args may hold: parameters that end a generation but leave its distribution as the trainer
+# computes it (min_tokens changes it: the trainer holds the stop tokens back in the same places). Seeds come
+# from --seed (request_seed).
 SAMPLING_ARGS = {"min_tokens", "stop", "ignore_eos"}
 
 
@@ -77,7 +77,7 @@ SAMPLING_ARGS = {"min_tokens", "stop", "ignore_eos"}
 
 @dataclass
 class RolloutContext:
-    """What every rollout needs, computed once before vLLM starts (rollout_context), and the servers' limits
+    """What every rollout needs, computed before vLLM starts (rollout_context), and the servers' limits
     once they are up (start_servers)."""
 
     # --tools' schemas (None: no tools), and their functions' schemas by name
@@ -86,19 +86,19 @@ class RolloutContext:
     # {name: class} of --env and --mcp; the schemas offered to each one's rows (None: rows without one)
     environments: dict
     offered: dict
-    # per row id, the prompt's token ids as the chat template renders it with the tools its row is offered
+    # per row id, the prompt's token ids, rendered with the tools its row is offered
     prompt_ids: dict
     # the token ids a generation stops on (stop_token_ids)
     stop_ids: list
-    # how the template writes tool calls (chat_format): the parser's format, the texts that end an assistant
-    # turn, how many calls a turn may hold
+    # how the template writes tool calls (chat_format): the parser's format, the texts that end an
+    # assistant turn, how many calls a turn may hold
     format: str = None
     turn_ends: list = ()
     max_calls: int = None
     # the servers' context length, and whether they take seeded requests (served_config)
     max_model_len: int = None
     seeded: bool = False
-    # environment instances: those between groups, per environment; every one made (closed at the end)
+    # environment instances: the idle ones, per environment; every one made (closed at the end)
     idle: dict = field(default_factory=dict)
     alive: list = field(default_factory=list)
 
@@ -123,7 +123,7 @@ class RolloutTokens:
             self.versions.append(sampled_by)
 
     def add_context(self, ids, version):
-        """Tokens not sampled: log-prob 0.0; the version now, so that every list has one length."""
+        """Tokens not sampled: log-prob 0.0, the version now (every list has one length)."""
         self.ids += ids
         self.mask += [0] * len(ids)
         self.logprobs += [0.0] * len(ids)
@@ -133,8 +133,8 @@ class RolloutTokens:
 # FORK: the tool loop (what a turn may do, when a rollout ends); the tools and environments themselves are in tools.py
 async def rollout(session, url, tok, row, args, ctx, version, greedy=False, seed=(), env=None, prompt_ids=None):
     """Sample one conversation, in `env` if the row has an environment (an instance, reset). Keeps the
-    exact token ids: the prompt's (prompt_ids if reset added to it), then per turn the sampled ids and the
-    context the tools' results or the environment add. `seed`: the rollout's key in the run (request_seed)."""
+    exact token ids: the prompt's (prompt_ids if reset added to it), then per turn the sampled ids and
+    the tools' results or the environment's turn. `seed`: the rollout's key in the run (request_seed)."""
     prompt = list(prompt_ids or ctx.prompt_ids[row["id"]])
     tokens = RolloutTokens(ids=prompt, n_prompt=len(prompt))
     # the turns, as the rewards see them
@@ -160,18 +160,18 @@ async def rollout(session, url, tok, row, args, ctx, version, greedy=False, seed
         new = [token for token, _, _ in turn]
         stats["turns"] += 1
         stats["interrupted"] += interruptions
-        # stopped on a stop token (not a --sampling-args stop string): the template's end of turn stands for it
+        # stopped on a stop token (not a --sampling-args string): it stands for the template's end of turn
         stopped = finish_reason == "stop" and bool(new) and new[-1] in ctx.stop_ids
         text = tok.decode(new[:-1] if stopped else new, skip_special_tokens=False)
         if offered:
             before = tokens.ids[: -len(new)]
             message = parse_assistant(text, tok, before, offered_by_name, ctx.format, max_calls=ctx.max_calls)
         else:
-            # the parser runs only with tools: without them any template (or none) must train
+            # the parser runs only with tools: without them any template (or none) trains
             message = {"role": "assistant", "content": text, "tool_calls": [], "tool_call_errors": []}
         messages.append(message)
-        # How the turn ends: out of tokens; an answer, unless the environment replies to it (the one end that
-        # cuts nothing short); out of turns; else the tools' results, or the reply, follow it.
+        # How the turn ends: out of tokens; an answer, unless the environment replies to it (the one
+        # end that cuts nothing short); out of turns; else the tools' results, or the reply, follow.
         if finish_reason != "stop":
             break
         calls = bool(message["tool_calls"] or message["tool_call_errors"])
@@ -196,9 +196,9 @@ async def rollout(session, url, tok, row, args, ctx, version, greedy=False, seed
 
 
 async def generate_turn(session, url, ids, budget, version, args, ctx, greedy, seed):
-    """One assistant turn of at most `budget` tokens after `ids`: its (token id, log-prob, policy version)
-    triples, why it ended, and how often a weight sync stopped it. A stopped turn goes on from its tokens with
-    the new weights, or under --sync-mode abort starts over with them."""
+    """One assistant turn of at most `budget` tokens after `ids`: its (token id, log-prob, version)
+    triples, why it ended, and how often a sync stopped it. A stopped turn goes on from its tokens with
+    the new weights, or under --sync-mode abort starts over."""
     turn = []
     interruptions = 0
     while True:
@@ -228,10 +228,10 @@ async def generate_turn(session, url, ids, budget, version, args, ctx, greedy, s
 
 # FORK: the sampling parameters (each one that shapes the distribution must also shape the trainer's: sampler_logprobs)
 async def generate(session, url, ids, max_tokens, args, stop_ids, greedy=False, generated=0, seed=None):
-    """One completion from vLLM: token ids in; sampled ids, their log-probs and why it ended out ('abort':
-    a sync stopped it, the ids so far kept). `generated`: the turn's tokens a stopped request produced."""
-    # Every parameter that shapes the distribution is sent: vLLM fills the missing ones from the checkpoint's
-    # generation_config.json (Qwen3's says top_k 20), and the trainer would not know.
+    """One completion from vLLM: token ids in; sampled ids, their log-probs and why it ended out
+    ('abort': a sync stopped it, the ids kept). `generated`: the tokens a stopped request produced."""
+    # Every parameter that shapes the distribution is sent: vLLM fills missing ones from the
+    # checkpoint's generation_config.json (Qwen3's: top_k 20), which the trainer would not know.
     payload = {
         "model": args.request_model,
         "prompt": ids,
@@ -265,7 +265,7 @@ async def generate(session, url, ids, max_tokens, args, stop_ids, greedy=False, 
                 choice = (await response.json())["choices"][0]
             return choice["token_ids"], choice["logprobs"]["token_logprobs"], choice["finish_reason"]
         except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as e:
-            # a keep-alive connection the server closed just then: the request holds all its state, resent
+            # a keep-alive connection the server just closed: the request holds its state, resent
             if attempt == 2:
                 raise ConnectionError(f"the vLLM server {url} dropped a generation request 3 times ({e})") from None
             await asyncio.sleep(0.5 * 2**attempt)
@@ -276,15 +276,15 @@ async def generate(session, url, ids, max_tokens, args, stop_ids, greedy=False, 
 
 
 def request_seed(*key):
-    """A generation request's seed, from what identifies it in the run (--seed, its group, its sample, the
-    position it continues from): a run repeated with the same flags sends the same requests with the same
-    seeds (README.md: when that replays it sample for sample)."""
+    """A request's seed, from what identifies it in the run (--seed, its group, its sample, the
+    position it continues from): a run repeated with the same flags sends the same seeds (README.md:
+    when that replays it sample for sample)."""
     return random.Random(repr(key)).getrandbits(31)
 
 
 async def run_tool_calls(message, schemas_by_name, functions, args, stats):
-    """The turn's well-formed calls, run concurrently, then an error for each call that did not parse:
-    the tool messages the model sees, in order. Counted in stats (per tool; 'unknown', 'malformed')."""
+    """The turn's well-formed calls, run concurrently, then an error for each that did not parse: the
+    tool messages the model sees, in order. Counted in stats (per tool; 'unknown', 'malformed')."""
     start = time.perf_counter()
     calls = [call_tool(call, schemas_by_name, args.tool_timeout, functions) for call in message["tool_calls"]]
     results, _ = await asyncio.gather(asyncio.gather(*calls), asyncio.sleep(args.tool_latency))
@@ -300,7 +300,7 @@ async def run_tool_calls(message, schemas_by_name, functions, args, stats):
         counts = stats["per_tool"].setdefault(key, [0, 0])
         counts[0] += 1
         counts[1] += not ok
-    # a lone surrogate in a tool's text (its input's, or a surrogateescape decode's) fails the tokenizer
+    # a lone surrogate in a tool's text (from its input or a surrogateescape decode) fails the tokenizer
     return [
         {"role": "tool", "name": n, "content": str(r).encode(errors="replace").decode()}
         for n, (r, _) in zip(names, results)
@@ -308,8 +308,8 @@ async def run_tool_calls(message, schemas_by_name, functions, args, stats):
 
 
 async def env_reply(env, message, args, stats):
-    """The user turn the environment answers a turn without tool calls with (respond), or None: none, the
-    rollout ends. A respond that raises or hangs answers with its error, a failure counted as respond's."""
+    """The environment's answer (respond) to a turn without tool calls, or None: the rollout ends. A
+    respond that raises or hangs answers with its error, a failure counted as respond's."""
     if not hasattr(env, "respond"):
         return None
     reply = tools_module.call_function(env.respond, {"message": message}, "respond", args.tool_timeout)
@@ -333,8 +333,8 @@ async def call_tool(call, schemas_by_name, timeout, functions=tools_module.TOOLS
 
 
 class PolicyVersion:
-    """Which weights vLLM serves: a count the sync advances, a gate it closes meanwhile, the requests in
-    flight (at most max_inflight). The sync waits for every one to answer (finished or stopped) before it
+    """Which weights vLLM serves: a count the sync advances, a gate it closes meanwhile, the requests
+    in flight (at most max_inflight). The sync waits for each to answer (finished or stopped) before it
     changes the weights: the version stamped on a token sampled it."""
 
     def __init__(self, max_inflight=64):
@@ -342,7 +342,7 @@ class PolicyVersion:
         self.open = True
         self.in_flight = 0
         self.lock = threading.Lock()
-        # a bound of our own, not the connection pool's: a request waiting there counts as sent
+        # our own bound, not the connection pool's: a request waiting there counts as sent
         self.slots = asyncio.Semaphore(max_inflight)
         self.idle_seconds = 0.0  # vLLM is idle while nothing is in flight
         self.idle_since = time.perf_counter()
@@ -404,8 +404,9 @@ async def score_group(samples, row, reward_weights, environments=None):
 
 # FORK: change the advantages (a group's rewards in, one number per rollout out; the loss weighs its tokens by it)
 def group_advantages(rewards, scale=True, eps=1e-4):
-    """GRPO: each rollout's reward relative to its group, in units of the group's spread (scale) or raw
-    (Dr. GRPO: the spread over-weights groups nearly all right or wrong); all equal: zero, no signal."""
+    """GRPO: each rollout's reward relative to its group, in units of its spread (scale) or raw (Dr.
+    GRPO: the spread over-weights groups nearly all right or wrong); all equal: zero, no signal."""
+
     rewards = np.asarray(rewards, dtype=np.float64)
     centred = rewards - rewards.mean()
     return centred / (rewards.std() + eps) if scale else centred
