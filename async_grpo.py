@@ -431,15 +431,15 @@ class DroppedGroup:
 
 
 def version_at(step, sync_every):
-    """The staleness rule: the trainer's version during step `step`, as a sync follows every
-    --sync-every-th step. The gate predicts by it (admissible), the drop measures it (lag), and
+    """The staleness rule: the trainer's version during step `step`, a sync following every
+    --sync-every-th step. The gate predicts by it (admissible), the drop measures it (lag),
     --resume restarts the count by it (start_sync)."""
     return step // sync_every
 
 
 class Producer(threading.Thread):
-    """Streams scored groups to the trainer, numbered in the order they start; the trainer takes them in
-    that order (`take`): the gate knows when a group will be trained. With several servers (`urls`), each
+    """Streams scored groups to the trainer, numbered in the order they start; the trainer takes them
+    in that order (`take`): the gate knows when a group will be trained. With several servers, each
     group goes to the one with the fewest running: its rollouts share the cached prompt."""
 
     def __init__(self, args, tok, rows, urls, ctx, version, cursor=None):
@@ -454,8 +454,8 @@ class Producer(threading.Thread):
         # a ScoredGroup or a DroppedGroup as each group finishes
         self.queue = queue.Queue()
         self.ready = {}  # finished groups by number, until their turn
-        # next_index: the next group to hand out; skipped_groups: not trained (equal rewards, too stale, a
-        # failed reward); stale_samples, reward_failures: counters. A checkpoint saves them all.
+        # next_index: the next group to hand out; skipped_groups: not trained (equal rewards, too
+        # stale, a failed reward); stale_samples, reward_failures: counters. Checkpoints save them.
         self.cursor = {
             "next_index": 0,
             "skipped_groups": 0,
@@ -491,9 +491,9 @@ class Producer(threading.Thread):
             yield from rows
 
     def admissible(self, index):
-        """The staleness gate: start group `index` only if, at the step that trains it ((index - skipped)
-        // prompts_per_step, or earlier after more skips), the trainer is at most --max-staleness versions
-        past the weights vLLM serves now.
+        """The staleness gate: start group `index` only if, at the step that trains it ((index -
+        skipped) // prompts_per_step, or earlier after more skips), the trainer is at most
+        --max-staleness versions past the weights vLLM serves now.
 
         E.g. --prompts-per-step 2 --sync-every 2 --max-staleness 1, vLLM at version 0: groups 0-7
         (steps 0-3, versions 0, 0, 1, 1) pass; groups 8-11 (steps 4-5, version 2) wait for version 1."""
@@ -514,21 +514,21 @@ class Producer(threading.Thread):
                             continue
                         first = asyncio.FIRST_COMPLETED
                         done, pending = await asyncio.wait(pending, timeout=0.05, return_when=first)
-                        # each error retrieved (asyncio warns else); the first stops the producer, loudly
+                        # each error retrieved (else asyncio warns); the first stops the producer
                         failed = [task for task in done if not task.cancelled() and task.exception()]
                         if failed:
                             raise failed[0].exception()
                     pending.add(asyncio.create_task(self._group(session, row, started)))
                     started += 1
             finally:
-                # on stop or error, no group is left running against a server that is going away
+                # on stop or error, no group is left running against a server going away
                 cancel_all(pending)
                 await asyncio.gather(*pending, return_exceptions=True)
                 await tools_module.close_environments(self.ctx, self.args.tool_timeout)
 
     def enough_started(self, pending):
-        """Rollouts started up to twice what vLLM takes at once (--max-inflight): the next ones wait ready
-        (environments reset) behind PolicyVersion's slots, no more."""
+        """Rollouts started up to twice what vLLM takes at once (--max-inflight): the next ones wait
+        ready (environments reset) behind PolicyVersion's slots."""
         return len(pending) * self.args.num_generations >= 2 * self.args.max_inflight
 
     async def _group(self, session, row, index):
@@ -550,9 +550,8 @@ class Producer(threading.Thread):
 
     async def rollout_and_score(self, session, row, urls, seeds, greedy=False, counted=False):
         """The group pipeline of training and evaluation: environments reset, rollout k on urls[k]
-        (`greedy`: the first greedy), the rewards. Returns the rollouts, rewards and each reward's values;
-        raises Dropped. `counted` (training's): running on urls[0], then scoring, as the choice of server
-        and take()'s timeout read."""
+        (`greedy`: the first greedy), the rewards. Returns the rollouts, rewards and each reward's
+        values; raises Dropped. `counted` (training): running on urls[0], then scoring."""
         n = len(seeds)
         busy = int(counted)
         timeout = self.args.tool_timeout
@@ -587,8 +586,8 @@ class Producer(threading.Thread):
 
     def take(self, n, timeout, interrupted=lambda: False):
         """The next n trainable groups in start order, past those of equal rewards (--skip-zero-variance)
-        and, warned and counted, those too stale (the gate should leave none) or whose rewards failed.
-        Raises if the producer died, no batch came in time, every recent reward failed or interrupted()."""
+        and, warned and counted, those too stale (the gate leaves none) or whose rewards failed. Raises
+        if the producer died, no batch came in time, every recent reward failed or interrupted()."""
         groups = []
         deadline = time.monotonic() + timeout
         # groups skipped for equal rewards, which a timeout's message counts
@@ -626,7 +625,7 @@ class Producer(threading.Thread):
         return groups
 
     def why_not_trained(self, item):
-        """None for a group to train; else why not (counted, and warned about but for equal rewards)."""
+        """None for a group to train; else why not (counted; warned unless for equal rewards)."""
         if isinstance(item, DroppedGroup):
             self.failures_in_a_row += 1
             self.cursor["reward_failures"] += 1
@@ -649,15 +648,15 @@ class Producer(threading.Thread):
         return None
 
     def lag(self, group):
-        """Versions between the trainer now (version_at the step that takes it) and the group's oldest
-        trained token: what admissible() predicted, measured."""
+        """Versions between the trainer now (version_at the step that takes it) and the group's
+        oldest trained token: what admissible() predicted, measured."""
         versions = [v for s in group for v, m in zip(s["versions"], s["mask"]) if m]
         return self.version.value - min(versions, default=self.version.value)
 
     def wait(self, done, deadline, interrupted, late):
-        """Every wait of the trainer on the producer (data, evaluation): until done(), which may block 0.1
-        s. Raises once the thread has ended (nothing submitted to its loop will finish), with its error, or
-        at the deadline, with late(); returns False if interrupted() (a stop signal) first."""
+        """Every wait of the trainer on the producer (data, evaluation): until done(), which may
+        block 0.1 s. Raises once the thread has ended (with its error) or at the deadline (late());
+        returns False if interrupted() (a stop signal) first."""
         while not done():
             # read before the error, which the thread sets before it ends
             ended = not self.is_alive()
@@ -679,7 +678,7 @@ class Producer(threading.Thread):
 
 @dataclass(frozen=True)
 class LossSettings:
-    """The loss's flags (loss_settings makes it from the arguments)."""
+    """The loss's flags (loss_settings makes it)."""
 
     # the clip range of the ratio: [1 - epsilon, 1 + epsilon_high]
     epsilon: float = 0.2
@@ -729,7 +728,7 @@ def grpo_loss(logp, sampler_logp, advantages, mask, settings, num_tokens=1, num_
     the clip, and the gradient is is_weight A grad logp (decoupled PPO): is_weight bounds it."""
     s = settings
     per_sequence = s.loss_type == "gspo"
-    # log pi_trainer / pi_sampler, without gradient: the numeric mismatch plus the staleness
+    # log pi_trainer / pi_sampler, without gradient: numeric mismatch plus staleness
     log_is_ratio = (logp.detach() - sampler_logp) * mask
     is_ratio, is_weight = importance_weights(log_is_ratio, mask, s)
     old_logp = sampler_logp if s.is_correction == "none" else logp.detach()
@@ -739,8 +738,7 @@ def grpo_loss(logp, sampler_logp, advantages, mask, settings, num_tokens=1, num_
     clipped = torch.clamp(ratio, 1 - s.epsilon, 1 + s.epsilon_high)
     A = advantages[:, None]
     if s.loss_type == "cispo":
-        # the clipped ratio, without gradient, weighs grad log pi:
-        # clipped tokens still contribute, at the clipped weight
+        # the clipped ratio, without gradient, weighs grad log pi: clipped tokens still count
         surrogate = clipped.detach() * A * logp
     else:
         # PPO's pessimistic bound: the clipped term wherever it is lower
@@ -779,9 +777,8 @@ def importance_weights(log_is_ratio, mask, settings):
     """is_ratio = pi_trainer / pi_sampler, and is_weight, the correction's weight: is_ratio
     truncated at the threshold (tis), 0 outside [1 / threshold, threshold] (mis), or 1.
 
-    Per sequence (--is-level sequence; gspo), is_ratio is its tokens' geometric mean, not
-    their product: 1000 ratios within 1% of 1 multiply to anywhere in e^-10..e^10, and a
-    threshold on that would cut long sequences for their length."""
+    Per sequence (--is-level sequence; gspo), is_ratio is its tokens' geometric mean: 1000
+    ratios within 1% of 1 multiply to anywhere in e^-10..e^10, cut for their length alone."""
     s = settings
     per_sequence = s.is_level == "sequence" or s.loss_type == "gspo"
     is_ratio = torch.exp(sequence_mean(log_is_ratio, mask) if per_sequence else log_is_ratio)
@@ -794,9 +791,9 @@ def importance_weights(log_is_ratio, mask, settings):
 
 
 def kl_to_reference(logp, ref_logp, sampler_logp, corrected):
-    """Per token, KL(pi_theta || pi_ref) by the k3 estimator (unbiased, never negative)
-    under pi_theta. The tokens come from pi_sampler: corrected (--kl-correction,
-    DeepSeek-V3.2) weighs each by pi_theta / pi_sampler, which makes it unbiased."""
+    """Per token, KL(pi_theta || pi_ref) by the k3 estimator (unbiased, never negative) under
+    pi_theta. The tokens come from pi_sampler: corrected (--kl-correction, DeepSeek-V3.2)
+    weighs each by pi_theta / pi_sampler, which makes it unbiased."""
     delta = ref_logp - logp
     kl = torch.exp(delta) - delta - 1
     if corrected:
@@ -852,16 +849,16 @@ def loss_statistics(mask, settings, ratio, clipped, log_is_ratio, is_ratio, is_w
 
 
 def train_step(model, optimizer, samples, num_tokens, num_sequences, settings):
-    """One optimizer step on this rank's samples: each micro-batch's batch, log-probs, loss
-    and backward, then the gradient clipped and the update. settings: StepSettings."""
+    """One optimizer step on this rank's samples: each micro-batch's batch, log-probs, loss and
+    backward, then the gradient clipped and the update. settings: StepSettings."""
     s = settings
     model.train()
     # its width and window shape the rows (collate)
     config = getattr(model, "module", model).config.get_text_config()
     micros = equal_micro_batches(samples, config.hidden_size, s)
     normalisers = dict(num_tokens=num_tokens, num_sequences=num_sequences)
-    # autocast's cache would keep a bf16 copy of each weight (FSDP's gathered ones too)
-    # until the backward ends; without it a weight is cast where it is used
+    # autocast's cache would keep a bf16 copy of each weight (FSDP's gathered ones too) until
+    # the backward ends; without it a weight is cast where it is used
     bf16 = s.dtype == torch.bfloat16
     # tokens through the model: each group's prompt once where it is shared
     forwarded = 0
@@ -869,8 +866,8 @@ def train_step(model, optimizer, samples, num_tokens, num_sequences, settings):
     for i, micro in enumerate(micros):
         batch = collate(micro, s.pad_id, s.device, s.min_tokens, config=config, dtype=s.dtype, **s.layout)
         forwarded += batch["tokens"]
-        # DDP all-reduces in the last backward only. FSDP reduce-scatters in each: else
-        # every rank would hold the unsharded gradients
+        # DDP all-reduces in the last backward only. FSDP reduce-scatters in each: else every
+        # rank would hold the unsharded gradients
         accumulate = i < len(micros) - 1 and hasattr(model, "no_sync")
         with (
             model.no_sync() if accumulate else contextlib.nullcontext(),
@@ -919,8 +916,8 @@ def micro_batch_loss(batch, logps, settings, num_tokens, num_sequences):
 
 
 class SyncPart:
-    """What a weight sync sends (served_weights' `part`; --lora-sync picks MERGED or ADAPTER): the weights
-    as vLLM serves them (LoRA: W + scale * B @ A), W unmerged, or the adapter alone (lora_A, lora_B)."""
+    """What a sync sends (served_weights' `part`; --lora-sync picks MERGED or ADAPTER): the weights
+    as vLLM serves them (LoRA: W + scale * B @ A), W unmerged, or the adapter (lora_A, lora_B)."""
 
     MERGED = "merged"
     BASE = "base"
@@ -928,8 +925,8 @@ class SyncPart:
 
 
 class WeightSync:
-    """Trainer side of the sync to the servers at `urls`. One group (sync_group) holds rank 0 and every
-    worker of every server: one broadcast reaches all. Made at the first sync, aborted if one fails."""
+    """Trainer side of the sync to the servers at `urls`. One group (sync_group) holds rank 0 and
+    every worker of every server: one broadcast reaches all. Made at the first sync."""
 
     def __init__(self, urls, args, dtype, version, failure=lambda: None, backend=None):
         self.urls = urls
@@ -953,8 +950,8 @@ class WeightSync:
         self.sent_bytes = 0
 
     def _rpc(self, url, method, **kwargs):
-        """Call `method` on every worker of one server; a future. On the pool's threads: the workers block
-        in the collective until the trainer joins it."""
+        """Call `method` on every worker of one server; a future (on the pool's threads: the workers
+        block in the collective until the trainer joins it)."""
         payload = {"method": method, "kwargs": kwargs}
         where = f"{url}/collective_rpc"
         return self.pool.submit(http, where, payload, self.timeout, "--sync-timeout")
@@ -993,8 +990,8 @@ class WeightSync:
         def joining():
             return next((f.exception() for f in joined if f.done() and f.exception()), None)
 
-        # NCCL makes a group's communicator at its first collective, blocking until every rank is in it:
-        # one element sent here, as the workers join and before vLLM pauses, not in the first bucket's
+        # NCCL makes a communicator at its first collective, blocking until every rank is in it:
+        # one element here, as the workers join and before vLLM pauses, not in the first bucket's
         device = next(served_weights(model))[1].device
         first = [("warm-up", torch.zeros(1, device=device), None)]
         try:
@@ -1007,8 +1004,8 @@ class WeightSync:
             raise ConnectionError(f"the weight sync group with {servers} failed to start: {e}") from None
 
     def __call__(self, model, include_frozen=False):
-        """One sync: close the gate (no request leaves until the new weights serve), drain vLLM, send the
-        weights (include_frozen: all, not only those training changes), resume, advance the version."""
+        """One sync: close the gate (no request leaves until the new weights serve), drain vLLM, send
+        the weights (include_frozen: all, not only the trained), resume, advance the version."""
         t0 = time.perf_counter()
         if self.group is None:
             self._connect(model)
@@ -1020,8 +1017,8 @@ class WeightSync:
         try:
             self._send_weights(model, deadline, include_frozen)
         except BaseException:
-            # also after a failure: --vllm-url servers outlive the run, and a paused one serves no one; a
-            # server that died answers no resume, and the failure is what the run reports
+            # also after a failure: --vllm-url servers outlive the run, and a paused one serves no
+            # one; a dead server answers no resume, and its failure is what the run reports
             with contextlib.suppress(Exception):
                 self._all("resume")
             raise
@@ -1035,8 +1032,8 @@ class WeightSync:
         return time.perf_counter() - t0
 
     def _drain(self, deadline):
-        """Pause every server (which clears the caches the old weights computed) and stop the requests in
-        flight: rollout() continues what they generated (keep) or starts over (abort)."""
+        """Pause every server (which clears the old weights' caches) and stop the requests in flight:
+        rollout() continues what they generated (keep) or starts over (abort)."""
         mode = "wait" if self.args.sync_mode == "wait" else "abort"
         self._all(f"pause?mode={mode}")
         # a request that reached vLLM after the pause waits in its queue: stop it
@@ -1048,8 +1045,8 @@ class WeightSync:
             time.sleep(0.01)
 
     def _send_weights(self, model, deadline, include_frozen):
-        """The weights, merged. --lora-sync adapter: the adapter, after W where the servers may hold
-        other weights (include_frozen)."""
+        """The weights, merged. --lora-sync adapter: the adapter, after W where the servers may
+        hold other weights (include_frozen)."""
         if self.args.lora_sync == SyncPart.MERGED:
             self._send(model, "receive_weights", deadline, SyncPart.MERGED, include_frozen)
             return
@@ -1063,8 +1060,8 @@ class WeightSync:
             load_adapter(url, workers[0], self.timeout)
 
     def _send(self, model, method, deadline, part, include_frozen=False, **kwargs):
-        """Broadcast the weights of `part` (served_weights) to every worker, which takes them in `method`;
-        each server's workers' answers."""
+        """Broadcast the weights of `part` (served_weights) to every worker, which loads them in
+        `method`; each server's workers' answers."""
         size = self.args.sync_bucket_bytes
         buckets = pack_buckets(model, size, self.dtype, include_frozen, part)
         numel = sum(p.numel() for b in buckets for _, p, _ in b)
@@ -1079,7 +1076,7 @@ class WeightSync:
         ]
         received = [self._rpc(url, method, buckets=meta, **kwargs) for url in self.urls]
 
-        # why the workers cannot finish: a server's error answer (it names the server), or the watchdog's
+        # why the workers cannot finish: a server's error answer (naming it), or the watchdog's
         def failed():
             answer = next((f.exception() for f in received if f.done() and f.exception()), None)
             return answer or self.failure()
@@ -1096,7 +1093,7 @@ class WeightSync:
 
     def _abort(self, error):
         """The workers are out of step: the group is aborted (a next sync makes a new one), and every
-        worker told through its store (arrived): NCCL's abort reaches no other rank, and a worker left
+        worker told through its store (arrived): NCCL's abort reaches no other rank, and a worker
         waiting on a broadcast would hold its server until its watchdog ended it."""
         with contextlib.suppress(Exception):
             self.store.set("abort", str(error))
@@ -1120,10 +1117,10 @@ def pack_buckets(model, bucket_bytes, dtype, include_frozen=False, part=SyncPart
 
 
 def served_weights(model, include_frozen=False, part=SyncPart.MERGED):
-    """(name as vLLM knows it, weight, its LoRA layer or None) for each weight a sync sends: the trained
-    ones (a frozen vision tower: vLLM holds it); --lora-rank: those of the modules holding an adapted layer
-    (siblings: vLLM fuses q/k/v into qkv_proj, reloads it whole), or with include_frozen all. Part BASE:
-    every weight as it is (W); part ADAPTER: lora_A and lora_B under the names peft saves them with."""
+    """(name as vLLM knows it, weight, its LoRA layer or None) for each weight a sync sends: the
+    trained ones (vLLM holds a frozen vision tower); --lora-rank: those of the modules holding an
+    adapted layer (vLLM fuses q/k/v into qkv_proj, reloads it whole), with include_frozen all. Part
+    BASE: every weight as it is (W); ADAPTER: lora_A and lora_B, named as peft saves them."""
     if not hasattr(model, "peft_config"):
         yield from ((name, p, None) for name, p in model.named_parameters() if p.requires_grad)
         return
@@ -1153,8 +1150,8 @@ def merged(p, lora):
 
 
 def flatten(bucket, dtype):
-    """One bucket's full weights in one buffer. Under --fsdp full_tensor() gathers a parameter's shards, a
-    collective: every rank flattens the same buckets in order (help_sync); one bucket at a time is whole."""
+    """One bucket's full weights in one buffer. Under --fsdp full_tensor() gathers a parameter's
+    shards, a collective: every rank flattens the same buckets in order (help_sync)."""
     flat = torch.empty(sum(p.numel() for _, p, _ in bucket), dtype=dtype, device=bucket[0][1].device)
     for (_, p, lora), part in zip(bucket, flat.split([p.numel() for _, p, _ in bucket])):
         part.copy_(merged(p, lora).flatten())  # casts in the same pass
@@ -1163,9 +1160,10 @@ def flatten(bucket, dtype):
 
 def send_weights(group, buckets, dtype, timeout, failed=lambda: None):
     """Rank 0's broadcast of the buckets, one flat buffer each: bucket k+1 is packed while bucket k
-    travels. Rank 0 never waits in a collective it cannot leave: it polls each broadcast, watching failed()
-    (why the workers cannot finish, or None) and `timeout` seconds for all, and raises before the backend's
-    own timeout (sync_group's is longer), at which NCCL's watchdog would end the process, nothing saved."""
+    travels. Rank 0 never waits in a collective it cannot leave: it polls each broadcast, watching
+    failed() (why the workers cannot finish, or None) and `timeout`, and raises before the backend's
+    own timeout, at which NCCL's watchdog would end the process, nothing saved."""
+
     deadline = time.monotonic() + timeout
 
     def wait(work):
