@@ -1221,7 +1221,7 @@ class Run:
     world_size: int
     device: torch.device
     out_dir: Path
-    model_path: str = None  # what vLLM serves and the trainer loads: --model, the built-in model, or the checkpoint
+    model_path: str = None  # what vLLM serves and the trainer loads: --model, the built-in one, or a checkpoint
     initial_model: str = None  # the reference policy of --beta
     resumed: dict = None  # the trainer state --resume continues from
     tok: object = None
@@ -1232,20 +1232,20 @@ class Run:
     policy: object = None  # the bare module: what is synced and saved
     model: object = None  # what is trained: the policy, or DDP around it
     reference: object = None
-    saved_with: object = None  # the tokenizer, or an image-text model's processor, saved next to the weights
+    saved_with: object = None  # the tokenizer, or an image-text model's processor, saved with the weights
     optimizer: object = None
     scheduler: object = None
     start_step: int = 0
     servers: list = field(default_factory=list)  # the vLLM servers started here
     urls: list = field(default_factory=list)  # every server's, started here or --vllm-url; watched
     server_failure: str = None  # why a server failed, from watch_servers
-    # collate's rows: a group's prompt once (share: --share-prefix, unless the model refuses it), packed in
-    # segments where a varlen kernel runs (choose_layout decides)
+    # collate's rows: a group's prompt once (share: --share-prefix, unless the model refuses it),
+    # packed where a varlen kernel runs (choose_layout)
     layout: dict = None
     layout_reasons: dict = None  # each choice of the layout: "on", or why not
     served_dtype: object = None  # the dtype the servers compute in
-    step_settings: object = None  # what every train_step takes (StepSettings), once the servers' dtype is known
-    sync_backend: str = None  # the weight sync's: the device plan's, or what --vllm-url servers' devices allow
+    step_settings: object = None  # what every train_step takes, once the servers' dtype is known
+    sync_backend: str = None  # the weight sync's: the device plan's, or what --vllm-url servers allow
     version: object = None  # the PolicyVersion the weight sync advances
     sync: object = None
     producer: object = None
@@ -1255,10 +1255,10 @@ class Run:
     unlogged: object = None  # the last trained step's PendingLine, until log_step writes its line
     updating: bool = False  # mid-update: the weights may be half-changed, so they are not saved
     completed: int = 0  # steps finished
-    done_cursor: dict = None  # the producer's data cursor as of the last finished step: what a checkpoint saves
+    done_cursor: dict = None  # the data cursor as of the last finished step: what a checkpoint saves
     history: list = field(default_factory=list)
     clock: dict = field(default_factory=dict)
-    is_main = property(lambda self: self.rank == 0)  # not a field: rank 0 does what only one process should
+    is_main = property(lambda self: self.rank == 0)  # not a field: what only one process should do
 
 
 def set_up(argv):
@@ -1301,7 +1301,7 @@ def set_up(argv):
         if not (run.out_dir / "checkpoint" / "trainer_state.pt").exists():
             raise SystemExit(f"--resume: no checkpoint in {run.out_dir / 'checkpoint'}")
         run.model_path = str((run.out_dir / "checkpoint").resolve())
-        # to CPU, whatever device wrote it; mapped, so that each rank reads only the tensors it uses
+        # to CPU, whatever device wrote it; mapped: each rank reads only the tensors it uses
         run.resumed = torch.load(Path(run.model_path) / "trainer_state.pt", "cpu", mmap=True, weights_only=False)
     # each rank its own streams, and on --resume the step's too: none repeats its draws
     for seed in (random.seed, np.random.seed, torch.manual_seed):
@@ -1349,8 +1349,8 @@ def load_data(run):
 
 
 def load_policy_and_optimizer(run):
-    """The policy on this rank's device, whole or its shards (run.policy; run.model: DDP around it), probed
-    and laid out; the frozen reference of --beta; the optimizer; --resume's state. In steps."""
+    """The policy on this rank's device, whole or its shards (run.policy; run.model: DDP around
+    it), probed and laid out; --beta's frozen reference; the optimizer; --resume's state."""
     from transformers import AutoProcessor
 
     args = run.args
@@ -1360,7 +1360,7 @@ def load_policy_and_optimizer(run):
     if run.resumed and run.resumed.get("lora_rank", 0) != args.lora_rank:
         rank = run.resumed.get("lora_rank", 0)
         raise SystemExit(f"--resume: this checkpoint was trained with --lora-rank {rank}; resume with it")
-    # a LoRA checkpoint holds merged weights (vLLM's): the trainer's adapter goes on the initial model
+    # a LoRA checkpoint holds merged weights (vLLM's): the adapter goes on the initial model
     resumed_lora = args.lora_rank and run.resumed
     model = load_checked(run, run.initial_model if resumed_lora else run.model_path)
     run.layout = choose_layout(run, model)
@@ -1370,13 +1370,13 @@ def load_policy_and_optimizer(run):
     if args.lora_rank:
         model = with_lora(model, args, run.resumed and Path(run.model_path) / "adapter")
     run.policy = run.model = model
-    # vLLM serves an image-text checkpoint only with its image processor: checkpoints keep it (--resume).
+    # vLLM serves an image-text checkpoint only with its image processor: checkpoints keep it
     image_text = hasattr(model.config, "vision_config")
     run.saved_with = AutoProcessor.from_pretrained(run.model_path) if image_text else run.tok
     if args.beta:
         run.reference = load_on_device(run, run.initial_model).requires_grad_(False)
     if run.layout["packed"] and run.reference:
-        # switches the reference's attention to packed rows too (the verdict was the policy's)
+        # the reference's attention to packed rows too (the verdict was the policy's)
         segments_refused(run.reference, probe_logprobs)
     if run.world_size > 1 and not args.fsdp:
         devices = [run.device.index] if run.device.type == "cuda" else None
@@ -1385,8 +1385,8 @@ def load_policy_and_optimizer(run):
 
 
 def limit_memory(run):
-    """Rank 0 beside a server on its GPU: the share of the GPU's memory the trainer may take (memory_share),
-    from the model's shapes (on the meta device: nothing read or allocated)."""
+    """Rank 0 beside a server on its GPU: the share of its memory the trainer may take
+    (memory_share), from the model's shapes (on the meta device: nothing read)."""
     shapes = load_policy(run.model_path, empty=True)
     sizes = [p.numel() for p in shapes.parameters()]
     trained = 0 if run.args.lora_rank else sum(p.numel() for p in shapes.parameters() if p.requires_grad)
@@ -1403,7 +1403,7 @@ def load_on_device(run, path):
 
 
 def load_checked(run, path):
-    """The policy to train, loaded and probed: its log-probs must be what its output layer computes."""
+    """The policy, loaded and probed: its log-probs must be what its output layer computes."""
     try:
         model = load_on_device(run, path)
     except Exception as e:
@@ -1433,8 +1433,8 @@ def check_prompts_fit(run, model):
 def make_optimizer(run):
     """AdamW over the trained parameters, the learning rate's warm-up; --resume: their state, the step."""
     args = run.args
-    # Fused AdamW: foreach's step holds 4 bytes a trained parameter on CUDA (memory_share), loops on CPU
-    # (0.35 -> 0.08 CPU s a step, SmolLM2-135M: docs/performance.md). Not on CPU under --fsdp: untested.
+    # Fused AdamW: foreach's step holds 4 bytes a trained parameter on CUDA (memory_share), loops on
+    # CPU (0.35 -> 0.08 s a step, SmolLM2-135M: docs/performance.md). Not on CPU under --fsdp: untested.
     fused = run.device.type == "cuda" or not args.fsdp
     trained = [p for p in run.policy.parameters() if p.requires_grad]
     run.optimizer = torch.optim.AdamW(trained, lr=args.lr, weight_decay=args.weight_decay, fused=fused)
@@ -1466,7 +1466,7 @@ def make_optimizer(run):
 
 
 def start_generation(run):
-    """Rank 0: the vLLM servers, the weight sync, the producer, the logs, the evaluation at step 0. Every
+    """Rank 0: the vLLM servers, the weight sync, the producer, the logs, step 0's evaluation. Every
     rank learns the servers' dtype: it packs the weights and rounds the logits as they compute."""
     args = run.args
     dtype = [start_servers(run) if run.is_main else None]
@@ -1476,9 +1476,9 @@ def start_generation(run):
     state = dict(layout=run.layout, reference=run.reference, stop_ids=run.ctx.stop_ids, pad_id=run.pad_id)
     run.step_settings = step_settings(args, run.device, run.world_size, served_dtype=run.served_dtype, **state)
     if run.is_main:
-        # On CPU fp32 even with native bf16: autocast there halved the step but moved the log-probs from
-        # fp32's (the CPU server's dtype) by a mismatch KL of 2e-2 to 7e-2; with a bf16 server too, 2.5e-3,
-        # and the recipe learnt less on both seeds measured (docs/performance.md)
+        # On CPU fp32 even with native bf16: autocast there halved the step but moved the log-probs
+        # from fp32's by a mismatch KL of 2e-2 to 7e-2 (2.5e-3 with a bf16 server), and the recipe
+        # learnt less on both seeds measured (docs/performance.md)
         trainer_dtype = "bf16 autocast" if run.device.type == "cuda" else "fp32"
         print(f"the trainer computes in {trainer_dtype}, the servers in {dtype[0]}", flush=True)
         start_sync(run)
@@ -1497,14 +1497,14 @@ def start_generation(run):
 
 
 def start_servers(run):
-    """The servers, started here or --vllm-url's, and watched; their limits in run.ctx. Returns their
-    dtype."""
+    """The servers, started here or --vllm-url's, and watched; their limits in run.ctx. Returns
+    their dtype."""
     args = run.args
     adapter = args.lora_sync == SyncPart.ADAPTER
     if args.vllm_url:
         run.urls = args.vllm_url.split(",")
     else:
-        # --lora-sync adapter: the servers hold the base model, never a merged checkpoint (--resume's)
+        # --lora-sync adapter: the servers hold the base model, never --resume's merged checkpoint
         run.servers = start_vllm(args, run.initial_model if adapter else run.model_path, run.out_dir)
         run.urls = [server.url for server in run.servers]
     threading.Thread(target=watch_servers, args=(run,), daemon=True, name="watch_servers").start()
@@ -1517,7 +1517,7 @@ def start_servers(run):
             "crashes on seeded ones (vLLM 0.32); start it with --no-enable-chunked-prefill, as start_vllm does",
             flush=True,
         )
-    # the sync's backend follows the devices these servers report (the plan could not know them)
+    # the sync's backend follows the devices these servers report (the plan cannot know them)
     if args.vllm_url:
         ours = range(int(os.environ.get("LOCAL_WORLD_SIZE", 1))) if run.device.type == "cuda" else []
         ours = [str(torch.cuda.get_device_properties(i).uuid) for i in ours]
@@ -1527,24 +1527,24 @@ def start_servers(run):
 
 
 def start_sync(run):
-    """The policy version and the weight sync; a first sync where the servers may hold other weights."""
+    """The policy version and the weight sync; a first sync where servers may hold other weights."""
     args = run.args
     adapter = args.lora_sync == SyncPart.ADAPTER
     run.version = PolicyVersion(args.max_inflight)
     # the watchdog's finding, read at each sync: a server that fails mid-sync is named
     failure = functools.partial(getattr, run, "server_failure")
     run.sync = WeightSync(run.urls, args, run.served_dtype, run.version, failure, backend=run.sync_backend)
-    # a server we did not start may hold other weights than the policy: all of them; --lora-sync
-    # adapter: and the adapter (B = 0, or --resume's) is loaded before the first request names it
+    # a server we did not start may hold other weights: all of them; --lora-sync adapter: and the
+    # adapter (B = 0, or --resume's), loaded before the first request names it
     if args.vllm_url or adapter:
         run.sync(run.policy, include_frozen=bool(args.vllm_url))
-    # the servers' log-probs against the trainer's, now and at the first sync of moved weights; not under
-    # --fsdp (a forward takes every rank) nor --lora-sync adapter (vLLM 0.32's CPU LoRA kernel fails on
-    # prompt log-probs, and its engine dies)
+    # the servers' log-probs against the trainer's, now and at the first sync of moved weights; not
+    # under --fsdp (a forward takes every rank) nor --lora-sync adapter (vLLM 0.32's CPU LoRA kernel
+    # fails on prompt log-probs)
     if not (args.fsdp or adapter):
         run.sync.check = weights_arrive(run.urls, args, run, collate, token_logprobs)
-    # the servers hold the weights of the step the run starts at (newer, where a sync failed mid-way: a
-    # count saved with them would lag, and the staleness gate would wait forever on --resume)
+    # the servers hold the weights of the step the run starts at (newer where a sync failed mid-way:
+    # a count saved with them would lag, and the gate would wait forever on --resume)
     run.version.value = version_at(run.start_step, args.sync_every)
 
 
@@ -1560,7 +1560,7 @@ def start_producer(run):
 
 
 def open_logs(run):
-    """wandb, metrics.jsonl and rollouts.jsonl (--resume: cut back to its step); the evaluation at step 0."""
+    """wandb, metrics.jsonl and rollouts.jsonl (--resume: cut back to its step); step 0's evaluation."""
     args = run.args
     if args.wandb_project:
         import wandb
@@ -1590,7 +1590,7 @@ class PendingLine:
 def train_one_step(run, step):
     """One step: take a batch, update the weights, sync them to vLLM, evaluate, log, checkpoint.
     What a save pairs (weights, step count, data cursor, the step's line) is set while
-    run.updating marks the update: a signal at any line saves the last step whole."""
+    run.updating: a signal at any line saves the last step whole."""
     args = run.args
     t_step = time.perf_counter()
     groups, samples, num_tokens = take_batch(run)
@@ -1633,8 +1633,8 @@ def train_one_step(run, step):
             pending.metrics.update(evaluate(run))
         # the line before the checkpoint: a saved step has its line
         log_step(run, pending)
-    # Read once, so that the checkpoint and the exit agree; a later signal stops the next step. Rank 0
-    # decides: it gets the signals.
+    # Read once, so that the checkpoint and the exit agree; a later signal stops the next step.
+    # Rank 0, which gets the signals, decides.
     stopping = bool(run.stop)
     due = [bool(args.save_every and (step + 1) % args.save_every == 0 or stopping)]
     if args.fsdp:
@@ -1649,8 +1649,8 @@ def train_one_step(run, step):
 
 
 def take_batch(run):
-    """Rank 0 takes whole groups off the producer's queue and deals each rank an equal
-    share: the groups (rank 0's), this rank's samples, the step's loss tokens."""
+    """Rank 0 takes whole groups off the queue and deals each rank an equal share: the groups
+    (rank 0's), this rank's samples, the step's loss tokens."""
     groups = None
     payload = [None, None]
     if run.is_main:
@@ -1679,7 +1679,7 @@ def sync_weights(run):
 
 def log_step(run, pending):
     """A trained step's line (PendingLine) in metrics.jsonl and wandb, a few rollouts in
-    rollouts.jsonl, one line printed. `pending` is left as it is (a retry writes it)."""
+    rollouts.jsonl, one line printed. `pending` is left as is (a retry writes it)."""
     args = run.args
     clock = run.clock
     cursor = run.done_cursor
@@ -1742,7 +1742,7 @@ def write_metrics(run, metrics):
 
 
 def rollout_metrics(groups, trained_version):
-    """The step's rollouts; staleness is per trained token: the trainer's version minus the token's."""
+    """The step's rollouts; staleness per trained token: the trainer's version minus the token's."""
     samples = [s for g in groups for s in g]
     metrics = mean_over_union(
         [
@@ -1782,15 +1782,15 @@ def rollout_metrics(groups, trained_version):
 
 
 def mean_over_union(dicts):
-    """Mean of each key over the dicts that have it (keys differ between samples with and without tools)."""
+    """Mean of each key over the dicts that have it (samples with and without tools differ)."""
     keys = dict.fromkeys(k for d in dicts for k in d)  # in the order first seen
     return {k: sum(d[k] for d in dicts if k in d) / sum(k in d for d in dicts) for k in keys}
 
 
 def evaluate(run):
-    """A greedy rollout of each held-out row through training's group pipeline, on the producer's loop;
-    with --eval-samples K also K sampled, for pass@1 and pass@K of each reward (passed: a positive value).
-    Bounded as the data's wait (--data-timeout); none ({}) once a stop signal came: the checkpoint first."""
+    """A greedy rollout of each held-out row through training's group pipeline, on the producer's
+    loop; with --eval-samples K also K sampled, for pass@1 and pass@K of each reward (passed: > 0).
+    Bounded by --data-timeout; none ({}) once a stop signal came: the checkpoint first."""
     if run.stop:
         return {}
     args = run.args
@@ -1845,15 +1845,14 @@ def evaluate(run):
 
 
 def pass_at_k(n, c, k):
-    """The unbiased estimate of pass@k from n samples of which c passed (Chen et al., 2021): 1 - C(n - c, k) /
-    C(n, k)."""
+    """The unbiased pass@k from n samples of which c passed (Chen et al., 2021)."""
     return 1.0 - math.comb(n - c, k) / math.comb(n, k)
 
 
 def finish(run):
     args = run.args
-    # DDP ranks must hold identical weights; a silent divergence (a missed all-reduce) fails here. FSDP ranks
-    # hold different shards by design: their checksums are recorded, not compared.
+    # DDP ranks must hold identical weights; a silent divergence (a missed all-reduce) fails here.
+    # FSDP ranks hold different shards: their checksums are recorded, not compared.
     checksum = [sum((p.to_local() if args.fsdp else p).double().sum().item() for p in run.policy.parameters())]
     checksums = checksum * run.world_size
     if run.world_size > 1:
@@ -1887,16 +1886,16 @@ def finish(run):
 
 def save_after_error(run, error):
     """Nothing is lost: the last finished step is saved, unless the error came mid-update (or under
-    --fsdp: saving takes every rank, and others may be gone). A failed server is named as the cause, with
-    its log: the error is then only what it did to a request (a reset connection, a timeout)."""
+    --fsdp: saving takes every rank, and others may be gone). A failed server is named as the
+    cause, with its log: the error is only what it did to a request (a reset, a timeout)."""
     failure = run.server_failure or server_failure(run.urls, run.servers)
     # an engine's death fails requests before /health says it
     if not failure and isinstance(error, ConnectionError):
         time.sleep(3)
         failure = run.server_failure or server_failure(run.urls, run.servers)
     if run.is_main and run.producer and not run.updating and run.completed > run.start_step and not run.args.fsdp:
-        # its sync or evaluation failed (sync/seconds 0, no eval/ metrics); a line that cannot be written
-        # (a full disk, wandb) does not cost the checkpoint, whose own failure names the disk
+        # its sync or evaluation failed (sync/seconds 0, no eval/ metrics); a line that cannot be
+        # written (a full disk, wandb) does not cost the checkpoint
         with contextlib.suppress(Exception):
             if run.unlogged:
                 log_step(run, run.unlogged)
@@ -1913,7 +1912,7 @@ def save_after_error(run, error):
     if failure or isinstance(error, OSError):
         seen = f" after {type(error).__name__}: {(str(error) or '-').splitlines()[0][:300]}" if failure else ""
         raise SystemExit(f"error: {failure or error}\nThe run stopped at step {run.completed}{seen}. {logs}")
-    # it came as the trainer waited for data, or came twice, or before training (vLLM's start, step 0's eval)
+    # it came as the trainer waited for data, or twice, or before training (vLLM's start, step 0's eval)
     if isinstance(error, KeyboardInterrupt):
         saved = (run.out_dir / "checkpoint").exists()
         resume = f"; continue with --resume --output-dir {run.out_dir}" if saved else " (no checkpoint to resume from)"
@@ -1943,11 +1942,10 @@ def tear_down(run, handlers):
             part()
         except Exception as e:
             print(f"warning: the teardown's {getattr(part, 'func', part).__name__} failed: {e}", flush=True)
-    # The run ends here, finished or failed, not in the interpreter's teardown, which waits for every tool and
-    # reward thread (one stuck in I/O would keep the process and its GPUs alive), where freeing DDP's reducer
-    # can deadlock (its gloo destructor joins a thread that waits for the GIL; seen on rank 1) and the sync
-    # group's objects can abort the process ("terminate called without an active exception", exit -6, seen
-    # twice after a finished --vllm-url run)
+    # The run ends here, not in the interpreter's teardown, which waits for every tool and reward
+    # thread (one stuck in I/O would keep the process and its GPUs alive), where freeing DDP's reducer
+    # can deadlock (its gloo destructor joins a thread waiting for the GIL; seen on rank 1) and the
+    # sync group's objects can abort the process ("terminate called without an active exception")
     if __name__ == "__main__":
         # printed as the interpreter would; the run's own errors (SystemExit, a message) without traceback
         if isinstance(error, SystemExit):
@@ -1963,10 +1961,10 @@ def tear_down(run, handlers):
 
 
 def checkpoint(run, step):
-    """checkpoint-<step>/: the model (safetensors), tokenizer and trainer state, written whole under a
-    temporary name, then the `checkpoint` link swapped to it in one rename: a crash never leaves a broken
-    one. Between steps: the data cursor is the last finished step's, and --resume redoes every group after
-    it. Under --fsdp every rank sends its shards, a tensor at a time, to rank 0's CPU memory."""
+    """checkpoint-<step>/: the model (safetensors), tokenizer and trainer state, written whole under
+    a temporary name, then the `checkpoint` link swapped to it in one rename: a crash never leaves a
+    broken one. The data cursor is the last finished step's: --resume redoes every group after it.
+    Under --fsdp every rank sends its shards, a tensor at a time, to rank 0's CPU memory."""
     weights, optim = None, run.optimizer.state_dict()
     if run.args.fsdp:
         options = StateDictOptions(full_state_dict=True, cpu_offload=True)
@@ -2014,7 +2012,7 @@ def checkpoint(run, step):
             raise
         # + AdamW's moments
         needed = 3 * sum(p.numel() * p.element_size() for p in run.policy.parameters()) / 2**20
-        # SystemExit: the error handler does not catch it, so it does not write the same checkpoint again
+        # SystemExit: the error handler does not catch it, nor write the same checkpoint again
         raise SystemExit(
             f"error: could not write the checkpoint of step {step} in {run.out_dir} "
             f"({str(e).splitlines()[0][:200]}): it needs about {needed:.0f} MiB and "
@@ -2022,22 +2020,21 @@ def checkpoint(run, step):
             f"the last complete checkpoint: {run.out_dir / previous if previous else 'none'} (--resume "
             "continues from it)"
         )
-    # every other one: also one a signal left between a swap and this line, a .tmp a hard kill left mid-save
+    # every other one: one a signal left between a swap and this line, a .tmp a hard kill left
     for old in run.out_dir.glob("checkpoint-*"):
         if old.name != name:
             shutil.rmtree(old, ignore_errors=True)
 
 
 def stop_on_signals(stop):
-    """SIGINT and SIGTERM ask to stop after this step (_stop_after_step appends to `stop`); returns their
-    handlers."""
+    """SIGINT and SIGTERM ask to stop after this step (_stop_after_step); returns their handlers."""
     stopping = functools.partial(_stop_after_step, stop)
     return {sig: signal.signal(sig, stopping) for sig in (signal.SIGINT, signal.SIGTERM)}
 
 
 def _stop_after_step(stop, signum, frame):
-    """A signal asks to stop after this step; one that finds `stop` set (a second, or any before training)
-    at once. Silent: a print here, inside the main thread's, raises "reentrant call" (watch_servers)."""
+    """A signal asks to stop after this step; one that finds `stop` set (a second, or any before
+    training) at once. Silent: a print here, inside the main thread's, raises "reentrant call"."""
     if stop:
         raise KeyboardInterrupt(f"signal {signum}")
     stop.append(signum)
@@ -2048,12 +2045,12 @@ def _stop_after_step(stop, signum, frame):
 
 @dataclass(frozen=True)
 class StepSettings:
-    """What every train_step of a run takes besides its samples (step_settings makes it):
-    layout, collate's rows (Run.layout); reference, --beta's reference policy."""
+    """What every train_step takes besides its samples (step_settings makes it): layout, collate's
+    rows (Run.layout); reference, --beta's reference policy."""
 
     loss: LossSettings
-    # token_logprobs' keywords: how vLLM sampled (a ratio to its log-probs then measures the
-    # policy, not the truncation), the dtype it rounds logits in
+    # token_logprobs' keywords: how vLLM sampled (a ratio to its log-probs then measures the policy,
+    # not the truncation), the dtype it rounds logits in
     sampling: dict
     layout: dict
     min_tokens: int
@@ -2091,8 +2088,8 @@ def step_settings(
 
 
 def equal_micro_batches(samples, width, settings):
-    """This rank's micro-batches, as many as any rank's: DDP and FSDP communicate in every
-    forward and backward. width: the hidden size."""
+    """This rank's micro-batches, as many as any rank's: DDP and FSDP communicate in every forward
+    and backward. width: the hidden size."""
     s = settings
     bounds = dict(tokens=s.micro_batch_tokens, width=width, **s.layout)
     micros = micro_batches(samples, s.micro_batch_size, 1, **bounds)
@@ -2106,8 +2103,8 @@ def equal_micro_batches(samples, width, settings):
 
 
 def step_statistics(figures, forwarded, samples, settings):
-    """The step's figures, merged once: the micro-batches' (loss, stats, loss tokens) as the loss
-    summed, means weighted by their loss tokens and extremes over all; the tokens forwarded."""
+    """The step's figures, merged once from the micro-batches' (loss, stats, loss tokens): the loss
+    summed, means weighted by loss tokens, extremes over all; the tokens forwarded."""
     loss_tokens = max(1, sum(sum(s["mask"]) for s in samples))
     totals = {"loss": 0.0}
     for loss, stats, share in figures:
@@ -2132,8 +2129,9 @@ def step_statistics(figures, forwarded, samples, settings):
 
 def micro_batches(samples, size, count=1, share=True, tokens=math.inf, width=None, packed=False):
     """The samples in micro-batches of at most `size` sequences and `tokens` tokens forwarded;
-    unpacked, at most size x 1.25 x the median length (a longer sequence alone): a long tail is
-    not mostly padding. Shortest first, a prompt's together. At least `count`: the largest halved."""
+    unpacked, at most size x 1.25 x the median length (a longer sequence alone): a long tail is not
+    mostly padding. Shortest first, a prompt's together. At least `count`: the largest halved."""
+
     samples = sorted(
         samples, key=lambda s: (s["n_prompt"], s["ids"][: s["n_prompt"]], len(s["ids"])) if share else len(s["ids"])
     )
