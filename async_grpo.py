@@ -2157,8 +2157,8 @@ def micro_batches(samples, size, count=1, share=True, tokens=math.inf, width=Non
 def rows_of(samples, share=True, width=None):
     """collate's rows (lists of sample indices) and their lengths: a prompt once, then its
     samples' completions (share). A dense row (width: the hidden size) takes a completion of c
-    tokens where that saves more (n prompt tokens, ~12 width^2 multiply-adds each) than it adds
-    (attention to its c' completion tokens, ~2 width a pair): 2 c c' < n (6 width + n)."""
+    tokens where that saves (n prompt tokens, ~12 width^2 multiply-adds each) more than it adds
+    (~2 width a pair of its c and the row's c' tokens): 2 c c' < n (6 width + n)."""
     rows = []
     lengths = []
     open_row = {}  # prompt -> the row its next completion may join
@@ -2176,9 +2176,9 @@ def rows_of(samples, share=True, width=None):
 
 
 def collate(samples, pad_id, device, min_tokens=0, share=True, config=None, packed=False, dtype=torch.float32):
-    """The micro-batch as the model takes it: rows_of's rows, each token at its position alone
-    and seeing what it sees alone (its prompt, its completion): the same log-probs, and the
-    prompt gets every completion's gradient. A prompt p0 p1 p2, completions a0 a1, b0 b1 b2:
+    """The micro-batch as the model takes it: rows_of's rows, each token at its position and
+    seeing what it sees alone (its prompt, its completion): the same log-probs, and the prompt
+    gets every completion's gradient. A prompt p0 p1 p2, completions a0 a1, b0 b1 b2:
 
         input_ids     p0 p1 p2 a0 a1 b0 b1 b2
         position_ids   0  1  2  3  4  3  4  5
@@ -2189,9 +2189,9 @@ def collate(samples, pad_id, device, min_tokens=0, share=True, config=None, pack
     completions share one (shared_rows_mask). Per-token tensors: completion_tensors."""
     width = None if packed else getattr(config, "hidden_size", None)
     rows = rows_of(samples, share, width)[0]
-    # per row its ids (a prompt, then the completions that joined it), each token's segment
-    # (0: the prompt, i + 1: sample i's completion) and position; per segment its query
-    # count and key columns; per sample its row and the columns that predict its tokens
+    # per row its ids, each token's segment (0: the prompt, i + 1: sample i's completion) and
+    # position; per segment its query count and key columns; per sample its row and the
+    # columns that predict its tokens
     ids = []
     segment = []
     position = []
@@ -2218,8 +2218,7 @@ def collate(samples, pad_id, device, min_tokens=0, share=True, config=None, pack
             segment[-1] += [i + 1] * len(completion)
             position[-1] += range(n, n + len(completion))
     # Padding continues each row's count: transformers 5 reads a position that does not rise by
-    # one as the start of a packed sequence and builds a dense [B, 1, T, T] mask (no flash
-    # attention) for rows of unequal length
+    # one as a packed sequence's start, and builds a dense [B, 1, T, T] mask (no flash attention)
     longest = max(1, *map(len, position))
     for p in position:
         start = p[-1] + 1 if p else 0
@@ -2269,7 +2268,7 @@ MODEL_INPUTS = ("input_ids", "position_ids", "attention_mask", "segments")
 
 
 def reference_logprobs(model, batch, temperature=1.0, **truncation):
-    """token_logprobs' three [B, T] values, plainly: the model's logits, at the columns that predict
+    """token_logprobs' three [B, T] values, plainly: the model's logits at the columns that predict
     each completion token, through sampler_logprobs (log_softmax over what vLLM could sample, the
     target's entry). [rows, columns, V] logits: ~0.6 MB a token at V = 151,936."""
     inputs = {k: batch[k] for k in MODEL_INPUTS if k in batch}
@@ -2286,7 +2285,7 @@ def reference_logprobs(model, batch, temperature=1.0, **truncation):
 def token_logprobs(model, batch, temperature=1.0, chunk=2**28, **truncation):
     """reference_logprobs' numbers, in less memory: the model's head gets one position a row
     (head_input_kept), then the completions' hidden states alone go through it in chunks of
-    ~`chunk` logits (output_layer.py: backward keeps hidden states, not logits)."""
+    ~`chunk` logits (output_layer.py)."""
     bare = getattr(model, "module", model)  # DDP's
     head = bare.get_output_embeddings()
     # what the forward hands its head, and its head's output there (before any transform)
@@ -2315,8 +2314,8 @@ def token_logprobs(model, batch, temperature=1.0, chunk=2**28, **truncation):
 
 
 def head_input_kept(hidden, head, args):
-    """token_logprobs' pre-hook on the head: keeps its input in `hidden` and hands it one position a
-    row instead (a new tensor: a view would keep them all)."""
+    """token_logprobs' pre-hook on the head: keeps its input in `hidden`, hands it one position a
+    row (a new tensor: a view would keep them all)."""
     hidden.append(args[0])
     return (args[0][:, -1:].clone(),)
 
@@ -2329,8 +2328,8 @@ def forward_scale(logits, raw):
 
 
 def choose_layout(run, model):
-    """collate's rows (Run.layout): a prompt once (--share-prefix), in segments where the varlen
-    kernel runs, if the model takes them; each reason to run.layout_reasons (summary.json)."""
+    """collate's rows (Run.layout): a prompt once (--share-prefix), packed where the varlen kernel
+    runs, if the model takes them; the reasons in run.layout_reasons (summary.json)."""
     args = run.args
     config = model.config.get_text_config()
     why = {"share": None if args.share_prefix else "--no-share-prefix"}
@@ -2807,17 +2806,17 @@ def parse_args(argv=None, world_size=1, cuda_count=None, local_ranks=None, heads
         args.gradient_checkpointing = bool(cuda_count)
     args.max_staleness = 0 if args.sync else args.max_staleness
     args.sync_bucket_bytes = int(args.sync_bucket_mb * 2**20)
-    # The other ranks' bound in a collective while rank 0 alone starts vLLM, waits for data or syncs: twice
-    # rank 0's bounds (building the model, evaluation, checkpoints have none), not torch's (NCCL 10 min)
+    # The other ranks' bound in a collective while rank 0 alone starts vLLM, waits for data or
+    # syncs: twice rank 0's bounds, not torch's (NCCL's 10 min)
     args.collective_timeout = 2 * (args.vllm_startup_timeout + args.data_timeout + args.sync_timeout)
     args.output_dir = args.output_dir or time.strftime("runs/%Y%m%d-%H%M%S")
     args.lora_alpha = 2.0 * args.lora_rank if args.lora_alpha is None else args.lora_alpha
-    # what every generation request names: the synced weights, or the adapter vLLM serves on them
+    # what every request names: the synced weights, or the adapter vLLM serves on them
     args.request_model = SERVED_ADAPTER if args.lora_sync == "adapter" else SERVED_MODEL
     if args.audit:
         args.lr = 0.0
     elif args.lr is None and args.lora_rank:
-        # an adapter, B = 0 at the start, needs about 10x (docs/performance.md: a sweep over seeds)
+        # an adapter, B = 0 at the start, needs about 10x (docs/performance.md)
         args.lr = 3e-3 if args.model is None else 1e-5
     elif args.lr is None:
         args.lr = 3e-4 if args.model is None else 1e-6
@@ -2828,16 +2827,16 @@ def parse_args(argv=None, world_size=1, cuda_count=None, local_ranks=None, heads
 
 
 def client_session(args):
-    """The producer's and the evaluation's HTTP session: idle connections closed before vLLM closes them
-    (5 s), no race; a request may take as long as the trainer waits for data."""
+    """The producer's and the evaluation's HTTP session: idle connections closed before vLLM closes
+    them (5 s); a request may take as long as the trainer waits for data."""
     connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=3)
     timeout = aiohttp.ClientTimeout(total=args.data_timeout)
     return aiohttp.ClientSession(connector=connector, timeout=timeout)
 
 
 async def all_or_none(coros):
-    """asyncio.gather whose first error cancels the rest and waits for them: gather alone leaves them
-    running against a closing session, each to fail later with a traceback nobody retrieved."""
+    """asyncio.gather whose first error cancels the rest and waits for them: gather alone leaves
+    them running against a closing session, to fail later with a traceback nobody reads."""
     tasks = [asyncio.ensure_future(c) for c in coros]
     try:
         return await asyncio.gather(*tasks)
@@ -2853,9 +2852,9 @@ def cancel_all(tasks):
 
 @contextlib.asynccontextmanager
 async def environment_instances(ctx, tok, row, n, timeout):
-    """n instances of the row's environment (None without one), idle ones reused, reset to the row; the
-    row as its rollouts see it (its prompt with what reset said) and its prompt's ids. Idle again once the
-    group is done. Raises Dropped where a reset fails or the resets differ: a group answers one task."""
+    """n instances of the row's environment (None without one), idle ones reused, reset to the row;
+    the row as its rollouts see it (with what reset said) and its prompt's ids. Idle again once the
+    group is done. Raises Dropped where a reset fails or the resets differ."""
     name = tools_module.environment_of(row, ctx.environments)
     if name is None:
         yield [None] * n, row, ctx.prompt_ids[row["id"]]
@@ -2864,7 +2863,7 @@ async def environment_instances(ctx, tok, row, n, timeout):
     envs = [idle.pop() for _ in range(min(n, len(idle)))]
     try:
         try:
-            # on the loop, not in a thread: each instance made is one that is closed at the end
+            # on the loop, not in a thread: each instance made is closed at the end
             while len(envs) < n:
                 ctx.alive.append(ctx.environments[name]())
                 envs.append(ctx.alive[-1])
@@ -2884,7 +2883,7 @@ async def environment_instances(ctx, tok, row, n, timeout):
             prompt_ids = render_prompt(tok, row["prompt"], ctx.offered[name], row["id"])
         yield envs, row, prompt_ids
     finally:
-        # the group is done: what an instance holds until its next reset may go (tools.py: release)
+        # the group is done: what an instance holds until its next reset may go (release)
         releasing = [tools_module.call_method(e.release, {}, timeout) for e in envs if hasattr(e, "release")]
         await asyncio.gather(*releasing, return_exceptions=True)
         idle += [env for env in envs if id(env) not in tools_module.HUNG]
@@ -2894,16 +2893,15 @@ async def environment_instances(ctx, tok, row, n, timeout):
 
 
 def rollout_context(tok, schemas, rows, max_model_len=None, stop_ids=None, environments=None):
-    """The RolloutContext of a run; max_model_len is the server's context length, known once it is up.
-    environments: {name: class} of --env and --mcp; their instances are made and kept there too
-    (environment_instances())."""
+    """The RolloutContext of a run; max_model_len is the server's context length, known once it is
+    up. environments: {name: class} of --env and --mcp (their instances: environment_instances)."""
     stop_ids = stop_ids or stop_token_ids(tok)
     environments = environments or {}
     offered = {None: schemas or []}
     for name, cls in environments.items():
         offered[name] = (schemas or []) + tools_module.environment_schemas(cls)
     all_tools = tools_module.every_tool(schemas, environments)
-    # an environment that answers the model with a user turn needs the template's turn ends too
+    # an environment that answers the model with a user turn needs the turn ends too
     talks = any(hasattr(cls, "respond") for cls in environments.values())
     prompt_ids = {}
     for row in rows:
@@ -2923,7 +2921,7 @@ def rollout_context(tok, schemas, rows, max_model_len=None, stop_ids=None, envir
 
 
 def tool_schemas(names):
-    """JSON schemas derived from the tools' signatures and docstrings by transformers itself."""
+    """JSON schemas of the tools, from their signatures and docstrings (transformers)."""
     from transformers.utils import get_json_schema
 
     return [get_json_schema(tools_module.TOOLS[n]) for n in names]
@@ -2931,7 +2929,7 @@ def tool_schemas(names):
 
 def render(tok, messages, schemas=None, generation_prompt=False):
     """Conversation -> text. A tokenizer without a chat template (a base model) gets the contents
-    one per line: enough to train without tools, which is all such a model can do here."""
+    one per line: enough to train without tools, all such a model can do here."""
     if tok.chat_template is None:
         return "\n".join(str(m.get("content") or "") for m in messages) + "\n"
     return tok.apply_chat_template(
@@ -2951,11 +2949,11 @@ def render_prompt(tok, messages, schemas, row_id=None):
 
 
 def tool_result_ids(tok, history, tool_messages, schemas, turn_ends, stopped=True):
-    """Token ids of the tool-result turn plus the next assistant header. Only this suffix is tokenised and
-    appended to the generated ids: re-tokenising the whole conversation would change earlier tokens, which
-    the model never sampled. It starts where the template ends an assistant turn: after its end-of-turn
-    token (the model's stop token stands for it), or before it if the model stopped otherwise. What the
-    tools said is data (tools.result_ids); where that cannot be exact, Dropped."""
+    """Token ids of the tool-result turn plus the next assistant header. Only this suffix is
+    tokenised and appended to the generated ids: re-tokenising the whole conversation would change
+    earlier tokens, which the model never sampled. It starts where the template ends an assistant
+    turn: after its end-of-turn token (the model's stop token stands for it), or before it if the
+    model stopped otherwise. Tool output is data (tools.result_ids); where not exact, Dropped."""
     try:
         before = render(tok, history, schemas)
         after = render(tok, history + tool_messages, schemas, generation_prompt=True)
@@ -2976,8 +2974,8 @@ def tool_result_ids(tok, history, tool_messages, schemas, turn_ends, stopped=Tru
 
 
 def stop_token_ids(tok, model_path=None):
-    """Every token that ends a generation: the tokenizer's eos and pad, and the checkpoint's generation
-    config's eos list (Llama 3: <|eot_id|> and <|eom_id|>; Qwen3: <|im_end|> and <|endoftext|>)."""
+    """Every token that ends a generation: the tokenizer's eos and pad, and the generation config's
+    eos list (Llama 3: <|eot_id|> and <|eom_id|>; Qwen3: <|im_end|> and <|endoftext|>)."""
     ids = {tok.eos_token_id, tok.pad_token_id}
     if model_path:
         from transformers import GenerationConfig
@@ -2990,9 +2988,9 @@ def stop_token_ids(tok, model_path=None):
 
 
 def prepare_chat_template(tok, args, schemas, stop_ids, model=None, environments=None):
-    """Check, before vLLM starts, that the chat template can do what the run needs; the training template
-    where the original is not prefix-preserving. Returns a line for the log. model: the checkpoint's path
-    (--model). environments: {name: class}: their tools rendered too, and a user turn if one answers."""
+    """Check, before vLLM starts, that the chat template can do what the run needs; the training
+    template where the original is not prefix-preserving. Returns a line for the log. model: the
+    checkpoint's path. environments: {name: class}: their tools rendered too."""
     model = model or args.model
     source = f"--chat-template {args.chat_template}" if args.chat_template else f"the template of {model}"
     if args.chat_template:
@@ -3044,16 +3042,16 @@ def prepare_chat_template(tok, args, schemas, stop_ids, model=None, environments
 
 
 def prefix_preserving(tok, schemas):
-    """True if rendering a conversation one message longer only appends tokens, as the tool loop needs:
-    it tokenises only what the template adds. Without tools, the probe's turns without them."""
+    """True if rendering a conversation one message longer only appends tokens, as the tool loop
+    needs (it tokenises only what the template adds). Without tools, the probe's turns without."""
     probe = PROBE if schemas else [m for m in PROBE if m["role"] != "tool" and not m.get("tool_calls")]
     renders = (tok.encode(render(tok, probe[:n], schemas), add_special_tokens=False) for n in range(1, len(probe) + 1))
     return all(longer[: len(shorter)] == shorter for shorter, longer in itertools.pairwise(renders))
 
 
 def training_template(template):
-    """Qwen3's template drops an assistant turn's think block once another message follows it (and
-    for turns before the last user message); this variant renders every turn the same way always."""
+    """Qwen3's template drops an assistant turn's think block once another message follows it;
+    this variant renders every turn the same way always."""
     patched = template.replace("{%- if loop.index0 > ns.last_query_index %}", "{%- if true %}")
     return patched.replace("{%- if loop.last or (not loop.last and reasoning_content) %}", "{%- if true %}")
 
@@ -3065,9 +3063,9 @@ def chat_format(tok, schemas, stop_ids):
       turn_ends  what it writes after an assistant turn, from its last stop token on ('<|im_end|>\\n'),
                  with that token's length: a generated stop token, whichever, stands for it
       max_calls  1 if it refuses several calls in one turn (Llama 3's templates), else None
-    and the round trip: the probe turns' calls, cut out of the render as the model would generate them,
-    must parse back equal, with their types. Raises ValueError saying what went wrong. Without schemas (an
-    environment that answers the model, no tools): turn_ends alone."""
+    and the round trip: the probe turns' calls, cut out of the render as the model would generate
+    them, must parse back equal, with their types. Raises ValueError saying what went wrong.
+    Without schemas (an environment that answers the model): turn_ends alone."""
     tools = bool(schemas)
     schemas = (schemas or []) + [ROUND_TRIP_TOOL] if tools else None
     user, stops = [{"role": "user", "content": "Use the tools."}], [tok.decode([i]) for i in stop_ids]
@@ -3140,8 +3138,8 @@ PROBE = [
 ]
 
 
-# A tool with every JSON type (a union; an argument called `name`), and calls to it (one and three a
-# turn) that the start-up check renders with the run's template and parses back: they must come back.
+# A tool with every JSON type (a union; an argument called `name`), and calls to it (one and three
+# a turn) that the start-up check renders with the run's template and parses back, equal.
 ROUND_TRIP_TOOL = {
     "type": "function",
     "function": {
@@ -3186,9 +3184,9 @@ ROUND_TRIP = [
 
 
 def parse_assistant(text, tok=None, prompt_ids=(), schemas_by_name=None, fmt="tagged", max_calls=None):
-    """Generated text -> {'role', 'content', 'reasoning_content' (if any), 'tool_calls', 'tool_call_errors'}:
-    well-formed calls in the OpenAI shape, and one message per call that did not parse (or that exceeds
-    max_calls, which the template could not render). Never raises."""
+    """Generated text -> {'role', 'content', 'reasoning_content' (if any), 'tool_calls',
+    'tool_call_errors'}: well-formed calls in the OpenAI shape, and one message per call that did
+    not parse (or past max_calls, which the template cannot render). Never raises."""
     schemas_by_name = schemas_by_name or {}
     message = {"role": "assistant", "content": "", "tool_calls": [], "tool_call_errors": []}
     try:
@@ -3238,19 +3236,19 @@ def parse_assistant(text, tok=None, prompt_ids=(), schemas_by_name=None, fmt="ta
 
 
 def remove_think(text, opened):
-    """(reasoning or None, the rest). A think block is one the prompt opened (`opened`) or one the turn opens
-    at its start; a '</think>' anywhere else is text."""
+    """(reasoning or None, the rest). A think block is one the prompt opened (`opened`) or the
+    turn opens at its start; a '</think>' anywhere else is text."""
     if not opened and not text.lstrip().startswith("<think>"):
         return None, text
     reasoning, closed, rest = (text if opened else text.lstrip()[len("<think>") :]).partition("</think>")
     return reasoning.strip(), rest if closed else ""
 
 
-# Parsing is input validation: a model under RL writes anything. Nothing here raises; every call that does not
-# parse becomes an error message the model sees, and everything else is content. The parser of each format
+# Parsing is input validation: a model under RL writes anything. Nothing here raises; a call that
+# does not parse becomes an error message the model sees, the rest is content. Each format's parser
 # (parse_tagged, parse_mistral, parse_bare_json) returns (content, decoded calls with their text, errors).
 def parse_call(call):
-    """A decoded call {'name', 'arguments' or 'parameters'} -> OpenAI's shape; raises (mostly ValueError)."""
+    """A decoded call {'name', 'arguments' or 'parameters'} -> OpenAI's shape; raises."""
     if not isinstance(call, dict) or not isinstance(call.get("name"), str) or not call["name"]:
         raise ValueError("a call needs a string 'name'")
     arguments = call.get("arguments", call.get("parameters", {}))
@@ -3266,16 +3264,16 @@ def parse_call(call):
         if depth > MAX_ARGUMENT_DEPTH:
             raise ValueError(f"arguments nested deeper than {MAX_ARGUMENT_DEPTH} levels")
         if isinstance(item, str):
-            # a lone surrogate ("\\ud800") is JSON but not text: a tokenizer would refuse the result
+            # a lone surrogate ("\\ud800") is JSON but not text: a tokenizer would refuse it
             item.encode()
         elif isinstance(item, (dict, list)):
             stack += [(x, depth + 1) for x in (list(item) + list(item.values()) if isinstance(item, dict) else item)]
     return _call(call["name"], arguments)
 
 
-# An XML value may hold the format's own tags (a file with tool calls in it). A real </parameter> is followed
-# by <parameter= or by </function></tool_call> (or the turn's end) and no closing tag before the next
-# <tool_call> (CLEAN; else it is text).
+# An XML value may hold the format's own tags (a file with tool calls in it). A real </parameter> is
+# followed by <parameter= or </function></tool_call> (or the turn's end) and no closing tag before
+# the next <tool_call> (CLEAN; else it is text).
 CLEAN = r"(?=(?:(?!</?tool_call>|</function>|</parameter>)[\s\S])*(?:<tool_call>|\Z))"
 
 
@@ -3305,9 +3303,9 @@ MISTRAL_NAME = re.compile(r"\s*([^\[\]\s]+)(?:\[CALL_ID\][^\[]*)?\[ARGS\]")
 
 
 def xml_value_end(text, pos):
-    """(the </parameter> that ends the value at text[pos:], whether the value's tags balance): the first
-    real one (XML_CLOSE) that closes no <parameter=...> the value opened, so that calls quoted whole in a
-    value stay in it; else the first real one (None if none)."""
+    """(the </parameter> that ends the value at text[pos:], whether the value's tags balance): the
+    first real one (XML_CLOSE) closing no <parameter=...> the value opened (calls quoted whole in a
+    value stay in it); else the first real one (None if none)."""
     depth, first = 0, None
     for tag in XML_TAGS.finditer(text, pos):
         if tag.group() == "</parameter>" and XML_CLOSE.match(text, tag.start()):
@@ -3321,9 +3319,9 @@ def xml_value_end(text, pos):
 
 def parse_xml_call(text, start, schemas_by_name):
     """<function=NAME> <parameter=KEY>VALUE</parameter>... </function> at text[start:] (Qwen3.5,
-    Qwen3-Coder) -> ({'name', 'arguments'}, end). Raises ValueError(message, how far the call reaches), also
-    where a value holds a <parameter=KEY> not yet given, or an unbalanced </tool_call> that could end the
-    call: a </parameter> missing before it, or text; the parser does not guess which."""
+    Qwen3-Coder) -> ({'name', 'arguments'}, end). Raises ValueError(message, how far the call
+    reaches), also where a value holds a <parameter=KEY> not yet given, or an unbalanced
+    </tool_call> (a </parameter> missing before it, or text: the parser does not guess)."""
     head = XML_FUNCTION.match(text, start)
     if not head:
         raise ValueError("expected <function=NAME>", start)
@@ -3342,7 +3340,7 @@ def parse_xml_call(text, start, schemas_by_name):
             # no value begins before the next call: this one ends here
             if not value or 0 <= opening < value.start():
                 raise ValueError(error, pos)
-            # read on from the next value: a call inside it is text, not a call to run
+            # read on from the next value: a call inside it is text
             pos = value.start()
             continue
         key = param.group(1)
@@ -3369,9 +3367,9 @@ def parse_xml_call(text, start, schemas_by_name):
 
 
 def parse_tagged(text, schemas_by_name):
-    """<tool_call>BODY</tool_call>, any number, BODY JSON (Qwen/Hermes) or XML. JSON is decoded from the
-    opening tag: a '</tool_call>' in a string does not end the call. A call that does not parse ends at its
-    closing tag or the next opening one (not one in its JSON strings or XML values), never swallowing it."""
+    """<tool_call>BODY</tool_call>, any number, BODY JSON (Qwen/Hermes) or XML. JSON is decoded from
+    the opening tag: a '</tool_call>' in a string does not end the call. A call that does not parse
+    ends at its closing tag or the next opening one (not one in its strings or values)."""
     content = []  # the text between the calls
     found = []
     errors = []
@@ -3401,8 +3399,8 @@ def parse_tagged(text, schemas_by_name):
 
 
 def parse_mistral(text):
-    """Content, then [TOOL_CALLS] followed by a JSON list of calls (Mistral v3) or by name[ARGS]{json} (v11;
-    an optional [CALL_ID]id), repeated."""
+    """Content, then [TOOL_CALLS] followed by a JSON list of calls (Mistral v3) or name[ARGS]{json}
+    (v11; an optional [CALL_ID]id), repeated."""
     start = text.find("[TOOL_CALLS]")
     if start < 0:
         return text, [], []
@@ -3433,8 +3431,9 @@ def parse_mistral(text):
 
 
 def parse_bare_json(text):
-    """Llama 3: the turn is the call, JSON {"name", "parameters"} (after <|python_tag|>), several separated
-    by ';'. A turn that starts otherwise is content; text after the calls is ignored, the model told so."""
+    """Llama 3: the turn is the call, JSON {"name", "parameters"} (after <|python_tag|>), several
+    separated by ';'. A turn that starts otherwise is content; text after the calls is ignored."""
+
     body = text.lstrip()
     tagged = body.startswith("<|python_tag|>")
     body = body.removeprefix("<|python_tag|>").lstrip()
