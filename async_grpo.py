@@ -53,7 +53,7 @@ import torch.utils.checkpoint
 import data as data_module
 import mfu
 from models import decoder_layers, dequantise_gguf, load_policy, load_sharded, with_lora
-from models import logprobs_refused, packed_segments, segments_refused, shared_rows_mask, sharing_refused
+from models import choose_layout, logprobs_refused, packed_segments, segments_refused, shared_rows_mask
 from output_layer import chunked_logprobs, sampler_logprobs
 import rewards as rewards_module
 import tiny_model
@@ -1363,7 +1363,10 @@ def load_policy_and_optimizer(run):
     # a LoRA checkpoint holds merged weights (vLLM's): the adapter goes on the initial model
     resumed_lora = args.lora_rank and run.resumed
     model = load_checked(run, run.initial_model if resumed_lora else run.model_path)
-    run.layout = choose_layout(run, model)
+    prompts = [len(ids) for ids in run.ctx.prompt_ids.values()]
+    run.layout, run.layout_reasons = choose_layout(
+        model, args, run.device, prompts=prompts, logprobs=probe_logprobs, verbose=run.is_main
+    )
     if args.gradient_checkpointing:
         model.gradient_checkpointing_enable()
     check_prompts_fit(run, model)
@@ -2325,37 +2328,6 @@ def forward_scale(logits, raw):
     `logits` (Granite's 1 / logits_scaling, Cohere's logit_scale, ...); logprobs_refused checks."""
     fit = (logits.double() * raw).sum() / (raw.double() ** 2).sum().clamp_min(1e-300)
     return fit.float()
-
-
-def choose_layout(run, model):
-    """collate's rows (Run.layout): a prompt once (--share-prefix), packed where the varlen kernel
-    runs, if the model takes them; the reasons in run.layout_reasons (summary.json)."""
-    args = run.args
-    config = model.config.get_text_config()
-    why = {"share": None if args.share_prefix else "--no-share-prefix"}
-    why["share"] = why["share"] or sharing_refused(model, probe_logprobs)
-    why["packed"] = why["share"] and "no shared rows"
-    if run.device.type != "cuda" or torch.cuda.get_device_capability(run.device) < (8, 0):
-        why["packed"] = why["packed"] or "no varlen flash kernel on this device (CUDA, compute capability 8+)"
-    if getattr(config, "attn_logit_softcapping", None):
-        why["packed"] = why["packed"] or "attention softcapping"
-    refused = not why["packed"] and segments_refused(model, probe_logprobs)
-    if refused and run.is_main:
-        print(f"packed rows are off for {config.model_type}: {refused}; a mask instead", flush=True)
-    why["packed"] = why["packed"] or refused
-    if args.share_prefix and why["share"] and run.is_main:
-        prompt = np.mean([len(ids) for ids in run.ctx.prompt_ids.values()])
-        group = args.num_generations
-        # a group's tokens forwarded whole against shared, at completions of --max-tokens
-        more = group * (prompt + args.max_tokens) / (prompt + group * args.max_tokens)
-        print(
-            f"--share-prefix is off for {run.model_path}: {why['share']}; every sequence is forwarded whole: "
-            f"~{more:.1f} times the tokens (a prompt of {prompt:.0f} tokens {group} times a group, completions of up "
-            f"to {args.max_tokens})",
-            flush=True,
-        )
-    run.layout_reasons = {k: why[k] or "on" for k in why}
-    return {"share": not why["share"], "packed": not why["packed"]}
 
 
 def probe_logprobs(model, samples, **layout):

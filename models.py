@@ -403,3 +403,36 @@ def segments_refused(model, logprobs):
     if why or config._attn_implementation != "segments":
         model.set_attn_implementation(before)
     return why or (config._attn_implementation != "segments" and "no attention function")
+
+
+def choose_layout(model, args, device, prompts, logprobs, verbose=True):
+    """async_grpo.py's collate rows (its Run.layout) and why each is
+    on or off (summary.json): a prompt once (--share-prefix), packed
+    where the varlen kernel runs, if the model takes them. prompts:
+    the prompts' lengths, for what a refused sharing costs."""
+    config = model.config.get_text_config()
+    why = {"share": None if args.share_prefix else "--no-share-prefix"}
+    why["share"] = why["share"] or sharing_refused(model, logprobs)
+    why["packed"] = why["share"] and "no shared rows"
+    if device.type != "cuda" or torch.cuda.get_device_capability(device) < (8, 0):
+        why["packed"] = why["packed"] or "no varlen flash kernel on this device (CUDA, compute capability 8+)"
+    if getattr(config, "attn_logit_softcapping", None):
+        why["packed"] = why["packed"] or "attention softcapping"
+    refused = not why["packed"] and segments_refused(model, logprobs)
+    if refused and verbose:
+        print(f"packed rows are off for {config.model_type}: {refused}; a mask instead", flush=True)
+    why["packed"] = why["packed"] or refused
+    if args.share_prefix and why["share"] and verbose:
+        prompt = sum(prompts) / len(prompts)
+        group = args.num_generations
+        # a group's tokens forwarded whole against shared, at
+        # completions of --max-tokens
+        more = group * (prompt + args.max_tokens) / (prompt + group * args.max_tokens)
+        print(
+            f"--share-prefix is off for {config.model_type}: {why['share']}; every sequence is forwarded "
+            f"whole: ~{more:.1f} times the tokens (a prompt of {prompt:.0f} tokens {group} times a group, "
+            f"completions of up to {args.max_tokens})",
+            flush=True,
+        )
+    layout = {"share": not why["share"], "packed": not why["packed"]}
+    return layout, {k: why[k] or "on" for k in why}

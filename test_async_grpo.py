@@ -7523,7 +7523,7 @@ def test_every_trainer_path_of_each_architecture_is_its_own_logits(name):
     weights = torch.randn(len(samples), 11, generator=torch.Generator().manual_seed(1))
     assert ag.logprobs_refused(model, ag.probe_logprobs) is None
     # then a run forwards every sequence in a row of its own
-    refused = ag.sharing_refused(model, ag.probe_logprobs)
+    refused = models.sharing_refused(model, ag.probe_logprobs)
     assert (refused is None) == (name not in SHARING_REFUSED), refused
     vocab = model.config.vocab_size
     # every setting sampler_logprobs takes: temperature, min-p, top-k, top-p, stop ids
@@ -8576,9 +8576,9 @@ def test_the_probes_refuse_recurrent_layers_an_unread_mask_and_a_transform_after
     unread = ag.load_policy(tiny_model)
     unread.set_attn_implementation("mask_ignored")
     refused = {
-        "Qwen3.5 linear attention": (ag.sharing_refused, linear_attention_model()),
-        "FalconH1 Mamba-2 layers": (ag.sharing_refused, tiny.tiny_architecture("FalconH1ForCausalLM")),
-        "the mask unread": (ag.sharing_refused, unread),
+        "Qwen3.5 linear attention": (models.sharing_refused, linear_attention_model()),
+        "FalconH1 Mamba-2 layers": (models.sharing_refused, tiny.tiny_architecture("FalconH1ForCausalLM")),
+        "the mask unread": (models.sharing_refused, unread),
         "a bias after the head": (ag.logprobs_refused, plant_logit_bias(ag.load_policy(tiny_model))),
     }
     for label, (probe, model) in refused.items():
@@ -8587,7 +8587,7 @@ def test_the_probes_refuse_recurrent_layers_an_unread_mask_and_a_transform_after
         assert verdict and verdict.startswith(what) and gap > models.PROBE_MARGIN * rounding, (label, verdict)
         assert f"{gap / rounding:.0f} times the rounding measured beside it" in verdict
     # the leak is seen first, where rounding cancels: a completion beside another whose tokens changed
-    assert "move with another's tokens" in ag.sharing_refused(unread, ag.probe_logprobs)
+    assert "move with another's tokens" in models.sharing_refused(unread, ag.probe_logprobs)
 
 
 @pytest.mark.parametrize("name", sorted(set(tiny.ARCHITECTURES) - {"FalconH1ForCausalLM"}))
@@ -8601,7 +8601,7 @@ def test_the_probes_pass_every_family_in_fp32_and_bf16_at_one_and_two_threads(na
         for dtype, n in itertools.product((torch.float32, torch.bfloat16), (1, 2)):
             torch.set_num_threads(n)
             model = model.to(dtype)
-            for probe in (ag.sharing_refused, ag.logprobs_refused):
+            for probe in (models.sharing_refused, ag.logprobs_refused):
                 verdict, _ = probe_figures(probe, model, f"{name} {dtype} {n} threads {probe.__name__}")
                 assert verdict is None, verdict
     finally:
@@ -8619,30 +8619,26 @@ def test_the_probes_pass_smollm2_and_a_layout_turned_off_says_what_it_costs(tiny
         for dtype, n in itertools.product((torch.float32, torch.bfloat16), (1, 2)):
             torch.set_num_threads(n)
             model = model.to(dtype)
-            for probe in (ag.sharing_refused, ag.logprobs_refused):
+            for probe in (models.sharing_refused, ag.logprobs_refused):
                 assert probe_figures(probe, model, f"SmolLM2 {dtype} {n} threads {probe.__name__}")[0] is None
     finally:
         torch.set_num_threads(threads)
-    run = ag.Run(
-        ag.parse_args(["--output-dir", str(tmp_path)]),
-        0,
-        1,
-        torch.device("cpu"),
-        tmp_path,
-        "a model",
-    )
+    args = ag.parse_args(["--output-dir", str(tmp_path)])
     # prompts of 40 tokens, 8 a group, completions of --max-tokens 48: 8 x 88 tokens whole against 40 + 8 x 48
-    run.ctx = argparse.Namespace(prompt_ids={i: [1] * 40 for i in range(3)})
-    assert ag.choose_layout(run, ag.load_policy(tiny_model)) == {"share": True, "packed": False}
-    assert run.layout_reasons["share"] == "on" and "no varlen flash kernel" in run.layout_reasons["packed"]
+    layout = {"device": torch.device("cpu"), "prompts": [40] * 3, "logprobs": ag.probe_logprobs}
+    chosen, reasons = models.choose_layout(ag.load_policy(tiny_model), args, **layout)
+    assert chosen == {"share": True, "packed": False}
+    assert reasons["share"] == "on" and "no varlen flash kernel" in reasons["packed"]
     # the probes' figures to the terminal
     with capsys.disabled():
         print(capsys.readouterr().out)
-    assert ag.choose_layout(run, linear_attention_model()) == {"share": False, "packed": False}
+    model = linear_attention_model()
+    chosen, reasons = models.choose_layout(model, args, **layout)
+    assert chosen == {"share": False, "packed": False}
     said = capsys.readouterr().out
-    assert said.startswith(f"--share-prefix is off for a model: {run.layout_reasons['share']}; every sequence")
+    assert said.startswith(f"--share-prefix is off for {model.config.model_type}: {reasons['share']}; every sequence")
     assert "~1.7 times the tokens (a prompt of 40 tokens 8 times a group, completions of up to 48)" in said
-    assert run.layout_reasons["packed"] == "no shared rows"
+    assert reasons["packed"] == "no shared rows"
 
 
 @pytest.mark.parametrize("family", ["mistral", "qwen2", "gemma3"])
@@ -8653,7 +8649,7 @@ def test_a_sliding_window_goes_in_the_mask_shared_or_not(family):
     Gemma3: some layers), random weights, a window of 4, sequences of 6 to 13 tokens: shared rows and a row
     each give the log-probs of the model's own forward, which applies its window."""
     model = small_model(family, window=4).eval()
-    assert ag.sharing_refused(model, ag.probe_logprobs) is None
+    assert models.sharing_refused(model, ag.probe_logprobs) is None
     samples = [
         {"ids": [1, 2, 3, 4, 5] + c, "n_prompt": 5, "mask": [1] * len(c), "logprobs": [0.0] * len(c), "advantage": 0.0}
         for c in ([6, 7, 8, 9, 10, 11, 12, 13], [14, 15, 16], [17])
