@@ -25,7 +25,8 @@ The file reads in the order a reader needs it: the algorithm (the rollout and it
 and advantages, the producer and its staleness gate, the loss, the training step, the weight sync),
 the run's phases (main, and what it calls in order), then the machinery, in sections named as such.
 Beside it: tools.py (tools, environments, a call's arguments), rewards.py (rewards, tasks), data.py (rows),
-models.py (loading the policy, the start-up probes, packed attention), output_layer.py (log-probs in
+models.py (loading the policy, the start-up probes and layout, packed attention), output_layer.py (log-probs in
+
 chunks), tiny_model.py (the built-in model), vllm_server.py (the servers, the device plan, the sync
 group and its receiving end), sandbox.py (the interpreter's sandbox), mfu.py (a step's FLOPs).
 `# FORK:` marks where a forker edits (README.md lists them)."""
@@ -376,12 +377,12 @@ class PolicyVersion:
 
 
 async def score_group(samples, row, reward_weights, environments=None):
-    """Weighted sum of the reward functions over one group; also returns each function's values."""
+    """Weighted sum of the reward functions over one group, and each function's values."""
     G = len(samples)
     kwargs = {k: [v] * G for k, v in row.items() if k not in ("prompt", "id")}
     kwargs.update(
         prompts=[row["prompt"]] * G,
-        completions=[s["messages"] for s in samples],  # the rollout's fields (data.ROLLOUT_FIELDS)
+        completions=[s["messages"] for s in samples],  # data.ROLLOUT_FIELDS
         completion_ids=[s["ids"][s["n_prompt"] :] for s in samples],
         environments=environments or [None] * G,
         **{k: [s[k] for s in samples] for k in ("tool_calls", "tool_failures", "truncated")},
@@ -391,7 +392,7 @@ async def score_group(samples, row, reward_weights, environments=None):
         for name, weight in reward_weights.items():
             fn = rewards_module.REWARDS[name]
             values = await fn(**kwargs) if inspect.iscoroutinefunction(fn) else await asyncio.to_thread(fn, **kwargs)
-            # None becomes NaN, which would poison the whole update
+            # None becomes NaN, which would poison the update
             parts[name] = np.asarray(values, dtype=np.float64)
             if parts[name].shape != (G,) or not np.isfinite(parts[name]).all():
                 raise ValueError(f"reward {name} returned {str(values)[:200]} for {G} rollouts: a finite number each")
@@ -402,7 +403,7 @@ async def score_group(samples, row, reward_weights, environments=None):
     return total, parts
 
 
-# FORK: change the advantages (a group's rewards in, one number per rollout out; the loss weighs its tokens by it)
+# FORK: change the advantages (a group's rewards in, one number per rollout out, weighing its tokens)
 def group_advantages(rewards, scale=True, eps=1e-4):
     """GRPO: each rollout's reward relative to its group, in units of its spread (scale) or raw (Dr.
     GRPO: the spread over-weights groups nearly all right or wrong); all equal: zero, no signal."""
@@ -1222,7 +1223,7 @@ class Run:
     device: torch.device
     out_dir: Path
     model_path: str = None  # what vLLM serves and the trainer loads: --model, the built-in one, or a checkpoint
-    initial_model: str = None  # the reference policy of --beta
+    initial_model: str = None  # --beta's reference policy
     resumed: dict = None  # the trainer state --resume continues from
     tok: object = None
     pad_id: int = 0
@@ -1237,7 +1238,7 @@ class Run:
     scheduler: object = None
     start_step: int = 0
     servers: list = field(default_factory=list)  # the vLLM servers started here
-    urls: list = field(default_factory=list)  # every server's, started here or --vllm-url; watched
+    urls: list = field(default_factory=list)  # every server's, started here or --vllm-url
     server_failure: str = None  # why a server failed, from watch_servers
     # collate's rows: a group's prompt once (share: --share-prefix, unless the model refuses it),
     # packed where a varlen kernel runs (choose_layout)
@@ -1252,8 +1253,8 @@ class Run:
     share_core: object = contextlib.nullcontext  # around a training step: share_idle_core on CPU
     logs: dict = field(default_factory=dict)  # metrics.jsonl, rollouts.jsonl, the wandb run
     stop: list = field(default_factory=list)  # a signal asked to stop after this step
-    unlogged: object = None  # the last trained step's PendingLine, until log_step writes its line
-    updating: bool = False  # mid-update: the weights may be half-changed, so they are not saved
+    unlogged: object = None  # the last trained step's PendingLine, until log_step writes it
+    updating: bool = False  # mid-update: the weights may be half-changed, not to be saved
     completed: int = 0  # steps finished
     done_cursor: dict = None  # the data cursor as of the last finished step: what a checkpoint saves
     history: list = field(default_factory=list)
@@ -1534,7 +1535,7 @@ def start_sync(run):
     args = run.args
     adapter = args.lora_sync == SyncPart.ADAPTER
     run.version = PolicyVersion(args.max_inflight)
-    # the watchdog's finding, read at each sync: a server that fails mid-sync is named
+    # the watchdog's finding, read at each sync: names a server that fails mid-sync
     failure = functools.partial(getattr, run, "server_failure")
     run.sync = WeightSync(run.urls, args, run.served_dtype, run.version, failure, backend=run.sync_backend)
     # a server we did not start may hold other weights: all of them; --lora-sync adapter: and the
@@ -1546,8 +1547,8 @@ def start_sync(run):
     # fails on prompt log-probs)
     if not (args.fsdp or adapter):
         run.sync.check = weights_arrive(run.urls, args, run, collate, token_logprobs)
-    # the servers hold the weights of the step the run starts at (newer where a sync failed mid-way:
-    # a count saved with them would lag, and the gate would wait forever on --resume)
+    # the servers hold the weights of the step the run starts at (or newer, after a failed sync: a
+    # count saved with them would lag, and the gate would wait forever)
     run.version.value = version_at(run.start_step, args.sync_every)
 
 
@@ -1573,7 +1574,7 @@ def open_logs(run):
         # --resume: the steps after the checkpoint again
         cut_back(run.out_dir / f"{name}.jsonl", run.start_step)
         run.logs[name] = open(run.out_dir / f"{name}.jsonl", "a")
-    # every curve starts at the model as loaded: step 0
+    # every curve starts at step 0, the model as loaded
     if args.eval_every and not run.start_step:
         metrics = {"step": 0, "policy_version": 0, **evaluate(run)}
         write_metrics(run, metrics)
@@ -1831,7 +1832,7 @@ def evaluate(run):
             return {}
         results = future.result()
     finally:
-        # its rollouts end with it, on whatever error ended the wait
+        # its rollouts end with it, whatever ended the wait
         future.cancel()
     failed = [result for result in results if isinstance(result, str)]
     if failed:
@@ -1926,7 +1927,7 @@ def save_after_error(run, error):
 
 
 def tear_down(run, handlers):
-    # Signals ignored: one here would skip the rest, and the exit would wait for every tool thread
+    # Signals ignored: one here would skip the rest, and the exit wait for every tool thread
     for sig in handlers:
         signal.signal(sig, signal.SIG_IGN)
     error = sys.exc_info()[1]
@@ -1950,7 +1951,7 @@ def tear_down(run, handlers):
     # can deadlock (its gloo destructor joins a thread waiting for the GIL; seen on rank 1) and the
     # sync group's objects can abort the process ("terminate called without an active exception")
     if __name__ == "__main__":
-        # printed as the interpreter would; the run's own errors (SystemExit, a message) without traceback
+        # printed as the interpreter would; the run's own errors (SystemExit) without traceback
         if isinstance(error, SystemExit):
             print(error, file=sys.stderr)
         elif error is not None:
@@ -2002,7 +2003,8 @@ def checkpoint(run, step):
             },
             tmp / "trainer_state.pt",
         )
-        # a save of this step cut off before its link swap
+        # a save of this step cut off before its swap
+
         shutil.rmtree(run.out_dir / name, ignore_errors=True)
         os.replace(tmp, run.out_dir / name)
         (run.out_dir / "checkpoint.tmp").unlink(missing_ok=True)
@@ -3404,7 +3406,7 @@ def parse_mistral(text):
 
 def parse_bare_json(text):
     """Llama 3: the turn is the call, JSON {"name", "parameters"} (after <|python_tag|>), several
-    separated by ';'. A turn that starts otherwise is content; text after the calls is ignored."""
+    separated by ';'. A turn that starts otherwise is content; text after the calls is an error."""
 
     body = text.lstrip()
     tagged = body.startswith("<|python_tag|>")
