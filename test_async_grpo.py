@@ -7737,6 +7737,59 @@ def test_each_served_architecture_syncs_changed_weights_exactly_with_and_without
     check_vllm_matches(server, tok, lora)
 
 
+# the families vLLM 0.32 would not serve as transformers 5 computes them: refused before a server starts
+# (vllm_server.family_refused), each with what the table's cell says
+REFUSED_AT_START = {
+    "StableLmForCausalLM": "no per-head QK norms",
+    "Qwen2ForCausalLM": "a sliding window on every layer or on none",
+    "FalconH1ForCausalLM": "only with chunked prefill",
+}
+
+
+def test_a_family_vllm_does_not_serve_as_trained_is_refused_before_its_server_starts(tiny_model, tmp_path):
+    """A run of each family in REFUSED_AT_START stops before vLLM starts (no server log), with one line that
+    names the checkpoint, the family and what vLLM 0.32 does otherwise; the tiny checkpoints' own quirks
+    (StableLM's qk_layernorm, Qwen2's window on one layer of two, FalconH1 on a CPU server) are why."""
+    for name, why in REFUSED_AT_START.items():
+        path = tiny.save_tiny_architecture(name, CACHE, tiny_model)
+        out = tmp_path / name
+        with pytest.raises(SystemExit) as stopped:
+            ag.main(["--cache-dir", CACHE, "--model", path, "--output-dir", str(out), "--steps", "1"])
+        message = str(stopped.value.code)
+        assert len(message.splitlines()) == 1, message
+        assert message.startswith(f"--model {path}: {name}: vLLM 0.32") and why in message, message
+        assert not list(out.glob("vllm*"))
+    granite = tiny.save_tiny_architecture("GraniteForCausalLM", CACHE, tiny_model)
+    args = argparse.Namespace(plan={"cpu_server": True})
+    assert vllm_server.family_refused(vllm_server.checkpoint_config(granite), args) is None
+
+
+def test_gemma2s_attention_softcapping_is_in_the_trainers_log_probs():
+    """torch's SDPA has no softcapping, and transformers 5 drops Gemma 2's attention softcapping there without
+    a word: the trainer computed another model than the one vLLM serves (a merged LoRA adapter 0.081 apart,
+    SERVED_MATRIX's Gemma 2 cell before). load_policy gives such a model eager attention: with queries large
+    enough for the cap to bite, the trainer's log-probs change when it is taken off."""
+    path = tiny.save_tiny_architecture("Gemma2ForCausalLM", CACHE, tiny.build(CACHE))
+    model = ag.load_policy(path)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.q_proj.weight.mul_(8)
+            layer.self_attn.k_proj.weight.mul_(8)
+    samples = vllm_server.fixed_samples(512)
+    batch = ag.collate(samples, 0, torch.device("cpu"))
+
+    def logprobs():
+        with torch.no_grad():
+            return ag.token_logprobs(model, batch)[0]
+
+    capped = logprobs()
+    for layer in model.model.layers:
+        layer.self_attn.attn_logit_softcapping = None
+    gap = (logprobs() - capped).abs().mean().item()
+    print(f"Gemma 2's attention softcapping moves the trainer's log-probs by {gap:.3g} (mean)")
+    assert gap > 1e-3
+
+
 def architecture_table():
     """docs/architectures.md's table, from what the tests above check (tiny.ARCHITECTURES, SHARING_REFUSED,
     PACKED_REFUSED, SERVED_IN_SUITE, SERVED_MATRIX)."""
