@@ -440,10 +440,11 @@ def family_refused(config, args, context):
             f"vLLM 0.32 takes a sliding window on every layer or on none, and this checkpoint has one on "
             f"{windowed} of {len(layers)} (max_window_layers {text.max_window_layers})"
         )
-    elif family == "FalconH1ForCausalLM" and args.plan["cpu_server"]:
+    # (a --vllm-url server may have chunked prefill on, and take unseeded requests)
+    elif family == "FalconH1ForCausalLM" and args.plan["cpu_server"] and not args.vllm_url:
         why = (
-            "vLLM 0.32 serves its Mamba-2 layers only with chunked prefill, which a CPU server runs without "
-            "(seeded requests crash it there); serve it on a GPU"
+            "vLLM 0.32 serves its Mamba-2 layers only with chunked prefill, which a CPU server started here is "
+            "without (seeded requests crash it there); serve it on a GPU"
         )
     else:
         return None
