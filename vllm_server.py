@@ -412,6 +412,11 @@ def family_flags(config):
     return ["--hf-overrides", json.dumps(missing)] if missing else []
 
 
+# the head sizes of vLLM 0.32's multi-head latent attention (MLACommonBackend.get_supported_head_sizes): the
+# latent and rotary parts of DeepSeek-V3's keys (576 in its checkpoints)
+MLA_LATENTS = (320, 512, 576)
+
+
 def family_refused(config, args, context):
     """Why a server of vLLM 0.32 would not sample from the model the trainer computes (transformers 5's) for
     this checkpoint, in sequences of up to `context` tokens, in one line naming the family, or None. Checked
@@ -424,6 +429,7 @@ def family_refused(config, args, context):
     text = config.get_text_config()
     layers = getattr(text, "layer_types", None) or []
     window = getattr(text, "sliding_window", None)
+    latent = getattr(text, "kv_lora_rank", 0) and text.kv_lora_rank + text.qk_rope_head_dim
     # vLLM's Cohere 2 gives its sliding layers window + 1 tokens (its comment: "to match the training
     # convention"), transformers 5 (the trainer) window tokens: they differ from the window's first token on
     if family == "Cohere2ForCausalLM" and "sliding_attention" in layers and context > window:
@@ -431,6 +437,11 @@ def family_refused(config, args, context):
             f"vLLM 0.32's sliding layers attend to {window + 1} tokens, transformers 5's (the trainer's) to "
             f"{window} (sliding_window): sequences past {window} tokens would be sampled from another model "
             f"than the one trained; --max-model-len {window} at most"
+        )
+    elif latent and latent not in MLA_LATENTS:
+        why = (
+            f"vLLM 0.32's multi-head latent attention takes a latent of {', '.join(map(str, MLA_LATENTS))} "
+            f"(kv_lora_rank + qk_rope_head_dim), and this checkpoint's is {latent}: its engine dies at the first request"
         )
     elif family == "StableLmForCausalLM" and getattr(text, "qk_layernorm", False):
         why = "vLLM 0.32's StableLM has no per-head QK norms (qk_layernorm): it does not load the checkpoint"
