@@ -7624,18 +7624,16 @@ elif os.environ.get("ASYNC_GRPO_SERVED"):
 OK = ("✓", "✓", "✓")
 SERVED_MATRIX = {
     "Cohere2ForCausalLM": (
-        "✗ vLLM 0.32's sliding layers attend to sliding_window + 1 tokens, transformers 5's to sliding_window (fp32, "
-        "as loaded: mean gap 0.030; 1.5e-7 against the trainer given a window of 5); refused at start where a "
-        "sequence can pass the window (--max-model-len)",
+        "✗ vLLM 0.32's sliding layers attend to sliding_window + 1 tokens, transformers 5's to sliding_window (fp32: "
+        "mean gap 0.030; 1.5e-7 given a window of 5); refused at start past the window",
         "✗ the same",
         "refused before it (by itself: in bf16 a gap of 0.028 passes its bound at start, 64 eps = 0.5; fp32 stops "
         "there)",
     ),
     "CohereForCausalLM": OK,
     "DeepseekV3ForCausalLM": (
-        "not served here: vLLM 0.32's latent attention takes a latent of 320, 512 or 576, the tiny checkpoint's is 96 "
-        "(its engine died at the first request); refused at start. It loads now (before: KeyError "
-        "'layers.1.mlp.gate.e_score_correction_bias', its routing unnamed in transformers 5's config: family_flags)",
+        "not served here: vLLM 0.32's latent attention takes a latent of 320, 512 or 576, the tiny one's is 96; "
+        "refused at start (it loads now: family_flags names its routing)",
         "not served",
         "not served",
     ),
@@ -7653,8 +7651,8 @@ SERVED_MATRIX = {
     "GraniteForCausalLM": OK,
     "GraniteMoeForCausalLM": (
         "✓",
-        "✓ log-probs (mean gap 0.015, rounding 0.015); ✗ greedy: one token of 48 1.26 behind in bf16 (its bound 0.1; "
-        "the trainer's own bf16 is up to 0.35 off its fp32 on a token; cause not established)",
+        "✓ log-probs (mean gap 0.015, rounding 0.015); ✗ greedy: a token 1.26 behind in bf16 (its bound 0.1; cause "
+        "not established)",
         "✓",
     ),
     "HyperCLOVAXForCausalLM": OK,
