@@ -29,11 +29,17 @@ def load_policy(path, empty=False):
 
     config = AutoConfig.from_pretrained(path)
     kind = AutoModelForImageTextToText if hasattr(config, "vision_config") else AutoModelForCausalLM
+    attention = {}
+    # torch's SDPA has no softcapping: transformers 5 drops Gemma 2's
+    # attention softcapping there without a word, and vLLM applies it
+    # (a LoRA-moved tiny Gemma 2: 0.047 nats apart). Eager applies it.
+    if getattr(config.get_text_config(), "attn_logit_softcapping", None):
+        attention["attn_implementation"] = "eager"
     if empty:
         with torch.device("meta"):
-            model = kind.from_config(config, dtype=torch.float32)
+            model = kind.from_config(config, dtype=torch.float32, **attention)
     else:
-        model = kind.from_pretrained(path, dtype=torch.float32)
+        model = kind.from_pretrained(path, dtype=torch.float32, **attention)
     if kind is AutoModelForImageTextToText:
         language = (model.get_decoder(), model.get_output_embeddings())
         trained = {id(p) for m in language for p in m.parameters()}

@@ -248,6 +248,11 @@ def start_vllm(args, model_path, out_dir):
     """Start the `vllm serve` processes of the device plan (args.plan) with WeightSyncExtension as
     their workers', each on its share of --vllm-gpus or on the CPU, and wait until all are healthy.
     Returns the processes (.url, .log_path)."""
+    config = checkpoint_config(model_path)
+    context = args.max_model_len or getattr(config and config.get_text_config(), "max_position_embeddings", 0)
+    why = family_refused(config, args, context)
+    if why:
+        raise SystemExit(f"--model {model_path}: {why}")
     procs = []
     t0 = time.monotonic()
     try:
@@ -358,6 +363,7 @@ def server_command(args, model_path, port, share):
         cmd += ["--enable-lora"]
         if vllm_flag(args, "--max-lora-rank") is None:
             cmd += ["--max-lora-rank", str(max_lora_rank(args.lora_rank))]
+    cmd += family_flags(checkpoint_config(model_path))
     return cmd + shlex.split(args.vllm_args)
 
 
@@ -379,6 +385,81 @@ def cpu_server_flags(args):
         # so that it takes seeded requests: served_config
         flags += ["--no-enable-chunked-prefill"]
     return flags
+
+
+# --- Families vLLM 0.32 serves otherwise than transformers 5 computes them (docs/architectures.md) ---
+
+
+def checkpoint_config(model_path):
+    """The checkpoint's transformers config, or None (a GGUF file, a folder vLLM alone reads: vLLM says)."""
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(model_path)
+    except Exception:
+        return None
+
+
+def family_flags(config):
+    """The vLLM flags a family's checkpoint needs to be served as transformers 5 computes it. DeepSeek-V3 as
+    transformers 5 saves it names no topk_method nor scoring_func (transformers routes every DeepSeek-V3 by
+    sigmoid scores, chosen with e_score_correction_bias); vLLM 0.32 reads their absence as softmax routing
+    without that bias, and then fails to load the bias (KeyError 'layers.1.mlp.gate.e_score_correction_bias')."""
+    if config is None or config.model_type != "deepseek_v3":
+        return []
+    routing = {"topk_method": "noaux_tc", "scoring_func": "sigmoid"}
+    missing = {key: value for key, value in routing.items() if not hasattr(config, key)}
+    return ["--hf-overrides", json.dumps(missing)] if missing else []
+
+
+# the head sizes of vLLM 0.32's multi-head latent attention (MLACommonBackend.get_supported_head_sizes): the
+# latent and rotary parts of DeepSeek-V3's keys (576 in its checkpoints)
+MLA_LATENTS = (320, 512, 576)
+
+
+def family_refused(config, args, context):
+    """Why a server of vLLM 0.32 would not sample from the model the trainer computes (transformers 5's) for
+    this checkpoint, in sequences of up to `context` tokens, in one line naming the family, or None. Checked
+    before a server starts (it would fail to start with a traceback in its log, or serve another model than
+    the one trained) and on --vllm-url servers (weights_arrive). Each found on the family's tiny checkpoint
+    (test_async_grpo.py's SERVED_MATRIX)."""
+    if config is None:
+        return None
+    family = (getattr(config, "architectures", None) or [config.model_type])[0]
+    text = config.get_text_config()
+    layers = getattr(text, "layer_types", None) or []
+    window = getattr(text, "sliding_window", None)
+    latent = getattr(text, "kv_lora_rank", 0) and text.kv_lora_rank + text.qk_rope_head_dim
+    # vLLM's Cohere 2 gives its sliding layers window + 1 tokens (its comment: "to match the training
+    # convention"), transformers 5 (the trainer) window tokens: they differ from the window's first token on
+    if family == "Cohere2ForCausalLM" and "sliding_attention" in layers and context > window:
+        why = (
+            f"vLLM 0.32's sliding layers attend to {window + 1} tokens, transformers 5's (the trainer's) to "
+            f"{window} (sliding_window): sequences past {window} tokens would be sampled from another model "
+            f"than the one trained; --max-model-len {window} at most"
+        )
+    elif latent and latent not in MLA_LATENTS:
+        why = (
+            f"vLLM 0.32's multi-head latent attention takes a latent of {', '.join(map(str, MLA_LATENTS))} "
+            f"(kv_lora_rank + qk_rope_head_dim), and this checkpoint's is {latent}: its engine dies at the first request"
+        )
+    elif family == "StableLmForCausalLM" and getattr(text, "qk_layernorm", False):
+        why = "vLLM 0.32's StableLM has no per-head QK norms (qk_layernorm): it does not load the checkpoint"
+    elif family == "Qwen2ForCausalLM" and len(set(layers)) > 1 and text.max_window_layers != len(layers):
+        windowed = layers.count("sliding_attention")
+        why = (
+            f"vLLM 0.32 takes a sliding window on every layer or on none, and this checkpoint has one on "
+            f"{windowed} of {len(layers)} (max_window_layers {text.max_window_layers})"
+        )
+    # (a --vllm-url server may have chunked prefill on, and take unseeded requests)
+    elif family == "FalconH1ForCausalLM" and args.plan["cpu_server"] and not args.vllm_url:
+        why = (
+            "vLLM 0.32 serves its Mamba-2 layers only with chunked prefill, which a CPU server started here is "
+            "without (seeded requests crash it there); serve it on a GPU"
+        )
+    else:
+        return None
+    return f"{family}: {why}"
 
 
 def wait_healthy(procs, timeout, t0):
@@ -861,6 +942,11 @@ def weights_arrive(urls, args, run, collate, token_logprobs):
     Qwen3-MoE's experts on CPU 0.24 against 1e-7 (fp32), a doubled down_proj 0.79 against 7e-7
     (fp32). One request a server: a fraction of a second."""
     config = run.policy.config
+    # --vllm-url servers: what start_vllm refuses, for the sequences they take
+    context = min(http(f"{url}/v1/models")["data"][0]["max_model_len"] for url in urls)
+    why = family_refused(config, args, context)
+    if why:
+        raise NotArrived(why)
     samples = fixed_samples(min(len(run.tok), config.get_text_config().vocab_size))
     model_type = config.model_type
     dtype = run.served_dtype
