@@ -52,6 +52,7 @@ import torch.utils.checkpoint
 
 import data as data_module
 import mfu
+from compute import set_up_compute
 from models import decoder_layers, dequantise_gguf, load_policy, load_sharded, with_lora
 from models import logprobs_refused, segments_refused, sharing_refused
 from output_layer import chunked_logprobs, kept_threshold, sampler_logprobs
@@ -1364,8 +1365,8 @@ def load_policy_and_optimizer(run):
     resumed_lora = args.lora_rank and run.resumed
     model = load_checked(run, run.initial_model if resumed_lora else run.model_path)
     run.layout = choose_layout(run, model)
-    if args.gradient_checkpointing:
-        model.gradient_checkpointing_enable()
+    # after the probes (fp32, eager): --activation-checkpointing, --compile, --fsdp's bf16 on one GPU
+    model = set_up_compute(model, args, run.device)
     check_prompts_fit(run, model)
     if args.lora_rank:
         model = with_lora(model, args, run.resumed and Path(run.model_path) / "adapter")
@@ -1396,8 +1397,8 @@ def limit_memory(run):
 
 
 def load_on_device(run, path):
-    """The model at `path` on this rank's device: whole, or its shards (--fsdp)."""
-    if run.args.fsdp:
+    """The model at `path` on this rank's device: whole, or its shards (--fsdp, several ranks)."""
+    if run.args.fsdp and run.world_size > 1:
         return load_sharded(path, run.device)
     return load_policy(path).to(run.device)
 
@@ -1539,9 +1540,9 @@ def start_sync(run):
     if args.vllm_url or adapter:
         run.sync(run.policy, include_frozen=bool(args.vllm_url))
     # the servers' log-probs against the trainer's, now and at the first sync of moved weights; not under
-    # --fsdp (a forward takes every rank) nor --lora-sync adapter (vLLM 0.32's CPU LoRA kernel fails on
-    # prompt log-probs, and its engine dies)
-    if not (args.fsdp or adapter):
+    # --fsdp on several ranks (a forward takes every rank) nor --lora-sync adapter (vLLM 0.32's CPU LoRA
+    # kernel fails on prompt log-probs, and its engine dies)
+    if not ((args.fsdp and run.world_size > 1) or adapter):
         run.sync.check = weights_arrive(run.urls, args, run, collate, token_logprobs)
     # the servers hold the weights of the step the run starts at (newer, where a sync failed mid-way: a
     # count saved with them would lag, and the staleness gate would wait forever on --resume)
@@ -1935,7 +1936,8 @@ def tear_down(run, handlers):
     parts += [functools.partial(stop_vllm, server) for server in run.servers]
     if "wandb" in run.logs:
         parts.append(functools.partial(run.logs["wandb"].finish, exit_code=int(error is not None)))
-    if run.world_size > 1 and dist.is_initialized():
+    # --fsdp on one GPU made a group of one rank (compute.bf16_policy)
+    if dist.is_initialized():
         parts.append(dist.destroy_process_group)
     # one part's error does not skip the others
     for part in parts:
@@ -2588,18 +2590,25 @@ def parse_args(argv=None, world_size=1, cuda_count=None, local_ranks=None, heads
         type=int,
         default=32768,
         help="most tokens forwarded per micro-batch, padding included (a longer sequence goes alone): its "
-        "activations (--gradient-checkpointing: ~4 x hidden size x layers bytes a token) and a mask's size",
+        "activations (checkpointed whole: ~4 x hidden size x layers bytes a token) and a mask's size",
     )
     g.add_argument(
-        "--gradient-checkpointing",
+        "--activation-checkpointing",
+        choices=["full", "selective", "none"],
+        help="recompute a decoder layer's activations in backward: all, or the elementwise ops' (selective: "
+        "the matrix products' and attention's kept), to save memory (default: full with CUDA, else none)",
+    )
+    g.add_argument(
+        "--compile",
         action=argparse.BooleanOptionalAction,
-        help="recompute activations in backward to save memory (default: on with CUDA)",
+        help="torch.compile each decoder layer; a failed compile: one line, eager (default: on with CUDA)",
     )
     g.add_argument(
         "--fsdp",
         action="store_true",
-        help="shard weights, gradients and optimizer state over the torchrun "
-        "ranks (FSDP2, a unit per decoder layer) instead of a copy on each (DDP)",
+        help="shard weights, gradients and optimizer state over the torchrun ranks (FSDP2, a unit per "
+        "decoder layer) instead of a copy on each (DDP); on one GPU: bf16 compute over fp32 weights "
+        "(MixedPrecisionPolicy)",
     )
     g.add_argument(
         "--lora-rank",
@@ -2755,10 +2764,6 @@ def parse_args(argv=None, world_size=1, cuda_count=None, local_ranks=None, heads
             "whole weights); drop --fsdp (DDP: a copy on each rank) or train every weight, --lora-rank 0",
         ),
         (
-            args.fsdp and world_size < 2,
-            "--fsdp shards the model over torchrun's ranks: launch with torchrun --nproc-per-node N, N >= 2",
-        ),
-        (
             (args.lora_alpha is not None or args.lora_targets) and not args.lora_rank,
             "--lora-alpha and --lora-targets need --lora-rank R > 0",
         ),
@@ -2841,8 +2846,10 @@ def parse_args(argv=None, world_size=1, cuda_count=None, local_ranks=None, heads
     # the trainer ranks on this node
     local_ranks = local_ranks or int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
     args.plan = plan_devices(args, cuda_count, local_ranks, p.error, heads)
-    if args.gradient_checkpointing is None:
-        args.gradient_checkpointing = bool(cuda_count)
+    if args.fsdp and world_size < 2 and args.plan["trainer"] != "cuda":
+        p.error("--fsdp on one rank takes a GPU; on CPU launch with torchrun --nproc-per-node N, N >= 2")
+    args.activation_checkpointing = args.activation_checkpointing or ("full" if cuda_count else "none")
+    args.compile = bool(cuda_count) if args.compile is None else args.compile
     args.max_staleness = 0 if args.sync else args.max_staleness
     args.sync_bucket_bytes = int(args.sync_bucket_mb * 2**20)
     # The other ranks' bound in a collective while rank 0 alone starts vLLM, waits for data or syncs: twice

@@ -279,9 +279,7 @@ def shared_and_whole(model_path, samples, *flags, reference=None, packed=False):
                 "--share-prefix" if share else "--no-share-prefix",
             ]
         )
-        model = ag.load_policy(model_path)
-        if args.gradient_checkpointing:
-            model.gradient_checkpointing_enable()
+        model = ag.set_up_compute(ag.load_policy(model_path), args, torch.device("cpu"))
         segments_refused = ag.segments_refused(model, ag.probe_logprobs)
         layout = {"share": share, "packed": packed and share and not segments_refused}
         optimizer = GradientRecorder(model.parameters())
@@ -697,7 +695,7 @@ def test_the_one_gpu_memory_plan_holds_the_trainer_to_what_the_server_leaves_and
     with pytest.raises(SystemExit, match=r"needs 20\.2 GiB .*largest weight's 2\.3 GiB; 1\.20B parameters"):
         ag.memory_share(args, 24 * GiB, 1.2e9, 1.2e9, head)
     ag.memory_share(args, 24 * GiB, 0.9e9, 0.9e9, head)
-    unchecked = ag.parse_args(["--output-dir", "unused", "--no-gradient-checkpointing"], 1, 1, 1)
+    unchecked = ag.parse_args(["--output-dir", "unused", "--activation-checkpointing", "none"], 1, 1, 1)
     parts = vllm_server.trainer_bytes(unchecked, 1e9, 1e9, head)
     assert parts == {**vllm_server.trainer_bytes(args, 1e9, 1e9, head), "bf16 copies": 2e9}
     with pytest.raises(SystemExit, match=r"\(weights 3\.4 GiB, gradients and AdamW's moments 10\.1 GiB, bf16 copies"):
@@ -871,7 +869,7 @@ def test_the_one_gpu_sync_sends_every_bucket_to_a_receiver_on_the_same_device_ov
 
 @pytest.mark.parametrize(
     "lora",
-    [[], ["--lora-rank", "8", "--lr", "3e-3", "--gradient-checkpointing", "--tools", "--top-p", "0.9"]],
+    [[], ["--lora-rank", "8", "--lr", "3e-3", "--activation-checkpointing", "full", "--tools", "--top-p", "0.9"]],
     ids=["full", "lora"],
 )
 def test_torchrun_two_ranks_keep_equal_weights(server, tmp_path, lora):
@@ -8464,7 +8462,7 @@ def tool_rollout_samples(server, tool_args):
 
 @pytest.mark.parametrize(
     "flags",
-    [[], ["--top-p", "0.9"], ["--micro-batch-size", "4"], ["--gradient-checkpointing"], ["--beta", "0.1"]],
+    [[], ["--top-p", "0.9"], ["--micro-batch-size", "4"], ["--activation-checkpointing", "full"], ["--beta", "0.1"]],
     ids=["default", "top_p_0.9", "micro_batch_4_of_a_group_of_6", "gradient_checkpointing", "kl_to_the_reference"],
 )
 def test_shared_prefix_training_equals_forwarding_every_sequence_whole(server, tool_args, tiny_model, flags):
