@@ -58,6 +58,9 @@ def checkpoint_layer(layer, selective=False):
     def checkpointed(*args, **kwargs):
         if not (layer.training and torch.is_grad_enabled()):
             return forward(*args, **kwargs)
+        # the recompute would write a cache again (transformers' checkpointing drops it too)
+        if kwargs.get("past_key_values") is not None:
+            kwargs["past_key_values"] = None
         return checkpoint(forward, *args, use_reentrant=False, **(context if selective else {}), **kwargs)
 
     layer.forward = checkpointed
@@ -87,8 +90,10 @@ def eager_if_failed(layers, layer, compiled, *args, **kwargs):
     try:
         return compiled(*args, **kwargs)
     except torch._dynamo.exc.TorchDynamoException as e:
-        first = str(e).strip().splitlines()[0][:200] if str(e).strip() else ""
-        print(f"--compile: the decoder layers run eager: {type(e).__name__}: {first}", file=sys.stderr, flush=True)
+        # the compiler's own error, which torch.compile's wraps
+        cause = getattr(e, "inner_exception", None) or e
+        why = f"{type(cause).__name__}: {(str(cause).strip().splitlines() or [''])[0][:200]}"
+        print(f"--compile: the decoder layers run eager ({type(e).__name__}; {why})", file=sys.stderr, flush=True)
         for each in layers:
             each._compiled_call_impl = None
         return layer._call_impl(*args, **kwargs)
