@@ -1333,10 +1333,11 @@ CHECKPOINTING = ["full", "selective", "none"]
 
 
 def lever_gradients(flags, packed=False, backend=None, in_backward=None):
-    """The loss (log-probs, random weights) and every trained weight's gradient of small_model as a run
-    sets it up on CPU (set_up_compute after the probes, then with_lora), in fp32, shared or packed rows.
-    backend: the decoder layers compiled with it instead (compute.compile_layers); in_backward: a context
-    the backward runs in."""
+    """The loss (log-probs, random weights) and every trained weight's gradient
+    of small_model as a run sets it up on CPU (set_up_compute after the
+    probes, then with_lora), in fp32, shared or packed rows. backend: the
+    decoder layers compiled with it instead (compute.compile_layers);
+    in_backward: a context the backward runs in."""
     import compute
 
     args = ag.parse_args(["--output-dir", "unused", *flags])
@@ -1349,32 +1350,40 @@ def lever_gradients(flags, packed=False, backend=None, in_backward=None):
     if args.lora_rank:
         model = ag.with_lora(model, args)
     model.train()
-    samples = [
-        {"ids": p + c, "n_prompt": len(p), "mask": [1] * len(c), "logprobs": [0.0] * len(c), "advantage": 1.0}
-        for p, c in [([1, 2, 3, 4, 5], list(range(6, 20))), ([1, 2, 3, 4, 5], [31, 32, 33]), ([7, 8], [9, 10])]
-    ]
+    prompt = [1, 2, 3, 4, 5]
+    pairs = [(prompt, list(range(6, 20))), (prompt, [31, 32, 33]), ([7, 8], [9, 10])]
+    # two groups; every completion token sampled
+    samples = [models.probe_sample(p + c, len(p)) for p, c in pairs]
     batch = ag.collate(samples, 0, "cpu", config=model.config, packed=packed)
     logp = ag.token_logprobs(model, batch, top_p=0.9, served_dtype=torch.float32)[0]
-    weights = torch.randn(logp.shape, generator=torch.Generator().manual_seed(1)) * (batch["cols"] >= 0)
+    seeded = torch.Generator().manual_seed(1)
+    weights = torch.randn(logp.shape, generator=seeded) * (batch["cols"] >= 0)
     loss = (logp * weights).sum()
     with in_backward or contextlib.nullcontext():
         loss.backward()
-    return loss.item(), {name: p.grad for name, p in model.named_parameters() if p.requires_grad}
+    trained = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
+    return loss.item(), {name: p.grad for name, p in trained}
 
 
 @pytest.mark.parametrize("lora", [[], ["--lora-rank", "4"]], ids=["full", "lora"])
 @pytest.mark.parametrize("packed", [False, True], ids=["shared_rows", "packed"])
 def test_selective_and_no_activation_checkpointing_give_full_checkpointings_loss_and_gradient(packed, lora):
-    """--activation-checkpointing (compute.checkpoint_layer): selective (the products' and attention's
-    outputs kept, the rest recomputed) and none give what full gives, in fp32, on shared rows and packed
-    segments, full fine-tuning and LoRA; full is checkpointed (its backward recomputes the layers)."""
-    runs = {mode: lever_gradients(["--activation-checkpointing", mode, *lora], packed) for mode in CHECKPOINTING}
+    """--activation-checkpointing (compute.checkpoint_layer): selective (the
+    products' and attention's outputs kept, the rest recomputed) and none
+    give what full gives, in fp32, on shared rows and packed segments, full
+    fine-tuning and LoRA; full is checkpointed (its backward recomputes the
+    layers)."""
+    runs = {}
+    for mode in CHECKPOINTING:
+        flags = ["--activation-checkpointing", mode, *lora]
+        runs[mode] = lever_gradients(flags, packed)
     loss, grads = runs["full"]
     assert any(g.abs().max() > 0 for g in grads.values())
     for mode in ("selective", "none"):
         assert runs[mode][0] == pytest.approx(loss, rel=1e-6, abs=1e-6)
         for name, grad in grads.items():
-            torch.testing.assert_close(runs[mode][1][name], grad, rtol=1e-5, atol=1e-6, msg=f"{mode}: {name}")
+            got = runs[mode][1][name]
+            torch.testing.assert_close(got, grad, rtol=1e-5, atol=1e-6, msg=f"{mode}: {name}")
 
 
 class OpCounts(TorchDispatchMode):
@@ -1390,9 +1399,10 @@ class OpCounts(TorchDispatchMode):
 
 
 def test_checkpointing_recomputes_in_backward_and_selective_keeps_the_products():
-    """What each --activation-checkpointing mode recomputes, counted in the backward's ops: full
-    recomputes each layer's forward (its matrix products and attention too), selective only the
-    elementwise ops (the products' and attention's outputs kept: as many products as without
+    """What each --activation-checkpointing mode recomputes, counted in the
+    backward's ops: full recomputes each layer's forward (its matrix
+    products and attention too), selective only the elementwise ops (the
+    products' and attention's outputs kept: as many products as without
     checkpointing), none nothing."""
     counts = {}
     for mode in CHECKPOINTING:
@@ -1400,7 +1410,8 @@ def test_checkpointing_recomputes_in_backward_and_selective_keeps_the_products()
         lever_gradients(["--activation-checkpointing", mode], in_backward=counter)
         counts[mode] = counter.counts
     products = {mode: c["mm"] + c["addmm"] + c["bmm"] for mode, c in counts.items()}
-    attention = {mode: c["_scaled_dot_product_flash_attention_for_cpu"] for mode, c in counts.items()}
+    sdpa = "_scaled_dot_product_flash_attention_for_cpu"
+    attention = {mode: c[sdpa] for mode, c in counts.items()}
     assert products["full"] > products["selective"] == products["none"] > 0, products
     assert attention["full"] > attention["selective"] == attention["none"] == 0, attention
     elementwise = {mode: c["mul"] + c["silu"] + c["rsqrt"] for mode, c in counts.items()}
@@ -1408,8 +1419,9 @@ def test_checkpointing_recomputes_in_backward_and_selective_keeps_the_products()
 
 
 def test_compiled_layers_give_eager_loss_and_gradient():
-    """--compile (compute.compile_layers, inductor: its C++ kernels on CPU; tens of seconds on 2 cores,
-    hence the smallest model and no checkpointing) gives eager's loss and gradients in fp32."""
+    """--compile (compute.compile_layers, inductor: its C++ kernels on CPU;
+    tens of seconds on 2 cores, hence the smallest model and no
+    checkpointing) gives eager's loss and gradients in fp32."""
     eager = lever_gradients(["--activation-checkpointing", "none"])
     compiled = lever_gradients(["--activation-checkpointing", "none", "--compile"])
     assert compiled[0] == pytest.approx(eager[0], rel=1e-5)
@@ -1419,10 +1431,12 @@ def test_compiled_layers_give_eager_loss_and_gradient():
 
 @pytest.mark.parametrize("lora", [[], ["--lora-rank", "4"]], ids=["full", "lora"])
 def test_compile_traces_selective_checkpointing_and_lora_exactly(lora):
-    """The decoder layers compiled over their selective checkpoint (torch.compile traces the checkpoint
-    and its policy: compute.checkpoint_layer), with LoRA's layers inside, on packed segments: eager's loss
-    and gradients. Through torch.compile's aot_eager backend (the same tracing and autograd partition as
-    --compile's inductor, without its kernels: inductor takes about a minute here)."""
+    """The decoder layers compiled over their selective checkpoint
+    (torch.compile traces the checkpoint and its policy:
+    compute.checkpoint_layer), with LoRA's layers inside, on packed
+    segments: eager's loss and gradients. Through torch.compile's aot_eager
+    backend (the same tracing and autograd partition as --compile's
+    inductor, without its kernels: inductor takes about a minute here)."""
     flags = ["--activation-checkpointing", "selective", *lora]
     eager = lever_gradients(flags, packed=True)
     compiled = lever_gradients(flags, packed=True, backend="aot_eager")
@@ -1432,9 +1446,10 @@ def test_compile_traces_selective_checkpointing_and_lora_exactly(lora):
 
 
 def test_a_failed_compile_is_one_line_and_the_run_goes_on_eager(capfd):
-    """A compile that fails (injected: a torch.compile backend that raises, as a missing compiler or an
-    unsupported op would) prints one line, and the step runs eager: eager's loss and gradients; the
-    model's other layer tries no compile of its own."""
+    """A compile that fails (injected: a torch.compile backend that raises, as
+    a missing compiler or an unsupported op would) prints one line, and the
+    step runs eager: eager's loss and gradients; the model's other layer
+    tries no compile of its own."""
     calls = []
 
     def failing(graph, example_inputs):
