@@ -91,35 +91,39 @@ def keep_products(ctx, op, *args, **kwargs):
 
 
 def compile_layers(layers, backend="inductor"):
-    """Each layer torch.compile'd (its forward and backward fused:
-    the elementwise work that is half of an uncompiled step on a
-    GPU). A compile that fails, forward or backward, prints one line
-    and every layer runs eager from then on, the call that failed
-    too. backend: torch.compile's (a test injects a failing one)."""
+    """Each layer's forward torch.compile'd (its forward and backward
+    fused: the elementwise work that is half of an uncompiled step on
+    a GPU; one compile serves every layer alike). Its hooks stay
+    outside, eager (FSDP2's, share_idle_core's). A compile that
+    fails, forward or backward, prints one line and every layer runs
+    eager from then on, the call that failed too. backend:
+    torch.compile's (a test injects a failing one)."""
     # the backward compiled with the forward, where a failure is
     # caught (else lazily, in the step's backward)
     torch._functorch.config.force_non_lazy_backward_lowering = True
+    # the failure, once one happened: shared by the layers
+    failed = []
     for layer in layers:
-        layer.compile(backend=backend)
-        compiled = layer._compiled_call_impl
-        guarded = functools.partial(eager_if_failed, layers, layer, compiled)
-        layer._compiled_call_impl = guarded
+        eager = layer.forward
+        compiled = torch.compile(eager, backend=backend)
+        layer.forward = functools.partial(eager_if_failed, failed, compiled, eager)
 
 
-def eager_if_failed(layers, layer, compiled, *args, **kwargs):
-    """A compiled layer's call; where torch.compile fails, the
-    layer's own, and every layer's from then on."""
+def eager_if_failed(failed, compiled, eager, *args, **kwargs):
+    """A layer's compiled forward; once torch.compile has failed (in
+    any layer), its eager one."""
+    if failed:
+        return eager(*args, **kwargs)
     try:
         return compiled(*args, **kwargs)
     except torch._dynamo.exc.TorchDynamoException as e:
+        failed.append(e)
         # the compiler's own error, which torch.compile's wraps
         cause = getattr(e, "inner_exception", None) or e
         first = (str(cause).strip().splitlines() or [""])[0][:200]
         why = f"{type(e).__name__}; {type(cause).__name__}: {first}"
         print(f"--compile: the decoder layers run eager ({why})", file=sys.stderr, flush=True)
-        for each in layers:
-            each._compiled_call_impl = None
-        return layer._call_impl(*args, **kwargs)
+        return eager(*args, **kwargs)
 
 
 def bf16_policy(model, device):
