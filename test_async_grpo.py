@@ -1468,6 +1468,73 @@ def test_a_failed_compile_is_one_line_and_the_run_goes_on_eager(capfd):
     assert all(torch.equal(failed[1][name], grad) for name, grad in eager[1].items())
 
 
+BF16_POLICY = """
+import argparse, copy, json, sys
+import torch
+from transformers import Qwen3Config, Qwen3ForCausalLM
+import async_grpo as ag, compute, models
+device, out = torch.device(sys.argv[1]), sys.argv[2]
+shape = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, head_dim=16)
+config = Qwen3Config(vocab_size=256, num_attention_heads=4, num_key_value_heads=2, **shape)
+torch.manual_seed(0)
+whole = Qwen3ForCausalLM(config).to(device)
+# as a run sets it up with --fsdp on one GPU (compile and full checkpointing: CUDA's defaults)
+cuda = device.type == "cuda"
+flags = argparse.Namespace(lora_rank=0, activation_checkpointing="full", compile=cuda, fsdp=True)
+model = compute.set_up_compute(copy.deepcopy(whole), flags, device)
+seen = []
+def keep_dtype(module, inputs, output):
+    seen.append(str((output[0] if isinstance(output, tuple) else output).dtype))
+model.model.layers[0].register_forward_hook(keep_dtype)
+samples = [models.probe_sample(list(range(1, 40)), 8), models.probe_sample(list(range(50, 70)), 8)]
+def loss_of(m):
+    m.train()
+    batch = ag.collate(samples, 0, device, config=config, share=False)
+    # train_step's autocast: on with CUDA
+    with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cuda, cache_enabled=False):
+        logp = ag.token_logprobs(m, batch)[0]
+    loss = -(logp * (batch["cols"] >= 0)).sum() / (batch["cols"] >= 0).sum()
+    loss.backward()
+    return loss.item()
+full = lambda p: p.full_tensor() if hasattr(p, "full_tensor") else p
+policy, fp32 = loss_of(model), loss_of(whole)
+grads = [(full(a.grad).float(), b.grad) for a, b in zip(model.parameters(), whole.parameters())]
+json.dump({
+    "loss": policy, "fp32_loss": fp32, "layer_output": seen[0],
+    "params": sorted({f"{type(p).__name__} {p.dtype}" for p in model.parameters()}),
+    "grads": sorted({str(p.grad.dtype) for p in model.parameters()}),
+    "grad_gap": max(((a - b).norm() / b.norm()).item() for a, b in grads),
+}, open(out, "w"))
+"""
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=needs_cuda)])
+def test_fsdp_on_one_gpu_computes_in_bf16_over_fp32_weights(tmp_path, device):
+    """--fsdp on one GPU (compute.set_up_compute: FSDP2's MixedPrecisionPolicy
+    on a one-rank group it makes) in a process of its own: the weights stay
+    fp32 (the master copy AdamW steps), a decoder layer computes in bf16,
+    the gradients arrive in fp32, and the loss and every gradient are the
+    fp32 model's within bf16's rounding. On CPU too (gloo; a run refuses
+    --fsdp on one CPU rank): the same mechanism, without compile."""
+    (tmp_path / "bf16.py").write_text(BF16_POLICY)
+    proc = subprocess.run(
+        [sys.executable, str(tmp_path / "bf16.py"), device, str(tmp_path / "out.json")],
+        cwd=HERE,
+        env=dict(os.environ, PYTHONPATH=str(HERE)),
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    got = json.loads((tmp_path / "out.json").read_text())
+    print(got)
+    assert got["params"] == ["DTensor torch.float32"] and got["grads"] == ["torch.float32"], got
+    assert got["layer_output"] == "torch.bfloat16", got
+    assert got["loss"] == pytest.approx(got["fp32_loss"], rel=2e-2) and got["loss"] != got["fp32_loss"], got
+    assert got["grad_gap"] < 5e-2, got
+
+
 # ------------------------------------------------------------------------------------------------
 # What a run does and prints: the producer, group-relative advantages, the clipped surrogate, micro-batches,
 # AdamW, the weight sync, learning
