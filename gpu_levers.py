@@ -209,7 +209,7 @@ def patched(levers, positions_at_zero=False):
     if positions_at_zero:
 
         def collate(samples, *a, **kw):
-            batch = real[2](samples, *a, **kw)
+            batch = real[1](samples, *a, **kw)
             if not kw.get("packed") and not kw.get("share", True):
                 for r, s in enumerate(samples):
                     batch["position_ids"][r, len(s["ids"]) :] = 0

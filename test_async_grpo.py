@@ -1051,7 +1051,9 @@ config = Qwen3Config(vocab_size=512, hidden_size=256, intermediate_size=704, num
                      num_attention_heads=4, num_key_value_heads=2, head_dim=64, tie_word_embeddings=True)
 torch.manual_seed(0)
 model, reference = Qwen3ForCausalLM(config), Qwen3ForCausalLM(config).requires_grad_(False)
-model.gradient_checkpointing_enable()  # on CUDA by default
+# full activation checkpointing: CUDA's default (compute.checkpoint_layer)
+checkpointed = ag.parse_args(["--output-dir", "x", "--activation-checkpointing", "full"])
+ag.set_up_compute(model, checkpointed, torch.device("cpu"))
 params = sum(p.numel() for p in model.parameters())
 shapes = {tuple(p.shape) for p in model.parameters()}
 model, reference = models.shard(model), models.shard(reference)
