@@ -98,9 +98,12 @@ def compile_layers(layers, backend="inductor"):
     fails, forward or backward, prints one line and every layer runs
     eager from then on, the call that failed too. backend:
     torch.compile's (a test injects a failing one)."""
+    import torch._functorch.config as aot_autograd
+
     # the backward compiled with the forward, where a failure is
-    # caught (else lazily, in the step's backward)
-    torch._functorch.config.force_non_lazy_backward_lowering = True
+    # caught (else lazily, in the step's backward; torch 2.13 has it)
+    if hasattr(aot_autograd, "force_non_lazy_backward_lowering"):
+        aot_autograd.force_non_lazy_backward_lowering = True
     # the failure, once one happened: shared by the layers
     failed = []
     for layer in layers:
@@ -112,11 +115,13 @@ def compile_layers(layers, backend="inductor"):
 def eager_if_failed(failed, compiled, eager, *args, **kwargs):
     """A layer's compiled forward; once torch.compile has failed (in
     any layer), its eager one."""
+    from torch._dynamo.exc import TorchDynamoException
+
     if failed:
         return eager(*args, **kwargs)
     try:
         return compiled(*args, **kwargs)
-    except torch._dynamo.exc.TorchDynamoException as e:
+    except TorchDynamoException as e:
         failed.append(e)
         # the compiler's own error, which torch.compile's wraps
         cause = getattr(e, "inner_exception", None) or e
