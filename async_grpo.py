@@ -53,6 +53,7 @@ import torch.utils.checkpoint
 
 import data as data_module
 import mfu
+from compute import set_up_compute
 from models import decoder_layers, dequantise_gguf, load_policy, load_sharded, with_lora
 from models import choose_layout, logprobs_refused, packed_segments, segments_refused, shared_rows_mask
 from output_layer import chunked_logprobs, sampler_logprobs
@@ -1368,8 +1369,8 @@ def load_policy_and_optimizer(run):
     run.layout, run.layout_reasons = choose_layout(
         model, args, run.device, prompts=prompts, logprobs=probe_logprobs, verbose=run.is_main
     )
-    if args.gradient_checkpointing:
-        model.gradient_checkpointing_enable()
+    # after the probes (fp32, eager): --activation-checkpointing, --compile, --fsdp's bf16 on one GPU
+    model = set_up_compute(model, args, run.device)
     check_prompts_fit(run, model)
     if args.lora_rank:
         model = with_lora(model, args, run.resumed and Path(run.model_path) / "adapter")
@@ -1400,8 +1401,8 @@ def limit_memory(run):
 
 
 def load_on_device(run, path):
-    """The model at `path` on this rank's device: whole, or its shards (--fsdp)."""
-    if run.args.fsdp:
+    """The model at `path` on this rank's device: whole, or its shards (--fsdp, several ranks)."""
+    if run.args.fsdp and run.world_size > 1:
         return load_sharded(path, run.device)
     return load_policy(path).to(run.device)
 
@@ -1483,7 +1484,11 @@ def start_generation(run):
         # On CPU fp32 even with native bf16: autocast there halved the step but moved the log-probs
         # from fp32's by a mismatch KL of 2e-2 to 7e-2 (2.5e-3 with a bf16 server), and the recipe
         # learnt less on both seeds measured (docs/performance.md)
-        trainer_dtype = "bf16 autocast" if run.device.type == "cuda" else "fp32"
+        trainer_dtype = "fp32"
+        if run.device.type == "cuda":
+            one_rank_fsdp = args.fsdp and run.world_size == 1
+            trainer_dtype = "bf16 over fp32 weights (FSDP2)" if one_rank_fsdp else "bf16 autocast"
+
         print(f"the trainer computes in {trainer_dtype}, the servers in {dtype[0]}", flush=True)
         start_sync(run)
         start_producer(run)
@@ -1543,9 +1548,9 @@ def start_sync(run):
     if args.vllm_url or adapter:
         run.sync(run.policy, include_frozen=bool(args.vllm_url))
     # the servers' log-probs against the trainer's, now and at the first sync of moved weights; not
-    # under --fsdp (a forward takes every rank) nor --lora-sync adapter (vLLM 0.32's CPU LoRA kernel
-    # fails on prompt log-probs)
-    if not (args.fsdp or adapter):
+    # under --fsdp on several ranks (a forward takes every rank) nor --lora-sync adapter (vLLM 0.32's
+    # CPU LoRA kernel fails on prompt log-probs)
+    if not ((args.fsdp and run.world_size > 1) or adapter):
         run.sync.check = weights_arrive(run.urls, args, run, collate, token_logprobs)
     # the servers hold the weights of the step the run starts at (or newer, after a failed sync: a
     # count saved with them would lag, and the gate would wait forever)
@@ -1890,14 +1895,15 @@ def finish(run):
 
 def save_after_error(run, error):
     """Nothing is lost: the last finished step is saved, unless the error came mid-update (or under
-    --fsdp: saving takes every rank, and others may be gone). A failed server is named as the
+    --fsdp on several ranks: saving takes them all, and others may be gone). A failed server is named as the
     cause, with its log: the error is only what it did to a request (a reset, a timeout)."""
     failure = run.server_failure or server_failure(run.urls, run.servers)
     # an engine's death fails requests before /health says it
     if not failure and isinstance(error, ConnectionError):
         time.sleep(3)
         failure = run.server_failure or server_failure(run.urls, run.servers)
-    if run.is_main and run.producer and not run.updating and run.completed > run.start_step and not run.args.fsdp:
+    alone = not (run.args.fsdp and run.world_size > 1)
+    if run.is_main and run.producer and not run.updating and run.completed > run.start_step and alone:
         # its sync or evaluation failed (sync/seconds 0, no eval/ metrics); a line that cannot be
         # written (a full disk, wandb) does not cost the checkpoint
         with contextlib.suppress(Exception):
@@ -1938,7 +1944,8 @@ def tear_down(run, handlers):
     parts += [functools.partial(stop_vllm, server) for server in run.servers]
     if "wandb" in run.logs:
         parts.append(functools.partial(run.logs["wandb"].finish, exit_code=int(error is not None)))
-    if run.world_size > 1 and dist.is_initialized():
+    # --fsdp on one GPU made a group of one rank (compute.bf16_policy)
+    if dist.is_initialized():
         parts.append(dist.destroy_process_group)
     # one part's error does not skip the others
     for part in parts:
@@ -2523,18 +2530,25 @@ def parse_args(argv=None, world_size=1, cuda_count=None, local_ranks=None, heads
         type=int,
         default=32768,
         help="most tokens forwarded per micro-batch, padding included (a longer sequence goes alone): its "
-        "activations (--gradient-checkpointing: ~4 x hidden size x layers bytes a token) and a mask's size",
+        "activations (checkpointed whole: ~4 x hidden size x layers bytes a token) and a mask's size",
     )
     g.add_argument(
-        "--gradient-checkpointing",
+        "--activation-checkpointing",
+        choices=["full", "selective", "none"],
+        help="recompute a decoder layer's activations in backward: all, or the elementwise ops' (selective: "
+        "the matrix products' and attention's kept), to save memory (default: full with CUDA, else none)",
+    )
+    g.add_argument(
+        "--compile",
         action=argparse.BooleanOptionalAction,
-        help="recompute activations in backward to save memory (default: on with CUDA)",
+        help="torch.compile each decoder layer; a failed compile: one line, eager (default: on with CUDA)",
     )
     g.add_argument(
         "--fsdp",
         action="store_true",
-        help="shard weights, gradients and optimizer state over the torchrun "
-        "ranks (FSDP2, a unit per decoder layer) instead of a copy on each (DDP)",
+        help="shard weights, gradients and optimizer state over the torchrun ranks (FSDP2, a unit per "
+        "decoder layer) instead of a copy on each (DDP); on one GPU: bf16 compute over fp32 weights "
+        "(MixedPrecisionPolicy)",
     )
     g.add_argument(
         "--lora-rank",
@@ -2690,10 +2704,6 @@ def parse_args(argv=None, world_size=1, cuda_count=None, local_ranks=None, heads
             "whole weights); drop --fsdp (DDP: a copy on each rank) or train every weight, --lora-rank 0",
         ),
         (
-            args.fsdp and world_size < 2,
-            "--fsdp shards the model over torchrun's ranks: launch with torchrun --nproc-per-node N, N >= 2",
-        ),
-        (
             (args.lora_alpha is not None or args.lora_targets) and not args.lora_rank,
             "--lora-alpha and --lora-targets need --lora-rank R > 0",
         ),
@@ -2776,8 +2786,10 @@ def parse_args(argv=None, world_size=1, cuda_count=None, local_ranks=None, heads
     # the trainer ranks on this node
     local_ranks = local_ranks or int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
     args.plan = plan_devices(args, cuda_count, local_ranks, p.error, heads)
-    if args.gradient_checkpointing is None:
-        args.gradient_checkpointing = bool(cuda_count)
+    if args.fsdp and world_size < 2 and args.plan["trainer"] != "cuda":
+        p.error("--fsdp on one rank takes a GPU; on CPU launch with torchrun --nproc-per-node N, N >= 2")
+    args.activation_checkpointing = args.activation_checkpointing or ("full" if cuda_count else "none")
+    args.compile = bool(cuda_count) if args.compile is None else args.compile
     args.max_staleness = 0 if args.sync else args.max_staleness
     args.sync_bucket_bytes = int(args.sync_bucket_mb * 2**20)
     # The other ranks' bound in a collective while rank 0 alone starts vLLM, waits for data or

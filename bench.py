@@ -59,6 +59,7 @@ from pathlib import Path
 import torch
 
 import async_grpo as ag
+import compute
 import mfu
 import rewards
 import tiny_model as tiny
@@ -674,8 +675,8 @@ def trainer_only(args):
     torch.manual_seed(0)
     with device:
         model = Qwen3ForCausalLM(config)
-    if ag.parse_args(["--output-dir", "unused"]).gradient_checkpointing:  # on by default on CUDA, as in a run
-        model.gradient_checkpointing_enable()
+    # checkpointed and compiled as a run on this device by default
+    model = compute.set_up_compute(model, ag.parse_args(["--output-dir", "unused"]), device)
     new = (shape["new"], shape["new"] + 1)
     samples = random_samples(shape["group"], shape["vocab"], shape["prompt"], new, shape["group"])
     results = {"device": device_name(device)}

@@ -6,10 +6,11 @@ one runs).
    flash kernel, TFLOP/s forward and backward.
 2. The 1.7B step, 4 x (1,024 + 15,360) in rows of their own, as the trainer ran it before issue 60 (the output
    layer in checkpointed chunks of 2^26 logits), then each lever stacked on the last: the fused output layer
-   (output_layer.py), each decoder layer compiled, bf16 compute through FSDP2's MixedPrecisionPolicy (autocast
-   off), selective activation checkpointing (the matrix products' and attention's outputs saved), no
-   checkpointing. Each line: seconds, MFU, peak memory, loss, and the largest log-prob difference from the
-   first variant.
+   (output_layer.py), then the run's flags, set up by the run's own compute.set_up_compute: each decoder layer
+   compiled (--compile), bf16 compute through FSDP2's MixedPrecisionPolicy (--fsdp on one GPU), selective
+   activation checkpointing (--activation-checkpointing selective: the matrix products' and attention's
+   outputs saved), none. Each line: seconds, MFU, peak memory, loss, and the largest log-prob difference
+   from the first variant.
 3. A batch of varied lengths (1.7B, G 8, completions of 512 to 15,360 tokens) as rows with the padding at
    position 0 (before issue 60), rows with the positions continued, and packed; then the constants of a cost
    model (seconds a token and a pair of attention) fitted for rows and for packed from the equal and the
@@ -26,6 +27,7 @@ import torch.distributed as dist
 
 import async_grpo as ag
 import bench
+import compute
 import mfu
 import output_layer
 import vllm_server
@@ -159,44 +161,23 @@ def clock(device):
 
 
 def build(shape, device, levers):
-    """The model of the shape (random weights, seed 0: every variant the same), with the levers of model
-    building."""
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+    """The model of the shape (random weights, seed 0: every variant the same), set up as a run sets it
+    up (compute.set_up_compute) with the flags of the levers: --activation-checkpointing, --compile,
+    --fsdp on one GPU (the bf16 MixedPrecisionPolicy)."""
     from transformers import Qwen3ForCausalLM
 
     config = bench.trainer_config(shape, positions=shape["prompt"] + 2 * shape["new"])
     torch.manual_seed(0)
     with device:
         model = Qwen3ForCausalLM(config)
-    saved = (torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default)
-    saved += tuple(
-        getattr(torch.ops.aten, name).default
-        for name in (
-            "_scaled_dot_product_cudnn_attention",
-            "_scaled_dot_product_flash_attention",
-            "_flash_attention_forward",
-        )
-        if hasattr(torch.ops.aten, name)
+    checkpointing = "selective" if "selective checkpointing" in levers else "full"
+    flags = argparse.Namespace(
+        lora_rank=0,
+        activation_checkpointing="none" if "no checkpointing" in levers else checkpointing,
+        compile="compiled layers" in levers,
+        fsdp="bf16 MixedPrecisionPolicy" in levers,
     )
-
-    def policy(ctx, op, *args, **kwargs):  # the products and the attention saved, the elementwise recomputed
-        return CheckpointPolicy.MUST_SAVE if op in saved else CheckpointPolicy.PREFER_RECOMPUTE
-
-    if "no checkpointing" not in levers:
-        kwargs = {"use_reentrant": False}
-        if "selective checkpointing" in levers:
-            kwargs["context_fn"] = functools.partial(create_selective_checkpoint_contexts, policy)
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
-    if "compiled layers" in levers:
-        for layer in ag.decoder_layers(model):
-            layer.compile()
-    if "bf16 MixedPrecisionPolicy" in levers:
-        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-        for layer in ag.decoder_layers(model):
-            fully_shard(layer, mp_policy=policy)
-        fully_shard(model, mp_policy=policy)
-    return model
+    return compute.set_up_compute(model, flags, device)
 
 
 def before_output_layer(hidden, head, targets, stop_masked, scale, softcap, chunk, **sampling):
@@ -219,17 +200,16 @@ def before_output_layer(hidden, head, targets, stop_masked, scale, softcap, chun
 
 @contextlib.contextmanager
 def patched(levers, positions_at_zero=False):
-    """The levers that are not in the model: the output layer before issue 60 (unless fused), autocast off
-    (bf16 policy: the weights are bf16 in compute), and collate's padding at position 0 as before issue 60."""
-    real = (ag.chunked_logprobs, torch.autocast, ag.collate)
+    """What was before issue 60 and is not in the model: the output layer (unless fused), and collate's
+    padding at position 0. The bf16 policy keeps the run's autocast, as a run does (on bf16 weights a
+    matrix product casts nothing)."""
+    real = (ag.chunked_logprobs, ag.collate)
     if "fused output layer" not in levers:
         ag.chunked_logprobs = before_output_layer
-    if "bf16 MixedPrecisionPolicy" in levers:
-        torch.autocast = lambda *a, **kw: contextlib.nullcontext()
     if positions_at_zero:
 
         def collate(samples, *a, **kw):
-            batch = real[2](samples, *a, **kw)
+            batch = real[1](samples, *a, **kw)
             if not kw.get("packed") and not kw.get("share", True):
                 for r, s in enumerate(samples):
                     batch["position_ids"][r, len(s["ids"]) :] = 0
@@ -239,7 +219,7 @@ def patched(levers, positions_at_zero=False):
     try:
         yield
     finally:
-        ag.chunked_logprobs, torch.autocast, ag.collate = real
+        ag.chunked_logprobs, ag.collate = real
 
 
 def lever_step(levers, shape, samples, device, reps, first):

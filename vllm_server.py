@@ -221,17 +221,20 @@ def memory_share(args, total, params, trained, largest=0):
 
 def trainer_bytes(args, params, trained, largest=0):
     """What a training step on CUDA holds besides activations, in bytes, by part: the fp32
-    weights (4 a parameter); gradients and AdamW's moments (12 a trained one; fused AdamW
-    makes no temporaries, foreach's would be 4 more); the --beta reference (4); without
-    gradient checkpointing the bf16 copy of every weight that autocast makes and autograd
-    keeps for the backward (2; with it, a layer's at a time); and in flight the largest
-    weight's bf16 copy and gradient and its fp32 gradient before it is added (8 bytes x
-    `largest`, the output layer's parameters)."""
+    weights (4 a parameter; a LoRA run's frozen base in bf16, 2: compute.set_up_compute);
+    gradients and AdamW's moments (12 a trained one; fused AdamW makes no temporaries,
+    foreach's would be 4 more); the --beta reference (4); without activation checkpointing
+    the bf16 copy of every fp32 weight that autocast makes and autograd keeps for the
+    backward (2; with it, a layer's at a time); under --fsdp (bf16 policy on one GPU)
+    instead the root's gathered bf16 embeddings and head (2 x 2 x `largest`; a layer's at a
+    time); and in flight the largest weight's bf16 copy and gradient and its fp32 gradient
+    before it is added (8 bytes x `largest`, the output layer's parameters)."""
+    kept = 2 * params * (args.activation_checkpointing == "none" and not args.lora_rank)
     return {
-        "weights": 4 * params,
+        "weights": (2 if args.lora_rank else 4) * params,
         "gradients and AdamW's moments": 12 * trained,
         "reference": 4 * params * bool(args.beta),
-        "bf16 copies": 2 * params * (not args.gradient_checkpointing),
+        "bf16 copies": 4 * largest if args.fsdp else kept,
         "largest weight's": 8 * largest,
     }
 
