@@ -60,7 +60,8 @@ from output_layer import chunked_logprobs, sampler_logprobs
 import rewards as rewards_module
 import tiny_model
 import tools as tools_module
-from tools import JSON, MAX_ARGUMENT_DEPTH, argument_errors, decode_json, typed
+from tools import JSON, MAX_ARGUMENT_DEPTH, argument_errors, decode_json, function_call, typed
+from tools import PROBE, ROUND_TRIP, ROUND_TRIP_TOOL
 
 # vllm_server.py: the servers (started, checked, watched), the device plan, the sync group
 from vllm_server import SERVED_MODEL, cpu_threads, http, memory_share, plan_devices, served_config, server_failure
@@ -3109,63 +3110,6 @@ def chat_format(tok, schemas, stop_ids):
     return {"format": fmt, "turn_ends": sorted(turn_ends), "max_calls": max_calls}
 
 
-# arguments are data, never Python keywords: a tool may have one called `name`
-def _call(name, arguments):
-    return {"type": "function", "function": {"name": name, "arguments": arguments}}
-
-
-PROBE = [
-    {"role": "user", "content": "What is 6 * 7?"},
-    {"role": "assistant", "content": "", "tool_calls": [_call("calculator", {"expression": "6 * 7"})]},
-    {"role": "tool", "name": "calculator", "content": "42"},
-    {"role": "assistant", "content": "<think>\nThe tool said 42.\n</think>\n\n42"},
-    {"role": "user", "content": "And 6 * 8?"},
-    {"role": "assistant", "content": "48"},
-]
-
-
-# A tool with every JSON type (a union; an argument called `name`), and calls to it (one and three
-# a turn) that the start-up check renders with the run's template and parses back, equal.
-ROUND_TRIP_TOOL = {
-    "type": "function",
-    "function": {
-        "name": "round_trip_probe",
-        "description": "Stands in for the run's tools in the start-up check.",
-        "parameters": {
-            "type": "object",
-            "required": ["text"],
-            "properties": {
-                "text": {"type": "string"},
-                "count": {"type": "integer"},
-                "ratio": {"type": "number"},
-                "flag": {"type": "boolean"},
-                "items": {"type": "array"},
-                "options": {"type": "object"},
-                "name": {"type": ["string", "null"]},
-            },
-        },
-    },
-}
-
-
-ROUND_TRIP = [
-    ("", [_call("round_trip_probe", {"text": "6 * 7"})]),
-    (
-        "Three at once.",
-        [
-            _call(
-                "round_trip_probe", {"text": 'say "hi"\nthen <b>stop</b> {}', "count": 3, "ratio": -2.5, "flag": True}
-            ),
-            _call(
-                "round_trip_probe",
-                {"text": "x", "items": [1, "two", [3.5]], "options": {"k": {"deep": [False, None]}}},
-            ),
-            _call("round_trip_probe", {"name": None, "text": ""}),
-        ],
-    ),
-]
-
-
 # --- Machinery: tool-call parsing, every format, as input validation ---
 
 
@@ -3254,7 +3198,7 @@ def parse_call(call):
             item.encode()
         elif isinstance(item, (dict, list)):
             stack += [(x, depth + 1) for x in (list(item) + list(item.values()) if isinstance(item, dict) else item)]
-    return _call(call["name"], arguments)
+    return function_call(call["name"], arguments)
 
 
 # An XML value may hold the format's own tags (a file with tool calls in it). A real </parameter> is

@@ -3500,7 +3500,7 @@ def bfcl_turns():
                     for k, values in accepted.items()
                     if values
                 }
-                calls.append(ag._call(name, {k: v for k, v in first.items() if v != ""}))
+                calls.append(ag.function_call(name, {k: v for k, v in first.items() if v != ""}))
             found.append((calls, schemas))
     return found
 
@@ -3599,7 +3599,7 @@ VALUES = [
     deep(14),
     deep(15),
 ]
-SIBLING = ag._call("calculator", {"expression": "1+1"})
+SIBLING = ag.function_call("calculator", {"expression": "1+1"})
 
 
 def json_type(value):
@@ -3632,7 +3632,7 @@ def test_argument_names_and_values_come_back_exact_or_fail_alone(fmt):
     exact = 0
     for name, value in [(n, "v") for n in NAMES] + [("name", v) for v in VALUES]:
         schemas = {"f": {"name": "f", "parameters": {"properties": {name: {"type": json_type(value)}}}}}
-        exact += fails_alone(fmt, ag._call("f", {name: value}), schemas)
+        exact += fails_alone(fmt, ag.function_call("f", {name: value}), schemas)
     # refused, each an error of its own: a lone surrogate (not text), nesting past 16 levels; in XML also the
     # empty name, which <parameter=> cannot write
     assert exact == len(NAMES) + len(VALUES) - 2 - (fmt == "xml"), exact
@@ -3699,7 +3699,7 @@ def test_values_holding_the_formats_own_tags_come_back_whole_or_fail_alone(fmt):
     schemas, exact = {"save_note": SAVE_NOTE, "delete_file": {"name": "delete_file"}}, 0
     for value in TAG_VALUES:
         for key in ("title", "body", "tags"):
-            sent = ag._call("save_note", dict({"title": "t", "body": "b", "tags": "x"}, **{key: value}))
+            sent = ag.function_call("save_note", dict({"title": "t", "body": "b", "tags": "x"}, **{key: value}))
             exact += (ok := fails_alone(fmt, sent, schemas))
             assert ok or fmt == "xml" and XML_AMBIGUOUS.search(value), (key, value)
     print(f"{fmt}: {exact} of {3 * len(TAG_VALUES)} values holding tags exact, the others one error each")
@@ -3799,7 +3799,7 @@ def test_tools_whose_arguments_are_called_name_self_or_fn_run(monkeypatch):
     monkeypatch.setitem(tools.TOOLS, "alabel", alabel)
     schemas = {s["function"]["name"]: s["function"] for s in ag.tool_schemas(["label", "alabel"])}
     for tool in schemas:
-        named = ag._call(tool, {"name": "a", "self": "b", "fn": "c"})
+        named = ag.function_call(tool, {"name": "a", "self": "b", "fn": "c"})
         assert asyncio.run(ag.call_tool(named, schemas, 5)) == ("a b c", True)
 
 
@@ -4218,7 +4218,7 @@ def turn_of(*calls):
     return {
         "role": "assistant",
         "content": "",
-        "tool_calls": [ag._call(n, a) for n, a in calls],
+        "tool_calls": [ag.function_call(n, a) for n, a in calls],
         "tool_call_errors": [],
     }
 
@@ -4850,9 +4850,9 @@ def test_an_mcp_server_is_an_environment_whose_instances_hold_a_session_each(tmp
                 await envs[2].reset()
                 again = [await e.calculator(expression="2 + 2") for e in envs]
                 bound = {"calculator": envs[1].calculator}
-                checked = await ag.call_tool(ag._call("calculator", {"expression": 5}), by_name, 5, bound)
+                checked = await ag.call_tool(ag.function_call("calculator", {"expression": 5}), by_name, 5, bound)
                 raised = await ag.call_tool(
-                    ag._call("calculator", {"expression": "open('x')"}),
+                    ag.function_call("calculator", {"expression": "open('x')"}),
                     by_name,
                     5,
                     bound,
@@ -4981,7 +4981,7 @@ def test_twenty_mcp_timeouts_leave_no_session_or_process(tmp_path, monkeypatch):
         stop_ids=[0],
     )
     ctx.idle["mcp"] = []
-    wait, echo = ag._call("wait", {"seconds": 60}), ag._call("echo", {"text": "again"})
+    wait, echo = ag.function_call("wait", {"seconds": 60}), ag.function_call("echo", {"text": "again"})
 
     async def rollout(env, echoes):
         functions = {name: getattr(env, name) for name in by_name}
@@ -5023,7 +5023,7 @@ def test_a_crashed_mcp_stdio_server_is_a_failed_call_and_a_fresh_session_and_man
     script.write_text(MCP_SERVER)
     cls = tools.mcp_environment(f"{sys.executable} {script} {tmp_path / 'calls.jsonl'}", tmp_path / "mcp.log")
     by_name = {s["function"]["name"]: s["function"] for s in tools.environment_schemas(cls)}
-    add = ag._call("calculator", {"expression": "3 + 4"})
+    add = ag.function_call("calculator", {"expression": "3 + 4"})
 
     async def crash():
         env = cls()

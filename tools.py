@@ -309,6 +309,64 @@ def typed(value, schema):
     return value
 
 
+# The turns and the tool a chat template is checked with at start (async_grpo.py's prepare_chat_template). A
+# call's arguments are data, never Python keywords: a tool may have one called `name`.
+def function_call(name, arguments):
+    return {"type": "function", "function": {"name": name, "arguments": arguments}}
+
+
+PROBE = [
+    {"role": "user", "content": "What is 6 * 7?"},
+    {"role": "assistant", "content": "", "tool_calls": [function_call("calculator", {"expression": "6 * 7"})]},
+    {"role": "tool", "name": "calculator", "content": "42"},
+    {"role": "assistant", "content": "<think>\nThe tool said 42.\n</think>\n\n42"},
+    {"role": "user", "content": "And 6 * 8?"},
+    {"role": "assistant", "content": "48"},
+]
+
+
+# A tool with every JSON type (a union; an argument called `name`), and calls to it (one and three
+# a turn) that the start-up check renders with the run's template and parses back, equal.
+ROUND_TRIP_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "round_trip_probe",
+        "description": "Stands in for the run's tools in the start-up check.",
+        "parameters": {
+            "type": "object",
+            "required": ["text"],
+            "properties": {
+                "text": {"type": "string"},
+                "count": {"type": "integer"},
+                "ratio": {"type": "number"},
+                "flag": {"type": "boolean"},
+                "items": {"type": "array"},
+                "options": {"type": "object"},
+                "name": {"type": ["string", "null"]},
+            },
+        },
+    },
+}
+
+
+ROUND_TRIP = [
+    ("", [function_call("round_trip_probe", {"text": "6 * 7"})]),
+    (
+        "Three at once.",
+        [
+            function_call(
+                "round_trip_probe", {"text": 'say "hi"\nthen <b>stop</b> {}', "count": 3, "ratio": -2.5, "flag": True}
+            ),
+            function_call(
+                "round_trip_probe",
+                {"text": "x", "items": [1, "two", [3.5]], "options": {"k": {"deep": [False, None]}}},
+            ),
+            function_call("round_trip_probe", {"name": None, "text": ""}),
+        ],
+    ),
+]
+
+
 class TimedOut(TimeoutError):
     """One of our bounds passed (a call's, a reset's, a wait for its instance), told apart
     from a TimeoutError that a tool raises itself (a socket's, say): that one is the tool's
