@@ -10,25 +10,30 @@
     torchrun --nproc-per-node 4 async_grpo.py --model Qwen/Qwen3-8B --fsdp --vllm-gpus 4,5  # sharded, not copied
     python async_grpo.py --model M --vllm-url http://host:8000   # servers started as README.md shows
 
-The shape of a run: rank 0 starts a vLLM server and a producer thread. The producer, on its own asyncio
-loop, samples G rollouts per prompt (token ids in, token ids and log-probs out, each token stamped with
-the policy version that sampled it), runs tool calls (and an environment's turns), scores each group
-with the reward functions, computes group-relative advantages, and queues the group. Every rank trains:
-rank 0 takes the groups in the order they started and hands each rank its share; the loss is the
-clipped surrogate against the sampler's log-probs. Every --sync-every steps rank 0 pauses vLLM,
-broadcasts the weights over a process group of its own, resumes it, and the policy version grows.
-Generation never waits for training and training waits only for data, within one bound: the producer
-does not start a group whose tokens would be more than --max-staleness versions old when trained
-(0: synchronous, --sync).
+The shape of a run: rank 0 starts a vLLM server and a producer thread. The
+producer, on its own asyncio loop, samples G rollouts per prompt (token ids in,
+token ids and log-probs out, each token stamped with the policy version that
+sampled it), runs tool calls (and an environment's turns), scores each group
+with the reward functions, computes group-relative advantages, and queues the
+group. Every rank trains: rank 0 takes the groups in the order they started and
+hands each rank its share; the loss is the clipped surrogate against the
+sampler's log-probs. Every --sync-every steps rank 0 pauses vLLM, broadcasts the
+weights over a process group of its own, resumes it, and the policy version
+grows. Generation never waits for training and training waits only for data,
+within one bound: the producer does not start a group whose tokens would be more
+than --max-staleness versions old when trained (0: synchronous, --sync).
 
-The file reads in the order a reader needs it: the algorithm (the rollout and its tool loop, rewards
-and advantages, the producer and its staleness gate, the loss, the training step, the weight sync),
-the run's phases (main, and what it calls in order), then the machinery, in sections named as such.
-Beside it: tools.py (tools, environments, a call's arguments), rewards.py (rewards, tasks), data.py (rows),
-models.py (loading the policy, the start-up probes and layout, packed attention), output_layer.py (log-probs in
+The file reads in the order a reader needs it: the algorithm (the rollout and
+its tool loop, rewards and advantages, the producer and its staleness gate, the
+loss, the training step, the weight sync), the run's phases (main, and what it
+calls in order), then the machinery, in sections named as such. Beside it:
+tools.py (tools, environments, a call's arguments), rewards.py (rewards, tasks),
+data.py (rows), models.py (loading the policy, the start-up probes and layout,
+packed attention), compute.py (checkpointing, compile, bf16 compute),
+output_layer.py (log-probs in chunks), tiny_model.py (the built-in model),
+vllm_server.py (the servers, the device plan, the sync group and its receiving
+end), sandbox.py (the interpreter's sandbox), mfu.py (a step's FLOPs).
 
-chunks), tiny_model.py (the built-in model), vllm_server.py (the servers, the device plan, the sync
-group and its receiving end), sandbox.py (the interpreter's sandbox), mfu.py (a step's FLOPs).
 `# FORK:` marks where a forker edits (README.md lists them)."""
 
 import argparse, asyncio, contextlib, dataclasses, functools, inspect, itertools, json, math, os, queue, random
@@ -63,15 +68,17 @@ import tools as tools_module
 from tools import JSON, MAX_ARGUMENT_DEPTH, argument_errors, decode_json, function_call, typed
 from tools import PROBE, ROUND_TRIP, ROUND_TRIP_TOOL
 
-# vllm_server.py: the servers (started, checked, watched), the device plan, the sync group
+# vllm_server.py: the servers (started, checked, watched),
+# the device plan, the sync group
 from vllm_server import SERVED_MODEL, cpu_threads, http, memory_share, plan_devices, served_config, server_failure
 from vllm_server import share_idle_core, start_vllm, stop_vllm, sync_endpoint, sync_group, url_sync_backend, vllm_flag
 from vllm_server import LORA_RANKS, SERVED_ADAPTER, load_adapter, refuse_unknown_names, watch_servers, weights_arrive
 
 HERE = Path(__file__).resolve().parent
-# What --sampling-args may hold: parameters that end a generation but leave its distribution as the trainer
-# computes it (min_tokens changes it: the trainer holds the stop tokens back in the same places). Seeds come
-# from --seed (request_seed).
+# What --sampling-args may hold: parameters that end a generation but
+# leave its distribution as the trainer computes it (min_tokens
+# changes it: the trainer holds the stop tokens back in the same
+# places). Seeds come from --seed (request_seed).
 SAMPLING_ARGS = {"min_tokens", "stop", "ignore_eos"}
 
 
@@ -80,36 +87,41 @@ SAMPLING_ARGS = {"min_tokens", "stop", "ignore_eos"}
 
 @dataclass
 class RolloutContext:
-    """What every rollout needs, computed before vLLM starts (rollout_context), and the servers' limits
-    once they are up (start_servers)."""
+    """What every rollout needs, computed before vLLM starts (rollout_context),
+    and the servers' limits once they are up (start_servers)."""
 
     # --tools' schemas (None: no tools), and their functions' schemas by name
     schemas: list
     schemas_by_name: dict
-    # {name: class} of --env and --mcp; the schemas offered to each one's rows (None: rows without one)
+    # {name: class} of --env and --mcp; the schemas offered to
+    # each one's rows (None: rows without one)
     environments: dict
     offered: dict
-    # per row id, the prompt's token ids, rendered with the tools its row is offered
+    # per row id, the prompt's token ids, rendered with the
+    # tools its row is offered
     prompt_ids: dict
     # the token ids a generation stops on (stop_token_ids)
     stop_ids: list
-    # how the template writes tool calls (chat_format): the parser's format, the texts that end an
-    # assistant turn, how many calls a turn may hold
+    # how the template writes tool calls (chat_format): the parser's format, the
+    # texts that end an assistant turn, how many calls a turn may hold
     format: str = None
     turn_ends: list = ()
     max_calls: int = None
-    # the servers' context length, and whether they take seeded requests (served_config)
+    # the servers' context length, and whether they take
+    # seeded requests (served_config)
     max_model_len: int = None
     seeded: bool = False
-    # environment instances: the idle ones, per environment; every one made (closed at the end)
+    # environment instances: the idle ones, per environment;
+    # every one made (closed at the end)
     idle: dict = field(default_factory=dict)
     alive: list = field(default_factory=list)
 
 
 @dataclass
 class RolloutTokens:
-    """A rollout's token ids and, per token after the prompt: mask (1: sampled, trained on; 0: context,
-    a tool's result or the environment's turn), the sampler's log-prob and the version that sampled it."""
+    """A rollout's token ids and, per token after the prompt: mask (1: sampled,
+    trained on; 0: context, a tool's result or the environment's turn), the
+    sampler's log-prob and the version that sampled it."""
 
     ids: list
     n_prompt: int
@@ -126,7 +138,8 @@ class RolloutTokens:
             self.versions.append(sampled_by)
 
     def add_context(self, ids, version):
-        """Tokens not sampled: log-prob 0.0, the version now (every list has one length)."""
+        """Tokens not sampled: log-prob 0.0, the version now
+        (every list has one length)."""
         self.ids += ids
         self.mask += [0] * len(ids)
         self.logprobs += [0.0] * len(ids)
@@ -135,9 +148,11 @@ class RolloutTokens:
 
 # FORK: the tool loop (what a turn may do, when a rollout ends); the tools and environments themselves are in tools.py
 async def rollout(session, url, tok, row, args, ctx, version, greedy=False, seed=(), env=None, prompt_ids=None):
-    """Sample one conversation, in `env` if the row has an environment (an instance, reset). Keeps the
-    exact token ids: the prompt's (prompt_ids if reset added to it), then per turn the sampled ids and
-    the tools' results or the environment's turn. `seed`: the rollout's key in the run (request_seed)."""
+    """Sample one conversation, in `env` if the row has an environment
+    (an instance, reset). Keeps the exact token ids: the prompt's
+    (prompt_ids if reset added to it), then per turn the sampled ids
+    and the tools' results or the environment's turn. `seed`: the
+    rollout's key in the run (request_seed)."""
     prompt = list(prompt_ids or ctx.prompt_ids[row["id"]])
     tokens = RolloutTokens(ids=prompt, n_prompt=len(prompt))
     # the turns, as the rewards see them
@@ -163,18 +178,21 @@ async def rollout(session, url, tok, row, args, ctx, version, greedy=False, seed
         new = [token for token, _, _ in turn]
         stats["turns"] += 1
         stats["interrupted"] += interruptions
-        # stopped on a stop token (not a --sampling-args string): it stands for the template's end of turn
+        # stopped on a stop token (not a --sampling-args string):
+        # it stands for the template's end of turn
         stopped = finish_reason == "stop" and bool(new) and new[-1] in ctx.stop_ids
         text = tok.decode(new[:-1] if stopped else new, skip_special_tokens=False)
         if offered:
             before = tokens.ids[: -len(new)]
             message = parse_assistant(text, tok, before, offered_by_name, ctx.format, max_calls=ctx.max_calls)
         else:
-            # the parser runs only with tools: without them any template (or none) trains
+            # the parser runs only with tools: without them
+            # any template (or none) trains
             message = {"role": "assistant", "content": text, "tool_calls": [], "tool_call_errors": []}
         messages.append(message)
-        # How the turn ends: out of tokens; an answer, unless the environment replies to it (the one
-        # end that cuts nothing short); out of turns; else the tools' results, or the reply, follow.
+        # How the turn ends: out of tokens; an answer, unless the environment
+        # replies to it (the one end that cuts nothing short); out of turns;
+        # else the tools' results, or the reply, follow.
         if finish_reason != "stop":
             break
         calls = bool(message["tool_calls"] or message["tool_call_errors"])
@@ -192,16 +210,18 @@ async def rollout(session, url, tok, row, args, ctx, version, greedy=False, seed
         suffix = tool_result_ids(tok, history, added, offered, ctx.turn_ends, stopped=stopped)
         messages += added
         if len(tokens.ids) + len(suffix) >= ctx.max_model_len:
-            # no room left to answer: end here rather than send vLLM a request it rejects
+            # no room left to answer: end here rather than
+            # send vLLM a request it rejects
             break
         tokens.add_context(suffix, version.value)
     return {**vars(tokens), "messages": messages, **stats}
 
 
 async def generate_turn(session, url, ids, budget, version, args, ctx, greedy, seed):
-    """One assistant turn of at most `budget` tokens after `ids`: its (token id, log-prob, version)
-    triples, why it ended, and how often a sync stopped it. A stopped turn goes on from its tokens with
-    the new weights, or under --sync-mode abort starts over."""
+    """One assistant turn of at most `budget` tokens after `ids`: its (token
+    id, log-prob, version) triples, why it ended, and how often a sync
+    stopped it. A stopped turn goes on from its tokens with the new weights,
+    or under --sync-mode abort starts over."""
     turn = []
     interruptions = 0
     while True:
@@ -231,10 +251,12 @@ async def generate_turn(session, url, ids, budget, version, args, ctx, greedy, s
 
 # FORK: the sampling parameters (each one that shapes the distribution must also shape the trainer's: sampler_logprobs)
 async def generate(session, url, ids, max_tokens, args, stop_ids, greedy=False, generated=0, seed=None):
-    """One completion from vLLM: token ids in; sampled ids, their log-probs and why it ended out
-    ('abort': a sync stopped it, the ids kept). `generated`: the tokens a stopped request produced."""
-    # Every parameter that shapes the distribution is sent: vLLM fills missing ones from the
-    # checkpoint's generation_config.json (Qwen3's: top_k 20), which the trainer would not know.
+    """One completion from vLLM: token ids in; sampled ids, their log-probs and
+    why it ended out ('abort': a sync stopped it, the ids kept). `generated`:
+    the tokens a stopped request produced."""
+    # Every parameter that shapes the distribution is sent: vLLM fills
+    # missing ones from the checkpoint's generation_config.json (Qwen3's:
+    # top_k 20), which the trainer would not know.
     payload = {
         "model": args.request_model,
         "prompt": ids,
@@ -268,7 +290,8 @@ async def generate(session, url, ids, max_tokens, args, stop_ids, greedy=False, 
                 choice = (await response.json())["choices"][0]
             return choice["token_ids"], choice["logprobs"]["token_logprobs"], choice["finish_reason"]
         except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as e:
-            # a keep-alive connection the server just closed: the request holds its state, resent
+            # a keep-alive connection the server just closed:
+            # the request holds its state, resent
             if attempt == 2:
                 raise ConnectionError(f"the vLLM server {url} dropped a generation request 3 times ({e})") from None
             await asyncio.sleep(0.5 * 2**attempt)
@@ -279,15 +302,17 @@ async def generate(session, url, ids, max_tokens, args, stop_ids, greedy=False, 
 
 
 def request_seed(*key):
-    """A request's seed, from what identifies it in the run (--seed, its group, its sample, the
-    position it continues from): a run repeated with the same flags sends the same seeds (README.md:
+    """A request's seed, from what identifies it in the run (--seed,
+    its group, its sample, the position it continues from): a run
+    repeated with the same flags sends the same seeds (README.md:
     when that replays it sample for sample)."""
     return random.Random(repr(key)).getrandbits(31)
 
 
 async def run_tool_calls(message, schemas_by_name, functions, args, stats):
-    """The turn's well-formed calls, run concurrently, then an error for each that did not parse: the
-    tool messages the model sees, in order. Counted in stats (per tool; 'unknown', 'malformed')."""
+    """The turn's well-formed calls, run concurrently, then an error for each
+    that did not parse: the tool messages the model sees, in order. Counted in
+    stats (per tool; 'unknown', 'malformed')."""
     start = time.perf_counter()
     calls = [call_tool(call, schemas_by_name, args.tool_timeout, functions) for call in message["tool_calls"]]
     results, _ = await asyncio.gather(asyncio.gather(*calls), asyncio.sleep(args.tool_latency))
@@ -303,7 +328,8 @@ async def run_tool_calls(message, schemas_by_name, functions, args, stats):
         counts = stats["per_tool"].setdefault(key, [0, 0])
         counts[0] += 1
         counts[1] += not ok
-    # a lone surrogate in a tool's text (from its input or a surrogateescape decode) fails the tokenizer
+    # a lone surrogate in a tool's text (from its input or a
+    # surrogateescape decode) fails the tokenizer
     return [
         {"role": "tool", "name": n, "content": str(r).encode(errors="replace").decode()}
         for n, (r, _) in zip(names, results)
@@ -311,8 +337,9 @@ async def run_tool_calls(message, schemas_by_name, functions, args, stats):
 
 
 async def env_reply(env, message, args, stats):
-    """The environment's answer (respond) to a turn without tool calls, or None: the rollout ends. A
-    respond that raises or hangs answers with its error, a failure counted as respond's."""
+    """The environment's answer (respond) to a turn without tool calls, or
+    None: the rollout ends. A respond that raises or hangs answers with its
+    error, a failure counted as respond's."""
     if not hasattr(env, "respond"):
         return None
     reply = tools_module.call_function(env.respond, {"message": message}, "respond", args.tool_timeout)
@@ -324,7 +351,8 @@ async def env_reply(env, message, args, stats):
 
 
 async def call_tool(call, schemas_by_name, timeout, functions=tools_module.TOOLS):
-    """Run one well-formed call. Returns (result for the model, ok); never raises but EnvironmentGone."""
+    """Run one well-formed call. Returns (result for the model,
+    ok); never raises but EnvironmentGone."""
     name = call["function"]["name"]
     arguments = call["function"]["arguments"]
     if name not in schemas_by_name:
@@ -336,22 +364,25 @@ async def call_tool(call, schemas_by_name, timeout, functions=tools_module.TOOLS
 
 
 class PolicyVersion:
-    """Which weights vLLM serves: a count the sync advances, a gate it closes meanwhile, the requests
-    in flight (at most max_inflight). The sync waits for each to answer (finished or stopped) before it
-    changes the weights: the version stamped on a token sampled it."""
+    """Which weights vLLM serves: a count the sync advances, a gate it closes
+    meanwhile, the requests in flight (at most max_inflight). The sync waits for
+    each to answer (finished or stopped) before it changes the weights: the
+    version stamped on a token sampled it."""
 
     def __init__(self, max_inflight=64):
         self.value = 0
         self.open = True
         self.in_flight = 0
         self.lock = threading.Lock()
-        # our own bound, not the connection pool's: a request waiting there counts as sent
+        # our own bound, not the connection pool's: a request
+        # waiting there counts as sent
         self.slots = asyncio.Semaphore(max_inflight)
         self.idle_seconds = 0.0  # vLLM is idle while nothing is in flight
         self.idle_since = time.perf_counter()
 
     def idle(self):
-        """Seconds so far that vLLM had no request of ours (paused, or starved of work)."""
+        """Seconds so far that vLLM had no request of ours
+        (paused, or starved of work)."""
         if self.in_flight:
             return self.idle_seconds
         return self.idle_seconds + time.perf_counter() - self.idle_since
@@ -360,7 +391,8 @@ class PolicyVersion:
     async def request(self):
         async with self.slots:
             while True:
-                # the sync closes the gate under the same lock: no request slips past it
+                # the sync closes the gate under the same
+                # lock: no request slips past it
                 with self.lock:
                     if self.open:
                         self.idle_seconds = self.idle()
@@ -379,7 +411,8 @@ class PolicyVersion:
 
 
 async def score_group(samples, row, reward_weights, environments=None):
-    """Weighted sum of the reward functions over one group, and each function's values."""
+    """Weighted sum of the reward functions over one group,
+    and each function's values."""
     G = len(samples)
     kwargs = {k: [v] * G for k, v in row.items() if k not in ("prompt", "id")}
     kwargs.update(
@@ -407,8 +440,9 @@ async def score_group(samples, row, reward_weights, environments=None):
 
 # FORK: change the advantages (a group's rewards in, one number per rollout out, weighing its tokens)
 def group_advantages(rewards, scale=True, eps=1e-4):
-    """GRPO: each rollout's reward relative to its group, in units of its spread (scale) or raw (Dr.
-    GRPO: the spread over-weights groups nearly all right or wrong); all equal: zero, no signal."""
+    """GRPO: each rollout's reward relative to its group, in units of its
+    spread (scale) or raw (Dr. GRPO: the spread over-weights groups nearly all
+    right or wrong); all equal: zero, no signal."""
 
     rewards = np.asarray(rewards, dtype=np.float64)
     centred = rewards - rewards.mean()
@@ -434,16 +468,18 @@ class DroppedGroup:
 
 
 def version_at(step, sync_every):
-    """The staleness rule: the trainer's version during step `step`, a sync following every
-    --sync-every-th step. The gate predicts by it (admissible), the drop measures it (lag),
-    --resume restarts the count by it (start_sync)."""
+    """The staleness rule: the trainer's version during step `step`,
+    a sync following every --sync-every-th step. The gate predicts
+    by it (admissible), the drop measures it (lag), --resume
+    restarts the count by it (start_sync)."""
     return step // sync_every
 
 
 class Producer(threading.Thread):
-    """Streams scored groups to the trainer, numbered in the order they start; the trainer takes them
-    in that order (`take`): the gate knows when a group will be trained. With several servers, each
-    group goes to the one with the fewest running: its rollouts share the cached prompt."""
+    """Streams scored groups to the trainer, numbered in the order they start;
+    the trainer takes them in that order (`take`): the gate knows when a group
+    will be trained. With several servers, each group goes to the one with the
+    fewest running: its rollouts share the cached prompt."""
 
     def __init__(self, args, tok, rows, urls, ctx, version, cursor=None):
         super().__init__(daemon=True, name="producer")
@@ -457,8 +493,9 @@ class Producer(threading.Thread):
         # a ScoredGroup or a DroppedGroup as each group finishes
         self.queue = queue.Queue()
         self.ready = {}  # finished groups by number, until their turn
-        # next_index: the next group to hand out; skipped_groups: not trained (equal rewards, too
-        # stale, a failed reward); stale_samples, reward_failures: counters. Checkpoints save them.
+        # next_index: the next group to hand out; skipped_groups: not trained
+        # (equal rewards, too stale, a failed reward); stale_samples,
+        # reward_failures: counters. Checkpoints save them.
         self.cursor = {
             "next_index": 0,
             "skipped_groups": 0,
@@ -480,7 +517,8 @@ class Producer(threading.Thread):
             self.error = e
 
     def stop(self, timeout=10):
-        # a callback queued before run() starts the loop runs once _produce's task exists
+        # a callback queued before run() starts the loop runs
+        # once _produce's task exists
         if self.is_alive():
             self.loop.call_soon_threadsafe(lambda: cancel_all(asyncio.all_tasks(self.loop)))
             self.join(timeout)
@@ -494,12 +532,14 @@ class Producer(threading.Thread):
             yield from rows
 
     def admissible(self, index):
-        """The staleness gate: start group `index` only if, at the step that trains it ((index -
-        skipped) // prompts_per_step, or earlier after more skips), the trainer is at most
-        --max-staleness versions past the weights vLLM serves now.
+        """The staleness gate: start group `index` only if, at the step
+        that trains it ((index - skipped) // prompts_per_step, or earlier
+        after more skips), the trainer is at most --max-staleness
+        versions past the weights vLLM serves now.
 
-        E.g. --prompts-per-step 2 --sync-every 2 --max-staleness 1, vLLM at version 0: groups 0-7
-        (steps 0-3, versions 0, 0, 1, 1) pass; groups 8-11 (steps 4-5, version 2) wait for version 1."""
+        E.g. --prompts-per-step 2 --sync-every 2 --max-staleness 1, vLLM at
+        version 0: groups 0-7 (steps 0-3, versions 0, 0, 1, 1) pass; groups 8-11
+        (steps 4-5, version 2) wait for version 1."""
         step = (index - self.cursor["skipped_groups"]) // self.args.prompts_per_step
         ahead = version_at(step, self.args.sync_every) - self.version.value
         return ahead <= self.args.max_staleness
@@ -517,25 +557,29 @@ class Producer(threading.Thread):
                             continue
                         first = asyncio.FIRST_COMPLETED
                         done, pending = await asyncio.wait(pending, timeout=0.05, return_when=first)
-                        # each error retrieved (else asyncio warns); the first stops the producer
+                        # each error retrieved (else asyncio
+                        # warns); the first stops the producer
                         failed = [task for task in done if not task.cancelled() and task.exception()]
                         if failed:
                             raise failed[0].exception()
                     pending.add(asyncio.create_task(self._group(session, row, started)))
                     started += 1
             finally:
-                # on stop or error, no group is left running against a server going away
+                # on stop or error, no group is left running
+                # against a server going away
                 cancel_all(pending)
                 await asyncio.gather(*pending, return_exceptions=True)
                 await tools_module.close_environments(self.ctx, self.args.tool_timeout)
 
     def enough_started(self, pending):
-        """Rollouts started up to twice what vLLM takes at once (--max-inflight): the next ones wait
-        ready (environments reset) behind PolicyVersion's slots."""
+        """Rollouts started up to twice what vLLM takes at once
+        (--max-inflight): the next ones wait ready
+        (environments reset) behind PolicyVersion's slots."""
         return len(pending) * self.args.num_generations >= 2 * self.args.max_inflight
 
     async def _group(self, session, row, index):
-        """Group `index`, on the server with the fewest groups running, scored and queued."""
+        """Group `index`, on the server with the fewest
+        groups running, scored and queued."""
         n = self.args.num_generations
         urls = [min(self.urls, key=self.running.get)] * n
         seeds = [(self.args.seed, index, i) for i in range(n)]
@@ -552,9 +596,10 @@ class Producer(threading.Thread):
         self.queue.put(ScoredGroup(index, samples))
 
     async def rollout_and_score(self, session, row, urls, seeds, greedy=False, counted=False):
-        """The group pipeline of training and evaluation: environments reset, rollout k on urls[k]
-        (`greedy`: the first greedy), the rewards. Returns the rollouts, rewards and each reward's
-        values; raises Dropped. `counted` (training): running on urls[0], then scoring."""
+        """The group pipeline of training and evaluation: environments reset,
+        rollout k on urls[k] (`greedy`: the first greedy), the rewards. Returns
+        the rollouts, rewards and each reward's values; raises Dropped.
+        `counted` (training): running on urls[0], then scoring."""
         n = len(seeds)
         busy = int(counted)
         timeout = self.args.tool_timeout
@@ -588,9 +633,11 @@ class Producer(threading.Thread):
         return samples, rewards, parts
 
     def take(self, n, timeout, interrupted=lambda: False):
-        """The next n trainable groups in start order, past those of equal rewards (--skip-zero-variance)
-        and, warned and counted, those too stale (the gate leaves none) or whose rewards failed. Raises
-        if the producer died, no batch came in time, every recent reward failed or interrupted()."""
+        """The next n trainable groups in start order, past those of
+        equal rewards (--skip-zero-variance) and, warned and counted,
+        those too stale (the gate leaves none) or whose rewards failed.
+        Raises if the producer died, no batch came in time, every
+        recent reward failed or interrupted()."""
         groups = []
         deadline = time.monotonic() + timeout
         # groups skipped for equal rewards, which a timeout's message counts
@@ -604,7 +651,8 @@ class Producer(threading.Thread):
                 f"({self.version.in_flight} requests in vLLM) and {self.scoring} are being scored{skipped}"
             )
 
-        # has the group numbered cursor['next_index'] finished? (groups finish out of order)
+        # has the group numbered cursor['next_index']
+        # finished? (groups finish out of order)
         def arrived():
             until = time.monotonic() + 0.1
             with contextlib.suppress(queue.Empty):
@@ -628,7 +676,8 @@ class Producer(threading.Thread):
         return groups
 
     def why_not_trained(self, item):
-        """None for a group to train; else why not (counted; warned unless for equal rewards)."""
+        """None for a group to train; else why not (counted;
+        warned unless for equal rewards)."""
         if isinstance(item, DroppedGroup):
             self.failures_in_a_row += 1
             self.cursor["reward_failures"] += 1
@@ -651,15 +700,17 @@ class Producer(threading.Thread):
         return None
 
     def lag(self, group):
-        """Versions between the trainer now (version_at the step that takes it) and the group's
-        oldest trained token: what admissible() predicted, measured."""
+        """Versions between the trainer now (version_at the step
+        that takes it) and the group's oldest trained token:
+        what admissible() predicted, measured."""
         versions = [v for s in group for v, m in zip(s["versions"], s["mask"]) if m]
         return self.version.value - min(versions, default=self.version.value)
 
     def wait(self, done, deadline, interrupted, late):
-        """Every wait of the trainer on the producer (data, evaluation): until done(), which may
-        block 0.1 s. Raises once the thread has ended (with its error) or at the deadline (late());
-        returns False if interrupted() (a stop signal) first."""
+        """Every wait of the trainer on the producer (data, evaluation):
+        until done(), which may block 0.1 s. Raises once the thread has
+        ended (with its error) or at the deadline (late()); returns False
+        if interrupted() (a stop signal) first."""
         while not done():
             # read before the error, which the thread sets before it ends
             ended = not self.is_alive()
@@ -709,7 +760,8 @@ def loss_settings(args):
 
 # FORK: change the loss (the terms are named as in the papers; train_step calls this)
 def grpo_loss(logp, sampler_logp, advantages, mask, settings, num_tokens=1, num_sequences=1, ref_logp=None):
-    """The negated objective of one micro-batch, its share of the step's, in the code's names:
+    """The negated objective of one micro-batch, its share of
+    the step's, in the code's names:
 
         J = 1/Z sum_i sum_t keep (is_weight surrogate - beta kl)
         surrogate = min(ratio A, clipped A)    ratio = exp(logp - old_logp)
@@ -722,16 +774,19 @@ def grpo_loss(logp, sampler_logp, advantages, mask, settings, num_tokens=1, num_
         gspo         sequence  min(ratio A, clipped A)  sequences (GSPO)
         cispo        token     sg(clipped) A logp       the step's loss tokens (MiniMax-M1)
 
-    logp (with gradient), sampler_logp (vLLM's), mask: [B, T]; A = advantages: [B]. old_logp:
-    sampler_logp, or with --is-correction logp without gradient. A sequence's ratio: its
-    tokens' geometric mean. is_weight: importance_weights; keep: off_policy_keep; kl:
-    kl_to_reference. num_tokens, num_sequences: the whole step's, every micro-batch and rank.
+    logp (with gradient), sampler_logp (vLLM's), mask: [B, T]; A = advantages:
+    [B]. old_logp: sampler_logp, or with --is-correction logp without gradient.
+    A sequence's ratio: its tokens' geometric mean. is_weight:
+    importance_weights; keep: off_policy_keep; kl: kl_to_reference. num_tokens,
+    num_sequences: the whole step's, every micro-batch and rank.
 
-    With --is-correction the clip never binds: a batch gets one update, so ratio is 1, inside
-    the clip, and the gradient is is_weight A grad logp (decoupled PPO): is_weight bounds it."""
+    With --is-correction the clip never binds: a batch gets one update, so
+    ratio is 1, inside the clip, and the gradient is is_weight A grad logp
+    (decoupled PPO): is_weight bounds it."""
     s = settings
     per_sequence = s.loss_type == "gspo"
-    # log pi_trainer / pi_sampler, without gradient: numeric mismatch plus staleness
+    # log pi_trainer / pi_sampler, without gradient: numeric
+    # mismatch plus staleness
     log_is_ratio = (logp.detach() - sampler_logp) * mask
     is_ratio, is_weight = importance_weights(log_is_ratio, mask, s)
     old_logp = sampler_logp if s.is_correction == "none" else logp.detach()
@@ -741,7 +796,8 @@ def grpo_loss(logp, sampler_logp, advantages, mask, settings, num_tokens=1, num_
     clipped = torch.clamp(ratio, 1 - s.epsilon, 1 + s.epsilon_high)
     A = advantages[:, None]
     if s.loss_type == "cispo":
-        # the clipped ratio, without gradient, weighs grad log pi: clipped tokens still count
+        # the clipped ratio, without gradient, weighs grad
+        # log pi: clipped tokens still count
         surrogate = clipped.detach() * A * logp
     else:
         # PPO's pessimistic bound: the clipped term wherever it is lower
@@ -755,10 +811,12 @@ def grpo_loss(logp, sampler_logp, advantages, mask, settings, num_tokens=1, num_
     keep = off_policy_keep(log_is_ratio, A, mask, s)
     per_token = per_token * keep
     if s.loss_type == "gspo":
-        # one clipped ratio per sequence; a sequence without loss tokens counts 0
+        # one clipped ratio per sequence; a sequence without
+        # loss tokens counts 0
         loss = (per_token * (mask.sum(1, keepdim=True) > 0)).sum() / num_sequences
     elif s.loss_type == "sequence":
-        # the GRPO paper: the mean over each sequence's tokens, then over the sequences
+        # the GRPO paper: the mean over each sequence's
+        # tokens, then over the sequences
         loss = sequence_mean(per_token, mask).sum() / num_sequences
     elif s.loss_type == "constant":
         # Dr. GRPO: a sequence's length does not change the weight of its tokens
@@ -777,11 +835,13 @@ def sequence_mean(x, mask):
 
 
 def importance_weights(log_is_ratio, mask, settings):
-    """is_ratio = pi_trainer / pi_sampler, and is_weight, the correction's weight: is_ratio
-    truncated at the threshold (tis), 0 outside [1 / threshold, threshold] (mis), or 1.
+    """is_ratio = pi_trainer / pi_sampler, and is_weight, the
+    correction's weight: is_ratio truncated at the threshold (tis), 0
+    outside [1 / threshold, threshold] (mis), or 1.
 
-    Per sequence (--is-level sequence; gspo), is_ratio is its tokens' geometric mean: 1000
-    ratios within 1% of 1 multiply to anywhere in e^-10..e^10, cut for their length alone."""
+    Per sequence (--is-level sequence; gspo), is_ratio is its tokens'
+    geometric mean: 1000 ratios within 1% of 1 multiply to anywhere in
+    e^-10..e^10, cut for their length alone."""
     s = settings
     per_sequence = s.is_level == "sequence" or s.loss_type == "gspo"
     is_ratio = torch.exp(sequence_mean(log_is_ratio, mask) if per_sequence else log_is_ratio)
@@ -794,9 +854,10 @@ def importance_weights(log_is_ratio, mask, settings):
 
 
 def kl_to_reference(logp, ref_logp, sampler_logp, corrected):
-    """Per token, KL(pi_theta || pi_ref) by the k3 estimator (unbiased, never negative) under
-    pi_theta. The tokens come from pi_sampler: corrected (--kl-correction, DeepSeek-V3.2)
-    weighs each by pi_theta / pi_sampler, which makes it unbiased."""
+    """Per token, KL(pi_theta || pi_ref) by the k3 estimator (unbiased,
+    never negative) under pi_theta. The tokens come from pi_sampler:
+    corrected (--kl-correction, DeepSeek-V3.2) weighs each by pi_theta
+    / pi_sampler, which makes it unbiased."""
     delta = ref_logp - logp
     kl = torch.exp(delta) - delta - 1
     if corrected:
@@ -805,9 +866,10 @@ def kl_to_reference(logp, ref_logp, sampler_logp, corrected):
 
 
 def off_policy_keep(log_is_ratio, A, mask, settings):
-    """keep: True where the loss keeps a token. sequence (DeepSeek-V3.2) drops a sequence
-    with A < 0 whose mean log(pi_sampler / pi_trainer) is past the threshold (it would push
-    down tokens already less likely); token (IcePop), a token whose |log is_ratio| is."""
+    """keep: True where the loss keeps a token. sequence (DeepSeek-V3.2)
+    drops a sequence with A < 0 whose mean log(pi_sampler / pi_trainer) is
+    past the threshold (it would push down tokens already less likely); token
+    (IcePop), a token whose |log is_ratio| is."""
     s = settings
     if s.off_policy_mask == "sequence":
         # [B, 1]
@@ -820,7 +882,8 @@ def off_policy_keep(log_is_ratio, A, mask, settings):
 
 @torch.no_grad()
 def loss_statistics(mask, settings, ratio, clipped, log_is_ratio, is_ratio, is_weight, keep, kl):
-    """The loss's figures: means over the loss tokens, extremes of the token ratios."""
+    """The loss's figures: means over the loss tokens,
+    extremes of the token ratios."""
     n = mask.sum().clamp(min=1)
     tokens = mask.bool()
     token_ratio = torch.exp(log_is_ratio)
@@ -852,16 +915,18 @@ def loss_statistics(mask, settings, ratio, clipped, log_is_ratio, is_ratio, is_w
 
 
 def train_step(model, optimizer, samples, num_tokens, num_sequences, settings):
-    """One optimizer step on this rank's samples: each micro-batch's batch, log-probs, loss and
-    backward, then the gradient clipped and the update. settings: StepSettings."""
+    """One optimizer step on this rank's samples: each micro-batch's
+    batch, log-probs, loss and backward, then the gradient clipped
+    and the update. settings: StepSettings."""
     s = settings
     model.train()
     # its width and window shape the rows (collate)
     config = getattr(model, "module", model).config.get_text_config()
     micros = equal_micro_batches(samples, config.hidden_size, s)
     normalisers = dict(num_tokens=num_tokens, num_sequences=num_sequences)
-    # autocast's cache would keep a bf16 copy of each weight (FSDP's gathered ones too) until
-    # the backward ends; without it a weight is cast where it is used
+    # autocast's cache would keep a bf16 copy of each weight
+    # (FSDP's gathered ones too) until the backward ends;
+    # without it a weight is cast where it is used
     bf16 = s.dtype == torch.bfloat16
     # tokens through the model: each group's prompt once where it is shared
     forwarded = 0
@@ -869,8 +934,8 @@ def train_step(model, optimizer, samples, num_tokens, num_sequences, settings):
     for i, micro in enumerate(micros):
         batch = collate(micro, s.pad_id, s.device, s.min_tokens, config=config, dtype=s.dtype, **s.layout)
         forwarded += batch["tokens"]
-        # DDP all-reduces in the last backward only. FSDP reduce-scatters in each: else every
-        # rank would hold the unsharded gradients
+        # DDP all-reduces in the last backward only. FSDP reduce-scatters in
+        # each: else every rank would hold the unsharded gradients
         accumulate = i < len(micros) - 1 and hasattr(model, "no_sync")
         with (
             model.no_sync() if accumulate else contextlib.nullcontext(),
@@ -894,7 +959,8 @@ def train_step(model, optimizer, samples, num_tokens, num_sequences, settings):
 
 
 def micro_batch_loss(batch, logps, settings, num_tokens, num_sequences):
-    """A micro-batch's loss and figures from its token_logprobs (logp, removed, entropy)."""
+    """A micro-batch's loss and figures from its
+    token_logprobs (logp, removed, entropy)."""
     s = settings
     logp, removed, entropy = logps
     ref_logp = None
@@ -919,8 +985,9 @@ def micro_batch_loss(batch, logps, settings, num_tokens, num_sequences):
 
 
 class SyncPart:
-    """What a sync sends (served_weights' `part`; --lora-sync picks MERGED or ADAPTER): the weights
-    as vLLM serves them (LoRA: W + scale * B @ A), W unmerged, or the adapter (lora_A, lora_B)."""
+    """What a sync sends (served_weights' `part`; --lora-sync picks MERGED or
+    ADAPTER): the weights as vLLM serves them (LoRA: W + scale * B @ A), W
+    unmerged, or the adapter (lora_A, lora_B)."""
 
     MERGED = "merged"
     BASE = "base"
@@ -928,8 +995,9 @@ class SyncPart:
 
 
 class WeightSync:
-    """Trainer side of the sync to the servers at `urls`. One group (sync_group) holds rank 0 and
-    every worker of every server: one broadcast reaches all. Made at the first sync."""
+    """Trainer side of the sync to the servers at `urls`. One group
+    (sync_group) holds rank 0 and every worker of every server: one
+    broadcast reaches all. Made at the first sync."""
 
     def __init__(self, urls, args, dtype, version, failure=lambda: None, backend=None):
         self.urls = urls
@@ -939,7 +1007,8 @@ class WeightSync:
         # the servers' (served_config): the weights travel in it
         self.dtype = dtype
         self.version = version
-        # gloo or nccl: the device plan's, or what --vllm-url servers allow (Run.sync_backend)
+        # gloo or nccl: the device plan's, or what --vllm-url
+        # servers allow (Run.sync_backend)
         self.backend = backend or args.plan["sync_backend"]
         # why a server failed, from the watchdog (watch_servers), or None
         self.failure = failure
@@ -947,14 +1016,16 @@ class WeightSync:
         # the group's store: how the workers learn of an abort
         self.store = None
         self.pool = ThreadPoolExecutor(len(urls))
-        # the live check of the first sync of moved weights (weights_arrive; start_sync sets it)
+        # the live check of the first sync of moved weights
+        # (weights_arrive; start_sync sets it)
         self.check = None
         # the bytes the last sync sent
         self.sent_bytes = 0
 
     def _rpc(self, url, method, **kwargs):
-        """Call `method` on every worker of one server; a future (on the pool's threads: the workers
-        block in the collective until the trainer joins it)."""
+        """Call `method` on every worker of one server; a future
+        (on the pool's threads: the workers block in the
+        collective until the trainer joins it)."""
         payload = {"method": method, "kwargs": kwargs}
         where = f"{url}/collective_rpc"
         return self.pool.submit(http, where, payload, self.timeout, "--sync-timeout")
@@ -964,7 +1035,8 @@ class WeightSync:
             http(f"{url}/{path}", {}, self.timeout, "--sync-timeout")
 
     def _connect(self, model):
-        """The first sync: every server must know every name it will receive; then the group."""
+        """The first sync: every server must know every name
+        it will receive; then the group."""
         names = [name for name, _, _ in served_weights(model, include_frozen=True)]
         refuse_unknown_names(self.urls, names, self._rpc, model.config.model_type)
         # workers per server
@@ -993,8 +1065,9 @@ class WeightSync:
         def joining():
             return next((f.exception() for f in joined if f.done() and f.exception()), None)
 
-        # NCCL makes a communicator at its first collective, blocking until every rank is in it:
-        # one element here, as the workers join and before vLLM pauses, not in the first bucket's
+        # NCCL makes a communicator at its first collective, blocking until
+        # every rank is in it: one element here, as the workers join and before
+        # vLLM pauses, not in the first bucket's
         device = next(served_weights(model))[1].device
         first = [("warm-up", torch.zeros(1, device=device), None)]
         try:
@@ -1007,8 +1080,9 @@ class WeightSync:
             raise ConnectionError(f"the weight sync group with {servers} failed to start: {e}") from None
 
     def __call__(self, model, include_frozen=False):
-        """One sync: close the gate (no request leaves until the new weights serve), drain vLLM, send
-        the weights (include_frozen: all, not only the trained), resume, advance the version."""
+        """One sync: close the gate (no request leaves until the new weights
+        serve), drain vLLM, send the weights (include_frozen: all, not only the
+        trained), resume, advance the version."""
         t0 = time.perf_counter()
         if self.group is None:
             self._connect(model)
@@ -1020,8 +1094,9 @@ class WeightSync:
         try:
             self._send_weights(model, deadline, include_frozen)
         except BaseException:
-            # also after a failure: --vllm-url servers outlive the run, and a paused one serves no
-            # one; a dead server answers no resume, and its failure is what the run reports
+            # also after a failure: --vllm-url servers outlive the run, and
+            # a paused one serves no one; a dead server answers no resume,
+            # and its failure is what the run reports
             with contextlib.suppress(Exception):
                 self._all("resume")
             raise
@@ -1035,11 +1110,13 @@ class WeightSync:
         return time.perf_counter() - t0
 
     def _drain(self, deadline):
-        """Pause every server (which clears the old weights' caches) and stop the requests in flight:
-        rollout() continues what they generated (keep) or starts over (abort)."""
+        """Pause every server (which clears the old weights' caches) and
+        stop the requests in flight: rollout() continues what they
+        generated (keep) or starts over (abort)."""
         mode = "wait" if self.args.sync_mode == "wait" else "abort"
         self._all(f"pause?mode={mode}")
-        # a request that reached vLLM after the pause waits in its queue: stop it
+        # a request that reached vLLM after the pause waits
+        # in its queue: stop it
         while self.version.in_flight:
             if time.monotonic() > deadline:
                 late = f"{self.version.in_flight} requests did not answer the pause"
@@ -1048,8 +1125,8 @@ class WeightSync:
             time.sleep(0.01)
 
     def _send_weights(self, model, deadline, include_frozen):
-        """The weights, merged. --lora-sync adapter: the adapter, after W where the servers may
-        hold other weights (include_frozen)."""
+        """The weights, merged. --lora-sync adapter: the adapter, after W where
+        the servers may hold other weights (include_frozen)."""
         if self.args.lora_sync == SyncPart.MERGED:
             self._send(model, "receive_weights", deadline, SyncPart.MERGED, include_frozen)
             return
@@ -1058,13 +1135,14 @@ class WeightSync:
         config = model.peft_config["default"].to_dict()
         config = json.loads(json.dumps(config, default=sorted))
         answers = self._send(model, "receive_adapter", deadline, SyncPart.ADAPTER, config=config)
-        # each server's first worker wrote it; the folder is on that server's host
+        # each server's first worker wrote it; the folder is
+        # on that server's host
         for url, workers in zip(self.urls, answers):
             load_adapter(url, workers[0], self.timeout)
 
     def _send(self, model, method, deadline, part, include_frozen=False, **kwargs):
-        """Broadcast the weights of `part` (served_weights) to every worker, which loads them in
-        `method`; each server's workers' answers."""
+        """Broadcast the weights of `part` (served_weights) to every worker,
+        which loads them in `method`; each server's workers' answers."""
         size = self.args.sync_bucket_bytes
         buckets = pack_buckets(model, size, self.dtype, include_frozen, part)
         numel = sum(p.numel() for b in buckets for _, p, _ in b)
@@ -1079,7 +1157,8 @@ class WeightSync:
         ]
         received = [self._rpc(url, method, buckets=meta, **kwargs) for url in self.urls]
 
-        # why the workers cannot finish: a server's error answer (naming it), or the watchdog's
+        # why the workers cannot finish: a server's error
+        # answer (naming it), or the watchdog's
         def failed():
             answer = next((f.exception() for f in received if f.done() and f.exception()), None)
             return answer or self.failure()
@@ -1095,9 +1174,10 @@ class WeightSync:
             raise ConnectionError(f"the weight sync to {servers} failed: {e}") from None
 
     def _abort(self, error):
-        """The workers are out of step: the group is aborted (a next sync makes a new one), and every
-        worker told through its store (arrived): NCCL's abort reaches no other rank, and a worker
-        waiting on a broadcast would hold its server until its watchdog ended it."""
+        """The workers are out of step: the group is aborted (a next sync makes
+        a new one), and every worker told through its store (arrived): NCCL's
+        abort reaches no other rank, and a worker waiting on a broadcast would
+        hold its server until its watchdog ended it."""
         with contextlib.suppress(Exception):
             self.store.set("abort", str(error))
         self.group.abort()
@@ -1105,7 +1185,8 @@ class WeightSync:
 
 
 def pack_buckets(model, bucket_bytes, dtype, include_frozen=False, part=SyncPart.MERGED):
-    """The weights to send (served_weights) in buckets of about bucket_bytes: one broadcast each."""
+    """The weights to send (served_weights) in buckets of
+    about bucket_bytes: one broadcast each."""
     buckets = []
     current = []  # the bucket being filled
     size = 0  # its bytes
@@ -1120,10 +1201,12 @@ def pack_buckets(model, bucket_bytes, dtype, include_frozen=False, part=SyncPart
 
 
 def served_weights(model, include_frozen=False, part=SyncPart.MERGED):
-    """(name as vLLM knows it, weight, its LoRA layer or None) for each weight a sync sends: the
-    trained ones (vLLM holds a frozen vision tower); --lora-rank: those of the modules holding an
-    adapted layer (vLLM fuses q/k/v into qkv_proj, reloads it whole), with include_frozen all. Part
-    BASE: every weight as it is (W); ADAPTER: lora_A and lora_B, named as peft saves them."""
+    """(name as vLLM knows it, weight, its LoRA layer or None) for each
+    weight a sync sends: the trained ones (vLLM holds a frozen vision
+    tower); --lora-rank: those of the modules holding an adapted layer
+    (vLLM fuses q/k/v into qkv_proj, reloads it whole), with
+    include_frozen all. Part BASE: every weight as it is (W); ADAPTER:
+    lora_A and lora_B, named as peft saves them."""
     if not hasattr(model, "peft_config"):
         yield from ((name, p, None) for name, p in model.named_parameters() if p.requires_grad)
         return
@@ -1134,7 +1217,8 @@ def served_weights(model, include_frozen=False, part=SyncPart.MERGED):
         yield from ((name, p, None) for name, p in get_peft_model_state_dict(model).items())
         return
 
-    # peft's names: ...q_proj.base_layer.weight (W), ...q_proj.lora_A.default.weight
+    # peft's names: ...q_proj.base_layer.weight (W),
+    # ...q_proj.lora_A.default.weight
     base = model.get_base_model()
     adapted = {name: m for name, m in base.named_modules() if isinstance(m, LoraLayer)}
     parents = {name.rpartition(".")[0] for name in adapted}
@@ -1147,14 +1231,16 @@ def served_weights(model, include_frozen=False, part=SyncPart.MERGED):
 
 @torch.no_grad()
 def merged(p, lora):
-    """The weight vLLM serves: p (gathered under --fsdp), or W + scale * B @ A, a new tensor."""
+    """The weight vLLM serves: p (gathered under --fsdp), or
+    W + scale * B @ A, a new tensor."""
     p = p.detach().full_tensor() if isinstance(p, DTensor) else p.detach()
     return p + lora.get_delta_weight("default") if lora else p
 
 
 def flatten(bucket, dtype):
-    """One bucket's full weights in one buffer. Under --fsdp full_tensor() gathers a parameter's
-    shards, a collective: every rank flattens the same buckets in order (help_sync)."""
+    """One bucket's full weights in one buffer. Under --fsdp
+    full_tensor() gathers a parameter's shards, a collective: every rank
+    flattens the same buckets in order (help_sync)."""
     flat = torch.empty(sum(p.numel() for _, p, _ in bucket), dtype=dtype, device=bucket[0][1].device)
     for (_, p, lora), part in zip(bucket, flat.split([p.numel() for _, p, _ in bucket])):
         part.copy_(merged(p, lora).flatten())  # casts in the same pass
@@ -1162,10 +1248,11 @@ def flatten(bucket, dtype):
 
 
 def send_weights(group, buckets, dtype, timeout, failed=lambda: None):
-    """Rank 0's broadcast of the buckets, one flat buffer each: bucket k+1 is packed while bucket k
-    travels. Rank 0 never waits in a collective it cannot leave: it polls each broadcast, watching
-    failed() (why the workers cannot finish, or None) and `timeout`, and raises before the backend's
-    own timeout, at which NCCL's watchdog would end the process, nothing saved."""
+    """Rank 0's broadcast of the buckets, one flat buffer each: bucket k+1 is
+    packed while bucket k travels. Rank 0 never waits in a collective it cannot
+    leave: it polls each broadcast, watching failed() (why the workers cannot
+    finish, or None) and `timeout`, and raises before the backend's own timeout,
+    at which NCCL's watchdog would end the process, nothing saved."""
 
     deadline = time.monotonic() + timeout
 
@@ -1189,7 +1276,8 @@ def send_weights(group, buckets, dtype, timeout, failed=lambda: None):
 
 
 def help_sync(model, args, dtype):
-    """The other ranks' part of rank 0's sync under --fsdp: gathering each bucket with it."""
+    """The other ranks' part of rank 0's sync under --fsdp:
+    gathering each bucket with it."""
     for bucket in pack_buckets(model, args.sync_bucket_bytes, dtype):
         flatten(bucket, dtype)
 
@@ -1217,7 +1305,8 @@ def main(argv=None):
 
 @dataclass
 class Run:
-    """What lives through a run, filled by main's phases in order; rank 0 holds servers, producer, logs."""
+    """What lives through a run, filled by main's phases in order;
+    rank 0 holds servers, producer, logs."""
 
     args: argparse.Namespace
     rank: int
@@ -1242,8 +1331,8 @@ class Run:
     servers: list = field(default_factory=list)  # the vLLM servers started here
     urls: list = field(default_factory=list)  # every server's, started here or --vllm-url
     server_failure: str = None  # why a server failed, from watch_servers
-    # collate's rows: a group's prompt once (share: --share-prefix, unless the model refuses it),
-    # packed where a varlen kernel runs (choose_layout)
+    # collate's rows: a group's prompt once (share: --share-prefix, unless the
+    # model refuses it), packed where a varlen kernel runs (choose_layout)
     layout: dict = None
     layout_reasons: dict = None  # each choice of the layout: "on", or why not
     served_dtype: object = None  # the dtype the servers compute in
@@ -1299,14 +1388,17 @@ def set_up(argv):
             (run.out_dir / "args.json").write_text(json.dumps(vars(args), indent=1))
         except OSError as e:
             raise SystemExit(f"--output-dir {run.out_dir} is not writable ({e}); pass a directory you can write to")
-    # the checkpoint holds the model and tokenizer too: both vLLM and the trainer load it
+    # the checkpoint holds the model and tokenizer too: both
+    # vLLM and the trainer load it
     if args.resume:
         if not (run.out_dir / "checkpoint" / "trainer_state.pt").exists():
             raise SystemExit(f"--resume: no checkpoint in {run.out_dir / 'checkpoint'}")
         run.model_path = str((run.out_dir / "checkpoint").resolve())
-        # to CPU, whatever device wrote it; mapped: each rank reads only the tensors it uses
+        # to CPU, whatever device wrote it; mapped: each rank
+        # reads only the tensors it uses
         run.resumed = torch.load(Path(run.model_path) / "trainer_state.pt", "cpu", mmap=True, weights_only=False)
-    # each rank its own streams, and on --resume the step's too: none repeats its draws
+    # each rank its own streams, and on --resume the step's
+    # too: none repeats its draws
     for seed in (random.seed, np.random.seed, torch.manual_seed):
         seed(args.seed + rank + world_size * (run.resumed["step"] if run.resumed else 0))
     return run
@@ -1352,8 +1444,9 @@ def load_data(run):
 
 
 def load_policy_and_optimizer(run):
-    """The policy on this rank's device, whole or its shards (run.policy; run.model: DDP around
-    it), probed and laid out; --beta's frozen reference; the optimizer; --resume's state."""
+    """The policy on this rank's device, whole or its shards (run.policy;
+    run.model: DDP around it), probed and laid out; --beta's frozen
+    reference; the optimizer; --resume's state."""
     from transformers import AutoProcessor
 
     args = run.args
@@ -1363,26 +1456,30 @@ def load_policy_and_optimizer(run):
     if run.resumed and run.resumed.get("lora_rank", 0) != args.lora_rank:
         rank = run.resumed.get("lora_rank", 0)
         raise SystemExit(f"--resume: this checkpoint was trained with --lora-rank {rank}; resume with it")
-    # a LoRA checkpoint holds merged weights (vLLM's): the adapter goes on the initial model
+    # a LoRA checkpoint holds merged weights (vLLM's): the
+    # adapter goes on the initial model
     resumed_lora = args.lora_rank and run.resumed
     model = load_checked(run, run.initial_model if resumed_lora else run.model_path)
     prompts = [len(ids) for ids in run.ctx.prompt_ids.values()]
     run.layout, run.layout_reasons = choose_layout(
         model, args, run.device, prompts=prompts, logprobs=probe_logprobs, verbose=run.is_main
     )
-    # after the probes (fp32, eager): --activation-checkpointing, --compile, --fsdp's bf16 on one GPU
+    # after the probes (fp32, eager): --activation-checkpointing,
+    # --compile, --fsdp's bf16 on one GPU
     model = set_up_compute(model, args, run.device)
     check_prompts_fit(run, model)
     if args.lora_rank:
         model = with_lora(model, args, run.resumed and Path(run.model_path) / "adapter")
     run.policy = run.model = model
-    # vLLM serves an image-text checkpoint only with its image processor: checkpoints keep it
+    # vLLM serves an image-text checkpoint only with its
+    # image processor: checkpoints keep it
     image_text = hasattr(model.config, "vision_config")
     run.saved_with = AutoProcessor.from_pretrained(run.model_path) if image_text else run.tok
     if args.beta:
         run.reference = load_on_device(run, run.initial_model).requires_grad_(False)
     if run.layout["packed"] and run.reference:
-        # the reference's attention to packed rows too (the verdict was the policy's)
+        # the reference's attention to packed rows too (the
+        # verdict was the policy's)
         segments_refused(run.reference, probe_logprobs)
     if run.world_size > 1 and not args.fsdp:
         devices = [run.device.index] if run.device.type == "cuda" else None
@@ -1391,8 +1488,9 @@ def load_policy_and_optimizer(run):
 
 
 def limit_memory(run):
-    """Rank 0 beside a server on its GPU: the share of its memory the trainer may take
-    (memory_share), from the model's shapes (on the meta device: nothing read)."""
+    """Rank 0 beside a server on its GPU: the share of its
+    memory the trainer may take (memory_share), from the model's
+    shapes (on the meta device: nothing read)."""
     shapes = load_policy(run.model_path, empty=True)
     sizes = [p.numel() for p in shapes.parameters()]
     trained = 0 if run.args.lora_rank else sum(p.numel() for p in shapes.parameters() if p.requires_grad)
@@ -1402,14 +1500,16 @@ def limit_memory(run):
 
 
 def load_on_device(run, path):
-    """The model at `path` on this rank's device: whole, or its shards (--fsdp, several ranks)."""
+    """The model at `path` on this rank's device: whole, or
+    its shards (--fsdp, several ranks)."""
     if run.args.fsdp and run.world_size > 1:
         return load_sharded(path, run.device)
     return load_policy(path).to(run.device)
 
 
 def load_checked(run, path):
-    """The policy, loaded and probed: its log-probs must be what its output layer computes."""
+    """The policy, loaded and probed: its log-probs must be
+    what its output layer computes."""
     try:
         model = load_on_device(run, path)
     except Exception as e:
@@ -1437,10 +1537,12 @@ def check_prompts_fit(run, model):
 
 
 def make_optimizer(run):
-    """AdamW over the trained parameters, the learning rate's warm-up; --resume: their state, the step."""
+    """AdamW over the trained parameters, the learning rate's
+    warm-up; --resume: their state, the step."""
     args = run.args
-    # Fused AdamW: foreach's step holds 4 bytes a trained parameter on CUDA (memory_share), loops on
-    # CPU (0.35 -> 0.08 s a step, SmolLM2-135M: docs/performance.md). Not on CPU under --fsdp: untested.
+    # Fused AdamW: foreach's step holds 4 bytes a trained parameter on CUDA
+    # (memory_share), loops on CPU (0.35 -> 0.08 s a step, SmolLM2-135M:
+    # docs/performance.md). Not on CPU under --fsdp: untested.
     fused = run.device.type == "cuda" or not args.fsdp
     trained = [p for p in run.policy.parameters() if p.requires_grad]
     run.optimizer = torch.optim.AdamW(trained, lr=args.lr, weight_decay=args.weight_decay, fused=fused)
@@ -1472,8 +1574,9 @@ def make_optimizer(run):
 
 
 def start_generation(run):
-    """Rank 0: the vLLM servers, the weight sync, the producer, the logs, step 0's evaluation. Every
-    rank learns the servers' dtype: it packs the weights and rounds the logits as they compute."""
+    """Rank 0: the vLLM servers, the weight sync, the producer, the logs, step
+    0's evaluation. Every rank learns the servers' dtype: it packs the weights
+    and rounds the logits as they compute."""
     args = run.args
     dtype = [start_servers(run) if run.is_main else None]
     if run.world_size > 1:
@@ -1482,9 +1585,10 @@ def start_generation(run):
     state = dict(layout=run.layout, reference=run.reference, stop_ids=run.ctx.stop_ids, pad_id=run.pad_id)
     run.step_settings = step_settings(args, run.device, run.world_size, served_dtype=run.served_dtype, **state)
     if run.is_main:
-        # On CPU fp32 even with native bf16: autocast there halved the step but moved the log-probs
-        # from fp32's by a mismatch KL of 2e-2 to 7e-2 (2.5e-3 with a bf16 server), and the recipe
-        # learnt less on both seeds measured (docs/performance.md)
+        # On CPU fp32 even with native bf16: autocast there halved the step
+        # but moved the log-probs from fp32's by a mismatch KL of 2e-2 to
+        # 7e-2 (2.5e-3 with a bf16 server), and the recipe learnt less on
+        # both seeds measured (docs/performance.md)
         trainer_dtype = "fp32"
         if run.device.type == "cuda":
             one_rank_fsdp = args.fsdp and run.world_size == 1
@@ -1507,14 +1611,15 @@ def start_generation(run):
 
 
 def start_servers(run):
-    """The servers, started here or --vllm-url's, and watched; their limits in run.ctx. Returns
-    their dtype."""
+    """The servers, started here or --vllm-url's, and watched; their
+    limits in run.ctx. Returns their dtype."""
     args = run.args
     adapter = args.lora_sync == SyncPart.ADAPTER
     if args.vllm_url:
         run.urls = args.vllm_url.split(",")
     else:
-        # --lora-sync adapter: the servers hold the base model, never --resume's merged checkpoint
+        # --lora-sync adapter: the servers hold the base
+        # model, never --resume's merged checkpoint
         run.servers = start_vllm(args, run.initial_model if adapter else run.model_path, run.out_dir)
         run.urls = [server.url for server in run.servers]
     threading.Thread(target=watch_servers, args=(run,), daemon=True, name="watch_servers").start()
@@ -1527,7 +1632,8 @@ def start_servers(run):
             "crashes on seeded ones (vLLM 0.32); start it with --no-enable-chunked-prefill, as start_vllm does",
             flush=True,
         )
-    # the sync's backend follows the devices these servers report (the plan cannot know them)
+    # the sync's backend follows the devices these servers
+    # report (the plan cannot know them)
     if args.vllm_url:
         ours = range(int(os.environ.get("LOCAL_WORLD_SIZE", 1))) if run.device.type == "cuda" else []
         ours = [str(torch.cuda.get_device_properties(i).uuid) for i in ours]
@@ -1537,29 +1643,35 @@ def start_servers(run):
 
 
 def start_sync(run):
-    """The policy version and the weight sync; a first sync where servers may hold other weights."""
+    """The policy version and the weight sync; a first sync
+    where servers may hold other weights."""
     args = run.args
     adapter = args.lora_sync == SyncPart.ADAPTER
     run.version = PolicyVersion(args.max_inflight)
-    # the watchdog's finding, read at each sync: names a server that fails mid-sync
+    # the watchdog's finding, read at each sync: names a
+    # server that fails mid-sync
     failure = functools.partial(getattr, run, "server_failure")
     run.sync = WeightSync(run.urls, args, run.served_dtype, run.version, failure, backend=run.sync_backend)
-    # a server we did not start may hold other weights: all of them; --lora-sync adapter: and the
-    # adapter (B = 0, or --resume's), loaded before the first request names it
+    # a server we did not start may hold other weights: all of them;
+    # --lora-sync adapter: and the adapter (B = 0, or --resume's),
+    # loaded before the first request names it
     if args.vllm_url or adapter:
         run.sync(run.policy, include_frozen=bool(args.vllm_url))
-    # the servers' log-probs against the trainer's, now and at the first sync of moved weights; not
-    # under --fsdp on several ranks (a forward takes every rank) nor --lora-sync adapter (vLLM 0.32's
-    # CPU LoRA kernel fails on prompt log-probs)
+    # the servers' log-probs against the trainer's, now and at the first
+    # sync of moved weights; not under --fsdp on several ranks (a
+    # forward takes every rank) nor --lora-sync adapter (vLLM 0.32's CPU
+    # LoRA kernel fails on prompt log-probs)
     if not ((args.fsdp and run.world_size > 1) or adapter):
         run.sync.check = weights_arrive(run.urls, args, run, collate, token_logprobs)
-    # the servers hold the weights of the step the run starts at (or newer, after a failed sync: a
-    # count saved with them would lag, and the gate would wait forever)
+    # the servers hold the weights of the step the run starts at
+    # (or newer, after a failed sync: a count saved with them
+    # would lag, and the gate would wait forever)
     run.version.value = version_at(run.start_step, args.sync_every)
 
 
 def start_producer(run):
-    """The producer thread, from --resume's data cursor; on a CPU server's core, the idle core shared."""
+    """The producer thread, from --resume's data cursor; on a
+    CPU server's core, the idle core shared."""
     cursor = run.resumed and run.resumed["data"]
     rows = run.train_rows
     run.producer = Producer(run.args, run.tok, rows, run.urls, run.ctx, version=run.version, cursor=cursor)
@@ -1570,7 +1682,8 @@ def start_producer(run):
 
 
 def open_logs(run):
-    """wandb, metrics.jsonl and rollouts.jsonl (--resume: cut back to its step); step 0's evaluation."""
+    """wandb, metrics.jsonl and rollouts.jsonl (--resume: cut
+    back to its step); step 0's evaluation."""
     args = run.args
     if args.wandb_project:
         import wandb
@@ -1589,7 +1702,8 @@ def open_logs(run):
 
 @dataclass
 class PendingLine:
-    """A step's metrics line until log_step writes it (Run.unlogged), or save_after_error."""
+    """A step's metrics line until log_step writes it
+    (Run.unlogged), or save_after_error."""
 
     step: int
     groups: list
@@ -1598,16 +1712,18 @@ class PendingLine:
 
 
 def train_one_step(run, step):
-    """One step: take a batch, update the weights, sync them to vLLM, evaluate, log, checkpoint.
-    What a save pairs (weights, step count, data cursor, the step's line) is set while
-    run.updating: a signal at any line saves the last step whole."""
+    """One step: take a batch, update the weights, sync them to vLLM,
+    evaluate, log, checkpoint. What a save pairs (weights, step count,
+    data cursor, the step's line) is set while run.updating: a signal
+    at any line saves the last step whole."""
     args = run.args
     t_step = time.perf_counter()
     groups, samples, num_tokens = take_batch(run)
     wait_seconds = time.perf_counter() - t_step
     num_sequences = args.prompts_per_step * args.num_generations
     normalisers = dict(num_tokens=max(num_tokens, 1), num_sequences=num_sequences)
-    # an error in the update may leave the weights half-changed: not saved while `updating`
+    # an error in the update may leave the weights
+    # half-changed: not saved while `updating`
     run.updating = True
     with run.share_core():
         metrics = train_step(run.model, run.optimizer, samples, settings=run.step_settings, **normalisers)
@@ -1643,8 +1759,8 @@ def train_one_step(run, step):
             pending.metrics.update(evaluate(run))
         # the line before the checkpoint: a saved step has its line
         log_step(run, pending)
-    # Read once, so that the checkpoint and the exit agree; a later signal stops the next step.
-    # Rank 0, which gets the signals, decides.
+    # Read once, so that the checkpoint and the exit agree; a later signal stops
+    # the next step. Rank 0, which gets the signals, decides.
     stopping = bool(run.stop)
     due = [bool(args.save_every and (step + 1) % args.save_every == 0 or stopping)]
     if args.fsdp:
@@ -1659,8 +1775,9 @@ def train_one_step(run, step):
 
 
 def take_batch(run):
-    """Rank 0 takes whole groups off the queue and deals each rank an equal share: the groups
-    (rank 0's), this rank's samples, the step's loss tokens."""
+    """Rank 0 takes whole groups off the queue and deals each
+    rank an equal share: the groups (rank 0's), this rank's
+    samples, the step's loss tokens."""
     groups = None
     payload = [None, None]
     if run.is_main:
@@ -1675,8 +1792,8 @@ def take_batch(run):
 
 
 def sync_weights(run):
-    """Rank 0 sends the weights to every server (WeightSync): returns its seconds.
-    Under --fsdp every rank gathers its shards with it."""
+    """Rank 0 sends the weights to every server (WeightSync): returns its
+    seconds. Under --fsdp every rank gathers its shards with it."""
     seconds = 0.0
     if run.is_main:
         seconds = run.sync(run.policy)
@@ -1688,8 +1805,9 @@ def sync_weights(run):
 
 
 def log_step(run, pending):
-    """A trained step's line (PendingLine) in metrics.jsonl and wandb, a few rollouts in
-    rollouts.jsonl, one line printed. `pending` is left as is (a retry writes it)."""
+    """A trained step's line (PendingLine) in metrics.jsonl and
+    wandb, a few rollouts in rollouts.jsonl, one line printed.
+    `pending` is left as is (a retry writes it)."""
     args = run.args
     clock = run.clock
     cursor = run.done_cursor
@@ -1736,7 +1854,8 @@ def log_step(run, pending):
 
 
 def cut_back(log, step):
-    """A log's lines up to `step` (they are in step order), and none cut short by a crash."""
+    """A log's lines up to `step` (they are in step order),
+    and none cut short by a crash."""
     with contextlib.suppress(FileNotFoundError), open(log, "rb+") as lines:
         for line in iter(lines.readline, b""):
             if not line.endswith(b"\n") or json.loads(line)["step"] > step:
@@ -1752,7 +1871,8 @@ def write_metrics(run, metrics):
 
 
 def rollout_metrics(groups, trained_version):
-    """The step's rollouts; staleness per trained token: the trainer's version minus the token's."""
+    """The step's rollouts; staleness per trained token: the
+    trainer's version minus the token's."""
     samples = [s for g in groups for s in g]
     metrics = mean_over_union(
         [
@@ -1792,15 +1912,17 @@ def rollout_metrics(groups, trained_version):
 
 
 def mean_over_union(dicts):
-    """Mean of each key over the dicts that have it (samples with and without tools differ)."""
+    """Mean of each key over the dicts that have it (samples
+    with and without tools differ)."""
     keys = dict.fromkeys(k for d in dicts for k in d)  # in the order first seen
     return {k: sum(d[k] for d in dicts if k in d) / sum(k in d for d in dicts) for k in keys}
 
 
 def evaluate(run):
-    """A greedy rollout of each held-out row through training's group pipeline, on the producer's
-    loop; with --eval-samples K also K sampled, for pass@1 and pass@K of each reward (passed: > 0).
-    Bounded by --data-timeout; none ({}) once a stop signal came: the checkpoint first."""
+    """A greedy rollout of each held-out row through training's group pipeline,
+    on the producer's loop; with --eval-samples K also K sampled, for pass@1 and
+    pass@K of each reward (passed: > 0). Bounded by --data-timeout; none ({})
+    once a stop signal came: the checkpoint first."""
     if run.stop:
         return {}
     args = run.args
@@ -1821,7 +1943,8 @@ def evaluate(run):
                 _, rewards, parts = await run.producer.rollout_and_score(session, row, urls, seeds, greedy=True)
             return rewards, parts
         except tools_module.Dropped as e:
-            # its environment did not reset or its rewards failed: counted, eval/failed
+            # its environment did not reset or its rewards
+            # failed: counted, eval/failed
             return str(e)
 
     async def all_rows():
@@ -1855,14 +1978,16 @@ def evaluate(run):
 
 
 def pass_at_k(n, c, k):
-    """The unbiased pass@k from n samples of which c passed (Chen et al., 2021)."""
+    """The unbiased pass@k from n samples of which c passed
+    (Chen et al., 2021)."""
     return 1.0 - math.comb(n - c, k) / math.comb(n, k)
 
 
 def finish(run):
     args = run.args
-    # DDP ranks must hold identical weights; a silent divergence (a missed all-reduce) fails here.
-    # FSDP ranks hold different shards: their checksums are recorded, not compared.
+    # DDP ranks must hold identical weights; a silent divergence (a
+    # missed all-reduce) fails here. FSDP ranks hold different shards:
+    # their checksums are recorded, not compared.
     checksum = [sum((p.to_local() if args.fsdp else p).double().sum().item() for p in run.policy.parameters())]
     checksums = checksum * run.world_size
     if run.world_size > 1:
@@ -1895,9 +2020,10 @@ def finish(run):
 
 
 def save_after_error(run, error):
-    """Nothing is lost: the last finished step is saved, unless the error came mid-update (or under
-    --fsdp on several ranks: saving takes them all, and others may be gone). A failed server is named as the
-    cause, with its log: the error is only what it did to a request (a reset, a timeout)."""
+    """Nothing is lost: the last finished step is saved, unless the error came
+    mid-update (or under --fsdp on several ranks: saving takes them all, and
+    others may be gone). A failed server is named as the cause, with its log:
+    the error is only what it did to a request (a reset, a timeout)."""
     failure = run.server_failure or server_failure(run.urls, run.servers)
     # an engine's death fails requests before /health says it
     if not failure and isinstance(error, ConnectionError):
@@ -1905,8 +2031,9 @@ def save_after_error(run, error):
         failure = run.server_failure or server_failure(run.urls, run.servers)
     alone = not (run.args.fsdp and run.world_size > 1)
     if run.is_main and run.producer and not run.updating and run.completed > run.start_step and alone:
-        # its sync or evaluation failed (sync/seconds 0, no eval/ metrics); a line that cannot be
-        # written (a full disk, wandb) does not cost the checkpoint
+        # its sync or evaluation failed (sync/seconds 0, no
+        # eval/ metrics); a line that cannot be written (a full
+        # disk, wandb) does not cost the checkpoint
         with contextlib.suppress(Exception):
             if run.unlogged:
                 log_step(run, run.unlogged)
@@ -1919,11 +2046,13 @@ def save_after_error(run, error):
     # what failed, group after group: a reset, a reward
     if isinstance(error, tools_module.Dropped) and not failure:
         raise SystemExit(f"error: {error}")
-    # a server failed, or did not answer in time; a file that could not be written (a full disk)
+    # a server failed, or did not answer in time; a file that
+    # could not be written (a full disk)
     if failure or isinstance(error, OSError):
         seen = f" after {type(error).__name__}: {(str(error) or '-').splitlines()[0][:300]}" if failure else ""
         raise SystemExit(f"error: {failure or error}\nThe run stopped at step {run.completed}{seen}. {logs}")
-    # it came as the trainer waited for data, or twice, or before training (vLLM's start, step 0's eval)
+    # it came as the trainer waited for data, or twice, or before
+    # training (vLLM's start, step 0's eval)
     if isinstance(error, KeyboardInterrupt):
         saved = (run.out_dir / "checkpoint").exists()
         resume = f"; continue with --resume --output-dir {run.out_dir}" if saved else " (no checkpoint to resume from)"
@@ -1934,13 +2063,15 @@ def save_after_error(run, error):
 
 
 def tear_down(run, handlers):
-    # Signals ignored: one here would skip the rest, and the exit wait for every tool thread
+    # Signals ignored: one here would skip the rest, and the
+    # exit wait for every tool thread
     for sig in handlers:
         signal.signal(sig, signal.SIG_IGN)
     error = sys.exc_info()[1]
     # ends watch_servers: the servers are stopped next, which is not a failure
     run.urls = []
-    # the producer first: its environments are closed, each within --tool-timeout
+    # the producer first: its environments are closed, each
+    # within --tool-timeout
     parts = [functools.partial(run.producer.stop, 2 * run.args.tool_timeout + 10)] if run.producer else []
     parts += [functools.partial(stop_vllm, server) for server in run.servers]
     if "wandb" in run.logs:
@@ -1954,12 +2085,15 @@ def tear_down(run, handlers):
             part()
         except Exception as e:
             print(f"warning: the teardown's {getattr(part, 'func', part).__name__} failed: {e}", flush=True)
-    # The run ends here, not in the interpreter's teardown, which waits for every tool and reward
-    # thread (one stuck in I/O would keep the process and its GPUs alive), where freeing DDP's reducer
-    # can deadlock (its gloo destructor joins a thread waiting for the GIL; seen on rank 1) and the
-    # sync group's objects can abort the process ("terminate called without an active exception")
+    # The run ends here, not in the interpreter's teardown, which waits
+    # for every tool and reward thread (one stuck in I/O would keep the
+    # process and its GPUs alive), where freeing DDP's reducer can
+    # deadlock (its gloo destructor joins a thread waiting for the GIL;
+    # seen on rank 1) and the sync group's objects can abort the process
+    # ("terminate called without an active exception")
     if __name__ == "__main__":
-        # printed as the interpreter would; the run's own errors (SystemExit) without traceback
+        # printed as the interpreter would; the run's own
+        # errors (SystemExit) without traceback
         if isinstance(error, SystemExit):
             print(error, file=sys.stderr)
         elif error is not None:
@@ -1973,10 +2107,11 @@ def tear_down(run, handlers):
 
 
 def checkpoint(run, step):
-    """checkpoint-<step>/: the model (safetensors), tokenizer and trainer state, written whole under
-    a temporary name, then the `checkpoint` link swapped to it in one rename: a crash never leaves a
-    broken one. The data cursor is the last finished step's: --resume redoes every group after it.
-    Under --fsdp every rank sends its shards, a tensor at a time, to rank 0's CPU memory."""
+    """checkpoint-<step>/: the model (safetensors), tokenizer and trainer state,
+    written whole under a temporary name, then the `checkpoint` link swapped to
+    it in one rename: a crash never leaves a broken one. The data cursor is the
+    last finished step's: --resume redoes every group after it. Under --fsdp
+    every rank sends its shards, a tensor at a time, to rank 0's CPU memory."""
     weights, optim = None, run.optimizer.state_dict()
     if run.args.fsdp:
         options = StateDictOptions(full_state_dict=True, cpu_offload=True)
@@ -1990,7 +2125,8 @@ def checkpoint(run, step):
     previous = os.readlink(link) if link.is_symlink() else None
     try:
         shutil.rmtree(tmp, ignore_errors=True)
-        # merged weights; the adapter in adapter/ (from_pretrained applies one beside them)
+        # merged weights; the adapter in adapter/
+        # (from_pretrained applies one beside them)
         if run.args.lora_rank:
             # ("auto" asks the hub)
             run.policy.save_pretrained(tmp / "adapter", save_embedding_layers=False)
@@ -2019,13 +2155,15 @@ def checkpoint(run, step):
         os.symlink(name, run.out_dir / "checkpoint.tmp")
         os.replace(run.out_dir / "checkpoint.tmp", link)
     except BaseException as e:
-        # a full disk (OSError from safetensors, RuntimeError from torch.save), or a signal
+        # a full disk (OSError from safetensors, RuntimeError
+        # from torch.save), or a signal
         shutil.rmtree(tmp, ignore_errors=True)
         if not isinstance(e, (OSError, RuntimeError)):
             raise
         # + AdamW's moments
         needed = 3 * sum(p.numel() * p.element_size() for p in run.policy.parameters()) / 2**20
-        # SystemExit: the error handler does not catch it, nor write the same checkpoint again
+        # SystemExit: the error handler does not catch it,
+        # nor write the same checkpoint again
         raise SystemExit(
             f"error: could not write the checkpoint of step {step} in {run.out_dir} "
             f"({str(e).splitlines()[0][:200]}): it needs about {needed:.0f} MiB and "
@@ -2033,21 +2171,24 @@ def checkpoint(run, step):
             f"the last complete checkpoint: {run.out_dir / previous if previous else 'none'} (--resume "
             "continues from it)"
         )
-    # every other one: one a signal left between a swap and this line, a .tmp a hard kill left
+    # every other one: one a signal left between a swap and
+    # this line, a .tmp a hard kill left
     for old in run.out_dir.glob("checkpoint-*"):
         if old.name != name:
             shutil.rmtree(old, ignore_errors=True)
 
 
 def stop_on_signals(stop):
-    """SIGINT and SIGTERM ask to stop after this step (_stop_after_step); returns their handlers."""
+    """SIGINT and SIGTERM ask to stop after this step
+    (_stop_after_step); returns their handlers."""
     stopping = functools.partial(_stop_after_step, stop)
     return {sig: signal.signal(sig, stopping) for sig in (signal.SIGINT, signal.SIGTERM)}
 
 
 def _stop_after_step(stop, signum, frame):
-    """A signal asks to stop after this step; one that finds `stop` set (a second, or any before
-    training) at once. Silent: a print here, inside the main thread's, raises "reentrant call"."""
+    """A signal asks to stop after this step; one that finds `stop` set (a
+    second, or any before training) at once. Silent: a print here, inside the
+    main thread's, raises "reentrant call"."""
     if stop:
         raise KeyboardInterrupt(f"signal {signum}")
     stop.append(signum)
@@ -2058,12 +2199,13 @@ def _stop_after_step(stop, signum, frame):
 
 @dataclass(frozen=True)
 class StepSettings:
-    """What every train_step takes besides its samples (step_settings makes it): layout, collate's
-    rows (Run.layout); reference, --beta's reference policy."""
+    """What every train_step takes besides its samples
+    (step_settings makes it): layout, collate's rows (Run.layout);
+    reference, --beta's reference policy."""
 
     loss: LossSettings
-    # token_logprobs' keywords: how vLLM sampled (a ratio to its log-probs then measures the policy,
-    # not the truncation), the dtype it rounds logits in
+    # token_logprobs' keywords: how vLLM sampled (a ratio to its log-probs then
+    # measures the policy, not the truncation), the dtype it rounds logits in
     sampling: dict
     layout: dict
     min_tokens: int
@@ -2081,7 +2223,8 @@ class StepSettings:
 def step_settings(
     args, device, world_size=1, layout=None, reference=None, stop_ids=(), pad_id=0, served_dtype=torch.bfloat16
 ):
-    """StepSettings from the arguments and the run's state (a test may leave it out)."""
+    """StepSettings from the arguments and the run's state (a
+    test may leave it out)."""
     sampling = {k: getattr(args, k) for k in ("temperature", "top_k", "top_p", "min_p")}
     sampling |= {"stop_ids": stop_ids, "served_dtype": served_dtype}
     return StepSettings(
@@ -2101,8 +2244,8 @@ def step_settings(
 
 
 def equal_micro_batches(samples, width, settings):
-    """This rank's micro-batches, as many as any rank's: DDP and FSDP communicate in every forward
-    and backward. width: the hidden size."""
+    """This rank's micro-batches, as many as any rank's: DDP and FSDP
+    communicate in every forward and backward. width: the hidden size."""
     s = settings
     bounds = dict(tokens=s.micro_batch_tokens, width=width, **s.layout)
     micros = micro_batches(samples, s.micro_batch_size, 1, **bounds)
@@ -2116,8 +2259,9 @@ def equal_micro_batches(samples, width, settings):
 
 
 def step_statistics(figures, forwarded, samples, settings):
-    """The step's figures, merged once from the micro-batches' (loss, stats, loss tokens): the loss
-    summed, means weighted by loss tokens, extremes over all; the tokens forwarded."""
+    """The step's figures, merged once from the micro-batches' (loss,
+    stats, loss tokens): the loss summed, means weighted by loss tokens,
+    extremes over all; the tokens forwarded."""
     loss_tokens = max(1, sum(sum(s["mask"]) for s in samples))
     totals = {"loss": 0.0}
     for loss, stats, share in figures:
@@ -2141,9 +2285,10 @@ def step_statistics(figures, forwarded, samples, settings):
 
 
 def micro_batches(samples, size, count=1, share=True, tokens=math.inf, width=None, packed=False):
-    """The samples in micro-batches of at most `size` sequences and `tokens` tokens forwarded;
-    unpacked, at most size x 1.25 x the median length (a longer sequence alone): a long tail is not
-    mostly padding. Shortest first, a prompt's together. At least `count`: the largest halved."""
+    """The samples in micro-batches of at most `size` sequences and `tokens`
+    tokens forwarded; unpacked, at most size x 1.25 x the median length (a
+    longer sequence alone): a long tail is not mostly padding. Shortest first, a
+    prompt's together. At least `count`: the largest halved."""
 
     samples = sorted(
         samples, key=lambda s: (s["n_prompt"], s["ids"][: s["n_prompt"]], len(s["ids"])) if share else len(s["ids"])
@@ -2168,10 +2313,11 @@ def micro_batches(samples, size, count=1, share=True, tokens=math.inf, width=Non
 
 
 def rows_of(samples, share=True, width=None):
-    """collate's rows (lists of sample indices) and their lengths: a prompt once, then its
-    samples' completions (share). A dense row (width: the hidden size) takes a completion of c
-    tokens where that saves (n prompt tokens, ~12 width^2 multiply-adds each) more than it adds
-    (~2 width a pair of its c and the row's c' tokens): 2 c c' < n (6 width + n)."""
+    """collate's rows (lists of sample indices) and their lengths: a prompt
+    once, then its samples' completions (share). A dense row (width: the hidden
+    size) takes a completion of c tokens where that saves (n prompt tokens, ~12
+    width^2 multiply-adds each) more than it adds (~2 width a pair of its c and
+    the row's c' tokens): 2 c c' < n (6 width + n)."""
     rows = []
     lengths = []
     open_row = {}  # prompt -> the row its next completion may join
@@ -2189,22 +2335,24 @@ def rows_of(samples, share=True, width=None):
 
 
 def collate(samples, pad_id, device, min_tokens=0, share=True, config=None, packed=False, dtype=torch.float32):
-    """The micro-batch as the model takes it: rows_of's rows, each token at its position and
-    seeing what it sees alone (its prompt, its completion): the same log-probs, and the prompt
-    gets every completion's gradient. A prompt p0 p1 p2, completions a0 a1, b0 b1 b2:
+    """The micro-batch as the model takes it: rows_of's rows, each token at
+    its position and seeing what it sees alone (its prompt, its completion):
+    the same log-probs, and the prompt gets every completion's gradient. A
+    prompt p0 p1 p2, completions a0 a1, b0 b1 b2:
 
         input_ids     p0 p1 p2 a0 a1 b0 b1 b2
         position_ids   0  1  2  3  4  3  4  5
         segment        0  0  0  1  1  2  2  2    (a token sees segment 0 and its own, causally)
         cols          a: [2, 3]   b: [2, 5, 6]   (the columns whose hidden states predict each token)
 
-    packed: the rows as one, in segments (packed_segments); else padded rows, with a 4D mask where
-    completions share one (shared_rows_mask). Per-token tensors: completion_tensors."""
+    packed: the rows as one, in segments (packed_segments); else padded
+    rows, with a 4D mask where completions share one (shared_rows_mask).
+    Per-token tensors: completion_tensors."""
     width = None if packed else getattr(config, "hidden_size", None)
     rows = rows_of(samples, share, width)[0]
-    # per row its ids, each token's segment (0: the prompt, i + 1: sample i's completion) and
-    # position; per segment its query count and key columns; per sample its row and the
-    # columns that predict its tokens
+    # per row its ids, each token's segment (0: the prompt, i + 1: sample i's
+    # completion) and position; per segment its query count and key columns; per
+    # sample its row and the columns that predict its tokens
     ids = []
     segment = []
     position = []
@@ -2230,8 +2378,9 @@ def collate(samples, pad_id, device, min_tokens=0, share=True, config=None, pack
             ids[-1] += completion
             segment[-1] += [i + 1] * len(completion)
             position[-1] += range(n, n + len(completion))
-    # Padding continues each row's count: transformers 5 reads a position that does not rise by
-    # one as a packed sequence's start, and builds a dense [B, 1, T, T] mask (no flash attention)
+    # Padding continues each row's count: transformers 5 reads a position that
+    # does not rise by one as a packed sequence's start, and builds a dense
+    # [B, 1, T, T] mask (no flash attention)
     longest = max(1, *map(len, position))
     for p in position:
         start = p[-1] + 1 if p else 0
@@ -2251,7 +2400,8 @@ def collate(samples, pad_id, device, min_tokens=0, share=True, config=None, pack
 
 
 def padded(rows, kind=torch.float, value=0):
-    """Lists as a [len(rows), the longest] tensor, `value` past each one's end; 1 column at least."""
+    """Lists as a [len(rows), the longest] tensor, `value`
+    past each one's end; 1 column at least."""
     out = torch.full((len(rows), max(1, *map(len, rows))), value, dtype=kind)
     for r, row in enumerate(rows):
         out[r, : len(row)] = torch.tensor(row, dtype=kind)
@@ -2259,9 +2409,11 @@ def padded(rows, kind=torch.float, value=0):
 
 
 def completion_tensors(samples, at, min_tokens, pad_id):
-    """[B, T] over each completion: token t is predicted at hidden[rows, cols[t]] (-1: padding)."""
+    """[B, T] over each completion: token t is predicted at
+    hidden[rows, cols[t]] (-1: padding)."""
     mask = padded([s["mask"] for s in samples])
-    # a turn: a run of generated tokens; in_turn counts those of its turn up to here
+    # a turn: a run of generated tokens; in_turn counts those
+    # of its turn up to here
     generated = mask.cumsum(1)
     # vLLM held the stop tokens back for min_tokens
     in_turn = generated - (generated * (1 - mask)).cummax(1).values
@@ -2281,9 +2433,10 @@ MODEL_INPUTS = ("input_ids", "position_ids", "attention_mask", "segments")
 
 
 def reference_logprobs(model, batch, temperature=1.0, **truncation):
-    """token_logprobs' three [B, T] values, plainly: the model's logits at the columns that predict
-    each completion token, through sampler_logprobs (log_softmax over what vLLM could sample, the
-    target's entry). [rows, columns, V] logits: ~0.6 MB a token at V = 151,936."""
+    """token_logprobs' three [B, T] values, plainly: the model's logits at the
+    columns that predict each completion token, through sampler_logprobs
+    (log_softmax over what vLLM could sample, the target's entry). [rows,
+    columns, V] logits: ~0.6 MB a token at V = 151,936."""
     inputs = {k: batch[k] for k in MODEL_INPUTS if k in batch}
     logits = model(**inputs, use_cache=False).logits
     real = batch["cols"] >= 0
@@ -2296,12 +2449,13 @@ def reference_logprobs(model, batch, temperature=1.0, **truncation):
 
 
 def token_logprobs(model, batch, temperature=1.0, chunk=2**28, **truncation):
-    """reference_logprobs' numbers, in less memory: the model's head gets one position a row
-    (head_input_kept), then the completions' hidden states alone go through it in chunks of
-    ~`chunk` logits (output_layer.py)."""
+    """reference_logprobs' numbers, in less memory: the model's head gets one
+    position a row (head_input_kept), then the completions' hidden states alone
+    go through it in chunks of ~`chunk` logits (output_layer.py)."""
     bare = getattr(model, "module", model)  # DDP's
     head = bare.get_output_embeddings()
-    # what the forward hands its head, and its head's output there (before any transform)
+    # what the forward hands its head, and its head's output
+    # there (before any transform)
     hidden = []
     keep_input = head.register_forward_pre_hook(functools.partial(head_input_kept, hidden))
     raw = []
@@ -2327,21 +2481,23 @@ def token_logprobs(model, batch, temperature=1.0, chunk=2**28, **truncation):
 
 
 def head_input_kept(hidden, head, args):
-    """token_logprobs' pre-hook on the head: keeps its input in `hidden`, hands it one position a
-    row (a new tensor: a view would keep them all)."""
+    """token_logprobs' pre-hook on the head: keeps its input in `hidden`, hands
+    it one position a row (a new tensor: a view would keep them all)."""
     hidden.append(args[0])
     return (args[0][:, -1:].clone(),)
 
 
 def forward_scale(logits, raw):
-    """What a forward does after its head, as the least-squares scale from its output `raw` to
-    `logits` (Granite's 1 / logits_scaling, Cohere's logit_scale, ...); logprobs_refused checks."""
+    """What a forward does after its head, as the least-squares scale from its
+    output `raw` to `logits` (Granite's 1 / logits_scaling, Cohere's
+    logit_scale, ...); logprobs_refused checks."""
     fit = (logits.double() * raw).sum() / (raw.double() ** 2).sum().clamp_min(1e-300)
     return fit.float()
 
 
 def probe_logprobs(model, samples, **layout):
-    """[len(samples), the longest completion] log-probs as the trainer computes them."""
+    """[len(samples), the longest completion] log-probs as
+    the trainer computes them."""
     config = model.config.get_text_config()
     with torch.no_grad():
         return token_logprobs(model, collate(samples, 0, model.device, config=config, **layout))[0]
@@ -2793,12 +2949,14 @@ def parse_args(argv=None, world_size=1, cuda_count=None, local_ranks=None, heads
     args.compile = bool(cuda_count) if args.compile is None else args.compile
     args.max_staleness = 0 if args.sync else args.max_staleness
     args.sync_bucket_bytes = int(args.sync_bucket_mb * 2**20)
-    # The other ranks' bound in a collective while rank 0 alone starts vLLM, waits for data or
-    # syncs: twice rank 0's bounds, not torch's (NCCL's 10 min)
+    # The other ranks' bound in a collective while rank 0
+    # alone starts vLLM, waits for data or syncs: twice rank
+    # 0's bounds, not torch's (NCCL's 10 min)
     args.collective_timeout = 2 * (args.vllm_startup_timeout + args.data_timeout + args.sync_timeout)
     args.output_dir = args.output_dir or time.strftime("runs/%Y%m%d-%H%M%S")
     args.lora_alpha = 2.0 * args.lora_rank if args.lora_alpha is None else args.lora_alpha
-    # what every request names: the synced weights, or the adapter vLLM serves on them
+    # what every request names: the synced weights, or the
+    # adapter vLLM serves on them
     args.request_model = SERVED_ADAPTER if args.lora_sync == "adapter" else SERVED_MODEL
     if args.audit:
         args.lr = 0.0
@@ -2814,16 +2972,18 @@ def parse_args(argv=None, world_size=1, cuda_count=None, local_ranks=None, heads
 
 
 def client_session(args):
-    """The producer's and the evaluation's HTTP session: idle connections closed before vLLM closes
-    them (5 s); a request may take as long as the trainer waits for data."""
+    """The producer's and the evaluation's HTTP session: idle
+    connections closed before vLLM closes them (5 s); a request may take
+    as long as the trainer waits for data."""
     connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=3)
     timeout = aiohttp.ClientTimeout(total=args.data_timeout)
     return aiohttp.ClientSession(connector=connector, timeout=timeout)
 
 
 async def all_or_none(coros):
-    """asyncio.gather whose first error cancels the rest and waits for them: gather alone leaves
-    them running against a closing session, to fail later with a traceback nobody reads."""
+    """asyncio.gather whose first error cancels the rest and waits for
+    them: gather alone leaves them running against a closing session, to
+    fail later with a traceback nobody reads."""
     tasks = [asyncio.ensure_future(c) for c in coros]
     try:
         return await asyncio.gather(*tasks)
@@ -2839,9 +2999,10 @@ def cancel_all(tasks):
 
 @contextlib.asynccontextmanager
 async def environment_instances(ctx, tok, row, n, timeout):
-    """n instances of the row's environment (None without one), idle ones reused, reset to the row;
-    the row as its rollouts see it (with what reset said) and its prompt's ids. Idle again once the
-    group is done. Raises Dropped where a reset fails or the resets differ."""
+    """n instances of the row's environment (None without one), idle ones
+    reused, reset to the row; the row as its rollouts see it (with what reset
+    said) and its prompt's ids. Idle again once the group is done. Raises
+    Dropped where a reset fails or the resets differ."""
     name = tools_module.environment_of(row, ctx.environments)
     if name is None:
         yield [None] * n, row, ctx.prompt_ids[row["id"]]
@@ -2850,7 +3011,8 @@ async def environment_instances(ctx, tok, row, n, timeout):
     envs = [idle.pop() for _ in range(min(n, len(idle)))]
     try:
         try:
-            # on the loop, not in a thread: each instance made is closed at the end
+            # on the loop, not in a thread: each instance
+            # made is closed at the end
             while len(envs) < n:
                 ctx.alive.append(ctx.environments[name]())
                 envs.append(ctx.alive[-1])
@@ -2870,7 +3032,8 @@ async def environment_instances(ctx, tok, row, n, timeout):
             prompt_ids = render_prompt(tok, row["prompt"], ctx.offered[name], row["id"])
         yield envs, row, prompt_ids
     finally:
-        # the group is done: what an instance holds until its next reset may go (release)
+        # the group is done: what an instance holds until its
+        # next reset may go (release)
         releasing = [tools_module.call_method(e.release, {}, timeout) for e in envs if hasattr(e, "release")]
         await asyncio.gather(*releasing, return_exceptions=True)
         idle += [env for env in envs if id(env) not in tools_module.HUNG]
@@ -2880,15 +3043,17 @@ async def environment_instances(ctx, tok, row, n, timeout):
 
 
 def rollout_context(tok, schemas, rows, max_model_len=None, stop_ids=None, environments=None):
-    """The RolloutContext of a run; max_model_len is the server's context length, known once it is
-    up. environments: {name: class} of --env and --mcp (their instances: environment_instances)."""
+    """The RolloutContext of a run; max_model_len is the server's context
+    length, known once it is up. environments: {name: class} of --env and --mcp
+    (their instances: environment_instances)."""
     stop_ids = stop_ids or stop_token_ids(tok)
     environments = environments or {}
     offered = {None: schemas or []}
     for name, cls in environments.items():
         offered[name] = (schemas or []) + tools_module.environment_schemas(cls)
     all_tools = tools_module.every_tool(schemas, environments)
-    # an environment that answers the model with a user turn needs the turn ends too
+    # an environment that answers the model with a user turn
+    # needs the turn ends too
     talks = any(hasattr(cls, "respond") for cls in environments.values())
     prompt_ids = {}
     for row in rows:
@@ -2908,15 +3073,17 @@ def rollout_context(tok, schemas, rows, max_model_len=None, stop_ids=None, envir
 
 
 def tool_schemas(names):
-    """JSON schemas of the tools, from their signatures and docstrings (transformers)."""
+    """JSON schemas of the tools, from their signatures and
+    docstrings (transformers)."""
     from transformers.utils import get_json_schema
 
     return [get_json_schema(tools_module.TOOLS[n]) for n in names]
 
 
 def render(tok, messages, schemas=None, generation_prompt=False):
-    """Conversation -> text. A tokenizer without a chat template (a base model) gets the contents
-    one per line: enough to train without tools, all such a model can do here."""
+    """Conversation -> text. A tokenizer without a chat template (a
+    base model) gets the contents one per line: enough to train
+    without tools, all such a model can do here."""
     if tok.chat_template is None:
         return "\n".join(str(m.get("content") or "") for m in messages) + "\n"
     return tok.apply_chat_template(
@@ -2936,11 +3103,13 @@ def render_prompt(tok, messages, schemas, row_id=None):
 
 
 def tool_result_ids(tok, history, tool_messages, schemas, turn_ends, stopped=True):
-    """Token ids of the tool-result turn plus the next assistant header. Only this suffix is
-    tokenised and appended to the generated ids: re-tokenising the whole conversation would change
-    earlier tokens, which the model never sampled. It starts where the template ends an assistant
-    turn: after its end-of-turn token (the model's stop token stands for it), or before it if the
-    model stopped otherwise. Tool output is data (tools.result_ids); where not exact, Dropped."""
+    """Token ids of the tool-result turn plus the next assistant header.
+    Only this suffix is tokenised and appended to the generated ids:
+    re-tokenising the whole conversation would change earlier tokens, which
+    the model never sampled. It starts where the template ends an assistant
+    turn: after its end-of-turn token (the model's stop token stands for
+    it), or before it if the model stopped otherwise. Tool output is data
+    (tools.result_ids); where not exact, Dropped."""
     try:
         before = render(tok, history, schemas)
         after = render(tok, history + tool_messages, schemas, generation_prompt=True)
@@ -2961,8 +3130,9 @@ def tool_result_ids(tok, history, tool_messages, schemas, turn_ends, stopped=Tru
 
 
 def stop_token_ids(tok, model_path=None):
-    """Every token that ends a generation: the tokenizer's eos and pad, and the generation config's
-    eos list (Llama 3: <|eot_id|> and <|eom_id|>; Qwen3: <|im_end|> and <|endoftext|>)."""
+    """Every token that ends a generation: the tokenizer's eos and pad, and
+    the generation config's eos list (Llama 3: <|eot_id|> and <|eom_id|>;
+    Qwen3: <|im_end|> and <|endoftext|>)."""
     ids = {tok.eos_token_id, tok.pad_token_id}
     if model_path:
         from transformers import GenerationConfig
@@ -2975,9 +3145,10 @@ def stop_token_ids(tok, model_path=None):
 
 
 def prepare_chat_template(tok, args, schemas, stop_ids, model=None, environments=None):
-    """Check, before vLLM starts, that the chat template can do what the run needs; the training
-    template where the original is not prefix-preserving. Returns a line for the log. model: the
-    checkpoint's path. environments: {name: class}: their tools rendered too."""
+    """Check, before vLLM starts, that the chat template can do what the run
+    needs; the training template where the original is not prefix-preserving.
+    Returns a line for the log. model: the checkpoint's path. environments:
+    {name: class}: their tools rendered too."""
     model = model or args.model
     source = f"--chat-template {args.chat_template}" if args.chat_template else f"the template of {model}"
     if args.chat_template:
@@ -3029,16 +3200,17 @@ def prepare_chat_template(tok, args, schemas, stop_ids, model=None, environments
 
 
 def prefix_preserving(tok, schemas):
-    """True if rendering a conversation one message longer only appends tokens, as the tool loop
-    needs (it tokenises only what the template adds). Without tools, the probe's turns without."""
+    """True if rendering a conversation one message longer only appends
+    tokens, as the tool loop needs (it tokenises only what the template adds).
+    Without tools, the probe's turns without."""
     probe = PROBE if schemas else [m for m in PROBE if m["role"] != "tool" and not m.get("tool_calls")]
     renders = (tok.encode(render(tok, probe[:n], schemas), add_special_tokens=False) for n in range(1, len(probe) + 1))
     return all(longer[: len(shorter)] == shorter for shorter, longer in itertools.pairwise(renders))
 
 
 def training_template(template):
-    """Qwen3's template drops an assistant turn's think block once another message follows it;
-    this variant renders every turn the same way always."""
+    """Qwen3's template drops an assistant turn's think block once another
+    message follows it; this variant renders every turn the same way always."""
     patched = template.replace("{%- if loop.index0 > ns.last_query_index %}", "{%- if true %}")
     return patched.replace("{%- if loop.last or (not loop.last and reasoning_content) %}", "{%- if true %}")
 
@@ -3114,9 +3286,10 @@ def chat_format(tok, schemas, stop_ids):
 
 
 def parse_assistant(text, tok=None, prompt_ids=(), schemas_by_name=None, fmt="tagged", max_calls=None):
-    """Generated text -> {'role', 'content', 'reasoning_content' (if any), 'tool_calls',
-    'tool_call_errors'}: well-formed calls in the OpenAI shape, and one message per call that did
-    not parse (or past max_calls, which the template cannot render). Never raises."""
+    """Generated text -> {'role', 'content', 'reasoning_content' (if any),
+    'tool_calls', 'tool_call_errors'}: well-formed calls in the OpenAI shape,
+    and one message per call that did not parse (or past max_calls, which the
+    template cannot render). Never raises."""
     schemas_by_name = schemas_by_name or {}
     message = {"role": "assistant", "content": "", "tool_calls": [], "tool_call_errors": []}
     try:
@@ -3143,7 +3316,8 @@ def parse_assistant(text, tok=None, prompt_ids=(), schemas_by_name=None, fmt="ta
             else:
                 content, found, errors = parse_bare_json(text)
         calls = []
-        # each call stands or fails alone: one bad call never costs the turn's others
+        # each call stands or fails alone: one bad call never
+        # costs the turn's others
         for value, quote in found:
             try:
                 calls.append(parse_call(value))
@@ -3156,7 +3330,8 @@ def parse_assistant(text, tok=None, prompt_ids=(), schemas_by_name=None, fmt="ta
         if reasoning is not None:
             message["reasoning_content"] = reasoning
     except Exception as e:
-        # a parser bug must not end the run either: the model sees it as an error
+        # a parser bug must not end the run either: the model
+        # sees it as an error
         message.update(
             content=text.strip(),
             tool_calls=[],
@@ -3166,19 +3341,22 @@ def parse_assistant(text, tok=None, prompt_ids=(), schemas_by_name=None, fmt="ta
 
 
 def remove_think(text, opened):
-    """(reasoning or None, the rest). A think block is one the prompt opened (`opened`) or the
-    turn opens at its start; a '</think>' anywhere else is text."""
+    """(reasoning or None, the rest). A think block is one
+    the prompt opened (`opened`) or the turn opens at its
+    start; a '</think>' anywhere else is text."""
     if not opened and not text.lstrip().startswith("<think>"):
         return None, text
     reasoning, closed, rest = (text if opened else text.lstrip()[len("<think>") :]).partition("</think>")
     return reasoning.strip(), rest if closed else ""
 
 
-# Parsing is input validation: a model under RL writes anything. Nothing here raises; a call that
-# does not parse becomes an error message the model sees, the rest is content. Each format's parser
-# (parse_tagged, parse_mistral, parse_bare_json) returns (content, decoded calls with their text, errors).
+# Parsing is input validation: a model under RL writes anything. Nothing here
+# raises; a call that does not parse becomes an error message the model sees,
+# the rest is content. Each format's parser (parse_tagged, parse_mistral,
+# parse_bare_json) returns (content, decoded calls with their text, errors).
 def parse_call(call):
-    """A decoded call {'name', 'arguments' or 'parameters'} -> OpenAI's shape; raises."""
+    """A decoded call {'name', 'arguments' or 'parameters'}
+    -> OpenAI's shape; raises."""
     if not isinstance(call, dict) or not isinstance(call.get("name"), str) or not call["name"]:
         raise ValueError("a call needs a string 'name'")
     arguments = call.get("arguments", call.get("parameters", {}))
@@ -3194,16 +3372,18 @@ def parse_call(call):
         if depth > MAX_ARGUMENT_DEPTH:
             raise ValueError(f"arguments nested deeper than {MAX_ARGUMENT_DEPTH} levels")
         if isinstance(item, str):
-            # a lone surrogate ("\\ud800") is JSON but not text: a tokenizer would refuse it
+            # a lone surrogate ("\\ud800") is JSON but not
+            # text: a tokenizer would refuse it
             item.encode()
         elif isinstance(item, (dict, list)):
             stack += [(x, depth + 1) for x in (list(item) + list(item.values()) if isinstance(item, dict) else item)]
     return function_call(call["name"], arguments)
 
 
-# An XML value may hold the format's own tags (a file with tool calls in it). A real </parameter> is
-# followed by <parameter= or </function></tool_call> (or the turn's end) and no closing tag before
-# the next <tool_call> (CLEAN; else it is text).
+# An XML value may hold the format's own tags (a file with tool calls in
+# it). A real </parameter> is followed by <parameter= or
+# </function></tool_call> (or the turn's end) and no closing tag before the
+# next <tool_call> (CLEAN; else it is text).
 CLEAN = r"(?=(?:(?!</?tool_call>|</function>|</parameter>)[\s\S])*(?:<tool_call>|\Z))"
 
 
@@ -3233,9 +3413,10 @@ MISTRAL_NAME = re.compile(r"\s*([^\[\]\s]+)(?:\[CALL_ID\][^\[]*)?\[ARGS\]")
 
 
 def xml_value_end(text, pos):
-    """(the </parameter> that ends the value at text[pos:], whether the value's tags balance): the
-    first real one (XML_CLOSE) closing no <parameter=...> the value opened (calls quoted whole in a
-    value stay in it); else the first real one (None if none)."""
+    """(the </parameter> that ends the value at text[pos:], whether the
+    value's tags balance): the first real one (XML_CLOSE) closing no
+    <parameter=...> the value opened (calls quoted whole in a value stay in
+    it); else the first real one (None if none)."""
     depth, first = 0, None
     for tag in XML_TAGS.finditer(text, pos):
         if tag.group() == "</parameter>" and XML_CLOSE.match(text, tag.start()):
@@ -3248,10 +3429,11 @@ def xml_value_end(text, pos):
 
 
 def parse_xml_call(text, start, schemas_by_name):
-    """<function=NAME> <parameter=KEY>VALUE</parameter>... </function> at text[start:] (Qwen3.5,
-    Qwen3-Coder) -> ({'name', 'arguments'}, end). Raises ValueError(message, how far the call
-    reaches), also where a value holds a <parameter=KEY> not yet given, or an unbalanced
-    </tool_call> (a </parameter> missing before it, or text: the parser does not guess)."""
+    """<function=NAME> <parameter=KEY>VALUE</parameter>... </function> at
+    text[start:] (Qwen3.5, Qwen3-Coder) -> ({'name', 'arguments'}, end). Raises
+    ValueError(message, how far the call reaches), also where a value holds a
+    <parameter=KEY> not yet given, or an unbalanced </tool_call> (a </parameter>
+    missing before it, or text: the parser does not guess)."""
     head = XML_FUNCTION.match(text, start)
     if not head:
         raise ValueError("expected <function=NAME>", start)
@@ -3297,9 +3479,10 @@ def parse_xml_call(text, start, schemas_by_name):
 
 
 def parse_tagged(text, schemas_by_name):
-    """<tool_call>BODY</tool_call>, any number, BODY JSON (Qwen/Hermes) or XML. JSON is decoded from
-    the opening tag: a '</tool_call>' in a string does not end the call. A call that does not parse
-    ends at its closing tag or the next opening one (not one in its strings or values)."""
+    """<tool_call>BODY</tool_call>, any number, BODY JSON (Qwen/Hermes) or XML.
+    JSON is decoded from the opening tag: a '</tool_call>' in a string does not
+    end the call. A call that does not parse ends at its closing tag or the next
+    opening one (not one in its strings or values)."""
     content = []  # the text between the calls
     found = []
     errors = []
@@ -3329,8 +3512,8 @@ def parse_tagged(text, schemas_by_name):
 
 
 def parse_mistral(text):
-    """Content, then [TOOL_CALLS] followed by a JSON list of calls (Mistral v3) or name[ARGS]{json}
-    (v11; an optional [CALL_ID]id), repeated."""
+    """Content, then [TOOL_CALLS] followed by a JSON list of calls (Mistral v3)
+    or name[ARGS]{json} (v11; an optional [CALL_ID]id), repeated."""
     start = text.find("[TOOL_CALLS]")
     if start < 0:
         return text, [], []
@@ -3353,7 +3536,8 @@ def parse_mistral(text):
                 value = {"name": head.group(1), "arguments": arguments}
             found += [(v, text[at:pos]) for v in (value if isinstance(value, list) else [value])]
         except ValueError as e:
-            # on at the next [TOOL_CALLS], not one inside a JSON string of this call
+            # on at the next [TOOL_CALLS], not one inside a
+            # JSON string of this call
             pos = next((t.start() for t in MISTRAL_END.finditer(text, pos + 1) if t.group()[0] == "["), len(text))
             errors.append(f"could not parse the tool call {text[at:pos][:200]!r}: {e}")
         pos += len(text[pos:]) - len(text[pos:].lstrip())
@@ -3361,8 +3545,9 @@ def parse_mistral(text):
 
 
 def parse_bare_json(text):
-    """Llama 3: the turn is the call, JSON {"name", "parameters"} (after <|python_tag|>), several
-    separated by ';'. A turn that starts otherwise is content; text after the calls is an error."""
+    """Llama 3: the turn is the call, JSON {"name", "parameters"} (after
+    <|python_tag|>), several separated by ';'. A turn that starts otherwise is
+    content; text after the calls is an error."""
 
     body = text.lstrip()
     tagged = body.startswith("<|python_tag|>")

@@ -8454,16 +8454,16 @@ def test_async_grpo_reads_one_meaning_per_name():
 def test_every_python_file_reads_at_the_anchors_measure():
     """Issue 59, item 10: every .py file here, the tests too, at the anchors' measure, counted one
     way (readability(): per non-blank line): under 5 lines past 110 columns per 100 and at most 55
-    characters a line. Prints every file's figures."""
+    characters a line, async_grpo.py 52. Prints every file's figures."""
     figures = {path.name: readability(path.read_text()) for path in sorted(HERE.glob("*.py"))}
     print(f"\n{'file':<20} {'chars/line':>10} {'past 110 per 100':>16} {'own-line comments':>17}")
     for name, figure in figures.items():
         chars, wide, own_line = figure.values()
         print(f"{name:<20} {chars:>10.1f} {wide:>16.1f} {own_line:>17.1%}")
     too_wide = [name for name, f in figures.items() if f["past_110_per_100"] >= 5]
-    # the issue's aim for async_grpo.py is 52; round three left it at 54.7 (its new functions and
-    # records cost lines), so it is held at 55 with the others
-    too_dense = [name for name, f in figures.items() if f["characters_per_line"] > 55]
+    # the core is held closer: a reader reads it whole
+    limit = {"async_grpo.py": 52}
+    too_dense = [name for name, f in figures.items() if f["characters_per_line"] > limit.get(name, 55)]
     assert not too_wide and not too_dense, f"past 110 columns: {too_wide}; too many characters a line: {too_dense}"
 
 
