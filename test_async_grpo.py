@@ -5878,9 +5878,12 @@ def bad_inputs(tmp):
     ]
 
 
-def test_bad_input_fails_before_vllm_starts(tmp_path, capsys):
+def test_bad_input_fails_before_vllm_starts(tmp_path, capsys, monkeypatch):
     """Each bad input stops main() with a message naming the flag or file, before any server starts
     (in-process: the same code as the command line, without a new interpreter per case)."""
+    # an MCP server that never answers (`sleep 600`) is refused after this bound whatever it is: 2 s, not
+    # the 20 s that a real server's start may need (it cost 22 s of this test's 45)
+    monkeypatch.setattr(tools, "LISTING_SECONDS", 2.0)
     report, web = [], http.server.ThreadingHTTPServer(("127.0.0.1", 0), http.server.BaseHTTPRequestHandler)
     # a web server that is not vLLM: it answers 501
     threading.Thread(target=web.serve_forever, daemon=True).start()
