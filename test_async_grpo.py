@@ -6470,7 +6470,7 @@ def test_faults_end_in_seconds_with_one_message_and_resume_continues(tmp_path, s
     ends within its bound with one message naming the cause, leaves no process behind, and the next run
     continues at the step after the last complete checkpoint. The faults that leave the server up (the disk,
     the trainer's SIGTERM) are run against the shared one (--vllm-url), which each resumed run first syncs the
-    checkpoint's weights into: 5 servers start here, not 7."""
+    checkpoint's weights into and leaves serving, not paused: 5 servers start here, not 7."""
     out = tmp_path / "run"
     bound = {"engine": 20, "stop": 15 + 30, "api": 20, "disk": 60, "eval": 20, "term": 30}
     out.mkdir()
@@ -6548,6 +6548,8 @@ def test_faults_end_in_seconds_with_one_message_and_resume_continues(tmp_path, s
             # the message, not a traceback
             assert found and not re.search("^Traceback", text, re.M), text[-3000:]
             assert all(processes_in_group(pid) == [] for pid in pids)
+            if "--vllm-url" in flags:  # a server the run did not start is left serving, not paused
+                assert ag.http(f"{server.url}/is_paused")["is_paused"] is False
             if name == "disk":
                 ballast.unlink()
                 assert found.group(2) == str(saved[-1]) and not list(out.glob("*.tmp"))
