@@ -448,6 +448,9 @@ class Interpreter:
         self.memory_mb = memory_mb
         self.sandboxed = sandboxed
         self.proc = None
+        self.info = None
+        # bwrap's info pipe is read by stop() and by the memory watch's thread
+        self.info_lock = threading.Lock()
         self.start()
 
     def start(self):
@@ -455,7 +458,10 @@ class Interpreter:
         # it, a tmpfs that ends with it
         self.scratch = None if self.sandboxed else tempfile.mkdtemp(prefix="async_grpo-python-")
         self.info = None
+        self.said = b""
         self.cgroup = None
+        # what the memory watch saw its processes hold, in MiB, as it ended them (None: it did not)
+        self.held_mb = None
         # the pipes' ends this process closes once bwrap has them; the descriptors bwrap is given
         ends = []
         fds = ()
@@ -497,6 +503,9 @@ class Interpreter:
                 os.close(fd)
         for pipe in (self.proc.stdin, self.proc.stdout, self.proc.stderr):
             os.set_blocking(pipe.fileno(), False)
+        # no cgroup: a thread sums its processes' memory instead
+        if self.sandboxed and self.cgroup is None:
+            watch(self)
 
     async def run(self, code, timeout):
         """The cell's output (stdout and stderr, the last expression's value, or the traceback), cut at
@@ -520,6 +529,9 @@ class Interpreter:
         # a closed pipe: it exited
         except OSError:
             lost = "the interpreter exited"
+            if self.held_mb is not None:
+                bound = self.memory_mb + SCRATCH_MB
+                lost = f"its processes held {self.held_mb} MiB together, past {bound}, and were ended"
         except (ValueError, KeyError, TypeError, UnicodeError):
             lost = "the interpreter's answer was overwritten by the code"
         # an answer still to come would be taken for the next call's
@@ -558,16 +570,9 @@ class Interpreter:
         None if it never did (bwrap failed). Checked to be the child of bwrap (its PID), or this
         process's (bwrap exited first, and this process, a subreaper or PID 1, inherited it): a PID
         whose process ended may be another's."""
-        said = b""
-        # not select.select: the trainer's descriptors may be numbered past 1,024
-        poll = select.poll()
-        poll.register(self.info, select.POLLIN)
         # bwrap writes it as it makes the namespace, or closes the pipe as it fails
-        if poll.poll(5000):
-            with contextlib.suppress(BlockingIOError):
-                said = os.read(self.info, 4096)
+        said = self.bwrap_said(5)
         with contextlib.suppress(ValueError, KeyError, TypeError, OSError):
-            # its first write (bwrap writes the rest, the namespaces' ids, after: a read may come between)
             pid = int(re.search(rb'"child-pid": *(\d+)', said)[1])
             pidfd = os.pidfd_open(pid)
             with open(f"/proc/{pid}/stat") as stat:
@@ -577,6 +582,20 @@ class Interpreter:
                     return pidfd
             os.close(pidfd)
         return None
+
+    def bwrap_said(self, wait):
+        """What bwrap has written on its info pipe so far: the namespace's first PID, then (in writes of their
+        own: a read may come between) the namespaces' ids. Waits up to `wait` seconds for the first."""
+        with self.info_lock:
+            if self.info is None or self.said.endswith(b"}\n"):
+                return self.said
+            # not select.select: the trainer's descriptors may be numbered past 1,024
+            poll = select.poll()
+            poll.register(self.info, select.POLLIN)
+            if poll.poll(0 if self.said else int(wait * 1000)):
+                with contextlib.suppress(BlockingIOError):
+                    self.said += os.read(self.info, 4096)
+            return self.said
 
     def stop(self):
         """Ends it and everything it started; returns what it said on stderr (bwrap's reason to fail). The
@@ -592,6 +611,7 @@ class Interpreter:
             return ""
         proc = self.proc
         self.proc = None
+        unwatch(self)
         cgroup = self.cgroup
         self.cgroup = None
         said = b""
@@ -621,9 +641,10 @@ class Interpreter:
 
     def closed(self):
         """Its info pipe closed and its scratch directory removed."""
-        if self.info is not None:
-            os.close(self.info)
-            self.info = None
+        with self.info_lock:
+            if self.info is not None:
+                os.close(self.info)
+                self.info = None
         if self.scratch:
             shutil.rmtree(self.scratch, ignore_errors=True)
             self.scratch = None
@@ -668,6 +689,132 @@ def reaped(timeout=5):
     with REAPING:
         REAPERS[:] = [t for t in REAPERS if t.is_alive()]
     return True
+
+
+# Where no cgroup can be made (a user's run, with no delegated cgroup v2), a thread of the trainer's, the memory
+# watch, sums every WATCH_SECONDS the resident memory of each interpreter's processes (those of its PID
+# namespace) and ends an interpreter whose processes hold more than --python-memory + SCRATCH_MB together
+# (RLIMIT_AS bounds each alone). What it leaves: what they allocate within a period past the bound (README.md:
+# measured). The interpreters it watches:
+WATCHED = set()
+# around WATCHED's changes, and the thread's wait while there are none
+WATCHING = threading.Condition()
+WATCH_SECONDS = 0.01
+# the watch's thread, once started
+WATCHERS = []
+
+
+def watch(interpreter):
+    """Adds an interpreter to those the memory watch sums (its thread started with the first)."""
+    with WATCHING:
+        WATCHED.add(interpreter)
+        if not WATCHERS:
+            WATCHERS.append(threading.Thread(target=watch_memory, name="python-memory-watch", daemon=True))
+            WATCHERS[0].start()
+        WATCHING.notify()
+
+
+def unwatch(interpreter):
+    """Takes an interpreter out of those the memory watch sums."""
+    with WATCHING:
+        WATCHED.discard(interpreter)
+
+
+def watch_memory():
+    """The memory watch's thread: every WATCH_SECONDS while an interpreter is watched, sums the resident memory
+    of the processes of each one that has more than its first two (bwrap's, in which nothing of the model's
+    runs, and the interpreter, which RLIMIT_AS bounds alone) and ends those past their bound. /proc is listed
+    only where a process was made since the last time (the newest PID changed) or one had more."""
+    # PID -> its PID namespace, of the processes /proc listed the last time
+    seen = {}
+    newest = None
+    more = False
+    while True:
+        time.sleep(WATCH_SECONDS)
+        with WATCHING:
+            WATCHING.wait_for(lambda: WATCHED)
+            watched = list(WATCHED)
+        made = newest_pid()
+        if made == newest and not more:
+            continue
+        newest = made
+        namespaces = {}
+        for interpreter in watched:
+            found = re.search(rb'"pid-namespace": *(\d+)', interpreter.bwrap_said(0))
+            if found:
+                namespaces[f"pid:[{found[1].decode()}]"] = interpreter
+        more = False
+        for namespace, pids in processes_in(namespaces, seen).items():
+            more = more or len(pids) > 2
+            if len(pids) > 2:
+                held_past(namespaces[namespace], namespace, pids)
+
+
+def newest_pid():
+    """The PID this namespace made last (/proc/loadavg's last field), which a process made in one below it,
+    a sandbox's, changes too."""
+    with open("/proc/loadavg") as loadavg:
+        return loadavg.read().split()[-1]
+
+
+def held_past(interpreter, namespace, pids):
+    """Ends the interpreter whose processes (pids, of its PID namespace) hold more than its bound."""
+    bound = interpreter.memory_mb + SCRATCH_MB
+    # resident pages, those shared (a fork's, a library's) counted in each process: cheap, a bound from above
+    held = sum(resident_mb(pid, "statm") for pid in pids)
+    if held > bound:
+        # each shared page divided among the processes that map it: exact, slower
+        held = sum(resident_mb(pid, "smaps_rollup") for pid in pids)
+    if held > bound:
+        end_namespace(interpreter, namespace, held)
+
+
+def processes_in(namespaces, seen):
+    """{PID namespace: [PID, ...]} of the processes in /proc that are in namespaces (their "pid:[inode]"). seen:
+    PID -> namespace of those /proc listed the last time, updated (a PID listed then and now is the same
+    process: a PID is reused only after pid_max others, millions)."""
+    listed = [name for name in os.listdir("/proc") if name.isdigit()]
+    for pid in set(seen) - set(listed):
+        del seen[pid]
+    found = {namespace: [] for namespace in namespaces}
+    for pid in listed:
+        if pid not in seen:
+            # ended since, or not this user's: not one of the sandbox's (tried again in the next period)
+            with contextlib.suppress(OSError):
+                seen[pid] = os.readlink(f"/proc/{pid}/ns/pid")
+        if seen.get(pid) in found:
+            found[seen[pid]].append(pid)
+    return found
+
+
+def resident_mb(pid, source):
+    """A process's resident memory in MiB, from /proc/PID/statm (every page it maps, shared or not) or
+    smaps_rollup (Pss: a page shared by n processes counted 1/n in each); 0 once it has ended."""
+    try:
+        with open(f"/proc/{pid}/{source}") as read:
+            text = read.read()
+    except OSError:
+        return 0
+    if source == "statm":
+        return int(text.split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+    found = re.search(r"^Pss:\s+(\d+) kB", text, re.MULTILINE)
+    return int(found[1]) / 1024 if found else 0
+
+
+def end_namespace(interpreter, namespace, held_mb):
+    """Kills the first process of an interpreter's PID namespace, which ends every process of it, if that
+    namespace is still the interpreter's (it may have been restarted since)."""
+    found = re.search(rb'"child-pid": *(\d+)', interpreter.bwrap_said(0))
+    with contextlib.suppress(OSError, TypeError):
+        pid = int(found[1])
+        pidfd = os.pidfd_open(pid)
+        try:
+            # the pidfd's process, or one that ended (the signal then fails): not another that took its PID
+            if os.readlink(f"/proc/{pid}/ns/pid") == namespace:
+                interpreter.held_mb = round(held_mb)
+                signal.pidfd_send_signal(pidfd, signal.SIGKILL)
+        finally:
+            os.close(pidfd)
 
 
 async def write_all(fd, data):
