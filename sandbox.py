@@ -58,8 +58,10 @@ disabled): its limits of memory, time, output, file size, descriptors and enviro
 """
 
 import asyncio
+import atexit
 import binascii
 import contextlib
+import fcntl
 import functools
 import inspect
 import itertools
@@ -115,6 +117,75 @@ def interpreter_paths():
 
 # Where the sandbox mounts a Python install that is not under /usr: its host path names a home, and so a user
 INSTALL = "/opt/python"
+# The tmpfs of the install's image, and what of the install it leaves out (the interpreter runs without these)
+SHM = "/dev/shm"
+IMAGE_SKIPS = {"test", "site-packages", "idlelib", "tkinter", "turtledemo", "ensurepip", "lib2to3"}
+# the open files whose locks mark the images as this run's
+IMAGE_LOCKS = []
+
+
+@functools.cache
+def install_image(prefix, exe):
+    """The folder the sandbox mounts at INSTALL: a copy, made once per run in SHM (a tmpfs), of the install's
+    interpreter, libpython and standard library. Not its host folder, which /proc/self/mountinfo would show (a
+    bind mount's source, which names a home, so a user), nor its disk's files, whose first read is slower than a
+    cached page's (another rollout's read): the copy's pages are in memory. A lock held for the run marks it as
+    this run's: a copy whose lock is free was left by a run that ended without removing it, and is removed. None
+    where SHM is not there or lacks the space: the host folder is mounted instead."""
+    remove_left_images()
+    skipped = functools.partial(left_out, prefix, os.path.basename(exe))
+    size = 0
+    for folder, folders, files in os.walk(prefix):
+        folders[:] = [name for name in folders if name not in skipped(folder, folders)]
+        kept = [os.path.join(folder, name) for name in files if name not in skipped(folder, files)]
+        size += sum(os.lstat(path).st_size for path in kept)
+    with contextlib.suppress(OSError):
+        # room for it twice over: the tmpfs is shared (a container's may be 64 MiB)
+        if shutil.disk_usage(SHM).free > 2 * size:
+            image = tempfile.mkdtemp(prefix="async_grpo-python-", dir=SHM)
+            atexit.register(shutil.rmtree, image, True)
+            lock = os.open(os.path.join(image, "lock"), os.O_CREAT | os.O_RDWR, 0o600)
+            IMAGE_LOCKS.append(lock)
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            os.chmod(image, 0o755)
+            shutil.copytree(prefix, os.path.join(image, "python"), ignore=skipped, symlinks=True)
+            return os.path.join(image, "python")
+    return None
+
+
+def left_out(prefix, exe_name, folder, names):
+    """What of a folder of the install its image leaves out (copytree's ignore): all but the interpreter and
+    lib's libpython and standard library, of which its tests and rarely run parts (IMAGE_SKIPS, the build's
+    config), and the optimized levels' bytecode."""
+    where = os.path.relpath(folder, prefix)
+    version = f"python{sys.version_info.major}.{sys.version_info.minor}"
+    if where == ".":
+        return [name for name in names if name not in ("bin", "lib")]
+    if where == "bin":
+        return [name for name in names if name != exe_name]
+    if where == "lib":
+        return [name for name in names if name != version and not name.startswith("libpython")]
+    if where == os.path.join("lib", version):
+        return [name for name in names if name in IMAGE_SKIPS or name.startswith("config-")]
+    return [name for name in names if ".opt-" in name]
+
+
+def remove_left_images():
+    """Removes the install images that runs left in SHM (their lock is free: the run has ended)."""
+    with contextlib.suppress(OSError):
+        for name in os.listdir(SHM):
+            image = os.path.join(SHM, name)
+            if not name.startswith("async_grpo-python-"):
+                continue
+            with contextlib.suppress(OSError):
+                lock = os.open(os.path.join(image, "lock"), os.O_RDWR)
+                try:
+                    fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    shutil.rmtree(image, ignore_errors=True)
+                finally:
+                    os.close(lock)
+
+
 # /proc's entries that are the machine's, not the namespaces': what the host is (its command line,
 # boot id, CPU, memory, uptime, devices) and counters that every sandbox moves (forks, ptys, disk
 # writes, load, pressure, file locks). Masked: /dev/null over each file, an empty read-only tmpfs over
@@ -153,7 +224,8 @@ def command(memory_mb, sandboxed=True, seccomp_fd=None, info_fd=None, cgroup=Non
     if prefix != "/usr" and not prefix.startswith("/usr/") and exe.startswith(prefix + "/"):
         # its libpython is found by the path it was built with (RPATH), absent here: by LD_LIBRARY_PATH
         # instead
-        argv += ["--perms", "0755", "--dir", os.path.dirname(INSTALL), "--ro-bind", prefix, INSTALL]
+        image = install_image(prefix, exe) or prefix
+        argv += ["--perms", "0755", "--dir", os.path.dirname(INSTALL), "--ro-bind", image, INSTALL]
         environment += ["--setenv", "LD_LIBRARY_PATH", f"{INSTALL}/lib"]
         exe = INSTALL + exe[len(prefix) :]
     argv += proc_and_dev_mounts()

@@ -5272,7 +5272,8 @@ try:
 except OSError:
     told["pty"] = False
 told["sysinfo"] = ctypes.CDLL(None).sysinfo(ctypes.create_string_buffer(128)) == 0
-(told, os.uname().nodename, sys.prefix)""",
+roots = [line.split()[3] for line in open("/proc/self/mountinfo")]  # each mount's source folder
+(told, os.uname().nodename, sys.prefix, roots)""",
     "memory_whole": """
 import os, time
 r, w = os.pipe()
@@ -5633,6 +5634,7 @@ print(peak)
 
 results = {"cgroup": sandbox.cgroup_folder() is not None, "host_name": os.uname().nodename}
 results["prefix"] = os.path.realpath(sys.base_prefix)
+results["home"] = os.path.expanduser("~")
 for sandboxed in (True, False):
     out = {}
     for name, code in attacks.items():
@@ -5693,13 +5695,15 @@ def test_code_the_model_writes_finds_no_channel_no_host_detail_and_no_unbounded_
     page_cache = ast.literal_eval(outside["page_cache"])
     assert set(ast.literal_eval(inside["page_cache"]).values()) == {1}  # EPERM, each
     assert page_cache["fadvise"] == page_cache["readahead"] == 0 and page_cache["nowait"] in (0, 11)
-    told, name, prefix = ast.literal_eval(inside["host"])
+    told, name, prefix, roots = ast.literal_eval(inside["host"])
     assert (
         set(told.values()) == {0, False}
         and name == "sandbox"
         and (prefix.startswith("/usr") or prefix == sandbox.INSTALL)
     )
-    told, name, prefix = ast.literal_eval(outside["host"])
+    # the install's image in a tmpfs, not its host folder (which names a home): none of the trainer's folders
+    assert not [root for root in roots if root.startswith((results["prefix"], results["home"]))], roots
+    told, name, prefix, _ = ast.literal_eval(outside["host"])
     assert all(told[k] for k in ("stat", "meminfo", "cmdline", "sys/kernel/random/boot_id", "sysinfo"))
     assert name == results["host_name"] and prefix == results["prefix"]
     assert int(outside["memory_whole"]) == 1200  # 6 x 200 MiB held at once: the limit is per process
