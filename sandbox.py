@@ -30,11 +30,13 @@ set inside before any of the model's code runs:
                         namespaced)
     what the host is    /proc's machine-wide entries masked           empty files, host name "sandbox",
                         (PROC_FILES), its own host name, the install  Python at /opt/python
-                        at INSTALL, no pty
+                        at INSTALL (a copy in /dev/shm: no host
+                        folder, no disk read), no pty
     memory              RLIMIT_AS: each process maps at most          MemoryError; past the cgroup's
-                        --python-memory; where a cgroup can be made   bound, the kernel ends a process of
-                        (as root, or delegated v2), all of it within  it
-                        --python-memory + SCRATCH_MB
+                        --python-memory; all of it within             bound, the kernel ends a process of
+                        --python-memory + SCRATCH_MB: in a cgroup     it; past the watch's, the
+                        where one can be made (root, delegated v2),   interpreter ends (an error: its
+                        else summed by a thread every WATCH_SECONDS   state is lost)
     time                the host kills it at the call's bound, and    an error: its state is lost
                         starts another; between calls its other
                         processes are stopped (SIGSTOP), using no
@@ -47,12 +49,13 @@ set inside before any of the model's code runs:
                         /tmp, dropped before any code),
                         no_new_privs, nosuid mounts
 
-Not isolated: the CPU during a call (it shares the machine's cores for up to --tool-timeout), /usr's and the
-Python install's files (readable; the time of a first read tells whether another rollout read a page;
-/proc/self/mountinfo names the install's host folder), the kernel itself (a kernel exploit escapes any
-namespace: a container or VM is the stronger boundary). Without a cgroup (a user with no delegated cgroup v2),
-memory is bounded per process, so PROCESSES x --python-memory for one interpreter, plus /tmp's SCRATCH_MB and
-the kernel memory of at most SCRATCH_FILES files and PROCESSES x DESCRIPTORS pipes and sockets.
+Not isolated: the CPU during a call (it shares the machine's cores for up to --tool-timeout), /usr's files
+(readable: the time of a first read tells whether another rollout read a page since it was last evicted, a
+channel of ~10,000 bits a second at 1% errors, measured, a bit per cold page; the Python install is a copy in
+memory, /dev/shm's), the kernel itself (a kernel exploit escapes any namespace: a container or VM is the
+stronger boundary). Without a cgroup (a user with no delegated cgroup v2), the memory watch ends an
+interpreter past its bound within what it allocates in a period (measured: 2-250 MiB past, 6 to 30 processes
+at once), and the kernel memory of PROCESSES x DESCRIPTORS pipes and sockets is not summed.
 --no-python-sandbox runs the same interpreter without namespaces or filter (where user namespaces are
 disabled): its limits of memory, time, output, file size, descriptors and environment only.
 """
@@ -120,37 +123,59 @@ INSTALL = "/opt/python"
 # The tmpfs of the install's image, and what of the install it leaves out (the interpreter runs without these)
 SHM = "/dev/shm"
 IMAGE_SKIPS = {"test", "site-packages", "idlelib", "tkinter", "turtledemo", "ensurepip", "lib2to3"}
-# the open files whose locks mark the images as this run's
-IMAGE_LOCKS = []
+# install -> its image (None: where none can be made), made once per run; their lock files stay open for it
+IMAGES = {}
+# around IMAGES' changes: interpreters may start in several threads
+IMAGING = threading.Lock()
 
 
-@functools.cache
 def install_image(prefix, exe):
     """The folder the sandbox mounts at INSTALL: a copy, made once per run in SHM (a tmpfs), of the install's
     interpreter, libpython and standard library. Not its host folder, which /proc/self/mountinfo would show (a
     bind mount's source, which names a home, so a user), nor its disk's files, whose first read is slower than a
     cached page's (another rollout's read): the copy's pages are in memory. A lock held for the run marks it as
     this run's: a copy whose lock is free was left by a run that ended without removing it, and is removed. None
-    where SHM is not there or lacks the space: the host folder is mounted instead."""
+    where SHM is not there or lacks the space: the host folder is mounted instead (tried again at the next start
+    where the copy failed, descriptors short, say)."""
+    with IMAGING:
+        if prefix not in IMAGES:
+            made = make_image(prefix, exe)
+            if made != "failed":
+                IMAGES[prefix] = made
+        return IMAGES.get(prefix)
+
+
+def make_image(prefix, exe):
+    """install_image()'s copy: its folder, None where SHM lacks the space, "failed" where the copy failed."""
     remove_left_images()
     skipped = functools.partial(left_out, prefix, os.path.basename(exe))
     size = 0
-    for folder, folders, files in os.walk(prefix):
-        folders[:] = [name for name in folders if name not in skipped(folder, folders)]
-        kept = [os.path.join(folder, name) for name in files if name not in skipped(folder, files)]
-        size += sum(os.lstat(path).st_size for path in kept)
-    with contextlib.suppress(OSError):
+    try:
+        for folder, folders, files in os.walk(prefix):
+            folders[:] = [name for name in folders if name not in skipped(folder, folders)]
+            kept = [os.path.join(folder, name) for name in files if name not in skipped(folder, files)]
+            size += sum(os.lstat(path).st_size for path in kept)
         # room for it twice over: the tmpfs is shared (a container's may be 64 MiB)
-        if shutil.disk_usage(SHM).free > 2 * size:
-            image = tempfile.mkdtemp(prefix="async_grpo-python-", dir=SHM)
-            atexit.register(shutil.rmtree, image, True)
-            lock = os.open(os.path.join(image, "lock"), os.O_CREAT | os.O_RDWR, 0o600)
-            IMAGE_LOCKS.append(lock)
-            fcntl.flock(lock, fcntl.LOCK_EX)
-            os.chmod(image, 0o755)
-            shutil.copytree(prefix, os.path.join(image, "python"), ignore=skipped, symlinks=True)
-            return os.path.join(image, "python")
-    return None
+        if not os.path.isdir(SHM) or shutil.disk_usage(SHM).free < 2 * size:
+            return None
+    except OSError:
+        return "failed"
+    image = None
+    lock = None
+    try:
+        image = tempfile.mkdtemp(prefix="async_grpo-python-", dir=SHM)
+        lock = os.open(os.path.join(image, "lock"), os.O_CREAT | os.O_RDWR, 0o600)
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        os.chmod(image, 0o755)
+        shutil.copytree(prefix, os.path.join(image, "python"), ignore=skipped, symlinks=True)
+    except OSError:
+        if image is not None:
+            shutil.rmtree(image, ignore_errors=True)
+        if lock is not None:
+            os.close(lock)
+        return "failed"
+    atexit.register(shutil.rmtree, image, True)
+    return os.path.join(image, "python")
 
 
 def left_out(prefix, exe_name, folder, names):
@@ -965,7 +990,8 @@ def check(memory_mb, sandboxed=True):
         print(
             "note: --env python: no cgroup can be made here "
             "(not root, and no cgroup v2 with the memory controller delegated): "
-            "each interpreter's memory is bounded per process, not as a whole (README.md)",
+            "a thread sums each interpreter's memory instead, "
+            "which it may pass for a moment (README.md)",
             flush=True,
         )
     interpreter = Interpreter(memory_mb, sandboxed)
