@@ -682,8 +682,11 @@ class Interpreter:
 
     def bwrap_said(self, wait):
         """What bwrap has written on its info pipe so far: the namespace's first PID, then (in writes of their
-        own: a read may come between) the namespaces' ids. Waits up to `wait` seconds for the first."""
-        with self.info_lock:
+        own: a read may come between) the namespaces' ids. Waits up to `wait` seconds for the first; with
+        `wait` 0 (the memory watch's thread), not for a stop() that waits for it."""
+        if not self.info_lock.acquire(blocking=wait > 0):
+            return self.said
+        try:
             if self.info is None or self.said.endswith(b"}\n"):
                 return self.said
             # not select.select: the trainer's descriptors may be numbered past 1,024
@@ -693,6 +696,8 @@ class Interpreter:
                 with contextlib.suppress(BlockingIOError):
                     self.said += os.read(self.info, 4096)
             return self.said
+        finally:
+            self.info_lock.release()
 
     def stop(self):
         """Ends it and everything it started; returns what it said on stderr (bwrap's reason to fail). The

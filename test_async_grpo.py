@@ -5296,6 +5296,17 @@ held = 0  # MiB held by the children alive at the end, all at once (each holds i
 for pid in children:
     held += 200 * (os.waitpid(pid, 0)[1] == 0)
 held""",
+    "memory_shared": """
+import os, time
+block = b"\\1" * (150 << 20)  # the parent's, each child's too until written: held once
+children = []
+for _ in range(4):
+    pid = os.fork()
+    if pid == 0:
+        time.sleep(1)
+        os._exit(0)
+    children.append(pid)
+sum(os.waitpid(pid, 0)[1] == 0 for pid in children)""",
     "proc_1_root": """
 import os
 try:
@@ -5678,10 +5689,11 @@ def test_code_the_model_writes_finds_no_channel_no_host_detail_and_no_unbounded_
     """Round three's attacks through the real interpreter, on both of the sandbox's paths, from a trainer that
     is a subreaper. In the sandbox: no socket family but AF_UNIX, AF_INET, AF_INET6 and AF_NETLINK; no System
     V semaphore or message queue, sync, pipe resizing, lock, inotify watch, page-cache hint or probe; no
-    machine-wide /proc entry, pty, host name or install path; memory bounded as a whole where a cgroup can be
-    made (as root here: cgroup v1's memory hierarchy; a user without a delegated cgroup v2 has none, which
-    README.md says); bwrap's own /tmp read-only; no zombie left. With --no-python-sandbox (limits only) each
-    of these succeeds, which shows that each is real."""
+    machine-wide /proc entry, pty, host name or install path (nor its host folder in mountinfo); memory bounded
+    as a whole, a page shared counted once: by a cgroup where one can be made (as root here: cgroup v1's memory
+    hierarchy), else by the memory watch (its peak measured by a process of its own); bwrap's own /tmp
+    read-only; no zombie left. With --no-python-sandbox (limits only) each of these succeeds, which shows that
+    each is real."""
     results = attacked(AS_SUBREAPER[user], TRAINER_AS_SUBREAPER, ROUND_THREE, shown=8000)
     inside, outside = results["true"], results["false"]
     # EAFNOSUPPORT, each
@@ -5718,6 +5730,8 @@ def test_code_the_model_writes_finds_no_channel_no_host_detail_and_no_unbounded_
             inside["memory_whole"],
         )
         assert inside["memory_peak"] < bound + 320
+    # 4 forks of a parent that holds 150 MiB: 750 MiB in their resident sizes, 150 held (no false end)
+    assert inside["memory_shared"] == outside["memory_shared"] == "4"
     assert inside["proc_1_root"] in ("30", "13")  # EROFS (bwrap's /tmp), EACCES (root's path: another uid)
     for out in (inside, outside):
         assert out["reaped"] and out["zombies"] == []
