@@ -55,7 +55,9 @@ channel of ~10,000 bits a second at 1% errors, measured, a bit per cold page; th
 memory, /dev/shm's), the kernel itself (a kernel exploit escapes any namespace: a container or VM is the
 stronger boundary). Without a cgroup (a user with no delegated cgroup v2), the memory watch ends an
 interpreter past its bound within what it allocates in a period (measured: 2-250 MiB past, 6 to 30 processes
-at once), and the kernel memory of PROCESSES x DESCRIPTORS pipes and sockets is not summed.
+at once), and does not see sockets' buffers (SOCKET_BUFFERS refused, at the kernel's defaults: measured, 12
+MiB a process in socket pairs, 216 MiB in loopback TCP connections, whose autotuning the machine's tcp_mem
+bounds) nor pipes' (64 KiB each, PROCESSES x DESCRIPTORS at most).
 --no-python-sandbox runs the same interpreter without namespaces or filter (where user namespaces are
 disabled): its limits of memory, time, output, file size, descriptors and environment only.
 """
@@ -385,9 +387,9 @@ def remove_cgroup(path):
 # leases and F_NOTIFY, which FCNTLS refuses; inotify, fanotify), their page cache (fadvise and readahead evict
 # or load a shared file's pages, preadv2's RWF_NOWAIT, io_uring and cachestat tell whether one is cached: the
 # channel that outlives a rollout), the disks (sync flushes every dirty page of the host), the user's pipe
-# quota (F_SETPIPE_SZ). clone and unshare are refused only with CLONE_NEWUSER (a user namespace nested inside
-# would give the code the capabilities to mount a tmpfs of its own, unbounded; every other namespace needs a
-# capability it does not have), clone3 (whose flags a filter cannot read) with ENOSYS: the C library then uses
+# quota (F_SETPIPE_SZ), kernel memory that no memory watch counts (SOCKET_BUFFERS). clone and unshare are
+# refused only with CLONE_NEWUSER (a user namespace nested inside would give the code the capabilities to mount
+# a tmpfs of its own, unbounded; every other namespace needs a capability it does not have), clone3 (whose flags a filter cannot read) with ENOSYS: the C library then uses
 # clone. socket and socketpair take the families of SOCKET_FAMILIES only (EAFNOSUPPORT): vsock is not
 # namespaced (in a VM it reaches the host past the network namespace), AF_ALG and AF_PACKET are kernel surface
 # no interpreter needs.
@@ -430,6 +432,7 @@ NUMBERS = {
     "socket": (41, 198),
     "socketpair": (53, 199),
     "fcntl": (72, 25),
+    "setsockopt": (54, 208),
 }
 # by architecture: (its AUDIT_ARCH, {name: number}); another architecture is a number more in each row of
 # NUMBERS and a line here
@@ -443,7 +446,11 @@ SOCKET_FAMILIES = {"AF_UNIX": 1, "AF_INET": 2, "AF_INET6": 10, "AF_NETLINK": 16}
 # fcntl's commands refused: F_GETLK, F_SETLK, F_SETLKW, F_OFD_GETLK, F_OFD_SETLK,
 # F_OFD_SETLKW, F_SETLEASE, F_NOTIFY, F_SETPIPE_SZ
 FCNTLS = (5, 6, 7, 36, 37, 38, 1024, 1026, 1031)
-WITH_ARGUMENTS = ("clone", "unshare", "clone3", "socket", "socketpair", "fcntl")
+# setsockopt's options refused at SOL_SOCKET: SO_SNDBUF, SO_RCVBUF (and their FORCE forms): a socket's buffers
+# hold kernel memory that no RLIMIT_AS and no memory watch counts, up to 8 MiB a socket raised, 0.2 left alone
+SOL_SOCKET = 1
+SOCKET_BUFFERS = (7, 8, 32, 33)
+WITH_ARGUMENTS = ("clone", "unshare", "clone3", "socket", "socketpair", "fcntl", "setsockopt")
 
 
 def seccomp_filter():
@@ -480,6 +487,7 @@ def seccomp_filter():
         (jeq, "family", None, numbers["socket"]),
         (jeq, "family", None, numbers["socketpair"]),
         (jeq, "command", None, numbers["fcntl"]),
+        (jeq, "option", None, numbers["setsockopt"]),
         (ret, None, None, allow),
         # clone's and unshare's flags
         ("flags",),
@@ -493,6 +501,10 @@ def seccomp_filter():
     # fcntl's command
     code += [(ret, None, None, no_family), ("command",), (load, None, None, 24)]
     code += [(jeq, "refuse", None, command) for command in FCNTLS]
+    # setsockopt's level, then its option
+    code += [(ret, None, None, allow), ("option",), (load, None, None, 24), (jeq, None, "allow", SOL_SOCKET)]
+    code += [(load, None, None, 32)]
+    code += [(jeq, "refuse", None, option) for option in SOCKET_BUFFERS]
     code += [
         ("allow",),
         (ret, None, None, allow),
