@@ -70,6 +70,7 @@ import fcntl
 import functools
 import inspect
 import itertools
+import math
 import os
 import random
 import re
@@ -925,7 +926,7 @@ def end_namespace(interpreter, namespace, held_mb):
         try:
             # the pidfd's process, or one that ended (the signal then fails): not another that took its PID
             if os.readlink(f"/proc/{pid}/ns/pid") == namespace:
-                interpreter.held_mb = round(held_mb)
+                interpreter.held_mb = math.ceil(held_mb)
                 signal.pidfd_send_signal(pidfd, signal.SIGKILL)
         finally:
             os.close(pidfd)

@@ -4884,13 +4884,12 @@ def ticks_since_boot():
 
 
 def namespace_of(env):
-    """The PID namespace of an instance's interpreter: its bwrap's first child is the
-    namespace's process 1."""
-    bwrap = env.env.interpreter.proc.pid
+    """The PID namespace of an instance's interpreter, as bwrap names it on its info pipe (/proc's
+    task/*/children, a kernel option, may be absent)."""
     for _ in range(100):
-        children = [int(p) for p in Path(f"/proc/{bwrap}/task/{bwrap}/children").read_text().split()]
-        if children:
-            return os.readlink(f"/proc/{children[0]}/ns/pid")
+        found = re.search(rb'"pid-namespace": *(\d+)', env.env.interpreter.bwrap_said(1))
+        if found:
+            return f"pid:[{found[1].decode()}]"
         time.sleep(0.01)
     raise AssertionError("no sandbox started")
 
