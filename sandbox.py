@@ -177,8 +177,14 @@ def make_image(prefix, exe):
         if lock is not None:
             os.close(lock)
         return "failed"
-    atexit.register(shutil.rmtree, image, True)
+    atexit.register(remove_image, image, os.getpid())
     return os.path.join(image, "python")
+
+
+def remove_image(image, owner):
+    """At exit: removes the image, in the process that made it (not in a child forked from it)."""
+    if os.getpid() == owner:
+        shutil.rmtree(image, ignore_errors=True)
 
 
 def left_out(prefix, exe_name, folder, names):
