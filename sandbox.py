@@ -30,11 +30,13 @@ set inside before any of the model's code runs:
                         namespaced)
     what the host is    /proc's machine-wide entries masked           empty files, host name "sandbox",
                         (PROC_FILES), its own host name, the install  Python at /opt/python
-                        at INSTALL, no pty
+                        at INSTALL (a copy in /dev/shm: no host
+                        folder, no disk read), no pty
     memory              RLIMIT_AS: each process maps at most          MemoryError; past the cgroup's
-                        --python-memory; where a cgroup can be made   bound, the kernel ends a process of
-                        (as root, or delegated v2), all of it within  it
-                        --python-memory + SCRATCH_MB
+                        --python-memory; all of it within             bound, the kernel ends a process of
+                        --python-memory + SCRATCH_MB: in a cgroup     it; past the watch's, the
+                        where one can be made (root, delegated v2),   interpreter ends (an error: its
+                        else summed by a thread every WATCH_SECONDS   state is lost)
     time                the host kills it at the call's bound, and    an error: its state is lost
                         starts another; between calls its other
                         processes are stopped (SIGSTOP), using no
@@ -47,22 +49,28 @@ set inside before any of the model's code runs:
                         /tmp, dropped before any code),
                         no_new_privs, nosuid mounts
 
-Not isolated: the CPU during a call (it shares the machine's cores for up to --tool-timeout), /usr's and the
-Python install's files (readable; the time of a first read tells whether another rollout read a page;
-/proc/self/mountinfo names the install's host folder), the kernel itself (a kernel exploit escapes any
-namespace: a container or VM is the stronger boundary). Without a cgroup (a user with no delegated cgroup v2),
-memory is bounded per process, so PROCESSES x --python-memory for one interpreter, plus /tmp's SCRATCH_MB and
-the kernel memory of at most SCRATCH_FILES files and PROCESSES x DESCRIPTORS pipes and sockets.
+Not isolated: the CPU during a call (it shares the machine's cores for up to --tool-timeout), /usr's files
+(readable: the time of a first read tells whether another rollout read a page since it was last evicted, a
+channel of ~10,000 bits a second at 1% errors, measured, a bit per cold page; the Python install is a copy in
+memory, /dev/shm's), the kernel itself (a kernel exploit escapes any namespace: a container or VM is the
+stronger boundary). Without a cgroup (a user with no delegated cgroup v2), the memory watch ends an
+interpreter past its bound within what it allocates in a period (measured: 2-250 MiB past, 6 to 30 processes
+at once), and does not see sockets' buffers (SOCKET_BUFFERS refused, at the kernel's defaults: measured, 12
+MiB a process in socket pairs, 216 MiB in loopback TCP connections, whose autotuning the machine's tcp_mem
+bounds) nor pipes' (64 KiB each, PROCESSES x DESCRIPTORS at most).
 --no-python-sandbox runs the same interpreter without namespaces or filter (where user namespaces are
 disabled): its limits of memory, time, output, file size, descriptors and environment only.
 """
 
 import asyncio
+import atexit
 import binascii
 import contextlib
+import fcntl
 import functools
 import inspect
 import itertools
+import math
 import os
 import random
 import re
@@ -115,6 +123,103 @@ def interpreter_paths():
 
 # Where the sandbox mounts a Python install that is not under /usr: its host path names a home, and so a user
 INSTALL = "/opt/python"
+# The tmpfs of the install's image, and what of the install it leaves out (the interpreter runs without these)
+SHM = "/dev/shm"
+IMAGE_SKIPS = {"test", "site-packages", "idlelib", "tkinter", "turtledemo", "ensurepip", "lib2to3"}
+# install -> its image (None: where none can be made), made once per run; their lock files stay open for it
+IMAGES = {}
+# around IMAGES' changes: interpreters may start in several threads
+IMAGING = threading.Lock()
+
+
+def install_image(prefix, exe):
+    """The folder the sandbox mounts at INSTALL: a copy, made once per run in SHM (a tmpfs), of the install's
+    interpreter, libpython and standard library. Not its host folder, which /proc/self/mountinfo would show (a
+    bind mount's source, which names a home, so a user), nor its disk's files, whose first read is slower than a
+    cached page's (another rollout's read): the copy's pages are in memory. A lock held for the run marks it as
+    this run's: a copy whose lock is free was left by a run that ended without removing it, and is removed. None
+    where SHM is not there or lacks the space: the host folder is mounted instead (tried again at the next start
+    where the copy failed, descriptors short, say)."""
+    with IMAGING:
+        if prefix not in IMAGES:
+            made = make_image(prefix, exe)
+            if made != "failed":
+                IMAGES[prefix] = made
+        return IMAGES.get(prefix)
+
+
+def make_image(prefix, exe):
+    """install_image()'s copy: its folder, None where SHM lacks the space, "failed" where the copy failed."""
+    remove_left_images()
+    skipped = functools.partial(left_out, prefix, os.path.basename(exe))
+    size = 0
+    try:
+        for folder, folders, files in os.walk(prefix):
+            folders[:] = [name for name in folders if name not in skipped(folder, folders)]
+            kept = [os.path.join(folder, name) for name in files if name not in skipped(folder, files)]
+            size += sum(os.lstat(path).st_size for path in kept)
+        # room for it twice over: the tmpfs is shared (a container's may be 64 MiB)
+        if not os.path.isdir(SHM) or shutil.disk_usage(SHM).free < 2 * size:
+            return None
+    except OSError:
+        return "failed"
+    image = None
+    lock = None
+    try:
+        image = tempfile.mkdtemp(prefix="async_grpo-python-", dir=SHM)
+        lock = os.open(os.path.join(image, "lock"), os.O_CREAT | os.O_RDWR, 0o600)
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        os.chmod(image, 0o755)
+        shutil.copytree(prefix, os.path.join(image, "python"), ignore=skipped, symlinks=True)
+    except OSError:
+        if image is not None:
+            shutil.rmtree(image, ignore_errors=True)
+        if lock is not None:
+            os.close(lock)
+        return "failed"
+    atexit.register(remove_image, image, os.getpid())
+    return os.path.join(image, "python")
+
+
+def remove_image(image, owner):
+    """At exit: removes the image, in the process that made it (not in a child forked from it)."""
+    if os.getpid() == owner:
+        shutil.rmtree(image, ignore_errors=True)
+
+
+def left_out(prefix, exe_name, folder, names):
+    """What of a folder of the install its image leaves out (copytree's ignore): all but the interpreter and
+    lib's libpython and standard library, of which its tests and rarely run parts (IMAGE_SKIPS, the build's
+    config), and the optimized levels' bytecode."""
+    where = os.path.relpath(folder, prefix)
+    version = f"python{sys.version_info.major}.{sys.version_info.minor}"
+    if where == ".":
+        return [name for name in names if name not in ("bin", "lib")]
+    if where == "bin":
+        return [name for name in names if name != exe_name]
+    if where == "lib":
+        return [name for name in names if name != version and not name.startswith("libpython")]
+    if where == os.path.join("lib", version):
+        return [name for name in names if name in IMAGE_SKIPS or name.startswith("config-")]
+    return [name for name in names if ".opt-" in name]
+
+
+def remove_left_images():
+    """Removes the install images that runs left in SHM (their lock is free: the run has ended)."""
+    with contextlib.suppress(OSError):
+        for name in os.listdir(SHM):
+            image = os.path.join(SHM, name)
+            if not name.startswith("async_grpo-python-"):
+                continue
+            with contextlib.suppress(OSError):
+                lock = os.open(os.path.join(image, "lock"), os.O_RDWR)
+                try:
+                    fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    shutil.rmtree(image, ignore_errors=True)
+                finally:
+                    os.close(lock)
+
+
 # /proc's entries that are the machine's, not the namespaces': what the host is (its command line,
 # boot id, CPU, memory, uptime, devices) and counters that every sandbox moves (forks, ptys, disk
 # writes, load, pressure, file locks). Masked: /dev/null over each file, an empty read-only tmpfs over
@@ -153,7 +258,8 @@ def command(memory_mb, sandboxed=True, seccomp_fd=None, info_fd=None, cgroup=Non
     if prefix != "/usr" and not prefix.startswith("/usr/") and exe.startswith(prefix + "/"):
         # its libpython is found by the path it was built with (RPATH), absent here: by LD_LIBRARY_PATH
         # instead
-        argv += ["--perms", "0755", "--dir", os.path.dirname(INSTALL), "--ro-bind", prefix, INSTALL]
+        image = install_image(prefix, exe) or prefix
+        argv += ["--perms", "0755", "--dir", os.path.dirname(INSTALL), "--ro-bind", image, INSTALL]
         environment += ["--setenv", "LD_LIBRARY_PATH", f"{INSTALL}/lib"]
         exe = INSTALL + exe[len(prefix) :]
     argv += proc_and_dev_mounts()
@@ -288,9 +394,9 @@ def remove_cgroup(path):
 # leases and F_NOTIFY, which FCNTLS refuses; inotify, fanotify), their page cache (fadvise and readahead evict
 # or load a shared file's pages, preadv2's RWF_NOWAIT, io_uring and cachestat tell whether one is cached: the
 # channel that outlives a rollout), the disks (sync flushes every dirty page of the host), the user's pipe
-# quota (F_SETPIPE_SZ). clone and unshare are refused only with CLONE_NEWUSER (a user namespace nested inside
-# would give the code the capabilities to mount a tmpfs of its own, unbounded; every other namespace needs a
-# capability it does not have), clone3 (whose flags a filter cannot read) with ENOSYS: the C library then uses
+# quota (F_SETPIPE_SZ), kernel memory that no memory watch counts (SOCKET_BUFFERS). clone and unshare are
+# refused only with CLONE_NEWUSER (a user namespace nested inside would give the code the capabilities to mount
+# a tmpfs of its own, unbounded; every other namespace needs a capability it does not have), clone3 (whose flags a filter cannot read) with ENOSYS: the C library then uses
 # clone. socket and socketpair take the families of SOCKET_FAMILIES only (EAFNOSUPPORT): vsock is not
 # namespaced (in a VM it reaches the host past the network namespace), AF_ALG and AF_PACKET are kernel surface
 # no interpreter needs.
@@ -333,6 +439,7 @@ NUMBERS = {
     "socket": (41, 198),
     "socketpair": (53, 199),
     "fcntl": (72, 25),
+    "setsockopt": (54, 208),
 }
 # by architecture: (its AUDIT_ARCH, {name: number}); another architecture is a number more in each row of
 # NUMBERS and a line here
@@ -346,7 +453,11 @@ SOCKET_FAMILIES = {"AF_UNIX": 1, "AF_INET": 2, "AF_INET6": 10, "AF_NETLINK": 16}
 # fcntl's commands refused: F_GETLK, F_SETLK, F_SETLKW, F_OFD_GETLK, F_OFD_SETLK,
 # F_OFD_SETLKW, F_SETLEASE, F_NOTIFY, F_SETPIPE_SZ
 FCNTLS = (5, 6, 7, 36, 37, 38, 1024, 1026, 1031)
-WITH_ARGUMENTS = ("clone", "unshare", "clone3", "socket", "socketpair", "fcntl")
+# setsockopt's options refused at SOL_SOCKET: SO_SNDBUF, SO_RCVBUF (and their FORCE forms): a socket's buffers
+# hold kernel memory that no RLIMIT_AS and no memory watch counts, up to 8 MiB a socket raised, 0.2 left alone
+SOL_SOCKET = 1
+SOCKET_BUFFERS = (7, 8, 32, 33)
+WITH_ARGUMENTS = ("clone", "unshare", "clone3", "socket", "socketpair", "fcntl", "setsockopt")
 
 
 def seccomp_filter():
@@ -383,6 +494,7 @@ def seccomp_filter():
         (jeq, "family", None, numbers["socket"]),
         (jeq, "family", None, numbers["socketpair"]),
         (jeq, "command", None, numbers["fcntl"]),
+        (jeq, "option", None, numbers["setsockopt"]),
         (ret, None, None, allow),
         # clone's and unshare's flags
         ("flags",),
@@ -396,6 +508,10 @@ def seccomp_filter():
     # fcntl's command
     code += [(ret, None, None, no_family), ("command",), (load, None, None, 24)]
     code += [(jeq, "refuse", None, command) for command in FCNTLS]
+    # setsockopt's level, then its option
+    code += [(ret, None, None, allow), ("option",), (load, None, None, 24), (jeq, None, "allow", SOL_SOCKET)]
+    code += [(load, None, None, 32)]
+    code += [(jeq, "refuse", None, option) for option in SOCKET_BUFFERS]
     code += [
         ("allow",),
         (ret, None, None, allow),
@@ -448,6 +564,9 @@ class Interpreter:
         self.memory_mb = memory_mb
         self.sandboxed = sandboxed
         self.proc = None
+        self.info = None
+        # bwrap's info pipe is read by stop() and by the memory watch's thread
+        self.info_lock = threading.Lock()
         self.start()
 
     def start(self):
@@ -455,7 +574,10 @@ class Interpreter:
         # it, a tmpfs that ends with it
         self.scratch = None if self.sandboxed else tempfile.mkdtemp(prefix="async_grpo-python-")
         self.info = None
+        self.said = b""
         self.cgroup = None
+        # what the memory watch saw its processes hold, in MiB, as it ended them (None: it did not)
+        self.held_mb = None
         # the pipes' ends this process closes once bwrap has them; the descriptors bwrap is given
         ends = []
         fds = ()
@@ -497,6 +619,9 @@ class Interpreter:
                 os.close(fd)
         for pipe in (self.proc.stdin, self.proc.stdout, self.proc.stderr):
             os.set_blocking(pipe.fileno(), False)
+        # no cgroup: a thread sums its processes' memory instead
+        if self.sandboxed and self.cgroup is None:
+            watch(self)
 
     async def run(self, code, timeout):
         """The cell's output (stdout and stderr, the last expression's value, or the traceback), cut at
@@ -520,6 +645,9 @@ class Interpreter:
         # a closed pipe: it exited
         except OSError:
             lost = "the interpreter exited"
+            if self.held_mb is not None:
+                bound = self.memory_mb + SCRATCH_MB
+                lost = f"its processes held {self.held_mb} MiB together, past {bound}, and were ended"
         except (ValueError, KeyError, TypeError, UnicodeError):
             lost = "the interpreter's answer was overwritten by the code"
         # an answer still to come would be taken for the next call's
@@ -558,16 +686,9 @@ class Interpreter:
         None if it never did (bwrap failed). Checked to be the child of bwrap (its PID), or this
         process's (bwrap exited first, and this process, a subreaper or PID 1, inherited it): a PID
         whose process ended may be another's."""
-        said = b""
-        # not select.select: the trainer's descriptors may be numbered past 1,024
-        poll = select.poll()
-        poll.register(self.info, select.POLLIN)
         # bwrap writes it as it makes the namespace, or closes the pipe as it fails
-        if poll.poll(5000):
-            with contextlib.suppress(BlockingIOError):
-                said = os.read(self.info, 4096)
+        said = self.bwrap_said(5)
         with contextlib.suppress(ValueError, KeyError, TypeError, OSError):
-            # its first write (bwrap writes the rest, the namespaces' ids, after: a read may come between)
             pid = int(re.search(rb'"child-pid": *(\d+)', said)[1])
             pidfd = os.pidfd_open(pid)
             with open(f"/proc/{pid}/stat") as stat:
@@ -577,6 +698,25 @@ class Interpreter:
                     return pidfd
             os.close(pidfd)
         return None
+
+    def bwrap_said(self, wait):
+        """What bwrap has written on its info pipe so far: the namespace's first PID, then (in writes of their
+        own: a read may come between) the namespaces' ids. Waits up to `wait` seconds for the first; with
+        `wait` 0 (the memory watch's thread), not for a stop() that waits for it."""
+        if not self.info_lock.acquire(blocking=wait > 0):
+            return self.said
+        try:
+            if self.info is None or self.said.endswith(b"}\n"):
+                return self.said
+            # not select.select: the trainer's descriptors may be numbered past 1,024
+            poll = select.poll()
+            poll.register(self.info, select.POLLIN)
+            if poll.poll(0 if self.said else int(wait * 1000)):
+                with contextlib.suppress(BlockingIOError):
+                    self.said += os.read(self.info, 4096)
+            return self.said
+        finally:
+            self.info_lock.release()
 
     def stop(self):
         """Ends it and everything it started; returns what it said on stderr (bwrap's reason to fail). The
@@ -592,6 +732,7 @@ class Interpreter:
             return ""
         proc = self.proc
         self.proc = None
+        unwatch(self)
         cgroup = self.cgroup
         self.cgroup = None
         said = b""
@@ -621,9 +762,10 @@ class Interpreter:
 
     def closed(self):
         """Its info pipe closed and its scratch directory removed."""
-        if self.info is not None:
-            os.close(self.info)
-            self.info = None
+        with self.info_lock:
+            if self.info is not None:
+                os.close(self.info)
+                self.info = None
         if self.scratch:
             shutil.rmtree(self.scratch, ignore_errors=True)
             self.scratch = None
@@ -668,6 +810,132 @@ def reaped(timeout=5):
     with REAPING:
         REAPERS[:] = [t for t in REAPERS if t.is_alive()]
     return True
+
+
+# Where no cgroup can be made (a user's run, with no delegated cgroup v2), a thread of the trainer's, the memory
+# watch, sums every WATCH_SECONDS the resident memory of each interpreter's processes (those of its PID
+# namespace) and ends an interpreter whose processes hold more than --python-memory + SCRATCH_MB together
+# (RLIMIT_AS bounds each alone). What it leaves: what they allocate within a period past the bound (README.md:
+# measured). The interpreters it watches:
+WATCHED = set()
+# around WATCHED's changes, and the thread's wait while there are none
+WATCHING = threading.Condition()
+WATCH_SECONDS = 0.01
+# the watch's thread, once started
+WATCHERS = []
+
+
+def watch(interpreter):
+    """Adds an interpreter to those the memory watch sums (its thread started with the first)."""
+    with WATCHING:
+        WATCHED.add(interpreter)
+        if not WATCHERS:
+            WATCHERS.append(threading.Thread(target=watch_memory, name="python-memory-watch", daemon=True))
+            WATCHERS[0].start()
+        WATCHING.notify()
+
+
+def unwatch(interpreter):
+    """Takes an interpreter out of those the memory watch sums."""
+    with WATCHING:
+        WATCHED.discard(interpreter)
+
+
+def watch_memory():
+    """The memory watch's thread: every WATCH_SECONDS while an interpreter is watched, sums the resident memory
+    of the processes of each one that has more than its first two (bwrap's, in which nothing of the model's
+    runs, and the interpreter, which RLIMIT_AS bounds alone) and ends those past their bound. /proc is listed
+    only where a process was made since the last time (the newest PID changed) or one had more."""
+    # PID -> its PID namespace, of the processes /proc listed the last time
+    seen = {}
+    newest = None
+    more = False
+    while True:
+        time.sleep(WATCH_SECONDS)
+        with WATCHING:
+            WATCHING.wait_for(lambda: WATCHED)
+            watched = list(WATCHED)
+        made = newest_pid()
+        if made == newest and not more:
+            continue
+        newest = made
+        namespaces = {}
+        for interpreter in watched:
+            found = re.search(rb'"pid-namespace": *(\d+)', interpreter.bwrap_said(0))
+            if found:
+                namespaces[f"pid:[{found[1].decode()}]"] = interpreter
+        more = False
+        for namespace, pids in processes_in(namespaces, seen).items():
+            more = more or len(pids) > 2
+            if len(pids) > 2:
+                held_past(namespaces[namespace], namespace, pids)
+
+
+def newest_pid():
+    """The PID this namespace made last (/proc/loadavg's last field), which a process made in one below it,
+    a sandbox's, changes too."""
+    with open("/proc/loadavg") as loadavg:
+        return loadavg.read().split()[-1]
+
+
+def held_past(interpreter, namespace, pids):
+    """Ends the interpreter whose processes (pids, of its PID namespace) hold more than its bound."""
+    bound = interpreter.memory_mb + SCRATCH_MB
+    # resident pages, those shared (a fork's, a library's) counted in each process: cheap, a bound from above
+    held = sum(resident_mb(pid, "statm") for pid in pids)
+    if held > bound:
+        # each shared page divided among the processes that map it: exact, slower
+        held = sum(resident_mb(pid, "smaps_rollup") for pid in pids)
+    if held > bound:
+        end_namespace(interpreter, namespace, held)
+
+
+def processes_in(namespaces, seen):
+    """{PID namespace: [PID, ...]} of the processes in /proc that are in namespaces (their "pid:[inode]"). seen:
+    PID -> namespace of those /proc listed the last time, updated (a PID listed then and now is the same
+    process: a PID is reused only after pid_max others, millions)."""
+    listed = [name for name in os.listdir("/proc") if name.isdigit()]
+    for pid in set(seen) - set(listed):
+        del seen[pid]
+    found = {namespace: [] for namespace in namespaces}
+    for pid in listed:
+        if pid not in seen:
+            # ended since, or not this user's: not one of the sandbox's (tried again in the next period)
+            with contextlib.suppress(OSError):
+                seen[pid] = os.readlink(f"/proc/{pid}/ns/pid")
+        if seen.get(pid) in found:
+            found[seen[pid]].append(pid)
+    return found
+
+
+def resident_mb(pid, source):
+    """A process's resident memory in MiB, from /proc/PID/statm (every page it maps, shared or not) or
+    smaps_rollup (Pss: a page shared by n processes counted 1/n in each); 0 once it has ended."""
+    try:
+        with open(f"/proc/{pid}/{source}") as read:
+            text = read.read()
+    except OSError:
+        return 0
+    if source == "statm":
+        return int(text.split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+    found = re.search(r"^Pss:\s+(\d+) kB", text, re.MULTILINE)
+    return int(found[1]) / 1024 if found else 0
+
+
+def end_namespace(interpreter, namespace, held_mb):
+    """Kills the first process of an interpreter's PID namespace, which ends every process of it, if that
+    namespace is still the interpreter's (it may have been restarted since)."""
+    found = re.search(rb'"child-pid": *(\d+)', interpreter.bwrap_said(0))
+    with contextlib.suppress(OSError, TypeError):
+        pid = int(found[1])
+        pidfd = os.pidfd_open(pid)
+        try:
+            # the pidfd's process, or one that ended (the signal then fails): not another that took its PID
+            if os.readlink(f"/proc/{pid}/ns/pid") == namespace:
+                interpreter.held_mb = math.ceil(held_mb)
+                signal.pidfd_send_signal(pidfd, signal.SIGKILL)
+        finally:
+            os.close(pidfd)
 
 
 async def write_all(fd, data):
@@ -746,7 +1014,8 @@ def check(memory_mb, sandboxed=True):
         print(
             "note: --env python: no cgroup can be made here "
             "(not root, and no cgroup v2 with the memory controller delegated): "
-            "each interpreter's memory is bounded per process, not as a whole (README.md)",
+            "a thread sums each interpreter's memory instead, "
+            "which it may pass for a moment (README.md)",
             flush=True,
         )
     interpreter = Interpreter(memory_mb, sandboxed)
