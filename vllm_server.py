@@ -18,7 +18,8 @@ import torch.distributed as dist
 HERE = Path(__file__).resolve().parent
 # the name the servers started here serve the weights under, whatever the checkpoint
 SERVED_MODEL = "policy"
-# --lora-sync adapter: the name the adapter is loaded under (/v1/load_lora_adapter), which requests then name
+# --lora-sync adapter: the name the adapter is loaded under
+# (/v1/load_lora_adapter), which requests then name
 SERVED_ADAPTER = "policy-adapter"
 # where a server started here writes the adapter it serves (receive_adapter): an
 # environment variable of its workers
@@ -91,7 +92,8 @@ def server_gpus(args, free):
 
 
 def plan_refusals(args, cuda_count, local_ranks, gpus, n, shared):
-    """(refused, why) for each way the plan can be wrong: plan_devices fails on the first refused."""
+    """(refused, why) for each way the plan can be wrong: plan_devices fails on
+    the first refused."""
     free = [str(d) for d in range(local_ranks, cuda_count)]
     if free:
         instead = f"pass --vllm-gpus among {','.join(free)}"
@@ -394,7 +396,8 @@ def cpu_server_flags(args):
 
 
 def checkpoint_config(model_path):
-    """The checkpoint's transformers config, or None (a GGUF file, a folder vLLM alone reads: vLLM says)."""
+    """The checkpoint's transformers config, or None (a GGUF file, a folder vLLM
+    alone reads: vLLM says)."""
     from transformers import AutoConfig
 
     try:
@@ -404,10 +407,11 @@ def checkpoint_config(model_path):
 
 
 def family_flags(config):
-    """The vLLM flags a family's checkpoint needs to be served as transformers 5 computes it. DeepSeek-V3 as
-    transformers 5 saves it names no topk_method nor scoring_func (transformers routes every DeepSeek-V3 by
-    sigmoid scores, chosen with e_score_correction_bias); vLLM 0.32 reads their absence as softmax routing
-    without that bias, and then fails to load the bias (KeyError 'layers.1.mlp.gate.e_score_correction_bias')."""
+    """The vLLM flags a family's checkpoint needs to be served as transformers 5 computes it.
+    DeepSeek-V3 as transformers 5 saves it names no topk_method nor scoring_func (transformers
+    routes every DeepSeek-V3 by sigmoid scores, chosen with e_score_correction_bias); vLLM 0.32
+    reads their absence as softmax routing without that bias, and then fails to load the bias
+    (KeyError 'layers.1.mlp.gate.e_score_correction_bias')."""
     if config is None or config.model_type != "deepseek_v3":
         return []
     routing = {"topk_method": "noaux_tc", "scoring_func": "sigmoid"}
@@ -415,17 +419,18 @@ def family_flags(config):
     return ["--hf-overrides", json.dumps(missing)] if missing else []
 
 
-# the head sizes of vLLM 0.32's multi-head latent attention (MLACommonBackend.get_supported_head_sizes): the
-# latent and rotary parts of DeepSeek-V3's keys (576 in its checkpoints)
+# the head sizes of vLLM 0.32's multi-head latent attention
+# (MLACommonBackend.get_supported_head_sizes): the latent and rotary parts of
+# DeepSeek-V3's keys (576 in its checkpoints)
 MLA_LATENTS = (320, 512, 576)
 
 
 def family_refused(config, args, context):
-    """Why a server of vLLM 0.32 would not sample from the model the trainer computes (transformers 5's) for
-    this checkpoint, in sequences of up to `context` tokens, in one line naming the family, or None. Checked
-    before a server starts (it would fail to start with a traceback in its log, or serve another model than
-    the one trained) and on --vllm-url servers (weights_arrive). Each found on the family's tiny checkpoint
-    (test_async_grpo.py's SERVED_MATRIX)."""
+    """Why a server of vLLM 0.32 would not sample from the model the trainer computes (transformers
+    5's) for this checkpoint, in sequences of up to `context` tokens, in one line naming the family,
+    or None. Checked before a server starts (it would fail to start with a traceback in its log, or
+    serve another model than the one trained) and on --vllm-url servers (weights_arrive). Each found
+    on the family's tiny checkpoint (test_async_grpo.py's SERVED_MATRIX)."""
     if config is None:
         return None
     family = (getattr(config, "architectures", None) or [config.model_type])[0]
@@ -433,8 +438,9 @@ def family_refused(config, args, context):
     layers = getattr(text, "layer_types", None) or []
     window = getattr(text, "sliding_window", None)
     latent = getattr(text, "kv_lora_rank", 0) and text.kv_lora_rank + text.qk_rope_head_dim
-    # vLLM's Cohere 2 gives its sliding layers window + 1 tokens (its comment: "to match the training
-    # convention"), transformers 5 (the trainer) window tokens: they differ from the window's first token on
+    # vLLM's Cohere 2 gives its sliding layers window + 1 tokens (its comment: "to
+    # match the training convention"), transformers 5 (the trainer) window tokens: they
+    # differ from the window's first token on
     if family == "Cohere2ForCausalLM" and "sliding_attention" in layers and context > window:
         why = (
             f"vLLM 0.32's sliding layers attend to {window + 1} tokens, transformers 5's (the trainer's) to "
@@ -542,7 +548,8 @@ def log_tail(proc, n=25):
 
 
 def stop_vllm(proc, grace=15):
-    """SIGTERM to the server's whole process group (its engine and workers too), SIGKILL if needed."""
+    """SIGTERM to the server's whole process group (its engine and workers too),
+    SIGKILL if needed."""
     with contextlib.suppress(ProcessLookupError):
         os.killpg(proc.pid, signal.SIGTERM)
         # a stopped server could not act on the SIGTERM
@@ -806,7 +813,8 @@ def url_sync_backend(urls, devices, ours):
 
 
 def local_address(host):
-    """This machine's address on its route to host: a UDP connect sends nothing, it picks the route."""
+    """This machine's address on its route to host: a UDP connect sends nothing,
+    it picks the route."""
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
         s.connect((host, 9))
         return s.getsockname()[0]
@@ -969,7 +977,8 @@ def weights_arrive(urls, args, run, collate, token_logprobs):
     # 64 eps: SmolLM2-135M's bf16 server measured 0.078 (10 eps) on the same
     # weights; another model differs by nats
     wrong = {url: gap for url, gap in rounding.items() if not gap <= 64 * eps}
-    # a --vllm-url server that holds other weights after the whole sync, or a server of another model
+    # a --vllm-url server that holds other weights after the whole sync, or a
+    # server of another model
     if wrong:
         raise NotArrived(
             f"{model_type}: the log-probs of {', '.join(wrong)} differ from the trainer's "
@@ -1010,7 +1019,8 @@ SELF_COPIED = {"GptOssForCausalLM": (".mlp.experts.", ".sinks")}
 
 
 def noted_processing(process, processed, layer):
-    """An MoE method's process_weights_after_loading during a reload: it runs, and the layer is noted."""
+    """An MoE method's process_weights_after_loading during a reload: it runs,
+    and the layer is noted."""
     process(layer)
     processed[id(layer)] = layer
 
@@ -1029,7 +1039,8 @@ def experts_loaded(module, reprocess):
 
 
 class WeightSyncExtension:
-    """Mixed into every vLLM worker (--worker-extension-cls); its methods run via /collective_rpc."""
+    """Mixed into every vLLM worker (--worker-extension-cls); its methods run via
+    /collective_rpc."""
 
     def init_weight_sync(self, host, port, world_size, timeout, backend, first_rank=1):
         """Join the sync group: this worker's rank is its server's first rank (1
@@ -1066,7 +1077,8 @@ class WeightSyncExtension:
         ...). Checked before the first sync: a wrong name would otherwise fail halfway
         through a load, or be silently dropped."""
         model = self.model_runner.get_model()
-        # the model's renaming, or its inner model's (GraniteMoE's: its experts under their legacy names)
+        # the model's renaming, or its inner model's (GraniteMoE's: its experts
+        # under their legacy names)
         mappers = {}
         for m in model.modules():
             if hasattr(m, "hf_to_vllm_mapper"):
@@ -1089,7 +1101,8 @@ class WeightSyncExtension:
                 return False
             module, _, leaf = name.rpartition(".")
             parent, _, last = module.rpartition(".")
-            # MoE layers hold all experts in one tensor (GPT-OSS's 3D ones are renamed under it again)
+            # MoE layers hold all experts in one tensor (GPT-OSS's 3D ones are
+            # renamed under it again)
             experts = re.sub(r"\.experts\.(\d+\.)?.*", ".experts.", name)
             if name in known or f"{parent}.{fused.get(last, last)}.{leaf}" in known:
                 return True
