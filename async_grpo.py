@@ -840,8 +840,8 @@ def importance_weights(log_is_ratio, mask, settings):
     outside [1 / threshold, threshold] (mis), or 1.
 
     Per sequence (--is-level sequence; gspo), is_ratio is its tokens'
-    geometric mean: 1000 ratios within 1% of 1 multiply to anywhere in
-    e^-10..e^10, cut for their length alone."""
+    geometric mean, not their product, which a threshold would cut for
+    its length: 1000 ratios within 1% of 1 multiply to e^-10..e^10."""
     s = settings
     per_sequence = s.is_level == "sequence" or s.loss_type == "gspo"
     is_ratio = torch.exp(sequence_mean(log_is_ratio, mask) if per_sequence else log_is_ratio)
@@ -3547,7 +3547,7 @@ def parse_mistral(text):
 def parse_bare_json(text):
     """Llama 3: the turn is the call, JSON {"name", "parameters"} (after
     <|python_tag|>), several separated by ';'. A turn that starts otherwise is
-    content; text after the calls is an error."""
+    content; text after the calls is ignored, the model told."""
 
     body = text.lstrip()
     tagged = body.startswith("<|python_tag|>")
