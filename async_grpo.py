@@ -63,6 +63,7 @@ from models import decoder_layers, dequantise_gguf, load_policy, load_sharded, w
 from models import choose_layout, logprobs_refused, packed_segments, segments_refused, shared_rows_mask
 from output_layer import chunked_logprobs, sampler_logprobs
 import rewards as rewards_module
+import sandbox
 import tiny_model
 import tools as tools_module
 from tools import JSON, MAX_ARGUMENT_DEPTH, argument_errors, decode_json, function_call, typed
@@ -2076,6 +2077,8 @@ def tear_down(run, handlers):
     parts += [functools.partial(stop_vllm, server) for server in run.servers]
     if "wandb" in run.logs:
         parts.append(functools.partial(run.logs["wandb"].finish, exit_code=int(error is not None)))
+    # the interpreters' copy of Python in /dev/shm: os._exit below skips atexit
+    parts.append(sandbox.remove_images)
     # --fsdp on one GPU made a group of one rank (compute.bf16_policy)
     if dist.is_initialized():
         parts.append(dist.destroy_process_group)

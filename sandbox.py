@@ -128,6 +128,8 @@ SHM = "/dev/shm"
 IMAGE_SKIPS = {"test", "site-packages", "idlelib", "tkinter", "turtledemo", "ensurepip", "lib2to3"}
 # install -> its image (None: where none can be made), made once per run; their lock files stay open for it
 IMAGES = {}
+# image folder -> its lock's descriptor, until remove_images
+LOCKS = {}
 # around IMAGES' changes: interpreters may start in several threads
 IMAGING = threading.Lock()
 
@@ -177,14 +179,22 @@ def make_image(prefix, exe):
         if lock is not None:
             os.close(lock)
         return "failed"
-    atexit.register(remove_image, image, os.getpid())
+    LOCKS[image] = lock
+    atexit.register(remove_images, os.getpid())
     return os.path.join(image, "python")
 
 
-def remove_image(image, owner):
-    """At exit: removes the image, in the process that made it (not in a child forked from it)."""
-    if os.getpid() == owner:
-        shutil.rmtree(image, ignore_errors=True)
+def remove_images(owner=None):
+    """Removes this run's images, in the process that made them (not in a child forked from it): at
+    exit, and from async_grpo.py's teardown, whose os._exit skips atexit. A later start makes one anew."""
+    if owner not in (None, os.getpid()):
+        return
+    with IMAGING:
+        for image, lock in LOCKS.items():
+            shutil.rmtree(image, ignore_errors=True)
+            os.close(lock)
+        LOCKS.clear()
+        IMAGES.clear()
 
 
 def left_out(prefix, exe_name, folder, names):

@@ -6090,8 +6090,9 @@ def test_the_python_environment_is_learned_through_the_whole_loop_and_leaves_not
     """--env python on the arithmetic task: every rollout has an interpreter of its own, the model
     runs its code there (call frequency near 1) and copies what it prints, and the reward rises;
     once the run has ended no interpreter process is left (each is released with its group; nothing
-    of the sandbox lives on the host's disk)."""
+    of the sandbox lives on the host's disk, nor its copy of Python in /dev/shm)."""
     since = ticks_since_boot()
+    images = set(Path(sandbox.SHM).glob("async_grpo-python-*"))
     flags = ["--vllm-url", server.url, "--env", "python", "--steps", "30", "--max-operand", "9"]
     code, out = run_cli(*flags, "--rewards", "correct_answer", "--output-dir", str(tmp_path / "run"))
     assert code == 0, out[-3000:]
@@ -6103,6 +6104,7 @@ def test_the_python_environment_is_learned_through_the_whole_loop_and_leaves_not
     print(f"reward first 5 steps {first:.3f}, last 5 {last:.3f}; call frequency {calls:.3f}, failed {failed:.3f}")
     assert last > first + 0.04 and calls > 0.95 and failed < 0.05
     assert interpreter_processes(since) == []
+    assert set(Path(sandbox.SHM).glob("async_grpo-python-*")) <= images
 
 
 @pytest.mark.parametrize("fault", [signal.SIGINT, signal.SIGKILL], ids=["ctrl_c", "killed"])
