@@ -66,6 +66,15 @@ REQUIRED_METRICS = {
 }
 
 
+def run_script(command, timeout):
+    """A command in a process of its own, from this folder with its modules importable; output and
+    errors as one text (proc.stdout)."""
+    env = dict(os.environ, PYTHONPATH=str(HERE))
+    return subprocess.run(
+        command, cwd=HERE, env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=timeout
+    )
+
+
 def run_cli(*flags, timeout=900, launcher=(sys.executable,), env=None):
     """Run the real script as a user would; return (exit code, combined output)."""
     env = dict(os.environ, PYTHONUNBUFFERED="1", **(env or {}))
@@ -998,7 +1007,7 @@ def test_a_rank_0_wait_past_torchs_default_timeout_does_not_kill_the_other_ranks
     ]
     assert ag.parse_args(flags).collective_timeout == 6
     t0 = time.monotonic()
-    proc = subprocess.run(
+    proc = run_script(
         [
             sys.executable,
             "-m",
@@ -1009,11 +1018,6 @@ def test_a_rank_0_wait_past_torchs_default_timeout_does_not_kill_the_other_ranks
             str(delay),
             *flags,
         ],
-        cwd=HERE,
-        env=dict(os.environ, PYTHONPATH=str(HERE)),
-        text=True,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
         timeout=120,
     )
     print(f"rank 0 waited {delay} s; the ranks exited with {proc.returncode} after {time.monotonic() - t0:.0f} s")
@@ -1110,14 +1114,9 @@ def test_fsdp_ranks_hold_a_shard_of_the_bf16_weights_not_a_copy_of_all_and_the_r
     --beta reference's weights are all shards again after the step (FSDP2 kept its root
     gathered), and fused AdamW steps the shards."""
     (tmp_path / "casts.py").write_text(FSDP_CASTS)
-    proc = subprocess.run(
+    proc = run_script(
         [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", str(tmp_path / "casts.py")]
         + [cache, str(tmp_path / "out")],
-        cwd=HERE,
-        env=dict(os.environ, PYTHONPATH=str(HERE)),
-        text=True,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
         timeout=300,
     )
     assert proc.returncode == 0, proc.stdout[-3000:]
@@ -1140,7 +1139,7 @@ def test_fsdp_reads_the_checkpoint_on_rank_0_alone_and_every_rank_gets_its_shard
     bit, the buffers outside the state dict (rotary inv_freq) too, the output head stays tied to the
     embedding, and the logits are the unsharded model's."""
     (tmp_path / "load.py").write_text(LOAD_ONCE)
-    proc = subprocess.run(
+    proc = run_script(
         [
             sys.executable,
             "-m",
@@ -1151,11 +1150,6 @@ def test_fsdp_reads_the_checkpoint_on_rank_0_alone_and_every_rank_gets_its_shard
             tiny_model,
             str(tmp_path / "out"),
         ],
-        cwd=HERE,
-        env=dict(os.environ, PYTHONPATH=str(HERE)),
-        text=True,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
         timeout=180,
     )
     assert proc.returncode == 0, proc.stdout[-3000:]
@@ -1529,13 +1523,8 @@ def test_fsdp_on_one_gpu_computes_in_bf16_over_fp32_weights(tmp_path, device):
     fp32 model's within bf16's rounding. On CPU too (gloo; a run refuses
     --fsdp on one CPU rank): the same mechanism, without compile."""
     (tmp_path / "bf16.py").write_text(BF16_POLICY)
-    proc = subprocess.run(
+    proc = run_script(
         [sys.executable, str(tmp_path / "bf16.py"), device, str(tmp_path / "out.json")],
-        cwd=HERE,
-        env=dict(os.environ, PYTHONPATH=str(HERE)),
-        text=True,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
         timeout=300,
     )
     assert proc.returncode == 0, proc.stdout[-3000:]
@@ -6536,14 +6525,9 @@ def test_after_resume_each_rank_draws_its_own_random_numbers_as_before(tmp_path)
     (tmp_path / "streams.py").write_text(RANDOM_STREAMS)
     draws = {}
     for phase, extra in [("fresh", []), ("resumed", ["--resume"])]:
-        proc = subprocess.run(
+        proc = run_script(
             [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", str(tmp_path / "streams.py")]
             + [str(tmp_path / phase), "--output-dir", str(tmp_path / "run"), "--cache-dir", CACHE, *extra],
-            cwd=HERE,
-            env=dict(os.environ, PYTHONPATH=str(HERE)),
-            text=True,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
             timeout=180,
         )
         assert proc.returncode == 0, proc.stdout[-3000:]
