@@ -1352,6 +1352,8 @@ class Run:
     history: list = field(default_factory=list)
     clock: dict = field(default_factory=dict)
     is_main = property(lambda self: self.rank == 0)  # not a field: what only one process should do
+    # --fsdp over several ranks: each holds a shard (on one GPU, --fsdp is bf16 compute)
+    sharded = property(lambda self: self.args.fsdp and self.world_size > 1)
 
 
 def set_up(argv):
@@ -1503,7 +1505,7 @@ def limit_memory(run):
 def load_on_device(run, path):
     """The model at `path` on this rank's device: whole, or
     its shards (--fsdp, several ranks)."""
-    if run.args.fsdp and run.world_size > 1:
+    if run.sharded:
         return load_sharded(path, run.device)
     return load_policy(path).to(run.device)
 
@@ -1592,8 +1594,8 @@ def start_generation(run):
         # both seeds measured (docs/performance.md)
         trainer_dtype = "fp32"
         if run.device.type == "cuda":
-            one_rank_fsdp = args.fsdp and run.world_size == 1
-            trainer_dtype = "bf16 over fp32 weights (FSDP2)" if one_rank_fsdp else "bf16 autocast"
+            bf16_policy = args.fsdp and not run.sharded
+            trainer_dtype = "bf16 over fp32 weights (FSDP2)" if bf16_policy else "bf16 autocast"
 
         print(f"the trainer computes in {trainer_dtype}, the servers in {dtype[0]}", flush=True)
         start_sync(run)
@@ -1662,7 +1664,7 @@ def start_sync(run):
     # sync of moved weights; not under --fsdp on several ranks (a
     # forward takes every rank) nor --lora-sync adapter (vLLM 0.32's CPU
     # LoRA kernel fails on prompt log-probs)
-    if not ((args.fsdp and run.world_size > 1) or adapter):
+    if not (run.sharded or adapter):
         run.sync.check = weights_arrive(run.urls, args, run, collate, token_logprobs)
     # the servers hold the weights of the step the run starts at
     # (or newer, after a failed sync: a count saved with them
@@ -2030,8 +2032,7 @@ def save_after_error(run, error):
     if not failure and isinstance(error, ConnectionError):
         time.sleep(3)
         failure = run.server_failure or server_failure(run.urls, run.servers)
-    alone = not (run.args.fsdp and run.world_size > 1)
-    if run.is_main and run.producer and not run.updating and run.completed > run.start_step and alone:
+    if run.is_main and run.producer and not run.updating and run.completed > run.start_step and not run.sharded:
         # its sync or evaluation failed (sync/seconds 0, no
         # eval/ metrics); a line that cannot be written (a full
         # disk, wandb) does not cost the checkpoint
