@@ -97,6 +97,17 @@ def run_cli(*flags, timeout=900, launcher=(sys.executable,), env=None):
     return proc.returncode, out
 
 
+def orphaned_shared_memory(before):
+    """The psm_ files in /dev/shm (vLLM's message queues) made since `before`, a listing of it,
+    that no live process maps: what a killed server left."""
+    mapped = set()
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        with contextlib.suppress(OSError), open(f"/proc/{pid}/maps") as maps:
+            mapped.update(line.split()[-1] for line in maps if "/dev/shm/psm_" in line)
+    made = set(os.listdir("/dev/shm")) - set(before)
+    return sorted(name for name in made if name.startswith("psm_") and f"/dev/shm/{name}" not in mapped)
+
+
 def read_metrics(out_dir):
     return [json.loads(line) for line in (Path(out_dir) / "metrics.jsonl").read_text().splitlines()]
 
@@ -6816,7 +6827,9 @@ def test_faults_end_in_seconds_with_one_message_and_resume_continues(tmp_path, s
     naming the cause, leaves no process behind, and the next run continues at the step after the
     last complete checkpoint. The faults that leave the server up (the disk, the trainer's SIGTERM)
     are run against the shared one (--vllm-url), which each resumed run first syncs the checkpoint's
-    weights into and leaves serving, not paused: 5 servers start here, not 7."""
+    weights into and leaves serving, not paused: 5 servers start here, not 7. The servers killed
+    leave no shared memory in /dev/shm (stop_vllm removes what they mapped)."""
+    shared_memory = os.listdir("/dev/shm")
     out = tmp_path / "run"
     bound = {"engine": 20, "stop": 15 + 30, "api": 20, "disk": 60, "eval": 20, "term": 30}
     out.mkdir()
@@ -6894,6 +6907,7 @@ def test_faults_end_in_seconds_with_one_message_and_resume_continues(tmp_path, s
             # the message, not a traceback
             assert found and not re.search("^Traceback", text, re.M), text[-3000:]
             assert all(processes_in_group(pid) == [] for pid in pids)
+            assert orphaned_shared_memory(shared_memory) == [], name
             if "--vllm-url" in flags:  # a server the run did not start is left serving, not paused
                 assert ag.http(f"{server.url}/is_paused")["is_paused"] is False
             if name == "disk":

@@ -485,6 +485,7 @@ def wait_healthy(procs, timeout, t0):
             with contextlib.suppress(OSError, http_client.HTTPException):
                 urllib.request.urlopen(f"{proc.url}/health", timeout=5).close()
                 print(f"vLLM is up after {time.monotonic() - t0:.0f} s at {proc.url}", flush=True)
+                proc.segments = shared_memory_of(proc.pid)
                 starting.remove(proc)
         if starting:
             time.sleep(1)
@@ -560,13 +561,30 @@ def stop_vllm(proc, grace=15):
         # workers that outlived the parent share its group
         os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
-    # SIGKILL is delivered asynchronously: return once the group is really empty
+    # SIGKILL is delivered asynchronously: go on once the group is really empty
     for _ in range(100):
         try:
             os.killpg(proc.pid, 0)
         except ProcessLookupError:
-            return
+            break
         time.sleep(0.1)
+    # a server that was killed (a fault, SIGKILL past the grace) leaves its message queues'
+    # shared memory in /dev/shm, which only it would have removed
+    for path in getattr(proc, "segments", ()):
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+
+
+def shared_memory_of(pgid):
+    """The /dev/shm files the processes of a process group map (a vLLM server's message queues
+    between its API server, engine and workers, made at its start)."""
+    paths = set()
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        with contextlib.suppress(OSError):
+            if os.getpgid(int(pid)) == pgid:
+                with open(f"/proc/{pid}/maps") as maps:
+                    paths.update(line.split()[-1] for line in maps if " /dev/shm/" in line)
+    return sorted(path for path in paths if path.startswith("/dev/shm/"))
 
 
 def server_failure(urls, servers):
