@@ -10,10 +10,11 @@ set inside before any of the model's code runs:
     network             a network namespace of its own                a loopback with nothing on it
     files               a mount namespace: an image in /dev/shm of    no dataset, project, output dir,
                         the Python install, the dynamic loader, the   home, other rollouts' scratch, nor
-                        libraries they link against and a shell       a file of a disk (whose page cache
-                        (COMMANDS), read-only; /tmp a tmpfs of        all would share); / and /dev
-                        SCRATCH_MB and SCRATCH_FILES (its scratch     read-only
-                        and working directory), nothing else
+                        libraries they link against, a shell          a file of a disk (whose page cache
+                        (COMMANDS), the C.UTF-8 locale, read-only;    all would share); / and /dev
+                        /tmp a tmpfs of SCRATCH_MB and SCRATCH_FILES  read-only
+                        (its scratch and working directory), nothing
+                        else
     processes, signals  a PID namespace (its processes die with its   only its own processes to signal;
                         first, which the host kills by its PID);      ptrace fails
                         ptrace refused
@@ -135,6 +136,9 @@ COMMANDS = ["sh", "sleep", "ls", "cat"]
 # Libraries that the C library opens itself, which no ldd lists: libgcc_s unwinds a thread that pthread_exit
 # ends (a daemon thread at an interpreter's exit aborts it without)
 LOADED_LATER = ["libgcc_s.so.1"]
+# Folders of the C library's data that the interpreter reads: the C.UTF-8 locale, to which Python coerces the C
+# locale at its start (PEP 538: LC_CTYPE set, as outside; glibc 2.35 on does not build it in)
+SYSTEM_FOLDERS = ["/usr/lib/locale/C.utf8"]
 # install -> its image (its folder, LD_LIBRARY_PATH's folders; None: where none can be made), made once per
 # run; their lock files stay open for it
 IMAGES = {}
@@ -182,7 +186,8 @@ def make_image(prefix, exe):
         libraries = linked_libraries(linked)
         if libraries is None or not os.path.isdir(SHM):
             return None
-        size = sum(os.lstat(path).st_size for path in kept) + sum(map(os.path.getsize, libraries))
+        system = [*libraries, *filter(None, commands), *folder_files(SYSTEM_FOLDERS)]
+        size = sum(os.lstat(path).st_size for path in kept) + sum(map(os.path.getsize, system))
         # room for it twice over: the tmpfs is shared (a container's may be 64 MiB)
         if shutil.disk_usage(SHM).free < 2 * size:
             return None
@@ -198,7 +203,7 @@ def make_image(prefix, exe):
         root = os.path.join(image, "root")
         where = functools.partial(inside, prefix, exe)
         shutil.copytree(prefix, root + where(prefix), ignore=skipped, symlinks=True)
-        for path in [*libraries, *filter(None, commands)]:
+        for path in system:
             copy_system_file(root, path, where)
         library_path = library_folders(prefix, exe, libraries)
     except (OSError, subprocess.SubprocessError):
@@ -219,6 +224,15 @@ def install_files(prefix, skipped):
         folders[:] = [name for name in folders if name not in skipped(folder, folders)]
         kept += [os.path.join(folder, name) for name in files if name not in skipped(folder, files)]
     return kept
+
+
+def folder_files(folders):
+    """The paths of the files in folders (those that are there), at any depth."""
+    found = []
+    for top in folders:
+        for folder, _, files in os.walk(top):
+            found += [os.path.join(folder, name) for name in files]
+    return found
 
 
 def linked_libraries(files):
