@@ -333,8 +333,8 @@ def remove_images(owner=None):
 
 def left_out(prefix, exe_name, folder, names):
     """What of a folder of the install its image leaves out (copytree's ignore): all but the interpreter and
-    lib's libpython and standard library, of which its tests and rarely run parts (IMAGE_SKIPS, the build's
-    config), and the optimized levels' bytecode."""
+    lib's libpython and standard library, of which its tests and rarely run parts (IMAGE_SKIPS: packages, and
+    extension modules in lib-dynload; the build's config), and the optimized levels' bytecode."""
     where = os.path.relpath(folder, prefix)
     version = f"python{sys.version_info.major}.{sys.version_info.minor}"
     if where == ".":
