@@ -136,8 +136,8 @@ COMMANDS = ["sh", "sleep", "ls", "cat"]
 # Libraries that the C library opens itself, which no ldd lists: libgcc_s unwinds a thread that pthread_exit
 # ends (a daemon thread at an interpreter's exit aborts it without)
 LOADED_LATER = ["libgcc_s.so.1"]
-# Folders of the C library's data that the interpreter reads: the C.UTF-8 locale, to which Python coerces the C
-# locale at its start (PEP 538: LC_CTYPE set, as outside; glibc 2.35 on does not build it in)
+# Folders of the C library's data that the interpreter reads: the C.UTF-8 locale, to which Python
+# coerces the C locale at its start (PEP 538: LC_CTYPE set, as outside; glibc does not build it in)
 SYSTEM_FOLDERS = ["/usr/lib/locale/C.utf8"]
 # install -> its image (its folder, LD_LIBRARY_PATH's folders; None: where none can be made), made once per
 # run; their lock files stay open for it
@@ -149,23 +149,25 @@ IMAGING = threading.Lock()
 
 
 def install_image(prefix, exe):
-    """(the folder the sandbox mounts at /, the folders of LD_LIBRARY_PATH in it): an image, made once per run
-    in SHM (a tmpfs), of every file the interpreter runs on: its install's interpreter, libpython and standard
-    library (at INSTALL, or at its own path under /usr), the dynamic loader, the shared libraries they link
-    against and COMMANDS, at their host paths. No file of a disk is mounted: a disk file's first read is
-    slower than a cached page's, so its page cache tells one rollout what another read (a channel that
-    outlives a rollout); the image's pages are in memory. Nor the install's host folder, which mountinfo would
-    show (a bind mount's source names a home, so a user). A lock held for the run marks it as this run's: an
-    image whose lock is free was left by a run that ended without removing it, and is removed. None where SHM
-    is not there or lacks the space, or no ldd finds the libraries (said once): the host's folders are mounted
-    instead (tried again at the next start where the copy failed, descriptors short, say)."""
+    """(the folder the sandbox mounts at /, the folders of LD_LIBRARY_PATH in it): an image, made once per
+    run in SHM (a tmpfs), of every file the interpreter runs on: its install's interpreter, libpython and
+    standard library (at INSTALL, or at its own path under /usr), the dynamic loader, the shared libraries
+    they link against (and LOADED_LATER), COMMANDS and SYSTEM_FOLDERS, at their host paths. No file of a
+    disk is mounted: a disk file's first read is slower than a cached page's, so its page cache tells one
+    rollout what another read (a channel that outlives a rollout); the image's pages are in memory. Nor the
+    install's host folder, which mountinfo would show (a bind mount's source names a home, so a user). A lock
+    held for the run marks it as this run's: an image whose lock is free was left by a run that ended
+    without removing it, and is removed. None where SHM is not there or lacks the space, or no ldd finds
+    the libraries (said once): the host's folders are mounted instead (tried again at the next start where
+    the copy failed, descriptors short, say)."""
     with IMAGING:
         if prefix not in IMAGES:
             made = make_image(prefix, exe)
             if made is None:
                 print(
-                    f"note: --env python: no image of the Python install and its libraries can be made in {SHM} "
-                    "(no room, or no ldd): the sandbox mounts /usr and the install from the disk, "
+                    "note: --env python: no image of the Python install and its libraries "
+                    f"can be made in {SHM} (no room, or no ldd): "
+                    "the sandbox mounts /usr and the install from the disk, "
                     "whose page cache is then a channel between rollouts (README.md)",
                     flush=True,
                 )
@@ -242,23 +244,23 @@ def linked_libraries(files):
     ldd = shutil.which("ldd")
     if ldd is None:
         return None
-    # ldd's "NAME => PATH (ADDRESS)", or the loader's "PATH (ADDRESS)"; LD_LIBRARY_PATH not passed: the sandbox
-    # has none of the host's
-    said = subprocess.run(
-        [ldd, *files], capture_output=True, text=True, env={"PATH": "/usr/bin:/bin", "LC_ALL": "C"}, timeout=60
-    ).stdout
+    # ldd's "NAME => PATH (ADDRESS)", or the loader's "PATH (ADDRESS)"; LD_LIBRARY_PATH not passed: the
+    # sandbox has none of the host's
+    plain = {"PATH": "/usr/bin:/bin", "LC_ALL": "C"}
+    said = subprocess.run([ldd, *files], capture_output=True, text=True, env=plain, timeout=60).stdout
     found = re.findall(r"^\t(?:\S+ => )?(/\S+) \(0x[0-9a-f]+\)$", said, re.MULTILINE)
     folders = dict.fromkeys(map(os.path.dirname, found))
     for name in LOADED_LATER:
-        found += [os.path.join(folder, name) for folder in folders if os.path.isfile(os.path.join(folder, name))][:1]
+        there = [os.path.join(folder, name) for folder in folders]
+        found += [path for path in there if os.path.isfile(path)][:1]
     return list(dict.fromkeys(found))
 
 
 def library_folders(prefix, exe, libraries):
-    """LD_LIBRARY_PATH's folders in the sandbox: the relocated install's lib (its libpython is found by the
-    path it was built with, RUNPATH, absent there), then those of the libraries that the loader does not search
-    by itself (without ld.so.cache, which the sandbox lacks: /usr/local/lib, say); its own list, where it tells
-    it (`ld.so --help`, glibc 2.33 on), else none."""
+    """LD_LIBRARY_PATH's folders in the sandbox: the relocated install's lib (its libpython is found by
+    the path it was built with, RUNPATH, absent there), then those of the libraries that the loader does
+    not search by itself (without ld.so.cache, which the sandbox lacks: /usr/local/lib, say); its own list,
+    where it tells it (`ld.so --help`, glibc 2.33 on), else none."""
     loader = [path for path in libraries if os.path.basename(path).startswith(("ld-", "ld64."))]
     said = ""
     if loader:
@@ -275,8 +277,8 @@ def library_folders(prefix, exe, libraries):
 
 
 def relocated(prefix, exe):
-    """Whether the sandbox mounts the install at INSTALL (not under /usr: its host path names a home), rather than
-    at its own path."""
+    """Whether the sandbox mounts the install at INSTALL (not under /usr: its host path names a home), rather
+    than at its own path."""
     return prefix != "/usr" and not prefix.startswith("/usr/") and exe.startswith(prefix + "/")
 
 
@@ -425,8 +427,9 @@ def serve_program(uid, memory_mb, sandboxed):
 
 
 def install_mounts(prefix, exe):
-    """(bwrap's mounts of the interpreter's files, read-only: its image's folders and links at /, LD_LIBRARY_PATH's
-    folders). Where no image can be made, the host's: /usr and the install, from the disk."""
+    """(bwrap's mounts of the interpreter's files, read-only: its image's folders and links at /,
+    LD_LIBRARY_PATH's folders). Where no image can be made, the host's: /usr and the install, from the
+    disk."""
     image = install_image(prefix, exe)
     if image:
         root, library_path = image

@@ -5515,8 +5515,8 @@ for name, call in (
         done[name] = 0
     except OSError as e:
         done[name] = e.errno
-# and no hint needed: a first read's time tells whether another rollout read a disk file's page. The filesystems
-# mounted, the standard library's (that of the deepest mount point above it), and what system libraries do
+# and no hint needed: a first read's time tells whether another rollout read a disk file's page. The
+# filesystems mounted, the standard library's (the deepest mount point's above it), what system libraries do
 mounts = [(line.split()[4], line.split(" - ")[1].split()[0]) for line in open("/proc/self/mountinfo")]
 above = [(len(point), kind) for point, kind in mounts if os.__file__.startswith(point.rstrip("/") + "/")]
 library = max(above)[1]
@@ -6007,8 +6007,8 @@ def test_code_the_model_writes_finds_no_channel_no_host_detail_and_no_unbounded_
     assert inside["inotify"] == "(False, False)" and outside["inotify"] == "(True, True)"
     page_cache, kinds, library, works = ast.literal_eval(inside["page_cache"])
     assert set(page_cache.values()) == {1}  # EPERM, each
-    # no file of a disk: the interpreter, its libraries, the loader and the shell are an image in memory (tmpfs);
-    # /dev's nodes are bound from devtmpfs
+    # no file of a disk: the interpreter, its libraries, the loader and the shell are an image in memory
+    # (tmpfs); /dev's nodes are bound from devtmpfs
     assert set(kinds) <= {"tmpfs", "proc", "devtmpfs", "devpts"} and library == "tmpfs" and all(works), kinds
     page_cache, kinds, library, works = ast.literal_eval(outside["page_cache"])
     assert page_cache["fadvise"] == page_cache["readahead"] == 0 and page_cache["nowait"] in (0, 11)
