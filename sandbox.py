@@ -8,10 +8,13 @@ set inside before any of the model's code runs:
 
     what                how                                           what the code sees
     network             a network namespace of its own                a loopback with nothing on it
-    files               a mount namespace: /usr and the Python        no dataset, project, output dir,
-                        install read-only, /tmp a tmpfs of            home, other rollouts' scratch; / and
-                        SCRATCH_MB and SCRATCH_FILES (its scratch     /dev read-only
-                        and working directory), nothing else
+    files               a mount namespace: an image in /dev/shm of    no dataset, project, output dir,
+                        the Python install, the dynamic loader, the   home, other rollouts' scratch, nor
+                        libraries they link against, a shell          a file of a disk (whose page cache
+                        (COMMANDS), the C.UTF-8 locale, read-only;    all would share); / and /dev
+                        /tmp a tmpfs of SCRATCH_MB and SCRATCH_FILES  read-only
+                        (its scratch and working directory), nothing
+                        else
     processes, signals  a PID namespace (its processes die with its   only its own processes to signal;
                         first, which the host kills by its PID);      ptrace fails
                         ptrace refused
@@ -30,8 +33,8 @@ set inside before any of the model's code runs:
                         namespaced)
     what the host is    /proc's machine-wide entries masked           empty files, host name "sandbox",
                         (PROC_FILES), its own host name, the install  Python at /opt/python
-                        at INSTALL (a copy in /dev/shm: no host
-                        folder, no disk read), no pty
+                        at INSTALL (in the image: no host folder),
+                        no pty
     memory              RLIMIT_AS: each process maps at most          MemoryError; past the cgroup's
                         --python-memory; all of it within             bound, the kernel ends a process of
                         --python-memory + SCRATCH_MB: in a cgroup     it; past the watch's, the
@@ -123,10 +126,21 @@ def interpreter_paths():
 
 # Where the sandbox mounts a Python install that is not under /usr: its host path names a home, and so a user
 INSTALL = "/opt/python"
-# The tmpfs of the install's image, and what of the install it leaves out (the interpreter runs without these)
+# The tmpfs of the install's image, and what of the install it leaves out (the interpreter runs without these
+# packages and extension modules)
 SHM = "/dev/shm"
-IMAGE_SKIPS = {"test", "site-packages", "idlelib", "tkinter", "turtledemo", "ensurepip", "lib2to3"}
-# install -> its image (None: where none can be made), made once per run; their lock files stay open for it
+IMAGE_SKIPS = {"test", "site-packages", "idlelib", "tkinter", "_tkinter", "turtledemo", "ensurepip", "lib2to3"}
+# The programs the image holds besides the interpreter: the shell (os.system, subprocess's shell=True,
+# os.popen) and the commands a cell most often runs through it
+COMMANDS = ["sh", "sleep", "ls", "cat"]
+# Libraries that the C library opens itself, which no ldd lists: libgcc_s unwinds a thread that pthread_exit
+# ends (a daemon thread at an interpreter's exit aborts it without)
+LOADED_LATER = ["libgcc_s.so.1"]
+# Folders of the C library's data that the interpreter reads: the C.UTF-8 locale, to which Python
+# coerces the C locale at its start (PEP 538: LC_CTYPE set, as outside; glibc does not build it in)
+SYSTEM_FOLDERS = ["/usr/lib/locale/C.utf8"]
+# install -> its image (its folder, LD_LIBRARY_PATH's folders; None: where none can be made), made once per
+# run; their lock files stay open for it
 IMAGES = {}
 # image folder -> its lock's descriptor, until remove_images
 LOCKS = {}
@@ -135,35 +149,51 @@ IMAGING = threading.Lock()
 
 
 def install_image(prefix, exe):
-    """The folder the sandbox mounts at INSTALL: a copy, made once per run in SHM (a tmpfs), of the install's
-    interpreter, libpython and standard library. Not its host folder, which /proc/self/mountinfo would show (a
-    bind mount's source, which names a home, so a user), nor its disk's files, whose first read is slower than a
-    cached page's (another rollout's read): the copy's pages are in memory. A lock held for the run marks it as
-    this run's: a copy whose lock is free was left by a run that ended without removing it, and is removed. None
-    where SHM is not there or lacks the space: the host folder is mounted instead (tried again at the next start
-    where the copy failed, descriptors short, say)."""
+    """(the folder the sandbox mounts at /, the folders of LD_LIBRARY_PATH in it): an image, made once per
+    run in SHM (a tmpfs), of every file the interpreter runs on: its install's interpreter, libpython and
+    standard library (at INSTALL, or at its own path under /usr), the dynamic loader, the shared libraries
+    they link against (and LOADED_LATER), COMMANDS and SYSTEM_FOLDERS, at their host paths. No file of a
+    disk is mounted: a disk file's first read is slower than a cached page's, so its page cache tells one
+    rollout what another read (a channel that outlives a rollout); the image's pages are in memory. Nor the
+    install's host folder, which mountinfo would show (a bind mount's source names a home, so a user). A lock
+    held for the run marks it as this run's: an image whose lock is free was left by a run that ended
+    without removing it, and is removed. None where SHM is not there or lacks the space, or no ldd finds
+    the libraries (said once): the host's folders are mounted instead (tried again at the next start where
+    the copy failed, descriptors short, say)."""
     with IMAGING:
         if prefix not in IMAGES:
             made = make_image(prefix, exe)
+            if made is None:
+                print(
+                    "note: --env python: no image of the Python install and its libraries "
+                    f"can be made in {SHM} (no room, or no ldd): "
+                    "the sandbox mounts /usr and the install from the disk, "
+                    "whose page cache is then a channel between rollouts (README.md)",
+                    flush=True,
+                )
             if made != "failed":
                 IMAGES[prefix] = made
         return IMAGES.get(prefix)
 
 
 def make_image(prefix, exe):
-    """install_image()'s copy: its folder, None where SHM lacks the space, "failed" where the copy failed."""
+    """install_image()'s image: (its folder, LD_LIBRARY_PATH's), None where SHM lacks the space or no ldd is
+    found, "failed" where the copy failed."""
     remove_left_images()
     skipped = functools.partial(left_out, prefix, os.path.basename(exe))
-    size = 0
     try:
-        for folder, folders, files in os.walk(prefix):
-            folders[:] = [name for name in folders if name not in skipped(folder, folders)]
-            kept = [os.path.join(folder, name) for name in files if name not in skipped(folder, files)]
-            size += sum(os.lstat(path).st_size for path in kept)
-        # room for it twice over: the tmpfs is shared (a container's may be 64 MiB)
-        if not os.path.isdir(SHM) or shutil.disk_usage(SHM).free < 2 * size:
+        kept = install_files(prefix, skipped)
+        commands = [shutil.which(name, path="/bin:/usr/bin") for name in COMMANDS]
+        linked = [exe, *[path for path in kept if re.search(r"\.so(\.|$)", path)], *filter(None, commands)]
+        libraries = linked_libraries(linked)
+        if libraries is None or not os.path.isdir(SHM):
             return None
-    except OSError:
+        system = [*libraries, *filter(None, commands), *folder_files(SYSTEM_FOLDERS)]
+        size = sum(os.lstat(path).st_size for path in kept) + sum(map(os.path.getsize, system))
+        # room for it twice over: the tmpfs is shared (a container's may be 64 MiB)
+        if shutil.disk_usage(SHM).free < 2 * size:
+            return None
+    except (OSError, subprocess.SubprocessError):
         return "failed"
     image = None
     lock = None
@@ -172,8 +202,13 @@ def make_image(prefix, exe):
         lock = os.open(os.path.join(image, "lock"), os.O_CREAT | os.O_RDWR, 0o600)
         fcntl.flock(lock, fcntl.LOCK_EX)
         os.chmod(image, 0o755)
-        shutil.copytree(prefix, os.path.join(image, "python"), ignore=skipped, symlinks=True)
-    except OSError:
+        root = os.path.join(image, "root")
+        where = functools.partial(inside, prefix, exe)
+        shutil.copytree(prefix, root + where(prefix), ignore=skipped, symlinks=True)
+        for path in system:
+            copy_system_file(root, path, where)
+        library_path = library_folders(prefix, exe, libraries)
+    except (OSError, subprocess.SubprocessError):
         if image is not None:
             shutil.rmtree(image, ignore_errors=True)
         if lock is not None:
@@ -181,7 +216,108 @@ def make_image(prefix, exe):
         return "failed"
     LOCKS[image] = lock
     atexit.register(remove_images, os.getpid())
-    return os.path.join(image, "python")
+    return root, library_path
+
+
+def install_files(prefix, skipped):
+    """The paths of the install's files that its image keeps (skipped: left_out())."""
+    kept = []
+    for folder, folders, files in os.walk(prefix):
+        folders[:] = [name for name in folders if name not in skipped(folder, folders)]
+        kept += [os.path.join(folder, name) for name in files if name not in skipped(folder, files)]
+    return kept
+
+
+def folder_files(folders):
+    """The paths of the files in folders (those that are there), at any depth."""
+    found = []
+    for top in folders:
+        for folder, _, files in os.walk(top):
+            found += [os.path.join(folder, name) for name in files]
+    return found
+
+
+def linked_libraries(files):
+    """The shared libraries that files (programs, libraries) load, the dynamic loader included, as ldd names
+    them (found through RUNPATH or ld.so.cache: the paths the sandbox gives them), in one ldd call; None
+    without ldd. A library not found is left out: what needs it fails there as it would here."""
+    ldd = shutil.which("ldd")
+    if ldd is None:
+        return None
+    # ldd's "NAME => PATH (ADDRESS)", or the loader's "PATH (ADDRESS)"; LD_LIBRARY_PATH not passed: the
+    # sandbox has none of the host's
+    plain = {"PATH": "/usr/bin:/bin", "LC_ALL": "C"}
+    said = subprocess.run([ldd, *files], capture_output=True, text=True, env=plain, timeout=60).stdout
+    found = re.findall(r"^\t(?:\S+ => )?(/\S+) \(0x[0-9a-f]+\)$", said, re.MULTILINE)
+    folders = dict.fromkeys(map(os.path.dirname, found))
+    for name in LOADED_LATER:
+        there = [os.path.join(folder, name) for folder in folders]
+        found += [path for path in there if os.path.isfile(path)][:1]
+    return list(dict.fromkeys(found))
+
+
+def library_folders(prefix, exe, libraries):
+    """LD_LIBRARY_PATH's folders in the sandbox: the relocated install's lib (its libpython is found by
+    the path it was built with, RUNPATH, absent there), then those of the libraries that the loader does
+    not search by itself (without ld.so.cache, which the sandbox lacks: /usr/local/lib, say); its own list,
+    where it tells it (`ld.so --help`, glibc 2.33 on), else none."""
+    loader = [path for path in libraries if os.path.basename(path).startswith(("ld-", "ld64."))]
+    said = ""
+    if loader:
+        said = subprocess.run(
+            [loader[0], "--help"], capture_output=True, text=True, env={"LC_ALL": "C"}, timeout=60
+        ).stdout
+    searched = set(re.findall(r"^\s+(/\S+) \(system search path\)$", said, re.MULTILINE))
+    folders = [f"{INSTALL}/lib"] if relocated(prefix, exe) else []
+    for path in libraries:
+        folder = os.path.dirname(inside(prefix, exe, path))
+        if path not in loader and folder not in searched and folder not in folders:
+            folders.append(folder)
+    return folders
+
+
+def relocated(prefix, exe):
+    """Whether the sandbox mounts the install at INSTALL (not under /usr: its host path names a home), rather
+    than at its own path."""
+    return prefix != "/usr" and not prefix.startswith("/usr/") and exe.startswith(prefix + "/")
+
+
+def inside(prefix, exe, path):
+    """Where a host file is in the sandbox: at its own path, but the relocated install's files at INSTALL."""
+    if relocated(prefix, exe) and (path + "/").startswith(prefix + "/"):
+        return INSTALL + path[len(prefix) :]
+    return path
+
+
+def copy_system_file(root, path, where):
+    """Copies a host file into the image at root, at its sandbox path (where(path)), unless there already; a
+    file outside the relocated install with each symbolic link on its way (/lib64 -> usr/lib64, a library's
+    name -> its version), which the loader and PATH follow there as here."""
+    if where(path) != path:
+        if not os.path.exists(root + where(path)):
+            os.makedirs(os.path.dirname(root + where(path)), exist_ok=True)
+            shutil.copy2(path, root + where(path))
+        return
+    # the folder reached so far, without links, and the names left to follow from it
+    done = "/"
+    left = path.strip("/").split("/")
+    # at most 40 links, as the kernel
+    for _ in range(40 + len(left)):
+        if not left:
+            break
+        here = os.path.join(done, left.pop(0))
+        if not os.path.islink(here):
+            done = here
+            continue
+        target = os.readlink(here)
+        if not os.path.lexists(root + here):
+            os.makedirs(root + done, exist_ok=True)
+            os.symlink(target, root + here)
+        left = os.path.normpath(os.path.join(done, target)).strip("/").split("/") + left
+        done = "/"
+    if not left and not os.path.exists(root + done):
+        os.makedirs(os.path.dirname(root + done), exist_ok=True)
+        shutil.copy2(done, root + done)
 
 
 def remove_images(owner=None):
@@ -199,8 +335,8 @@ def remove_images(owner=None):
 
 def left_out(prefix, exe_name, folder, names):
     """What of a folder of the install its image leaves out (copytree's ignore): all but the interpreter and
-    lib's libpython and standard library, of which its tests and rarely run parts (IMAGE_SKIPS, the build's
-    config), and the optimized levels' bytecode."""
+    lib's libpython and standard library, of which its tests and rarely run parts (IMAGE_SKIPS: packages, and
+    extension modules in lib-dynload; the build's config), and the optimized levels' bytecode."""
     where = os.path.relpath(folder, prefix)
     version = f"python{sys.version_info.major}.{sys.version_info.minor}"
     if where == ".":
@@ -211,6 +347,8 @@ def left_out(prefix, exe_name, folder, names):
         return [name for name in names if name != version and not name.startswith("libpython")]
     if where == os.path.join("lib", version):
         return [name for name in names if name in IMAGE_SKIPS or name.startswith("config-")]
+    if where == os.path.join("lib", version, "lib-dynload"):
+        return [name for name in names if name.split(".")[0] in IMAGE_SKIPS]
     return [name for name in names if ".opt-" in name]
 
 
@@ -263,15 +401,12 @@ def command(memory_mb, sandboxed=True, seccomp_fd=None, info_fd=None, cgroup=Non
     # none nested: its tmpfs would be unbounded
     if not uid:
         argv += ["--unshare-user", "--disable-userns"]
-    argv += system_mounts()
+    mounts, library_path = install_mounts(prefix, exe)
+    argv += mounts
     environment = ["--clearenv", "--setenv", "PATH", "/usr/bin:/bin", "--setenv", "HOME", "/tmp"]
-    if prefix != "/usr" and not prefix.startswith("/usr/") and exe.startswith(prefix + "/"):
-        # its libpython is found by the path it was built with (RPATH), absent here: by LD_LIBRARY_PATH
-        # instead
-        image = install_image(prefix, exe) or prefix
-        argv += ["--perms", "0755", "--dir", os.path.dirname(INSTALL), "--ro-bind", image, INSTALL]
-        environment += ["--setenv", "LD_LIBRARY_PATH", f"{INSTALL}/lib"]
-        exe = INSTALL + exe[len(prefix) :]
+    if library_path:
+        environment += ["--setenv", "LD_LIBRARY_PATH", ":".join(library_path)]
+    exe = inside(prefix, exe, exe)
     argv += proc_and_dev_mounts()
     # /tmp: serve()'s tmpfs, over a read-only folder (the namespace's first process, bwrap, sees this one)
     argv += ["--perms", "1777", "--dir", "/tmp", "--remount-ro", "/", "--chdir", "/tmp", *environment]
@@ -291,8 +426,29 @@ def serve_program(uid, memory_mb, sandboxed):
     return f"{serve_source()}\n{limits}\n"
 
 
+def install_mounts(prefix, exe):
+    """(bwrap's mounts of the interpreter's files, read-only: its image's folders and links at /,
+    LD_LIBRARY_PATH's folders). Where no image can be made, the host's: /usr and the install, from the
+    disk."""
+    image = install_image(prefix, exe)
+    if image:
+        root, library_path = image
+        argv = []
+        for name in sorted(os.listdir(root)):
+            if os.path.islink(os.path.join(root, name)):
+                argv += ["--symlink", os.readlink(os.path.join(root, name)), f"/{name}"]
+            else:
+                argv += ["--ro-bind", os.path.join(root, name), f"/{name}"]
+        return argv, library_path
+    if not relocated(prefix, exe):
+        return system_mounts(), []
+    # its libpython is found by the path it was built with (RUNPATH), absent here: by LD_LIBRARY_PATH instead
+    argv = ["--perms", "0755", "--dir", os.path.dirname(INSTALL), "--ro-bind", prefix, INSTALL]
+    return system_mounts() + argv, [f"{INSTALL}/lib"]
+
+
 def system_mounts():
-    """bwrap's mounts of the system's programs and libraries, read-only."""
+    """bwrap's mounts of the host's programs and libraries, read-only, where no image can be made."""
     argv = []
     # merged /usr: links into it; else directories of their own
     for top in ("/bin", "/lib", "/lib64", "/sbin"):

@@ -5526,7 +5526,23 @@ for name, call in (
         done[name] = 0
     except OSError as e:
         done[name] = e.errno
-done""",
+# and no hint needed: a first read's time tells whether another rollout read a disk file's page. The
+# filesystems mounted, the standard library's (the deepest mount point's above it), what system libraries do
+mounts = [(line.split()[4], line.split(" - ")[1].split()[0]) for line in open("/proc/self/mountinfo")]
+above = [(len(point), kind) for point, kind in mounts if os.__file__.startswith(point.rstrip("/") + "/")]
+library = max(above)[1]
+import bz2, curses, decimal, hashlib, lzma, pyexpat, readline, sqlite3, ssl, subprocess, sys, uuid, zlib
+works = [
+    ssl.create_default_context().check_hostname,
+    hashlib.new("sha512_256", b"7").hexdigest() != "",  # OpenSSL's alone
+    sqlite3.connect(":memory:").execute("select 7").fetchone() == (7,),
+    lzma.decompress(lzma.compress(b"7")) == bz2.decompress(bz2.compress(b"7")) == b"7",
+    zlib.decompress(zlib.compress(b"7")) == b"7",
+    ctypes.CDLL("libc.so.6").getpid() == os.getpid(),
+    subprocess.run([sys.executable, "-c", "import ssl, sqlite3, ctypes"]).returncode == 0,
+    os.system("sleep 0 && ls / > /dev/null && cat /dev/null") == 0,
+]
+(done, sorted({kind for _, kind in mounts}), library, works)""",
     "host": """
 import ctypes, os, sys
 told = {}
@@ -5982,7 +5998,8 @@ def test_code_the_model_writes_finds_no_channel_no_host_detail_and_no_unbounded_
     """Round three's attacks through the real interpreter, on both of the sandbox's paths, from a
     trainer that is a subreaper. In the sandbox: no socket family but AF_UNIX, AF_INET, AF_INET6 and
     AF_NETLINK; no System V semaphore or message queue, sync, pipe resizing, lock, inotify watch,
-    page-cache hint or probe; no machine-wide /proc entry, pty, host name or install path (nor its
+    page-cache hint or probe, nor a file of a disk mounted (the modules with system libraries, the shell and
+    subprocesses still work); no machine-wide /proc entry, pty, host name or install path (nor its
     host folder in mountinfo); memory bounded as a whole, a page shared counted once: by a cgroup
     where one can be made (as root here: cgroup v1's memory hierarchy), else by the memory watch
     (its peak measured by a process of its own); bwrap's own /tmp read-only; no zombie left. With
@@ -5999,9 +6016,15 @@ def test_code_the_model_writes_finds_no_channel_no_host_detail_and_no_unbounded_
     assert inside["pipes"] == "1" and outside["pipes"] == str(2**20)
     assert inside["locks"] == "[1, 1]" and outside["locks"] == "['flock', 'lockf']"
     assert inside["inotify"] == "(False, False)" and outside["inotify"] == "(True, True)"
-    page_cache = ast.literal_eval(outside["page_cache"])
-    assert set(ast.literal_eval(inside["page_cache"]).values()) == {1}  # EPERM, each
+    page_cache, kinds, library, works = ast.literal_eval(inside["page_cache"])
+    assert set(page_cache.values()) == {1}  # EPERM, each
+    # no file of a disk: the interpreter, its libraries, the loader and the shell are an image in memory
+    # (tmpfs); /dev's nodes are bound from devtmpfs
+    assert set(kinds) <= {"tmpfs", "proc", "devtmpfs", "devpts"} and library == "tmpfs" and all(works), kinds
+    page_cache, kinds, library, works = ast.literal_eval(outside["page_cache"])
     assert page_cache["fadvise"] == page_cache["readahead"] == 0 and page_cache["nowait"] in (0, 11)
+    # the host's standard library is a disk's (ext4, xfs, overlay, ...): what the check above finds
+    assert library not in ("tmpfs", "proc", "devtmpfs", "devpts") and all(works), (kinds, library)
     told, name, prefix, roots = ast.literal_eval(inside["host"])
     assert (
         set(told.values()) == {0, False}
