@@ -1059,13 +1059,16 @@ def serve(uid, memory_mb, processes, descriptors, scratch, shown):
     import _ast, binascii, builtins, os, resource, signal, sys  # noqa: E401
 
     # the tmpfs at /tmp, bounded in size and in files, in a mount namespace of its own (bwrap's belongs to the
-    # user namespace above, and the filter refuses new ones); then no capability is left
+    # user namespace above, and the filter refuses new ones); then no capability is left. And a network
+    # namespace of its own, whose loopback is down with no address: connect and sendto fail at once
+    # (ENETUNREACH), so no TCP or UDP buffer, which no bound counts, is ever filled. bwrap's has its loopback up,
+    # and as a user its CAP_NET_ADMIN is not that namespace's (bwrap runs this in a user namespace nested in it)
     if scratch[1]:
         import ctypes
 
         libc = ctypes.CDLL(None, use_errno=True)
-        clone_newns = 0x20000
-        if libc.unshare(clone_newns) != 0:
+        clone_newns_newnet = 0x20000 | 0x40000000
+        if libc.unshare(clone_newns_newnet) != 0:
             raise OSError(ctypes.get_errno(), "unshare")
         options = f"size={scratch[0] * 2**20},nr_inodes={scratch[1]},mode=1777".encode()
         ms_nosuid_nodev = 2 | 4

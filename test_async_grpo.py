@@ -5556,6 +5556,27 @@ for pid in children:
 held""",
     "socket_buffers": """
 import socket
+listener = socket.create_server(("127.0.0.1", 0))
+connections, refused, tcp_held = [], 0, 0
+try:
+    for _ in range(8):  # loopback TCP, each end filled and never read: autotuned buffers that only tcp_mem bounds
+        connections += [socket.create_connection(listener.getsockname(), timeout=2), listener.accept()[0]]
+except OSError as e:
+    refused = e.errno
+for end in connections:
+    end.setblocking(False)
+    try:
+        while True:
+            tcp_held += end.send(b"x" * 65536)
+    except BlockingIOError:
+        pass
+try:
+    socket.socket(socket.AF_INET, socket.SOCK_DGRAM).sendto(b"x" * 60000, listener.getsockname())
+    udp = 0
+except OSError as e:
+    udp = e.errno
+for end in connections + [listener]:  # their descriptors, for the socket pairs
+    end.close()
 held, pairs, raised = 0, [], 0
 try:
     while True:  # until out of descriptors
@@ -5574,7 +5595,7 @@ try:
                 pass
 except OSError:
     pass
-(raised, held >> 20)""",
+(raised, held >> 20, refused, tcp_held >> 20, udp)""",
     "memory_shared": """
 import os, time
 block = b"\\1" * (150 << 20)  # the parent's, each child's too until written: held once
@@ -5974,7 +5995,8 @@ def test_code_the_model_writes_finds_no_channel_no_host_detail_and_no_unbounded_
     page-cache hint or probe; no machine-wide /proc entry, pty, host name or install path (nor its
     host folder in mountinfo); memory bounded as a whole, a page shared counted once: by a cgroup
     where one can be made (as root here: cgroup v1's memory hierarchy), else by the memory watch
-    (its peak measured by a process of its own); bwrap's own /tmp read-only; no zombie left. With
+    (its peak measured by a process of its own); no route for loopback TCP or UDP, whose buffers no bound
+    counts; bwrap's own /tmp read-only; no zombie left. With
     --no-python-sandbox (limits only) each of these succeeds, which shows that each is real."""
     results = attacked(AS_SUBREAPER[user], TRAINER_AS_SUBREAPER, ROUND_THREE, shown=8000)
     inside, outside = results["true"], results["false"]
@@ -6015,10 +6037,14 @@ def test_code_the_model_writes_finds_no_channel_no_host_detail_and_no_unbounded_
         assert inside["memory_peak"] < bound + 320
     # 29 socket pairs of a process: 8 MiB each way raised, 0.2 left as they are
     # (the memory watch does not see them)
-    raised, held = ast.literal_eval(inside["socket_buffers"])
+    raised, held, refused, tcp_held, udp = ast.literal_eval(inside["socket_buffers"])
     assert raised == 0 and held < 32
-    raised, held = ast.literal_eval(outside["socket_buffers"])
+    # loopback TCP and UDP: no route (ENETUNREACH), nothing queued; outside, 8 connections hold 64 MiB (4 MiB an
+    # end, tcp_wmem's default most)
+    assert (refused, tcp_held, udp) == (101, 0, 101)
+    raised, held, refused, tcp_held, udp = ast.literal_eval(outside["socket_buffers"])
     assert raised == 58 and held > 200
+    assert refused == udp == 0 and tcp_held >= 16
     # 4 forks of a parent that holds 150 MiB: 750 MiB in their resident sizes,
     # 150 held (no false end)
     assert inside["memory_shared"] == outside["memory_shared"] == "4"
