@@ -824,7 +824,8 @@ def reaped(timeout=5):
 
 # Where no cgroup can be made (a user's run, with no delegated cgroup v2), a thread of the trainer's, the memory
 # watch, sums every WATCH_SECONDS the resident memory of each interpreter's processes (those of its PID
-# namespace) and ends an interpreter whose processes hold more than --python-memory + SCRATCH_MB together
+# namespace), and what their descriptors may hold in the kernel (sockets' and pipes' buffers, which no resident
+# size shows), and ends an interpreter whose processes hold more than --python-memory + SCRATCH_MB together
 # (RLIMIT_AS bounds each alone). What it leaves: what they allocate within a period past the bound (README.md:
 # measured). The interpreters it watches:
 WATCHED = set()
@@ -891,13 +892,36 @@ def newest_pid():
 def held_past(interpreter, namespace, pids):
     """Ends the interpreter whose processes (pids, of its PID namespace) hold more than its bound."""
     bound = interpreter.memory_mb + SCRATCH_MB
+    buffers = sum(descriptors(pid) for pid in pids) * descriptor_mb()
     # resident pages, those shared (a fork's, a library's) counted in each process: cheap, a bound from above
-    held = sum(resident_mb(pid, "statm") for pid in pids)
+    held = buffers + sum(resident_mb(pid, "statm") for pid in pids)
     if held > bound:
         # each shared page divided among the processes that map it: exact, slower
-        held = sum(resident_mb(pid, "smaps_rollup") for pid in pids)
+        held = buffers + sum(resident_mb(pid, "smaps_rollup") for pid in pids)
     if held > bound:
         end_namespace(interpreter, namespace, held)
+
+
+def descriptors(pid):
+    """How many descriptors a process has open (the size /proc/PID/fd gives, from Linux 6.2; 0 before, and once
+    it has ended)."""
+    try:
+        return os.stat(f"/proc/{pid}/fd").st_size
+    except OSError:
+        return 0
+
+
+@functools.cache
+def descriptor_mb():
+    """The most kernel memory one descriptor holds, in MiB: a socket's buffer at the kernel's default (the filter
+    refuses SOCKET_BUFFERS) and one 64 KiB write past it, which the kernel lets through (measured: 0.22 MiB an
+    AF_UNIX end filled, at 208 KiB); a pipe holds 64 KiB. Loopback TCP and UDP, whose buffers grow past it, have
+    no route (serve())."""
+    most = 212992
+    for name in ("wmem_default", "rmem_default"):
+        with contextlib.suppress(OSError, ValueError), open(f"/proc/sys/net/core/{name}") as default:
+            most = max(most, int(default.read()))
+    return (most + 2**16) / 2**20
 
 
 def processes_in(namespaces, seen):
