@@ -7,7 +7,8 @@ Linux namespaces made by bubblewrap (`bwrap`, from the pinned package bubblewrap
 set inside before any of the model's code runs:
 
     what                how                                           what the code sees
-    network             a network namespace of its own                a loopback with nothing on it
+    network             a network namespace of its own, made by       a loopback, down, no address: no
+                        serve() (bwrap's loopback is up)              route (ENETUNREACH), no buffer
     files               a mount namespace: /usr and the Python        no dataset, project, output dir,
                         install read-only, /tmp a tmpfs of            home, other rollouts' scratch; / and
                         SCRATCH_MB and SCRATCH_FILES (its scratch     /dev read-only
@@ -23,7 +24,9 @@ set inside before any of the model's code runs:
                         IPC, nested user namespaces refused (and      descriptor's bound: OSError
                         bwrap's --disable-userns); RLIMIT_NOFILE
                         (DESCRIPTORS), RLIMIT_FSIZE (SCRATCH_MB), no
-                        message queues
+                        message queues; sockets' and pipes' buffers
+                        in the memory bound (the cgroup's pages, or
+                        the watch's count of descriptors)
     what others share   the filter: no locks, inotify, page-cache     EPERM; EAFNOSUPPORT for other socket
                         hints or probes, sync, pipe resizing, socket  families
                         families but SOCKET_FAMILIES (vsock is not
