@@ -6036,7 +6036,7 @@ def test_code_the_model_writes_finds_no_channel_no_host_detail_and_no_unbounded_
         )
         assert inside["memory_peak"] < bound + 320
     # 29 socket pairs of a process: 8 MiB each way raised, 0.2 left as they are
-    # (the memory watch does not see them)
+    # (one process's: its descriptors bound them, 13 MiB; all of its processes': the next test)
     raised, held, refused, tcp_held, udp = ast.literal_eval(inside["socket_buffers"])
     assert raised == 0 and held < 32
     # loopback TCP and UDP: no route (ENETUNREACH), nothing queued; outside, 8 connections hold 64 MiB (4 MiB an
