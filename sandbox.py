@@ -895,7 +895,7 @@ def newest_pid():
 def held_past(interpreter, namespace, pids):
     """Ends the interpreter whose processes (pids, of its PID namespace) hold more than its bound."""
     bound = interpreter.memory_mb + SCRATCH_MB
-    buffers = sum(descriptors(pid) for pid in pids) * descriptor_mb()
+    buffers = sum(open_descriptors(pid) for pid in pids) * descriptor_mb()
     # resident pages, those shared (a fork's, a library's) counted in each process: cheap, a bound from above
     held = buffers + sum(resident_mb(pid, "statm") for pid in pids)
     if held > bound:
@@ -905,7 +905,7 @@ def held_past(interpreter, namespace, pids):
         end_namespace(interpreter, namespace, held)
 
 
-def descriptors(pid):
+def open_descriptors(pid):
     """How many descriptors a process has open (the size /proc/PID/fd gives, from Linux 6.2; 0 before, and once
     it has ended)."""
     try:
