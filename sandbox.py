@@ -7,7 +7,8 @@ Linux namespaces made by bubblewrap (`bwrap`, from the pinned package bubblewrap
 set inside before any of the model's code runs:
 
     what                how                                           what the code sees
-    network             a network namespace of its own                a loopback with nothing on it
+    network             a network namespace of its own, made by       a loopback, down, no address: no
+                        serve() (bwrap's loopback is up)              route (ENETUNREACH), no buffer
     files               a mount namespace: an image in /dev/shm of    no dataset, project, output dir,
                         the Python install, the dynamic loader, the   home, other rollouts' scratch, nor
                         libraries they link against, a shell          a file of a disk (whose page cache
@@ -26,7 +27,9 @@ set inside before any of the model's code runs:
                         IPC, nested user namespaces refused (and      descriptor's bound: OSError
                         bwrap's --disable-userns); RLIMIT_NOFILE
                         (DESCRIPTORS), RLIMIT_FSIZE (SCRATCH_MB), no
-                        message queues
+                        message queues; sockets' and pipes' buffers
+                        in the memory bound (the cgroup's pages, or
+                        the watch's count of descriptors)
     what others share   the filter: no locks, inotify, page-cache     EPERM; EAFNOSUPPORT for other socket
                         hints or probes, sync, pipe resizing, socket  families
                         families but SOCKET_FAMILIES (vsock is not
@@ -52,15 +55,18 @@ set inside before any of the model's code runs:
                         /tmp, dropped before any code),
                         no_new_privs, nosuid mounts
 
-Not isolated: the CPU during a call (it shares the machine's cores for up to --tool-timeout), /usr's files
-(readable: the time of a first read tells whether another rollout read a page since it was last evicted, a
-channel of ~10,000 bits a second at 1% errors, measured, a bit per cold page; the Python install is a copy in
-memory, /dev/shm's), the kernel itself (a kernel exploit escapes any namespace: a container or VM is the
-stronger boundary). Without a cgroup (a user with no delegated cgroup v2), the memory watch ends an
-interpreter past its bound within what it allocates in a period (measured: 2-250 MiB past, 6 to 30 processes
-at once), and does not see sockets' buffers (SOCKET_BUFFERS refused, at the kernel's defaults: measured, 12
-MiB a process in socket pairs, 216 MiB in loopback TCP connections, whose autotuning the machine's tcp_mem
-bounds) nor pipes' (64 KiB each, PROCESSES x DESCRIPTORS at most).
+Not isolated: the CPU during a call (it shares the machine's cores for up to --tool-timeout), the kernel
+itself (a kernel exploit escapes any namespace: a container or VM is the stronger boundary). No file of a disk
+is mounted, so a first read's time tells nothing of another rollout's reads (measured: 47-52% of bits decoded
+right, chance; 80-90% with /usr mounted); where SHM lacks room for the image twice over, or no ldd is found,
+/usr and the install are mounted from the disk and a note at start says that this channel (~10,000 bits a
+second) is open. Without a cgroup (a user with no delegated cgroup v2), the memory watch ends an interpreter
+past its bound within what it allocates in a period (measured: 2-250 MiB past, 6 to 30 processes at once),
+counting each descriptor of its processes at a socket's default buffer (0.27 MiB; /proc/PID/fd's size, from
+Linux 6.2: before it, sockets' and pipes' buffers go uncounted, 413 MiB measured in socket pairs across 32
+processes). As a user, its pipes use the user's pipe quota: 32 processes hold 1,793 pipes, past
+fs.pipe-user-pages-soft's 1,024, and the user's new pipes get 8 KiB while they are held, unless the watch ends
+it first.
 --no-python-sandbox runs the same interpreter without namespaces or filter (where user namespaces are
 disabled): its limits of memory, time, output, file size, descriptors and environment only.
 """
@@ -980,7 +986,8 @@ def reaped(timeout=5):
 
 # Where no cgroup can be made (a user's run, with no delegated cgroup v2), a thread of the trainer's, the memory
 # watch, sums every WATCH_SECONDS the resident memory of each interpreter's processes (those of its PID
-# namespace) and ends an interpreter whose processes hold more than --python-memory + SCRATCH_MB together
+# namespace), and what their descriptors may hold in the kernel (sockets' and pipes' buffers, which no resident
+# size shows), and ends an interpreter whose processes hold more than --python-memory + SCRATCH_MB together
 # (RLIMIT_AS bounds each alone). What it leaves: what they allocate within a period past the bound (README.md:
 # measured). The interpreters it watches:
 WATCHED = set()
@@ -1047,13 +1054,36 @@ def newest_pid():
 def held_past(interpreter, namespace, pids):
     """Ends the interpreter whose processes (pids, of its PID namespace) hold more than its bound."""
     bound = interpreter.memory_mb + SCRATCH_MB
+    buffers = sum(open_descriptors(pid) for pid in pids) * descriptor_mb()
     # resident pages, those shared (a fork's, a library's) counted in each process: cheap, a bound from above
-    held = sum(resident_mb(pid, "statm") for pid in pids)
+    held = buffers + sum(resident_mb(pid, "statm") for pid in pids)
     if held > bound:
         # each shared page divided among the processes that map it: exact, slower
-        held = sum(resident_mb(pid, "smaps_rollup") for pid in pids)
+        held = buffers + sum(resident_mb(pid, "smaps_rollup") for pid in pids)
     if held > bound:
         end_namespace(interpreter, namespace, held)
+
+
+def open_descriptors(pid):
+    """How many descriptors a process has open (the size /proc/PID/fd gives, from Linux 6.2; 0 before, and once
+    it has ended)."""
+    try:
+        return os.stat(f"/proc/{pid}/fd").st_size
+    except OSError:
+        return 0
+
+
+@functools.cache
+def descriptor_mb():
+    """The most kernel memory one descriptor holds, in MiB: a socket's buffer at the kernel's default (the filter
+    refuses SOCKET_BUFFERS) and one 64 KiB write past it, which the kernel lets through (measured: 0.22 MiB an
+    AF_UNIX end filled, at 208 KiB); a pipe holds 64 KiB. Loopback TCP and UDP, whose buffers grow past it, have
+    no route (serve())."""
+    most = 212992
+    for name in ("wmem_default", "rmem_default"):
+        with contextlib.suppress(OSError, ValueError), open(f"/proc/sys/net/core/{name}") as default:
+            most = max(most, int(default.read()))
+    return (most + 2**16) / 2**20
 
 
 def processes_in(namespaces, seen):
@@ -1215,13 +1245,16 @@ def serve(uid, memory_mb, processes, descriptors, scratch, shown):
     import _ast, binascii, builtins, os, resource, signal, sys  # noqa: E401
 
     # the tmpfs at /tmp, bounded in size and in files, in a mount namespace of its own (bwrap's belongs to the
-    # user namespace above, and the filter refuses new ones); then no capability is left
+    # user namespace above, and the filter refuses new ones); then no capability is left. And a network
+    # namespace of its own, whose loopback is down with no address: connect and sendto fail at once
+    # (ENETUNREACH), so no TCP or UDP buffer, which no bound counts, is ever filled. bwrap's has its loopback up,
+    # and as a user its CAP_NET_ADMIN is not that namespace's (bwrap runs this in a user namespace nested in it)
     if scratch[1]:
         import ctypes
 
         libc = ctypes.CDLL(None, use_errno=True)
-        clone_newns = 0x20000
-        if libc.unshare(clone_newns) != 0:
+        clone_newns_newnet = 0x20000 | 0x40000000
+        if libc.unshare(clone_newns_newnet) != 0:
             raise OSError(ctypes.get_errno(), "unshare")
         options = f"size={scratch[0] * 2**20},nr_inodes={scratch[1]},mode=1777".encode()
         ms_nosuid_nodev = 2 | 4

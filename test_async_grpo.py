@@ -5583,6 +5583,27 @@ for pid in children:
 held""",
     "socket_buffers": """
 import socket
+listener = socket.create_server(("127.0.0.1", 0))
+connections, refused, tcp_held = [], 0, 0
+try:
+    for _ in range(8):  # loopback TCP, each end filled and never read: autotuned buffers that only tcp_mem bounds
+        connections += [socket.create_connection(listener.getsockname(), timeout=2), listener.accept()[0]]
+except OSError as e:
+    refused = e.errno
+for end in connections:
+    end.setblocking(False)
+    try:
+        while True:
+            tcp_held += end.send(b"x" * 65536)
+    except BlockingIOError:
+        pass
+try:
+    socket.socket(socket.AF_INET, socket.SOCK_DGRAM).sendto(b"x" * 60000, listener.getsockname())
+    udp = 0
+except OSError as e:
+    udp = e.errno
+for end in connections + [listener]:  # their descriptors, for the socket pairs
+    end.close()
 held, pairs, raised = 0, [], 0
 try:
     while True:  # until out of descriptors
@@ -5601,7 +5622,7 @@ try:
                 pass
 except OSError:
     pass
-(raised, held >> 20)""",
+(raised, held >> 20, refused, tcp_held >> 20, udp)""",
     "memory_shared": """
 import os, time
 block = b"\\1" * (150 << 20)  # the parent's, each child's too until written: held once
@@ -6002,7 +6023,8 @@ def test_code_the_model_writes_finds_no_channel_no_host_detail_and_no_unbounded_
     subprocesses still work); no machine-wide /proc entry, pty, host name or install path (nor its
     host folder in mountinfo); memory bounded as a whole, a page shared counted once: by a cgroup
     where one can be made (as root here: cgroup v1's memory hierarchy), else by the memory watch
-    (its peak measured by a process of its own); bwrap's own /tmp read-only; no zombie left. With
+    (its peak measured by a process of its own); no route for loopback TCP or UDP, whose buffers no bound
+    counts; bwrap's own /tmp read-only; no zombie left. With
     --no-python-sandbox (limits only) each of these succeeds, which shows that each is real."""
     results = attacked(AS_SUBREAPER[user], TRAINER_AS_SUBREAPER, ROUND_THREE, shown=8000)
     inside, outside = results["true"], results["false"]
@@ -6048,17 +6070,108 @@ def test_code_the_model_writes_finds_no_channel_no_host_detail_and_no_unbounded_
         )
         assert inside["memory_peak"] < bound + 320
     # 29 socket pairs of a process: 8 MiB each way raised, 0.2 left as they are
-    # (the memory watch does not see them)
-    raised, held = ast.literal_eval(inside["socket_buffers"])
+    # (one process's: its descriptors bound them, 13 MiB; all of its processes': the next test)
+    raised, held, refused, tcp_held, udp = ast.literal_eval(inside["socket_buffers"])
     assert raised == 0 and held < 32
-    raised, held = ast.literal_eval(outside["socket_buffers"])
+    # loopback TCP and UDP: no route (ENETUNREACH), nothing queued; outside, 8 connections hold 64 MiB (4 MiB an
+    # end, tcp_wmem's default most)
+    assert (refused, tcp_held, udp) == (101, 0, 101)
+    raised, held, refused, tcp_held, udp = ast.literal_eval(outside["socket_buffers"])
     assert raised == 58 and held > 200
+    assert refused == udp == 0 and tcp_held >= 16
     # 4 forks of a parent that holds 150 MiB: 750 MiB in their resident sizes,
     # 150 held (no false end)
     assert inside["memory_shared"] == outside["memory_shared"] == "4"
     assert inside["proc_1_root"] in ("30", "13")  # EROFS (bwrap's /tmp), EACCES (root's path: another uid)
     for out in (inside, outside):
         assert out["reaped"] and out["zombies"] == []
+
+
+# Kernel memory that no resident size shows, in every process of an interpreter at once (PROCESSES of them):
+# until out of descriptors, socket pairs whose ends are filled and never read, or pipes filled and kept by
+# their read end alone (which use the user's pipe quota, 16 pages each). Held for a second, then its children
+# ended and reaped by the cell itself
+BUFFERS_OF_ALL = """
+import os, signal, socket, time
+
+
+def fill():
+    held, kept = 0, []
+    try:
+        while True:
+            if KIND == "sockets":
+                kept.extend(socket.socketpair())
+                continue
+            r, w = os.pipe()
+            kept.append(r)
+            os.set_blocking(w, False)
+            try:
+                held += os.write(w, b"x" * 65536)
+            finally:
+                os.close(w)
+    except OSError:
+        pass
+    for end in kept if KIND == "sockets" else []:
+        end.setblocking(False)
+        try:
+            while True:
+                held += end.send(b"x" * 65536)
+        except BlockingIOError:
+            pass
+    return held, kept
+
+
+r, w = os.pipe()
+children = []
+for _ in range(31):
+    try:
+        pid = os.fork()
+    except OSError:
+        break
+    if pid == 0:
+        try:
+            held, kept = fill()
+            os.write(w, b"%d %d\\n" % (len(kept), held))
+            os.close(w)
+            time.sleep(60)
+        finally:
+            os._exit(0)
+    children.append(pid)
+os.close(w)
+held, kept = fill()
+counts = [int(n) for n in os.fdopen(r).read().split()]  # every child's, held at once until they end
+time.sleep(1)
+for pid in children:
+    os.kill(pid, signal.SIGKILL)
+    os.waitpid(pid, 0)
+(len(children) + 1, len(kept) + sum(counts[::2]), (held + sum(counts[1::2])) >> 20)"""
+
+
+@pytest.mark.parametrize("user", ["root", "user"])
+def test_the_buffers_of_an_interpreters_sockets_and_pipes_count_against_its_memory(user):
+    """Socket pairs and pipes filled in all of an interpreter's processes, through the real interpreter on both
+    of the sandbox's paths: in the sandbox, a cgroup counts their pages (as root here: cgroup v1's memory
+    hierarchy), else the memory watch counts each descriptor at a socket's default buffer: either ends the
+    interpreter past --python-memory + SCRATCH_MB, or it holds less. With --no-python-sandbox (limits only), 32
+    processes hold 400 MiB of socket buffers, and as a user their pipes use up the user's pipe quota."""
+    attacks = {kind: BUFFERS_OF_ALL.replace("KIND", repr(kind)) for kind in ("sockets", "pipes")}
+    results = attacked(AS_SUBREAPER[user], TRAINER_AS_SUBREAPER, attacks, shown=2000)
+    inside, outside = results["true"], results["false"]
+    bound = 256 + sandbox.SCRATCH_MB
+    processes, ends, held = ast.literal_eval(outside["sockets"])
+    assert processes == sandbox.PROCESSES and ends > 1500 and held > bound
+    processes, pipes, held = ast.literal_eval(outside["pipes"])
+    # past the 1,024 pipes of 64 KiB of the user's quota (fs.pipe-user-pages-soft), the next get 8 KiB: not root's
+    assert processes == sandbox.PROCESSES and pipes > 1500 and held > 64
+    ended = rf"RuntimeError: its processes held \d+ MiB together, past {bound}, and were ended.*"
+    if not results["cgroup"]:
+        # the watch: past the bound, sockets and pipes alike (1,500 descriptors of 0.27 MiB: 400 MiB)
+        assert re.fullmatch(ended, inside["sockets"]) and re.fullmatch(ended, inside["pipes"])
+    else:
+        # the kernel ends a process of it past the bound, or what it held stays within it
+        for kind in ("sockets", "pipes"):
+            assert inside[kind].startswith("RuntimeError: ") or ast.literal_eval(inside[kind])[2] <= bound
+    assert inside["reaped"] and inside["zombies"] == [] and outside["zombies"] == []
 
 
 # A user namespace whose limit of nested ones is used up (util-linux's unshare; the limit is the
