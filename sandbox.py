@@ -13,9 +13,9 @@ set inside before any of the model's code runs:
                         the Python install, the dynamic loader, the   home, other rollouts' scratch, nor
                         libraries they link against, a shell          a file of a disk (whose page cache
                         (COMMANDS), the C.UTF-8 locale, read-only;    all would share); / and /dev
-                        /tmp a tmpfs of SCRATCH_MB and SCRATCH_FILES  read-only
-                        (its scratch and working directory), nothing
-                        else
+                        /tmp a tmpfs of SCRATCH_MB and SCRATCH_FILES  read-only (but /dev/shm,
+                        (its scratch and working directory; /dev/shm  multiprocessing's semaphores)
+                        a folder of it), nothing else
     processes, signals  a PID namespace (its processes die with its   only its own processes to signal;
                         first, which the host kills by its PID);      ptrace fails
                         ptrace refused
@@ -1260,6 +1260,14 @@ def serve(uid, memory_mb, processes, descriptors, scratch, shown):
         ms_nosuid_nodev = 2 | 4
         if libc.mount(b"tmpfs", b"/tmp", b"tmpfs", ms_nosuid_nodev, options) != 0:
             raise OSError(ctypes.get_errno(), "mount /tmp")
+        # two folders of it, within its bounds: /tmp, and /dev/shm (multiprocessing's locks are POSIX
+        # semaphores, files there)
+        for inner, outer in [(b"/tmp/shm", b"/dev/shm"), (b"/tmp/tmp", b"/tmp")]:
+            os.mkdir(inner)
+            os.chmod(inner, 0o1777)
+            ms_bind = 4096
+            if libc.mount(inner, outer, None, ms_bind, None) != 0:
+                raise OSError(ctypes.get_errno(), f"mount {outer.decode()}")
         os.chdir("/tmp")
     # started as root: the kernel never limits root's processes, so it runs as a uid of its own
     if uid:

@@ -5205,6 +5205,9 @@ def test_python_cells_run_as_a_notebooks_in_an_interpreter_of_each_rollouts_own(
         assert seen.endswith("No such file or directory: '/tmp/notes.txt'")
         a.reset(id=1)
         assert a.python("import os; os.listdir('.'), 'x' in dir()") == "([], False)"
+        # its locks are POSIX semaphores, files in /dev/shm: a folder of the interpreter's /tmp
+        pool = "import multiprocessing as mp\nwith mp.Pool(2) as pool: print(pool.map(abs, [-1, -2]))"
+        assert a.python(pool) == "[1, 2]"
     finally:
         a.close()
         b.close()
