@@ -55,18 +55,20 @@ set inside before any of the model's code runs:
                         /tmp, dropped before any code),
                         no_new_privs, nosuid mounts
 
-Not isolated: the CPU during a call (it shares the machine's cores for up to --tool-timeout), the kernel
-itself (a kernel exploit escapes any namespace: a container or VM is the stronger boundary). No file of a disk
-is mounted, so a first read's time tells nothing of another rollout's reads (measured: 47-52% of bits decoded
-right, chance; 80-90% with /usr mounted); where SHM lacks room for the image twice over, or no ldd is found,
-/usr and the install are mounted from the disk and a note at start says that this channel (~10,000 bits a
-second) is open. Without a cgroup (a user with no delegated cgroup v2), the memory watch ends an interpreter
-past its bound within what it allocates in a period (measured: 2-250 MiB past, 6 to 30 processes at once),
-counting each descriptor of its processes at a socket's default buffer (0.27 MiB; /proc/PID/fd's size, from
-Linux 6.2: before it, sockets' and pipes' buffers go uncounted, 413 MiB measured in socket pairs across 32
-processes). As a user, its pipes use the user's pipe quota: 32 processes hold 1,793 pipes, past
-fs.pipe-user-pages-soft's 1,024, and the user's new pipes get 8 KiB while they are held, unless the watch ends
-it first.
+Not isolated: the CPU during a call (it shares the machine's cores for up to --tool-timeout: by session where
+the kernel's autogroups apply, so that 30 busy processes of one interpreter left another 86-97% of its speed,
+measured, and 6% when each was in a session of its own, which setsid now refuses; by process where they do
+not: autogroups off, or the trainer in a CPU cgroup of its own), the kernel itself (a kernel exploit escapes
+any namespace: a container or VM is the stronger boundary). No file of a disk is mounted, so a first read's
+time tells nothing of another rollout's reads (measured: 47-52% of bits decoded right, chance; 80-90% with
+/usr mounted); where SHM lacks room for the image twice over, or no ldd is found, /usr and the install are
+mounted from the disk and a note at start says that this channel (~10,000 bits a second) is open. Without a
+cgroup (a user with no delegated cgroup v2), the memory watch ends an interpreter past its bound within what
+it allocates in a period (measured: 2-250 MiB past, 6 to 30 processes at once), counting each descriptor of
+its processes at a socket's default buffer (0.27 MiB; /proc/PID/fd's size, from Linux 6.2: before it, sockets'
+and pipes' buffers go uncounted, 413 MiB measured in socket pairs across 32 processes). As a user, its pipes
+use the user's pipe quota: 32 processes hold 1,793 pipes, past fs.pipe-user-pages-soft's 1,024, and the user's
+new pipes get 8 KiB while they are held, unless the watch ends it first.
 --no-python-sandbox runs the same interpreter without namespaces or filter (where user namespaces are
 disabled): its limits of memory, time, output, file size, descriptors and environment only.
 """
@@ -566,12 +568,14 @@ def remove_cgroup(path):
 # leases and F_NOTIFY, which FCNTLS refuses; inotify, fanotify), their page cache (fadvise and readahead evict
 # or load a shared file's pages, preadv2's RWF_NOWAIT, io_uring and cachestat tell whether one is cached: the
 # channel that outlives a rollout), the disks (sync flushes every dirty page of the host), the user's pipe
-# quota (F_SETPIPE_SZ), kernel memory that no memory watch counts (SOCKET_BUFFERS). clone and unshare are
-# refused only with CLONE_NEWUSER (a user namespace nested inside would give the code the capabilities to mount
-# a tmpfs of its own, unbounded; every other namespace needs a capability it does not have), clone3 (whose flags a filter cannot read) with ENOSYS: the C library then uses
-# clone. socket and socketpair take the families of SOCKET_FAMILIES only (EAFNOSUPPORT): vsock is not
-# namespaced (in a VM it reaches the host past the network namespace), AF_ALG and AF_PACKET are kernel surface
-# no interpreter needs.
+# quota (F_SETPIPE_SZ), kernel memory that no memory watch counts (SOCKET_BUFFERS), the CPU's share (setsid:
+# the kernel shares the CPU among sessions, its autogroups; an interpreter's processes, all in the session
+# bwrap made, share one rollout's part, where each in a session of its own would take as much). clone and
+# unshare are refused only with CLONE_NEWUSER (a user namespace nested inside would give the code the
+# capabilities to mount a tmpfs of its own, unbounded; every other namespace needs a capability it does not
+# have), clone3 (whose flags a filter cannot read) with ENOSYS: the C library then uses clone. socket and
+# socketpair take the families of SOCKET_FAMILIES only (EAFNOSUPPORT): vsock is not namespaced (in a VM it
+# reaches the host past the network namespace), AF_ALG and AF_PACKET are kernel surface no interpreter needs.
 #
 # Each call's number on x86_64 and on aarch64 (None: no such call there).
 NUMBERS = {
@@ -605,6 +609,7 @@ NUMBERS = {
     "io_uring_register": (427, 427),
     "cachestat": (451, 451),
     "sysinfo": (99, 179),
+    "setsid": (112, 157),
     "clone": (56, 220),
     "unshare": (272, 97),
     "clone3": (435, 435),
@@ -984,12 +989,12 @@ def reaped(timeout=5):
     return True
 
 
-# Where no cgroup can be made (a user's run, with no delegated cgroup v2), a thread of the trainer's, the memory
-# watch, sums every WATCH_SECONDS the resident memory of each interpreter's processes (those of its PID
-# namespace), and what their descriptors may hold in the kernel (sockets' and pipes' buffers, which no resident
-# size shows), and ends an interpreter whose processes hold more than --python-memory + SCRATCH_MB together
-# (RLIMIT_AS bounds each alone). What it leaves: what they allocate within a period past the bound (README.md:
-# measured). The interpreters it watches:
+# Where no cgroup can be made (a user's run, with no delegated cgroup v2), a thread of the trainer's, the
+# memory watch, sums every WATCH_SECONDS the resident memory of each interpreter's processes (those of its PID
+# namespace), and what their descriptors may hold in the kernel (sockets' and pipes' buffers, which no
+# resident size shows), and ends an interpreter whose processes hold more than --python-memory + SCRATCH_MB
+# together (RLIMIT_AS bounds each alone). What it leaves: what they allocate within a period past the bound
+# (README.md: measured). The interpreters it watches:
 WATCHED = set()
 # around WATCHED's changes, and the thread's wait while there are none
 WATCHING = threading.Condition()
@@ -1015,10 +1020,10 @@ def unwatch(interpreter):
 
 
 def watch_memory():
-    """The memory watch's thread: every WATCH_SECONDS while an interpreter is watched, sums the resident memory
-    of the processes of each one that has more than its first two (bwrap's, in which nothing of the model's
-    runs, and the interpreter, which RLIMIT_AS bounds alone) and ends those past their bound. /proc is listed
-    only where a process was made since the last time (the newest PID changed) or one had more."""
+    """The memory watch's thread: every WATCH_SECONDS while an interpreter is watched, sums the resident
+    memory of the processes of each one that has more than its first two (bwrap's, in which nothing of the
+    model's runs, and the interpreter, which RLIMIT_AS bounds alone) and ends those past their bound. /proc is
+    listed only where a process was made since the last time (the newest PID changed) or one had more."""
     # PID -> its PID namespace, of the processes /proc listed the last time
     seen = {}
     newest = None
@@ -1065,8 +1070,8 @@ def held_past(interpreter, namespace, pids):
 
 
 def open_descriptors(pid):
-    """How many descriptors a process has open (the size /proc/PID/fd gives, from Linux 6.2; 0 before, and once
-    it has ended)."""
+    """How many descriptors a process has open (the size /proc/PID/fd gives, from Linux
+    6.2; 0 before, and once it has ended)."""
     try:
         return os.stat(f"/proc/{pid}/fd").st_size
     except OSError:
@@ -1075,10 +1080,10 @@ def open_descriptors(pid):
 
 @functools.cache
 def descriptor_mb():
-    """The most kernel memory one descriptor holds, in MiB: a socket's buffer at the kernel's default (the filter
-    refuses SOCKET_BUFFERS) and one 64 KiB write past it, which the kernel lets through (measured: 0.22 MiB an
-    AF_UNIX end filled, at 208 KiB); a pipe holds 64 KiB. Loopback TCP and UDP, whose buffers grow past it, have
-    no route (serve())."""
+    """The most kernel memory one descriptor holds, in MiB: a socket's buffer at the kernel's default (the
+    filter refuses SOCKET_BUFFERS) and one 64 KiB write past it, which the kernel lets through (measured:
+    0.22 MiB an AF_UNIX end filled, at 208 KiB); a pipe holds 64 KiB. Loopback TCP and UDP, whose buffers
+    grow past it, have no route (serve())."""
     most = 212992
     for name in ("wmem_default", "rmem_default"):
         with contextlib.suppress(OSError, ValueError), open(f"/proc/sys/net/core/{name}") as default:
@@ -1087,8 +1092,8 @@ def descriptor_mb():
 
 
 def processes_in(namespaces, seen):
-    """{PID namespace: [PID, ...]} of the processes in /proc that are in namespaces (their "pid:[inode]"). seen:
-    PID -> namespace of those /proc listed the last time, updated (a PID listed then and now is the same
+    """{PID namespace: [PID, ...]} of the processes in /proc that are in namespaces (their "pid:[inode]").
+    seen: PID -> namespace of those /proc listed the last time, updated (a PID listed then and now is the same
     process: a PID is reused only after pid_max others, millions)."""
     listed = [name for name in os.listdir("/proc") if name.isdigit()]
     for pid in set(seen) - set(listed):
@@ -1244,11 +1249,12 @@ def serve(uid, memory_mb, processes, descriptors, scratch, shown):
     (which gives it CAP_SYS_ADMIN for that alone; files 0: without the sandbox, no mount)."""
     import _ast, binascii, builtins, os, resource, signal, sys  # noqa: E401
 
-    # the tmpfs at /tmp, bounded in size and in files, in a mount namespace of its own (bwrap's belongs to the
-    # user namespace above, and the filter refuses new ones); then no capability is left. And a network
-    # namespace of its own, whose loopback is down with no address: connect and sendto fail at once
-    # (ENETUNREACH), so no TCP or UDP buffer, which no bound counts, is ever filled. bwrap's has its loopback up,
-    # and as a user its CAP_NET_ADMIN is not that namespace's (bwrap runs this in a user namespace nested in it)
+    # the tmpfs at /tmp, bounded in size and in files, in a mount namespace of its own (bwrap's
+    # belongs to the user namespace above, and the filter refuses new ones); then no capability is
+    # left. And a network namespace of its own, whose loopback is down with no address: connect and
+    # sendto fail at once (ENETUNREACH), so no TCP or UDP buffer, which no bound counts, is ever
+    # filled. bwrap's has its loopback up, and as a user its CAP_NET_ADMIN is not that namespace's
+    # (bwrap runs this in a user namespace nested in it)
     if scratch[1]:
         import ctypes
 
