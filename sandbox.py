@@ -1262,7 +1262,8 @@ def serve(uid, memory_mb, processes, descriptors, scratch, shown):
         clone_newns_newnet = 0x20000 | 0x40000000
         if libc.unshare(clone_newns_newnet) != 0:
             raise OSError(ctypes.get_errno(), "unshare")
-        options = f"size={scratch[0] * 2**20},nr_inodes={scratch[1]},mode=1777".encode()
+        # and the two folders below
+        options = f"size={scratch[0] * 2**20},nr_inodes={scratch[1] + 2},mode=1777".encode()
         ms_nosuid_nodev = 2 | 4
         if libc.mount(b"tmpfs", b"/tmp", b"tmpfs", ms_nosuid_nodev, options) != 0:
             raise OSError(ctypes.get_errno(), "mount /tmp")
